@@ -1,0 +1,1 @@
+"""The kvhub command line (click).  The only layer that prints."""

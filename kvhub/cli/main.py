@@ -1,0 +1,46 @@
+"""The ``kvhub`` click group.  Each command family lives in its own module and is attached here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from .. import __version__
+from ..errors import KVHubError
+
+
+class KVHubGroup(click.Group):
+    """Maps KVHubError to a one-line message on stderr and the error's exit code."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KVHubError as exc:
+            from .console import err_console
+
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=KVHubGroup)
+@click.version_option(__version__, prog_name="kvhub")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug messages to stderr.")
+def main(verbose: bool) -> None:
+    """kvhub: map one LLM's KV cache into a larger model of the same family.
+
+    Fit a mapper (kvhub fit), keep its versions in the store (kvhub list/show/tag),
+    publish it (kvhub push/pull), and load it in serving code (kvhub.load(src, dst).transfer(cache)).
+    """
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
+
+
+def _attach() -> None:
+    from . import fit_cmd
+
+    main.add_command(fit_cmd.fit)
+    # Command families register below, one line each.
+
+
+_attach()

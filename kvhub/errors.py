@@ -1,0 +1,92 @@
+"""One exception tree for kvhub.
+
+Every error derives from :class:`KVHubError`; leaves also subclass the builtin they resemble, so
+``except LookupError`` keeps working for callers who do not know kvhub.  Messages say what went wrong
+and what to do next.  ``exit_code`` is what the CLI exits with.
+"""
+
+from __future__ import annotations
+
+
+class KVHubError(Exception):
+    """Base of every kvhub error."""
+
+    exit_code = 1
+
+
+class ConfigError(KVHubError, ValueError):
+    """Bad user input: an option, a recipe, a reference."""
+
+    exit_code = 2
+
+
+class UnsupportedModelError(KVHubError, ValueError):
+    """The model architecture or rope type is not one kvhub can map."""
+
+    exit_code = 2
+
+
+class IncompatibleError(KVHubError, ValueError):
+    """Two things that must match do not: tokenizers, cache geometry, fingerprints."""
+
+    exit_code = 3
+
+
+class NonFiniteError(KVHubError, ValueError):
+    """NaN or Inf where finite numbers are required."""
+
+    exit_code = 3
+
+
+class FitError(KVHubError, ValueError):
+    """The fit cannot be solved as asked (e.g. fewer observations than features)."""
+
+    exit_code = 4
+
+
+class ArtifactError(KVHubError, OSError):
+    """A mapper artifact is missing, corrupt or of an unknown format."""
+
+    exit_code = 5
+
+
+class IntegrityError(ArtifactError):
+    """Bytes on disk do not match their recorded sha256."""
+
+
+class FormatVersionError(ArtifactError):
+    """The artifact was written by a newer kvhub."""
+
+
+class NotFoundError(KVHubError, LookupError):
+    """A model, calibration set, mapper version or alias does not exist."""
+
+    exit_code = 6
+
+
+class AmbiguousError(KVHubError, LookupError):
+    """A short name or query matches more than one thing."""
+
+    exit_code = 7
+
+
+class CorpusUnavailableError(KVHubError, OSError):
+    """The text behind a calibration set is not on this machine and cannot be fetched."""
+
+    exit_code = 8
+
+
+class StoreError(KVHubError, RuntimeError):
+    """The store (SQL database) refuses an operation."""
+
+    exit_code = 9
+
+
+class SchemaOutdatedError(StoreError):
+    """The database schema is behind this kvhub; run `kvhub db upgrade`."""
+
+
+class HubError(KVHubError, OSError):
+    """Talking to the Hugging Face Hub failed."""
+
+    exit_code = 10

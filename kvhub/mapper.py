@@ -1,0 +1,265 @@
+"""The Mapper: per-target-layer affine maps from a source model's KV cache to a target model's.
+
+For target layer m with selected source layers S_m = (l_1..l_k):
+
+    X   = [K~_{l_1} | ... | K~_{l_k}]        (B, T, k*Hs*Ds)   K~ = source keys with RoPE stripped
+    K~_m = X @ Wk_m + bk_m                   (B, T, Ht*Dt)     then target RoPE re-applied
+    V_m  = [V_{l_1} | ... | V_{l_k}] @ Wv_m + bv_m
+
+Weights are stored as (in_features, out_features) so that y = x @ W + b.
+
+Artifact directory (format version 1, see docs/artifact-format.md):
+    mapper.safetensors   k.{m}.weight, k.{m}.bias, v.{m}.weight, v.{m}.bias  (fp32)
+    mapper.json          metadata incl. fingerprints, selected layers, lambda, k, R^2, sha256 of the tensors
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .artifact import AtomicDirectory, sha256_file
+from .errors import ArtifactError, FormatVersionError, IncompatibleError, IntegrityError, NonFiniteError
+from .fingerprint import config_from_fingerprint
+from .rope import Rotary, apply_rope, strip_rope
+
+FORMAT_VERSION = 1
+TENSORS_FILE = "mapper.safetensors"
+METADATA_FILE = "mapper.json"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """'bf16'/'bfloat16'/torch.bfloat16 -> torch.bfloat16; None stays None."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    key = aliases.get(name, name).replace("torch.", "")
+    if key not in _DTYPES:
+        from .errors import ConfigError
+
+        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return _DTYPES[key]
+
+
+class Mapper:
+    """Weights + metadata.  Build with :func:`kvhub.fit` or :meth:`Mapper.load`; apply with :meth:`transfer`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict, *, dtype: torch.dtype | None = None):
+        self.tensors = tensors
+        self.metadata = metadata
+        self.dtype = dtype or parse_dtype(metadata.get("target", {}).get("dtype")) or torch.float32
+        self._rotary: dict[str, Rotary] = {}
+        self._configs: dict = {}
+
+    # ---- metadata views -------------------------------------------------------------------------
+    @property
+    def source(self) -> dict:
+        """Source model fingerprint."""
+        return self.metadata["source"]
+
+    @property
+    def target(self) -> dict:
+        """Target model fingerprint."""
+        return self.metadata["target"]
+
+    @property
+    def layers(self) -> list[dict]:
+        """One dict per target layer: target, sources, lambda_k, lambda_v, r2_k, r2_v."""
+        return self.metadata["layers"]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+    def __repr__(self) -> str:
+        return (
+            f"Mapper({self.source['model_id']} -> {self.target['model_id']}, "
+            f"{len(self.layers)} target layers, k={self.metadata.get('k')}, {self.num_parameters():,} params)"
+        )
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "Mapper":
+        """Move weights (in place) and/or set the output cache dtype; returns self."""
+        if device is not None:
+            self.tensors = {name: t.to(device) for name, t in self.tensors.items()}
+        if dtype is not None:
+            self.dtype = dtype
+        return self
+
+    # ---- transfer ----------------------------------------------------------------------------
+    def _config(self, side: str):
+        if side not in self._configs:
+            self._configs[side] = config_from_fingerprint(self.metadata[side])
+        return self._configs[side]
+
+    def _rotary_for(self, side: str, device: torch.device) -> Rotary:
+        key = f"{side}@{device}"
+        if key not in self._rotary:
+            self._rotary[key] = Rotary.from_config(self._config(side), device=device)
+        return self._rotary[key]
+
+    def _check_cache(self, cache) -> tuple[int, int]:
+        src = self.source
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != src["num_layers"]:
+            got = "no .layers" if layers is None else f"{len(layers)} layers"
+            raise IncompatibleError(
+                f"source cache has {got}, but this mapper expects {src['num_layers']} layers of "
+                f"{src['model_id']}; pass the cache of that model"
+            )
+        keys = layers[0].keys
+        if keys is None or keys.dim() != 4:
+            raise IncompatibleError("source cache is empty; run the source model over the context first")
+        batch, _, tokens, _ = keys.shape
+        for index, layer in enumerate(layers):
+            shape = tuple(layer.keys.shape)
+            expected = (batch, src["num_kv_heads"], tokens, src["head_dim"])
+            if shape != expected or tuple(layer.values.shape) != expected:
+                raise IncompatibleError(
+                    f"source cache layer {index} has keys {shape}, values {tuple(layer.values.shape)}; "
+                    f"expected {expected} (batch, kv_heads, tokens, head_dim) of {src['model_id']}. "
+                    "Sliding-window layers must hold the whole context: build the source cache without "
+                    "a sliding window (DynamicCache() with no config) for contexts longer than the window."
+                )
+        return batch, tokens
+
+    @torch.no_grad()
+    def map_layers(
+        self, source_keys: list[torch.Tensor], source_values: list[torch.Tensor], position_ids: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Map per-layer source K/V (B, Hs, T, Ds) to target K/V (B, Ht, T, Dt) in self.dtype.
+
+        source keys carry the source RoPE at ``position_ids`` (B, T); the result carries the target's.
+        """
+        device = self.device
+        batch, _, tokens, _ = source_keys[0].shape
+        position_ids = position_ids.to(device)
+        src_rot, dst_rot = self._rotary_for("source", device), self._rotary_for("target", device)
+        needed = sorted({l for layer in self.layers for l in layer["sources"]})
+        raw_k, raw_v = {}, {}
+        for l in needed:
+            k = source_keys[l].to(device=device, dtype=torch.float32)
+            v = source_values[l].to(device=device, dtype=torch.float32)
+            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                raise NonFiniteError(
+                    f"source cache layer {l} contains NaN or Inf; the source model's forward pass is broken "
+                    "(try float32 or bfloat16 instead of float16)"
+                )
+            cos, sin = src_rot.cos_sin(position_ids, l)
+            raw_k[l] = strip_rope(k, cos, sin).transpose(1, 2).reshape(batch, tokens, -1)  # (B, T, Hs*Ds)
+            raw_v[l] = v.transpose(1, 2).reshape(batch, tokens, -1)
+        heads, head_dim = self.target["num_kv_heads"], self.target["head_dim"]
+        out = []
+        for layer in self.layers:
+            m = layer["target"]
+            xk = torch.cat([raw_k[l] for l in layer["sources"]], dim=-1)  # (B, T, k*Hs*Ds)
+            xv = torch.cat([raw_v[l] for l in layer["sources"]], dim=-1)
+            yk = self._affine(xk, "k", m).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, Ht, T, Dt)
+            yv = self._affine(xv, "v", m).view(batch, tokens, heads, head_dim).transpose(1, 2)
+            cos, sin = dst_rot.cos_sin(position_ids, m)
+            yk = apply_rope(yk, cos, sin)
+            out.append((yk.to(self.dtype).contiguous(), yv.to(self.dtype).contiguous()))
+        return out
+
+    def _affine(self, x: torch.Tensor, kind: str, m: int) -> torch.Tensor:
+        weight = self.tensors[f"{kind}.{m}.weight"]
+        bias = self.tensors[f"{kind}.{m}.bias"]
+        return torch.addmm(bias.float(), x.reshape(-1, x.shape[-1]), weight.float()).view(*x.shape[:-1], -1)
+
+    @torch.no_grad()
+    def transfer(self, source_cache, *, position_ids: torch.Tensor | None = None):
+        """Map a source-model cache to a new target-model ``DynamicCache``.
+
+        source_cache: a transformers cache of the source model, every layer (B, Hs, T, Ds).
+        position_ids: (B, T) positions of the cached tokens; default 0..T-1 (no left padding).
+        Returns a ``DynamicCache(config=target_config)`` on the mapper's device in ``self.dtype``,
+        sliding-window layers included.  The caller keeps the last prompt token for the target
+        (see :func:`kvhub.handoff.handoff`).
+        """
+        from transformers import DynamicCache
+
+        batch, tokens = self._check_cache(source_cache)
+        if position_ids is None:
+            position_ids = torch.arange(tokens).expand(batch, tokens)
+        elif tuple(position_ids.shape) != (batch, tokens):
+            raise IncompatibleError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(batch, tokens)}")
+        mapped = self.map_layers(
+            [layer.keys for layer in source_cache.layers], [layer.values for layer in source_cache.layers], position_ids
+        )
+        cache = DynamicCache(config=self._config("target"))
+        for m, (keys, values) in enumerate(mapped):
+            cache.update(keys, values, m)
+        return cache
+
+    # ---- persistence -------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the artifact directory atomically; returns its path.  Tensors are stored in fp32."""
+        from safetensors.torch import save_file
+
+        with AtomicDirectory(directory, overwrite=overwrite) as tmp:
+            tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.tensors.items()}
+            save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+            metadata = dict(self.metadata)
+            metadata["format_version"] = FORMAT_VERSION
+            metadata.setdefault("kvhub_version", __version__)
+            metadata["tensors"] = {
+                "file": TENSORS_FILE,
+                "sha256": sha256_file(tmp / TENSORS_FILE),
+                "bytes": (tmp / TENSORS_FILE).stat().st_size,
+            }
+            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+            self.metadata = metadata
+        return Path(directory)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, *, device=None, dtype=None) -> "Mapper":
+        """Load and verify an artifact directory (format version, sha256 of the tensors)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        metadata = read_metadata(directory)
+        tensor_path = directory / metadata["tensors"]["file"]
+        verify_tensors(directory, metadata)
+        tensors = load_file(str(tensor_path), device=str(device) if device is not None else "cpu")
+        return cls(tensors, metadata, dtype=parse_dtype(dtype))
+
+
+def read_metadata(directory: str | os.PathLike) -> dict:
+    """Read mapper.json, checking that it exists and that its format version is one this kvhub reads."""
+    path = Path(directory) / METADATA_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a kvhub mapper artifact: {METADATA_FILE} is missing")
+    try:
+        metadata = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path} is not valid JSON ({exc}); the artifact is corrupt, re-fetch or re-fit it") from exc
+    version = metadata.get("format_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{path} has no integer format_version; the artifact is corrupt")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{directory} has artifact format version {version}, this kvhub ({__version__}) reads up to "
+            f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`"
+        )
+    return metadata
+
+
+def verify_tensors(directory: str | os.PathLike, metadata: dict) -> None:
+    """Raise IntegrityError unless the tensor file's sha256 matches mapper.json."""
+    path = Path(directory) / metadata["tensors"]["file"]
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-fetch or re-fit it")
+    actual = sha256_file(path)
+    if actual != metadata["tensors"]["sha256"]:
+        raise IntegrityError(
+            f"{path} has sha256 {actual}, but mapper.json records {metadata['tensors']['sha256']}: "
+            "the file was modified or corrupted; re-fetch it (kvhub pull) or re-fit"
+        )
