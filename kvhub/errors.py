@@ -90,3 +90,39 @@ class HubError(KVHubError, OSError):
     """Talking to the Hugging Face Hub failed."""
 
     exit_code = 10
+
+
+class UnknownCalibrationError(NotFoundError):
+    """A calibration spec that is neither a built-in set, a path, nor ``hf:...``."""
+
+    def __init__(self, message: str, *, name: str, known: list[str]):
+        super().__init__(message)
+        self.name = name
+        self.known = known
+
+
+class RecipeError(ConfigError):
+    """A calibration recipe (TOML) has a missing or wrong-typed field."""
+
+    def __init__(self, message: str, *, path: str, field: str, expected: str):
+        super().__init__(message)
+        self.path = path
+        self.field = field
+        self.expected = expected
+
+
+class CorpusFetchError(CorpusUnavailableError):
+    """A corpus is not on this machine and fetching it failed; ``command`` fetches it by hand."""
+
+    def __init__(self, message: str, *, command: str):
+        super().__init__(message)
+        self.command = command
+
+
+class CorpusTooSmallError(ConfigError):
+    """A corpus yields fewer token sequences than asked for."""
+
+    def __init__(self, message: str, *, requested: int, available: int):
+        super().__init__(message)
+        self.requested = requested
+        self.available = available

@@ -1,0 +1,218 @@
+"""capture -> statistics -> solve -> Mapper, with progress callbacks and resumable checkpoints.
+
+One pass over the calibration sequences: each batch runs through the source and the target model,
+both captures feed :class:`kvhub.stats.KVStats` (train and held-out splits separately), and the
+solve (:mod:`kvhub.solve`) never touches the models again.  Statistics are checkpointed atomically
+every ``checkpoint_every`` batches; a fit started again with the same checkpoint file and the same
+job (models, tokens, stride) continues after the last checkpointed batch and ends with the same
+statistics, hence the same mapper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import __version__
+from .artifact import atomic_write_bytes
+from .capture import capture
+from .errors import IncompatibleError
+from .fingerprint import kv_geometry, model_fingerprint
+from .mapper import Mapper
+from .rope import Rotary
+from .solve import Solution, solve
+from .stats import KVStats, Layout
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]  # (phase, completed tokens, total tokens)
+
+
+@dataclass
+class FitOptions:
+    """Knobs of a fit.  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens."""
+
+    k: int | str = "auto"
+    lambda_: float | str = "auto"
+    stride: int = 4
+    skip_first: int = 0
+    batch_size: int = 4
+    checkpoint: Path | None = None
+    checkpoint_every: int = 4
+    timings: dict = field(default_factory=dict)
+
+
+def check_same_tokenizer(source_fp: dict, target_fp: dict) -> None:
+    """Refuse a pair whose tokenizers differ (a mapper needs token-aligned caches)."""
+    src, dst = source_fp.get("tokenizer_hash"), target_fp.get("tokenizer_hash")
+    if src is not None and dst is not None and src != dst:
+        raise IncompatibleError(
+            f"{source_fp['model_id']} and {target_fp['model_id']} use different tokenizers "
+            f"(sha256 {src[:12]} vs {dst[:12]}); a KV mapper needs both models to read the same tokens. "
+            "Pick a source and a target of the same family and tokenizer."
+        )
+
+
+def layout_for(source_config, target_config) -> Layout:
+    s_layers, s_heads, s_dim = kv_geometry(source_config)
+    t_layers, t_heads, t_dim = kv_geometry(target_config)
+    return Layout(s_layers, s_heads * s_dim, t_layers, t_heads * t_dim)
+
+
+def fit(
+    source_model,
+    target_model,
+    train_ids: torch.Tensor,
+    heldout_ids: torch.Tensor | None,
+    *,
+    source_id: str,
+    target_id: str,
+    source_tokenizer=None,
+    target_tokenizer=None,
+    calibration: dict | None = None,
+    options: FitOptions | None = None,
+    progress: Progress | None = None,
+) -> Mapper:
+    """Fit a Mapper from ``source_model``'s cache to ``target_model``'s.
+
+    train_ids (N, T) and heldout_ids (M, T): long token ids (no padding).  ``calibration`` is the
+    calibration-set metadata stored in mapper.json.  Returns an unsaved Mapper (weights fp32).
+    """
+    options = options or FitOptions()
+    source_fp = model_fingerprint(source_model.config, model_id=source_id, tokenizer=source_tokenizer)
+    target_fp = model_fingerprint(target_model.config, model_id=target_id, tokenizer=target_tokenizer)
+    source_fp["dtype"] = str(source_model.dtype).replace("torch.", "")
+    target_fp["dtype"] = str(target_model.dtype).replace("torch.", "")
+    check_same_tokenizer(source_fp, target_fp)
+    train, heldout = accumulate(
+        source_model, target_model, train_ids, heldout_ids, options=options, progress=progress,
+        job=_job_hash(source_fp, target_fp, train_ids, heldout_ids, options),
+    )
+    started = time.perf_counter()
+    solution = solve(train, heldout, k=options.k, lambda_=options.lambda_)
+    options.timings["solve_s"] = time.perf_counter() - started
+    return build_mapper(solution, source_fp, target_fp, calibration or {}, train, heldout, options)
+
+
+def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: FitOptions,
+               progress: Progress | None, job: str) -> tuple[KVStats, KVStats]:
+    """One pass over both splits; returns (train, heldout) statistics.  Resumes from a checkpoint."""
+    layout = layout_for(source_model.config, target_model.config)
+    splits = [("train", train_ids), ("heldout", heldout_ids if heldout_ids is not None else train_ids[:0])]
+    batches = [(name, ids[i : i + options.batch_size]) for name, ids in splits
+               for i in range(0, ids.shape[0], options.batch_size)]
+    stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
+    done = _load_checkpoint(options.checkpoint, job, stats) if options.checkpoint else 0
+    total = sum(int(b.numel()) for _, b in batches)
+    completed = sum(int(b.numel()) for _, b in batches[:done])
+    rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
+    timings = options.timings
+    timings.setdefault("forward_s", 0.0), timings.setdefault("stats_s", 0.0)
+    for index in range(done, len(batches)):
+        name, ids = batches[index]
+        if progress:
+            progress(f"capturing {name}", completed, total)
+        _accumulate_batch(source_model, target_model, ids, stats[name], rotaries, options)
+        completed += int(ids.numel())
+        if options.checkpoint and ((index + 1) % options.checkpoint_every == 0):
+            _save_checkpoint(options.checkpoint, job, stats, index + 1)
+    if progress:
+        progress("captured", completed, total)
+    return stats["train"], stats["heldout"]
+
+
+def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions) -> None:
+    started = time.perf_counter()
+    kwargs = {"stride": options.stride, "skip_first": options.skip_first}
+    src = capture(source_model, ids, rotary=rotaries[0], **kwargs)
+    dst = capture(target_model, ids, rotary=rotaries[1], **kwargs)
+    middle = time.perf_counter()
+    device = stats.k.cxx.device
+    stats.update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
+                 [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values])
+    options.timings["forward_s"] += middle - started
+    options.timings["stats_s"] += time.perf_counter() - middle
+    options.timings["tokens"] = options.timings.get("tokens", 0) + int(ids.numel())
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def _job_hash(source_fp, target_fp, train_ids, heldout_ids, options: FitOptions) -> str:
+    digest = hashlib.sha256()
+    for part in (source_fp["config_hash"], target_fp["config_hash"], options.stride, options.skip_first,
+                 options.batch_size):
+        digest.update(str(part).encode())
+    for ids in (train_ids, heldout_ids):
+        if ids is not None:
+            digest.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_checkpoint(path: Path, job: str, stats: dict[str, KVStats], batches_done: int) -> None:
+    from safetensors.torch import save
+
+    tensors = {f"{name}.{key}": t.contiguous().cpu() for name, s in stats.items() for key, t in s.state_dict().items()}
+    header = {"job": job, "batches_done": str(batches_done), "kvhub_version": __version__}
+    atomic_write_bytes(path, save(tensors, metadata=header))
+
+
+def _load_checkpoint(path: Path, job: str, stats: dict[str, KVStats]) -> int:
+    """Fill ``stats`` from a matching checkpoint; returns the number of batches it covers (0 if none)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata() or {}
+        if header.get("job") != job:
+            log.warning("checkpoint %s belongs to another fit; starting from scratch", path)
+            return 0
+        state = {key: handle.get_tensor(key) for key in handle.keys()}
+    for name in stats:
+        prefix = f"{name}."
+        stats[name] = KVStats.from_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    return int(header["batches_done"])
+
+
+# ---- the mapper -------------------------------------------------------------------------------
+def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibration: dict,
+                 train: KVStats, heldout: KVStats, options: FitOptions) -> Mapper:
+    """Weights (fp32) and mapper.json metadata from a solution."""
+    tensors = {}
+    for layer in solution.layers:
+        m = layer.target
+        tensors[f"k.{m}.weight"], tensors[f"k.{m}.bias"] = layer.wk.float(), layer.bk.float()
+        tensors[f"v.{m}.weight"], tensors[f"v.{m}.bias"] = layer.wv.float(), layer.bv.float()
+    r2_k, r2_v = solution.mean_r2()
+    metrics = {"train_tokens": train.n, "heldout_tokens": heldout.n}
+    if r2_k is not None:
+        metrics.update({
+            "heldout_r2_k_mean": r2_k, "heldout_r2_v_mean": r2_v,
+            "heldout_r2_k_min": min(l.r2_k for l in solution.layers),
+            "heldout_r2_v_min": min(l.r2_v for l in solution.layers),
+        })
+    metadata = {
+        "kvhub_version": __version__,
+        "kind": "ridge",
+        "source": source_fp,
+        "target": target_fp,
+        "k": solution.k,
+        "lambda": solution.lambda_,
+        "chosen_by": solution.chosen_by,
+        "notes": solution.notes,
+        "layers": [layer.to_metadata() for layer in solution.layers],
+        "probe_r2": {"k": solution.probe_r2_k.tolist(), "v": solution.probe_r2_v.tolist()},
+        "calibration": calibration,
+        "fit": {"stride": options.stride, "skip_first": options.skip_first, "batch_size": options.batch_size,
+                "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()}},
+        "metrics": metrics,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return Mapper(tensors, json.loads(json.dumps(metadata, default=str)))

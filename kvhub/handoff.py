@@ -1,0 +1,65 @@
+"""Escalate a prompt from the source model to the target model through a Mapper.
+
+The source covers tokens [0, n-1); the mapped cache holds n-1 positions; the target consumes token
+n-1 itself and produces the first logits.  (A cache that covered every input token would make
+``generate`` silently re-feed the prompt.)  Optionally the target recomputes the first
+``exact_prefix`` tokens itself (attention sinks), which is a prefill of a few tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .capture import run_model
+from .errors import ConfigError, IncompatibleError
+from .fingerprint import kv_geometry
+
+
+def check_models(mapper, source_model, target_model) -> None:
+    """Refuse models whose KV geometry differs from what the mapper was fitted for."""
+    for side, model in (("source", source_model), ("target", target_model)):
+        expected = mapper.metadata[side]
+        got = kv_geometry(model.config)
+        want = (expected["num_layers"], expected["num_kv_heads"], expected["head_dim"])
+        if got != want or model.config.model_type != expected["model_type"]:
+            raise IncompatibleError(
+                f"the {side} model ({model.config.model_type}, layers/kv_heads/head_dim {got}) is not the one "
+                f"this mapper was fitted for ({expected['model_id']}: {expected['model_type']}, {want})"
+            )
+
+
+@torch.no_grad()
+def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0):
+    """Target cache for input_ids[:, :-1]: mapped from the source, the first ``exact_prefix`` exact.
+
+    input_ids: (B, n) with n >= 2, no padding.  Returns a target DynamicCache of n-1 positions.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ConfigError("handoff needs (batch, n) input ids with n >= 2: the target consumes the last token")
+    if not 0 <= exact_prefix < input_ids.shape[1]:
+        raise ConfigError(f"exact_prefix must be in 0..{input_ids.shape[1] - 1}, got {exact_prefix}")
+    check_models(mapper, source_model, target_model)
+    context = input_ids[:, :-1]
+    cache = mapper.transfer(run_model(source_model, context))
+    if exact_prefix:
+        exact = run_model(target_model, context[:, :exact_prefix])
+        for mapped, own in zip(cache.layers, exact.layers):
+            if mapped.keys.shape[-2] == context.shape[1]:  # sliding layers past their window keep no prefix
+                mapped.keys[:, :, :exact_prefix] = own.keys.to(mapped.keys.dtype)
+                mapped.values[:, :, :exact_prefix] = own.values.to(mapped.values.dtype)
+    return cache
+
+
+@torch.no_grad()
+def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
+            **generate_kwargs) -> torch.Tensor:
+    """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
+
+    input_ids: (B, n), no padding.  generate_kwargs go to ``generate`` (e.g. max_new_tokens,
+    do_sample=False).  Equivalent to ``target_model.generate(input_ids, ...)`` when the map is exact.
+    """
+    cache = prepare_cache(mapper, source_model, target_model, input_ids, exact_prefix=exact_prefix)
+    device = next(target_model.parameters()).device
+    input_ids = input_ids.to(device)
+    attention_mask = torch.ones_like(input_ids)
+    return target_model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)

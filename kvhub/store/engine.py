@@ -1,0 +1,71 @@
+"""SQLAlchemy engines for the store, with the per-database settings it relies on.
+
+SQLite: foreign keys on, WAL journal, a 60 s busy timeout, and write transactions that start with
+``BEGIN IMMEDIATE`` (a deferred transaction that later needs the write lock can fail with "database is
+locked" without waiting; an immediate one queues for the lock up front).  Write sessions ask for that
+with the ``kvhub_write`` execution option, see :func:`write_engine`.
+
+PostgreSQL: plain ``READ COMMITTED``; concurrent writers serialise on the row locks the store takes.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from ..errors import ConfigError, StoreError
+from .location import display_url, sqlite_path
+
+SQLITE_BUSY_TIMEOUT_S = 60.0
+
+
+def make_engine(url: str, *, foreign_keys: bool = True) -> Engine:
+    """Engine for ``url``; ``foreign_keys=False`` only for migrations (see migrations/env.py)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(
+            f"{url!r} is not a database URL; use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        ) from exc
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, foreign_keys=foreign_keys)
+    try:
+        return create_engine(url, pool_pre_ping=True)
+    except (NoSuchModuleError, ImportError) as exc:
+        raise ConfigError(
+            f"no driver for {display_url(url)} ({exc}); for PostgreSQL install `pip install 'kvhub[postgres]'` "
+            "and use a postgresql+psycopg:// URL"
+        ) from exc
+
+
+def write_engine(engine: Engine) -> Engine:
+    """The same engine, marked so SQLite transactions begin IMMEDIATE (no-op elsewhere)."""
+    return engine.execution_options(kvhub_write=True)
+
+
+def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
+    path = sqlite_path(url)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create {path.parent} for the store ({exc}); pass --db with a writable path") from exc
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:
+        # Let SQLAlchemy's "begin" event (below) issue BEGIN instead of the sqlite3 module.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
+        if path is not None:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection) -> None:
+        immediate = connection.get_execution_options().get("kvhub_write", False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
