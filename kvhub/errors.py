@@ -126,3 +126,52 @@ class CorpusTooSmallError(ConfigError):
         super().__init__(message)
         self.requested = requested
         self.available = available
+
+
+# ---- Hugging Face Hub (kvhub.hub) -------------------------------------------------------------------
+class _HubFailure(HubError):
+    """A Hub error about one repository (and revision); carries them as fields."""
+
+    def __init__(self, message: str, *, repo_id: str | None = None, revision: str | None = None):
+        super().__init__(message)
+        self.repo_id = repo_id
+        self.revision = revision
+
+
+class HubAuthError(_HubFailure, PermissionError):
+    """The Hub wants a (valid) token, or the token may not write there; set HF_TOKEN or `hf auth login`."""
+
+    exit_code = 11
+
+
+class HubRepoNotFoundError(_HubFailure, NotFoundError):
+    """The Hub has no such repository (or hides a private one from this token)."""
+
+    exit_code = 12
+
+
+class HubRevisionNotFoundError(_HubFailure, NotFoundError):
+    """The repository exists but the branch, tag or commit does not."""
+
+    exit_code = 13
+
+
+class HubOfflineError(_HubFailure):
+    """HF_HUB_OFFLINE=1 and what was asked for is not in the local cache."""
+
+    exit_code = 14
+
+
+class HubConflictError(_HubFailure):
+    """The repository already holds something else under that name (a tag, another model pair)."""
+
+    exit_code = 15
+
+
+class ModelUnavailableError(NotFoundError):
+    """A model is not on this machine and cannot be loaded or fetched; ``command`` is the fix."""
+
+    def __init__(self, message: str, *, model_id: str, command: str | None = None):
+        super().__init__(message)
+        self.model_id = model_id
+        self.command = command

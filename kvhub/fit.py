@@ -118,13 +118,13 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
     for index in range(done, len(batches)):
         name, ids = batches[index]
         if progress:
-            progress(f"capturing {name}", completed, total)
+            progress(f"capture: {name} batch {index + 1}/{len(batches)}", completed, total)
         _accumulate_batch(source_model, target_model, ids, stats[name], rotaries, options)
         completed += int(ids.numel())
         if options.checkpoint and ((index + 1) % options.checkpoint_every == 0):
             _save_checkpoint(options.checkpoint, job, stats, index + 1)
     if progress:
-        progress("captured", completed, total)
+        progress("capture: done", completed, total)
     return stats["train"], stats["heldout"]
 
 

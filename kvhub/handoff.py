@@ -62,4 +62,4 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *, exac
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = torch.ones_like(input_ids)
-    return target_model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+    return target_model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)

@@ -1,0 +1,262 @@
+"""resolve_calibration(): a spec -> a CalibrationSet of token sequences, cached by content hash.
+
+content_hash = sha256 of the sorted JSON of
+    {packing: PACKING_VERSION, corpus: sha256 of the kept documents (ids, texts),
+     sequences: seq_len, samples, heldout_fraction, seed, max_document_tokens, separator, chat_template,
+     tokenizer: sha256 of the tokenizer's full definition (tokenizer.json), its default prefix, eos
+                token and chat template}.
+It is the calibration set's identity in mapper metadata: the same name over a changed corpus, tokenizer
+or size is a different hash; a renamed or re-described recipe over the same text is the same hash.
+``stride`` is carried for capture and is not part of the hash (the token sequences do not depend on it).
+Built sets are cached as ``<cache>/calibration/<name>/<content_hash>.safetensors``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..artifact import atomic_write_bytes
+from ..errors import CorpusTooSmallError
+from .corpus import Progress, cache_root, locate, read_source
+from .packing import (
+    TokenStream, corpus_digest, default_prefix, filter_documents, max_samples, pack, shuffle_documents,
+)
+from .recipe import Recipe, heldout_count, recipe_from_spec
+
+log = logging.getLogger(__name__)
+PACKING_VERSION = 1
+_HASHED_SEQUENCE_FIELDS = (
+    "seq_len", "samples", "heldout_fraction", "seed", "max_document_tokens", "separator", "chat_template",
+)
+
+
+@dataclass
+class CalibrationSet:
+    """Token sequences for a fit.  train (N, T) and heldout (M, T) are int64 on CPU, owned by the caller.
+
+    ``requested_samples`` is set only when the corpus was too small and fewer train sequences were
+    used (``allow_fewer=True``); ``notes`` says so in words.
+    """
+
+    name: str
+    version: int
+    content_hash: str
+    train: torch.Tensor
+    heldout: torch.Tensor
+    recipe: dict
+    tokenizer_id: str = ""
+    tokenizer_hash: str = ""
+    corpus_hash: str = ""
+    sources: list[str] = field(default_factory=list)
+    train_documents: int = 0
+    heldout_documents: int = 0
+    requested_samples: int | None = None
+    notes: list[str] = field(default_factory=list)
+    cache_path: str | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.train.shape[1])
+
+    @property
+    def stride(self) -> int:
+        """Capture keeps every stride-th token of each sequence."""
+        return int(self.recipe["sequences"]["stride"])
+
+    def to_metadata(self) -> dict:
+        """JSON-ready summary for mapper.json["calibration"]."""
+        metadata = {
+            "name": self.name,
+            "version": self.version,
+            "content_hash": self.content_hash,
+            "sequences": int(self.train.shape[0]),
+            "heldout_sequences": int(self.heldout.shape[0]),
+            "seq_len": self.seq_len,
+            "tokens": int(self.train.numel()),
+            "heldout_tokens": int(self.heldout.numel()),
+            "stride": self.stride,
+            "seed": int(self.recipe["sequences"]["seed"]),
+            "documents": {"train": self.train_documents, "heldout": self.heldout_documents},
+            "licence": self.recipe["licence"],
+            "sources": list(self.sources),
+            "tokenizer_id": self.tokenizer_id,
+            "tokenizer_hash": self.tokenizer_hash,
+            "corpus_hash": self.corpus_hash,
+        }
+        if self.requested_samples is not None:
+            metadata["requested_sequences"] = self.requested_samples
+        if self.notes:
+            metadata["notes"] = list(self.notes)
+        return metadata
+
+
+def _sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of everything about the tokenizer that changes the packed ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "prefix": default_prefix(tokenizer),
+        "eos": tokenizer.eos_token_id,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    if backend is not None:
+        parts["definition"] = hashlib.sha256(backend.to_str().encode()).hexdigest()
+    else:
+        from ..fingerprint import tokenizer_hash
+
+        parts["vocab"] = tokenizer_hash(tokenizer)
+    return _sha256_json(parts)
+
+
+def content_hash(recipe: Recipe, *, corpus: str, tokenizer: str) -> str:
+    sequences = {name: getattr(recipe.sequences, name) for name in _HASHED_SEQUENCE_FIELDS}
+    return _sha256_json({"packing": PACKING_VERSION, "corpus": corpus, "sequences": sequences, "tokenizer": tokenizer})
+
+
+def set_path(name: str, digest: str) -> Path:
+    return cache_root() / "calibration" / name / f"{digest}.safetensors"
+
+
+def _save(calibration_set: CalibrationSet, path: Path) -> None:
+    from safetensors.torch import save
+
+    fields = {f.name: getattr(calibration_set, f.name) for f in dataclasses.fields(calibration_set)
+              if f.name not in ("train", "heldout", "cache_path")}
+    tensors = {"train": calibration_set.train.to(torch.int32), "heldout": calibration_set.heldout.to(torch.int32)}
+    atomic_write_bytes(path, save(tensors, metadata={"kvhub_calibration": json.dumps(fields, sort_keys=True)}))
+
+
+def _load(path: Path) -> CalibrationSet | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            fields = json.loads(handle.metadata()["kvhub_calibration"])
+            train, heldout = handle.get_tensor("train").long(), handle.get_tensor("heldout").long()
+    except Exception as exc:  # a corrupt cache entry is rebuilt, never trusted
+        log.warning("ignoring unreadable calibration cache %s (%s); rebuilding", path, exc)
+        return None
+    return CalibrationSet(train=train, heldout=heldout, cache_path=str(path), **fields)
+
+
+def _too_small(recipe: Recipe, available: int, documents: int) -> CorpusTooSmallError:
+    sequences = recipe.sequences
+    wanted = f"{sequences.samples} train + {sequences.heldout_samples} held-out sequences of {sequences.seq_len} tokens"
+    if available == 0:
+        hint = "use a shorter --seq-len or more text"
+    else:
+        hint = f"pass --samples {available} (or samples={available}), a shorter --seq-len, or more text"
+    return CorpusTooSmallError(
+        f"calibration set {recipe.name!r} has too little text for {wanted}: its {documents} documents "
+        f"yield at most {available} train sequences (plus their held-out share); {hint}",
+        requested=sequences.samples, available=available,
+    )
+
+
+def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: Progress | None):
+    sequences = recipe.sequences
+    stream = TokenStream(shuffle_documents(documents, sequences.seed), tokenizer, sequences)
+    prefix = default_prefix(tokenizer)
+    packed = pack(stream, prefix=prefix, seq_len=sequences.seq_len, samples=sequences.samples,
+                  heldout=sequences.heldout_samples, progress=progress)
+    if packed is not None:
+        packed.notes.extend(stream.notes)
+        return recipe, packed
+    body = sequences.seq_len - len(prefix)
+    lengths = [len(tokens) for tokens in stream]
+    available = max_samples(lengths, body=body, samples=sequences.samples, heldout_fraction=sequences.heldout_fraction)
+    if not allow_fewer or available == 0:
+        raise _too_small(recipe, available, len(documents))
+    smaller = recipe.with_sequences(samples=available)
+    packed = pack(stream, prefix=prefix, seq_len=sequences.seq_len, samples=available,
+                  heldout=heldout_count(available, sequences.heldout_fraction))
+    note = (f"corpus too small: using {available} train + {packed.heldout.shape[0]} held-out sequences "
+            f"instead of {sequences.samples} + {sequences.heldout_samples}")
+    log.warning("%s: %s", recipe.name, note)
+    packed.notes.extend([*stream.notes, note])
+    return smaller, packed
+
+
+def read_documents(recipe: Recipe, *, progress: Progress | None = None):
+    """(kept documents, one summary line per source) after fetching and filtering."""
+    documents, summaries = [], []
+    for source in recipe.sources:
+        found, summary = read_source(source, recipe, progress=progress)
+        documents.extend(found)
+        summaries.append(summary)
+    return filter_documents(documents, recipe.filters), summaries
+
+
+def resolve_calibration(
+    spec: str,
+    *,
+    tokenizer,
+    tokenizer_id: str,
+    samples: int | None = None,
+    seq_len: int | None = None,
+    heldout_fraction: float | None = None,
+    seed: int | None = None,
+    progress: Progress | None = None,
+    allow_fewer: bool = False,
+) -> CalibrationSet:
+    """Fetch, tokenize and pack a calibration set (or load it from the cache).
+
+    spec: a built-in name (``kvhub calib list``), a recipe ``.toml``, a ``.txt``/``.jsonl`` file, a
+    directory of text files, or ``hf:<dataset>[:<config>]:<split>:<field>``.
+    samples: train sequences N; held-out M = max(1, round(N f / (1 - f))) with f = heldout_fraction.
+    Overrides left as None keep the recipe's values.  progress(description, completed, total | None)
+    is called as work advances; the library never prints.
+    A corpus too small for N + M sequences raises CorpusTooSmallError naming the count that fits;
+    with ``allow_fewer=True`` that count is used instead, and ``requested_samples``/``notes`` say so.
+    """
+    recipe = recipe_from_spec(spec).with_sequences(
+        samples=samples, seq_len=seq_len, heldout_fraction=heldout_fraction, seed=seed
+    )
+    documents, summaries = read_documents(recipe, progress=progress)
+    if not documents:
+        raise _too_small(recipe, 0, 0)
+    corpus, tokenizer_hash = corpus_digest(documents), tokenizer_digest(tokenizer)
+    digest = content_hash(recipe, corpus=corpus, tokenizer=tokenizer_hash)
+    cached = _load(set_path(recipe.name, digest)) if set_path(recipe.name, digest).exists() else None
+    if cached is not None:
+        return dataclasses.replace(cached, tokenizer_id=tokenizer_id)
+    built_recipe, packed = _pack(recipe, documents, tokenizer, allow_fewer=allow_fewer, progress=progress)
+    built_digest = content_hash(built_recipe, corpus=corpus, tokenizer=tokenizer_hash)
+    calibration_set = CalibrationSet(
+        name=recipe.name, version=recipe.version, content_hash=built_digest,
+        train=packed.train, heldout=packed.heldout, recipe=built_recipe.to_dict(),
+        tokenizer_id=tokenizer_id, tokenizer_hash=tokenizer_hash, corpus_hash=corpus, sources=summaries,
+        train_documents=packed.train_documents, heldout_documents=packed.heldout_documents,
+        requested_samples=recipe.sequences.samples if built_recipe is not recipe else None, notes=packed.notes,
+    )
+    path = set_path(recipe.name, built_digest)
+    _save(calibration_set, path)
+    calibration_set.cache_path = str(path)
+    return calibration_set
+
+
+def fetch_corpus(spec: str, *, progress: Progress | None = None) -> list[str]:
+    """Fetch every fetchable source of a recipe into the cache; one 'where' line per source."""
+    recipe = recipe_from_spec(spec)
+    return [f"{source.summary()}: {locate(source, recipe, fetch=True, progress=progress)[2]}"
+            if source.kind != "hf" else f"{source.summary()}: loaded at build time"
+            for source in recipe.sources]
+
+
+def source_status(recipe: Recipe) -> list[dict]:
+    """Per source: summary, licence, required, and where it is now (nothing is fetched)."""
+    status = []
+    for source in recipe.sources:
+        where = "loaded from the Hugging Face Hub at build time" if source.kind == "hf" else locate(source, recipe, fetch=False)[2]
+        status.append({"source": source.summary(), "licence": source.licence, "required": source.required, "where": where})
+    return status

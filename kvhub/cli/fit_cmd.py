@@ -1,0 +1,161 @@
+"""``kvhub fit``: calibration set -> both models' caches -> statistics -> solve -> artifact (-> store)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+import click
+
+from .console import console, err_console
+
+
+def _k_option(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter("use a positive integer or 'auto'") from None
+
+
+def _lambda_option(value: str):
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise click.BadParameter("use a non-negative number or 'auto'") from None
+
+
+@click.command()
+@click.option("--src", required=True, help="Source (small) model: Hugging Face id, local model dir, or .gguf file.")
+@click.option("--dst", required=True, help="Target (large) model of the same family and tokenizer.")
+@click.option("--calib", default="legal-docs", show_default=True,
+              help="Calibration set: a built-in name (kvhub calib list), a .txt/.jsonl file, a directory, "
+                   "a recipe .toml, or hf:DATASET[:CONFIG]:SPLIT:FIELD.")
+@click.option("--out", type=click.Path(path_type=Path), help="Also export the artifact directory here.")
+@click.option("--samples", type=int, help="Training sequences (overrides the recipe).")
+@click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
+@click.option("--stride", type=int, help="Keep every s-th token for the statistics (recipe default, paper: 4).")
+@click.option("--k", "k", default="auto", show_default=True, callback=lambda c, p, v: _k_option(v),
+              help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).")
+@click.option("--lambda", "lambda_", default="auto", show_default=True, callback=lambda c, p, v: _lambda_option(v),
+              help="Ridge strength relative to the mean Gram diagonal, or 'auto'.")
+@click.option("--device", default=None, help="torch device for the forward passes (default: cuda if available, else cpu).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
+@click.option("--batch-size", type=int, default=4, show_default=True, help="Sequences per forward pass.")
+@click.option("--seed", type=int, help="Seed of the calibration sampling (overrides the recipe).")
+@click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
+@click.option("--db", default=None, help="Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir).")
+@click.option("--no-register", is_flag=True, help="Do not register the mapper in the store (needs --out).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, device, dtype, batch_size, seed, restart, db,
+        no_register, as_json):
+    """Fit a KV-cache mapper from SRC's cache to DST's cache.
+
+    \b
+    kvhub fit --src Qwen/Qwen2.5-Coder-0.5B-Instruct --dst Qwen/Qwen2.5-Coder-1.5B-Instruct --calib legal-docs
+
+    An interrupted fit continues from its last checkpoint when run again with the same arguments
+    (statistics are checkpointed every few batches); --restart starts over.
+    """
+    from ..errors import ConfigError
+
+    if no_register and out is None:
+        raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
+    if out is not None and Path(out).exists():
+        raise ConfigError(f"{out} already exists; choose a new --out directory")
+    mapper = run_fit(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
+                     lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed, restart=restart)
+    reference = None
+    with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
+        artifact = mapper.save(Path(tmp) / "mapper")
+        if not no_register:
+            reference = _register(artifact, db)
+        if out is not None:
+            mapper.save(out)
+    _print_summary(mapper, reference=reference, out=out, as_json=as_json)
+
+
+def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dtype, batch_size, seed, restart):
+    """Load both models and the calibration set, then fit (with progress bars on stderr)."""
+    from ..calib import resolve_calibration
+    from ..fit import FitOptions, check_same_tokenizer
+    from ..fit import fit as fit_mapper
+    from ..fingerprint import tokenizer_hash
+    from ..models import load_model
+    from .progress import progress_callback
+
+    err_console.print(f"loading {src} and {dst}")
+    source, source_tok, source_id = load_model(src, device=device, dtype=dtype)
+    target, target_tok, target_id = load_model(dst, device=device, dtype=dtype)
+    check_same_tokenizer({"model_id": source_id, "tokenizer_hash": tokenizer_hash(source_tok)},
+                         {"model_id": target_id, "tokenizer_hash": tokenizer_hash(target_tok)})
+    with progress_callback("items") as callback:
+        calibration = resolve_calibration(calib, tokenizer=source_tok, tokenizer_id=source_id, samples=samples,
+                                          seq_len=seq_len, seed=seed, progress=callback)
+    stride = stride or int(calibration.recipe.get("stride", 4) if isinstance(calibration.recipe, dict) else 4)
+    meta = calibration.to_metadata()
+    meta["stride"] = stride
+    options = FitOptions(k=k, lambda_=lambda_, stride=stride, batch_size=batch_size,
+                         checkpoint=_checkpoint_path(source_id, target_id, meta, stride, batch_size))
+    if restart and options.checkpoint.exists():
+        options.checkpoint.unlink()
+    err_console.print(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
+                      f"{calibration.train.shape[0]} train + {calibration.heldout.shape[0]} held-out sequences "
+                      f"x {calibration.train.shape[1]} tokens, stride {stride}")
+    with progress_callback("tok/s") as callback:
+        mapper = fit_mapper(source, target, calibration.train, calibration.heldout, source_id=source_id,
+                            target_id=target_id, source_tokenizer=source_tok, target_tokenizer=target_tok,
+                            calibration=meta, options=options, progress=callback)
+    options.checkpoint.unlink(missing_ok=True)
+    return mapper
+
+
+def _checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int) -> Path:
+    from ..calib.corpus import cache_root
+
+    key = json.dumps([source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
+                      calibration.get("heldout_sequences"), stride, batch_size])
+    return cache_root() / "checkpoints" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+
+
+def _register(artifact: Path, db: str | None) -> str:
+    from ..store import open_store
+
+    store = open_store(db)
+    version = store.register(artifact, lineage={"created_by": "kvhub fit"})
+    return store.reference(version)
+
+
+def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
+    from rich.table import Table
+
+    metrics = mapper.metadata["metrics"]
+    if as_json:
+        click.echo(json.dumps({"reference": reference, "out": str(out) if out else None, "metrics": metrics,
+                               "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"]}, indent=2))
+        return
+    table = Table(title=f"{mapper.source['model_id']} -> {mapper.target['model_id']}")
+    for column in ("target layer", "source layers", "k", "lambda K/V", "held-out R2 K", "held-out R2 V"):
+        table.add_column(column, justify="right")
+    for layer in mapper.layers:
+        r2 = [f"{layer[n]:.3f}" if layer[n] is not None else "-" for n in ("r2_k", "r2_v")]
+        table.add_row(str(layer["target"]), ",".join(map(str, layer["sources"])), str(len(layer["sources"])),
+                      f"{layer['lambda_k']:g}/{layer['lambda_v']:g}", *r2)
+    console.print(table)
+    if "heldout_r2_k_mean" in metrics:
+        console.print(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
+                      f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})")
+    timings = mapper.metadata["fit"]["timings"]
+    console.print(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
+                  f"solve {timings.get('solve_s', 0):.1f} s")
+    for note in mapper.metadata.get("notes", []):
+        err_console.print(f"note: {note}")
+    if reference:
+        console.print(f"registered [bold]{reference}[/]")
+    if out:
+        console.print(f"exported to {out}")

@@ -1,0 +1,271 @@
+"""Content-addressed artifact directories.
+
+Address: the sha256 of the directory's manifest, the text ``"<sha256 of file>  <relative path>\\n"``
+for every regular file, sorted by path (``sha256sum`` format, POSIX separators).  Names starting with
+``.`` (at any depth, e.g. a Hub download's ``.cache/``) are not part of an artifact.  mapper.json is
+hashed like any file, so two artifacts with the same tensors but other metadata get two addresses.
+
+Layout under the root::
+
+    sha256/<2 hex>/<64 hex>/   stored artifacts, files read-only
+    .tmp/                      copies in progress and removals in progress
+    .lock                      writers hold it shared, gc holds it exclusive
+
+A copy is written under ``.tmp``, fsynced, then renamed into place, so a stored directory is always
+complete; a killed writer leaves only ``.tmp`` debris.  Writers hold the shared lock from the start of
+the copy until their database row is committed (:meth:`ArtifactStore.writing`), so gc, holding the
+exclusive lock, sees no write in flight: every ``.tmp`` entry is debris and every stored directory
+without a row is unreferenced.  Locks are POSIX ``flock`` locks (local disks, NFSv4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import stat
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..artifact import fsync_dir
+from ..errors import ArtifactError, IntegrityError, StoreError
+
+OBJECTS_DIR = "sha256"
+TMP_DIR = ".tmp"
+LOCK_FILE = ".lock"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    """An artifact in the store: content address, location under the root, total bytes, file hashes."""
+
+    sha256: str
+    location: str
+    bytes: int
+    files: dict[str, str]
+
+
+def manifest_sha256(files: dict[str, str]) -> str:
+    """sha256 of the manifest text of ``{relative path: file sha256}``."""
+    text = "".join(f"{files[name]}  {name}\n" for name in sorted(files))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def artifact_files(directory: Path) -> dict[str, Path]:
+    """``{relative posix path: path}`` of the regular files of an artifact directory (see module doc)."""
+    files = {}
+    for current, dirnames, filenames in os.walk(directory):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            path = Path(current) / name
+            if not name.startswith(".") and path.is_file():
+                files[path.relative_to(directory).as_posix()] = path
+    return dict(sorted(files.items()))
+
+
+def _copy_hashing(source: Path, destination: Path) -> str:
+    """Copy one file, fsync it, and return the sha256 of the bytes written."""
+    digest = hashlib.sha256()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, "rb") as reader, open(destination, "wb") as writer:
+        while chunk := reader.read(_CHUNK):
+            digest.update(chunk)
+            writer.write(chunk)
+        writer.flush()
+        os.fsync(writer.fileno())
+    return digest.hexdigest()
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _make_read_only(directory: Path) -> None:
+    for path in artifact_files(directory).values():
+        path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a file or directory tree (read-only files go too: POSIX checks the directory's mode)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class ArtifactStore:
+    """The artifact directory tree rooted at ``root`` (created on first write)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    # ---- locations -----------------------------------------------------------------------------
+    def path(self, location: str) -> Path:
+        """Absolute path of a stored location such as ``sha256/ab/ab12...``."""
+        return self.root / location
+
+    @staticmethod
+    def location_of(sha256: str) -> str:
+        return f"{OBJECTS_DIR}/{sha256[:2]}/{sha256}"
+
+    def locations(self) -> list[str]:
+        """Every stored artifact directory, referenced or not."""
+        objects = self.root / OBJECTS_DIR
+        if not objects.is_dir():
+            return []
+        return sorted(
+            f"{OBJECTS_DIR}/{prefix.name}/{entry.name}"
+            for prefix in objects.iterdir()
+            if prefix.is_dir()
+            for entry in prefix.iterdir()
+        )
+
+    def temporaries(self) -> list[Path]:
+        """Everything under ``.tmp`` (debris of killed writers, when no write is in flight)."""
+        tmp = self.root / TMP_DIR
+        return sorted(tmp.iterdir()) if tmp.is_dir() else []
+
+    def size(self, path: Path) -> int:
+        """Total bytes of the regular files below ``path``."""
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+    # ---- locks ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the shared lock: gc waits until the caller's artifact has its database row."""
+        with self._lock(exclusive=False, timeout_s=None):
+            yield
+
+    @contextlib.contextmanager
+    def collecting(self, *, timeout_s: float = 120.0) -> Iterator[None]:
+        """Hold the exclusive lock: no artifact write is in flight while it is held."""
+        with self._lock(exclusive=True, timeout_s=timeout_s):
+            yield
+
+    @contextlib.contextmanager
+    def _lock(self, *, exclusive: bool, timeout_s: float | None) -> Iterator[None]:
+        try:
+            import fcntl
+        except ImportError as exc:  # Windows
+            raise StoreError("the artifact store needs POSIX file locks (fcntl); use Linux or macOS") from exc
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            self._acquire(fd, mode, timeout_s)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _acquire(self, fd: int, mode: int, timeout_s: float | None) -> None:
+        import fcntl
+
+        if timeout_s is None:
+            fcntl.flock(fd, mode)
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"another kvhub process has been writing to {self.root} for {timeout_s:.0f} s; "
+                        "retry when it has finished"
+                    ) from None
+                time.sleep(0.05)
+
+    # ---- writing -------------------------------------------------------------------------------
+    def put(self, source: str | os.PathLike, *, check: Callable[[Path, dict[str, str]], None] | None = None) -> StoredArtifact:
+        """Copy ``source`` into the store (call inside :meth:`writing`); returns where it landed.
+
+        ``check(copy_dir, {path: sha256})`` runs on the complete copy before it is renamed into place
+        and may raise to reject it.  An artifact already stored under the same address is reused if it
+        still verifies, replaced otherwise.
+        """
+        source = Path(source)
+        files = artifact_files(source) if source.is_dir() else {}
+        if not files:
+            raise ArtifactError(f"{source} is not an artifact directory (no files); pass the directory `kvhub fit` wrote")
+        tmp = self.root / TMP_DIR / uuid.uuid4().hex
+        try:
+            hashes = {name: _copy_hashing(path, tmp / name) for name, path in files.items()}
+            if check is not None:
+                check(tmp, hashes)
+            digest = manifest_sha256(hashes)
+            size = sum((tmp / name).stat().st_size for name in hashes)
+            stored = StoredArtifact(digest, self.location_of(digest), size, hashes)
+            self._install(tmp, stored)
+        finally:
+            if tmp.exists():
+                _remove_tree(tmp)
+        return stored
+
+    def _install(self, tmp: Path, stored: StoredArtifact) -> None:
+        final = self.path(stored.location)
+        if final.is_dir():
+            try:
+                self.verify(stored.location, sha256=stored.sha256)
+                return
+            except ArtifactError:
+                self.remove(stored.location)  # corrupt copy of the same content: replace it
+        _make_read_only(tmp)
+        for directory in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            fsync_dir(directory)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # anything but "a concurrent writer stored the same content first"
+                raise
+        fsync_dir(final.parent)
+
+    def remove(self, location: str) -> None:
+        """Delete a stored artifact: renamed into ``.tmp`` first, so it vanishes at once."""
+        path = self.path(location)
+        if not path.exists():
+            return
+        trash = self.root / TMP_DIR / f"{uuid.uuid4().hex}.removing"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(path, trash)
+        _remove_tree(trash)
+
+    def remove_temporary(self, path: Path) -> None:
+        """Delete one ``.tmp`` entry (only while holding :meth:`collecting`)."""
+        _remove_tree(path)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def verify(self, location: str, *, sha256: str, trusted: dict[str, str] | None = None) -> Path:
+        """Raise unless the stored directory's manifest hashes to ``sha256``; returns its path.
+
+        Files named in ``trusted`` are not re-read; their given hash enters the manifest instead (for a
+        file its reader verifies anyway, e.g. the tensors, which Mapper.load hashes).
+        """
+        path = self.path(location)
+        if not path.is_dir():
+            raise ArtifactError(
+                f"artifact {sha256[:12]} is missing from {self.root}; it was deleted outside kvhub. "
+                "Re-import it (`kvhub import DIR`), pull it (`kvhub pull`), or remove the version (`kvhub rm REF`)"
+            )
+        trusted = trusted or {}
+        files = artifact_files(path)
+        hashes = {name: trusted.get(name) or _hash_file(file) for name, file in files.items()}
+        actual = manifest_sha256(hashes)
+        if actual != sha256:
+            raise IntegrityError(
+                f"artifact {path} has manifest sha256 {actual}, the store records {sha256}: files were "
+                "modified, added or removed. Re-import the artifact (`kvhub import DIR`) or pull it again"
+            )
+        return path

@@ -1,0 +1,122 @@
+"""Schema versions of the store: Alembic, run from the ``migrations`` package shipped in the wheel.
+
+:func:`ensure_schema` is what opening a store does: a brand-new (empty) database is migrated to head;
+a database whose schema is behind is refused with :class:`SchemaOutdatedError` ("run `kvhub db
+upgrade`"); one written by a newer kvhub is refused too.  Upgrades are explicit because they can take
+a while on a large PostgreSQL store and other kvhub processes may still be running the old code.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection, Engine
+
+from ..errors import SchemaOutdatedError, StoreError
+from .location import display_url
+from .schema import Base
+
+log = logging.getLogger(__name__)
+
+VERSION_TABLE = "kvhub_alembic_version"  # also named in migrations/env.py
+
+
+def migrations_dir() -> Path:
+    """The installed ``migrations`` package (inside the wheel, or the repository checkout)."""
+    import migrations
+
+    return Path(migrations.__file__).resolve().parent
+
+
+def alembic_config(url: str, **attributes):
+    """An Alembic Config for ``url`` without any alembic.ini; ``attributes`` reach migrations/env.py."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    # ConfigParser interpolation would eat a '%' in a password.
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.attributes.update(attributes)
+    return config
+
+
+@lru_cache(maxsize=1)
+def head_revision() -> str:
+    """The newest schema revision this kvhub knows."""
+    return _script().get_current_head()
+
+
+@lru_cache(maxsize=1)
+def _script():
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(migrations_dir()))
+
+
+def current_revision(connection: Connection) -> str | None:
+    """The revision stamped in the database; None for a database kvhub never migrated."""
+    from alembic.runtime.migration import MigrationContext
+
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    heads = context.get_current_heads()
+    if len(heads) > 1:
+        raise StoreError(f"the store has several schema heads {heads}; run `kvhub db upgrade`")
+    return heads[0] if heads else None
+
+
+def upgrade(url: str, *, revision: str = "head") -> None:
+    """Migrate the database at ``url`` up to ``revision`` (default: head)."""
+    from alembic import command
+
+    _run_alembic(command.upgrade, url, revision)
+
+
+def downgrade(url: str, *, revision: str) -> None:
+    """Migrate the database at ``url`` down to ``revision`` ("base" drops every kvhub table)."""
+    from alembic import command
+
+    _run_alembic(command.downgrade, url, revision)
+
+
+def _run_alembic(action, url: str, revision: str) -> None:
+    from alembic.util import CommandError
+
+    try:
+        action(alembic_config(url), revision)
+    except CommandError as exc:
+        raise StoreError(f"schema migration of {display_url(url)} to {revision!r} failed: {exc}") from exc
+
+
+def ensure_schema(engine: Engine, url: str) -> None:
+    """Create a brand-new database at head; refuse one whose schema is not head."""
+    with engine.connect() as connection:
+        current = current_revision(connection)
+        kvhub_tables = set(inspect(connection).get_table_names()) & set(Base.metadata.tables)
+    if current == head_revision():
+        return
+    if current is None and not kvhub_tables:
+        log.info("creating the kvhub store schema in %s", display_url(url))
+        upgrade(url)
+        return
+    raise _schema_error(current, url)
+
+
+def _schema_error(current: str | None, url: str) -> StoreError:
+    where = display_url(url)
+    if current is None:
+        return StoreError(
+            f"{where} holds kvhub tables but no kvhub schema version (a store older than kvhub's migrations, "
+            "or a half-dropped one); point --db at another database or an empty one"
+        )
+    if current not in {rev.revision for rev in _script().walk_revisions()}:
+        return StoreError(
+            f"{where} has schema revision {current}, newer than this kvhub knows ({head_revision()}); "
+            "upgrade kvhub (`pip install -U kvhub`)"
+        )
+    return SchemaOutdatedError(
+        f"{where} has schema revision {current}, this kvhub needs {head_revision()}; "
+        "back it up, then run `kvhub db upgrade` (with the same --db)"
+    )

@@ -1,0 +1,180 @@
+"""End to end on tiny models: fit -> Mapper -> transfer / handoff, exact where an exact map exists."""
+
+import pytest
+import torch
+
+from kvhub.capture import run_model
+from kvhub.errors import IncompatibleError, IntegrityError, FormatVersionError, NonFiniteError
+from kvhub.fit import FitOptions, fit
+from kvhub.handoff import handoff
+from kvhub.mapper import Mapper
+from tests.tinymodels import exact_family_target, make_model
+
+
+def _ids(n, t, seed):
+    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _fit(source, target, *, k="auto", lam=1e-9, **options):
+    return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
+               options=FitOptions(k=k, lambda_=lam, stride=1, batch_size=8, **options))
+
+
+def _greedy(model, ids, cache=None, n=12):
+    kwargs = {"cache": cache} if cache is not None else {}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def qwen_family():
+    source = make_model("qwen2", num_hidden_layers=3)
+    target, layer_map = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
+    return source, target, layer_map, _fit(source, target)
+
+
+def test_exact_family_recovers_layers_and_r2_one(qwen_family):
+    _, _, layer_map, mapper = qwen_family
+    for layer, expected in zip(mapper.layers, layer_map):
+        assert expected in layer["sources"]
+        assert layer["r2_k"] > 0.9999 and layer["r2_v"] > 0.9999
+
+
+def test_exact_family_transferred_cache_matches_target_cache(qwen_family):
+    source, target, _, mapper = qwen_family
+    ids = _ids(2, 40, 7)
+    mapped = mapper.transfer(run_model(source, ids))
+    own = run_model(target, ids)
+    for m, (a, b) in enumerate(zip(mapped.layers, own.layers)):
+        torch.testing.assert_close(a.keys, b.keys, atol=2e-3, rtol=1e-3, msg=f"keys of layer {m}")
+        torch.testing.assert_close(a.values, b.values, atol=2e-3, rtol=1e-3, msg=f"values of layer {m}")
+
+
+def test_exact_family_greedy_generation_identical(qwen_family):
+    source, target, _, mapper = qwen_family
+    for seed in range(3):
+        ids = _ids(1, 30, 10 + seed)
+        own = _greedy(target, ids)
+        cache = mapper.transfer(run_model(source, ids[:, :-1]))
+        assert torch.equal(_greedy(target, ids, cache), own)
+        assert torch.equal(handoff(mapper, source, target, ids, max_new_tokens=12, do_sample=False), own)
+
+
+def test_llama_family_with_two_inserted_layers():
+    source = make_model("llama", num_hidden_layers=3, seed=3)
+    target, layer_map = exact_family_target(source, insert_before=(0, 2), kv_repeat=1, double_head_dim=True)
+    mapper = _fit(source, target)
+    assert [l["sources"] for l in mapper.layers] and all(
+        expected in l["sources"] for l, expected in zip(mapper.layers, layer_map))
+    ids = _ids(1, 25, 5)
+    assert torch.equal(handoff(mapper, source, target, ids, max_new_tokens=10, do_sample=False), _greedy(target, ids, n=10))
+
+
+@pytest.mark.parametrize("model_type,kwargs", [("qwen3", {"head_dim": 16}), ("mistral", {"sliding_window": 8, "head_dim": 16})])
+def test_self_map_is_identity(model_type, kwargs):
+    model = make_model(model_type, **kwargs)
+    mapper = _fit(model, model, k=1)
+    assert [l["sources"] for l in mapper.layers] == [[m] for m in range(model.config.num_hidden_layers)]
+    ids = _ids(1, 30, 3)
+    assert torch.equal(handoff(mapper, model, model, ids, max_new_tokens=10, do_sample=False), _greedy(model, ids, n=10))
+
+
+def test_sliding_window_target_cache_is_windowed():
+    model = make_model("mistral", sliding_window=8, head_dim=16)
+    mapper = _fit(model, model, k=1)
+    cache = mapper.transfer(run_model(model, _ids(1, 30, 2)))
+    assert cache.layers[0].is_sliding and cache.layers[0].keys.shape[-2] == 7
+
+
+def test_exact_prefix_recompute_keeps_exact_generation(qwen_family):
+    source, target, _, mapper = qwen_family
+    ids = _ids(1, 30, 21)
+    out = handoff(mapper, source, target, ids, exact_prefix=4, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, _greedy(target, ids, n=10))
+
+
+def test_batch_transfer_and_position_ids(qwen_family):
+    source, target, _, mapper = qwen_family
+    ids = _ids(3, 20, 4)
+    mapped = mapper.transfer(run_model(source, ids))
+    assert mapped.layers[0].keys.shape == (3, 4, 20, 32)
+    with pytest.raises(IncompatibleError, match="position_ids"):
+        mapper.transfer(run_model(source, ids), position_ids=torch.arange(5)[None])
+
+
+def test_save_load_round_trip_and_integrity(qwen_family, tmp_path):
+    source, _, _, mapper = qwen_family
+    path = mapper.save(tmp_path / "m")
+    loaded = Mapper.load(path)
+    ids = _ids(1, 12, 9)
+    a = mapper.transfer(run_model(source, ids))
+    b = loaded.transfer(run_model(source, ids))
+    torch.testing.assert_close(a.layers[2].keys, b.layers[2].keys)
+    assert loaded.metadata["tensors"]["sha256"] and loaded.metadata["format_version"] == 1
+    data = bytearray((path / "mapper.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (path / "mapper.safetensors").write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="sha256"):
+        Mapper.load(path)
+
+
+def test_newer_format_version_refused(qwen_family, tmp_path):
+    import json
+
+    path = qwen_family[3].save(tmp_path / "m")
+    meta = json.loads((path / "mapper.json").read_text())
+    meta["format_version"] = 99
+    (path / "mapper.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatVersionError, match="upgrade"):
+        Mapper.load(path)
+
+
+def test_wrong_cache_geometry_refused(qwen_family):
+    _, target, _, mapper = qwen_family
+    with pytest.raises(IncompatibleError, match="layers"):
+        mapper.transfer(run_model(target, _ids(1, 8, 1)))
+
+
+def test_non_finite_source_cache_refused(qwen_family):
+    source, _, _, mapper = qwen_family
+    cache = run_model(source, _ids(1, 8, 1))
+    cache.layers[1].values[0, 0, 3, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="NaN"):
+        mapper.transfer(cache)
+
+
+def test_different_tokenizers_refused_before_any_forward():
+    from kvhub.fit import check_same_tokenizer
+
+    with pytest.raises(IncompatibleError, match="a/src.*b/dst|different tokenizers"):
+        check_same_tokenizer({"model_id": "a/src", "tokenizer_hash": "1" * 64},
+                             {"model_id": "b/dst", "tokenizer_hash": "2" * 64})
+
+
+def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
+    source = make_model("qwen2", num_hidden_layers=2)
+    target = make_model("qwen2", num_hidden_layers=3, seed=5)
+    clean = _fit(source, target, lam=0.01, k=2)
+    checkpoint = tmp_path / "ckpt.safetensors"
+
+    class Killed(Exception):
+        pass
+
+    calls = []
+
+    def kill_after_two(phase, done, total):
+        calls.append(done)
+        if len(calls) == 3:  # after two batches (and their checkpoint)
+            raise Killed
+
+    with pytest.raises(Killed):
+        fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
+            options=FitOptions(k=2, lambda_=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
+            progress=kill_after_two)
+    assert checkpoint.is_file()
+    resumed_calls = []
+    resumed = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
+                  options=FitOptions(k=2, lambda_=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
+                  progress=lambda *a: resumed_calls.append(a))
+    assert resumed_calls[0][1] == 2 * 8 * 32  # started after the two checkpointed batches
+    for name, tensor in clean.tensors.items():
+        torch.testing.assert_close(resumed.tensors[name], tensor, atol=1e-6, rtol=1e-6)
