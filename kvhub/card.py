@@ -145,7 +145,7 @@ def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str]) 
     calibration = metadata.get("calibration") or {}
     sections = [
         f"\n# {source['model_id']} → {target['model_id']} KV-cache mapper ({version_tag})\n",
-        "A [kvhub](https://github.com/kvhub/kvhub) mapper: per-layer affine maps (ridge regression on "
+        "A kvhub mapper: per-layer affine maps (ridge regression on "
         "calibration statistics, rotary embedding stripped from the keys) that turn the KV cache of the "
         f"**source** model into the cache the **target** model would have computed for the same tokens, so "
         "the target continues from the source's prefill without re-reading the context.  It is an "
@@ -169,10 +169,14 @@ def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str]) 
     return "\n".join(sections)
 
 
+def _short(digest: str | None) -> str:
+    return f"`{digest[:12]}`" if digest else "-"
+
+
 def _validity_section(source: dict, target: dict) -> str:
     rows = "\n".join(
-        f"| {role} | `{fp['model_id']}` | {_fmt(fp.get('revision'))} | `{str(fp.get('config_hash'))[:12]}` | "
-        f"`{str(fp.get('tokenizer_hash'))[:12]}` | {fp.get('num_layers')} | "
+        f"| {role} | `{fp['model_id']}` | {_fmt(fp.get('revision'))} | {_short(fp.get('config_hash'))} | "
+        f"{_short(fp.get('tokenizer_hash'))} | {fp.get('num_layers')} | "
         f"{fp.get('num_kv_heads')} x {fp.get('head_dim')} |"
         for role, fp in (("source", source), ("target", target))
     )

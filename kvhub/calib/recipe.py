@@ -88,7 +88,7 @@ class Source:
 
     def summary(self) -> str:
         """One line naming the source, e.g. ``pypi:spdx==2.5.1 spdx/data/*.txt``."""
-        files = " ".join(self.files)
+        files = " ".join(self.files) if len(self.files) <= 2 else f"{self.files[0]} (+{len(self.files) - 1} more)"
         if self.kind == "pypi":
             return f"pypi:{self.package}=={self.version} {files}".strip()
         if self.kind == "debian":
@@ -385,12 +385,12 @@ def recipe_from_spec(spec: str) -> Recipe:
     path = Path(spec).expanduser()
     if spec.endswith(".toml"):
         return read_recipe_file(path)
+    if spec in builtin_names():  # a bare built-in name wins over a same-named directory: write ./docs for that
+        return read_recipe_file(catalog_dir() / f"{spec}.toml")
     if path.exists():
         source = Source(kind="path", format="auto", path=str(path.resolve()))
         stem = path.resolve().name.split(".")[0]
         return _user_recipe(_slug(stem), source, f"user text from {path}")
-    if spec in builtin_names():
-        return read_recipe_file(catalog_dir() / f"{spec}.toml")
     if os.sep in spec or path.suffix in (".txt", ".jsonl", ".json", ".md", ".gz"):
         raise ConfigError(f"calibration text {spec} does not exist; check the path")
     raise _unknown(spec)

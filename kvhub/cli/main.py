@@ -41,6 +41,7 @@ def _attach() -> None:
 
     main.add_command(fit_cmd.fit)
     # Command families register below, one line each.
+    from . import hub_cmd; hub_cmd.attach(main)  # push, pull, search (kvhub.hub)
 
 
 _attach()

@@ -1,6 +1,7 @@
 """SQLAlchemy models of the store (the live schema; migrations never import this module).
 
 Tables
+    store_properties  store-wide settings (the store id)
     models            one row per model fingerprint (name + revision + config hash + tokenizer hash)
     calibration_sets  one row per (name, recipe version, content hash)
     mapper_series     one row per (source name, target name, calibration name): the triple a reference
@@ -55,6 +56,15 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class StorePropertyRow(Base):
+    """Store-wide settings; ``store_id`` (set by the first migration) names this store's artifact folder."""
+
+    __tablename__ = "store_properties"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String)
 
 
 class ModelRow(Base):

@@ -1,4 +1,4 @@
-"""Initial store schema: models, calibration sets, series, versions, aliases, metrics.
+"""Initial store schema: store properties, models, calibration sets, series, versions, aliases, metrics.
 
 Revision ID: 0001_initial_schema
 Revises:
@@ -8,6 +8,7 @@ Tables are written out here (never imported from kvhub.store.schema) so this scr
 what it meant when it was written.  Constraint names follow kvhub.store.schema.NAMING_CONVENTION.
 """
 
+import uuid
 from typing import Sequence, Union
 
 import sqlalchemy as sa
@@ -26,6 +27,16 @@ def _id() -> sa.Column:
 
 
 def upgrade() -> None:
+    properties = op.create_table(
+        "store_properties",
+        sa.Column("name", sa.String(64), nullable=False),
+        sa.Column("value", sa.String(), nullable=False),
+        sa.PrimaryKeyConstraint("name", name="pk_store_properties"),
+    )
+    # The store id names this store's folder under the artifacts directory, so two stores sharing
+    # that directory never collect each other's artifacts.
+    op.bulk_insert(properties, [{"name": "store_id", "value": uuid.uuid4().hex}])
+
     op.create_table(
         "models",
         _id(),
@@ -171,3 +182,4 @@ def downgrade() -> None:
     op.drop_index("ix_models_family", table_name="models")
     op.drop_index("ix_models_name", table_name="models")
     op.drop_table("models")
+    op.drop_table("store_properties")

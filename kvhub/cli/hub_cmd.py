@@ -1,0 +1,129 @@
+"""``kvhub push`` / ``kvhub pull`` / ``kvhub search``: the Hugging Face Hub side of the store."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .console import console, err_console
+
+_DB_HELP = "Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir)."
+
+
+def _store(db):
+    from ..store import open_store
+
+    return open_store(db)
+
+
+@click.command()
+@click.argument("ref")
+@click.option("--repo", "repo_id", required=True, help="Hub repository OWNER/NAME (created if missing).")
+@click.option("--private", is_flag=True, help="Create the repository private (refused if it exists and is public).")
+@click.option("--branch", default="main", show_default=True, help="Branch that receives the commit (created if missing).")
+@click.option("--card", type=click.Choice(["auto", "keep", "replace"]), default="auto", show_default=True,
+              help="README.md: auto = replace it unless it was edited on the Hub; keep; replace.")
+@click.option("--db", default=None, help=_DB_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def push(ref, repo_id, private, branch, card, db, as_json):
+    """Publish the mapper version REF to the Hub: one commit, tagged vN.
+
+    \b
+    kvhub push qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@latest --repo acme/kvmap-qwen-legal
+
+    The commit holds mapper.safetensors, mapper.json and a generated model card (README.md); the tag
+    (v3 for version 3) keeps every published version reachable.  Pushing a version again does nothing.
+    A README.md edited on the Hub is kept unless --card replace.  Needs a write token (HF_TOKEN or
+    `hf auth login`).
+    """
+    from ..hub import push as push_version
+
+    result = push_version(_store(db), ref, repo_id, private=private, branch=branch, card=card)
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False)
+    if as_json:
+        click.echo(json.dumps({"repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
+                               "branch": result.branch, "url": result.url, "card": result.card,
+                               "already_published": result.already_published}, indent=2))
+    elif result.already_published:
+        console.print(f"{ref} is already published as {result.repo_id}@{result.tag} "
+                      f"(commit {result.commit_sha[:12]}); nothing to do", highlight=False)
+    else:
+        console.print(f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on "
+                      f"{result.branch}, card {result.card})\n{result.url}", highlight=False)
+
+
+@click.command()
+@click.argument("repo")
+@click.option("--revision", default=None, help="Branch, tag or commit (same as OWNER/NAME@REVISION; default main).")
+@click.option("--db", default=None, help=_DB_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def pull(repo, revision, db, as_json):
+    """Download a mapper from the Hub, verify it, and register it in the store.
+
+    \b
+    kvhub pull acme/kvmap-qwen-legal@v3
+
+    Checks the artifact format version, the sha256 of the tensors and the fingerprints before anything
+    is registered; records where it came from (repository, revision, commit).  Pulling again is a
+    no-op.  With HF_HUB_OFFLINE=1 only the local Hugging Face cache is used.
+    """
+    from ..hub import pull as pull_repo
+
+    store = _store(db)
+    result = pull_repo(store, repo, revision=revision)
+    reference = store.reference(result.version)
+    if as_json:
+        click.echo(json.dumps({"reference": reference, "repo_id": result.repo_id, "revision": result.revision,
+                               "commit_sha": result.commit_sha, "already_registered": result.already_registered},
+                              indent=2))
+    elif result.already_registered:
+        console.print(f"{result.repo_id}@{result.revision} is already in the store as {reference}; nothing to do",
+                      highlight=False)
+    else:
+        console.print(f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> "
+                      f"registered {reference}", highlight=False)
+
+
+@click.command()
+@click.option("--src", default=None, help="Source model id (as in the card's base_model).")
+@click.option("--dst", default=None, help="Target model id.")
+@click.option("--calib", default=None, help="Calibration-set name.")
+@click.option("--author", default=None, help="Only repositories of this user or organisation.")
+@click.option("--limit", type=int, default=100, show_default=True, help="Most repositories to look at.")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON on stdout.")
+def search(src, dst, calib, author, limit, as_json):
+    """List mappers published on the Hub (library_name: kvhub), e.g. for a model pair.
+
+    \b
+    kvhub search --src Qwen/Qwen2.5-Coder-0.5B-Instruct --dst Qwen/Qwen2.5-Coder-1.5B-Instruct
+    """
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from ..hub import search as search_hub
+
+    found = search_hub(source=src, target=dst, calibration=calib, author=author, limit=limit)
+    if as_json:
+        click.echo(json.dumps([asdict(m) for m in found], indent=2))
+        return
+    if not found:
+        err_console.print("no kvhub mappers on the Hub match; publish one with `kvhub push`")
+        return
+    table = Table()
+    for column in ("repository", "source", "target", "calibration", "version", "k", "R2 K", "R2 V", "updated"):
+        table.add_column(column)
+    for m in found:
+        r2 = [m.metrics.get(f"heldout_r2_{kind}_mean") for kind in ("k", "v")]
+        table.add_row(m.repo_id + (" (private)" if m.private else ""), m.source, m.target, m.calibration or "-",
+                      m.version or "-", str(m.k if m.k is not None else "-"),
+                      *(f"{x:.3f}" if isinstance(x, (int, float)) else "-" for x in r2), (m.last_modified or "")[:10])
+    console.print(table)
+
+
+def attach(group: click.Group) -> None:
+    """Register push, pull and search on the ``kvhub`` group."""
+    for command in (push, pull, search):
+        group.add_command(command)

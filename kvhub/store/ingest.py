@@ -1,0 +1,226 @@
+"""From an artifact's mapper.json to store rows (read without torch: registering stays light).
+
+The store understands the metadata of artifact format versions :data:`SUPPORTED_FORMAT_VERSIONS`;
+tests check that kvhub.mapper.FORMAT_VERSION is among them, so a format bump cannot slip past the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from .. import __version__
+from ..errors import ArtifactError, ConfigError, FormatVersionError, IntegrityError, NonFiniteError
+from .artifacts import StoredArtifact
+from .refs import LATEST
+from .schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = "mapper.json"
+SUPPORTED_FORMAT_VERSIONS = (1,)
+_FINGERPRINT_FIELDS = ("model_id", "model_type", "family", "config_hash", "num_layers", "num_kv_heads", "head_dim")
+METRIC_FIELDS = ("name", "value", "split", "task", "layer", "n", "seed")
+
+
+def _identity(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def read_checked_metadata(directory: Path, hashes: dict[str, str]) -> dict:
+    """mapper.json of an artifact copy, checked against the file hashes taken while copying it."""
+    path = directory / METADATA_FILE
+    if METADATA_FILE not in hashes:
+        raise ArtifactError(f"{METADATA_FILE} is missing; not a kvhub mapper artifact (write one with `kvhub fit`)")
+    try:
+        metadata = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{METADATA_FILE} is not valid JSON ({exc}); the artifact is corrupt, re-fit it") from exc
+    _check_format(metadata)
+    tensors = metadata.get("tensors") or {}
+    name, expected = tensors.get("file"), tensors.get("sha256")
+    if name not in hashes or not expected:
+        raise ArtifactError(f"{METADATA_FILE} names tensor file {name!r}, which the artifact lacks; re-fit it")
+    if hashes[name] != expected:
+        raise IntegrityError(
+            f"{name} has sha256 {hashes[name]}, but {METADATA_FILE} records {expected}: the artifact was "
+            "modified or corrupted; re-fit it or fetch it again"
+        )
+    return metadata
+
+
+def _check_format(metadata: dict) -> None:
+    version = metadata.get("format_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{METADATA_FILE} has no integer format_version; the artifact is corrupt")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise FormatVersionError(
+            f"artifact format version {version} is not one this kvhub ({__version__}) stores "
+            f"({', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade with `pip install -U kvhub`"
+        )
+    for side in ("source", "target"):
+        missing = [f for f in _FINGERPRINT_FIELDS if f not in (metadata.get(side) or {})]
+        if missing:
+            raise ArtifactError(f"{METADATA_FILE} {side} fingerprint lacks {', '.join(missing)}; re-fit the mapper")
+    if not (metadata.get("calibration") or {}).get("name"):
+        raise ArtifactError(f"{METADATA_FILE} names no calibration set; re-fit the mapper")
+
+
+# ---- get-or-create (a concurrent insert of the same row raises IntegrityError; the caller retries) ---
+def model_row(session: Session, fingerprint: dict) -> ModelRow:
+    identity = _identity(
+        fingerprint["model_id"], fingerprint.get("revision"), fingerprint["config_hash"], fingerprint.get("tokenizer_hash")
+    )
+    row = session.scalar(select(ModelRow).where(ModelRow.identity_sha256 == identity))
+    if row is None:
+        row = ModelRow(
+            identity_sha256=identity,
+            name=fingerprint["model_id"],
+            revision=fingerprint.get("revision"),
+            model_type=fingerprint["model_type"],
+            family=fingerprint["family"],
+            config_hash=fingerprint["config_hash"],
+            tokenizer_hash=fingerprint.get("tokenizer_hash"),
+            num_layers=fingerprint["num_layers"],
+            num_kv_heads=fingerprint["num_kv_heads"],
+            head_dim=fingerprint["head_dim"],
+            rope=fingerprint.get("rope") or {},
+            layer_types=fingerprint.get("layer_types") or [],
+            fingerprint=fingerprint,
+        )
+        session.add(row)
+        session.flush()
+    return row
+
+
+def calibration_row(session: Session, calibration: dict) -> CalibrationSetRow:
+    version = calibration.get("version")
+    version = None if version is None else str(version)
+    identity = _identity(calibration["name"], version, calibration.get("content_hash"))
+    row = session.scalar(select(CalibrationSetRow).where(CalibrationSetRow.identity_sha256 == identity))
+    if row is None:
+        row = CalibrationSetRow(
+            identity_sha256=identity,
+            name=calibration["name"],
+            version=version,
+            content_hash=calibration.get("content_hash"),
+            tokens=calibration.get("tokens"),
+            recipe=calibration,
+        )
+        session.add(row)
+        session.flush()
+    return row
+
+
+def series_row(session: Session, source: str, target: str, calibration: str) -> SeriesRow:
+    key = (SeriesRow.source_name == source, SeriesRow.target_name == target, SeriesRow.calibration_name == calibration)
+    row = session.scalar(select(SeriesRow).where(*key))
+    if row is None:
+        row = SeriesRow(source_name=source, target_name=target, calibration_name=calibration, last_version=0)
+        session.add(row)
+        session.flush()
+    return row
+
+
+def next_version(session: Session, series: SeriesRow) -> int:
+    """Increment the series counter; the row lock (PostgreSQL) / write lock (SQLite) orders writers."""
+    statement = (
+        update(SeriesRow.__table__)
+        .where(SeriesRow.__table__.c.id == series.id)
+        .values(last_version=SeriesRow.__table__.c.last_version + 1)
+        .returning(SeriesRow.__table__.c.last_version)
+    )
+    return session.execute(statement).scalar_one()
+
+
+def set_alias(session: Session, series_id: int, name: str, version_id: int) -> None:
+    """Point alias ``name`` of a series at ``version_id`` (created or moved)."""
+    row = session.scalar(select(AliasRow).where(AliasRow.series_id == series_id, AliasRow.name == name))
+    if row is None:
+        session.add(AliasRow(series_id=series_id, name=name, version_id=version_id))
+    else:
+        row.version_id, row.updated_at = version_id, utcnow()
+    session.flush()
+
+
+# ---- the version row -----------------------------------------------------------------------------
+def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None) -> int:
+    """Insert the next version of the artifact's triple, its metrics, and move ``latest``; returns its id."""
+    source = model_row(session, metadata["source"])
+    target = model_row(session, metadata["target"])
+    calibration = calibration_row(session, metadata["calibration"])
+    series = series_row(session, source.name, target.name, calibration.name)
+    number = next_version(session, series)
+    lam = metadata.get("lambda")
+    row = VersionRow(
+        series_id=series.id,
+        version=number,
+        source_model_id=source.id,
+        target_model_id=target.id,
+        calibration_set_id=calibration.id,
+        k=metadata.get("k"),
+        ridge_lambda=float(lam) if isinstance(lam, (int, float)) and not isinstance(lam, bool) else None,
+        selected_layers=metadata.get("layers") or [],
+        artifact_sha256=stored.sha256,
+        tensors_sha256=metadata["tensors"]["sha256"],
+        artifact_bytes=stored.bytes,
+        artifact_location=stored.location,
+        format_version=metadata["format_version"],
+        kvhub_version=metadata.get("kvhub_version"),
+        lineage=lineage,
+    )
+    session.add(row)
+    session.flush()
+    measured_by = metadata.get("kvhub_version") or __version__
+    session.add_all(metric_row(row.id, m, kvhub_version=measured_by) for m in metadata_metrics(metadata))
+    set_alias(session, series.id, LATEST, row.id)
+    return row.id
+
+
+def metadata_metrics(metadata: dict) -> list[dict]:
+    """Metrics recorded in mapper.json: numeric entries of ``metrics`` and per-layer held-out R^2.
+
+    Non-finite values are skipped with a warning (the artifact keeps them); non-numeric entries too.
+    """
+    found = [{"name": name, "value": value} for name, value in sorted((metadata.get("metrics") or {}).items())]
+    for layer in metadata.get("layers") or []:
+        for name in ("r2_k", "r2_v"):
+            if name in layer:
+                found.append({"name": name, "value": layer[name], "split": "heldout", "layer": layer.get("target")})
+    kept = []
+    for metric in found:
+        value = metric["value"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            log.warning("not storing metric %s=%r from mapper.json (not a finite number)", metric["name"], value)
+            continue
+        kept.append(metric)
+    return kept
+
+
+def metric_row(version_id: int, metric: dict, *, kvhub_version: str) -> MetricRow:
+    """A MetricRow from {name, value, split?, task?, layer?, n?, seed?}; unknown keys are an error."""
+    unknown = set(metric) - set(METRIC_FIELDS)
+    if unknown or "name" not in metric or "value" not in metric:
+        raise ConfigError(
+            f"metric {metric!r} needs a name and a value, and may only have the keys {', '.join(METRIC_FIELDS)}"
+        )
+    value = metric["value"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise NonFiniteError(f"metric {metric['name']!r} has value {value!r}; only finite numbers are stored")
+    return MetricRow(
+        version_id=version_id,
+        name=str(metric["name"]),
+        value=float(value),
+        split=metric.get("split"),
+        task=metric.get("task"),
+        layer=metric.get("layer"),
+        n=metric.get("n"),
+        seed=metric.get("seed"),
+        kvhub_version=kvhub_version,
+    )

@@ -1,0 +1,476 @@
+"""The Store: mapper versions in a SQL database, their artifacts in a content-addressed directory.
+
+Registration protocol (what makes a killed process harmless):
+
+1. take the artifact directory's shared lock (gc takes it exclusive);
+2. copy the artifact into ``.tmp``, hashing while copying; check mapper.json against the hashes;
+   fsync; rename into ``sha256/<2 hex>/<digest>`` (or reuse an identical stored copy);
+3. in one transaction: get-or-create model and calibration rows, take the next version number from
+   the series counter, insert the version row and its metrics, move ``latest``; commit;
+4. release the lock.
+
+A kill before 3 commits leaves no row, only an unreferenced directory or ``.tmp`` debris, which
+``gc`` removes (it holds the exclusive lock, so nothing it sees is in flight).  Transactions that lose
+a race (a duplicate insert of a new model or triple, a deadlock, SQLite's lock timeout) are retried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from .. import __version__
+from ..artifact import AtomicDirectory, fsync_dir
+from ..errors import ConfigError, IntegrityError as ArtifactIntegrityError, StoreError
+from . import resolve as rs
+from .artifacts import ArtifactStore, artifact_files, manifest_sha256
+from .engine import make_engine, write_engine
+from .ingest import METADATA_FILE, insert_version, metric_row, read_checked_metadata, set_alias
+from .location import default_artifacts_dir, display_url, resolve_db_url
+from .migrate import ensure_schema
+from .records import MapperVersion, as_utc, version_record
+from .refs import LATEST, Ref, check_alias_name, match_calibration_names, match_model_names, parse_selector
+from .schema import MetricRow, PublicationRow, SeriesRow, StorePropertyRow, VersionRow
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+VersionLike = MapperVersion | Ref | str
+_RETRIES = 12
+_RETRY_SQLSTATES = {"40001", "40P01", "23505"}  # serialization failure, deadlock, unique violation
+
+
+@dataclass
+class GcReport:
+    """What gc removed (or would remove, with ``dry_run``); ``missing``: referenced but absent artifacts."""
+
+    dry_run: bool
+    artifacts: list[tuple[str, int]] = field(default_factory=list)
+    temporaries: list[tuple[str, int]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.artifacts + self.temporaries)
+
+
+def _retryable(exc: DBAPIError) -> bool:
+    original = getattr(exc, "orig", None)
+    if getattr(original, "sqlstate", None) in _RETRY_SQLSTATES:
+        return True
+    text = str(original).lower()
+    return "database is locked" in text or "unique constraint failed" in text
+
+
+def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None) -> "Store":
+    """Open the store at ``db`` (see kvhub.store.location for the default), creating a new one at head.
+
+    Raises SchemaOutdatedError when the database needs ``kvhub db upgrade``.
+    """
+    url = resolve_db_url(db)
+    engine = make_engine(url)
+    try:
+        ensure_schema(engine, url)
+        with Session(engine) as session:
+            store_id = session.get(StorePropertyRow, "store_id").value
+    except BaseException:
+        engine.dispose()
+        raise
+    root = Path(artifacts_dir) if artifacts_dir is not None else default_artifacts_dir(url)
+    return Store(url, engine=engine, artifacts=ArtifactStore(root / store_id))
+
+
+class Store:
+    """Versions, aliases, metrics and publications of mappers.  Build with :func:`open_store`.
+
+    Methods taking ``version`` accept a MapperVersion, a Ref, or a reference string
+    (``SRC:DST[:CALIB][@SELECTOR]``, see kvhub.store.refs).  Use as a context manager or call close().
+    """
+
+    def __init__(self, url: str, *, engine: Engine, artifacts: ArtifactStore):
+        self.url = url
+        self._engine = engine
+        self._artifacts = artifacts
+        self._reader = sessionmaker(engine, expire_on_commit=False)
+        self._writer = sessionmaker(write_engine(engine), expire_on_commit=False)
+
+    @property
+    def artifacts_dir(self) -> Path:
+        """This store's artifact root (``.../artifacts/<store id>``)."""
+        return self._artifacts.root
+
+    def __repr__(self) -> str:
+        return f"Store({display_url(self.url)}, artifacts={self.artifacts_dir})"
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- transactions --------------------------------------------------------------------------
+    def _read(self, work: Callable[[Session], T]) -> T:
+        with self._reader() as session:
+            return work(session)
+
+    def _write(self, work: Callable[[Session], T]) -> T:
+        """Run ``work`` in a write transaction and commit; retry the whole of it on a lost race."""
+        for attempt in range(_RETRIES):
+            with self._writer() as session:
+                try:
+                    result = work(session)
+                    session.commit()
+                    return result
+                except (IntegrityError, OperationalError) as exc:
+                    session.rollback()
+                    if not _retryable(exc) or attempt == _RETRIES - 1:
+                        raise StoreError(f"the store at {display_url(self.url)} refused a write: {exc.orig}") from exc
+                    log.debug("retrying a store transaction after %s", exc.orig)
+            time.sleep(min(2.0, 0.02 * 2**attempt) * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")
+
+    def _row(self, session: Session, version: VersionLike) -> VersionRow:
+        if isinstance(version, MapperVersion):
+            return rs.version_by_id(session, version.id)
+        return rs.resolve_row(session, version if isinstance(version, Ref) else Ref.parse(version))
+
+    def _record(self, session: Session, row: VersionRow) -> MapperVersion:
+        return version_record(row, rs.aliases_by_version(session, [row.id]).get(row.id, []))
+
+    # ---- registering -----------------------------------------------------------------------------
+    def register(self, artifact_dir: str | os.PathLike, *, lineage: dict | None = None) -> MapperVersion:
+        """Copy an artifact directory into the store and register it as the next version of its triple.
+
+        Creates model and calibration-set rows from mapper.json as needed, records its metrics, and
+        moves ``latest``.  ``lineage``: any JSON dict (fit options, parent version, command line).
+        Raises ArtifactError / IntegrityError for a malformed or corrupt artifact (nothing is stored).
+        """
+        _check_json("lineage", lineage)
+        checked: dict = {}
+
+        def check(copy: Path, hashes: dict[str, str]) -> None:
+            checked["metadata"] = read_checked_metadata(copy, hashes)
+
+        with self._artifacts.writing():
+            stored = self._artifacts.put(artifact_dir, check=check)
+            version_id = self._write(lambda s: insert_version(s, checked["metadata"], stored, lineage))
+        version = self.get(version_id)
+        log.info("registered %s (artifact %s)", version.ref, stored.sha256[:12])
+        return version
+
+    def add_metrics(self, version: VersionLike, metrics: list[dict]) -> int:
+        """Record measurements {name, value, split?, task?, layer?, n?, seed?}; returns how many."""
+
+        def work(session: Session) -> int:
+            row = self._row(session, version)
+            session.add_all(metric_row(row.id, metric, kvhub_version=__version__) for metric in metrics)
+            return len(metrics)
+
+        return self._write(work)
+
+    def add_publication(
+        self, version: VersionLike, repo_id: str, revision: str | None, commit_sha: str | None
+    ) -> dict:
+        """Record that ``version`` was pushed to ``repo_id`` at ``revision`` (tag/branch), ``commit_sha``."""
+
+        def work(session: Session) -> dict:
+            row = self._row(session, version)
+            publication = PublicationRow(version_id=row.id, repo_id=repo_id, revision=revision, commit_sha=commit_sha)
+            session.add(publication)
+            session.flush()
+            return _publication_dict(publication)
+
+        return self._write(work)
+
+    # ---- finding ---------------------------------------------------------------------------------
+    def get(self, version_id: int) -> MapperVersion:
+        """The version with database id ``version_id``."""
+        return self._read(lambda s: self._record(s, rs.version_by_id(s, version_id)))
+
+    def resolve(self, ref: VersionLike) -> MapperVersion:
+        """The version a reference names (NotFoundError / AmbiguousError otherwise)."""
+        return self._read(lambda s: self._record(s, self._row(s, ref)))
+
+    def find(
+        self, source: str, target: str, *, calibration: str | None = None, version: int | str | None = None,
+        alias: str | None = None,
+    ) -> MapperVersion:
+        """Like :meth:`resolve` with each part given separately (model ids may then contain ':')."""
+        if version is not None and alias is not None:
+            raise ConfigError("pass either a version or an alias, not both")
+        number, named = parse_selector(version) if version is not None else (None, None)
+        if alias is not None:
+            named = check_alias_name(alias) if alias != LATEST else alias
+        return self.resolve(Ref(source, target, calibration, number, named))
+
+    def versions(
+        self, *, source: str | None = None, target: str | None = None, calibration: str | None = None,
+        family: str | None = None, min_metrics: dict[str, float] | None = None,
+    ) -> list[MapperVersion]:
+        """Every version matching all filters, ordered by triple then version number.
+
+        source/target match like references (full id or short name, case-insensitive); ``family``
+        is the source model's family; ``min_metrics`` {name: threshold} keeps versions with some
+        measurement of ``name`` >= threshold.
+        """
+        return self._read(lambda s: self._versions(s, source, target, calibration, family, min_metrics or {}))
+
+    def _versions(self, session, source, target, calibration, family, min_metrics) -> list[MapperVersion]:
+        query = rs._versions().join(VersionRow.series)
+        series = session.scalars(select(SeriesRow)).all()
+        if source is not None:
+            query = query.where(SeriesRow.source_name.in_(match_model_names(source, [s.source_name for s in series])))
+        if target is not None:
+            query = query.where(SeriesRow.target_name.in_(match_model_names(target, [s.target_name for s in series])))
+        if calibration is not None:
+            names = match_calibration_names(calibration, [s.calibration_name for s in series])
+            query = query.where(SeriesRow.calibration_name.in_(names))
+        if family is not None:
+            from .schema import ModelRow
+
+            query = query.where(VersionRow.source_model.has(ModelRow.family.ilike(family)))
+        for name, threshold in min_metrics.items():
+            passing = select(MetricRow.version_id).where(MetricRow.name == name, MetricRow.value >= float(threshold))
+            query = query.where(VersionRow.id.in_(passing))
+        query = query.order_by(SeriesRow.source_name, SeriesRow.target_name, SeriesRow.calibration_name, VersionRow.version)
+        rows = session.scalars(query).unique().all()
+        aliases = rs.aliases_by_version(session, [row.id for row in rows])
+        return [version_record(row, aliases.get(row.id, [])) for row in rows]
+
+    def metrics(self, version: VersionLike, *, names: list[str] | None = None) -> list[dict]:
+        """Measurements of a version, oldest first."""
+
+        def work(session: Session) -> list[dict]:
+            row = self._row(session, version)
+            query = select(MetricRow).where(MetricRow.version_id == row.id)
+            if names is not None:
+                query = query.where(MetricRow.name.in_(names))
+            return [_metric_dict(m) for m in session.scalars(query.order_by(MetricRow.measured_at, MetricRow.id))]
+
+        return self._read(work)
+
+    def publications(self, version: VersionLike) -> list[dict]:
+        """Hub publications of a version, oldest first."""
+
+        def work(session: Session) -> list[dict]:
+            row = self._row(session, version)
+            query = select(PublicationRow).where(PublicationRow.version_id == row.id).order_by(PublicationRow.id)
+            return [_publication_dict(p) for p in session.scalars(query)]
+
+        return self._read(work)
+
+    def describe(self, version: VersionLike) -> dict:
+        """Everything about a version: the record, both model fingerprints, calibration set, metrics,
+        publications and the artifact path (JSON-ready)."""
+
+        def work(session: Session) -> dict:
+            row = self._row(session, version)
+            data = self._record(session, row).to_dict()
+            data["source_model"] = _model_dict(row.source_model)
+            data["target_model"] = _model_dict(row.target_model)
+            data["calibration_set"] = _calibration_dict(row.calibration_set)
+            return data
+
+        data = self._read(work)
+        data["metrics"] = self.metrics(data["ref"])
+        data["publications"] = self.publications(data["ref"])
+        data["artifact_path"] = str(self._artifacts.path(data["artifact_location"]))
+        return data
+
+    # ---- artifacts -------------------------------------------------------------------------------
+    def artifact_path(self, version: VersionLike) -> Path:
+        """Path of a version's artifact directory, verified except for the tensor bytes.
+
+        Every file but the tensor file is re-hashed against the recorded content address; the tensor
+        file enters with its recorded sha256, which mapper.json must carry too, and whose bytes
+        Mapper.load verifies when it reads them (so they are hashed once per load, not twice).
+        Use :meth:`verify` to hash everything.
+        """
+        record = version if isinstance(version, MapperVersion) else self.resolve(version)
+        metadata_path = self._artifacts.path(record.artifact_location) / METADATA_FILE
+        tensor_file = self._tensor_file(metadata_path, record)
+        path = self._artifacts.verify(
+            record.artifact_location, sha256=record.artifact_sha256, trusted={tensor_file: record.tensors_sha256}
+        )
+        return path
+
+    def _tensor_file(self, metadata_path: Path, record: MapperVersion) -> str:
+        try:
+            tensors = json.loads(metadata_path.read_text())["tensors"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""  # verify() below reports the missing or altered file
+        if tensors.get("sha256") != record.tensors_sha256:
+            return ""
+        return tensors.get("file", "")
+
+    def verify(self, version: VersionLike) -> Path:
+        """Hash every file of a version's artifact against its content address; returns the path."""
+        record = version if isinstance(version, MapperVersion) else self.resolve(version)
+        return self._artifacts.verify(record.artifact_location, sha256=record.artifact_sha256)
+
+    def export(self, version: VersionLike, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Copy a version's artifact to ``directory`` (atomically), verifying every byte copied."""
+        from .artifacts import _copy_hashing
+
+        record = version if isinstance(version, MapperVersion) else self.resolve(version)
+        source = self.artifact_path(record)
+        with AtomicDirectory(directory, overwrite=overwrite) as tmp:
+            hashes = {name: _copy_hashing(path, tmp / name) for name, path in artifact_files(source).items()}
+            if manifest_sha256(hashes) != record.artifact_sha256:
+                raise ArtifactIntegrityError(
+                    f"artifact of {record.ref} changed on disk (manifest {manifest_sha256(hashes)}, recorded "
+                    f"{record.artifact_sha256}); nothing was exported. Re-import or pull it again"
+                )
+        return Path(directory)
+
+    # ---- aliases and removal ---------------------------------------------------------------------
+    def tag(self, version: VersionLike, alias: str) -> MapperVersion:
+        """Point ``alias`` of the version's triple at it (moving it if set); returns the version."""
+        _check_movable(alias)
+
+        def work(session: Session) -> int:
+            row = self._row(session, version)
+            set_alias(session, row.series_id, alias, row.id)
+            return row.id
+
+        return self.get(self._write(work))
+
+    def untag(self, version: VersionLike, alias: str) -> MapperVersion:
+        """Remove ``alias`` from a triple; with a version selector, only if it points at that version.
+
+        Returns the version the alias pointed at.
+        """
+        _check_movable(alias)
+        ref = version if isinstance(version, Ref) else None
+        if isinstance(version, str):
+            ref = Ref.parse(version)
+        if isinstance(version, MapperVersion):
+            ref = Ref(version.source, version.target, version.calibration, version.version)
+        return self._write(lambda s: self._untag(s, ref, alias))
+
+    def _untag(self, session: Session, ref: Ref, alias: str) -> MapperVersion:
+        series = rs.find_series(session, ref)
+        pointed = rs.select_version(session, series, version=None, alias=alias)
+        if ref.version is not None and pointed.version != ref.version or ref.alias not in (None, alias):
+            wanted = f"v{ref.version}" if ref.version is not None else ref.alias
+            raise ConfigError(
+                f"{alias!r} points at v{pointed.version}, not {wanted}; to remove it anyway name the triple "
+                f"without a selector: `kvhub untag {series.source_name}:{series.target_name}:{series.calibration_name} {alias}`"
+            )
+        record = self._record(session, pointed)
+        from .schema import AliasRow
+
+        session.execute(
+            AliasRow.__table__.delete().where(AliasRow.series_id == series.id, AliasRow.name == alias)
+        )
+        return record
+
+    def remove(self, version: VersionLike, *, force: bool = False) -> MapperVersion:
+        """Delete a version (its metrics, publications and aliases go with it) and, unless another
+        version shares it, its artifact.  Refuses while an alias other than ``latest`` points at it,
+        unless ``force``.  Version numbers are never reused; ``latest`` moves to the newest remaining.
+        """
+        record = self._write(lambda s: self._remove(s, version, force))
+        self._collect([record.artifact_location])
+        return record
+
+    def _remove(self, session: Session, version: VersionLike, force: bool) -> MapperVersion:
+        row = self._row(session, version)
+        record = self._record(session, row)
+        pinned = [a for a in record.aliases if a != LATEST]
+        if pinned and not force:
+            names = ", ".join(pinned)
+            raise StoreError(
+                f"{record.ref} is {names}; move the alias first (`kvhub tag REF@vN {pinned[0]}`), remove it "
+                f"(`kvhub untag {record.ref} {pinned[0]}`), or pass --force"
+            )
+        series_id = row.series_id
+        session.delete(row)
+        session.flush()
+        newest = rs.newest_version(session, series_id)
+        if newest is not None:
+            set_alias(session, series_id, LATEST, newest.id)
+        return record
+
+    # ---- garbage collection ----------------------------------------------------------------------
+    def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Remove artifact directories no version references and debris of killed writers.
+
+        Holds the artifact store's exclusive lock, so no registration is between writing its
+        artifact and committing its row: a directory without a row is provably unreferenced.
+        """
+        report = GcReport(dry_run=dry_run)
+        with self._artifacts.collecting():
+            referenced = set(self._read(lambda s: s.scalars(select(VersionRow.artifact_location)).all()))
+            stored = set(self._artifacts.locations())
+            report.missing = sorted(referenced - stored)
+            for location in sorted(stored - referenced):
+                report.artifacts.append((location, self._artifacts.size(self._artifacts.path(location))))
+                if not dry_run:
+                    self._artifacts.remove(location)
+            for path in self._artifacts.temporaries():
+                report.temporaries.append((path.name, self._artifacts.size(path)))
+                if not dry_run:
+                    self._artifacts.remove_temporary(path)
+        return report
+
+    def _collect(self, locations: list[str]) -> None:
+        """Remove these artifacts if no version references them any more."""
+        with self._artifacts.collecting():
+            query = select(VersionRow.artifact_location).where(VersionRow.artifact_location.in_(locations))
+            referenced = set(self._read(lambda s: s.scalars(query).all()))
+            for location in set(locations) - referenced:
+                self._artifacts.remove(location)
+
+
+def _check_movable(alias: str) -> None:
+    if alias == LATEST:
+        raise ConfigError("`latest` is maintained by the store (it follows the newest version); use another alias")
+    check_alias_name(alias)
+
+
+def _check_json(what: str, value) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must be JSON-serialisable ({exc}); pass plain dicts, lists, strings and numbers") from exc
+
+
+def _metric_dict(row: MetricRow) -> dict:
+    return {
+        "name": row.name, "value": row.value, "split": row.split, "task": row.task, "layer": row.layer,
+        "n": row.n, "seed": row.seed, "measured_at": as_utc(row.measured_at).isoformat(),
+        "kvhub_version": row.kvhub_version,
+    }
+
+
+def _publication_dict(row: PublicationRow) -> dict:
+    return {
+        "repo_id": row.repo_id, "revision": row.revision, "commit_sha": row.commit_sha,
+        "published_at": as_utc(row.published_at).isoformat(),
+    }
+
+
+def _model_dict(row) -> dict:
+    fields = ("name", "revision", "model_type", "family", "config_hash", "tokenizer_hash", "num_layers",
+              "num_kv_heads", "head_dim", "rope", "layer_types")
+    return {name: getattr(row, name) for name in fields}
+
+
+def _calibration_dict(row) -> dict:
+    return {"name": row.name, "version": row.version, "content_hash": row.content_hash, "tokens": row.tokens,
+            "recipe": row.recipe}

@@ -1,0 +1,198 @@
+"""Multiple-choice accuracy retention: the target with its own cache, from the mapped cache, the source alone.
+
+Each item (context, continuations, label) is scored lm-eval-harness style: the log-likelihood of each
+continuation's tokens given the context; ``acc`` takes the argmax of the sum, ``acc_norm`` of the sum
+divided by the continuation's length in characters.  Three conditions:
+
+- ``own``:    the target over context + continuation;
+- ``mapped``: the source prefills context[:-1], the mapper turns that cache into the target's, the
+              target consumes the last context token and the continuation (the handoff);
+- ``source``: the source model alone over context + continuation.
+
+Retention = acc(mapped) / acc(own); gap closed = (acc(mapped) - acc(source)) / (acc(own) - acc(source)).
+Per item we also record the attention-output cosine between own and mapped at the continuation tokens
+(mean over layers), and top-1 agreement / KL of the target's next-token distribution after the context.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .handoff import prepare_cache
+
+
+@dataclass
+class ItemScore:
+    """Per-item outcome.  correct_*: 1/0 for acc; correct_norm_*: for acc_norm."""
+
+    id: str
+    correct_own: int
+    correct_mapped: int
+    correct_source: int
+    correct_norm_own: int
+    correct_norm_mapped: int
+    correct_norm_source: int
+    agree_next: int
+    kl_next: float
+    attn_cosine: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _encode(tokenizer, context: str, continuations: list[str]) -> tuple[list[int], list[list[int]]]:
+    """Token ids of the context and of each continuation (continuation tokenised after the context)."""
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    conts = []
+    for text in continuations:
+        whole = tokenizer(context + text, add_special_tokens=False)["input_ids"]
+        conts.append(whole[len(ctx):] if whole[: len(ctx)] == ctx else tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ctx, conts
+
+
+def _padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
+def _continuation_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int]) -> list[float]:
+    """Sum of log p(ids[t] | <t) over each row's continuation span; logits (B, T, V) align with ids."""
+    logp = F.log_softmax(logits.float(), -1)
+    out = []
+    for row, (start, length) in enumerate(zip(starts, lengths)):
+        positions = torch.arange(start - 1, start - 1 + length)
+        out.append(float(logp[row, positions, ids[row, positions + 1]].sum()))
+    return out
+
+
+class _AttnRecorder:
+    """Forward hooks collecting every decoder layer's attention output (B, T, hidden)."""
+
+    def __init__(self, model):
+        self.outputs: list[torch.Tensor] = []
+        self.handles = [layer.self_attn.register_forward_hook(self._hook) for layer in model.base_model.layers]
+        self.active = False
+
+    def _hook(self, module, inputs, output):
+        if self.active:
+            self.outputs.append((output[0] if isinstance(output, tuple) else output).float())
+
+    def __enter__(self):
+        self.active, self.outputs = True, []
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def score_item(item, *, mapper, source, target, tokenizer, exact_prefix: int = 0,
+               recorder: _AttnRecorder | None = None) -> ItemScore:
+    """Score one multiple-choice item under the three conditions (batch = its continuations)."""
+    device = next(target.parameters()).device
+    ctx, conts = _encode(tokenizer, item.context, item.continuations)
+    n = len(conts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    full_ids, full_mask = _padded([ctx + c for c in conts], pad)
+    full_ids, full_mask = full_ids.to(device), full_mask.to(device)
+    starts, lengths = [len(ctx)] * n, [len(c) for c in conts]
+    with recorder or _null():
+        own_logits = target(input_ids=full_ids, attention_mask=full_mask).logits
+    own_attn = [o[:, len(ctx) - 1 :] for o in recorder.outputs] if recorder else []
+    src_logits = source(input_ids=full_ids, attention_mask=full_mask).logits
+    cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=exact_prefix)
+    cache.batch_repeat_interleave(n)
+    tail_ids, tail_mask = _padded([[ctx[-1]] + c for c in conts], pad)
+    tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)
+    mask = torch.cat([torch.ones(n, len(ctx) - 1, dtype=torch.long, device=device), tail_mask], 1)
+    with recorder or _null():
+        map_logits = target(input_ids=tail_ids, attention_mask=mask, cache=cache, use_cache=True).logits
+    map_attn = list(recorder.outputs) if recorder else []
+    own = _continuation_logprobs(own_logits, full_ids, starts, lengths)
+    src = _continuation_logprobs(src_logits, full_ids, starts, lengths)
+    mapped = _continuation_logprobs(map_logits, tail_ids, [1] * n, lengths)
+    chars = [max(1, len(c)) for c in item.continuations]
+    pick = lambda scores: int(max(range(n), key=lambda i: scores[i]))  # noqa: E731
+    norm = lambda scores: [s / c for s, c in zip(scores, chars)]  # noqa: E731
+    own_next, map_next = F.log_softmax(own_logits[0, len(ctx) - 1].float(), -1), F.log_softmax(map_logits[0, 0].float(), -1)
+    return ItemScore(
+        id=str(item.id),
+        correct_own=int(pick(own) == item.label), correct_mapped=int(pick(mapped) == item.label),
+        correct_source=int(pick(src) == item.label),
+        correct_norm_own=int(pick(norm(own)) == item.label), correct_norm_mapped=int(pick(norm(mapped)) == item.label),
+        correct_norm_source=int(pick(norm(src)) == item.label),
+        agree_next=int(own_next.argmax() == map_next.argmax()),
+        kl_next=float((own_next.exp() * (own_next - map_next)).sum()),
+        attn_cosine=_attn_cosine(own_attn, map_attn, tail_mask),
+    )
+
+
+def _attn_cosine(own: list[torch.Tensor], mapped: list[torch.Tensor], mask: torch.Tensor) -> float:
+    """Mean over layers and real tokens of cos(attention output own, mapped)."""
+    if not own or not mapped:
+        return float("nan")
+    values = []
+    keep = mask.bool()
+    for a, b in zip(own, mapped):
+        width = min(a.shape[1], b.shape[1])
+        a, b = a[:, :width], b[:, :width]
+        cos = F.cosine_similarity(a, b, dim=-1)  # (B, T)
+        both_zero = (a.norm(dim=-1) < 1e-8) & (b.norm(dim=-1) < 1e-8)  # identical (e.g. a disabled layer)
+        cos = torch.where(both_zero, torch.ones_like(cos), cos)
+        values.append(cos[keep[:, :width]].mean())
+    return float(torch.stack(values).mean())
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def summarize(scores: list[ItemScore], *, seed: int = 0, resamples: int = 1000) -> dict:
+    """Accuracies, retention, gap closed, with bootstrap 95% intervals over items."""
+    if not scores:
+        return {"n": 0}
+    rng = random.Random(seed)
+    n = len(scores)
+    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
+    out = {"n": n}
+    for suffix, prefix in (("", "correct_"), ("_norm", "correct_norm_")):
+        cols = {c: [getattr(s, f"{prefix}{c}") for s in scores] for c in ("own", "mapped", "source")}
+        stats = _ratios(cols, range(n))
+        boot = [_ratios(cols, d) for d in draws]
+        for key, value in stats.items():
+            values = sorted(b[key] for b in boot if not math.isnan(b[key]))
+            low, high = (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]) if values else (math.nan, math.nan)
+            out[f"{key}{suffix}"] = value
+            out[f"{key}{suffix}_ci"] = [low, high]
+    out["agree_next"] = sum(s.agree_next for s in scores) / n
+    out["kl_next"] = sum(s.kl_next for s in scores) / n
+    cosines = [s.attn_cosine for s in scores if not math.isnan(s.attn_cosine)]
+    out["attn_cosine"] = sum(cosines) / len(cosines) if cosines else math.nan
+    return out
+
+
+def _ratios(cols: dict[str, list[int]], index) -> dict[str, float]:
+    index = list(index)
+    acc = {c: sum(cols[c][i] for i in index) / len(index) for c in cols}
+    retention = acc["mapped"] / acc["own"] if acc["own"] else math.nan
+    gap = acc["own"] - acc["source"]
+    return {"acc_own": acc["own"], "acc_mapped": acc["mapped"], "acc_source": acc["source"],
+            "retention": retention, "gap_closed": (acc["mapped"] - acc["source"]) / gap if gap else math.nan}

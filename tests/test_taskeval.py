@@ -1,0 +1,60 @@
+"""Task scoring under own / mapped / source conditions, on an exact family (retention must be 1)."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvhub.fit import FitOptions, fit
+from kvhub.taskeval import ItemScore, _AttnRecorder, score_item, summarize
+from tests.tinymodels import exact_family_target, make_model
+
+
+@dataclass
+class Item:
+    context: str
+    continuations: list
+    label: int
+    id: str
+
+
+class CharTokenizer:
+    """One token per character (ids 1..127), enough to drive the scorer."""
+
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + (ord(c) % 127) for c in text]}
+
+
+@pytest.fixture(scope="module")
+def family():
+    source = make_model("qwen2", num_hidden_layers=2, seed=11)
+    target, _ = exact_family_target(source, insert_before=(1,))
+    ids = torch.randint(1, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+    mapper = fit(source, target, ids[:12], ids[12:], source_id="s", target_id="t",
+                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+    return source, target, mapper
+
+
+def test_exact_family_scores_identically_to_own(family):
+    source, target, mapper = family
+    items = [Item(f"the quick brown fox {i} jumps", [" over", " under the", " x"], i % 3, str(i)) for i in range(6)]
+    recorder = _AttnRecorder(target)
+    scores = [score_item(it, mapper=mapper, source=source, target=target, tokenizer=CharTokenizer(), recorder=recorder)
+              for it in items]
+    recorder.remove()
+    for s in scores:
+        assert s.correct_mapped == s.correct_own and s.correct_norm_mapped == s.correct_norm_own
+        assert s.agree_next == 1 and s.kl_next < 1e-4
+        assert s.attn_cosine > 0.9999
+
+
+def test_summary_retention_gap_and_intervals():
+    scores = [ItemScore(str(i), own, mapped, src, own, mapped, src, 1, 0.0, 1.0)
+              for i, (own, mapped, src) in enumerate([(1, 1, 0)] * 6 + [(1, 0, 0)] * 2 + [(0, 0, 0)] * 2)]
+    out = summarize(scores, resamples=200)
+    assert out["acc_own"] == 0.8 and out["acc_mapped"] == 0.6 and out["acc_source"] == 0.0
+    assert out["retention"] == pytest.approx(0.75) and out["gap_closed"] == pytest.approx(0.75)
+    low, high = out["retention_ci"]
+    assert low <= 0.75 <= high and high - low > 0
