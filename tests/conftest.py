@@ -9,4 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = [
     # "tests.fixtures_store",  (one line per fixture module)
+    "tests.fixtures_calib",
+    "tests.fixtures_store",
+    "tests.fixtures_hub",
 ]

@@ -1,5 +1,5 @@
 """Fixtures for the Hub tests: a local Hub-compatible server, the environment pointing at it, and
-small mapper artifacts built from tiny transformers configs.
+small mapper artifacts (tests.fixtures_store's factory).
 
 huggingface_hub reads HF_ENDPOINT / HF_HUB_OFFLINE / the cache and token paths when it is imported;
 kvhub.hub reads the environment when it runs, and passes ``endpoint=`` and ``cache_dir=`` explicitly,
@@ -13,55 +13,18 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.fixtures_store import DST_ID, SRC_ID, make_store_artifact
 from tests.hub_server import HubServer
 
 ALICE_TOKEN = "hf_aliceTESTtoken0123456789abcdef"
 BOB_TOKEN = "hf_bobTESTtoken0123456789abcdefgh"
-SRC_ID = "tiny-org/tiny-qwen-small"
-DST_ID = "tiny-org/tiny-qwen-large"
-
-_GEOMETRY = {  # (layers, kv heads, head dim) -> a tiny qwen2 config
-    SRC_ID: dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2),
-    DST_ID: dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2),
-}
-
-
-def tiny_fingerprint(model_id: str) -> dict:
-    from transformers import AutoConfig
-
-    from kvhub.fingerprint import model_fingerprint
-
-    config = AutoConfig.for_model("qwen2", vocab_size=64, intermediate_size=64, max_position_embeddings=128,
-                                  **_GEOMETRY[model_id])
-    return model_fingerprint(config, model_id=model_id, revision="0123abc")
 
 
 def make_artifact(directory: Path, *, seed: int = 0, calibration: str = "legal-docs", src: str = SRC_ID,
                   dst: str = DST_ID, images: bool = False) -> Path:
-    """Save a small random Mapper (k=1) as an artifact directory and return its path."""
-    from kvhub.mapper import Mapper
-
-    source, target = tiny_fingerprint(src), tiny_fingerprint(dst)
-    generator = torch.Generator().manual_seed(seed)
-    d_in = source["num_kv_heads"] * source["head_dim"]
-    d_out = target["num_kv_heads"] * target["head_dim"]
-    tensors, layers = {}, []
-    for m in range(target["num_layers"]):
-        sources = [min(m, source["num_layers"] - 1)]
-        for kind in ("k", "v"):
-            tensors[f"{kind}.{m}.weight"] = torch.randn(d_in, d_out, generator=generator)
-            tensors[f"{kind}.{m}.bias"] = torch.randn(d_out, generator=generator)
-        layers.append({"target": m, "sources": sources, "k": 1, "lambda_k": 0.1, "lambda_v": 0.1,
-                       "r2_k": 0.9 - 0.01 * m, "r2_v": 0.8 - 0.01 * m})
-    metadata = {
-        "source": source, "target": target, "k": 1, "lambda": 0.1, "layers": layers, "kind": "ridge",
-        "calibration": {"name": calibration, "version": "1", "content_hash": "c0ffee" * 10 + "abcd", "tokens": 4096},
-        "metrics": {"heldout_r2_k_mean": 0.89, "heldout_r2_v_mean": 0.79, "seed": seed},
-        "created": "2025-01-01T00:00:00Z",
-    }
-    path = Mapper(tensors, metadata).save(directory)
+    """The store tests' small random mapper (k=1) as an artifact directory, plus a PNG when ``images``."""
+    path = make_store_artifact(directory, seed=seed, source=src, target=dst, calibration=calibration)
     if images:
         (path / "heatmap.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(64)))
     return path

@@ -134,7 +134,8 @@ class HubState:
 
     def new_commit(self, repo: dict, parent: str | None, tree: dict, title: str, message: str, user: str) -> str:
         self.counter += 1
-        sha = hashlib.sha1(json.dumps([repo["id"], parent, tree, title, self.counter, time.time()]).encode()).hexdigest()
+        seed = json.dumps([repo["id"], parent, tree, title, self.counter, time.time()])
+        sha = hashlib.sha1(seed.encode()).hexdigest()
         repo["commits"][sha] = {
             "parent": parent, "tree": tree, "title": title, "message": message, "date": _now(), "author": user,
         }
@@ -257,7 +258,7 @@ class Handler(BaseHTTPRequestHandler):
         if (fault := self._fault({"500", "drop"})) is not None:
             if fault.kind == "500":
                 self._body()
-                return self._json(500, {"error": "Internal Error (injected)"}, {"Retry-After": "0"})
+                return self._json(500, {"error": "Internal Error (injected)"})
             length = int(self.headers.get("Content-Length") or 0)
             self.rfile.read(length // 2)
             self.close_connection = True
@@ -508,7 +509,7 @@ class HubServer:
         self._httpd.faults.clear()
 
     def start(self) -> "HubServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="hub-server", daemon=True)
         self._thread.start()
         return self
 

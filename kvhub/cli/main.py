@@ -42,6 +42,8 @@ def _attach() -> None:
     main.add_command(fit_cmd.fit)
     # Command families register below, one line each.
     from . import hub_cmd; hub_cmd.attach(main)  # push, pull, search (kvhub.hub)
+    from . import calib_cmd; calib_cmd.attach(main)  # calib list, show, fetch, build (kvhub.calib)
+    from . import store_cmd; store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db (kvhub.store)
 
 
 _attach()

@@ -22,10 +22,18 @@ class RateColumn(ProgressColumn):
         return Text("" if speed is None else f"{speed:,.0f} {self.unit}", style="progress.data.speed")
 
 
+class CountColumn(ProgressColumn):
+    """completed/total (total may be unknown)."""
+
+    def render(self, task) -> Text:
+        total = "?" if task.total is None else f"{int(task.total):,}"
+        return Text(f"{int(task.completed):,}/{total}")
+
+
 @contextmanager
 def progress_callback(unit: str = "tok/s"):
     """Yield a ``callback(description, completed, total)`` that drives one rich bar per description prefix."""
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+    columns = (TextColumn("{task.description}"), BarColumn(), CountColumn(),
                RateColumn(unit), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=False) as bar:
         tasks: dict[str, int] = {}

@@ -68,7 +68,7 @@ def artifact_files(directory: Path) -> dict[str, Path]:
     return dict(sorted(files.items()))
 
 
-def _copy_hashing(source: Path, destination: Path) -> str:
+def copy_hashing(source: Path, destination: Path) -> str:
     """Copy one file, fsync it, and return the sha256 of the bytes written."""
     digest = hashlib.sha256()
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +201,7 @@ class ArtifactStore:
             raise ArtifactError(f"{source} is not an artifact directory (no files); pass the directory `kvhub fit` wrote")
         tmp = self.root / TMP_DIR / uuid.uuid4().hex
         try:
-            hashes = {name: _copy_hashing(path, tmp / name) for name, path in files.items()}
+            hashes = {name: copy_hashing(path, tmp / name) for name, path in files.items()}
             if check is not None:
                 check(tmp, hashes)
             digest = manifest_sha256(hashes)

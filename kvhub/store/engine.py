@@ -10,6 +10,8 @@ PostgreSQL: plain ``READ COMMITTED``; concurrent writers serialise on the row lo
 
 from __future__ import annotations
 
+import re
+
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -25,8 +27,9 @@ def make_engine(url: str, *, foreign_keys: bool = True) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
         raise ConfigError(
-            f"{url!r} is not a database URL; use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+            f"{shown!r} is not a database URL; use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
         ) from exc
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(url, foreign_keys=foreign_keys)

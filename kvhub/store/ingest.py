@@ -128,13 +128,19 @@ def series_row(session: Session, source: str, target: str, calibration: str) -> 
     return row
 
 
+def lock_series(session: Session, series_id: int) -> None:
+    """Take the series row lock until commit (PostgreSQL; SQLite's BEGIN IMMEDIATE serialises writers).
+
+    Everything that changes a series' counter or aliases takes it first, so those changes are ordered.
+    """
+    session.execute(select(SeriesRow.id).where(SeriesRow.id == series_id).with_for_update())
+
+
 def next_version(session: Session, series: SeriesRow) -> int:
-    """Increment the series counter; the row lock (PostgreSQL) / write lock (SQLite) orders writers."""
+    """Increment the series counter (call with the series locked); returns the new version number."""
+    table = SeriesRow.__table__
     statement = (
-        update(SeriesRow.__table__)
-        .where(SeriesRow.__table__.c.id == series.id)
-        .values(last_version=SeriesRow.__table__.c.last_version + 1)
-        .returning(SeriesRow.__table__.c.last_version)
+        update(table).where(table.c.id == series.id).values(last_version=table.c.last_version + 1).returning(table.c.last_version)
     )
     return session.execute(statement).scalar_one()
 
@@ -151,11 +157,20 @@ def set_alias(session: Session, series_id: int, name: str, version_id: int) -> N
 
 # ---- the version row -----------------------------------------------------------------------------
 def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None) -> int:
-    """Insert the next version of the artifact's triple, its metrics, and move ``latest``; returns its id."""
+    """Insert the next version of the artifact's triple, its metrics, and move ``latest``; returns its id.
+
+    Idempotent: an artifact already registered in its triple returns that version's id unchanged.
+    """
     source = model_row(session, metadata["source"])
     target = model_row(session, metadata["target"])
     calibration = calibration_row(session, metadata["calibration"])
     series = series_row(session, source.name, target.name, calibration.name)
+    lock_series(session, series.id)
+    existing = session.scalar(
+        select(VersionRow.id).where(VersionRow.series_id == series.id, VersionRow.artifact_sha256 == stored.sha256)
+    )
+    if existing is not None:
+        return existing
     number = next_version(session, series)
     lam = metadata.get("lambda")
     row = VersionRow(

@@ -12,7 +12,7 @@ import logging
 from functools import lru_cache
 from pathlib import Path
 
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, Engine
 
 from ..errors import SchemaOutdatedError, StoreError
@@ -22,6 +22,9 @@ from .schema import Base
 log = logging.getLogger(__name__)
 
 VERSION_TABLE = "kvhub_alembic_version"  # also named in migrations/env.py
+# The newest revision in migrations/versions.  Opening a store compares against this constant, so the
+# common case (schema current) never imports Alembic; a test keeps it equal to Alembic's own head.
+SCHEMA_HEAD = "0002_hub_publications"
 
 
 def migrations_dir() -> Path:
@@ -67,6 +70,18 @@ def current_revision(connection: Connection) -> str | None:
     return heads[0] if heads else None
 
 
+def schema_status(url: str) -> tuple[str | None, str]:
+    """(revision stamped in the database or None, head revision of this kvhub); never migrates."""
+    from .engine import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return current_revision(connection), head_revision()
+    finally:
+        engine.dispose()
+
+
 def upgrade(url: str, *, revision: str = "head") -> None:
     """Migrate the database at ``url`` up to ``revision`` (default: head)."""
     from alembic import command
@@ -90,9 +105,18 @@ def _run_alembic(action, url: str, revision: str) -> None:
         raise StoreError(f"schema migration of {display_url(url)} to {revision!r} failed: {exc}") from exc
 
 
+def _stamped(connection: Connection) -> str | None:
+    """The revision in the version table, read with plain SQL (None without the table)."""
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return None
+    return connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+
+
 def ensure_schema(engine: Engine, url: str) -> None:
     """Create a brand-new database at head; refuse one whose schema is not head."""
     with engine.connect() as connection:
+        if _stamped(connection) == SCHEMA_HEAD:
+            return
         current = current_revision(connection)
         kvhub_tables = set(inspect(connection).get_table_names()) & set(Base.metadata.tables)
     if current == head_revision():

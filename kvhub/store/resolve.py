@@ -70,13 +70,13 @@ def select_version(session: Session, series: SeriesRow, *, version: int | None, 
     """Version ``version``, or the one alias ``alias`` points at, else ``production``, else ``latest``."""
     where = f"{series.source_name}:{series.target_name}:{series.calibration_name}"
     if version is not None:
-        row = session.scalar(_versions().where(VersionRow.series_id == series.id, VersionRow.version == version))
+        row = session.scalar(versions_query().where(VersionRow.series_id == series.id, VersionRow.version == version))
         if row is None:
             raise NotFoundError(f"{where} has no version v{version} ({_version_listing(session, series)})")
         return row
     for name in [alias] if alias is not None else [PRODUCTION, LATEST]:
         row = session.scalar(
-            _versions().join(AliasRow, AliasRow.version_id == VersionRow.id).where(
+            versions_query().join(AliasRow, AliasRow.version_id == VersionRow.id).where(
                 AliasRow.series_id == series.id, AliasRow.name == name
             )
         )
@@ -94,7 +94,8 @@ def _version_listing(session: Session, series: SeriesRow) -> str:
     return "versions: " + ", ".join(f"v{n}" for n in numbers) if numbers else "no versions left"
 
 
-def _versions():
+def versions_query():
+    """SELECT of version rows with their series and source model loaded."""
     return select(VersionRow).options(joinedload(VersionRow.series), joinedload(VersionRow.source_model))
 
 
@@ -104,7 +105,7 @@ def resolve_row(session: Session, ref: Ref) -> VersionRow:
 
 
 def version_by_id(session: Session, version_id: int) -> VersionRow:
-    row = session.scalar(_versions().where(VersionRow.id == version_id))
+    row = session.scalar(versions_query().where(VersionRow.id == version_id))
     if row is None:
         raise NotFoundError(f"mapper version id {version_id} is not in the store (removed?); see `kvhub list`")
     return row

@@ -27,21 +27,23 @@ from typing import Callable, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import __version__
-from ..artifact import AtomicDirectory, fsync_dir
-from ..errors import ConfigError, IntegrityError as ArtifactIntegrityError, StoreError
+from ..artifact import AtomicDirectory
+from ..errors import AmbiguousError, ConfigError, NotFoundError, StoreError
+from ..errors import IntegrityError as ArtifactIntegrityError
+from . import queries
 from . import resolve as rs
-from .artifacts import ArtifactStore, artifact_files, manifest_sha256
+from .artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
 from .engine import make_engine, write_engine
-from .ingest import METADATA_FILE, insert_version, metric_row, read_checked_metadata, set_alias
+from .ingest import METADATA_FILE, insert_version, lock_series, metric_row, read_checked_metadata, set_alias
 from .location import default_artifacts_dir, display_url, resolve_db_url
 from .migrate import ensure_schema
-from .records import MapperVersion, as_utc, version_record
-from .refs import LATEST, Ref, check_alias_name, match_calibration_names, match_model_names, parse_selector
-from .schema import MetricRow, PublicationRow, SeriesRow, StorePropertyRow, VersionRow
+from .records import MapperVersion, version_record
+from .refs import LATEST, Ref, check_alias_name, parse_selector
+from .schema import AliasRow, PublicationRow, StorePropertyRow, VersionRow
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,13 @@ def _retryable(exc: DBAPIError) -> bool:
     return "database is locked" in text or "unique constraint failed" in text
 
 
+def _unreachable(url: str, exc: DBAPIError) -> StoreError:
+    return StoreError(
+        f"cannot use the store at {display_url(url)}: {str(exc.orig).strip()}; check the URL (--db, KVHUB_DB_URL), "
+        "that the server is running, and your permissions"
+    )
+
+
 def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None) -> "Store":
     """Open the store at ``db`` (see kvhub.store.location for the default), creating a new one at head.
 
@@ -84,6 +93,9 @@ def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.P
         ensure_schema(engine, url)
         with Session(engine) as session:
             store_id = session.get(StorePropertyRow, "store_id").value
+    except DBAPIError as exc:
+        engine.dispose()
+        raise _unreachable(url, exc) from exc
     except BaseException:
         engine.dispose()
         raise
@@ -124,8 +136,11 @@ class Store:
 
     # ---- transactions --------------------------------------------------------------------------
     def _read(self, work: Callable[[Session], T]) -> T:
-        with self._reader() as session:
-            return work(session)
+        try:
+            with self._reader() as session:
+                return work(session)
+        except DBAPIError as exc:
+            raise _unreachable(self.url, exc) from exc
 
     def _write(self, work: Callable[[Session], T]) -> T:
         """Run ``work`` in a write transaction and commit; retry the whole of it on a lost race."""
@@ -135,7 +150,7 @@ class Store:
                     result = work(session)
                     session.commit()
                     return result
-                except (IntegrityError, OperationalError) as exc:
+                except DBAPIError as exc:
                     session.rollback()
                     if not _retryable(exc) or attempt == _RETRIES - 1:
                         raise StoreError(f"the store at {display_url(self.url)} refused a write: {exc.orig}") from exc
@@ -157,6 +172,7 @@ class Store:
 
         Creates model and calibration-set rows from mapper.json as needed, records its metrics, and
         moves ``latest``.  ``lineage``: any JSON dict (fit options, parent version, command line).
+        Registering an artifact already in its triple returns that version (nothing changes).
         Raises ArtifactError / IntegrityError for a malformed or corrupt artifact (nothing is stored).
         """
         _check_json("lineage", lineage)
@@ -192,7 +208,7 @@ class Store:
             publication = PublicationRow(version_id=row.id, repo_id=repo_id, revision=revision, commit_sha=commit_sha)
             session.add(publication)
             session.flush()
-            return _publication_dict(publication)
+            return queries.publication_dict(publication)
 
         return self._write(work)
 
@@ -205,6 +221,15 @@ class Store:
         """The version a reference names (NotFoundError / AmbiguousError otherwise)."""
         return self._read(lambda s: self._record(s, self._row(s, ref)))
 
+    def reference(self, version: MapperVersion) -> str:
+        """The shortest reference naming ``version`` here: short model names if they are unambiguous."""
+        try:
+            if self.resolve(version.short_ref).id == version.id:
+                return version.short_ref
+        except (NotFoundError, AmbiguousError):
+            pass
+        return version.ref
+
     def find(
         self, source: str, target: str, *, calibration: str | None = None, version: int | str | None = None,
         alias: str | None = None,
@@ -214,7 +239,7 @@ class Store:
             raise ConfigError("pass either a version or an alias, not both")
         number, named = parse_selector(version) if version is not None else (None, None)
         if alias is not None:
-            named = check_alias_name(alias) if alias != LATEST else alias
+            named = check_alias_name(alias)
         return self.resolve(Ref(source, target, calibration, number, named))
 
     def versions(
@@ -227,67 +252,26 @@ class Store:
         is the source model's family; ``min_metrics`` {name: threshold} keeps versions with some
         measurement of ``name`` >= threshold.
         """
-        return self._read(lambda s: self._versions(s, source, target, calibration, family, min_metrics or {}))
-
-    def _versions(self, session, source, target, calibration, family, min_metrics) -> list[MapperVersion]:
-        query = rs._versions().join(VersionRow.series)
-        series = session.scalars(select(SeriesRow)).all()
-        if source is not None:
-            query = query.where(SeriesRow.source_name.in_(match_model_names(source, [s.source_name for s in series])))
-        if target is not None:
-            query = query.where(SeriesRow.target_name.in_(match_model_names(target, [s.target_name for s in series])))
-        if calibration is not None:
-            names = match_calibration_names(calibration, [s.calibration_name for s in series])
-            query = query.where(SeriesRow.calibration_name.in_(names))
-        if family is not None:
-            from .schema import ModelRow
-
-            query = query.where(VersionRow.source_model.has(ModelRow.family.ilike(family)))
-        for name, threshold in min_metrics.items():
-            passing = select(MetricRow.version_id).where(MetricRow.name == name, MetricRow.value >= float(threshold))
-            query = query.where(VersionRow.id.in_(passing))
-        query = query.order_by(SeriesRow.source_name, SeriesRow.target_name, SeriesRow.calibration_name, VersionRow.version)
-        rows = session.scalars(query).unique().all()
-        aliases = rs.aliases_by_version(session, [row.id for row in rows])
-        return [version_record(row, aliases.get(row.id, [])) for row in rows]
+        filters = dict(source=source, target=target, calibration=calibration, family=family,
+                       min_metrics=min_metrics or {})
+        return self._read(lambda s: queries.list_versions(s, **filters))
 
     def metrics(self, version: VersionLike, *, names: list[str] | None = None) -> list[dict]:
-        """Measurements of a version, oldest first."""
+        """Measurements of a version {name, value, split, task, layer, n, seed, measured_at, kvhub_version}."""
+        return self._read(lambda s: queries.metrics_of(s, self._row(s, version).id, names))
 
-        def work(session: Session) -> list[dict]:
-            row = self._row(session, version)
-            query = select(MetricRow).where(MetricRow.version_id == row.id)
-            if names is not None:
-                query = query.where(MetricRow.name.in_(names))
-            return [_metric_dict(m) for m in session.scalars(query.order_by(MetricRow.measured_at, MetricRow.id))]
-
-        return self._read(work)
+    def metric_summary(self, versions: list[MapperVersion], names: list[str]) -> dict[int, dict[str, float]]:
+        """{version id: {name: value}} of whole-mapper metrics (no layer), the newest measurement each."""
+        return self._read(lambda s: queries.metric_summary(s, [v.id for v in versions], names))
 
     def publications(self, version: VersionLike) -> list[dict]:
-        """Hub publications of a version, oldest first."""
-
-        def work(session: Session) -> list[dict]:
-            row = self._row(session, version)
-            query = select(PublicationRow).where(PublicationRow.version_id == row.id).order_by(PublicationRow.id)
-            return [_publication_dict(p) for p in session.scalars(query)]
-
-        return self._read(work)
+        """Hub publications of a version {repo_id, revision, commit_sha, published_at}, oldest first."""
+        return self._read(lambda s: queries.publications_of(s, self._row(s, version).id))
 
     def describe(self, version: VersionLike) -> dict:
-        """Everything about a version: the record, both model fingerprints, calibration set, metrics,
-        publications and the artifact path (JSON-ready)."""
-
-        def work(session: Session) -> dict:
-            row = self._row(session, version)
-            data = self._record(session, row).to_dict()
-            data["source_model"] = _model_dict(row.source_model)
-            data["target_model"] = _model_dict(row.target_model)
-            data["calibration_set"] = _calibration_dict(row.calibration_set)
-            return data
-
-        data = self._read(work)
-        data["metrics"] = self.metrics(data["ref"])
-        data["publications"] = self.publications(data["ref"])
+        """Everything about a version (JSON-ready): the record, both model fingerprints, the calibration
+        set, metrics, publications and the artifact path."""
+        data = self._read(lambda s: queries.describe_row(s, self._row(s, version)))
         data["artifact_path"] = str(self._artifacts.path(data["artifact_location"]))
         return data
 
@@ -324,12 +308,10 @@ class Store:
 
     def export(self, version: VersionLike, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Copy a version's artifact to ``directory`` (atomically), verifying every byte copied."""
-        from .artifacts import _copy_hashing
-
         record = version if isinstance(version, MapperVersion) else self.resolve(version)
         source = self.artifact_path(record)
         with AtomicDirectory(directory, overwrite=overwrite) as tmp:
-            hashes = {name: _copy_hashing(path, tmp / name) for name, path in artifact_files(source).items()}
+            hashes = {name: copy_hashing(path, tmp / name) for name, path in artifact_files(source).items()}
             if manifest_sha256(hashes) != record.artifact_sha256:
                 raise ArtifactIntegrityError(
                     f"artifact of {record.ref} changed on disk (manifest {manifest_sha256(hashes)}, recorded "
@@ -344,6 +326,7 @@ class Store:
 
         def work(session: Session) -> int:
             row = self._row(session, version)
+            lock_series(session, row.series_id)
             set_alias(session, row.series_id, alias, row.id)
             return row.id
 
@@ -364,16 +347,16 @@ class Store:
 
     def _untag(self, session: Session, ref: Ref, alias: str) -> MapperVersion:
         series = rs.find_series(session, ref)
+        lock_series(session, series.id)
         pointed = rs.select_version(session, series, version=None, alias=alias)
-        if ref.version is not None and pointed.version != ref.version or ref.alias not in (None, alias):
+        other_version = ref.version is not None and pointed.version != ref.version
+        if other_version or ref.alias not in (None, alias):
             wanted = f"v{ref.version}" if ref.version is not None else ref.alias
             raise ConfigError(
                 f"{alias!r} points at v{pointed.version}, not {wanted}; to remove it anyway name the triple "
                 f"without a selector: `kvhub untag {series.source_name}:{series.target_name}:{series.calibration_name} {alias}`"
             )
         record = self._record(session, pointed)
-        from .schema import AliasRow
-
         session.execute(
             AliasRow.__table__.delete().where(AliasRow.series_id == series.id, AliasRow.name == alias)
         )
@@ -390,6 +373,7 @@ class Store:
 
     def _remove(self, session: Session, version: VersionLike, force: bool) -> MapperVersion:
         row = self._row(session, version)
+        lock_series(session, row.series_id)  # orders this against a registration moving `latest`
         record = self._record(session, row)
         pinned = [a for a in record.aliases if a != LATEST]
         if pinned and not force:
@@ -448,29 +432,3 @@ def _check_json(what: str, value) -> None:
         json.dumps(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{what} must be JSON-serialisable ({exc}); pass plain dicts, lists, strings and numbers") from exc
-
-
-def _metric_dict(row: MetricRow) -> dict:
-    return {
-        "name": row.name, "value": row.value, "split": row.split, "task": row.task, "layer": row.layer,
-        "n": row.n, "seed": row.seed, "measured_at": as_utc(row.measured_at).isoformat(),
-        "kvhub_version": row.kvhub_version,
-    }
-
-
-def _publication_dict(row: PublicationRow) -> dict:
-    return {
-        "repo_id": row.repo_id, "revision": row.revision, "commit_sha": row.commit_sha,
-        "published_at": as_utc(row.published_at).isoformat(),
-    }
-
-
-def _model_dict(row) -> dict:
-    fields = ("name", "revision", "model_type", "family", "config_hash", "tokenizer_hash", "num_layers",
-              "num_kv_heads", "head_dim", "rope", "layer_types")
-    return {name: getattr(row, name) for name in fields}
-
-
-def _calibration_dict(row) -> dict:
-    return {"name": row.name, "version": row.version, "content_hash": row.content_hash, "tokens": row.tokens,
-            "recipe": row.recipe}

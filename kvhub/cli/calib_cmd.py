@@ -1,0 +1,177 @@
+"""``kvhub calib``: the calibration-set catalog (list, show), fetching corpora, building token sequences."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError
+from .console import console, err_console
+
+
+@click.group()
+def calib() -> None:
+    """Calibration sets: the text a mapper is fitted on.
+
+    Built-in sets are recipes in registry/calibration/*.toml.  Anywhere a set is named (here, or
+    `kvhub fit --calib`), you may instead pass a directory of text files, a .txt file, a .jsonl file
+    (a `text` field per line), a recipe .toml, or hf:<dataset>[:<config>]:<split>:<field>.
+    See docs/calibration.md.
+    """
+
+
+def _recipe_row(recipe) -> dict:
+    sequences = recipe.sequences
+    return {
+        "name": recipe.name,
+        "version": recipe.version,
+        "sequences": sequences.samples,
+        "heldout_sequences": sequences.heldout_samples,
+        "seq_len": sequences.seq_len,
+        "licence": recipe.licence,
+        "description": recipe.description,
+    }
+
+
+@calib.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_command(as_json: bool) -> None:
+    """List the built-in calibration sets with their default sizes.
+
+        kvhub calib list
+    """
+    from rich.table import Table
+
+    from ..calib import list_calibration_sets
+
+    rows = [_recipe_row(recipe) for recipe in list_calibration_sets()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table("name", "v", "sequences", "licence", "what", box=None)
+    for row in rows:
+        size = f"{row['sequences']} + {row['heldout_sequences']} x {row['seq_len']}"
+        what = re.split(r": | \(|\. ", row["description"], maxsplit=1)[0].strip()
+        licence = re.split(r"; | \(", row["licence"], maxsplit=1)[0]
+        table.add_row(row["name"], str(row["version"]), size, licence, what)
+    console.print(table)
+
+
+@calib.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def show_command(name: str, as_json: bool) -> None:
+    """Show a calibration recipe and where each of its sources is on this machine.
+
+        kvhub calib show legal-docs
+        kvhub calib show ./my-set.toml
+    """
+    from ..calib import recipe_from_spec, source_status
+
+    recipe = recipe_from_spec(name)
+    data = {**recipe.to_dict(), "origin": recipe.origin, "status": source_status(recipe)}
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    sequences = recipe.sequences
+    console.print(f"[bold]{recipe.name}[/] v{recipe.version}  ({recipe.origin or 'synthesised from a path'})")
+    console.print(recipe.description, highlight=False)
+    console.print(f"licence: {recipe.licence}", highlight=False)
+    console.print(
+        f"sequences: {sequences.samples} train + {sequences.heldout_samples} held-out x {sequences.seq_len} tokens, "
+        f"seed {sequences.seed}, stride {sequences.stride}, max {sequences.max_document_tokens or 'all'} tokens "
+        f"per document", highlight=False,
+    )
+    for status in data["status"]:
+        optional = "" if status["required"] else " (optional)"
+        console.print(f"- {status['source']}{optional}\n    {status['where']}", highlight=False)
+
+
+@calib.command("fetch")
+@click.argument("names", nargs=-1, required=True)
+def fetch_command(names: tuple[str, ...]) -> None:
+    """Download the corpora of calibration sets into the cache (nothing is installed).
+
+        kvhub calib fetch legal-docs medical
+    """
+    from ..calib import fetch_corpus
+    from .progress import progress_callback
+
+    for name in names:
+        with progress_callback("items") as callback:
+            lines = fetch_corpus(name, progress=callback)
+        for line in lines:
+            console.print(f"{name}: {line}", highlight=False)
+
+
+def load_tokenizer(spec: str):
+    """A tokenizer from a model directory, a .gguf file, a tokenizer.json, or a (cached/Hub) model id."""
+    from ..models import find_known, resolve_model_path
+
+    path = Path(spec).expanduser()
+    resolved = resolve_model_path(spec)
+    known = find_known(spec)
+    if isinstance(resolved, str) and known is not None:  # not fetched: fail now, not after Hub retries
+        raise ConfigError(f"{spec} is not fetched on this machine; fetch it with `{known.fetch_command}`")
+    try:
+        if path.is_file() and path.name.endswith(".json"):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast(tokenizer_file=str(path))
+        from transformers import AutoTokenizer
+
+        if isinstance(resolved, Path) and resolved.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(resolved.parent, gguf_file=resolved.name)
+        return AutoTokenizer.from_pretrained(str(resolved))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot load a tokenizer from {spec!r} ({exc}); pass a model directory, a .gguf file or a "
+            "tokenizer.json (known models are fetched with benchmarks/fetch_models.py)"
+        ) from exc
+
+
+@calib.command("build")
+@click.argument("name")
+@click.option("--tokenizer", "tokenizer_spec", required=True,
+              help="Model whose tokenizer packs the text: a model directory, .gguf file, tokenizer.json or model id.")
+@click.option("--samples", type=int, help="Train sequences (overrides the recipe).")
+@click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
+@click.option("--heldout-fraction", type=float, help="Held-out share of all sequences (overrides the recipe).")
+@click.option("--seed", type=int, help="Document shuffle seed (overrides the recipe).")
+@click.option("--allow-fewer", is_flag=True, help="Use fewer sequences when the corpus is too small (with a warning).")
+@click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
+def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed, allow_fewer, as_json) -> None:
+    """Fetch, tokenize and pack a calibration set into the cache; print its content hash.
+
+        kvhub calib build legal-docs --tokenizer Qwen/Qwen2.5-Coder-0.5B-Instruct
+        kvhub calib build ./notes --tokenizer ./my-model --samples 32
+    """
+    from ..calib import resolve_calibration
+    from .progress import progress_callback
+
+    tokenizer = load_tokenizer(tokenizer_spec)
+    with progress_callback("items") as callback:
+        calibration_set = resolve_calibration(
+            name, tokenizer=tokenizer, tokenizer_id=tokenizer_spec, samples=samples, seq_len=seq_len,
+            heldout_fraction=heldout_fraction, seed=seed, progress=callback, allow_fewer=allow_fewer,
+        )
+    metadata = {**calibration_set.to_metadata(), "cache_path": calibration_set.cache_path}
+    for note in calibration_set.notes:
+        err_console.print(f"[yellow]warning:[/] {note}", highlight=False)
+    if as_json:
+        click.echo(json.dumps(metadata, indent=2, sort_keys=True))
+        return
+    console.print(
+        f"{metadata['name']} v{metadata['version']}: {metadata['sequences']} train + "
+        f"{metadata['heldout_sequences']} held-out sequences x {metadata['seq_len']} tokens "
+        f"({metadata['documents']['train']} + {metadata['documents']['heldout']} documents)", highlight=False,
+    )
+    console.print(f"content hash {metadata['content_hash']}", highlight=False)
+    console.print(f"cached at {metadata['cache_path']}", highlight=False)
+
+
+def attach(main: click.Group) -> None:
+    main.add_command(calib)

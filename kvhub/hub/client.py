@@ -1,0 +1,133 @@
+"""Talking to the Hub: settings read at call time, the HfApi client, and error translation.
+
+huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE and the cache path when it is imported; kvhub reads
+them each time it runs and passes ``endpoint=`` / ``cache_dir=`` explicitly, so a process that changes
+its environment (a notebook, a test) is honoured.  Every huggingface_hub or transport failure leaves
+this package as a kvhub error with a next step, with any token masked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .. import __version__
+from ..errors import (
+    ConfigError,
+    HubAuthError,
+    HubError,
+    HubOfflineError,
+    HubRepoNotFoundError,
+    HubRevisionNotFoundError,
+)
+
+_REPO_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """Where and how kvhub talks to the Hub, resolved from the environment at call time."""
+
+    endpoint: str
+    offline: bool
+    cache_dir: str
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_settings() -> HubSettings:
+    """Endpoint, offline flag and download cache, read now (huggingface_hub reads them at import)."""
+    from huggingface_hub import constants
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    offline = _truthy(os.environ.get("HF_HUB_OFFLINE")) or constants.HF_HUB_OFFLINE
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE
+    )
+    return HubSettings(endpoint=endpoint, offline=bool(offline), cache_dir=os.path.expanduser(cache))
+
+
+def _api(settings: HubSettings, token: str | None):
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=settings.endpoint, token=token, library_name="kvhub", library_version=__version__)
+
+
+def _current_token(token: str | None) -> str | None:
+    """The token huggingface_hub will send (explicit, HF_TOKEN, or the login); never printed."""
+    from huggingface_hub import get_token
+
+    try:
+        return token or get_token()
+    except Exception:  # e.g. a failing OIDC exchange: the request itself will report it
+        return token
+
+
+def _redact(text: str, token: str | None) -> str:
+    """``text`` with the token in use (and anything shaped like an HF token) masked."""
+    for secret in {token, _current_token(None)} - {None, ""}:
+        text = text.replace(secret, "***")
+    return re.sub(r"hf_[A-Za-z0-9]{20,}", "hf_***", text)
+
+
+def parse_repo_ref(text: str) -> tuple[str, str | None]:
+    """'owner/name[@revision]' -> (repo_id, revision or None)."""
+    repo_id, _, revision = text.strip().partition("@")
+    if not _REPO_ID.match(repo_id):
+        raise ConfigError(f"{text!r} is not a Hub repository; write it as OWNER/NAME or OWNER/NAME@REVISION")
+    return repo_id, revision or None
+
+
+@contextlib.contextmanager
+def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None, token: str | None = None,
+               settings: HubSettings | None = None, aftermath: str = "") -> Iterator[None]:
+    """Translate huggingface_hub/httpx failures into kvhub errors with a next step (tokens redacted)."""
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    where = f"{repo_id}@{revision}" if revision else str(repo_id)
+    endpoint = settings.endpoint if settings else "the Hub"
+    tail = f"; {aftermath}" if aftermath else ""
+    try:
+        yield
+    except (hf.OfflineModeIsEnabled, hf.LocalEntryNotFoundError) as exc:
+        offline = settings.offline if settings else True
+        if offline or isinstance(exc, hf.OfflineModeIsEnabled):
+            raise HubOfflineError(
+                f"{action} {where}: HF_HUB_OFFLINE=1 and it is not in the local cache; unset HF_HUB_OFFLINE "
+                "(or pull it once while online) and retry", repo_id=repo_id, revision=revision) from None
+        raise HubError(f"{action} {where}: cannot reach {endpoint} and nothing is cached "
+                       f"({_redact(str(exc).splitlines()[0], token)}); check the network and retry{tail}") from None
+    except hf.RevisionNotFoundError:
+        raise HubRevisionNotFoundError(
+            f"{repo_id} has no revision {revision!r}; `kvhub search` or the repo's tags list what exists",
+            repo_id=repo_id, revision=revision) from None
+    except hf.RepositoryNotFoundError as exc:
+        if exc.response is not None and exc.response.status_code == 401 and not _current_token(token):
+            raise HubAuthError(
+                f"{action} {repo_id}: the Hub does not show this repository without a token: it is private "
+                "(or does not exist); set HF_TOKEN or run `hf auth login` and retry",
+                repo_id=repo_id, revision=revision) from None
+        raise HubRepoNotFoundError(
+            f"{action} {repo_id}: repository not found on {endpoint} (or it is private and your token cannot "
+            "see it); check the name", repo_id=repo_id, revision=revision) from None
+    except hf.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        message = _redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc), token)
+        if status == 401:
+            raise HubAuthError(f"{action} {where}: the Hub rejected the token ({message}); set a valid HF_TOKEN "
+                               "or run `hf auth login`", repo_id=repo_id, revision=revision) from None
+        if status == 403:
+            raise HubAuthError(f"{action} {where}: your token may not do this ({message}); use a token with write "
+                               f"access to {str(repo_id).split('/')[0]}", repo_id=repo_id, revision=revision) from None
+        raise HubError(f"{action} {where}: the Hub answered {status} ({message}){tail}") from None
+    except httpx2.HTTPError as exc:
+        raise HubError(f"{action} {where}: the connection to {endpoint} failed ({type(exc).__name__}: "
+                       f"{_redact(str(exc), token)}){tail}") from None
+
+

@@ -1,0 +1,217 @@
+"""pull: download a revision, verify it, register it with its provenance; and the kvhub.load() fallback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import __version__
+from ..artifact import sha256_file
+from ..card import IMAGE_SUFFIXES
+from ..errors import (
+    ArtifactError,
+    FormatVersionError,
+    HubRepoNotFoundError,
+    HubRevisionNotFoundError,
+    IncompatibleError,
+    IntegrityError,
+    NotFoundError,
+)
+from ..mapper import METADATA_FILE, TENSORS_FILE
+from .client import HubSettings, _api, hub_errors, hub_settings, parse_repo_ref
+from .push import CARD_FILE
+from .search import search
+from .verify import same_model, series_key, verify_artifact
+
+if TYPE_CHECKING:
+    from ..store import MapperVersion
+
+logger = logging.getLogger(__name__)
+
+NAMESPACES_ENV = "KVHUB_HUB_NAMESPACES"
+_PULL_PATTERNS = [METADATA_FILE, TENSORS_FILE, CARD_FILE, *(f"*{s}" for s in IMAGE_SUFFIXES)]
+
+
+@dataclass
+class PullResult:
+    """What :func:`pull` did; ``version`` is the store's record of the pulled mapper."""
+
+    version: MapperVersion
+    repo_id: str
+    revision: str
+    commit_sha: str
+    already_registered: bool = False
+    metadata: dict = field(default_factory=dict)
+
+
+def pull(store, repo: str, *, revision: str | None = None, token: str | None = None, source: str | None = None,
+         target: str | None = None, calibration: str | None = None) -> PullResult:
+    """Download ``repo`` ('owner/name[@revision]'), verify it, and register it with its provenance.
+
+    Verification (format version, sha256, fingerprints; and when given, the source/target model and
+    calibration set) happens before anything reaches the store; a download with bad bytes is also
+    dropped from the Hugging Face cache so the next pull fetches it anew.  Pulling the same weights
+    again returns the version already registered.
+    """
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    repo_id, in_ref = parse_repo_ref(repo)
+    revision = revision or in_ref or "main"
+    settings = hub_settings()
+    with hub_errors("pull", repo_id=repo_id, revision=revision, token=token, settings=settings):
+        try:
+            snapshot = Path(_snapshot(settings, repo_id, revision, token))
+        except RevisionNotFoundError:
+            hint = _refs_hint(settings, repo_id, token)
+            raise HubRevisionNotFoundError(f"{repo_id} has no revision {revision!r}{hint}", repo_id=repo_id,
+                                           revision=revision) from None
+        commit = snapshot.name
+        if not (snapshot / METADATA_FILE).is_file():
+            raise HubRepoNotFoundError(f"{repo_id}@{revision} has no {METADATA_FILE}: it is not a kvhub mapper "
+                                       "repository", repo_id=repo_id, revision=revision)
+        try:
+            metadata = verify_artifact(snapshot, source=source, target=target)
+            _check_calibration(repo_id, metadata, calibration)
+        except FormatVersionError:
+            raise
+        except ArtifactError as exc:  # bad bytes: drop them so the next pull downloads afresh
+            _purge_cached_snapshot(snapshot)
+            raise type(exc)(f"pull {repo_id}@{revision} (commit {commit[:12]}) refused: {exc}. The download was "
+                            "removed from the cache and nothing was registered; run the same `kvhub pull` again, "
+                            "and if it fails again the files on the Hub are damaged") from None
+        label = revision if settings.offline else _best_label(settings, repo_id, revision, commit, token)
+    version, already = _register(store, snapshot, metadata, repo_id=repo_id, revision=label, commit=commit)
+    if not any(p["repo_id"] == repo_id and p["commit_sha"] == commit for p in store.publications(version)):
+        store.add_publication(version, repo_id, label, commit)
+    return PullResult(version, repo_id, label, commit, already_registered=already, metadata=metadata)
+
+
+def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | None) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        repo_id, revision=revision, allow_patterns=_PULL_PATTERNS, cache_dir=settings.cache_dir,
+        endpoint=settings.endpoint, token=token, local_files_only=settings.offline,
+        library_name="kvhub", library_version=__version__,
+    )
+
+
+def _refs_hint(settings: HubSettings, repo_id: str, token: str | None) -> str:
+    """'; it has tags v1, v2 and branches main' for a message (best effort: refs may be unlistable)."""
+    try:
+        refs = _api(settings, token).list_repo_refs(repo_id)
+    except Exception:  # only a hint for a message that is raised anyway
+        return "; list its tags with `kvhub search`"
+    tags = ", ".join(sorted((r.name for r in refs.tags), key=lambda n: (len(n), n))) or "none"
+    return f"; it has tags {tags} and branches {', '.join(sorted(r.name for r in refs.branches))}"
+
+
+def _best_label(settings: HubSettings, repo_id: str, revision: str, commit: str, token: str | None) -> str:
+    """A 'v<N>' tag pointing at ``commit`` if there is one (stable provenance), else the revision asked for."""
+    if re.fullmatch(r"v\d+", revision):
+        return revision
+    refs = _api(settings, token).list_repo_refs(repo_id)
+    tags = sorted((r.name for r in refs.tags if r.target_commit == commit and re.fullmatch(r"v\d+", r.name)),
+                  key=lambda name: int(name[1:]))
+    return tags[-1] if tags else revision
+
+
+def _purge_cached_snapshot(snapshot: Path) -> None:
+    """Remove a snapshot folder and the blobs its files point to from the Hugging Face cache."""
+    for path in snapshot.rglob("*"):
+        if path.is_symlink():
+            blob = path.resolve()
+            if blob.is_file() and blob.parent.name == "blobs":
+                blob.unlink(missing_ok=True)
+    shutil.rmtree(snapshot, ignore_errors=True)
+    logger.info("dropped %s from the Hugging Face cache after a failed verification", snapshot)
+
+
+def _register(store, snapshot: Path, metadata: dict, *, repo_id: str, revision: str, commit: str):
+    """Register a verified snapshot (a clean copy of it) unless the store already holds these weights."""
+    source, target, calibration = (metadata["source"]["model_id"], metadata["target"]["model_id"],
+                                   metadata["calibration"]["name"])
+    for existing in store.versions(source=source, target=target, calibration=calibration):
+        if existing.tensors_sha256 == metadata["tensors"]["sha256"]:
+            return existing, True
+    with tempfile.TemporaryDirectory(prefix="kvhub-pull-") as tmp:
+        staged = Path(tmp) / "artifact"
+        staged.mkdir()
+        for path in snapshot.iterdir():
+            if path.is_file():
+                shutil.copyfile(path, staged / path.name)  # follows the cache's symlinks to the blobs
+        if sha256_file(staged / TENSORS_FILE) != metadata["tensors"]["sha256"]:
+            raise IntegrityError(f"{snapshot} changed while it was being copied; pull again")
+        lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
+        return store.register(staged, lineage=lineage), False
+
+
+def configured_namespaces() -> list[str]:
+    """Hub users/organisations kvhub.load() searches, from KVHUB_HUB_NAMESPACES (comma-separated)."""
+    return [ns.strip() for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns.strip()]
+
+
+def load_from_hub(store, source: str, target: str, *, calibration: str | None = None, version: int | None = None,
+                  hub_repo: str | None = None, token: str | None = None) -> PullResult:
+    """Find a mapper for (source, target[, calibration]) on the Hub, pull it, register it.
+
+    Where it looks: ``hub_repo`` ('owner/name[@revision]') if given, else every namespace in
+    KVHUB_HUB_NAMESPACES (searched by card metadata; offline: the repositories of those namespaces
+    already in the Hugging Face cache).  ``version=N`` asks for tag ``vN``; otherwise the head of main.
+    Raises NotFoundError (naming what was searched) when nothing matches.
+    """
+    wanted_rev = f"v{version}" if version is not None else None
+    if hub_repo is not None:
+        repo_id, revision = parse_repo_ref(hub_repo)
+        return pull(store, repo_id, revision=revision or wanted_rev, token=token, source=source, target=target,
+                    calibration=calibration)
+    namespaces = configured_namespaces()
+    if not namespaces:
+        raise NotFoundError(f"no mapper for {source} -> {target} in the store, and no Hub source to try: pass "
+                            f"hub_repo='owner/name' or set {NAMESPACES_ENV}=owner1,owner2")
+    settings = hub_settings()
+    candidates = (_cached_candidates(settings, namespaces, source, target, calibration, wanted_rev) if settings.offline
+                  else [m.repo_id for ns in namespaces
+                        for m in search(source=source, target=target, calibration=calibration, author=ns,
+                                        token=token)])
+    for repo_id in candidates:
+        try:
+            return pull(store, repo_id, revision=wanted_rev, token=token, source=source, target=target,
+                        calibration=calibration)
+        except (HubRevisionNotFoundError, IncompatibleError) as exc:
+            logger.info("skipping %s: %s", repo_id, exc)
+    where = "the local Hugging Face cache" if settings.offline else "the Hub"
+    raise NotFoundError(f"no mapper for {source} -> {target}"
+                        f"{f' ({calibration})' if calibration else ''}{f' {wanted_rev}' if wanted_rev else ''} "
+                        f"in the store or in {where} under {', '.join(namespaces)}; fit one with `kvhub fit`")
+
+
+def _check_calibration(repo_id: str, metadata: dict, calibration: str | None) -> None:
+    have = (metadata.get("calibration") or {}).get("name")
+    if calibration is not None and (have or "").lower() != calibration.lower():
+        raise IncompatibleError(f"{repo_id} was calibrated on {have!r}, not {calibration!r}; "
+                                "pass the repository that holds that calibration set")
+
+
+def _cached_candidates(settings: HubSettings, namespaces: list[str], source: str, target: str,
+                       calibration: str | None, revision: str | None) -> list[str]:
+    """Repositories of ``namespaces`` whose cached snapshot at ``revision`` (default main) matches the pair."""
+    found = []
+    for ns in namespaces:
+        for folder in sorted(Path(settings.cache_dir).glob(f"models--{ns}--*")):
+            ref = folder / "refs" / (revision or "main")
+            meta = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else "-") / METADATA_FILE
+            if not meta.is_file():
+                continue
+            metadata = json.loads(meta.read_text())
+            src, dst, calib = series_key(metadata)
+            if same_model(src, source) and same_model(dst, target) and calibration in (None, calib):
+                found.append(folder.name[len("models--"):].replace("--", "/", 1))
+    return found

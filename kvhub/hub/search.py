@@ -1,0 +1,66 @@
+"""search: mappers published on the Hub, found through their cards' metadata (library_name, base_model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import HubOfflineError
+from .client import _api, hub_errors, hub_settings
+from .verify import same_model
+
+
+@dataclass
+class HubMapper:
+    """One mapper repository on the Hub, as its card metadata describes it."""
+
+    repo_id: str
+    source: str
+    target: str
+    calibration: str | None
+    version: str | None
+    k: object = None
+    metrics: dict = field(default_factory=dict)
+    private: bool = False
+    last_modified: str | None = None
+
+
+def search(*, source: str | None = None, target: str | None = None, calibration: str | None = None,
+           author: str | None = None, token: str | None = None, limit: int = 100) -> list[HubMapper]:
+    """Mappers on the Hub (library_name kvhub) for a model pair, newest first; filters are optional."""
+    settings = hub_settings()
+    if settings.offline:
+        raise HubOfflineError("search: HF_HUB_OFFLINE=1 and searching needs the Hub; unset it and retry",
+                              repo_id=None)
+    filters = ["kvhub", *(f"base_model:{m}" for m in (source, target) if m and "/" in m)]  # Hub tags: full ids
+    found = []
+    with hub_errors("search", repo_id=author or "the Hub", token=token, settings=settings):
+        for info in _api(settings, token).list_models(filter=filters, author=author, cardData=True, limit=limit):
+            card = info.card_data.to_dict() if info.card_data is not None else {}
+            if card.get("library_name") != "kvhub" or (mapper := _from_card(info, card)) is None:
+                continue
+            if _matches(mapper, source, target, calibration):
+                found.append(mapper)
+    return sorted(found, key=lambda m: m.last_modified or "", reverse=True)
+
+
+def _from_card(info, card: dict) -> HubMapper | None:
+    block = card.get("kvhub") or {}
+    bases = card.get("base_model") or []
+    bases = [bases] if isinstance(bases, str) else list(bases)
+    source = (block.get("source") or {}).get("model_id") or (bases[0] if bases else None)
+    target = (block.get("target") or {}).get("model_id") or (bases[1] if len(bases) > 1 else None)
+    if not source or not target:
+        return None
+    return HubMapper(
+        repo_id=info.id, source=source, target=target, calibration=(block.get("calibration") or {}).get("name"),
+        version=block.get("version"), k=block.get("k"), metrics=block.get("metrics") or {},
+        private=bool(info.private), last_modified=info.last_modified.isoformat() if info.last_modified else None,
+    )
+
+
+def _matches(mapper: HubMapper, source: str | None, target: str | None, calibration: str | None) -> bool:
+    return ((source is None or same_model(mapper.source, source))
+            and (target is None or same_model(mapper.target, target))
+            and (calibration is None or (mapper.calibration or "").lower() == calibration.lower()))
+
+

