@@ -78,9 +78,13 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048), repeats: int = 5,
                              vocab: int | None = None, seed: int = 0) -> list[dict]:
-    """Median/p90 seconds of transfer() vs the target body prefilling the same context, interleaved.
+    """Median/p90 seconds per context length of four operations, interleaved in one run:
 
-    The source cache is computed once per length (it exists already when a serving stack escalates).
+    - ``transfer``: mapper.transfer of the source cache (which exists already when a stack escalates);
+    - ``prefill``: the target body re-prefilling the same context (what transfer replaces);
+    - ``handoff_ttft``: transfer + the target consuming the last token -> first logits;
+    - ``full_ttft``: the target (with LM head) over the whole prompt -> first logits.
+    On CUDA, also the peak memory of each (torch.cuda.max_memory_allocated, MiB).
     """
     device = next(target.parameters()).device
     vocab = vocab or target.config.vocab_size
@@ -88,24 +92,47 @@ def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048
     rows = []
     for length in lengths:
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
-        source_cache = run_model(source, ids)
-        mapper.transfer(source_cache)  # warm-up
-        run_model(target, ids[:, :16])
-        transfer_s, prefill_s = [], []
+        source_cache = run_model(source, ids[:, :-1])
+
+        def handoff_step():
+            cache = mapper.transfer(source_cache)
+            return target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1).logits
+
+        ops = {
+            "transfer": lambda: mapper.transfer(source_cache),
+            "prefill": lambda: run_model(target, ids[:, :-1]),
+            "handoff_ttft": handoff_step,
+            "full_ttft": lambda: target(input_ids=ids, logits_to_keep=1).logits,
+        }
+        for fn in ops.values():  # warm-up
+            fn()
+        samples = {name: [] for name in ops}
+        peaks = {}
         for _ in range(repeats):
-            for sink, fn in ((transfer_s, lambda: mapper.transfer(source_cache)), (prefill_s, lambda: run_model(target, ids))):
-                _sync(device)
-                started = time.perf_counter()
-                fn()
-                _sync(device)
-                sink.append(time.perf_counter() - started)
-        rows.append({
-            "tokens": length,
-            "transfer_median_s": statistics.median(transfer_s), "transfer_p90_s": _p90(transfer_s),
-            "prefill_median_s": statistics.median(prefill_s), "prefill_p90_s": _p90(prefill_s),
-            "speedup": statistics.median(prefill_s) / statistics.median(transfer_s),
-        })
+            for name, fn in ops.items():
+                samples[name].append(_timed(fn, device, peaks, name))
+        row = {"tokens": length}
+        for name, values in samples.items():
+            row[f"{name}_median_s"] = statistics.median(values)
+            row[f"{name}_p90_s"] = _p90(values)
+        row["speedup"] = row["prefill_median_s"] / row["transfer_median_s"]
+        row["ttft_speedup"] = row["full_ttft_median_s"] / row["handoff_ttft_median_s"]
+        row.update({f"{name}_peak_mib": value for name, value in peaks.items()})
+        rows.append(row)
     return rows
+
+
+def _timed(fn, device: torch.device, peaks: dict, name: str) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    if device.type == "cuda":
+        peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated(device) / 2**20)
+    return elapsed
 
 
 def _p90(values: list[float]) -> float:

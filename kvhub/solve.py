@@ -26,8 +26,8 @@ from .stats import KVStats, Moments
 
 log = logging.getLogger(__name__)
 
-K_GRID = (1, 2, 3, 4, 6, 8, 12)
-LAMBDA_GRID = (1e-3, 1e-2, 1e-1)
+K_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
+LAMBDA_GRID = (1e-3, 1e-2, 1e-1, 1.0)
 DEFAULT_K = 4  # used when k is 'auto' but there is no held-out split
 DEFAULT_LAMBDA = 1e-2  # the paper's lambda
 
@@ -138,7 +138,8 @@ def solve(
     """Probe, select, and solve every target layer.
 
     ``k``/``lambda_`` are ints/floats or 'auto'.  'auto' picks, per target layer, the k (shared by K
-    and V) and a lambda for K and one for V that maximise held-out R^2 (mean of K and V for k).
+    and V) and a lambda for K and one for V that maximise held-out R^2 (mean of K and V for k), by the
+    coordinate search of :func:`_solve_layer`.
     Without held-out data 'auto' falls back to k=4, lambda=0.01 (the paper's) and says so in notes.
     """
     layout = train.layout
@@ -207,17 +208,33 @@ def _best_lambda(train: Moments, heldout: Moments | None, cols, ycols, lambdas: 
 
 def _solve_layer(train: KVStats, heldout: KVStats | None, m: int, ranking: list[int],
                  k_candidates: list[int], lambdas: list[float]) -> LayerSolution:
+    """Coordinate search: lambdas at a middle k, then k at those lambdas, then lambdas again at the best k.
+
+    Each step maximises held-out R^2 (K and V lambdas separately; k on their mean), which needs
+    |lambdas| + |k| + |lambdas| solves instead of |k| * |lambdas|.
+    """
     layout = train.layout
     ycols = layout.dst_columns(m)
-    best = None
-    for k in k_candidates:
+
+    def fit_at(k: int, lambdas_k: list[float], lambdas_v: list[float]):
         sources = sorted(ranking[:k])
         cols = layout.src_columns(sources)
-        fit_k = _best_lambda(train.k, heldout.k if heldout else None, cols, ycols, lambdas)
-        fit_v = _best_lambda(train.v, heldout.v if heldout else None, cols, ycols, lambdas)
+        fit_k = _best_lambda(train.k, heldout.k if heldout else None, cols, ycols, lambdas_k)
+        fit_v = _best_lambda(train.v, heldout.v if heldout else None, cols, ycols, lambdas_v)
         score = None if heldout is None else (fit_k[0] + fit_v[0]) / 2
-        if best is None or (score is not None and score > best[0]):
-            best = (score, sources, cols, fit_k, fit_v)
+        return score, sources, cols, fit_k, fit_v
+
+    start_k = max(c for c in k_candidates if c <= max(DEFAULT_K, min(k_candidates)))
+    best = fit_at(start_k, lambdas, lambdas)
+    if len(k_candidates) > 1:
+        lam_k, lam_v = [best[3][1]], [best[4][1]]
+        for k in k_candidates:
+            if k != start_k:
+                trial = fit_at(k, lam_k, lam_v)
+                if trial[0] > best[0]:
+                    best = trial
+        if len(best[1]) != start_k and len(lambdas) > 1:
+            best = fit_at(len(best[1]), lambdas, lambdas)
     _, sources, cols, fit_k, fit_v = best
     return LayerSolution(
         target=m, sources=sources, lambda_k=fit_k[1], lambda_v=fit_v[1],

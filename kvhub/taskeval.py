@@ -2,7 +2,9 @@
 
 Each item (context, continuations, label) is scored lm-eval-harness style: the log-likelihood of each
 continuation's tokens given the context; ``acc`` takes the argmax of the sum, ``acc_norm`` of the sum
-divided by the continuation's length in characters.  Three conditions:
+divided by the continuation's length in characters.  Items with ``choice_prefixes`` (WinoGrande) condition
+choice i on context + prefix_i: the shared context is mapped, the prefix is computed by the target, and
+only the continuation is scored.  Three conditions:
 
 - ``own``:    the target over context + continuation;
 - ``mapped``: the source prefills context[:-1], the mapper turns that cache into the target's, the
@@ -45,14 +47,24 @@ class ItemScore:
         return asdict(self)
 
 
-def _encode(tokenizer, context: str, continuations: list[str]) -> tuple[list[int], list[list[int]]]:
-    """Token ids of the context and of each continuation (continuation tokenised after the context)."""
-    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-    conts = []
-    for text in continuations:
-        whole = tokenizer(context + text, add_special_tokens=False)["input_ids"]
-        conts.append(whole[len(ctx):] if whole[: len(ctx)] == ctx else tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ctx, conts
+def _extend(tokenizer, prefix_ids: list[int], prefix: str, text: str) -> list[int]:
+    """Tokens that ``text`` adds after ``prefix`` (tokenised together, so merges at the seam are kept)."""
+    whole = tokenizer(prefix + text, add_special_tokens=False)["input_ids"]
+    if whole[: len(prefix_ids)] == prefix_ids:
+        return whole[len(prefix_ids):]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _encode(tokenizer, item) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """(shared context ids, per-choice conditioning-prefix ids, per-choice scored ids)."""
+    ctx = tokenizer(item.context, add_special_tokens=False)["input_ids"]
+    prefixes = getattr(item, "choice_prefixes", None) or [""] * len(item.continuations)
+    pres, conts = [], []
+    for prefix, text in zip(prefixes, item.continuations):
+        pre = _extend(tokenizer, ctx, item.context, prefix) if prefix else []
+        conts.append(_extend(tokenizer, ctx + pre, item.context + prefix, text))
+        pres.append(pre)
+    return ctx, pres, conts
 
 
 def _padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,19 +116,19 @@ def score_item(item, *, mapper, source, target, tokenizer, exact_prefix: int = 0
                recorder: _AttnRecorder | None = None) -> ItemScore:
     """Score one multiple-choice item under the three conditions (batch = its continuations)."""
     device = next(target.parameters()).device
-    ctx, conts = _encode(tokenizer, item.context, item.continuations)
+    ctx, pres, conts = _encode(tokenizer, item)
     n = len(conts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    full_ids, full_mask = _padded([ctx + c for c in conts], pad)
+    full_ids, full_mask = _padded([ctx + p + c for p, c in zip(pres, conts)], pad)
     full_ids, full_mask = full_ids.to(device), full_mask.to(device)
-    starts, lengths = [len(ctx)] * n, [len(c) for c in conts]
+    starts, lengths = [len(ctx) + len(p) for p in pres], [len(c) for c in conts]
     with recorder or _null():
         own_logits = target(input_ids=full_ids, attention_mask=full_mask).logits
     own_attn = [o[:, len(ctx) - 1 :] for o in recorder.outputs] if recorder else []
     src_logits = source(input_ids=full_ids, attention_mask=full_mask).logits
     cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=exact_prefix)
     cache.batch_repeat_interleave(n)
-    tail_ids, tail_mask = _padded([[ctx[-1]] + c for c in conts], pad)
+    tail_ids, tail_mask = _padded([[ctx[-1]] + p + c for p, c in zip(pres, conts)], pad)
     tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)
     mask = torch.cat([torch.ones(n, len(ctx) - 1, dtype=torch.long, device=device), tail_mask], 1)
     with recorder or _null():
@@ -124,7 +136,7 @@ def score_item(item, *, mapper, source, target, tokenizer, exact_prefix: int = 0
     map_attn = list(recorder.outputs) if recorder else []
     own = _continuation_logprobs(own_logits, full_ids, starts, lengths)
     src = _continuation_logprobs(src_logits, full_ids, starts, lengths)
-    mapped = _continuation_logprobs(map_logits, tail_ids, [1] * n, lengths)
+    mapped = _continuation_logprobs(map_logits, tail_ids, [1 + len(p) for p in pres], lengths)
     chars = [max(1, len(c)) for c in item.continuations]
     pick = lambda scores: int(max(range(n), key=lambda i: scores[i]))  # noqa: E731
     norm = lambda scores: [s / c for s, c in zip(scores, chars)]  # noqa: E731

@@ -5,7 +5,8 @@ Run through ``kvhub db upgrade`` (kvhub.store.migrate builds the Config), or by 
 the default store).  Every migration runs in batch mode so the same scripts work on SQLite, whose
 ALTER TABLE is limited, and PostgreSQL.  On SQLite foreign keys are off while tables are rebuilt
 (dropping a parent table would otherwise cascade) and checked with ``PRAGMA foreign_key_check`` before
-commit.  On PostgreSQL an advisory lock serialises concurrent upgrades of the same database.
+commit.  Concurrent upgrades of one database are serialised: by the write lock on SQLite (one
+``BEGIN IMMEDIATE`` transaction for the whole upgrade), by an advisory lock on PostgreSQL.
 """
 
 from alembic import context
@@ -56,7 +57,10 @@ def run_migrations_offline() -> None:
 
 
 def _run(connection) -> None:
-    _configure(connection=connection)
+    # One transaction for the whole upgrade on SQLite too (Alembic's SQLite default commits per
+    # migration): kvhub's engine begins it IMMEDIATE, so concurrent upgrades queue for the write lock
+    # and each reads the stamped revision only once it holds it.
+    _configure(connection=connection, transactional_ddl=True)
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK_KEY})")

@@ -16,6 +16,7 @@ class Item:
     continuations: list
     label: int
     id: str
+    choice_prefixes: list = None
 
 
 class CharTokenizer:
@@ -40,6 +41,8 @@ def family():
 def test_exact_family_scores_identically_to_own(family):
     source, target, mapper = family
     items = [Item(f"the quick brown fox {i} jumps", [" over", " under the", " x"], i % 3, str(i)) for i in range(6)]
+    items += [Item(f"a cat {i} sat", [" on the mat"] * 2, i % 2, f"w{i}", choice_prefixes=[" down", " up"])
+              for i in range(4)]
     recorder = _AttnRecorder(target)
     scores = [score_item(it, mapper=mapper, source=source, target=target, tokenizer=CharTokenizer(), recorder=recorder)
               for it in items]
@@ -58,3 +61,13 @@ def test_summary_retention_gap_and_intervals():
     assert out["retention"] == pytest.approx(0.75) and out["gap_closed"] == pytest.approx(0.75)
     low, high = out["retention_ci"]
     assert low <= 0.75 <= high and high - low > 0
+
+
+def test_choice_prefixes_change_the_scores(family):
+    """WinoGrande-style items: same continuation, different conditioning prefix -> different scores."""
+    source, target, mapper = family
+    from kvhub.taskeval import _encode
+
+    item = Item("a cat sat", [" on the mat"] * 2, 0, "w", choice_prefixes=[" down", " up"])
+    ctx, pres, conts = _encode(CharTokenizer(), item)
+    assert pres[0] != pres[1] and conts[0] == conts[1] and len(ctx) == len("a cat sat")

@@ -75,7 +75,7 @@ def pull(repo, revision, db, as_json):
 
     with _store(db) as store:
         result = pull_repo(store, repo, revision=revision)
-    reference = result.version.ref
+        reference = store.reference(result.version)
     if as_json:
         click.echo(json.dumps({"reference": reference, "repo_id": result.repo_id, "revision": result.revision,
                                "commit_sha": result.commit_sha, "already_registered": result.already_registered},
