@@ -81,11 +81,13 @@ def _register_and_crash(url, artifacts, artifact, point, stderr_path) -> None:
     open_store(url, artifacts_dir=artifacts).register(artifact)
 
 
-def _register_all(url, artifacts, paths, ready) -> None:
+def _register_until_killed(url, artifacts, paths, ready) -> None:
+    """Register ``paths``, then keep re-registering them (each pass copies and checks again)."""
     store = open_store(url, artifacts_dir=artifacts)
     ready.put(os.getpid())
-    for path in paths:
-        store.register(path)
+    while True:
+        for path in paths:
+            store.register(path)
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -97,12 +99,15 @@ def _assert_consistent(store) -> list:
     return versions
 
 
-def _assert_clean_after_gc(store) -> None:
-    assert store.gc().missing == []
+def _assert_clean_after_gc(store):
+    """gc, then nothing unreferenced is left and every referenced artifact still verifies."""
+    report = store.gc()
+    assert report.missing == []
     referenced = {v.artifact_location for v in _assert_consistent(store)}
     stored = {f"sha256/{p.parent.name}/{p.name}" for p in (store.artifacts_dir / "sha256").glob("*/*")}
     assert stored == referenced
     assert list((store.artifacts_dir / ".tmp").iterdir()) == []
+    return report
 
 
 # ---- tests -----------------------------------------------------------------------------------------
@@ -175,18 +180,20 @@ def test_a_writer_killed_at_each_step_leaves_no_dangling_row(db_url, tmp_path, a
 def test_writers_killed_at_random_moments_leave_a_consistent_store(db_url, tmp_path, artifact_factory, processes):
     artifacts = tmp_path / "store-artifacts"
     rounds = int(os.environ.get("KVHUB_KILL_ROUNDS", "4"))
-    rng = random.Random(1234)
-    inputs = [artifact_factory(seed=seed, padding_mb=4) for seed in range(6)]
+    rng, cleaned = random.Random(1234), 0
     with open_store(db_url, artifacts_dir=artifacts) as store:
-        for _ in range(rounds):
+        for round_ in range(rounds):
+            inputs = [artifact_factory(seed=1000 * round_ + i, padding_mb=2) for i in range(4)]
             ready = processes.Queue()
-            worker = processes.Process(target=_register_all, args=(db_url, artifacts, inputs, ready))
+            worker = processes.Process(target=_register_until_killed, args=(db_url, artifacts, inputs, ready))
             worker.start()
             ready.get(timeout=60)
-            time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(rng.uniform(0.0, 0.1))
             worker.kill()
             worker.join(timeout=60)
             _assert_consistent(store)
-            _assert_clean_after_gc(store)
+            report = _assert_clean_after_gc(store)
+            cleaned += len(report.artifacts) + len(report.temporaries)
         registered = len(store.versions())
-    print(f"\n{rounds} kills at random moments: {registered} of {len(inputs)} artifacts registered, store consistent")
+    print(f"\n{rounds} kills at random moments: {registered} of {4 * rounds} artifacts registered, "
+          f"{cleaned} leftovers collected, store consistent after each")

@@ -37,13 +37,14 @@ def main(verbose: bool) -> None:
 
 
 def _attach() -> None:
-    from . import fit_cmd
+    """Attach each command family; every module defines ``attach(group)``."""
+    from . import calib_cmd, eval_cmd, fit_cmd, hub_cmd, store_cmd
 
     main.add_command(fit_cmd.fit)
-    # Command families register below, one line each.
-    from . import hub_cmd; hub_cmd.attach(main)  # push, pull, search (kvhub.hub)
-    from . import calib_cmd; calib_cmd.attach(main)  # calib list, show, fetch, build (kvhub.calib)
-    from . import store_cmd; store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db (kvhub.store)
+    calib_cmd.attach(main)  # calib list, show, fetch, build
+    store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db
+    hub_cmd.attach(main)  # push, pull, search
+    eval_cmd.attach(main)  # eval, bench, report
 
 
 _attach()

@@ -1,0 +1,256 @@
+"""``kvhub eval``, ``kvhub bench``, ``kvhub report``: measure a registered mapper and keep the results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .console import console, err_console
+
+TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada", "ppl")
+_SUMMARY_METRICS = ("acc_own", "acc_mapped", "acc_source", "retention", "gap_closed",
+                    "acc_norm_own", "acc_norm_mapped", "acc_norm_source", "retention_norm", "gap_closed_norm",
+                    "agree_next", "kl_next", "attn_cosine")
+
+
+def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
+    """(store, version record, Mapper, source model, target model, tokenizer) for a reference."""
+    from ..mapper import Mapper
+    from ..models import load_model
+    from ..store import open_store
+
+    store = open_store(db)
+    version = store.resolve(ref)
+    mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)
+    err_console.print(f"loading {version.source} and {version.target}")
+    source, tokenizer, _ = load_model(version.source, device=device, dtype=dtype or "bfloat16")
+    target, _, _ = load_model(version.target, device=device, dtype=dtype or "bfloat16")
+    return store, version, mapper, source, target, tokenizer
+
+
+def _results_file(version, task: str, seed: int, exact_prefix: int) -> Path:
+    from ..calib.corpus import cache_root
+
+    return cache_root() / "eval-cache" / version.tensors_sha256[:24] / f"{task}-seed{seed}-xp{exact_prefix}.jsonl"
+
+
+def _score_items(items, path: Path, scorer, progress) -> list:
+    """Score items, appending each result to ``path`` (JSONL) so an interrupted run resumes."""
+    from ..taskeval import ItemScore
+
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill: score that item again
+                continue
+            done[record["id"]] = ItemScore(**record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scores = []
+    with path.open("a") as handle:
+        for index, item in enumerate(items):
+            progress(f"items: {item.id}", index, len(items))
+            if str(item.id) not in done:
+                done[str(item.id)] = scorer(item)
+                handle.write(json.dumps(done[str(item.id)].as_dict()) + "\n")
+                handle.flush()
+            scores.append(done[str(item.id)])
+        progress("items: done", len(items), len(items))
+    return scores
+
+
+@click.command("eval")
+@click.argument("ref")
+@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(TASKS),
+              help="Task to evaluate (repeatable).")
+@click.option("--limit", type=int, default=200, show_default=True, help="Items per task (seeded subset).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--exact-prefix", type=int, default=0, show_default=True,
+              help="Context tokens the target recomputes itself (attention sinks); the rest is mapped.")
+@click.option("--device", default=None)
+@click.option("--db", default=None, metavar="URL")
+@click.option("--json", "as_json", is_flag=True)
+def eval_command(ref, tasks, limit, seed, exact_prefix, device, db, as_json):
+    """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
+
+    Results (retention, gap closed, 95% bootstrap intervals, next-token agreement/KL, attention-output
+    cosine) are stored as metrics of the version and shown by `kvhub show`.  Per-item results are cached,
+    so an interrupted evaluation resumes where it stopped.
+    """
+    store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device)
+    results = {}
+    for task in tasks:
+        summary = (_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=exact_prefix)
+                   if task == "ppl" else
+                   _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefix))
+        summary["exact_prefix"] = exact_prefix
+        results[task] = summary
+        store.add_metrics(version, _as_metrics(task, summary, seed))
+    if as_json:
+        click.echo(json.dumps({"ref": version.ref, "results": results}, indent=2))
+    else:
+        _print_results(version.ref, results)
+
+
+def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefix) -> dict:
+    from ..taskeval import _AttnRecorder, score_item, summarize
+    from ..tasks import load_task
+    from .progress import progress_callback
+
+    items = load_task(task, limit=limit, seed=seed)
+    recorder = _AttnRecorder(target)
+    try:
+        with progress_callback("items/s") as callback:
+            scores = _score_items(
+                items, _results_file(version, task, seed, exact_prefix),
+                lambda item: score_item(item, mapper=mapper, source=source, target=target, tokenizer=tokenizer,
+                                        exact_prefix=exact_prefix, recorder=recorder),
+                callback)
+    finally:
+        recorder.remove()
+    return summarize(scores, seed=seed)
+
+
+def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix) -> dict:
+    from ..calib import resolve_calibration
+    from ..evaluate import continuation_metrics
+
+    calibration = mapper.metadata.get("calibration", {})
+    name = calibration.get("name")
+    if not name:
+        from ..errors import ConfigError
+
+        raise ConfigError("this mapper records no calibration set, so `--task ppl` has no held-out text")
+    held = resolve_calibration(name, tokenizer=tokenizer, tokenizer_id=mapper.source["model_id"],
+                               samples=calibration.get("sequences"), seq_len=calibration.get("seq_len")).heldout
+    held = held[: max(1, min(limit, held.shape[0]))]
+    metrics = continuation_metrics(mapper, source, target, held, context_len=held.shape[1] // 2,
+                                   exact_prefix=exact_prefix)
+    return {"n": metrics.sequences, **metrics.as_dict()}
+
+
+def _as_metrics(task: str, summary: dict, seed: int) -> list[dict]:
+    rows = []
+    for name, value in summary.items():
+        if isinstance(value, (int, float)) and name not in ("n", "exact_prefix", "sequences"):
+            rows.append({"name": name, "value": float(value), "task": task, "split": "eval",
+                         "n": summary.get("n"), "seed": seed})
+        elif name.endswith("_ci") and isinstance(value, list):
+            rows.append({"name": f"{name}_low", "value": float(value[0]), "task": task, "split": "eval",
+                         "n": summary.get("n"), "seed": seed})
+            rows.append({"name": f"{name}_high", "value": float(value[1]), "task": task, "split": "eval",
+                         "n": summary.get("n"), "seed": seed})
+    return rows
+
+
+def _print_results(ref: str, results: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=ref)
+    for column in ("task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"):
+        table.add_column(column, justify="right")
+    for task, r in results.items():
+        if task == "ppl":
+            table.add_row(task, str(r["n"]), f"ppl {r['ppl_own']:.2f}", f"ppl {r['ppl_mapped']:.2f}",
+                          f"no ctx {r['ppl_no_context']:.2f}", "", "", f"{r['agreement']:.3f}", "")
+            continue
+        low, high = r["retention_ci"]
+        table.add_row(task, str(r["n"]), f"{r['acc_own']:.3f}", f"{r['acc_mapped']:.3f}", f"{r['acc_source']:.3f}",
+                      f"{r['retention']:.3f} [{low:.2f}, {high:.2f}]", f"{r['gap_closed']:.3f}",
+                      f"{r['agree_next']:.3f}", f"{r['attn_cosine']:.3f}")
+    console.print(table)
+
+
+@click.command("bench")
+@click.argument("ref")
+@click.option("--lengths", default="256,1024,4096", show_default=True, help="Context lengths in tokens.")
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--db", default=None, metavar="URL")
+@click.option("--json", "as_json", is_flag=True)
+def bench(ref, lengths, repeats, device, dtype, db, as_json):
+    """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
+    and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
+    from ..evaluate import time_transfer_vs_prefill
+
+    store, version, mapper, source, target, _ = _load_version(ref, db, device=device, dtype=dtype)
+    mapper.to(device=next(target.parameters()).device)
+    rows = time_transfer_vs_prefill(mapper, source, target, lengths=[int(x) for x in lengths.split(",")],
+                                    repeats=repeats)
+    device_name = str(next(target.parameters()).device)
+    store.add_metrics(version, [
+        {"name": name, "value": float(value), "task": f"bench:{device_name}:{dtype}:{row['tokens']}", "split": "bench",
+         "n": repeats}
+        for row in rows for name, value in row.items() if name in ("speedup", "ttft_speedup", "transfer_median_s",
+                                                                   "prefill_median_s")])
+    if as_json:
+        click.echo(json.dumps({"ref": version.ref, "device": device_name, "dtype": dtype, "rows": rows}, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{version.ref} on {device_name} ({dtype})")
+    for column in ("tokens", "transfer s", "re-prefill s", "speedup", "handoff TTFT s", "full TTFT s", "TTFT speedup"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["tokens"]), f"{r['transfer_median_s']:.4f}", f"{r['prefill_median_s']:.3f}",
+                      f"{r['speedup']:.1f}x", f"{r['handoff_ttft_median_s']:.4f}", f"{r['full_ttft_median_s']:.3f}",
+                      f"{r['ttft_speedup']:.1f}x")
+    console.print(table)
+
+
+@click.command("report")
+@click.argument("ref")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--db", default=None, metavar="URL")
+def report(ref, out, db):
+    """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT."""
+    from ..mapper import read_metadata
+    from ..plots import layer_r2, r2_heatmap, retention_bars
+    from ..store import open_store
+
+    store = open_store(db)
+    version = store.resolve(ref)
+    metadata = read_metadata(store.artifact_path(version))
+    out.mkdir(parents=True, exist_ok=True)
+    r2_heatmap(metadata, out / "r2_heatmap.png")
+    layer_r2(metadata, out / "layer_r2.png")
+    tasks = _task_results(store.metrics(version))
+    lines = [f"# {version.ref}", "", f"- source: {version.source}", f"- target: {version.target}",
+             f"- calibration: {version.calibration}", "",
+             f"held-out R² K {metadata['metrics'].get('heldout_r2_k_mean', float('nan')):.3f}, "
+             f"V {metadata['metrics'].get('heldout_r2_v_mean', float('nan')):.3f}", "",
+             "![R² heatmap](r2_heatmap.png)", "", "![per-layer R²](layer_r2.png)", ""]
+    if tasks:
+        retention_bars(tasks, out / "retention.png")
+        lines += ["| task | n | own | mapped | source | retention |", "| --- | --- | --- | --- | --- | --- |"]
+        for task, r in sorted(tasks.items()):
+            lines.append(f"| {task} | {r.get('n', '')} | {r['acc_own']:.3f} | {r['acc_mapped']:.3f} | "
+                         f"{r['acc_source']:.3f} | {r.get('retention', float('nan')):.3f} |")
+        lines += ["", "![retention](retention.png)"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    console.print(f"wrote {out}/report.md")
+
+
+def _task_results(metrics: list[dict]) -> dict[str, dict]:
+    """Latest value per (task, name) of the accuracy metrics, with intervals, as retention_bars wants."""
+    tasks: dict[str, dict] = {}
+    for metric in metrics:
+        task = metric.get("task")
+        if not task or task == "ppl" or task.startswith("bench:"):
+            continue
+        entry = tasks.setdefault(task, {"n": metric.get("n")})
+        entry[metric["name"]] = metric["value"]
+    for entry in tasks.values():
+        for cond in ("own", "mapped", "source"):
+            if f"acc_{cond}_ci_low" in entry:
+                entry[f"acc_{cond}_ci"] = [entry[f"acc_{cond}_ci_low"], entry[f"acc_{cond}_ci_high"]]
+    return {t: e for t, e in tasks.items() if "acc_own" in e}
+
+
+def attach(group: click.Group) -> None:
+    for command in (eval_command, bench, report):
+        group.add_command(command)

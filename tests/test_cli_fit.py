@@ -1,0 +1,104 @@
+"""`kvhub fit` / `bench` / `report` end to end through the CLI, on tiny models saved as local dirs."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvhub.cli.main import main
+from tests.fixtures_calib import train_tokenizer
+from tests.tinymodels import exact_family_target, make_model
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = train_tokenizer()
+    source = make_model("qwen2", vocab_size=640, num_hidden_layers=2, seed=4)
+    target, _ = exact_family_target(source, insert_before=(1,))
+    for name, model in (("src", source), ("dst", target)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root / "src", root / "dst"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch, text_corpus):
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
+    return {"db": f"sqlite:///{tmp_path / 'store.db'}", "corpus": text_corpus, "tmp": tmp_path}
+
+
+def _fit_args(model_dirs, env, out):
+    src, dst = model_dirs
+    return ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(env["corpus"]), "--samples", "12",
+            "--seq-len", "24", "--stride", "1", "--lambda", "1e-9", "--dtype", "float32", "--batch-size", "1",
+            "--device", "cpu", "--db", env["db"], "--out", str(out)]
+
+
+def test_fit_registers_exports_and_reports(model_dirs, env):
+    runner = CliRunner()
+    out = env["tmp"] / "exported"
+    result = runner.invoke(main, _fit_args(model_dirs, env, out) + ["--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["reference"].endswith("@v1")
+    assert summary["metrics"]["heldout_r2_k_mean"] > 0.999
+    assert (out / "mapper.safetensors").is_file() and (out / "mapper.json").is_file()
+    listed = json.loads(runner.invoke(main, ["list", "--db", env["db"], "--json"]).stdout)
+    assert len(listed) == 1
+    ref = summary["reference"]
+    bench = runner.invoke(main, ["bench", ref, "--lengths", "16,24", "--repeats", "1", "--dtype", "float32",
+                                 "--device", "cpu", "--db", env["db"], "--json"])
+    assert bench.exit_code == 0, bench.output
+    rows = json.loads(bench.stdout)["rows"]
+    assert [r["tokens"] for r in rows] == [16, 24] and all(r["speedup"] > 0 for r in rows)
+    report = runner.invoke(main, ["report", ref, "--out", str(env["tmp"] / "report"), "--db", env["db"]])
+    assert report.exit_code == 0, report.output
+    for name in ("r2_heatmap.png", "layer_r2.png", "report.md"):
+        assert (env["tmp"] / "report" / name).stat().st_size > 0
+
+
+def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch):
+    import kvhub.fit as fit_module
+
+    runner = CliRunner()
+    out = env["tmp"] / "out"
+    real = fit_module._accumulate_batch
+    calls = []
+
+    def dies_after_six(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 6:
+            raise KeyboardInterrupt  # what Ctrl-C or a kill looks like to the code below
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "_accumulate_batch", dies_after_six)
+    result = runner.invoke(main, _fit_args(model_dirs, env, out))
+    assert result.exit_code != 0
+    assert not out.exists()
+    assert json.loads(runner.invoke(main, ["list", "--db", env["db"], "--json"]).stdout) == []
+    checkpoints = list((env["tmp"] / "cache" / "checkpoints").glob("*.safetensors"))
+    assert len(checkpoints) == 1
+
+    calls.clear()
+    monkeypatch.setattr(fit_module, "_accumulate_batch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    result = runner.invoke(main, _fit_args(model_dirs, env, out))
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 15 - 4  # 12 train + 3 held-out batches, 4 of them restored from the checkpoint
+    assert out.is_dir() and not checkpoints[0].exists()
+
+
+def test_fit_refuses_existing_out_and_different_tokenizers(model_dirs, env, tmp_path):
+    runner = CliRunner()
+    (tmp_path / "taken").mkdir()
+    result = runner.invoke(main, _fit_args(model_dirs, env, tmp_path / "taken"))
+    assert result.exit_code == 2 and "already exists" in result.output
+    other = tmp_path / "other"
+    make_model("qwen2", vocab_size=640, num_hidden_layers=2).save_pretrained(other)
+    train_tokenizer(vocab_size=620).save_pretrained(other)
+    args = _fit_args(model_dirs, env, tmp_path / "new")
+    args[args.index("--dst") + 1] = str(other)
+    result = runner.invoke(main, args)
+    assert result.exit_code == 3 and "different tokenizers" in result.output
