@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from .capture import run_model
 from .handoff import prepare_cache
 
 
@@ -112,35 +113,49 @@ class _AttnRecorder:
 
 
 @torch.no_grad()
+def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, *, recorder=None):
+    """Logits of ``model`` over the tails (n, W) continuing a batch-1 cache of the shared context."""
+    n = tail_ids.shape[0]
+    cache.batch_repeat_interleave(n)
+    past = cache.get_seq_length()
+    mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=tail_ids.device), tail_mask], 1)
+    with recorder or _null():
+        logits = model(input_ids=tail_ids, attention_mask=mask, cache=cache, use_cache=True).logits
+    return logits, (list(recorder.outputs) if recorder else [])
+
+
+@torch.no_grad()
 def score_item(item, *, mapper, source, target, tokenizer, exact_prefix: int = 0,
                recorder: _AttnRecorder | None = None) -> ItemScore:
-    """Score one multiple-choice item under the three conditions (batch = its continuations)."""
+    """Score one multiple-choice item under the three conditions.
+
+    Every condition prefills the shared context minus its last token once (own: target; mapped:
+    source -> mapper; source: source), then runs the same tails ``[last context token] + prefix_i +
+    continuation_i`` (batched over choices) from that cache, so the conditions differ only in the cache.
+    """
     device = next(target.parameters()).device
     ctx, pres, conts = _encode(tokenizer, item)
+    if len(ctx) < 2:
+        from .errors import ConfigError
+
+        raise ConfigError(f"item {item.id}: the context must be at least 2 tokens long")
     n = len(conts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    full_ids, full_mask = _padded([ctx + p + c for p, c in zip(pres, conts)], pad)
-    full_ids, full_mask = full_ids.to(device), full_mask.to(device)
-    starts, lengths = [len(ctx) + len(p) for p in pres], [len(c) for c in conts]
-    with recorder or _null():
-        own_logits = target(input_ids=full_ids, attention_mask=full_mask).logits
-    own_attn = [o[:, len(ctx) - 1 :] for o in recorder.outputs] if recorder else []
-    src_logits = source(input_ids=full_ids, attention_mask=full_mask).logits
-    cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=exact_prefix)
-    cache.batch_repeat_interleave(n)
     tail_ids, tail_mask = _padded([[ctx[-1]] + p + c for p, c in zip(pres, conts)], pad)
     tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)
-    mask = torch.cat([torch.ones(n, len(ctx) - 1, dtype=torch.long, device=device), tail_mask], 1)
-    with recorder or _null():
-        map_logits = target(input_ids=tail_ids, attention_mask=mask, cache=cache, use_cache=True).logits
-    map_attn = list(recorder.outputs) if recorder else []
-    own = _continuation_logprobs(own_logits, full_ids, starts, lengths)
-    src = _continuation_logprobs(src_logits, full_ids, starts, lengths)
-    mapped = _continuation_logprobs(map_logits, tail_ids, [1 + len(p) for p in pres], lengths)
+    context = torch.tensor([ctx[:-1]], device=device)
+    starts, lengths = [1 + len(p) for p in pres], [len(c) for c in conts]
+    own_logits, own_attn = _tail_logits(target, run_model(target, context), tail_ids, tail_mask, recorder=recorder)
+    mapped_cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=exact_prefix)
+    map_logits, map_attn = _tail_logits(target, mapped_cache, tail_ids, tail_mask, recorder=recorder)
+    src_logits, _ = _tail_logits(source, run_model(source, context), tail_ids, tail_mask)
+    own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)
+    src = _continuation_logprobs(src_logits, tail_ids, starts, lengths)
+    mapped = _continuation_logprobs(map_logits, tail_ids, starts, lengths)
     chars = [max(1, len(c)) for c in item.continuations]
     pick = lambda scores: int(max(range(n), key=lambda i: scores[i]))  # noqa: E731
     norm = lambda scores: [s / c for s, c in zip(scores, chars)]  # noqa: E731
-    own_next, map_next = F.log_softmax(own_logits[0, len(ctx) - 1].float(), -1), F.log_softmax(map_logits[0, 0].float(), -1)
+    own_next, map_next = F.log_softmax(own_logits[0, 0].float(), -1), F.log_softmax(map_logits[0, 0].float(), -1)
     return ItemScore(
         id=str(item.id),
         correct_own=int(pick(own) == item.label), correct_mapped=int(pick(mapped) == item.label),
