@@ -36,7 +36,8 @@ def _target_metadata():
 
 
 def _url() -> str:
-    return context.get_x_argument(as_dictionary=True).get("db") or config.get_main_option("sqlalchemy.url") or resolve_db_url()
+    given = context.get_x_argument(as_dictionary=True).get("db") or config.get_main_option("sqlalchemy.url")
+    return given or resolve_db_url()
 
 
 def _configure(**kwargs) -> None:

@@ -163,3 +163,14 @@ def test_a_store_from_a_newer_kvhub_is_refused(db_url, tmp_path):
     engine.dispose()
     with pytest.raises(StoreError, match="newer than this kvhub"):
         open_store(db_url, artifacts_dir=tmp_path / "a")
+
+
+def test_a_database_with_clashing_tables_is_refused_and_left_alone(db_url, tmp_path):
+    engine = make_engine(db_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE models (id INTEGER PRIMARY KEY, owner VARCHAR(20))")
+        connection.exec_driver_sql("INSERT INTO models (id, owner) VALUES (1, 'another app')")
+    engine.dispose()
+    with pytest.raises(StoreError, match="no kvhub schema version"):
+        open_store(db_url, artifacts_dir=tmp_path / "a")
+    assert _tables(db_url) == {"models"}  # the failed creation rolled back completely

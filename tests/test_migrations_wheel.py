@@ -45,7 +45,8 @@ def _fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
-    site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path).stdout.strip())
+    purelib = _run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path)
+    site = Path(purelib.stdout.strip())
     (site / "deps-from-test-env.pth").write_text(sysconfig.get_path("purelib") + "\n")
     _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel, cwd=tmp_path)
     return venv
@@ -59,8 +60,8 @@ def test_db_upgrade_works_from_an_installed_wheel(tmp_path):
     env["KVHUB_HOME"] = str(tmp_path / "home")
     work = tmp_path / "elsewhere"  # not the checkout: nothing may be imported from it
     work.mkdir()
-    located = _run(venv / "bin" / "python", "-c", "import kvhub, migrations; print(kvhub.__file__, migrations.__file__)",
-                   cwd=work, env=env).stdout.split()
+    where = "import kvhub, migrations; print(kvhub.__file__, migrations.__file__)"
+    located = _run(venv / "bin" / "python", "-c", where, cwd=work, env=env).stdout.split()
     assert all(path.startswith(str(venv)) for path in located), located
 
     db = f"sqlite:///{tmp_path / 'fresh.db'}"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..artifact import fsync_dir
+from ..artifact import fsync_dir, sha256_file
 from ..errors import ArtifactError, IntegrityError, StoreError
 
 OBJECTS_DIR = "sha256"
@@ -78,14 +78,6 @@ def copy_hashing(source: Path, destination: Path) -> str:
             writer.write(chunk)
         writer.flush()
         os.fsync(writer.fileno())
-    return digest.hexdigest()
-
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -188,7 +180,9 @@ class ArtifactStore:
                 time.sleep(0.05)
 
     # ---- writing -------------------------------------------------------------------------------
-    def put(self, source: str | os.PathLike, *, check: Callable[[Path, dict[str, str]], None] | None = None) -> StoredArtifact:
+    def put(
+        self, source: str | os.PathLike, *, check: Callable[[Path, dict[str, str]], None] | None = None
+    ) -> StoredArtifact:
         """Copy ``source`` into the store (call inside :meth:`writing`); returns where it landed.
 
         ``check(copy_dir, {path: sha256})`` runs on the complete copy before it is renamed into place
@@ -198,7 +192,9 @@ class ArtifactStore:
         source = Path(source)
         files = artifact_files(source) if source.is_dir() else {}
         if not files:
-            raise ArtifactError(f"{source} is not an artifact directory (no files); pass the directory `kvhub fit` wrote")
+            raise ArtifactError(
+                f"{source} is not an artifact directory (no files); pass the directory `kvhub fit --out` wrote"
+            )
         tmp = self.root / TMP_DIR / uuid.uuid4().hex
         try:
             hashes = {name: copy_hashing(path, tmp / name) for name, path in files.items()}
@@ -261,7 +257,7 @@ class ArtifactStore:
             )
         trusted = trusted or {}
         files = artifact_files(path)
-        hashes = {name: trusted.get(name) or _hash_file(file) for name, file in files.items()}
+        hashes = {name: trusted.get(name) or sha256_file(file) for name, file in files.items()}
         actual = manifest_sha256(hashes)
         if actual != sha256:
             raise IntegrityError(

@@ -53,7 +53,9 @@ def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(f"cannot create {path.parent} for the store ({exc}); pass --db with a writable path") from exc
+            raise StoreError(
+                f"cannot create {path.parent} for the store ({exc}); pass --db with a writable path"
+            ) from exc
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")

@@ -75,7 +75,8 @@ def _check_format(metadata: dict) -> None:
 # ---- get-or-create (a concurrent insert of the same row raises IntegrityError; the caller retries) ---
 def model_row(session: Session, fingerprint: dict) -> ModelRow:
     identity = _identity(
-        fingerprint["model_id"], fingerprint.get("revision"), fingerprint["config_hash"], fingerprint.get("tokenizer_hash")
+        fingerprint["model_id"], fingerprint.get("revision"),
+        fingerprint["config_hash"], fingerprint.get("tokenizer_hash"),
     )
     row = session.scalar(select(ModelRow).where(ModelRow.identity_sha256 == identity))
     if row is None:
@@ -140,7 +141,10 @@ def next_version(session: Session, series: SeriesRow) -> int:
     """Increment the series counter (call with the series locked); returns the new version number."""
     table = SeriesRow.__table__
     statement = (
-        update(table).where(table.c.id == series.id).values(last_version=table.c.last_version + 1).returning(table.c.last_version)
+        update(table)
+        .where(table.c.id == series.id)
+        .values(last_version=table.c.last_version + 1)
+        .returning(table.c.last_version)
     )
     return session.execute(statement).scalar_one()
 

@@ -17,7 +17,6 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..errors import SchemaOutdatedError, StoreError
 from .location import display_url
-from .schema import Base
 
 log = logging.getLogger(__name__)
 
@@ -118,23 +117,35 @@ def ensure_schema(engine: Engine, url: str) -> None:
         if _stamped(connection) == SCHEMA_HEAD:
             return
         current = current_revision(connection)
-        kvhub_tables = set(inspect(connection).get_table_names()) & set(Base.metadata.tables)
     if current == head_revision():
         return
-    if current is None and not kvhub_tables:
-        log.info("creating the kvhub store schema in %s", display_url(url))
-        upgrade(url)
+    if current is None:
+        _create(url)
         return
     raise _schema_error(current, url)
 
 
-def _schema_error(current: str | None, url: str) -> StoreError:
+def _create(url: str) -> None:
+    """Migrate an unstamped database to head.
+
+    The upgrade re-reads the stamp under its lock, so when several processes open a new database at
+    once, one creates the schema and the others find it done.  A database holding tables of the same
+    names but no stamp makes the upgrade fail (and roll back): that is not a kvhub store.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    log.info("creating the kvhub store schema in %s", display_url(url))
+    try:
+        upgrade(url)
+    except (DBAPIError, StoreError) as exc:
+        raise StoreError(
+            f"{display_url(url)} holds tables but no kvhub schema version, and creating the schema failed "
+            f"({exc}); point --db at a new database or an empty one"
+        ) from exc
+
+
+def _schema_error(current: str, url: str) -> StoreError:
     where = display_url(url)
-    if current is None:
-        return StoreError(
-            f"{where} holds kvhub tables but no kvhub schema version (a store older than kvhub's migrations, "
-            "or a half-dropped one); point --db at another database or an empty one"
-        )
     if current not in {rev.revision for rev in _script().walk_revisions()}:
         return StoreError(
             f"{where} has schema revision {current}, newer than this kvhub knows ({head_revision()}); "

@@ -22,12 +22,16 @@ def find_series(session: Session, ref: Ref) -> SeriesRow:
     sources = match_model_names(ref.source, [s.source_name for s in series])
     if not sources:
         known = sorted({s.source_name for s in series})
-        raise NotFoundError(f"no mapper from model {ref.source!r} in the store ({_listing('sources', known)}); {_NEXT_STEP}")
+        raise NotFoundError(
+            f"no mapper from model {ref.source!r} in the store ({_listing('sources', known)}); {_NEXT_STEP}"
+        )
     series = [s for s in series if s.source_name in sources]
     targets = match_model_names(ref.target, [s.target_name for s in series])
     if not targets:
         known = sorted({s.target_name for s in series})
-        raise NotFoundError(f"no mapper from {_one_of(sources)} to {ref.target!r} ({_listing('targets', known)}); {_NEXT_STEP}")
+        raise NotFoundError(
+            f"no mapper from {_one_of(sources)} to {ref.target!r} ({_listing('targets', known)}); {_NEXT_STEP}"
+        )
     series = [s for s in series if s.target_name in targets]
     if ref.calibration is not None:
         calibrations = match_calibration_names(ref.calibration, [s.calibration_name for s in series])

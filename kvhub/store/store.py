@@ -352,9 +352,10 @@ class Store:
         other_version = ref.version is not None and pointed.version != ref.version
         if other_version or ref.alias not in (None, alias):
             wanted = f"v{ref.version}" if ref.version is not None else ref.alias
+            triple = f"{series.source_name}:{series.target_name}:{series.calibration_name}"
             raise ConfigError(
                 f"{alias!r} points at v{pointed.version}, not {wanted}; to remove it anyway name the triple "
-                f"without a selector: `kvhub untag {series.source_name}:{series.target_name}:{series.calibration_name} {alias}`"
+                f"without a selector: `kvhub untag {triple} {alias}`"
             )
         record = self._record(session, pointed)
         session.execute(
@@ -431,4 +432,6 @@ def _check_json(what: str, value) -> None:
     try:
         json.dumps(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{what} must be JSON-serialisable ({exc}); pass plain dicts, lists, strings and numbers") from exc
+        raise ConfigError(
+            f"{what} must be JSON-serialisable ({exc}); pass plain dicts, lists, strings and numbers"
+        ) from exc
