@@ -40,7 +40,7 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
         raise ConfigError(f"exact_prefix must be in 0..{input_ids.shape[1] - 1}, got {exact_prefix}")
     check_models(mapper, source_model, target_model)
     context = input_ids[:, :-1]
-    cache = mapper.transfer(run_model(source_model, context))
+    cache = mapper.transfer(run_model(source_model, context), dtype=target_model.dtype)
     if exact_prefix:
         exact = run_model(target_model, context[:, :exact_prefix])
         for mapped, own in zip(cache.layers, exact.layers):

@@ -133,13 +133,14 @@ class Mapper:
 
     @torch.no_grad()
     def map_layers(
-        self, source_keys: list[torch.Tensor], source_values: list[torch.Tensor], position_ids: torch.Tensor
+        self, source_keys: list[torch.Tensor], source_values: list[torch.Tensor], position_ids: torch.Tensor,
+        *, dtype: torch.dtype | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Map per-layer source K/V (B, Hs, T, Ds) to target K/V (B, Ht, T, Dt) in self.dtype.
+        """Map per-layer source K/V (B, Hs, T, Ds) to target K/V (B, Ht, T, Dt) in ``dtype`` (default self.dtype).
 
         source keys carry the source RoPE at ``position_ids`` (B, T); the result carries the target's.
         """
-        device = self.device
+        device, dtype = self.device, dtype or self.dtype
         batch, _, tokens, _ = source_keys[0].shape
         position_ids = position_ids.to(device)
         src_rot, dst_rot = self._rotary_for("source", device), self._rotary_for("target", device)
@@ -166,7 +167,7 @@ class Mapper:
             yv = self._affine(xv, "v", m).view(batch, tokens, heads, head_dim).transpose(1, 2)
             cos, sin = dst_rot.cos_sin(position_ids, m)
             yk = apply_rope(yk, cos, sin)
-            out.append((yk.to(self.dtype).contiguous(), yv.to(self.dtype).contiguous()))
+            out.append((yk.to(dtype).contiguous(), yv.to(dtype).contiguous()))
         return out
 
     def _affine(self, x: torch.Tensor, kind: str, m: int) -> torch.Tensor:
@@ -175,13 +176,13 @@ class Mapper:
         return torch.addmm(bias.float(), x.reshape(-1, x.shape[-1]), weight.float()).view(*x.shape[:-1], -1)
 
     @torch.no_grad()
-    def transfer(self, source_cache, *, position_ids: torch.Tensor | None = None):
+    def transfer(self, source_cache, *, position_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         """Map a source-model cache to a new target-model ``DynamicCache``.
 
         source_cache: a transformers cache of the source model, every layer (B, Hs, T, Ds).
         position_ids: (B, T) positions of the cached tokens; default 0..T-1 (no left padding).
-        Returns a ``DynamicCache(config=target_config)`` on the mapper's device in ``self.dtype``,
-        sliding-window layers included.  The caller keeps the last prompt token for the target
+        Returns a ``DynamicCache(config=target_config)`` on the mapper's device in ``dtype`` (default
+        ``self.dtype``: the target's dtype at fit time, or Mapper.load's), sliding-window layers included.  The caller keeps the last prompt token for the target
         (see :func:`kvhub.handoff.handoff`).
         """
         from transformers import DynamicCache
@@ -192,7 +193,8 @@ class Mapper:
         elif tuple(position_ids.shape) != (batch, tokens):
             raise IncompatibleError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(batch, tokens)}")
         mapped = self.map_layers(
-            [layer.keys for layer in source_cache.layers], [layer.values for layer in source_cache.layers], position_ids
+            [layer.keys for layer in source_cache.layers], [layer.values for layer in source_cache.layers], position_ids,
+            dtype=parse_dtype(dtype),
         )
         cache = DynamicCache(config=self._config("target"))
         for m, (keys, values) in enumerate(mapped):

@@ -125,13 +125,15 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
 
 
 @torch.no_grad()
-def score_item(item, *, mapper, source, target, tokenizer, exact_prefix: int = 0,
-               recorder: _AttnRecorder | None = None) -> ItemScore:
-    """Score one multiple-choice item under the three conditions.
+def score_item(item, *, mapper, source, target, tokenizer, exact_prefixes: tuple[int, ...] = (0,),
+               recorder: _AttnRecorder | None = None) -> list[ItemScore]:
+    """Score one multiple-choice item under the three conditions; one ItemScore per exact_prefix.
 
     Every condition prefills the shared context minus its last token once (own: target; mapped:
-    source -> mapper; source: source), then runs the same tails ``[last context token] + prefix_i +
-    continuation_i`` (batched over choices) from that cache, so the conditions differ only in the cache.
+    source -> mapper, with the first ``exact_prefix`` tokens recomputed by the target; source: source),
+    then runs the same tails ``[last context token] + prefix_i + continuation_i`` (batched over
+    choices) from that cache, so the conditions differ only in the cache.  Own and source are computed
+    once for all variants.
     """
     device = next(target.parameters()).device
     ctx, pres, conts = _encode(tokenizer, item)
@@ -146,12 +148,21 @@ def score_item(item, *, mapper, source, target, tokenizer, exact_prefix: int = 0
     context = torch.tensor([ctx[:-1]], device=device)
     starts, lengths = [1 + len(p) for p in pres], [len(c) for c in conts]
     own_logits, own_attn = _tail_logits(target, run_model(target, context), tail_ids, tail_mask, recorder=recorder)
-    mapped_cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=exact_prefix)
-    map_logits, map_attn = _tail_logits(target, mapped_cache, tail_ids, tail_mask, recorder=recorder)
     src_logits, _ = _tail_logits(source, run_model(source, context), tail_ids, tail_mask)
     own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)
     src = _continuation_logprobs(src_logits, tail_ids, starts, lengths)
-    mapped = _continuation_logprobs(map_logits, tail_ids, starts, lengths)
+    scores = []
+    for exact_prefix in exact_prefixes:
+        cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device),
+                              exact_prefix=min(exact_prefix, len(ctx) - 1))
+        map_logits, map_attn = _tail_logits(target, cache, tail_ids, tail_mask, recorder=recorder)
+        mapped = _continuation_logprobs(map_logits, tail_ids, starts, lengths)
+        scores.append(_item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask))
+    return scores
+
+
+def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask) -> ItemScore:
+    n = len(own)
     chars = [max(1, len(c)) for c in item.continuations]
     pick = lambda scores: int(max(range(n), key=lambda i: scores[i]))  # noqa: E731
     norm = lambda scores: [s / c for s, c in zip(scores, chars)]  # noqa: E731

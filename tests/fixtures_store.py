@@ -149,8 +149,11 @@ def postgres_cluster():
         shutil.rmtree(root, ignore_errors=True)
         pytest.fail(f"could not start PostgreSQL: {exc.stderr or exc.stdout}")
     yield cluster
+    import time as _t; _t0=_t.time()
     cluster.stop()
+    print("STOP", _t.time()-_t0, flush=True)
     shutil.rmtree(root, ignore_errors=True)
+    print("RM", _t.time()-_t0, flush=True)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

@@ -102,3 +102,34 @@ def test_fit_refuses_existing_out_and_different_tokenizers(model_dirs, env, tmp_
     args[args.index("--dst") + 1] = str(other)
     result = runner.invoke(main, args)
     assert result.exit_code == 3 and "different tokenizers" in result.output
+
+
+def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkeypatch):
+    import kvhub.taskeval as taskeval
+    import kvhub.tasks as tasks
+    from kvhub.tasks import Item
+
+    runner = CliRunner()
+    fitted = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "m") + ["--json"])
+    ref = json.loads(fitted.stdout)["reference"]
+    # contexts made of the calibration corpus' own words: the fitted map is exact on their span
+    items = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"],
+                  label=i % 3, id=str(i)) for i in range(4)]
+    monkeypatch.setattr(tasks, "load_task", lambda name, limit=None, seed=0: items[:limit])
+    calls = []
+    real = taskeval.score_item
+    monkeypatch.setattr(taskeval, "score_item", lambda item, **kw: (calls.append(item.id), real(item, **kw))[1])
+    args = ["eval", ref, "--task", "hellaswag", "--limit", "4", "--exact-prefix", "0", "--exact-prefix", "2",
+            "--device", "cpu", "--dtype", "float32", "--db", env["db"], "--json"]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads(result.stdout)["results"]
+    exact = results["hellaswag"]
+    assert exact["n"] == 4 and exact["acc_own"] in (0, 0.25, 0.5, 0.75, 1) and 0 <= exact["agree_next"] <= 1
+    assert "hellaswag@exact_prefix=2" in results
+    assert len(calls) == 4
+    again = runner.invoke(main, args)
+    assert again.exit_code == 0 and len(calls) == 4  # every item came from the per-item cache
+    shown = json.loads(runner.invoke(main, ["show", ref, "--db", env["db"], "--json"]).stdout)
+    names = {(m["task"], m["name"]) for m in shown["metrics"]}
+    assert ("hellaswag", "retention") in names and ("hellaswag@exact_prefix=2", "acc_mapped") in names

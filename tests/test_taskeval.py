@@ -44,8 +44,8 @@ def test_exact_family_scores_identically_to_own(family):
     items += [Item(f"a cat {i} sat", [" on the mat"] * 2, i % 2, f"w{i}", choice_prefixes=[" down", " up"])
               for i in range(4)]
     recorder = _AttnRecorder(target)
-    scores = [score_item(it, mapper=mapper, source=source, target=target, tokenizer=CharTokenizer(), recorder=recorder)
-              for it in items]
+    scores = [s for it in items for s in score_item(it, mapper=mapper, source=source, target=target,
+                                                     tokenizer=CharTokenizer(), recorder=recorder, exact_prefixes=(0, 3))]
     recorder.remove()
     for s in scores:
         assert s.correct_mapped == s.correct_own and s.correct_norm_mapped == s.correct_norm_own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -30,14 +31,15 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     return store, version, mapper, source, target, tokenizer
 
 
-def _results_file(version, task: str, seed: int, exact_prefix: int) -> Path:
+def _results_file(version, task: str, seed: int, exact_prefixes: tuple[int, ...]) -> Path:
     from ..calib.corpus import cache_root
 
-    return cache_root() / "eval-cache" / version.tensors_sha256[:24] / f"{task}-seed{seed}-xp{exact_prefix}.jsonl"
+    variants = "-".join(str(x) for x in exact_prefixes)
+    return cache_root() / "eval-cache" / version.tensors_sha256[:24] / f"{task}-seed{seed}-xp{variants}.jsonl"
 
 
-def _score_items(items, path: Path, scorer, progress) -> list:
-    """Score items, appending each result to ``path`` (JSONL) so an interrupted run resumes."""
+def _score_items(items, path: Path, scorer, progress) -> list[list]:
+    """Score items (a list of ItemScore each), appending to ``path`` (JSONL) so an interrupted run resumes."""
     from ..taskeval import ItemScore
 
     done = {}
@@ -47,17 +49,18 @@ def _score_items(items, path: Path, scorer, progress) -> list:
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a kill: score that item again
                 continue
-            done[record["id"]] = ItemScore(**record)
+            done[record["id"]] = [ItemScore(**v) for v in record["variants"]]
     path.parent.mkdir(parents=True, exist_ok=True)
     scores = []
     with path.open("a") as handle:
         for index, item in enumerate(items):
             progress(f"items: {item.id}", index, len(items))
-            if str(item.id) not in done:
-                done[str(item.id)] = scorer(item)
-                handle.write(json.dumps(done[str(item.id)].as_dict()) + "\n")
+            key = str(item.id)
+            if key not in done:
+                done[key] = scorer(item)
+                handle.write(json.dumps({"id": key, "variants": [v.as_dict() for v in done[key]]}) + "\n")
                 handle.flush()
-            scores.append(done[str(item.id)])
+            scores.append(done[key])
         progress("items: done", len(items), len(items))
     return scores
 
@@ -68,34 +71,41 @@ def _score_items(items, path: Path, scorer, progress) -> list:
               help="Task to evaluate (repeatable).")
 @click.option("--limit", type=int, default=200, show_default=True, help="Items per task (seeded subset).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--exact-prefix", type=int, default=0, show_default=True,
-              help="Context tokens the target recomputes itself (attention sinks); the rest is mapped.")
-@click.option("--device", default=None)
+@click.option("--exact-prefix", "exact_prefixes", type=int, multiple=True, default=(0,), show_default=True,
+              help="Context tokens the target recomputes itself (attention sinks); the rest is mapped. "
+                   "Repeat to compare variants in one pass (own and source are scored once).")
+@click.option("--device", default=None, help="cpu, cuda, ... (default: cuda if available).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @click.option("--db", default=None, metavar="URL")
 @click.option("--json", "as_json", is_flag=True)
-def eval_command(ref, tasks, limit, seed, exact_prefix, device, db, as_json):
+def eval_command(ref, tasks, limit, seed, exact_prefixes, device, dtype, db, as_json):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     Results (retention, gap closed, 95% bootstrap intervals, next-token agreement/KL, attention-output
     cosine) are stored as metrics of the version and shown by `kvhub show`.  Per-item results are cached,
     so an interrupted evaluation resumes where it stopped.
     """
-    store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device)
+    store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
     results = {}
+    exact_prefixes = tuple(sorted(set(exact_prefixes)))
     for task in tasks:
-        summary = (_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=exact_prefix)
-                   if task == "ppl" else
-                   _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefix))
-        summary["exact_prefix"] = exact_prefix
-        results[task] = summary
-        store.add_metrics(version, _as_metrics(task, summary, seed))
+        if task == "ppl":
+            summaries = [_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=xp)
+                         for xp in exact_prefixes]
+        else:
+            summaries = _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefixes)
+        for exact_prefix, summary in zip(exact_prefixes, summaries):
+            name = task if exact_prefix == 0 else f"{task}@exact_prefix={exact_prefix}"
+            summary["exact_prefix"] = exact_prefix
+            results[name] = summary
+            store.add_metrics(version, _as_metrics(name, summary, seed))
     if as_json:
         click.echo(json.dumps({"ref": version.ref, "results": results}, indent=2))
     else:
         _print_results(version.ref, results)
 
 
-def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefix) -> dict:
+def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefixes) -> list[dict]:
     from ..taskeval import _AttnRecorder, score_item, summarize
     from ..tasks import load_task
     from .progress import progress_callback
@@ -105,13 +115,13 @@ def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, ex
     try:
         with progress_callback("items/s") as callback:
             scores = _score_items(
-                items, _results_file(version, task, seed, exact_prefix),
+                items, _results_file(version, task, seed, exact_prefixes),
                 lambda item: score_item(item, mapper=mapper, source=source, target=target, tokenizer=tokenizer,
-                                        exact_prefix=exact_prefix, recorder=recorder),
+                                        exact_prefixes=exact_prefixes, recorder=recorder),
                 callback)
     finally:
         recorder.remove()
-    return summarize(scores, seed=seed)
+    return [summarize([variants[i] for variants in scores], seed=seed) for i in range(len(exact_prefixes))]
 
 
 def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix) -> dict:
@@ -133,12 +143,15 @@ def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix) -
 
 
 def _as_metrics(task: str, summary: dict, seed: int) -> list[dict]:
+    """Store rows for the finite numbers of a summary (e.g. gap closed is undefined when own == source)."""
     rows = []
     for name, value in summary.items():
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            continue
         if isinstance(value, (int, float)) and name not in ("n", "exact_prefix", "sequences"):
             rows.append({"name": name, "value": float(value), "task": task, "split": "eval",
                          "n": summary.get("n"), "seed": seed})
-        elif name.endswith("_ci") and isinstance(value, list):
+        elif name.endswith("_ci") and isinstance(value, list) and all(math.isfinite(v) for v in value):
             rows.append({"name": f"{name}_low", "value": float(value[0]), "task": task, "split": "eval",
                          "n": summary.get("n"), "seed": seed})
             rows.append({"name": f"{name}_high", "value": float(value[1]), "task": task, "split": "eval",
@@ -153,7 +166,7 @@ def _print_results(ref: str, results: dict) -> None:
     for column in ("task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"):
         table.add_column(column, justify="right")
     for task, r in results.items():
-        if task == "ppl":
+        if task.startswith("ppl"):
             table.add_row(task, str(r["n"]), f"ppl {r['ppl_own']:.2f}", f"ppl {r['ppl_mapped']:.2f}",
                           f"no ctx {r['ppl_no_context']:.2f}", "", "", f"{r['agreement']:.3f}", "")
             continue
