@@ -15,8 +15,18 @@ from .errors import ConfigError, IncompatibleError
 from .fingerprint import kv_geometry
 
 
-def check_models(mapper, source_model, target_model) -> None:
-    """Refuse models whose KV geometry differs from what the mapper was fitted for."""
+def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
+    """Refuse models whose KV geometry (or, when given, tokenizer) differs from what the mapper was fitted for."""
+    if tokenizer is not None:
+        from .fingerprint import tokenizer_hash
+
+        given, fitted = tokenizer_hash(tokenizer), mapper.source.get("tokenizer_hash")
+        if fitted is not None and given != fitted:
+            raise IncompatibleError(
+                f"the tokenizer passed (sha256 {given[:12]}) is not the one of {mapper.source['model_id']} and "
+                f"{mapper.target['model_id']} (sha256 {fitted[:12]}) this mapper was fitted with; "
+                "the mapped cache would hold the wrong tokens"
+            )
     for side, model in (("source", source_model), ("target", target_model)):
         expected = mapper.metadata[side]
         got = kv_geometry(model.config)
@@ -29,7 +39,8 @@ def check_models(mapper, source_model, target_model) -> None:
 
 
 @torch.no_grad()
-def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0):
+def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
+                  tokenizer=None):
     """Target cache for input_ids[:, :-1]: mapped from the source, the first ``exact_prefix`` exact.
 
     input_ids: (B, n) with n >= 2, no padding.  Returns a target DynamicCache of n-1 positions.
@@ -38,7 +49,7 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
         raise ConfigError("handoff needs (batch, n) input ids with n >= 2: the target consumes the last token")
     if not 0 <= exact_prefix < input_ids.shape[1]:
         raise ConfigError(f"exact_prefix must be in 0..{input_ids.shape[1] - 1}, got {exact_prefix}")
-    check_models(mapper, source_model, target_model)
+    check_models(mapper, source_model, target_model, tokenizer=tokenizer)
     context = input_ids[:, :-1]
     cache = mapper.transfer(run_model(source_model, context), dtype=target_model.dtype)
     if exact_prefix:
@@ -52,13 +63,15 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
 
 @torch.no_grad()
 def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
-            **generate_kwargs) -> torch.Tensor:
+            tokenizer=None, **generate_kwargs) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
     input_ids: (B, n), no padding.  generate_kwargs go to ``generate`` (e.g. max_new_tokens,
     do_sample=False).  Equivalent to ``target_model.generate(input_ids, ...)`` when the map is exact.
+    ``tokenizer``: the tokenizer that produced input_ids; refused unless it is the one fitted with.
     """
-    cache = prepare_cache(mapper, source_model, target_model, input_ids, exact_prefix=exact_prefix)
+    cache = prepare_cache(mapper, source_model, target_model, input_ids, exact_prefix=exact_prefix,
+                          tokenizer=tokenizer)
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = torch.ones_like(input_ids)

@@ -178,3 +178,19 @@ def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
     assert resumed_calls[0][1] == 2 * 8 * 32  # started after the two checkpointed batches
     for name, tensor in clean.tensors.items():
         torch.testing.assert_close(resumed.tensors[name], tensor, atol=1e-6, rtol=1e-6)
+
+
+def test_handoff_refuses_another_tokenizer():
+    from kvhub.fingerprint import tokenizer_hash
+    from tests.fixtures_calib import train_tokenizer
+
+    model = make_model("qwen2", num_hidden_layers=1, vocab_size=640)
+    fitted_with, other = train_tokenizer(vocab_size=600), train_tokenizer(vocab_size=620)
+    mapper = fit(model, model, _ids(12, 16, 0), _ids(4, 16, 1), source_id="a/src", target_id="a/dst",
+                 source_tokenizer=fitted_with, target_tokenizer=fitted_with,
+                 options=FitOptions(k=1, lambda_=0.01, stride=1))
+    assert mapper.source["tokenizer_hash"] == tokenizer_hash(fitted_with)
+    ids = _ids(1, 10, 2)
+    handoff(mapper, model, model, ids, tokenizer=fitted_with, max_new_tokens=2, do_sample=False)
+    with pytest.raises(IncompatibleError, match="a/src"):
+        handoff(mapper, model, model, ids, tokenizer=other, max_new_tokens=2)

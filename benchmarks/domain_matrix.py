@@ -1,0 +1,108 @@
+"""Domain-transfer matrix: fit on each calibration domain, evaluate on held-out text of every domain.
+
+    python benchmarks/domain_matrix.py --domains legal-docs,code,chat,general --samples 16 \
+        --out docs/results/domain_matrix.json
+
+One capture pass per domain gives its train and held-out statistics (cached under
+~/.cache/kvhub/bench/stats/); every (fit domain, eval domain) held-out R^2 then comes from the
+statistics alone (kvhub.solve.r2_score), and next-token agreement / KL from a few held-out sequences
+of each eval domain (kvhub.evaluate.continuation_metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SRC = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+DST = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+
+
+def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
+    """(train KVStats, heldout KVStats, calibration set) of one domain, cached on disk."""
+    from safetensors.torch import load_file, save_file
+
+    from kvhub.calib import resolve_calibration
+    from kvhub.fit import FitOptions, accumulate
+    from kvhub.stats import KVStats
+
+    calibration = resolve_calibration(domain, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
+                                      seq_len=args.seq_len)
+    path = cache / f"{domain}-{calibration.content_hash[:16]}-s{args.stride}.safetensors"
+    if path.is_file():
+        state = load_file(str(path))
+        split = lambda p: KVStats.from_state_dict({k[len(p):]: v for k, v in state.items() if k.startswith(p)})  # noqa: E731
+        return split("train."), split("heldout."), calibration
+    options = FitOptions(stride=args.stride, batch_size=4)
+    train, heldout = accumulate(source, target, calibration.train, calibration.heldout, options=options,
+                                progress=None, job="domain-matrix")
+    cache.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{p}{k}": v.contiguous() for p, s in (("train.", train), ("heldout.", heldout))
+               for k, v in s.state_dict().items()}
+    save_file(tensors, str(path))
+    return train, heldout, calibration
+
+
+def mean_r2(solution, stats) -> tuple[float, float]:
+    from kvhub.solve import r2_score
+
+    layout = stats.layout
+    k_scores, v_scores = [], []
+    for layer in solution.layers:
+        cols, ycols = layout.src_columns(layer.sources), layout.dst_columns(layer.target)
+        k_scores.append(r2_score(stats.k, cols, ycols, layer.wk, layer.bk))
+        v_scores.append(r2_score(stats.v, cols, ycols, layer.wv, layer.bv))
+    return sum(k_scores) / len(k_scores), sum(v_scores) / len(v_scores)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--domains", default="legal-docs,code,chat,general")
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=4)
+    parser.add_argument("--agreement-sequences", type=int, default=2)
+    parser.add_argument("--context-len", type=int, default=256)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from kvhub.evaluate import continuation_metrics
+    from kvhub.fit import FitOptions, build_mapper
+    from kvhub.fingerprint import model_fingerprint
+    from kvhub.models import load_model
+    from kvhub.solve import solve
+
+    source, tok, source_id = load_model(SRC, dtype="bfloat16")
+    target, _, target_id = load_model(DST, dtype="bfloat16")
+    domains = args.domains.split(",")
+    cache = Path.home() / ".cache" / "kvhub" / "bench" / "stats"
+    stats = {}
+    for domain in domains:
+        started = time.perf_counter()
+        stats[domain] = domain_stats(domain, source, target, tok, source_id, args, cache)
+        print(f"{domain}: statistics in {time.perf_counter() - started:.0f} s", flush=True)
+    fps = (model_fingerprint(source.config, model_id=source_id), model_fingerprint(target.config, model_id=target_id))
+    for fp in fps:
+        fp["dtype"] = "bfloat16"
+    report = {"command": " ".join(sys.argv), "samples": args.samples, "seq_len": args.seq_len, "rows": []}
+    for fit_domain in domains:
+        train, heldout, calibration = stats[fit_domain]
+        solution = solve(train, heldout)
+        mapper = build_mapper(solution, *fps, calibration.to_metadata(), train, heldout, FitOptions(stride=args.stride))
+        for eval_domain in domains:
+            r2_k, r2_v = mean_r2(solution, stats[eval_domain][1])
+            held = stats[eval_domain][2].heldout[: args.agreement_sequences]
+            cont = continuation_metrics(mapper, source, target, held, context_len=args.context_len)
+            row = {"fit": fit_domain, "eval": eval_domain, "r2_k": r2_k, "r2_v": r2_v, **cont.as_dict()}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
