@@ -122,17 +122,21 @@ class PostgresCluster:
     def stop(self) -> None:
         self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "immediate", "-w", "stop")
 
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
-
-    def new_database(self) -> str:
-        """URL of a new, empty database."""
+    def _execute(self, statement: str) -> None:
         import psycopg
 
-        name = f"kvhub_{uuid.uuid4().hex[:12]}"
         with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
-        return self.url(name)
+            conn.execute(statement)
+
+    def new_database(self) -> str:
+        """URL of a new, empty store database: its own schema, chosen by the URL's search_path.
+
+        A schema per test instead of a database per test: CREATE DATABASE copies ~1000 files
+        (0.4 s each, and deleting the cluster took 40 s on this disk); a schema costs nothing.
+        """
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        self._execute(f"CREATE SCHEMA {schema}")
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres?options=-csearch_path%3D{schema}"
 
 
 @pytest.fixture(scope="session")
@@ -149,11 +153,8 @@ def postgres_cluster():
         shutil.rmtree(root, ignore_errors=True)
         pytest.fail(f"could not start PostgreSQL: {exc.stderr or exc.stdout}")
     yield cluster
-    import time as _t; _t0=_t.time()
     cluster.stop()
-    print("STOP", _t.time()-_t0, flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    print("RM", _t.time()-_t0, flush=True)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

@@ -171,6 +171,6 @@ def test_a_database_with_clashing_tables_is_refused_and_left_alone(db_url, tmp_p
         connection.exec_driver_sql("CREATE TABLE models (id INTEGER PRIMARY KEY, owner VARCHAR(20))")
         connection.exec_driver_sql("INSERT INTO models (id, owner) VALUES (1, 'another app')")
     engine.dispose()
-    with pytest.raises(StoreError, match="no kvhub schema version"):
+    with pytest.raises(StoreError, match="no kvhub schema version.*models"):
         open_store(db_url, artifacts_dir=tmp_path / "a")
     assert _tables(db_url) == {"models"}  # the failed creation rolled back completely

@@ -1,7 +1,6 @@
 """`kvhub db upgrade` from a plain wheel install: the migrations travel inside the wheel.
 
-Slow (builds a wheel, makes a venv): run with ``pytest -m slow tests/test_migrations_wheel.py``.
-The fresh venv gets kvhub only from the wheel; its dependencies come from this environment's
+Builds a wheel and a venv in ~5-10 s on 2 cores, without network (``--no-index``).  The fresh venv gets kvhub only from the wheel; its dependencies come from this environment's
 site-packages through a .pth file, so nothing is downloaded (and no CUDA torch can be pulled).
 """
 
@@ -14,8 +13,6 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +32,8 @@ def _build_wheel(tmp_path: Path) -> Path:
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, source / name)
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", source,
-         cwd=tmp_path)
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "-w", tmp_path / "dist", source, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("kvhub-*.whl")
     return wheel
 
@@ -52,7 +49,6 @@ def _fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     return venv
 
 
-@pytest.mark.slow
 def test_db_upgrade_works_from_an_installed_wheel(tmp_path):
     wheel = _build_wheel(tmp_path)
     venv = _fresh_venv(tmp_path, wheel)

@@ -367,3 +367,9 @@ def test_locations_follow_the_environment(tmp_path, monkeypatch):
 def test_sqlite_foreign_keys_are_on(tmp_path):
     with open_store(tmp_path / "k.db") as opened, opened._engine.connect() as connection:
         assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
+def test_an_unreachable_server_is_a_store_error_without_the_password():
+    with pytest.raises(StoreError, match="cannot use the store") as caught:
+        open_store("postgresql+psycopg://kvhub:s3cret@127.0.0.1:1/kvhub")
+    assert "s3cret" not in str(caught.value) and "kvhub:***@" in str(caught.value)

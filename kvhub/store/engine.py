@@ -14,7 +14,7 @@ import re
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from ..errors import ConfigError, StoreError
 from .location import display_url, sqlite_path
@@ -40,6 +40,14 @@ def make_engine(url: str, *, foreign_keys: bool = True) -> Engine:
             f"no driver for {display_url(url)} ({exc}); for PostgreSQL install `pip install 'kvhub[postgres]'` "
             "and use a postgresql+psycopg:// URL"
         ) from exc
+
+
+def connection_error(url: str, exc: DBAPIError) -> StoreError:
+    """The StoreError for a database that cannot be reached or used (password never shown)."""
+    return StoreError(
+        f"cannot use the store at {display_url(url)}: {str(exc.orig).strip()}; check the URL (--db, "
+        "KVHUB_DB_URL), that the server is running, and your permissions"
+    )
 
 
 def write_engine(engine: Engine) -> Engine:

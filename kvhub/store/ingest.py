@@ -33,6 +33,15 @@ def _identity(*parts) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
+def _integer(value) -> int | None:
+    """``value`` if it is an int (not a bool), else None: informational columns never fail a write."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def read_checked_metadata(directory: Path, hashes: dict[str, str]) -> dict:
     """mapper.json of an artifact copy, checked against the file hashes taken while copying it."""
     path = directory / METADATA_FILE
@@ -111,7 +120,7 @@ def calibration_row(session: Session, calibration: dict) -> CalibrationSetRow:
             name=calibration["name"],
             version=version,
             content_hash=calibration.get("content_hash"),
-            tokens=calibration.get("tokens"),
+            tokens=_integer(calibration.get("tokens")),
             recipe=calibration,
         )
         session.add(row)
@@ -176,15 +185,14 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     if existing is not None:
         return existing
     number = next_version(session, series)
-    lam = metadata.get("lambda")
     row = VersionRow(
         series_id=series.id,
         version=number,
         source_model_id=source.id,
         target_model_id=target.id,
         calibration_set_id=calibration.id,
-        k=metadata.get("k"),
-        ridge_lambda=float(lam) if isinstance(lam, (int, float)) and not isinstance(lam, bool) else None,
+        k=_integer(metadata.get("k")),
+        ridge_lambda=_number(metadata.get("lambda")),  # per-layer lambdas stay in selected_layers
         selected_layers=metadata.get("layers") or [],
         artifact_sha256=stored.sha256,
         tensors_sha256=metadata["tensors"]["sha256"],

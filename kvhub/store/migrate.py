@@ -14,8 +14,10 @@ from pathlib import Path
 
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from ..errors import SchemaOutdatedError, StoreError
+from .engine import connection_error, make_engine
 from .location import display_url
 
 log = logging.getLogger(__name__)
@@ -71,12 +73,12 @@ def current_revision(connection: Connection) -> str | None:
 
 def schema_status(url: str) -> tuple[str | None, str]:
     """(revision stamped in the database or None, head revision of this kvhub); never migrates."""
-    from .engine import make_engine
-
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
             return current_revision(connection), head_revision()
+    except DBAPIError as exc:
+        raise connection_error(url, exc) from exc
     finally:
         engine.dispose()
 
@@ -102,6 +104,11 @@ def _run_alembic(action, url: str, revision: str) -> None:
         action(alembic_config(url), revision)
     except CommandError as exc:
         raise StoreError(f"schema migration of {display_url(url)} to {revision!r} failed: {exc}") from exc
+    except DBAPIError as exc:
+        raise StoreError(
+            f"schema migration of {display_url(url)} to {revision!r} failed and was rolled back: "
+            f"{str(exc.orig).strip()}"
+        ) from exc
 
 
 def _stamped(connection: Connection) -> str | None:
@@ -132,15 +139,13 @@ def _create(url: str) -> None:
     once, one creates the schema and the others find it done.  A database holding tables of the same
     names but no stamp makes the upgrade fail (and roll back): that is not a kvhub store.
     """
-    from sqlalchemy.exc import DBAPIError
-
     log.info("creating the kvhub store schema in %s", display_url(url))
     try:
         upgrade(url)
-    except (DBAPIError, StoreError) as exc:
+    except StoreError as exc:
         raise StoreError(
-            f"{display_url(url)} holds tables but no kvhub schema version, and creating the schema failed "
-            f"({exc}); point --db at a new database or an empty one"
+            f"{display_url(url)} holds no kvhub schema version, and creating the schema failed ({exc}); "
+            "if it holds another application's tables, point --db at a new or empty database"
         ) from exc
 
 

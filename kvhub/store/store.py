@@ -37,7 +37,7 @@ from ..errors import IntegrityError as ArtifactIntegrityError
 from . import queries
 from . import resolve as rs
 from .artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
-from .engine import make_engine, write_engine
+from .engine import connection_error, make_engine, write_engine
 from .ingest import METADATA_FILE, insert_version, lock_series, metric_row, read_checked_metadata, set_alias
 from .location import default_artifacts_dir, display_url, resolve_db_url
 from .migrate import ensure_schema
@@ -75,13 +75,6 @@ def _retryable(exc: DBAPIError) -> bool:
     return "database is locked" in text or "unique constraint failed" in text
 
 
-def _unreachable(url: str, exc: DBAPIError) -> StoreError:
-    return StoreError(
-        f"cannot use the store at {display_url(url)}: {str(exc.orig).strip()}; check the URL (--db, KVHUB_DB_URL), "
-        "that the server is running, and your permissions"
-    )
-
-
 def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None) -> "Store":
     """Open the store at ``db`` (see kvhub.store.location for the default), creating a new one at head.
 
@@ -95,7 +88,7 @@ def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.P
             store_id = session.get(StorePropertyRow, "store_id").value
     except DBAPIError as exc:
         engine.dispose()
-        raise _unreachable(url, exc) from exc
+        raise connection_error(url, exc) from exc
     except BaseException:
         engine.dispose()
         raise
@@ -140,7 +133,7 @@ class Store:
             with self._reader() as session:
                 return work(session)
         except DBAPIError as exc:
-            raise _unreachable(self.url, exc) from exc
+            raise connection_error(self.url, exc) from exc
 
     def _write(self, work: Callable[[Session], T]) -> T:
         """Run ``work`` in a write transaction and commit; retry the whole of it on a lost race."""
