@@ -8,12 +8,18 @@ for an artifact.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ArtifactError
+from . import __version__
+from .errors import ArtifactError, FormatVersionError, IntegrityError
+
+FORMAT_VERSION = 1  # of the mapper artifact directory (docs/artifact-format.md)
+TENSORS_FILE = "mapper.safetensors"
+METADATA_FILE = "mapper.json"
 
 
 def sha256_file(path: str | os.PathLike, *, chunk_bytes: int = 1 << 20) -> str:
@@ -100,3 +106,36 @@ class AtomicDirectory:
         else:
             os.replace(self.path, self.target)
         fsync_dir(self.target.parent)
+
+
+def read_metadata(directory: str | os.PathLike) -> dict:
+    """Read mapper.json, checking that it exists and that its format version is one this kvhub reads."""
+    path = Path(directory) / METADATA_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a kvhub mapper artifact: {METADATA_FILE} is missing")
+    try:
+        metadata = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path} is not valid JSON ({exc}); the artifact is corrupt, re-fetch or re-fit it") from exc
+    version = metadata.get("format_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{path} has no integer format_version; the artifact is corrupt")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{directory} has artifact format version {version}, this kvhub ({__version__}) reads up to "
+            f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`"
+        )
+    return metadata
+
+
+def verify_tensors(directory: str | os.PathLike, metadata: dict) -> None:
+    """Raise IntegrityError unless the tensor file's sha256 matches mapper.json."""
+    path = Path(directory) / metadata["tensors"]["file"]
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-fetch or re-fit it")
+    actual = sha256_file(path)
+    if actual != metadata["tensors"]["sha256"]:
+        raise IntegrityError(
+            f"{path} has sha256 {actual}, but mapper.json records {metadata['tensors']['sha256']}: "
+            "the file was modified or corrupted; re-fetch it (kvhub pull) or re-fit"
+        )

@@ -22,14 +22,13 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .artifact import AtomicDirectory, sha256_file
-from .errors import ArtifactError, FormatVersionError, IncompatibleError, IntegrityError, NonFiniteError
+from .artifact import (  # noqa: F401  (re-exported: the artifact format is part of the Mapper's API)
+    FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, AtomicDirectory, read_metadata, sha256_file, verify_tensors,
+)
+from .errors import IncompatibleError, NonFiniteError
 from .fingerprint import config_from_fingerprint
 from .rope import Rotary, apply_rope, strip_rope
 
-FORMAT_VERSION = 1
-TENSORS_FILE = "mapper.safetensors"
-METADATA_FILE = "mapper.json"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -232,36 +231,3 @@ class Mapper:
         verify_tensors(directory, metadata)
         tensors = load_file(str(tensor_path), device=str(device) if device is not None else "cpu")
         return cls(tensors, metadata, dtype=parse_dtype(dtype))
-
-
-def read_metadata(directory: str | os.PathLike) -> dict:
-    """Read mapper.json, checking that it exists and that its format version is one this kvhub reads."""
-    path = Path(directory) / METADATA_FILE
-    if not path.is_file():
-        raise ArtifactError(f"{directory} is not a kvhub mapper artifact: {METADATA_FILE} is missing")
-    try:
-        metadata = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}); the artifact is corrupt, re-fetch or re-fit it") from exc
-    version = metadata.get("format_version")
-    if not isinstance(version, int):
-        raise ArtifactError(f"{path} has no integer format_version; the artifact is corrupt")
-    if version > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{directory} has artifact format version {version}, this kvhub ({__version__}) reads up to "
-            f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`"
-        )
-    return metadata
-
-
-def verify_tensors(directory: str | os.PathLike, metadata: dict) -> None:
-    """Raise IntegrityError unless the tensor file's sha256 matches mapper.json."""
-    path = Path(directory) / metadata["tensors"]["file"]
-    if not path.is_file():
-        raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-fetch or re-fit it")
-    actual = sha256_file(path)
-    if actual != metadata["tensors"]["sha256"]:
-        raise IntegrityError(
-            f"{path} has sha256 {actual}, but mapper.json records {metadata['tensors']['sha256']}: "
-            "the file was modified or corrupted; re-fetch it (kvhub pull) or re-fit"
-        )

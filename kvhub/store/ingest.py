@@ -1,7 +1,7 @@
 """From an artifact's mapper.json to store rows (read without torch: registering stays light).
 
-The store understands the metadata of artifact format versions :data:`SUPPORTED_FORMAT_VERSIONS`;
-tests check that kvhub.mapper.FORMAT_VERSION is among them, so a format bump cannot slip past the store.
+The store understands the metadata of artifact format versions :data:`SUPPORTED_FORMAT_VERSIONS`
+(every version up to kvhub.artifact.FORMAT_VERSION).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from .. import __version__
+from ..artifact import FORMAT_VERSION, METADATA_FILE
 from ..errors import ArtifactError, ConfigError, FormatVersionError, IntegrityError, NonFiniteError
 from .artifacts import StoredArtifact
 from .refs import LATEST
@@ -23,8 +24,7 @@ from .schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow,
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = "mapper.json"
-SUPPORTED_FORMAT_VERSIONS = (1,)
+SUPPORTED_FORMAT_VERSIONS = tuple(range(1, FORMAT_VERSION + 1))
 _FINGERPRINT_FIELDS = ("model_id", "model_type", "family", "config_hash", "num_layers", "num_kv_heads", "head_dim")
 METRIC_FIELDS = ("name", "value", "split", "task", "layer", "n", "seed")
 
