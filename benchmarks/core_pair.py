@@ -76,11 +76,11 @@ def evaluate(args, artifact: Path) -> dict:
 
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
     target, _, _ = load_model(args.dst, dtype="bfloat16")
-    mapper = Mapper.load(artifact, dtype=torch.bfloat16)
+    mapper = Mapper.load(artifact, dtype=torch.bfloat16, compute_dtype=args.compute_dtype)
     calibration = resolve_calibration(args.calib, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
                                       seq_len=args.seq_len)
     held = calibration.heldout[: args.eval_sequences]
-    result = {"continuation": {}, "timing": None}
+    result = {"continuation": {}, "timing": None, "compute_dtype": str(args.compute_dtype or "bfloat16")}
     for exact in sorted({0, args.exact_prefix}):
         metrics = continuation_metrics(mapper, source, target, held, context_len=args.context_len, exact_prefix=exact)
         result["continuation"][f"exact_prefix={exact}"] = metrics.as_dict()
@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--artifact", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--fit-only", action="store_true")
+    parser.add_argument("--eval-only", action="store_true", help="reuse --artifact (or the default one); no fits")
+    parser.add_argument("--compute-dtype", default=None, help="dtype of the mapping matmuls (default: bfloat16)")
     args = parser.parse_args()
     args.k = args.k if args.k == "auto" else int(args.k)
     args.lambda_ = args.lambda_ if args.lambda_ == "auto" else float(args.lambda_)
@@ -120,6 +122,12 @@ def main() -> None:
         return
     artifact = args.artifact or Path.home() / ".cache" / "kvhub" / "bench" / f"core-{args.calib}-{args.samples}"
     report = {"command": " ".join(sys.argv), "src": args.src, "dst": args.dst, "calib": args.calib}
+    if args.eval_only:
+        report.update(evaluate(args, artifact))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return
     if args.small_samples:
         report["fit_small"] = run_fit_subprocess(args, args.small_samples, None)
         print(f"fit small: {report['fit_small']}", flush=True)
