@@ -88,9 +88,15 @@ def main() -> None:
     for fp in fps:
         fp["dtype"] = "bfloat16"
     report = {"command": " ".join(sys.argv), "samples": args.samples, "seq_len": args.seq_len, "rows": []}
+    report["fixed_vs_auto"] = []
     for fit_domain in domains:
         train, heldout, calibration = stats[fit_domain]
         solution = solve(train, heldout)
+        fixed = solve(train, heldout, k=4, lambda_=0.01)  # the paper's lambda, a mid-size k
+        row = {"fit": fit_domain, "auto": mean_r2(solution, heldout), "k4_lambda0.01": mean_r2(fixed, heldout),
+               "auto_k": [len(l.sources) for l in solution.layers]}
+        report["fixed_vs_auto"].append(row)
+        print(json.dumps(row), flush=True)
         mapper = build_mapper(solution, *fps, calibration.to_metadata(), train, heldout, FitOptions(stride=args.stride))
         for eval_domain in domains:
             r2_k, r2_v = mean_r2(solution, stats[eval_domain][1])
