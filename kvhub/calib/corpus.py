@@ -9,8 +9,9 @@ Kinds of source:
 - ``path``: a local file or directory (relative paths are relative to the recipe file).
 - ``hf``: ``datasets.load_dataset(dataset, config, split=split)`` for machines with Hub access.
 
-The cache root is ``$KVHUB_CACHE``, else ``$KVHUB_HOME``, else ``$XDG_CACHE_HOME/kvhub`` (default
-``~/.cache/kvhub``).  A fetch fills a temporary sibling and renames it into place, so a killed fetch
+The cache root is ``$KVHUB_CACHE``, else ``$XDG_CACHE_HOME/kvhub`` (default ``~/.cache/kvhub``).
+``$KVHUB_HOME`` moves the store (database and artifacts), not the caches: models fetched once stay
+found when a user points kvhub at another store.  A fetch fills a temporary sibling and renames it into place, so a killed fetch
 leaves nothing that looks complete.
 """
 
@@ -39,10 +40,10 @@ _STDLIB_EXCLUDE = ("site-packages/**", "dist-packages/**", "test/**", "**/tests/
 
 
 def cache_root() -> Path:
-    """Root of kvhub's caches: $KVHUB_CACHE, else $KVHUB_HOME, else $XDG_CACHE_HOME/kvhub."""
-    for var in ("KVHUB_CACHE", "KVHUB_HOME"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
+    """Root of kvhub's caches (models, corpora, calibration sets, checkpoints): $KVHUB_CACHE, else
+    $XDG_CACHE_HOME/kvhub."""
+    if os.environ.get("KVHUB_CACHE"):
+        return Path(os.environ["KVHUB_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvhub"
 
 

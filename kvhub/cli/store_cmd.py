@@ -177,7 +177,9 @@ def _overview_rows(data: dict) -> list[tuple[str, str]]:
         ("target", f"{dst['name']} @ {dst['revision'] or '-'} ({dst['model_type']}, {geometry.format(**dst)})"),
         ("calibration", f"{calib['name']} v{calib['version']} ({calib['tokens']} tokens, "
                         f"content {str(calib['content_hash'])[:12]})"),
-        ("k / lambda", f"{data['k']} / {_number(data['ridge_lambda'])}"),
+        ("k / lambda", f"{'auto' if data['k'] is None else data['k']} / "
+                       f"{'auto' if data['ridge_lambda'] is None else _number(data['ridge_lambda'])}"
+                       + (" (chosen per target layer, below)" if data['k'] is None or data['ridge_lambda'] is None else "")),
         ("artifact", f"{data['artifact_path']} ({_size(data['artifact_bytes'])})"),
         ("sha256", f"{data['artifact_sha256']} (tensors {data['tensors_sha256']})"),
         ("written by", f"kvhub {data['kvhub_version']}, artifact format {data['format_version']}"),
