@@ -141,7 +141,6 @@ def score_item(item, *, mapper, source, target, tokenizer, exact_prefixes: tuple
         from .errors import ConfigError
 
         raise ConfigError(f"item {item.id}: the context must be at least 2 tokens long")
-    n = len(conts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     tail_ids, tail_mask = _padded([[ctx[-1]] + p + c for p, c in zip(pres, conts)], pad)
     tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)

@@ -80,3 +80,25 @@ def no_backoff_sleep(monkeypatch):
     fake_time = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
     fake_time.sleep = lambda seconds: None
     monkeypatch.setattr(_http, "time", fake_time)
+
+
+# ---- shared by the hub test modules ------------------------------------------------------------------
+def run(*args: str):
+    """Invoke the kvhub CLI in-process; returns click's Result (stdout, stderr, exit_code)."""
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def db(hub_env):
+    return str(hub_env.tmp / "store.db")
+
+
+def register(db: str, directory, **kwargs):
+    from kvhub.store import open_store
+
+    with open_store(db) as store:
+        return store.register(make_artifact(directory, **kwargs))

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from kvhub.cli.main import main

@@ -12,28 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from kvhub.cli.main import main
 from kvhub.store import open_store
-from tests.fixtures_hub import ALICE_TOKEN, BOB_TOKEN, DST_ID, SRC_ID, make_artifact
+from tests.fixtures_hub import ALICE_TOKEN, BOB_TOKEN, DST_ID, SRC_ID, make_artifact, register, run
 
 pytestmark = pytest.mark.hub
 
-
-def run(*args: str):
-    """Invoke the kvhub CLI in-process; returns click's Result (stdout, stderr, exit_code)."""
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-@pytest.fixture
-def db(hub_env):
-    return str(hub_env.tmp / "store.db")
-
-
-def register(db: str, directory, **kwargs):
-    with open_store(db) as store:
-        return store.register(make_artifact(directory, **kwargs))
 
 
 def publications(db: str, ref: str) -> list[dict]:

@@ -6,28 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 from huggingface_hub import HfApi
 
-from kvhub.cli.main import main
 from kvhub.store import open_store
-from tests.fixtures_hub import ALICE_TOKEN, DST_ID, SRC_ID, make_artifact
+from tests.fixtures_hub import ALICE_TOKEN, register, run
 
 pytestmark = pytest.mark.hub
 
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-@pytest.fixture
-def db(hub_env):
-    return str(hub_env.tmp / "store.db")
-
-
-def register(db: str, directory, **kwargs):
-    with open_store(db) as store:
-        return store.register(make_artifact(directory, **kwargs))
 
 
 def kvhub_commits(server, repo_id: str) -> list[dict]:
