@@ -31,15 +31,16 @@ def test_stripped_cache_equals_raw_projection(variant):
     captured = {}
     layer = model.base_model.layers[0]
     attn = layer.self_attn if hasattr(layer, "self_attn") else layer.attention
-    proj = getattr(attn, "k_proj", None)
-    if proj is None:  # gpt_neox: fused qkv, checked through the round trip of its partial rotary instead
-        pytest.skip("fused qkv projection")
+    proj = getattr(attn, "k_proj", None) or attn.query_key_value  # gpt_neox: fused, per head [q | k | v]
     norm = getattr(attn, "k_norm", None)
     proj.register_forward_hook(lambda mod, inp, out: captured.setdefault("k", out))
     ids = torch.randint(0, 128, (1, 40))
     cache = run_model(model, ids)
     heads, dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
-    raw = captured["k"].view(1, 40, heads, dim)
+    out = captured["k"]
+    if out.shape[-1] == 3 * heads * dim:
+        out = out.view(1, 40, heads, 3 * dim)[..., dim : 2 * dim]
+    raw = out.reshape(1, 40, heads, dim)
     raw = (norm(raw) if norm is not None else raw).transpose(1, 2)
     cos, sin = Rotary.from_model(model).cos_sin(torch.arange(40)[None])
     torch.testing.assert_close(strip_rope(cache.layers[0].keys.float(), cos, sin), raw.float(), atol=1e-5, rtol=1e-4)
