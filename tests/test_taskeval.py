@@ -63,8 +63,8 @@ def test_summary_retention_gap_and_intervals():
     assert low <= 0.75 <= high and high - low > 0
 
 
-def test_choice_prefixes_change_the_scores(family):
-    """WinoGrande-style items: same continuation, different conditioning prefix -> different scores."""
+def test_choice_prefixes_are_conditioned_on_not_scored(family):
+    """WinoGrande-style items: each choice's prefix is tokenised apart from the shared context and the scored part."""
     source, target, mapper = family
     from kvhub.taskeval import _encode
 

@@ -12,22 +12,18 @@ import click
 from .console import console, err_console
 
 
-def _k_option(value: str):
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter("use a positive integer or 'auto'") from None
+def _auto_or(convert, hint: str):
+    """click callback: 'auto' stays 'auto', anything else goes through ``convert``."""
 
+    def callback(ctx, param, value: str):
+        if value == "auto":
+            return value
+        try:
+            return convert(value)
+        except ValueError:
+            raise click.BadParameter(f"use {hint} or 'auto'") from None
 
-def _lambda_option(value: str):
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise click.BadParameter("use a non-negative number or 'auto'") from None
+    return callback
 
 
 @click.command()
@@ -40,9 +36,9 @@ def _lambda_option(value: str):
 @click.option("--samples", type=int, help="Training sequences (overrides the recipe).")
 @click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
 @click.option("--stride", type=int, help="Keep every s-th token for the statistics (recipe default, paper: 4).")
-@click.option("--k", "k", default="auto", show_default=True, callback=lambda c, p, v: _k_option(v),
+@click.option("--k", "k", default="auto", show_default=True, callback=_auto_or(int, "a positive integer"),
               help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).")
-@click.option("--lambda", "lambda_", default="auto", show_default=True, callback=lambda c, p, v: _lambda_option(v),
+@click.option("--lambda", "lambda_", default="auto", show_default=True, callback=_auto_or(float, "a non-negative number"),
               help="Ridge strength relative to the mean Gram diagonal, or 'auto'.")
 @click.option("--device", default=None, help="torch device for the forward passes (default: cuda if available, else cpu).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
@@ -126,9 +122,9 @@ def _checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: 
 def _register(artifact: Path, db: str | None) -> str:
     from ..store import open_store
 
-    store = open_store(db)
-    version = store.register(artifact, lineage={"created_by": "kvhub fit"})
-    return store.reference(version)
+    with open_store(db) as store:
+        version = store.register(artifact, lineage={"created_by": "kvhub fit"})
+        return store.reference(version)
 
 
 def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
