@@ -46,7 +46,7 @@ def _logits_after(target, cache, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, context_len: int,
-                         exact_prefix: int = 0) -> ContinuationMetrics:
+                         exact_prefix: int = 0, exact_suffix: int = 0) -> ContinuationMetrics:
     """See the module docstring.  sequences: (N, T) ids with T > context_len >= 2."""
     device = next(target.parameters()).device
     agree = kl = nll_own = nll_map = nll_none = 0.0
@@ -56,7 +56,8 @@ def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, con
         tail = ids[:, context_len - 1 :]  # token c-1 onwards: what the target consumes
         labels = ids[:, context_len:]
         own_logits = target(input_ids=ids).logits.float()[:, context_len - 1 : -1]
-        mapped_cache = prepare_cache(mapper, source, target, ids[:, :context_len], exact_prefix=exact_prefix)
+        mapped_cache = prepare_cache(mapper, source, target, ids[:, :context_len], exact_prefix=exact_prefix,
+                                     exact_suffix=exact_suffix)
         map_logits = _logits_after(target, mapped_cache, tail)[:, :-1]
         none_logits = _logits_after(target, None, tail)[:, :-1]
         own_logp, map_logp = F.log_softmax(own_logits, -1), F.log_softmax(map_logits, -1)

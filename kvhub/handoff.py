@@ -2,8 +2,13 @@
 
 The source covers tokens [0, n-1); the mapped cache holds n-1 positions; the target consumes token
 n-1 itself and produces the first logits.  (A cache that covered every input token would make
-``generate`` silently re-feed the prompt.)  Optionally the target recomputes the first
-``exact_prefix`` tokens itself (attention sinks), which is a prefill of a few tokens only.
+``generate`` silently re-feed the prompt.)  Two cheap exact recomputes by the target are optional:
+
+- ``exact_prefix=p``: the first p tokens (attention sinks), a p-token prefill with no context;
+- ``exact_suffix=r``: the last r context tokens, a prefill of r tokens over the mapped cache, so the
+  tokens nearest to what the target generates next are its own (attending to the mapped rest).
+
+Only tokens [p, n-1-r) are mapped.  With p + r >= n-1 the cache is exactly the target's own.
 """
 
 from __future__ import annotations
@@ -40,30 +45,61 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
 
 @torch.no_grad()
 def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
-                  tokenizer=None):
-    """Target cache for input_ids[:, :-1]: mapped from the source, the first ``exact_prefix`` exact.
+                  exact_suffix: int = 0, tokenizer=None, source_cache=None):
+    """Target cache for input_ids[:, :-1]: mapped from the source, the first ``exact_prefix`` and the
+    last ``exact_suffix`` context tokens computed by the target itself (see the module docstring).
 
-    input_ids: (B, n) with n >= 2, no padding.  Returns a target DynamicCache of n-1 positions.
+    input_ids: (B, n) with n >= 2, no padding.  source_cache: the source model's cache of (at least)
+    input_ids[:, :-1-exact_suffix] when the caller has it (a serving stack does); else it is computed.
+    Returns a target DynamicCache of n-1 positions.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ConfigError("handoff needs (batch, n) input ids with n >= 2: the target consumes the last token")
-    if not 0 <= exact_prefix < input_ids.shape[1]:
-        raise ConfigError(f"exact_prefix must be in 0..{input_ids.shape[1] - 1}, got {exact_prefix}")
-    check_models(mapper, source_model, target_model, tokenizer=tokenizer)
     context = input_ids[:, :-1]
-    cache = mapper.transfer(run_model(source_model, context), dtype=target_model.dtype)
+    tokens = context.shape[1]
+    for name, value in (("exact_prefix", exact_prefix), ("exact_suffix", exact_suffix)):
+        if not 0 <= value <= tokens:
+            raise ConfigError(f"{name} must be in 0..{tokens} (the context minus its last token), got {value}")
+    check_models(mapper, source_model, target_model, tokenizer=tokenizer)
+    mapped_end = tokens - exact_suffix
+    if exact_prefix >= mapped_end:  # nothing left to map: the target's own cache
+        return run_model(target_model, context)
+    if source_cache is None:
+        source_cache = run_model(source_model, context[:, :mapped_end])
+    else:
+        source_cache = _cropped(source_cache, mapped_end)
+    cache = mapper.transfer(source_cache, dtype=target_model.dtype)
     if exact_prefix:
         exact = run_model(target_model, context[:, :exact_prefix])
         for mapped, own in zip(cache.layers, exact.layers):
-            if mapped.keys.shape[-2] == context.shape[1]:  # sliding layers past their window keep no prefix
+            if mapped.keys.shape[-2] == mapped_end:  # sliding layers past their window keep no prefix
                 mapped.keys[:, :, :exact_prefix] = own.keys.to(mapped.keys.dtype)
                 mapped.values[:, :, :exact_prefix] = own.values.to(mapped.values.dtype)
+    if exact_suffix:
+        device = next(target_model.parameters()).device
+        positions = torch.arange(mapped_end, tokens, device=device).expand(context.shape[0], -1)
+        target_model.base_model(input_ids=context[:, mapped_end:].to(device), position_ids=positions,
+                                cache=cache, use_cache=True)
     return cache
+
+
+def _cropped(cache, tokens: int):
+    """``cache`` holding only its first ``tokens`` positions (a copy when it holds more)."""
+    if cache.get_seq_length() < tokens:
+        raise ConfigError(f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map")
+    if cache.get_seq_length() == tokens:
+        return cache
+    from transformers import DynamicCache
+
+    out = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], index)
+    return out
 
 
 @torch.no_grad()
 def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
-            tokenizer=None, **generate_kwargs) -> torch.Tensor:
+            exact_suffix: int = 0, tokenizer=None, **generate_kwargs) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
     input_ids: (B, n), no padding.  generate_kwargs go to ``generate`` (e.g. max_new_tokens,
@@ -71,7 +107,7 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *, exac
     ``tokenizer``: the tokenizer that produced input_ids; refused unless it is the one fitted with.
     """
     cache = prepare_cache(mapper, source_model, target_model, input_ids, exact_prefix=exact_prefix,
-                          tokenizer=tokenizer)
+                          exact_suffix=exact_suffix, tokenizer=tokenizer)
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = torch.ones_like(input_ids)

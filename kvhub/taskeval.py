@@ -124,16 +124,23 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
     return logits, (list(recorder.outputs) if recorder else [])
 
 
-@torch.no_grad()
-def score_item(item, *, mapper, source, target, tokenizer, exact_prefixes: tuple[int, ...] = (0,),
-               recorder: _AttnRecorder | None = None) -> list[ItemScore]:
-    """Score one multiple-choice item under the three conditions; one ItemScore per exact_prefix.
+def variant_name(exact_prefix: int, exact_suffix: int) -> str:
+    """'' for the plain handoff, else e.g. 'exact_prefix=4,exact_suffix=8' (how results are named)."""
+    parts = [f"exact_prefix={exact_prefix}"] * bool(exact_prefix) + [f"exact_suffix={exact_suffix}"] * bool(exact_suffix)
+    return ",".join(parts)
 
+
+@torch.no_grad()
+def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[tuple[int, int], ...] = ((0, 0),),
+               recorder: _AttnRecorder | None = None) -> list[ItemScore]:
+    """Score one multiple-choice item under the three conditions; one ItemScore per variant.
+
+    A variant is (exact_prefix, exact_suffix): context tokens the target recomputes itself at the
+    start and at the end (see :func:`kvhub.handoff.prepare_cache`; both are capped to the context).
     Every condition prefills the shared context minus its last token once (own: target; mapped:
-    source -> mapper, with the first ``exact_prefix`` tokens recomputed by the target; source: source),
-    then runs the same tails ``[last context token] + prefix_i + continuation_i`` (batched over
-    choices) from that cache, so the conditions differ only in the cache.  Own and source are computed
-    once for all variants.
+    source -> mapper plus the exact recomputes; source: source), then runs the same tails
+    ``[last context token] + prefix_i + continuation_i`` (batched over choices) from that cache, so the
+    conditions differ only in the cache.  Own and source are computed once for all variants.
     """
     device = next(target.parameters()).device
     ctx, pres, conts = _encode(tokenizer, item)
@@ -147,13 +154,17 @@ def score_item(item, *, mapper, source, target, tokenizer, exact_prefixes: tuple
     context = torch.tensor([ctx[:-1]], device=device)
     starts, lengths = [1 + len(p) for p in pres], [len(c) for c in conts]
     own_logits, own_attn = _tail_logits(target, run_model(target, context), tail_ids, tail_mask, recorder=recorder)
-    src_logits, _ = _tail_logits(source, run_model(source, context), tail_ids, tail_mask)
+    source_cache = run_model(source, context)
+    mapped_caches = [
+        prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=min(p, len(ctx) - 1),
+                      exact_suffix=min(s, len(ctx) - 1), source_cache=source_cache)
+        for p, s in variants
+    ]  # before the source tails below grow source_cache
+    src_logits, _ = _tail_logits(source, source_cache, tail_ids, tail_mask)
     own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)
     src = _continuation_logprobs(src_logits, tail_ids, starts, lengths)
     scores = []
-    for exact_prefix in exact_prefixes:
-        cache = prepare_cache(mapper, source, target, torch.tensor([ctx], device=device),
-                              exact_prefix=min(exact_prefix, len(ctx) - 1))
+    for cache in mapped_caches:
         map_logits, map_attn = _tail_logits(target, cache, tail_ids, tail_mask, recorder=recorder)
         mapped = _continuation_logprobs(map_logits, tail_ids, starts, lengths)
         scores.append(_item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask))

@@ -117,7 +117,8 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkey
     monkeypatch.setattr(tasks, "load_task", lambda name, limit=None, seed=0: items[:limit])
     calls = []
     real = taskeval.score_item
-    monkeypatch.setattr(taskeval, "score_item", lambda item, **kw: (calls.append(item.id), real(item, **kw))[1])
+    monkeypatch.setattr(taskeval, "score_item",
+                        lambda item, **kw: (calls.append((item.id, kw["variants"])), real(item, **kw))[1])
     args = ["eval", ref, "--task", "hellaswag", "--limit", "4", "--exact-prefix", "0", "--exact-prefix", "2",
             "--device", "cpu", "--dtype", "float32", "--db", env["db"], "--json"]
     result = runner.invoke(main, args)
@@ -129,6 +130,10 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkey
     assert len(calls) == 4
     again = runner.invoke(main, args)
     assert again.exit_code == 0 and len(calls) == 4  # every item came from the per-item cache
+    more = runner.invoke(main, args + ["--exact-suffix", "0", "--exact-suffix", "1"])
+    assert more.exit_code == 0, more.output
+    assert "hellaswag@exact_prefix=2,exact_suffix=1" in json.loads(more.stdout)["results"]
+    assert calls[4:] == [(str(i), ((0, 1), (2, 1))) for i in range(4)]  # only the new variants were scored
     shown = json.loads(runner.invoke(main, ["show", ref, "--db", env["db"], "--json"]).stdout)
     names = {(m["task"], m["name"]) for m in shown["metrics"]}
     assert ("hellaswag", "retention") in names and ("hellaswag@exact_prefix=2", "acc_mapped") in names

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvhub.capture import run_model
-from kvhub.errors import IncompatibleError, IntegrityError, FormatVersionError, NonFiniteError
+from kvhub.errors import ConfigError, IncompatibleError, IntegrityError, FormatVersionError, NonFiniteError
 from kvhub.fit import FitOptions, fit
 from kvhub.handoff import handoff
 from kvhub.mapper import Mapper
@@ -90,6 +90,36 @@ def test_exact_prefix_recompute_keeps_exact_generation(qwen_family):
     ids = _ids(1, 30, 21)
     out = handoff(mapper, source, target, ids, exact_prefix=4, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, _greedy(target, ids, n=10))
+
+
+def test_exact_suffix_recompute_keeps_exact_generation(qwen_family):
+    source, target, _, mapper = qwen_family
+    ids = _ids(1, 30, 22)
+    out = handoff(mapper, source, target, ids, exact_prefix=2, exact_suffix=5, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, _greedy(target, ids, n=10))
+
+
+def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
+    """With a useless map (zero weights) only the recomputed positions hold the target's own K/V."""
+    from kvhub.handoff import prepare_cache
+
+    source, target, _, mapper = qwen_family
+    broken = Mapper({name: torch.zeros_like(t) for name, t in mapper.tensors.items()}, mapper.metadata)
+    ids = _ids(1, 20, 23)
+    own = run_model(target, ids[:, :-1])
+    cache = prepare_cache(broken, source, target, ids, exact_prefix=3, exact_suffix=4)
+    assert cache.get_seq_length() == 19
+    for got, want in zip(cache.layers, own.layers):
+        assert torch.allclose(got.keys[:, :, :3], want.keys[:, :, :3], atol=1e-5)
+        assert not torch.allclose(got.keys[:, :, 3:15], want.keys[:, :, 3:15], atol=1e-2)
+        assert got.values[:, :, 3:15].abs().max() == 0  # the mapped middle: zero weights, zero bias
+    first = cache.layers[0]  # the suffix attends to the mapped middle, so only layer 0 keys/values match own
+    assert torch.allclose(first.keys[:, :, 15:], own.layers[0].keys[:, :, 15:], atol=1e-5)
+    full = prepare_cache(broken, source, target, ids, exact_prefix=10, exact_suffix=9)
+    for got, want in zip(full.layers, own.layers):
+        assert torch.allclose(got.keys, want.keys) and torch.allclose(got.values, want.values)
+    with pytest.raises(ConfigError, match="exact_suffix"):
+        prepare_cache(mapper, source, target, ids, exact_suffix=20)
 
 
 def test_batch_transfer_and_position_ids(qwen_family):

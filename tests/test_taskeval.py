@@ -45,7 +45,8 @@ def test_exact_family_scores_identically_to_own(family):
               for i in range(4)]
     recorder = _AttnRecorder(target)
     scores = [s for it in items for s in score_item(it, mapper=mapper, source=source, target=target,
-                                                     tokenizer=CharTokenizer(), recorder=recorder, exact_prefixes=(0, 3))]
+                                                     tokenizer=CharTokenizer(), recorder=recorder,
+                                                     variants=((0, 0), (3, 0), (0, 4), (2, 3)))]
     recorder.remove()
     for s in scores:
         assert s.correct_mapped == s.correct_own and s.correct_norm_mapped == s.correct_norm_own

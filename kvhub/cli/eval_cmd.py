@@ -31,15 +31,16 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     return store, version, mapper, source, target, tokenizer
 
 
-def _results_file(version, task: str, seed: int, exact_prefixes: tuple[int, ...]) -> Path:
+def _results_file(version, task: str, seed: int, variant: tuple[int, int]) -> Path:
     from ..calib.corpus import cache_root
 
-    variants = "-".join(str(x) for x in exact_prefixes)
-    return cache_root() / "eval-cache" / version.tensors_sha256[:24] / f"{task}-seed{seed}-xp{variants}.jsonl"
+    prefix, suffix = variant
+    name = f"{task}-seed{seed}-xp{prefix}" + (f"-xs{suffix}" if suffix else "")
+    return cache_root() / "eval-cache" / version.tensors_sha256[:24] / f"{name}.jsonl"
 
 
-def _score_items(items, path: Path, scorer, progress) -> list[list]:
-    """Score items (a list of ItemScore each), appending to ``path`` (JSONL) so an interrupted run resumes."""
+def _read_done(path: Path) -> dict:
+    """Item id -> ItemScore already in a per-variant results file (a line cut by a kill is ignored)."""
     from ..taskeval import ItemScore
 
     done = {}
@@ -47,21 +48,38 @@ def _score_items(items, path: Path, scorer, progress) -> list[list]:
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill: score that item again
+                done[record["id"]] = ItemScore(**record["score"])
+            except (json.JSONDecodeError, KeyError, TypeError):
                 continue
-            done[record["id"]] = [ItemScore(**v) for v in record["variants"]]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    return done
+
+
+def _score_items(items, paths: list[Path], scorer, progress) -> list[list]:
+    """Per item, one ItemScore per variant (``paths[i]`` caches variant i as JSONL).
+
+    ``scorer(item, indices)`` scores the variants an item still lacks; each result is appended to its
+    variant's file at once, so an interrupted run resumes and a run adding a variant reuses the others.
+    """
+    done = [_read_done(path) for path in paths]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    handles = [path.open("a") for path in paths]
     scores = []
-    with path.open("a") as handle:
+    try:
         for index, item in enumerate(items):
             progress(f"items: {item.id}", index, len(items))
             key = str(item.id)
-            if key not in done:
-                done[key] = scorer(item)
-                handle.write(json.dumps({"id": key, "variants": [v.as_dict() for v in done[key]]}) + "\n")
-                handle.flush()
-            scores.append(done[key])
+            missing = [i for i in range(len(paths)) if key not in done[i]]
+            if missing:
+                for i, score in zip(missing, scorer(item, missing)):
+                    done[i][key] = score
+                    handles[i].write(json.dumps({"id": key, "score": score.as_dict()}) + "\n")
+                    handles[i].flush()
+            scores.append([done[i][key] for i in range(len(paths))])
         progress("items: done", len(items), len(items))
+    finally:
+        for handle in handles:
+            handle.close()
     return scores
 
 
@@ -72,13 +90,16 @@ def _score_items(items, path: Path, scorer, progress) -> list[list]:
 @click.option("--limit", type=int, default=200, show_default=True, help="Items per task (seeded subset).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--exact-prefix", "exact_prefixes", type=int, multiple=True, default=(0,), show_default=True,
-              help="Context tokens the target recomputes itself (attention sinks); the rest is mapped. "
+              help="First context tokens the target recomputes itself (attention sinks); the rest is mapped. "
                    "Repeat to compare variants in one pass (own and source are scored once).")
+@click.option("--exact-suffix", "exact_suffixes", type=int, multiple=True, default=(0,), show_default=True,
+              help="Last context tokens the target recomputes itself over the mapped cache. Repeatable; "
+                   "every (prefix, suffix) combination is a variant.")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @click.option("--db", default=None, metavar="URL")
 @click.option("--json", "as_json", is_flag=True)
-def eval_command(ref, tasks, limit, seed, exact_prefixes, device, dtype, db, as_json):
+def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, device, dtype, db, as_json):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     Results (retention, gap closed, 95% bootstrap intervals, next-token agreement/KL, attention-output
@@ -86,17 +107,22 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, device, dtype, db, as_
     so an interrupted evaluation resumes where it stopped.
     """
     store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
+    from ..taskeval import variant_name
+
     results = {}
-    exact_prefixes = tuple(sorted(set(exact_prefixes)))
+    variants = [(p, s) for p in sorted(set(exact_prefixes)) for s in sorted(set(exact_suffixes))]
+    if any(value < 0 for pair in variants for value in pair):
+        raise click.BadParameter("exact prefix/suffix token counts must be >= 0")
     for task in tasks:
         if task == "ppl":
-            summaries = [_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=xp)
-                         for xp in exact_prefixes]
+            summaries = [_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=p,
+                                   exact_suffix=s) for p, s in variants]
         else:
-            summaries = _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefixes)
-        for exact_prefix, summary in zip(exact_prefixes, summaries):
-            name = task if exact_prefix == 0 else f"{task}@exact_prefix={exact_prefix}"
-            summary["exact_prefix"] = exact_prefix
+            summaries = _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, variants)
+        for (exact_prefix, exact_suffix), summary in zip(variants, summaries):
+            label = variant_name(exact_prefix, exact_suffix)
+            name = f"{task}@{label}" if label else task
+            summary["exact_prefix"], summary["exact_suffix"] = exact_prefix, exact_suffix
             results[name] = summary
             store.add_metrics(version, _as_metrics(name, summary, seed))
     if as_json:
@@ -105,7 +131,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, device, dtype, db, as_
         _print_results(version.ref, results)
 
 
-def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, exact_prefixes) -> list[dict]:
+def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, variants) -> list[dict]:
     from ..taskeval import _AttnRecorder, score_item, summarize
     from ..tasks import load_task
     from .progress import progress_callback
@@ -115,16 +141,17 @@ def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, ex
     try:
         with progress_callback("items/s") as callback:
             scores = _score_items(
-                items, _results_file(version, task, seed, exact_prefixes),
-                lambda item: score_item(item, mapper=mapper, source=source, target=target, tokenizer=tokenizer,
-                                        exact_prefixes=exact_prefixes, recorder=recorder),
+                items, [_results_file(version, task, seed, variant) for variant in variants],
+                lambda item, indices: score_item(item, mapper=mapper, source=source, target=target,
+                                                 tokenizer=tokenizer, variants=tuple(variants[i] for i in indices),
+                                                 recorder=recorder),
                 callback)
     finally:
         recorder.remove()
-    return [summarize([variants[i] for variants in scores], seed=seed) for i in range(len(exact_prefixes))]
+    return [summarize([row[i] for row in scores], seed=seed) for i in range(len(variants))]
 
 
-def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix) -> dict:
+def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix, exact_suffix) -> dict:
     from ..calib import resolve_calibration
     from ..evaluate import continuation_metrics
 
@@ -138,7 +165,7 @@ def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix) -
                                samples=calibration.get("sequences"), seq_len=calibration.get("seq_len")).heldout
     held = held[: max(1, min(limit, held.shape[0]))]
     metrics = continuation_metrics(mapper, source, target, held, context_len=held.shape[1] // 2,
-                                   exact_prefix=exact_prefix)
+                                   exact_prefix=exact_prefix, exact_suffix=exact_suffix)
     return {"n": metrics.sequences, **metrics.as_dict()}
 
 
@@ -148,7 +175,7 @@ def _as_metrics(task: str, summary: dict, seed: int) -> list[dict]:
     for name, value in summary.items():
         if isinstance(value, (int, float)) and not math.isfinite(value):
             continue
-        if isinstance(value, (int, float)) and name not in ("n", "exact_prefix", "sequences"):
+        if isinstance(value, (int, float)) and name not in ("n", "exact_prefix", "exact_suffix", "sequences"):
             rows.append({"name": name, "value": float(value), "task": task, "split": "eval",
                          "n": summary.get("n"), "seed": seed})
         elif name.endswith("_ci") and isinstance(value, list) and all(math.isfinite(v) for v in value):
