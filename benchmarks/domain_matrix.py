@@ -5,7 +5,7 @@
 
 One capture pass per domain gives its train and held-out statistics (cached under
 ~/.cache/kvhub/bench/stats/); every (fit domain, eval domain) held-out R^2 then comes from the
-statistics alone (kvhub.solve.r2_score), and next-token agreement / KL from a few held-out sequences
+statistics alone (kvhub.solve.map_r2), and next-token agreement / KL from a few held-out sequences
 of each eval domain (kvhub.evaluate.continuation_metrics).
 """
 
@@ -47,14 +47,15 @@ def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
 
 
 def mean_r2(solution, stats) -> tuple[float, float]:
-    from kvhub.solve import r2_score
+    from kvhub.solve import map_r2
 
     layout = stats.layout
     k_scores, v_scores = [], []
     for layer in solution.layers:
         cols, ycols = layout.src_columns(layer.sources), layout.dst_columns(layer.target)
-        k_scores.append(r2_score(stats.k, cols, ycols, layer.wk, layer.bk))
-        v_scores.append(r2_score(stats.v, cols, ycols, layer.wv, layer.bv))
+        shape = (len(layer.sources), layout.src_width)
+        k_scores.append(map_r2(stats.k, cols, ycols, layer.k_map, *shape))
+        v_scores.append(map_r2(stats.v, cols, ycols, layer.v_map, *shape))
     return sum(k_scores) / len(k_scores), sum(v_scores) / len(v_scores)
 
 

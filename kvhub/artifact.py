@@ -17,7 +17,7 @@ from pathlib import Path
 from . import __version__
 from .errors import ArtifactError, FormatVersionError, IntegrityError
 
-FORMAT_VERSION = 1  # of the mapper artifact directory (docs/artifact-format.md)
+FORMAT_VERSION = 2  # the newest mapper artifact format this kvhub reads (docs/artifact-format.md)
 TENSORS_FILE = "mapper.safetensors"
 METADATA_FILE = "mapper.json"
 

@@ -23,11 +23,11 @@ import torch
 from . import __version__
 from .artifact import atomic_write_bytes
 from .capture import capture
-from .errors import IncompatibleError
+from .errors import ConfigError, IncompatibleError
 from .fingerprint import kv_geometry, model_fingerprint
 from .mapper import Mapper
 from .rope import Rotary
-from .solve import Solution, solve
+from .solve import Solution, Structure, head_groups, solve
 from .stats import KVStats, Layout
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,18 @@ Progress = Callable[[str, int, int], None]  # (phase, completed tokens, total to
 
 @dataclass
 class FitOptions:
-    """Knobs of a fit.  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens."""
+    """Knobs of a fit.  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens.
+    head_local / rank: compressed maps (see :mod:`kvhub.solve`); they change only the solve."""
 
     k: int | str = "auto"
     lambda_: float | str = "auto"
+    head_local: bool = False
+    rank: int | None = None
     stride: int = 4
     skip_first: int = 0
     batch_size: int = 4
+    weighting: str = "uniform"  # "attention": weigh rows by the target's attention (kvhub.capture)
+    weight_cap: float = 10.0  # cap of the raw attention weight, against attention sinks
     checkpoint: Path | None = None
     checkpoint_every: int = 4
     timings: dict = field(default_factory=dict)
@@ -58,6 +63,15 @@ def check_same_tokenizer(source_fp: dict, target_fp: dict) -> None:
             f"(sha256 {src[:12]} vs {dst[:12]}); a KV mapper needs both models to read the same tokens. "
             "Pick a source and a target of the same family and tokenizer."
         )
+
+
+def structure_for(source_fp: dict, target_fp: dict, *, head_local: bool, rank: int | None) -> Structure:
+    """Map structure of a fit: head groups = gcd of the KV head counts when head-local, else 1."""
+    groups = head_groups(source_fp["num_kv_heads"], target_fp["num_kv_heads"]) if head_local else 1
+    if head_local and groups == 1:
+        log.warning("head-local maps: %s and %s KV heads share no common group; the map stays dense",
+                    source_fp["num_kv_heads"], target_fp["num_kv_heads"])
+    return Structure(groups=groups, rank=rank)
 
 
 def layout_for(source_config, target_config) -> Layout:
@@ -96,7 +110,8 @@ def fit(
         job=_job_hash(source_fp, target_fp, train_ids, heldout_ids, options),
     )
     started = time.perf_counter()
-    solution = solve(train, heldout, k=options.k, lambda_=options.lambda_)
+    solution = solve(train, heldout, k=options.k, lambda_=options.lambda_, structure=structure_for(
+        source_fp, target_fp, head_local=options.head_local, rank=options.rank))
     options.timings["solve_s"] = time.perf_counter() - started
     return build_mapper(solution, source_fp, target_fp, calibration or {}, train, heldout, options)
 
@@ -130,16 +145,25 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
 
 def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions) -> None:
     started = time.perf_counter()
+    weighted = _attention_weighted(options)
     kwargs = {"stride": options.stride, "skip_first": options.skip_first}
     src = capture(source_model, ids, rotary=rotaries[0], **kwargs)
-    dst = capture(target_model, ids, rotary=rotaries[1], **kwargs)
+    dst = capture(target_model, ids, rotary=rotaries[1], attention_weights=weighted, weight_cap=options.weight_cap,
+                  **kwargs)
     middle = time.perf_counter()
     device = stats.k.cxx.device
+    weights = dst.weights.to(device) if dst.weights is not None else None
     stats.update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
-                 [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values])
+                 [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
     options.timings["forward_s"] += middle - started
     options.timings["stats_s"] += time.perf_counter() - middle
     options.timings["tokens"] = options.timings.get("tokens", 0) + int(ids.numel())
+
+
+def _attention_weighted(options: FitOptions) -> bool:
+    if options.weighting not in ("uniform", "attention"):
+        raise ConfigError(f"weighting must be 'uniform' or 'attention', got {options.weighting!r}")
+    return options.weighting == "attention"
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
@@ -148,6 +172,8 @@ def _job_hash(source_fp, target_fp, train_ids, heldout_ids, options: FitOptions)
     for part in (source_fp["config_hash"], target_fp["config_hash"], options.stride, options.skip_first,
                  options.batch_size):
         digest.update(str(part).encode())
+    if options.weighting != "uniform":  # uniform fits keep the hash of checkpoints written before weighting
+        digest.update(f"weighting={options.weighting},cap={options.weight_cap!r}".encode())
     for ids in (train_ids, heldout_ids):
         if ids is not None:
             digest.update(ids.to(torch.int64).contiguous().numpy().tobytes())
@@ -187,9 +213,8 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
     """Weights (fp32) and mapper.json metadata from a solution."""
     tensors = {}
     for layer in solution.layers:
-        m = layer.target
-        tensors[f"k.{m}.weight"], tensors[f"k.{m}.bias"] = layer.wk.float(), layer.bk.float()
-        tensors[f"v.{m}.weight"], tensors[f"v.{m}.bias"] = layer.wv.float(), layer.bv.float()
+        tensors.update(layer.k_map.tensors(f"k.{layer.target}"))
+        tensors.update(layer.v_map.tensors(f"v.{layer.target}"))
     r2_k, r2_v = solution.mean_r2()
     metrics = {"train_tokens": train.n, "heldout_tokens": heldout.n}
     if r2_k is not None:
@@ -206,11 +231,13 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
         "k": solution.k,
         "lambda": solution.lambda_,
         "chosen_by": solution.chosen_by,
+        "structure": {"head_groups": solution.structure.groups, "rank": solution.structure.rank},
         "notes": solution.notes,
         "layers": [layer.to_metadata() for layer in solution.layers],
         "probe_r2": {"k": solution.probe_r2_k.tolist(), "v": solution.probe_r2_v.tolist()},
         "calibration": calibration,
         "fit": {"stride": options.stride, "skip_first": options.skip_first, "batch_size": options.batch_size,
+                "weighting": options.weighting, "weight_cap": options.weight_cap,
                 "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()}},
         "metrics": metrics,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

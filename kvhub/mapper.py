@@ -93,6 +93,12 @@ class Mapper:
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
 
+    def format_version(self) -> int:
+        """1 for dense maps (readable by every kvhub); 2 when low-rank or head-local tensors are stored."""
+        compressed = any(name.endswith(".weight_a") or (name.endswith(".weight") and t.dim() == 3)
+                         for name, t in self.tensors.items())
+        return 2 if compressed else 1
+
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Mapper":
         """Move weights (in place) and/or set the output cache dtype; returns self."""
         if device is not None:
@@ -180,9 +186,25 @@ class Mapper:
         return out
 
     def _affine(self, x: torch.Tensor, kind: str, m: int) -> torch.Tensor:
-        """x @ W + b in x's dtype (fp32 accumulation inside the GEMM)."""
-        weight, bias = self._weight(f"{kind}.{m}.weight", x.dtype), self._weight(f"{kind}.{m}.bias", x.dtype)
-        return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        """x @ W + b in x's dtype (fp32 accumulation inside the GEMM), for every stored map structure:
+        ``weight`` (in, out), or low rank ``weight_a`` (in, r) @ ``weight_b`` (r, out); stacked over
+        head groups (a leading groups dim) for head-local maps (docs/artifact-format.md)."""
+        name = f"{kind}.{m}"
+        bias = self._weight(f"{name}.bias", x.dtype)
+        factors = [f"{name}.weight"] if f"{name}.weight" in self.tensors else [f"{name}.weight_a", f"{name}.weight_b"]
+        weights = [self._weight(f, x.dtype) for f in factors]
+        rows = x.reshape(-1, x.shape[-1])  # (N, in)
+        if weights[0].dim() == 2:
+            for weight in weights[:-1]:
+                rows = rows @ weight
+            return torch.addmm(bias, rows, weights[-1]).view(*x.shape[:-1], -1)
+        groups = weights[0].shape[0]
+        sources = len(self.layers[m]["sources"])
+        # (N, k * Hs*Ds) -> (groups, N, k * Hs*Ds / groups): group i takes its heads of every source layer
+        rows = rows.view(rows.shape[0], sources, groups, -1).permute(2, 0, 1, 3).reshape(groups, rows.shape[0], -1)
+        for weight in weights:
+            rows = torch.bmm(rows, weight)  # (groups, N, out / groups)
+        return (rows.transpose(0, 1).reshape(*x.shape[:-1], -1) + bias)
 
     def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         key = (name, dtype)
@@ -225,7 +247,7 @@ class Mapper:
             tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.tensors.items()}
             save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
             metadata = dict(self.metadata)
-            metadata["format_version"] = FORMAT_VERSION
+            metadata["format_version"] = self.format_version()
             metadata.setdefault("kvhub_version", __version__)
             metadata["tensors"] = {
                 "file": TENSORS_FILE,

@@ -1,16 +1,19 @@
 """Streaming, mergeable sufficient statistics for linear maps X -> Y.
 
-For paired rows x (p,) and y (q,) over n observations we keep, in fp64,
+For paired rows x_t (p,) and y_t (q,) with weights w_t >= 0 (all 1 unless given) over n
+observations we keep, in fp64,
 
-    n,  mean_x (p,),  mean_y (q,),
-    Cxx = sum (x - mean_x)(x - mean_x)^T        (p, p)
-    Cxy = sum (x - mean_x)(y - mean_y)^T        (p, q)
-    Syy = sum (y - mean_y)^2                    (q,)   per output dim
+    n (row count),  W = sum w_t,
+    mean_x = sum w_t x_t / W  (p,),   mean_y = sum w_t y_t / W  (q,)
+    Cxx = sum w_t (x_t - mean_x)(x_t - mean_x)^T        (p, p)
+    Cxy = sum w_t (x_t - mean_x)(y_t - mean_y)^T        (p, q)
+    Syy = sum w_t (y_t - mean_y)^2                      (q,)   per output dim
 
-Each batch is centred on its own mean and multiplied in fp32, then merged into the running fp64
-totals with Chan's pairwise update, e.g. for two parts a, b with d = mean_a - mean_b:
+so integer weights give the moments of the data with row t repeated w_t times.  Each batch is
+centred on its own mean, scaled by sqrt(w_t) and multiplied in fp32, then merged into the running
+fp64 totals with Chan's pairwise update, e.g. for two parts a, b with d = mean_a - mean_b:
 
-    Cxx = Cxx_a + Cxx_b + d_x d_x^T * n_a n_b / n
+    Cxx = Cxx_a + Cxx_b + d_x d_x^T * W_a W_b / W
 
 so ``a.merge(b)`` equals the statistics of the concatenated data (up to float rounding) and memory
 is independent of n.  X is the concatenation of every source layer (p = Ls * Hs*Ds) and Y of every
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import IncompatibleError
+from .errors import ConfigError, IncompatibleError
 
 F64 = torch.float64
 
@@ -32,7 +35,8 @@ class Moments:
     """Centred moments of (X, Y) pairs; see the module docstring.  All tensors fp64 on ``device``."""
 
     def __init__(self, p: int, q: int, *, device: torch.device | str = "cpu"):
-        self.n = 0
+        self.n = 0  # rows, whatever their weight (the solve needs more rows than features)
+        self.weight_sum = 0.0  # W; equals n when unweighted
         self.mean_x = torch.zeros(p, dtype=F64, device=device)
         self.mean_y = torch.zeros(q, dtype=F64, device=device)
         self.cxx = torch.zeros(p, p, dtype=F64, device=device)
@@ -47,26 +51,35 @@ class Moments:
     def q(self) -> int:
         return self.mean_y.shape[0]
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add rows x (N, p) and y (N, q) (any float dtype, same device as the moments)."""
+    def update(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Add rows x (N, p) and y (N, q) with optional weights (N,) >= 0 (any float dtype, same device)."""
         if x.shape[0] != y.shape[0] or x.shape[1] != self.p or y.shape[1] != self.q:
             raise IncompatibleError(
                 f"statistics expect (N, {self.p}) and (N, {self.q}) rows, got {tuple(x.shape)} and {tuple(y.shape)}"
             )
         if x.shape[0] == 0:
             return
-        batch = Moments.from_batch(x, y)
+        batch = Moments.from_batch(x, y, weight)
         self.merge_(batch)
 
     @classmethod
-    def from_batch(cls, x: torch.Tensor, y: torch.Tensor) -> "Moments":
-        """Moments of one batch: centred on its fp64 mean, products in fp32, stored fp64."""
+    def from_batch(cls, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> "Moments":
+        """Moments of one batch: centred on its fp64 (weighted) mean, products in fp32, stored fp64."""
         out = cls.__new__(cls)
         out.n = x.shape[0]
-        out.mean_x = x.to(F64).mean(0)
-        out.mean_y = y.to(F64).mean(0)
-        xc = (x.to(F64) - out.mean_x).float()  # (N, p)
-        yc = (y.to(F64) - out.mean_y).float()  # (N, q)
+        x64, y64 = x.to(F64), y.to(F64)
+        if weight is None:
+            out.weight_sum = float(out.n)
+            out.mean_x, out.mean_y = x64.mean(0), y64.mean(0)
+            xc, yc = x64 - out.mean_x, y64 - out.mean_y
+        else:
+            w = _check_weight(weight, out.n).to(device=x64.device, dtype=F64)  # (N,)
+            out.weight_sum = float(w.sum())
+            total = max(out.weight_sum, 1e-300)  # all-zero weights: zero means, zero moments
+            out.mean_x, out.mean_y = (w @ x64) / total, (w @ y64) / total
+            root = w.sqrt()[:, None]  # (N, 1): sum w (.)(.)^T = (sqrt(w) .)^T (sqrt(w) .)
+            xc, yc = (x64 - out.mean_x) * root, (y64 - out.mean_y) * root
+        xc, yc = xc.float(), yc.float()  # (N, p), (N, q)
         out.cxx = (xc.T @ xc).to(F64)
         out.cxy = (xc.T @ yc).to(F64)
         out.syy = (yc.to(F64) ** 2).sum(0)
@@ -74,23 +87,25 @@ class Moments:
 
     def merge_(self, other: "Moments") -> "Moments":
         """In-place Chan merge: self <- stats(self data + other data)."""
-        if other.n == 0:
+        n = self.n + other.n
+        if other.weight_sum == 0:  # no rows, or rows of zero weight: only the row count changes
+            self.n = n
             return self
-        if self.n == 0:
-            self.n = other.n
+        if self.weight_sum == 0:
             for name in ("mean_x", "mean_y", "cxx", "cxy", "syy"):
                 setattr(self, name, getattr(other, name).clone())
+            self.n, self.weight_sum = n, other.weight_sum
             return self
-        n = self.n + other.n
+        total = self.weight_sum + other.weight_sum
         dx = other.mean_x - self.mean_x
         dy = other.mean_y - self.mean_y
-        w = self.n * other.n / n
+        w = self.weight_sum * other.weight_sum / total
         self.cxx += other.cxx + w * torch.outer(dx, dx)
         self.cxy += other.cxy + w * torch.outer(dx, dy)
         self.syy += other.syy + w * dy * dy
-        self.mean_x += dx * (other.n / n)
-        self.mean_y += dy * (other.n / n)
-        self.n = n
+        self.mean_x += dx * (other.weight_sum / total)
+        self.mean_y += dy * (other.weight_sum / total)
+        self.n, self.weight_sum = n, total
         return self
 
     def merge(self, other: "Moments") -> "Moments":
@@ -103,17 +118,28 @@ class Moments:
     def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         return {
             f"{prefix}n": torch.tensor(self.n, dtype=torch.int64),
+            f"{prefix}weight_sum": torch.tensor(self.weight_sum, dtype=F64),
             f"{prefix}mean_x": self.mean_x, f"{prefix}mean_y": self.mean_y,
             f"{prefix}cxx": self.cxx, f"{prefix}cxy": self.cxy, f"{prefix}syy": self.syy,
         }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, torch.Tensor], prefix: str = "") -> "Moments":
+        """Inverse of :meth:`state_dict`; a state without ``weight_sum`` (kvhub before weighting) is unweighted."""
         out = cls.__new__(cls)
         out.n = int(state[f"{prefix}n"])
+        out.weight_sum = float(state.get(f"{prefix}weight_sum", out.n))
         for name in ("mean_x", "mean_y", "cxx", "cxy", "syy"):
             setattr(out, name, state[f"{prefix}{name}"].to(F64))
         return out
+
+
+def _check_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if weight.shape != (rows,):
+        raise IncompatibleError(f"statistics expect one weight per row, shape ({rows},), got {tuple(weight.shape)}")
+    if not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+        raise ConfigError("row weights must be finite and non-negative")
+    return weight
 
 
 @dataclass
@@ -147,10 +173,14 @@ class KVStats:
     def n(self) -> int:
         return self.k.n
 
-    def update(self, source_keys, source_values, target_keys, target_values) -> None:
-        """Add one batch: lists of per-layer (N, width) blocks, as returned by kvhub.capture."""
-        self.k.update(torch.cat(source_keys, dim=1), torch.cat(target_keys, dim=1))  # (N, p), (N, q)
-        self.v.update(torch.cat(source_values, dim=1), torch.cat(target_values, dim=1))
+    def update(self, source_keys, source_values, target_keys, target_values, *,
+               weights: torch.Tensor | None = None) -> None:
+        """Add one batch: lists of per-layer (N, width) blocks, as returned by kvhub.capture.
+
+        ``weights`` (N,) >= 0 weigh each row in both the K and the V moments (None: all 1).
+        """
+        self.k.update(torch.cat(source_keys, dim=1), torch.cat(target_keys, dim=1), weights)  # (N, p), (N, q)
+        self.v.update(torch.cat(source_values, dim=1), torch.cat(target_values, dim=1), weights)
 
     def merge(self, other: "KVStats") -> "KVStats":
         if other.layout != self.layout:

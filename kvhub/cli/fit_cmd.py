@@ -40,6 +40,15 @@ def _auto_or(convert, hint: str):
               help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).")
 @click.option("--lambda", "lambda_", default="auto", show_default=True, callback=_auto_or(float, "a non-negative number"),
               help="Ridge strength relative to the mean Gram diagonal, or 'auto'.")
+@click.option("--weighting", type=click.Choice(["uniform", "attention"]), default="uniform", show_default=True,
+              help="How much each calibration token counts in the fit: 'uniform', or 'attention' = by the attention "
+                   "the target model pays it (capped at 10x uniform, against attention sinks). 'attention' runs the "
+                   "target's forward passes with eager attention, which is slower and needs more memory.")
+@click.option("--head-local", is_flag=True,
+              help="Compressed maps: each target KV head group reads only its source head group "
+                   "(gcd of the KV head counts groups; that many times fewer weights).")
+@click.option("--rank", type=click.IntRange(min=1), default=None,
+              help="Compressed maps: reduced-rank ridge of this rank per target layer (and head group).")
 @click.option("--device", default=None, help="torch device for the forward passes (default: cuda if available, else cpu).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
 @click.option("--batch-size", type=int, default=4, show_default=True, help="Sequences per forward pass.")
@@ -48,8 +57,8 @@ def _auto_or(convert, hint: str):
 @click.option("--db", default=None, help="Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir).")
 @click.option("--no-register", is_flag=True, help="Do not register the mapper in the store (needs --out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, device, dtype, batch_size, seed, restart, db,
-        no_register, as_json):
+def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
+        batch_size, seed, restart, db, no_register, as_json):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
@@ -65,7 +74,8 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, device, dtyp
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
     mapper = run_fit(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
-                     lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed, restart=restart)
+                     lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed, restart=restart,
+                     weighting=weighting, head_local=head_local, rank=rank)
     reference = None
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
@@ -76,7 +86,8 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, device, dtyp
     _print_summary(mapper, reference=reference, out=out, as_json=as_json)
 
 
-def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dtype, batch_size, seed, restart):
+def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dtype, batch_size, seed, restart,
+            weighting="uniform", head_local=False, rank=None):
     """Load both models and the calibration set, then fit (with progress bars on stderr)."""
     from ..calib import resolve_calibration
     from ..fit import FitOptions, check_same_tokenizer
@@ -96,8 +107,9 @@ def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dt
     stride = stride or calibration.stride
     meta = calibration.to_metadata()
     meta["stride"] = stride
-    options = FitOptions(k=k, lambda_=lambda_, stride=stride, batch_size=batch_size,
-                         checkpoint=_checkpoint_path(source_id, target_id, meta, stride, batch_size))
+    options = FitOptions(k=k, lambda_=lambda_, stride=stride, batch_size=batch_size, weighting=weighting,
+                         head_local=head_local, rank=rank,
+                         checkpoint=_checkpoint_path(source_id, target_id, meta, stride, batch_size, weighting))
     if restart and options.checkpoint.exists():
         options.checkpoint.unlink()
     err_console.print(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
@@ -111,11 +123,13 @@ def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dt
     return mapper
 
 
-def _checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int) -> Path:
+def _checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
+                     weighting: str = "uniform") -> Path:
     from ..calib.corpus import cache_root
 
-    key = json.dumps([source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
-                      calibration.get("heldout_sequences"), stride, batch_size])
+    parts = [source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
+             calibration.get("heldout_sequences"), stride, batch_size]
+    key = json.dumps(parts + ([weighting] if weighting != "uniform" else []))  # uniform keeps its old path
     return cache_root() / "checkpoints" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 

@@ -1,0 +1,134 @@
+"""Quality levers of the solve, side by side on one calibration set's statistics (issue 6).
+
+    python benchmarks/levers.py --calib general --samples 128 --out docs/results/levers_general.json \
+        --save-dense ~/.cache/kvhub/bench/general-128
+
+One capture pass (cached under ~/.cache/kvhub/bench/stats/, shared with domain_matrix.py) gives the
+train and held-out statistics; every variant below is then only a solve:
+
+- ``dense, k <= 16``: the per-layer k/lambda search over the grid used until now (k up to 16);
+- ``dense``: the current grid (k up to 24 for a 24-layer source);
+- ``head-local``: block-diagonal over KV head groups;
+- ``rank r``: reduced-rank ridge per target layer.
+
+For each: held-out R^2 (K, V), parameters and artifact MB, transfer time at --tokens (bf16, median of
+--repeats, interleaved with the target's re-prefill so the ratio is measured side by side), and
+next-token agreement / KL / perplexity on --eval-sequences held-out sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from domain_matrix import DST, SRC, domain_stats, mean_r2  # noqa: E402
+
+
+def variants(k_grid_old):
+    from kvhub.solve import K_GRID, Structure
+
+    return [
+        ("dense, k <= 16", {"k_grid": k_grid_old}),
+        ("dense", {"k_grid": K_GRID}),
+        ("head-local", {"structure": Structure(groups=2)}),
+        ("rank 128", {"structure": Structure(rank=128)}),
+        ("rank 64", {"structure": Structure(rank=64)}),
+        ("rank 32", {"structure": Structure(rank=32)}),
+    ]
+
+
+def time_transfer(mapper, source, target, tokens: int, repeats: int) -> dict:
+    import torch
+
+    from kvhub.capture import run_model
+
+    ids = torch.randint(0, target.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = run_model(source, ids)
+    mapper.transfer(cache)  # warm-up
+    transfer, prefill = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        mapper.transfer(cache)
+        transfer.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        run_model(target, ids)
+        prefill.append(time.perf_counter() - started)
+    return {"transfer_median_s": statistics.median(transfer), "prefill_median_s": statistics.median(prefill),
+            "speedup": statistics.median(prefill) / statistics.median(transfer)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calib", default="general")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=4)
+    parser.add_argument("--eval-sequences", type=int, default=4)
+    parser.add_argument("--context-len", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", help="comma-separated variant names to run (default: all)")
+    parser.add_argument("--save-dense", type=Path, help="also save the 'dense' mapper here (to import and eval)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    from kvhub.evaluate import continuation_metrics
+    from kvhub.fit import FitOptions, build_mapper
+    from kvhub.fingerprint import model_fingerprint, tokenizer_hash
+    from kvhub.mapper import Mapper
+    from kvhub.models import load_model
+    from kvhub.solve import solve
+
+    source, tok, source_id = load_model(SRC, dtype="bfloat16")
+    target, target_tok, target_id = load_model(DST, dtype="bfloat16")
+    cache = Path.home() / ".cache" / "kvhub" / "bench" / "stats"
+    started = time.perf_counter()
+    train, heldout, calibration = domain_stats(args.calib, source, target, tok, source_id, args, cache)
+    print(f"statistics: {time.perf_counter() - started:.0f} s ({train.n} train / {heldout.n} held-out tokens)", flush=True)
+    fps = [model_fingerprint(m.config, model_id=i, tokenizer=t)
+           for m, i, t in ((source, source_id, tok), (target, target_id, target_tok))]
+    for fp in fps:
+        fp["dtype"] = "bfloat16"
+    assert tokenizer_hash(tok) == tokenizer_hash(target_tok)
+    held = calibration.heldout[: args.eval_sequences]
+    report = {"command": " ".join(sys.argv), "calib": args.calib, "samples": args.samples, "seq_len": args.seq_len,
+              "train_tokens": train.n, "heldout_tokens": heldout.n, "rows": []}
+    wanted = set(args.only.split(",")) if args.only else None
+    for name, kwargs in variants((1, 2, 3, 4, 6, 8, 12, 16)):
+        if wanted and name not in wanted:
+            continue
+        started = time.perf_counter()
+        solution = solve(train, heldout, **kwargs)
+        solve_s = time.perf_counter() - started
+        options = FitOptions(stride=args.stride)
+        options.timings["solve_s"] = solve_s
+        mapper = build_mapper(solution, *fps, calibration.to_metadata(), train, heldout, options)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = mapper.save(Path(tmp) / "m")
+            size_mb = (path / "mapper.safetensors").stat().st_size / 1e6
+            mapper = Mapper.load(path, dtype=torch.bfloat16)
+            if name == "dense" and args.save_dense:
+                mapper.save(args.save_dense, overwrite=True)
+        r2_k, r2_v = mean_r2(solution, heldout)
+        cont = continuation_metrics(mapper, source, target, held, context_len=args.context_len)
+        row = {"variant": name, "r2_k": r2_k, "r2_v": r2_v, "parameters": mapper.num_parameters(),
+               "artifact_mb": size_mb, "solve_s": solve_s, "k_per_layer": [len(l.sources) for l in solution.layers],
+               **time_transfer(mapper, source, target, args.tokens, args.repeats), **cont.as_dict()}
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
