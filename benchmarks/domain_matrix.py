@@ -31,12 +31,14 @@ def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
 
     calibration = resolve_calibration(domain, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
                                       seq_len=args.seq_len)
-    path = cache / f"{domain}-{calibration.content_hash[:16]}-s{args.stride}.safetensors"
+    weighting = getattr(args, "weighting", "uniform")
+    suffix = "" if weighting == "uniform" else f"-{weighting}"
+    path = cache / f"{domain}-{calibration.content_hash[:16]}-s{args.stride}{suffix}.safetensors"
     if path.is_file():
         state = load_file(str(path))
         split = lambda p: KVStats.from_state_dict({k[len(p):]: v for k, v in state.items() if k.startswith(p)})  # noqa: E731
         return split("train."), split("heldout."), calibration
-    options = FitOptions(stride=args.stride, batch_size=4)
+    options = FitOptions(stride=args.stride, batch_size=4, weighting=weighting)
     train, heldout = accumulate(source, target, calibration.train, calibration.heldout, options=options,
                                 progress=None, job="domain-matrix")
     cache.mkdir(parents=True, exist_ok=True)

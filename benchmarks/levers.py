@@ -13,7 +13,9 @@ train and held-out statistics; every variant below is then only a solve:
 
 For each: held-out R^2 (K, V), parameters and artifact MB, transfer time at --tokens (bf16, median of
 --repeats, interleaved with the target's re-prefill so the ratio is measured side by side), and
-next-token agreement / KL / perplexity on --eval-sequences held-out sequences.
+next-token agreement / KL / perplexity on --eval-sequences held-out sequences.  With
+``--weighting attention`` the statistics (both splits) weigh tokens by the target's attention, so its
+held-out R^2 is attention-weighted: compare such runs by agreement / KL / perplexity, not by R^2.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", help="comma-separated variant names to run (default: all)")
+    parser.add_argument("--weighting", default="uniform", choices=["uniform", "attention"],
+                        help="token weights of the statistics (attention: by the target's attention)")
     parser.add_argument("--save-dense", type=Path, help="also save the 'dense' mapper here (to import and eval)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -94,6 +98,10 @@ def main() -> None:
     started = time.perf_counter()
     train, heldout, calibration = domain_stats(args.calib, source, target, tok, source_id, args, cache)
     print(f"statistics: {time.perf_counter() - started:.0f} s ({train.n} train / {heldout.n} held-out tokens)", flush=True)
+    plain_heldout = heldout
+    if args.weighting != "uniform":  # the same data unweighted, to score every variant by plain R^2 too
+        plain = argparse.Namespace(**{**vars(args), "weighting": "uniform"})
+        plain_heldout = domain_stats(args.calib, source, target, tok, source_id, plain, cache)[1]
     fps = [model_fingerprint(m.config, model_id=i, tokenizer=t)
            for m, i, t in ((source, source_id, tok), (target, target_id, target_tok))]
     for fp in fps:
@@ -101,6 +109,7 @@ def main() -> None:
     assert tokenizer_hash(tok) == tokenizer_hash(target_tok)
     held = calibration.heldout[: args.eval_sequences]
     report = {"command": " ".join(sys.argv), "calib": args.calib, "samples": args.samples, "seq_len": args.seq_len,
+              "weighting": args.weighting,
               "train_tokens": train.n, "heldout_tokens": heldout.n, "rows": []}
     wanted = set(args.only.split(",")) if args.only else None
     for name, kwargs in variants((1, 2, 3, 4, 6, 8, 12, 16)):
@@ -109,7 +118,7 @@ def main() -> None:
         started = time.perf_counter()
         solution = solve(train, heldout, **kwargs)
         solve_s = time.perf_counter() - started
-        options = FitOptions(stride=args.stride)
+        options = FitOptions(stride=args.stride, weighting=args.weighting)
         options.timings["solve_s"] = solve_s
         mapper = build_mapper(solution, *fps, calibration.to_metadata(), train, heldout, options)
         with tempfile.TemporaryDirectory() as tmp:
@@ -119,8 +128,10 @@ def main() -> None:
             if name == "dense" and args.save_dense:
                 mapper.save(args.save_dense, overwrite=True)
         r2_k, r2_v = mean_r2(solution, heldout)
+        plain_r2 = mean_r2(solution, plain_heldout)
         cont = continuation_metrics(mapper, source, target, held, context_len=args.context_len)
-        row = {"variant": name, "r2_k": r2_k, "r2_v": r2_v, "parameters": mapper.num_parameters(),
+        row = {"variant": name, "weighting": args.weighting, "r2_k": r2_k, "r2_v": r2_v,
+               "r2_k_unweighted": plain_r2[0], "r2_v_unweighted": plain_r2[1], "parameters": mapper.num_parameters(),
                "artifact_mb": size_mb, "solve_s": solve_s, "k_per_layer": [len(l.sources) for l in solution.layers],
                **time_transfer(mapper, source, target, args.tokens, args.repeats), **cont.as_dict()}
         report["rows"].append(row)

@@ -78,12 +78,14 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048), repeats: int = 5,
-                             vocab: int | None = None, seed: int = 0) -> list[dict]:
+                             vocab: int | None = None, seed: int = 0, exact_prefix: int = 0,
+                             exact_suffix: int = 0) -> list[dict]:
     """Median/p90 seconds per context length of four operations, interleaved in one run:
 
     - ``transfer``: mapper.transfer of the source cache (which exists already when a stack escalates);
     - ``prefill``: the target body re-prefilling the same context (what transfer replaces);
-    - ``handoff_ttft``: transfer + the target consuming the last token -> first logits;
+    - ``handoff_ttft``: the handoff cache (transfer, plus the exact_prefix / exact_suffix recomputes
+      when asked) + the target consuming the last token -> first logits;
     - ``full_ttft``: the target (with LM head) over the whole prompt -> first logits.
     On CUDA, also the peak memory of each (torch.cuda.max_memory_allocated, MiB).
     """
@@ -96,7 +98,11 @@ def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048
         source_cache = run_model(source, ids[:, :-1])
 
         def handoff_step():
-            cache = mapper.transfer(source_cache)
+            if exact_prefix or exact_suffix:
+                cache = prepare_cache(mapper, source, target, ids, exact_prefix=exact_prefix,
+                                      exact_suffix=exact_suffix, source_cache=source_cache)
+            else:
+                cache = mapper.transfer(source_cache)
             return target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1).logits
 
         ops = {

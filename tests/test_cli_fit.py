@@ -53,10 +53,30 @@ def test_fit_registers_exports_and_reports(model_dirs, env):
     assert bench.exit_code == 0, bench.output
     rows = json.loads(bench.stdout)["rows"]
     assert [r["tokens"] for r in rows] == [16, 24] and all(r["speedup"] > 0 for r in rows)
+    levers = runner.invoke(main, ["bench", ref, "--lengths", "16", "--repeats", "1", "--dtype", "float32",
+                                  "--exact-prefix", "1", "--exact-suffix", "3", "--device", "cpu", "--db", env["db"],
+                                  "--json"])
+    assert levers.exit_code == 0, levers.output
+    assert json.loads(levers.stdout)["exact_suffix"] == 3
     report = runner.invoke(main, ["report", ref, "--out", str(env["tmp"] / "report"), "--db", env["db"]])
     assert report.exit_code == 0, report.output
     for name in ("r2_heatmap.png", "layer_r2.png", "report.md"):
         assert (env["tmp"] / "report" / name).stat().st_size > 0
+
+
+def test_fit_with_compressed_maps_and_attention_weighting(model_dirs, env):
+    runner = CliRunner()
+    out = env["tmp"] / "compressed"
+    args = _fit_args(model_dirs, env, out) + ["--head-local", "--rank", "8", "--weighting", "attention", "--json"]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    metadata = json.loads((out / "mapper.json").read_text())
+    assert metadata["format_version"] == 2 and metadata["structure"]["rank"] == 8
+    assert metadata["structure"]["head_groups"] > 1 and metadata["fit"]["weighting"] == "attention"
+    assert any(name.endswith(".weight_a") for name in __import__("safetensors").safe_open(
+        str(out / "mapper.safetensors"), "pt").keys())
+    bad = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "bad") + ["--rank", "0"])
+    assert bad.exit_code != 0 and "--rank" in bad.output
 
 
 def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch):

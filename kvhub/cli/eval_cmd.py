@@ -208,11 +208,15 @@ def _print_results(ref: str, results: dict) -> None:
 @click.argument("ref")
 @click.option("--lengths", default="256,1024,4096", show_default=True, help="Context lengths in tokens.")
 @click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--exact-prefix", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Include this exact-prefix recompute in the handoff's time to first token.")
+@click.option("--exact-suffix", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Include this exact-suffix recompute in the handoff's time to first token.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--db", default=None, metavar="URL")
 @click.option("--json", "as_json", is_flag=True)
-def bench(ref, lengths, repeats, device, dtype, db, as_json):
+def bench(ref, lengths, repeats, exact_prefix, exact_suffix, device, dtype, db, as_json):
     """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
     and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
     from ..evaluate import time_transfer_vs_prefill
@@ -220,15 +224,20 @@ def bench(ref, lengths, repeats, device, dtype, db, as_json):
     store, version, mapper, source, target, _ = _load_version(ref, db, device=device, dtype=dtype)
     mapper.to(device=next(target.parameters()).device)
     rows = time_transfer_vs_prefill(mapper, source, target, lengths=[int(x) for x in lengths.split(",")],
-                                    repeats=repeats)
+                                    repeats=repeats, exact_prefix=exact_prefix, exact_suffix=exact_suffix)
     device_name = str(next(target.parameters()).device)
+    from ..taskeval import variant_name
+
+    variant = variant_name(exact_prefix, exact_suffix)
     store.add_metrics(version, [
-        {"name": name, "value": float(value), "task": f"bench:{device_name}:{dtype}:{row['tokens']}", "split": "bench",
+        {"name": name, "value": float(value), "split": "bench",
+         "task": f"bench:{device_name}:{dtype}:{row['tokens']}" + (f"@{variant}" if variant else ""),
          "n": repeats}
         for row in rows for name, value in row.items() if name in ("speedup", "ttft_speedup", "transfer_median_s",
                                                                    "prefill_median_s")])
     if as_json:
-        click.echo(json.dumps({"ref": version.ref, "device": device_name, "dtype": dtype, "rows": rows}, indent=2))
+        click.echo(json.dumps({"ref": version.ref, "device": device_name, "dtype": dtype,
+                               "exact_prefix": exact_prefix, "exact_suffix": exact_suffix, "rows": rows}, indent=2))
         return
     from rich.table import Table
 
