@@ -121,6 +121,8 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str) -> str:
             "calibration": {k: calibration.get(k) for k in ("name", "version", "content_hash") if k in calibration},
             "k": metadata.get("k"),
             "lambda": metadata.get("lambda"),
+            "structure": metadata.get("structure") or {"head_groups": 1, "rank": None},
+            "weighting": (metadata.get("fit") or {}).get("weighting", "uniform"),
             "tensors_sha256": (metadata.get("tensors") or {}).get("sha256"),
             "metrics": dict(_numbers(metadata.get("metrics") or {})),
         },
@@ -209,10 +211,25 @@ def _fit_section(metadata: dict) -> str:
     return (
         "## Fit\n\n"
         f"k = {_fmt(metadata.get('k'))} source layers per target layer, "
-        f"ridge lambda = {_fmt(metadata.get('lambda'))}.\n\n"
+        f"ridge lambda = {_fmt(metadata.get('lambda'))}; maps: {_structure(metadata)}; "
+        f"token weighting: {(metadata.get('fit') or {}).get('weighting', 'uniform')}.\n\n"
         "| target layer | source layers | held-out R² (K) | held-out R² (V) |\n| --- | --- | --- | --- |\n"
         f"{rows}\n"
     )
+
+
+def _structure(metadata: dict) -> str:
+    return describe_structure(metadata.get("structure"))
+
+
+def describe_structure(structure: dict | None) -> str:
+    """'dense', 'head-local (2 groups)', 'rank 64', or both, from mapper.json's ``structure``."""
+    structure = structure or {}
+    groups, rank = structure.get("head_groups") or 1, structure.get("rank")
+    parts = [f"head-local ({groups} groups)"] if groups > 1 else []
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    return ", ".join(parts) or "dense"
 
 
 def _results_section(metadata: dict) -> str:

@@ -160,6 +160,10 @@ def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
     if "heldout_r2_k_mean" in metrics:
         console.print(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
                       f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})")
+    from ..card import describe_structure
+
+    console.print(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.num_parameters():,} parameters; "
+                  f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}")
     timings = mapper.metadata["fit"]["timings"]
     console.print(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
                   f"solve {timings.get('solve_s', 0):.1f} s")
