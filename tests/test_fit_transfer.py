@@ -56,7 +56,8 @@ def test_exact_family_greedy_generation_identical(qwen_family):
         own = _greedy(target, ids)
         cache = mapper.transfer(run_model(source, ids[:, :-1]))
         assert torch.equal(_greedy(target, ids, cache), own)
-        assert torch.equal(handoff(mapper, source, target, ids, max_new_tokens=12, do_sample=False), own)
+        assert torch.equal(handoff(mapper, source, target, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=12,
+                                   do_sample=False), own)
 
 
 def test_llama_family_with_two_inserted_layers():
@@ -66,7 +67,8 @@ def test_llama_family_with_two_inserted_layers():
     assert [l["sources"] for l in mapper.layers] and all(
         expected in l["sources"] for l, expected in zip(mapper.layers, layer_map))
     ids = _ids(1, 25, 5)
-    assert torch.equal(handoff(mapper, source, target, ids, max_new_tokens=10, do_sample=False), _greedy(target, ids, n=10))
+    assert torch.equal(handoff(mapper, source, target, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=10,
+                               do_sample=False), _greedy(target, ids, n=10))
 
 
 @pytest.mark.parametrize("model_type,kwargs", [("qwen3", {"head_dim": 16}), ("mistral", {"sliding_window": 8, "head_dim": 16})])
@@ -75,7 +77,8 @@ def test_self_map_is_identity(model_type, kwargs):
     mapper = _fit(model, model, k=1)
     assert [l["sources"] for l in mapper.layers] == [[m] for m in range(model.config.num_hidden_layers)]
     ids = _ids(1, 30, 3)
-    assert torch.equal(handoff(mapper, model, model, ids, max_new_tokens=10, do_sample=False), _greedy(model, ids, n=10))
+    assert torch.equal(handoff(mapper, model, model, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=10,
+                               do_sample=False), _greedy(model, ids, n=10))
 
 
 def test_sliding_window_target_cache_is_windowed():
@@ -88,7 +91,7 @@ def test_sliding_window_target_cache_is_windowed():
 def test_exact_prefix_recompute_keeps_exact_generation(qwen_family):
     source, target, _, mapper = qwen_family
     ids = _ids(1, 30, 21)
-    out = handoff(mapper, source, target, ids, exact_prefix=4, max_new_tokens=10, do_sample=False)
+    out = handoff(mapper, source, target, ids, exact_prefix=4, exact_suffix=0, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, _greedy(target, ids, n=10))
 
 
@@ -97,6 +100,13 @@ def test_exact_suffix_recompute_keeps_exact_generation(qwen_family):
     ids = _ids(1, 30, 22)
     out = handoff(mapper, source, target, ids, exact_prefix=2, exact_suffix=5, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, _greedy(target, ids, n=10))
+
+
+def test_handoff_defaults_cap_to_short_prompts(qwen_family):
+    source, target, _, mapper = qwen_family
+    ids = _ids(1, 3, 24)  # 2 context tokens: fewer than the default exact prefix + suffix
+    out = handoff(mapper, source, target, ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, _greedy(target, ids, n=4))
 
 
 def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
