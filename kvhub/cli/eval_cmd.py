@@ -102,6 +102,9 @@ def _score_items(items, paths: list[Path], scorer, progress) -> list[list]:
 def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, device, dtype, db, as_json):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
+    By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
+    measures what `kvhub.handoff.handoff` does by default.
+
     Results (retention, gap closed, 95% bootstrap intervals, next-token agreement/KL, attention-output
     cosine) are stored as metrics of the version and shown by `kvhub show`.  Per-item results are cached,
     so an interrupted evaluation resumes where it stopped.
