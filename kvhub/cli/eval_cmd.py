@@ -95,11 +95,13 @@ def _score_items(items, paths: list[Path], scorer, progress) -> list[list]:
 @click.option("--exact-suffix", "exact_suffixes", type=int, multiple=True, default=(0,), show_default=True,
               help="Last context tokens the target recomputes itself over the mapped cache. Repeatable; "
                    "every (prefix, suffix) combination is a variant.")
+@click.option("--ppl-calib", default=None, metavar="NAME",
+              help="For --task ppl: the calibration set whose held-out text is scored (default: the mapper's own).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @click.option("--db", default=None, metavar="URL")
 @click.option("--json", "as_json", is_flag=True)
-def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, device, dtype, db, as_json):
+def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, ppl_calib, device, dtype, db, as_json):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
@@ -119,7 +121,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, device
     for task in tasks:
         if task == "ppl":
             summaries = [_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=p,
-                                   exact_suffix=s) for p, s in variants]
+                                   exact_suffix=s, calib=ppl_calib) for p, s in variants]
         else:
             summaries = _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, variants)
         for (exact_prefix, exact_suffix), summary in zip(variants, summaries):
@@ -154,16 +156,18 @@ def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, va
     return [summarize([row[i] for row in scores], seed=seed) for i in range(len(variants))]
 
 
-def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix, exact_suffix) -> dict:
+def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix, exact_suffix, calib=None) -> dict:
     from ..calib import resolve_calibration
     from ..evaluate import continuation_metrics
 
     calibration = mapper.metadata.get("calibration", {})
-    name = calibration.get("name")
+    name = calib or calibration.get("name")
     if not name:
         from ..errors import ConfigError
 
-        raise ConfigError("this mapper records no calibration set, so `--task ppl` has no held-out text")
+        raise ConfigError("this mapper records no calibration set, so `--task ppl` has no held-out text; "
+                          "name one with --ppl-calib")
+    # the mapper's own sequence count and length, so its held-out split is the one it was fitted beside
     held = resolve_calibration(name, tokenizer=tokenizer, tokenizer_id=mapper.source["model_id"],
                                samples=calibration.get("sequences"), seq_len=calibration.get("seq_len")).heldout
     held = held[: max(1, min(limit, held.shape[0]))]
