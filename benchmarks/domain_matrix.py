@@ -48,6 +48,13 @@ def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
     return train, heldout, calibration
 
 
+def write_report(path: Path | None, report: dict) -> None:
+    """Write a benchmark's JSON report (when --out was given)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def mean_r2(solution, stats) -> tuple[float, float]:
     from kvhub.solve import map_r2
 
@@ -108,9 +115,7 @@ def main() -> None:
             row = {"fit": fit_domain, "eval": eval_domain, "r2_k": r2_k, "r2_v": r2_v, **cont.as_dict()}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ train and held-out statistics; every variant below is then only a solve:
 - ``rank r``: reduced-rank ridge per target layer.
 
 For each: held-out R^2 (K, V), parameters and artifact MB, transfer time at --tokens (bf16, median of
---repeats, interleaved with the target's re-prefill so the ratio is measured side by side), and
+--repeats, kvhub.evaluate.time_transfer_vs_prefill: interleaved with the target's re-prefill), and
 next-token agreement / KL / perplexity on --eval-sequences held-out sequences.  With
 ``--weighting attention`` the statistics (both splits) weigh tokens by the target's attention, so its
 held-out R^2 is attention-weighted: compare such runs by agreement / KL / perplexity, not by R^2.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from domain_matrix import DST, SRC, domain_stats, mean_r2  # noqa: E402
+from domain_matrix import DST, SRC, domain_stats, mean_r2, write_report  # noqa: E402
 
 
 def variants(k_grid_old):
@@ -44,26 +43,6 @@ def variants(k_grid_old):
         ("rank 64", {"structure": Structure(rank=64)}),
         ("rank 32", {"structure": Structure(rank=32)}),
     ]
-
-
-def time_transfer(mapper, source, target, tokens: int, repeats: int) -> dict:
-    import torch
-
-    from kvhub.capture import run_model
-
-    ids = torch.randint(0, target.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
-    cache = run_model(source, ids)
-    mapper.transfer(cache)  # warm-up
-    transfer, prefill = [], []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        mapper.transfer(cache)
-        transfer.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        run_model(target, ids)
-        prefill.append(time.perf_counter() - started)
-    return {"transfer_median_s": statistics.median(transfer), "prefill_median_s": statistics.median(prefill),
-            "speedup": statistics.median(prefill) / statistics.median(transfer)}
 
 
 def main() -> None:
@@ -85,7 +64,7 @@ def main() -> None:
 
     import torch
 
-    from kvhub.evaluate import continuation_metrics
+    from kvhub.evaluate import continuation_metrics, time_transfer_vs_prefill
     from kvhub.fit import FitOptions, build_mapper
     from kvhub.fingerprint import model_fingerprint, tokenizer_hash
     from kvhub.mapper import Mapper
@@ -130,15 +109,14 @@ def main() -> None:
         r2_k, r2_v = mean_r2(solution, heldout)
         plain_r2 = mean_r2(solution, plain_heldout)
         cont = continuation_metrics(mapper, source, target, held, context_len=args.context_len)
+        timing = time_transfer_vs_prefill(mapper, source, target, lengths=[args.tokens], repeats=args.repeats)[0]
         row = {"variant": name, "weighting": args.weighting, "r2_k": r2_k, "r2_v": r2_v,
                "r2_k_unweighted": plain_r2[0], "r2_v_unweighted": plain_r2[1], "parameters": mapper.num_parameters(),
                "artifact_mb": size_mb, "solve_s": solve_s, "k_per_layer": [len(l.sources) for l in solution.layers],
-               **time_transfer(mapper, source, target, args.tokens, args.repeats), **cont.as_dict()}
+               **timing, **cont.as_dict()}
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str]) 
         f"\n# {source['model_id']} → {target['model_id']} KV-cache mapper ({version_tag})\n",
         "A kvhub mapper: per-layer affine maps (ridge regression on "
         "calibration statistics, rotary embedding stripped from the keys) that turn the KV cache of the "
-        f"**source** model into the cache the **target** model would have computed for the same tokens, so "
+        "**source** model into the cache the **target** model would have computed for the same tokens, so "
         "the target continues from the source's prefill without re-reading the context.  It is an "
         "approximation: see the held-out R² below before relying on it.\n",
         _validity_section(source, target),

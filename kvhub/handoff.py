@@ -93,7 +93,8 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
 def _cropped(cache, tokens: int):
     """``cache`` holding only its first ``tokens`` positions (a copy when it holds more)."""
     if cache.get_seq_length() < tokens:
-        raise ConfigError(f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map")
+        raise ConfigError(f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map; "
+                          "pass the source model's cache of the whole context (or source_cache=None)")
     if cache.get_seq_length() == tokens:
         return cache
     from transformers import DynamicCache
