@@ -208,6 +208,17 @@ def _load_checkpoint(path: Path, job: str, stats: dict[str, KVStats]) -> int:
 
 
 # ---- the mapper -------------------------------------------------------------------------------
+def target_means(train: KVStats) -> dict[str, torch.Tensor]:
+    """``{k,v}.{m}.target_mean`` (Ht*Dt,) fp32: the calibration mean of target layer m's RoPE-stripped
+    keys and of its values.  A cache of these constants is the no-information control of an evaluation
+    (:mod:`kvhub.control`): what a handoff scores above it is what the mapped context contributes."""
+    out = {}
+    for kind, moments in (("k", train.k), ("v", train.v)):
+        for m in range(train.layout.dst_layers):
+            out[f"{kind}.{m}.target_mean"] = moments.mean_y[train.layout.dst_columns(m)].float().clone()
+    return out
+
+
 def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibration: dict,
                  train: KVStats, heldout: KVStats, options: FitOptions) -> Mapper:
     """Weights (fp32) and mapper.json metadata from a solution."""
@@ -215,6 +226,7 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
     for layer in solution.layers:
         tensors.update(layer.k_map.tensors(f"k.{layer.target}"))
         tensors.update(layer.v_map.tensors(f"v.{layer.target}"))
+    tensors.update(target_means(train))
     r2_k, r2_v = solution.mean_r2()
     metrics = {"train_tokens": train.n, "heldout_tokens": heldout.n}
     if r2_k is not None:

@@ -58,6 +58,8 @@ def check_fingerprints(directory: str | os.PathLike, metadata: dict) -> None:
         d_out = dst["num_kv_heads"] * dst["head_dim"]
         for kind in ("k", "v"):
             expected[f"{kind}.{m}.weight"], expected[f"{kind}.{m}.bias"] = (d_in, d_out), (d_out,)
+            if f"{kind}.{m}.target_mean" in shapes:  # optional: the no-information control's constants
+                expected[f"{kind}.{m}.target_mean"] = (d_out,)
     if shapes != expected:
         wrong = sorted(set(shapes.items()) ^ set(expected.items()))[:4]
         raise IntegrityError(f"{directory}: tensor names or shapes disagree with the fingerprints ({wrong}); "
