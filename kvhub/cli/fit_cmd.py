@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -73,9 +72,13 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
         raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
-    mapper = run_fit(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
-                     lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed, restart=restart,
-                     weighting=weighting, head_local=head_local, rank=rank)
+    from ..fitjob import FitRequest, fit_by_names
+    from .progress import progress_callback
+
+    request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
+                         lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
+                         restart=restart, weighting=weighting, head_local=head_local, rank=rank)
+    mapper = fit_by_names(request, notify=err_console.print, progress=progress_callback)
     reference = None
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
@@ -84,53 +87,6 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
         if out is not None:
             mapper.save(out)
     _print_summary(mapper, reference=reference, out=out, as_json=as_json)
-
-
-def run_fit(*, src, dst, calib, samples, seq_len, stride, k, lambda_, device, dtype, batch_size, seed, restart,
-            weighting="uniform", head_local=False, rank=None):
-    """Load both models and the calibration set, then fit (with progress bars on stderr)."""
-    from ..calib import resolve_calibration
-    from ..fit import FitOptions, check_same_tokenizer
-    from ..fit import fit as fit_mapper
-    from ..fingerprint import tokenizer_hash
-    from ..models import load_model
-    from .progress import progress_callback
-
-    err_console.print(f"loading {src} and {dst}")
-    source, source_tok, source_id = load_model(src, device=device, dtype=dtype)
-    target, target_tok, target_id = load_model(dst, device=device, dtype=dtype)
-    check_same_tokenizer({"model_id": source_id, "tokenizer_hash": tokenizer_hash(source_tok)},
-                         {"model_id": target_id, "tokenizer_hash": tokenizer_hash(target_tok)})
-    with progress_callback("items") as callback:
-        calibration = resolve_calibration(calib, tokenizer=source_tok, tokenizer_id=source_id, samples=samples,
-                                          seq_len=seq_len, seed=seed, progress=callback)
-    stride = stride or calibration.stride
-    meta = calibration.to_metadata()
-    meta["stride"] = stride
-    options = FitOptions(k=k, lambda_=lambda_, stride=stride, batch_size=batch_size, weighting=weighting,
-                         head_local=head_local, rank=rank,
-                         checkpoint=_checkpoint_path(source_id, target_id, meta, stride, batch_size, weighting))
-    if restart and options.checkpoint.exists():
-        options.checkpoint.unlink()
-    err_console.print(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
-                      f"{calibration.train.shape[0]} train + {calibration.heldout.shape[0]} held-out sequences "
-                      f"x {calibration.train.shape[1]} tokens, stride {stride}")
-    with progress_callback("tok/s") as callback:
-        mapper = fit_mapper(source, target, calibration.train, calibration.heldout, source_id=source_id,
-                            target_id=target_id, source_tokenizer=source_tok, target_tokenizer=target_tok,
-                            calibration=meta, options=options, progress=callback)
-    options.checkpoint.unlink(missing_ok=True)
-    return mapper
-
-
-def _checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
-                     weighting: str = "uniform") -> Path:
-    from ..calib.corpus import cache_root
-
-    parts = [source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
-             calibration.get("heldout_sequences"), stride, batch_size]
-    key = json.dumps(parts + ([weighting] if weighting != "uniform" else []))  # uniform keeps its old path
-    return cache_root() / "checkpoints" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
 
 def _register(artifact: Path, db: str | None) -> str:

@@ -1,0 +1,133 @@
+"""Fit by model names: resolve both models and the calibration set, then fit (one process or many).
+
+:func:`prepare` turns a :class:`FitRequest` (what ``kvhub fit`` takes) into loaded models, calibration
+tokens, :class:`kvhub.fit.FitOptions` and a checkpoint path; :func:`fit_by_names` runs the whole fit
+in this process.  :mod:`kvhub.distributed` and the benchmarks start from the same :func:`prepare`, so
+every entry point fits the same job from the same arguments.
+
+The library never prints: ``notify(message)`` receives the status lines, and ``progress(unit)``
+returns a context manager yielding a ``(description, completed, total)`` callback (or None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ContextManager
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Notify = Callable[[str], None]
+ProgressFactory = Callable[[str], ContextManager]
+
+
+@dataclass
+class FitRequest:
+    """The arguments of ``kvhub fit`` that decide the mapper (see ``kvhub fit --help`` for each)."""
+
+    src: str
+    dst: str
+    calib: str = "legal-docs"
+    samples: int | None = None
+    seq_len: int | None = None
+    stride: int | None = None
+    k: int | str = "auto"
+    lambda_: float | str = "auto"
+    device: str | None = None
+    dtype: str = "bfloat16"
+    batch_size: int = 4
+    seed: int | None = None
+    restart: bool = False
+    weighting: str = "uniform"
+    head_local: bool = False
+    rank: int | None = None
+
+
+@dataclass
+class PreparedFit:
+    """Everything a fit needs, loaded: models, tokenizers, ids, calibration tokens and options."""
+
+    source: object
+    target: object
+    source_tokenizer: object
+    target_tokenizer: object
+    source_id: str
+    target_id: str
+    train: torch.Tensor  # (N, T) long
+    heldout: torch.Tensor  # (M, T) long
+    calibration: dict  # calibration metadata for mapper.json
+    options: object  # kvhub.fit.FitOptions
+
+
+def _no_progress(unit: str) -> ContextManager:
+    return nullcontext(None)
+
+
+def prepare(request: FitRequest, *, notify: Notify | None = None,
+            progress: ProgressFactory | None = None) -> PreparedFit:
+    """Load both models (checking they share a tokenizer) and the calibration set; build the options."""
+    from .calib import resolve_calibration
+    from .fingerprint import tokenizer_hash
+    from .fit import FitOptions, check_same_tokenizer
+    from .models import load_model
+
+    notify = notify or log.info
+    progress = progress or _no_progress
+    notify(f"loading {request.src} and {request.dst}")
+    source, source_tok, source_id = load_model(request.src, device=request.device, dtype=request.dtype)
+    target, target_tok, target_id = load_model(request.dst, device=request.device, dtype=request.dtype)
+    check_same_tokenizer({"model_id": source_id, "tokenizer_hash": tokenizer_hash(source_tok)},
+                         {"model_id": target_id, "tokenizer_hash": tokenizer_hash(target_tok)})
+    with progress("items") as callback:
+        calibration = resolve_calibration(request.calib, tokenizer=source_tok, tokenizer_id=source_id,
+                                          samples=request.samples, seq_len=request.seq_len, seed=request.seed,
+                                          progress=callback)
+    stride = request.stride or calibration.stride
+    meta = calibration.to_metadata()
+    meta["stride"] = stride
+    options = FitOptions(k=request.k, lambda_=request.lambda_, stride=stride, batch_size=request.batch_size,
+                         weighting=request.weighting, head_local=request.head_local, rank=request.rank,
+                         checkpoint=checkpoint_path(source_id, target_id, meta, stride, request.batch_size,
+                                                    request.weighting))
+    notify(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
+           f"{calibration.train.shape[0]} train + {calibration.heldout.shape[0]} held-out sequences "
+           f"x {calibration.train.shape[1]} tokens, stride {stride}")
+    return PreparedFit(source, target, source_tok, target_tok, source_id, target_id, calibration.train,
+                       calibration.heldout, meta, options)
+
+
+def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None):
+    """The whole fit in this process: :func:`prepare`, then :func:`kvhub.fit.fit`.  Returns the Mapper.
+
+    An interrupted fit resumes from its checkpoint (``request.restart`` discards it); the checkpoint
+    is deleted once the mapper is built.
+    """
+    from .fit import fit
+
+    job = prepare(request, notify=notify, progress=progress)
+    if request.restart:
+        job.options.checkpoint.unlink(missing_ok=True)
+    with (progress or _no_progress)("tok/s") as callback:
+        mapper = fit(job.source, job.target, job.train, job.heldout, source_id=job.source_id,
+                     target_id=job.target_id, source_tokenizer=job.source_tokenizer,
+                     target_tokenizer=job.target_tokenizer, calibration=job.calibration, options=job.options,
+                     progress=callback)
+    job.options.checkpoint.unlink(missing_ok=True)
+    return mapper
+
+
+def checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
+                    weighting: str = "uniform") -> Path:
+    """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options."""
+    from .calib.corpus import cache_root
+
+    parts = [source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
+             calibration.get("heldout_sequences"), stride, batch_size]
+    key = json.dumps(parts + ([weighting] if weighting != "uniform" else []))  # uniform keeps its old path
+    return cache_root() / "checkpoints" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
