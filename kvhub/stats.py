@@ -29,6 +29,7 @@ import torch
 from .errors import ConfigError, IncompatibleError
 
 F64 = torch.float64
+CHUNK_COLUMNS = 4096  # columns of one fp32 product during an update: bounds its transient memory
 
 
 class Moments:
@@ -59,8 +60,40 @@ class Moments:
             )
         if x.shape[0] == 0:
             return
-        batch = Moments.from_batch(x, y, weight)
-        self.merge_(batch)
+        self._merge_rows(x, y, weight)
+
+    def _merge_rows(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None) -> None:
+        """Chan-merge a batch into self without materialising its (p, p) and (p, q) moments: the fp32
+        products are made :data:`CHUNK_COLUMNS` columns at a time and added in place, so the transient
+        memory is N * (p + q) fp64 rows plus one (p, CHUNK_COLUMNS) product (see :mod:`kvhub.plan`)."""
+        n, x64, y64 = x.shape[0], x.to(F64), y.to(F64)
+        if weight is None:
+            batch_weight, mean_x, mean_y = float(n), x64.mean(0), y64.mean(0)
+            xc, yc = x64 - mean_x, y64 - mean_y
+        else:
+            w = _check_weight(weight, n).to(device=x64.device, dtype=F64)  # (N,)
+            batch_weight = float(w.sum())
+            if batch_weight == 0:
+                self.n += n
+                return
+            mean_x, mean_y = (w @ x64) / batch_weight, (w @ y64) / batch_weight
+            root = w.sqrt()[:, None]  # (N, 1)
+            xc, yc = (x64 - mean_x) * root, (y64 - mean_y) * root
+        del x64, y64
+        total = self.weight_sum + batch_weight
+        dx, dy = mean_x - self.mean_x, mean_y - self.mean_y
+        w = self.weight_sum * batch_weight / total  # 0 for the first batch
+        self.syy += (yc * yc).sum(0) + w * dy * dy
+        xc, yc = xc.float(), yc.float()  # (N, p), (N, q)
+        for target, right in ((self.cxx, xc), (self.cxy, yc)):
+            for start in range(0, right.shape[1], CHUNK_COLUMNS):
+                block = slice(start, start + CHUNK_COLUMNS)
+                target[:, block] += (xc.T @ right[:, block]).to(F64)
+        self.cxx.addr_(dx, dx, alpha=w)
+        self.cxy.addr_(dx, dy, alpha=w)
+        self.mean_x += dx * (batch_weight / total)
+        self.mean_y += dy * (batch_weight / total)
+        self.n, self.weight_sum = self.n + n, total
 
     @classmethod
     def from_batch(cls, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> "Moments":
