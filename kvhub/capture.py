@@ -20,8 +20,10 @@ Sliding-window layers count every query i >= t, with A = 0 outside the window.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -57,6 +59,29 @@ def token_mask(attention_mask: torch.Tensor, *, stride: int = 1, skip_first: int
     return attention_mask.bool() & keep
 
 
+def cache_kwargs(model, cache) -> dict:
+    """``{keyword: cache}`` for ``model(...)`` / ``model.generate(...)`` on the installed transformers.
+
+    transformers renamed the cache argument from ``past_key_values`` to ``cache`` after 5.19; an older
+    version silently ignores an unknown ``cache=`` and returns a cache with no layers, so every call
+    site that hands a cache to a model goes through here.
+    """
+    return {_cache_keyword(type(model)): cache}
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    import transformers  # a forward that takes only **kwargs: go by the release that renamed it
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "cache" if (major, minor) >= (5, 20) else "past_key_values"
+
+
 @torch.no_grad()
 def run_model(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """Forward the model body over (B, T) ids (right padding) and return its full-length DynamicCache."""
@@ -70,9 +95,14 @@ def run_model(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     attention_mask = attention_mask.to(device)
     position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     cache = DynamicCache()  # no config: sliding-window layers keep the whole context
-    model.base_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
-    )
+    body = model.base_model
+    body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+         **cache_kwargs(body, cache))
+    if not cache.layers:
+        raise UnsupportedModelError(
+            f"{model.config.model_type} left its cache empty: transformers {_transformers_version()} did not "
+            "take the cache it was given; install a transformers version kvhub supports (see pyproject.toml)"
+        )
     return cache
 
 
@@ -117,6 +147,12 @@ def capture(
                 "run the model in bfloat16 or float32 instead of float16"
             )
     return CapturedKV(keys=keys, values=values, weights=weights)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _flatten_kept(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .capture import run_model
+from .capture import cache_kwargs, run_model
 from .handoff import prepare_cache
 
 
@@ -40,7 +40,7 @@ class ContinuationMetrics:
 @torch.no_grad()
 def _logits_after(target, cache, ids: torch.Tensor) -> torch.Tensor:
     """Target logits for ``ids`` continuing ``cache`` (None: fresh).  (B, T, V) fp32."""
-    kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
+    kwargs = {**cache_kwargs(target, cache), "use_cache": True} if cache is not None else {}
     return target(input_ids=ids, **kwargs).logits.float()
 
 
@@ -103,7 +103,8 @@ def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048
                                       exact_suffix=exact_suffix, source_cache=source_cache)
             else:
                 cache = mapper.transfer(source_cache)
-            return target(input_ids=ids[:, -1:], cache=cache, use_cache=True, logits_to_keep=1).logits
+            logits = target(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
+            return logits.logits
 
         ops = {
             "transfer": lambda: mapper.transfer(source_cache),

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .capture import run_model
+from .capture import cache_kwargs, run_model
 from .handoff import prepare_cache
 
 
@@ -120,7 +120,7 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
     past = cache.get_seq_length()
     mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=tail_ids.device), tail_mask], 1)
     with recorder or _null():
-        logits = model(input_ids=tail_ids, attention_mask=mask, cache=cache, use_cache=True).logits
+        logits = model(input_ids=tail_ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache)).logits
     return logits, (list(recorder.outputs) if recorder else [])
 
 
