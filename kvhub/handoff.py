@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .capture import run_model
+from .capture import cache_kwargs, run_model
 from .errors import ConfigError, IncompatibleError
 from .fingerprint import kv_geometry
 
@@ -86,7 +86,7 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
         device = next(target_model.parameters()).device
         positions = torch.arange(mapped_end, tokens, device=device).expand(context.shape[0], -1)
         target_model.base_model(input_ids=context[:, mapped_end:].to(device), position_ids=positions,
-                                cache=cache, use_cache=True)
+                                use_cache=True, **cache_kwargs(target_model.base_model, cache))
     return cache
 
 
@@ -124,4 +124,5 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = torch.ones_like(input_ids)
-    return target_model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+    return target_model.generate(input_ids, attention_mask=attention_mask, **cache_kwargs(target_model, cache),
+                                 **generate_kwargs)
