@@ -22,6 +22,7 @@ import torch
 from .capture import cache_kwargs, run_model
 from .errors import ConfigError, IncompatibleError
 from .fingerprint import kv_geometry
+from .recompute import Recompute, cropped, recompute_positions, recompute_set
 
 DEFAULT_EXACT_PREFIX = 4  # attention sinks
 DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
@@ -52,57 +53,35 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
 
 @torch.no_grad()
 def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
-                  exact_suffix: int = 0, tokenizer=None, source_cache=None):
-    """Target cache for input_ids[:, :-1]: mapped from the source, the first ``exact_prefix`` and the
-    last ``exact_suffix`` context tokens computed by the target itself (see the module docstring).
+                  exact_suffix: int = 0, exact_budget: float = 0.0, select: str = "source",
+                  recompute: Recompute | None = None, tokenizer=None, source_cache=None):
+    """Target cache for input_ids[:, :-1]: mapped from the source, then the first ``exact_prefix``, the
+    last ``exact_suffix`` and (``exact_budget`` > 0) a selected ``exact_budget`` fraction of the context
+    tokens recomputed by the target itself over the mapped rest (:mod:`kvhub.recompute`).
 
-    input_ids: (B, n) with n >= 2, no padding.  source_cache: the source model's cache of (at least)
-    input_ids[:, :-1-exact_suffix] when the caller has it (a serving stack does); else it is computed.
+    input_ids: (B, n) with n >= 2, no padding (B = 1 when exact_budget > 0).  ``recompute``: a full
+    :class:`~kvhub.recompute.Recompute` spec instead of the four keywords.  ``tokenizer`` (optional)
+    lets selected spans follow sentences and lines.  source_cache: the source model's cache of (at
+    least) input_ids[:, :-1] when the caller has it (a serving stack does); else it is computed.
     Returns a target DynamicCache of n-1 positions.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ConfigError("handoff needs (batch, n) input ids with n >= 2: the target consumes the last token")
     context = input_ids[:, :-1]
     tokens = context.shape[1]
-    for name, value in (("exact_prefix", exact_prefix), ("exact_suffix", exact_suffix)):
+    spec = recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)
+    for name, value in (("exact_prefix", spec.exact_prefix), ("exact_suffix", spec.exact_suffix)):
         if not 0 <= value <= tokens:
             raise ConfigError(f"{name} must be in 0..{tokens} (the context minus its last token), got {value}")
     check_models(mapper, source_model, target_model, tokenizer=tokenizer)
-    mapped_end = tokens - exact_suffix
-    if exact_prefix >= mapped_end:  # nothing left to map: the target's own cache
+    if spec.exact_prefix + spec.exact_suffix >= tokens:  # nothing left to map: the target's own cache
         return run_model(target_model, context)
-    if source_cache is None:
-        source_cache = run_model(source_model, context[:, :mapped_end])
-    else:
-        source_cache = _cropped(source_cache, mapped_end)
-    cache = mapper.transfer(source_cache, dtype=target_model.dtype)
-    if exact_prefix:
-        exact = run_model(target_model, context[:, :exact_prefix])
-        for mapped, own in zip(cache.layers, exact.layers):
-            if mapped.keys.shape[-2] == mapped_end:  # sliding layers past their window keep no prefix
-                mapped.keys[:, :, :exact_prefix] = own.keys.to(mapped.keys.dtype)
-                mapped.values[:, :, :exact_prefix] = own.values.to(mapped.values.dtype)
-    if exact_suffix:
-        device = next(target_model.parameters()).device
-        positions = torch.arange(mapped_end, tokens, device=device).expand(context.shape[0], -1)
-        target_model.base_model(input_ids=context[:, mapped_end:].to(device), position_ids=positions,
-                                use_cache=True, **cache_kwargs(target_model.base_model, cache))
+    source_cache = run_model(source_model, context) if source_cache is None else source_cache
+    cache = mapper.transfer(cropped(source_cache, tokens), dtype=target_model.dtype)
+    positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source_model,
+                              target_model=target_model, source_cache=source_cache, tokenizer=tokenizer)
+    recompute_positions(target_model, cache, context, positions)
     return cache
-
-
-def _cropped(cache, tokens: int):
-    """``cache`` holding only its first ``tokens`` positions (a copy when it holds more)."""
-    if cache.get_seq_length() < tokens:
-        raise ConfigError(f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map; "
-                          "pass the source model's cache of the whole context (or source_cache=None)")
-    if cache.get_seq_length() == tokens:
-        return cache
-    from transformers import DynamicCache
-
-    out = DynamicCache()
-    for index, layer in enumerate(cache.layers):
-        out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], index)
-    return out
 
 
 @torch.no_grad()

@@ -1,0 +1,298 @@
+"""Selective exact recompute: the target recomputes a few context tokens itself over the mapped cache.
+
+A mapped cache keeps the gist of a context but loses the attention addressing that retrieval needs
+(mapped keys): a number or a name stated once is not found again.  Making the right few percent of
+the tokens exact brings it back (docs/benchmarks.md, section "facts").  At handoff the context is
+c_0 .. c_{n-2} (the last prompt token is the target's); the recompute set is
+
+    R = [0, p)  U  S  U  [n-1-r, n-1)        (exact prefix, selected spans, exact suffix)
+
+and the target computes K/V for every t in R in ONE forward pass of the |R| tokens at their true
+positions, with the mask
+
+    t attends to mapped position j   iff  j < t and j not in R
+    t attends to recomputed t'       iff  t' <= t
+
+so each recomputed token sees the exact versions of the earlier recomputed tokens and the mapped
+rest, causally; the results overwrite the mapped K/V at R.  With R = every token this is exactly the
+target's own prefill; with R = prefix U suffix it is what ``exact_prefix``/``exact_suffix`` did.
+
+S is chosen under a budget of ``budget * (n-1)`` tokens by one signal available at handoff time:
+
+- ``source``:    the source model's attention from the last ``queries`` context tokens onto the
+                 context (it has read the whole prompt, question included);
+- ``target``:    the target's attention from its exact suffix over the mapped cache (one extra pass
+                 of the last ``queries`` tokens);
+- ``deviation``: |mapped - exact| K/V at the target's first layer (which needs one layer's pass), a
+                 CacheBlend-style signal of where the map is worst;
+- ``random``:    random spans, the control for the signal.
+
+Scores are (i+1)-scaled attention (1 = uniform, :class:`kvhub.capture.AttentionMass`).  Tokens are
+grouped into spans (sentences / lines, at most ``max_span`` tokens) and whole spans are taken in
+order of their best token: a fact sentence is recomputed whole, not its most-attended digit alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+from .capture import AttentionMass, cache_kwargs, run_model
+from .errors import ConfigError
+
+SELECTORS = ("source", "target", "deviation", "random")
+_SPAN_END = re.compile(r"(\n|[.!?;:]\s*$)")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Which context tokens the target recomputes at handoff (see the module docstring).
+
+    exact_prefix / exact_suffix: the first p and the last r context tokens; budget: the fraction of
+    the context chosen by ``select`` beyond them; spans: "sentence" (whole sentences / lines) or
+    "token"; queries: how many last context tokens score the context (source / target selectors).
+    """
+
+    exact_prefix: int = 0
+    exact_suffix: int = 0
+    budget: float = 0.0
+    select: str = "source"
+    spans: str = "sentence"
+    queries: int = 16
+    max_span: int = 48
+
+    def __post_init__(self):
+        if self.exact_prefix < 0 or self.exact_suffix < 0:
+            raise ConfigError("exact_prefix and exact_suffix count tokens: use numbers >= 0")
+        if not 0.0 <= self.budget <= 1.0:
+            raise ConfigError(f"exact_budget is a fraction of the context in [0, 1], got {self.budget}")
+        if self.select not in SELECTORS:
+            raise ConfigError(f"unknown token selector {self.select!r}; use one of {', '.join(SELECTORS)}")
+        if self.spans not in ("sentence", "token"):
+            raise ConfigError(f"spans must be 'sentence' or 'token', got {self.spans!r}")
+        if self.queries < 1 or self.max_span < 1:
+            raise ConfigError("queries and max_span must be >= 1")
+
+    @property
+    def selective(self) -> bool:
+        return self.budget > 0
+
+    def name(self) -> str:
+        """'' for the plain map, else e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=source'."""
+        parts = [f"exact_prefix={self.exact_prefix}"] * bool(self.exact_prefix)
+        parts += [f"exact_suffix={self.exact_suffix}"] * bool(self.exact_suffix)
+        if self.selective:
+            parts.append(f"exact_budget={self.budget:g}")
+            defaults = Recompute()
+            for field in ("select", "spans", "queries", "max_span"):
+                if field == "select" or getattr(self, field) != getattr(defaults, field):
+                    parts.append(f"{field}={getattr(self, field)}")
+        return ",".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> "Recompute":
+        """Inverse of :meth:`name`: 'exact_prefix=4,exact_budget=0.1,select=deviation' -> Recompute."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            key = {"exact_budget": "budget"}.get(key.strip(), key.strip())
+            if key not in kinds or not value:
+                raise ConfigError(f"cannot read {part!r} in the recompute spec {text!r}; use e.g. "
+                                  "'exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=source'")
+            try:
+                values[key] = float(value) if key == "budget" else int(value) if kinds[key] == "int" else value.strip()
+            except ValueError as exc:
+                raise ConfigError(f"{key} in {text!r} must be a number, got {value!r}") from exc
+        return cls(**values)
+
+    def capped(self, context: int) -> "Recompute":
+        """This spec with the prefix and suffix capped to a context of ``context`` tokens."""
+        prefix = min(self.exact_prefix, context)
+        suffix = min(self.exact_suffix, context - prefix)
+        return Recompute(prefix, suffix, self.budget, self.select, self.spans, self.queries, self.max_span)
+
+
+# ---- choosing the tokens ------------------------------------------------------------------------
+def span_ids(token_texts: list[str], *, max_span: int) -> torch.Tensor:
+    """(T,) span index per token: a span ends after a token holding a newline or ending a sentence,
+    or when it reaches ``max_span`` tokens."""
+    ids, span, length = [], 0, 0
+    for text in token_texts:
+        ids.append(span)
+        length += 1
+        if _SPAN_END.search(text) or length >= max_span:
+            span, length = span + 1, 0
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def select_spans(scores: torch.Tensor, spans: torch.Tensor, budget_tokens: int, *,
+                 eligible: torch.Tensor) -> torch.Tensor:
+    """Positions (sorted, long) of whole spans taken by descending best eligible score while they fit
+    ``budget_tokens``.  scores, spans, eligible: (T,); ineligible tokens are never taken."""
+    if budget_tokens <= 0 or not bool(eligible.any()):
+        return torch.empty(0, dtype=torch.long)
+    scores = torch.where(eligible, scores.float(), torch.full_like(scores.float(), -math.inf))
+    best = torch.full((int(spans.max()) + 1,), -math.inf).scatter_reduce(0, spans, scores, "amax")
+    chosen, used = [], 0
+    for span in torch.argsort(best, descending=True).tolist():
+        if best[span] == -math.inf:
+            break
+        members = torch.nonzero((spans == span) & eligible).flatten()
+        if used + len(members) <= budget_tokens:
+            chosen.append(members)
+            used += len(members)
+        if used >= budget_tokens:
+            break
+    return torch.sort(torch.cat(chosen)).values if chosen else torch.empty(0, dtype=torch.long)
+
+
+@torch.no_grad()
+def attention_scores(model, context: torch.Tensor, cache, *, queries: int) -> torch.Tensor:
+    """(T,) attention of the last ``queries`` tokens of ``context`` (1, T) onto every context token,
+    from ``model`` continuing ``cache`` (which holds context[:, :T - queries]); the cache grows to T."""
+    tokens = context.shape[1]
+    start = tokens - queries
+    device = next(model.parameters()).device
+    positions = torch.arange(start, tokens, device=device).unsqueeze(0)
+    with AttentionMass(model) as mass:
+        model.base_model(input_ids=context[:, start:].to(device), position_ids=positions, use_cache=True,
+                         **cache_kwargs(model.base_model, cache))
+    return (mass.total[0] / mass.terms).float().cpu()  # (T,)
+
+
+@torch.no_grad()
+def first_layer_kv(model, context: torch.Tensor):
+    """The target's exact layer-0 K/V of ``context`` (1, T): the model body stopped after its first layer."""
+    from transformers import DynamicCache
+
+    class _Stop(Exception):
+        pass
+
+    def stop(module, args, output):
+        raise _Stop
+
+    cache = DynamicCache()
+    device = next(model.parameters()).device
+    handle = model.base_model.layers[0].register_forward_hook(stop)
+    try:
+        positions = torch.arange(context.shape[1], device=device).unsqueeze(0)
+        model.base_model(input_ids=context.to(device), position_ids=positions, use_cache=True,
+                         **cache_kwargs(model.base_model, cache))
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return cache.layers[0].keys, cache.layers[0].values
+
+
+def deviation_scores(mapped_cache, exact_keys: torch.Tensor, exact_values: torch.Tensor) -> torch.Tensor:
+    """(T,) relative squared error of the mapped layer-0 K and V against the exact ones, summed."""
+    def rel(mapped, exact):
+        mapped, exact = mapped[0].float(), exact[0].float().to(mapped.device)  # (H, T, D)
+        error = (mapped - exact).pow(2).sum((0, 2))
+        return error / exact.pow(2).sum((0, 2)).clamp_min(1e-12)
+
+    layer = mapped_cache.layers[0]
+    return (rel(layer.keys, exact_keys) + rel(layer.values, exact_values)).cpu()
+
+
+# ---- recomputing them ------------------------------------------------------------------------------
+@torch.no_grad()
+def recompute_positions(target_model, cache, context: torch.Tensor, positions: torch.Tensor) -> None:
+    """Overwrite ``cache`` (a target cache of the T = context.shape[1] tokens) at ``positions`` (sorted,
+    unique, long) with the target's K/V computed over the rest of the cache, in one masked pass
+    (module docstring).  context: (B, T); every row recomputes the same positions."""
+    if positions.numel() == 0:
+        return
+    if any(getattr(layer, "sliding_window", None) for layer in cache.layers):
+        raise ConfigError("selective recompute needs full-attention cache layers; this target has sliding-window "
+                          "layers: use exact_budget=0 (map only) for it")
+    device = next(target_model.parameters()).device
+    tokens, count = context.shape[1], positions.numel()
+    positions = positions.to(device)
+    in_set = torch.zeros(tokens, dtype=torch.bool, device=device)
+    in_set[positions] = True
+    to_cache = (torch.arange(tokens, device=device)[None, :] < positions[:, None]) & ~in_set[None, :]  # (R, T)
+    to_new = torch.ones(count, count, dtype=torch.bool, device=device).tril()  # (R, R)
+    allowed = torch.cat([to_cache, to_new], dim=1)  # (R, T + R)
+    dtype = target_model.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    target_model.base_model(input_ids=context[:, positions.cpu()].to(device), position_ids=positions.unsqueeze(0),
+                            attention_mask=mask[None, None], use_cache=True,
+                            **cache_kwargs(target_model.base_model, cache))
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values  # (1, H, T + R, D)
+        layer.keys = keys[:, :, :tokens].index_copy(2, positions, keys[:, :, tokens:])
+        layer.values = values[:, :, :tokens].index_copy(2, positions, values[:, :, tokens:])
+        _sync_length(layer, tokens)
+
+
+def _sync_length(layer, tokens: int) -> None:
+    """Keep a transformers cache layer's own length bookkeeping (where it has one) at ``tokens``."""
+    for attribute in ("cumulative_length", "_seen_tokens"):
+        if isinstance(getattr(layer, attribute, None), int):
+            setattr(layer, attribute, tokens)
+
+
+# ---- the whole step ------------------------------------------------------------------------------
+@torch.no_grad()
+def recompute_set(spec: Recompute, *, context: torch.Tensor, mapped_cache, source_model, target_model,
+                  source_cache, tokenizer=None) -> torch.Tensor:
+    """Sorted positions R = prefix U selected spans U suffix of ``context`` (B, T) to recompute.
+
+    ``mapped_cache``: the target cache mapped from the source (before any recompute);
+    ``source_cache``: the source's cache of (at least) the whole context, left untouched.
+    Selection (budget > 0) needs batch 1.
+    """
+    tokens = context.shape[1]
+    prefix = torch.arange(0, spec.exact_prefix)
+    suffix = torch.arange(tokens - spec.exact_suffix, tokens)
+    selected = torch.empty(0, dtype=torch.long)
+    eligible = torch.ones(tokens, dtype=torch.bool)
+    eligible[prefix], eligible[suffix] = False, False
+    budget_tokens = round(spec.budget * tokens)
+    if budget_tokens > 0 and bool(eligible.any()):
+        if context.shape[0] != 1:
+            raise ConfigError("selective recompute (exact_budget > 0) chooses tokens per sequence: pass one "
+                              "sequence at a time (batch 1)")
+        scores = _scores(spec, context, mapped_cache, source_model, target_model, source_cache)
+        spans = (span_ids(_token_texts(tokenizer, context[0]), max_span=spec.max_span)
+                 if spec.spans == "sentence" and tokenizer is not None
+                 else torch.arange(tokens) // (1 if spec.spans == "token" else 16))
+        selected = select_spans(scores, spans, budget_tokens, eligible=eligible)
+    return torch.unique(torch.cat([prefix, selected, suffix]))
+
+
+def _scores(spec: Recompute, context, mapped_cache, source_model, target_model, source_cache) -> torch.Tensor:
+    tokens = context.shape[1]
+    queries = max(1, min(spec.queries, tokens - 1))
+    if spec.select == "source":
+        return attention_scores(source_model, context, cropped(source_cache, tokens - queries), queries=queries)
+    if spec.select == "target":
+        return attention_scores(target_model, context, cropped(mapped_cache, tokens - queries), queries=queries)
+    if spec.select == "deviation":
+        return deviation_scores(mapped_cache, *first_layer_kv(target_model, context))
+    generator = torch.Generator().manual_seed(int(context[0].sum()) * 1_000_003 + tokens)  # same context, same draw
+    return torch.rand(tokens, generator=generator)
+
+
+def _token_texts(tokenizer, ids: torch.Tensor) -> list[str]:
+    return tokenizer.batch_decode([[int(i)] for i in ids.tolist()])
+
+
+def cropped(cache, tokens: int):
+    """A new DynamicCache holding the first ``tokens`` positions of ``cache`` (``cache`` itself is untouched:
+    extending the copy concatenates into new tensors)."""
+    from transformers import DynamicCache
+
+    if cache.get_seq_length() < tokens:
+        raise ConfigError(f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map; "
+                          "pass the source model's cache of the whole context (or source_cache=None)")
+    out = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], index)
+    return out

@@ -1,0 +1,136 @@
+"""Selective exact recompute (kvhub.recompute) on tiny models: the masked pass against references."""
+
+import pytest
+import torch
+
+from kvhub.capture import run_model
+from kvhub.errors import ConfigError
+from kvhub.fit import FitOptions, fit
+from kvhub.handoff import prepare_cache
+from kvhub.recompute import Recompute, cropped, recompute_positions, recompute_set, select_spans, span_ids
+from tests.tinymodels import control_mapper, exact_family_target, make_model
+from tests.tolerances import rtol
+
+
+def _ids(n, t, seed):
+    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def family():
+    torch.manual_seed(0)
+    source = make_model("qwen2", num_hidden_layers=3)
+    target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
+    mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
+                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+    return source, target, control_mapper(mapper)
+
+
+def _tol(model) -> float:
+    return rtol(torch.float32, terms=model.config.intermediate_size * model.config.num_hidden_layers)
+
+
+def _assert_caches_equal(got, want, tolerance, positions=None):
+    for m, (a, b) in enumerate(zip(got.layers, want.layers)):
+        for name in ("keys", "values"):
+            x, y = getattr(a, name), getattr(b, name)
+            if positions is not None:
+                x, y = x[:, :, positions], y[:, :, positions]
+            scale = float(y.abs().max())
+            assert torch.allclose(x, y, rtol=tolerance, atol=tolerance * scale), f"{name} of layer {m}"
+
+
+def test_spec_names_round_trip_and_bad_specs_are_refused():
+    spec = Recompute(exact_prefix=4, exact_suffix=16, budget=0.1, select="deviation", spans="token")
+    assert spec.name() == "exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=deviation,spans=token"
+    assert Recompute.parse(spec.name()) == spec
+    assert Recompute(exact_prefix=4).name() == "exact_prefix=4" and Recompute().name() == ""
+    for bad in (dict(budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words")):
+        with pytest.raises(ConfigError):
+            Recompute(**bad)
+    for text in ("exact_budget=lots", "depth=3", "select"):
+        with pytest.raises(ConfigError):
+            Recompute.parse(text)
+
+
+def test_spans_end_at_sentences_and_lines_and_are_capped():
+    texts = ["The", " code", " is", " 4", "8", ".", " Then", " more", "\n", "a", "b", "c", "d"]
+    assert span_ids(texts, max_span=3).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+
+
+def test_whole_spans_are_taken_by_their_best_token_within_the_budget():
+    spans = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    scores = torch.tensor([0.1, 0.2, 0.1, 0.3, 9.0, 5.0, 0.0, 0.0, 0.0])
+    eligible = torch.ones(9, dtype=torch.bool)
+    assert select_spans(scores, spans, 2, eligible=eligible).tolist() == [3, 4]
+    # span 2 (4 tokens) does not fit next to span 1 in 5 tokens: span 0 (3 tokens) does
+    assert select_spans(scores, spans, 5, eligible=eligible).tolist() == [0, 1, 2, 3, 4]
+    eligible[4] = False  # the best token is off limits (e.g. in the exact suffix)
+    assert select_spans(scores, spans, 1, eligible=eligible).tolist() == [3]
+    assert select_spans(scores, spans, 0, eligible=eligible).numel() == 0
+
+
+def test_recomputing_every_token_is_the_targets_own_prefill(family):
+    source, target, control = family
+    ids = _ids(1, 24, 3)
+    own = run_model(target, ids[:, :-1])
+    cache = prepare_cache(control, source, target, ids, exact_budget=1.0, select="random")
+    _assert_caches_equal(cache, own, _tol(target))
+
+
+@torch.no_grad()
+def test_masked_pass_equals_recomputing_the_tokens_one_by_one(family):
+    """Reference: each chosen token in order, as a one-token forward over the cache before it (with the
+    earlier chosen tokens already exact).  The masked single pass must give the same K/V everywhere."""
+    source, target, control = family
+    ids = _ids(1, 30, 5)
+    context = ids[:, :-1]
+    positions = torch.tensor([0, 3, 4, 11, 20, 27])
+    mapped = control.transfer(run_model(source, context))
+    reference = control.transfer(run_model(source, context))
+    for t in positions.tolist():
+        step = cropped(reference, t) if t else None
+        from transformers import DynamicCache
+
+        step = step or DynamicCache()
+        target.base_model(input_ids=context[:, t:t + 1], position_ids=torch.tensor([[t]]), cache=step, use_cache=True)
+        for mine, theirs in zip(reference.layers, step.layers):
+            mine.keys[:, :, t], mine.values[:, :, t] = theirs.keys[:, :, t], theirs.values[:, :, t]
+    recompute_positions(target, mapped, context, positions)
+    _assert_caches_equal(mapped, reference, _tol(target))
+    assert mapped.get_seq_length() == context.shape[1]
+
+
+def test_untouched_positions_keep_the_mapped_values(family):
+    source, target, control = family
+    ids = _ids(1, 40, 6)
+    plain = prepare_cache(control, source, target, ids)
+    spec = Recompute(exact_prefix=2, exact_suffix=3, budget=0.2, select="source", spans="token")
+    cache = prepare_cache(control, source, target, ids, recompute=spec)
+    changed = ~torch.isclose(cache.layers[-1].keys, plain.layers[-1].keys).all(-1).all(1)[0]  # (T,)
+    source_cache = run_model(source, ids[:, :-1])
+    expected = recompute_set(spec, context=ids[:, :-1], mapped_cache=control.transfer(source_cache),
+                             source_model=source, target_model=target, source_cache=source_cache)
+    assert torch.nonzero(changed).flatten().tolist() == expected.tolist()
+    assert len(expected) == 2 + 3 + round(0.2 * 39)
+
+
+@pytest.mark.parametrize("select", ["source", "target", "deviation", "random"])
+def test_every_selector_respects_the_budget_and_spares_prefix_and_suffix(family, select):
+    source, target, control = family
+    ids = _ids(1, 60, 8)
+    context = ids[:, :-1]
+    source_cache = run_model(source, context)
+    spec = Recompute(exact_prefix=4, exact_suffix=5, budget=0.25, select=select, spans="token")
+    chosen = recompute_set(spec, context=context, mapped_cache=control.transfer(source_cache), source_model=source,
+                           target_model=target, source_cache=source_cache)
+    middle = [t for t in chosen.tolist() if 4 <= t < 54]
+    assert chosen.tolist()[:4] == [0, 1, 2, 3] and chosen.tolist()[-5:] == list(range(54, 59))
+    assert len(middle) == round(0.25 * 59)
+    assert source_cache.get_seq_length() == 59  # the caller's source cache is left as it was
+
+
+def test_selection_needs_one_sequence(family):
+    source, target, control = family
+    with pytest.raises(ConfigError, match="batch 1"):
+        prepare_cache(control, source, target, _ids(2, 20, 9), exact_budget=0.1)
