@@ -11,9 +11,11 @@ returns a context manager yielding a ``(description, completed, total)`` callbac
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +102,50 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
            f"x {calibration.train.shape[1]} tokens, stride {stride}")
     return PreparedFit(source, target, source_tok, target_tok, source_id, target_id, calibration.train,
                        calibration.heldout, meta, options)
+
+
+def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = None):
+    """The :class:`kvhub.plan.Plan` of a request on ``ranks`` ranks of this machine's device, with the
+    device memory replaced by ``available`` bytes (default: what is free now); None when a config
+    cannot be read without loading the model (the fit then finds out itself)."""
+    from .calib.recipe import recipe_from_spec
+    from .errors import ConfigError
+    from .plan import Workload, device_profile, plan_fit, shape_of
+
+    try:
+        source, target = shape_of(request.src), shape_of(request.dst)
+        sequences = recipe_from_spec(request.calib).with_sequences(
+            samples=request.samples, seq_len=request.seq_len, seed=request.seed).sequences
+    except ConfigError as exc:
+        log.info("no plan before loading the models: %s", exc)
+        return None
+    workload = Workload(samples=sequences.samples, heldout=sequences.heldout_samples, seq_len=sequences.seq_len,
+                        stride=request.stride or sequences.stride, batch_size=request.batch_size,
+                        k=request.k if isinstance(request.k, int) else None, dtype=request.dtype)
+    device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    profile = device_profile("cuda" if device.startswith("cuda") else "cpu")
+    if available is None:
+        available = _free_memory(device)
+    profile = dataclasses.replace(profile, memory=available)
+    return plan_fit(source, target, workload, profile, ranks=ranks)
+
+
+def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = None) -> None:
+    """Refuse, before loading anything, a fit whose plan needs more memory than this machine has free."""
+    from .errors import ConfigError
+
+    plan = plan_for(request, ranks=ranks, available=available)
+    if plan is not None and not plan.fits:
+        raise ConfigError(f"{request.src} -> {request.dst}: {plan.advice} (the memory free now). "
+                          f"`kvhub plan --src {request.src} --dst {request.dst}` shows the memory table; "
+                          "kvhub fit --ignore-plan tries anyway")
+
+
+def _free_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        index = torch.device(device).index
+        return torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None):

@@ -55,9 +55,11 @@ def _auto_or(convert, hint: str):
 @click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
 @click.option("--db", default=None, help="Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir).")
 @click.option("--no-register", is_flag=True, help="Do not register the mapper in the store (needs --out).")
+@click.option("--ignore-plan", is_flag=True,
+              help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
-        batch_size, seed, restart, db, no_register, as_json):
+        batch_size, seed, restart, db, no_register, ignore_plan, as_json):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
@@ -72,12 +74,14 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
         raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
-    from ..fitjob import FitRequest, fit_by_names
+    from ..fitjob import FitRequest, check_plan, fit_by_names
     from .progress import progress_callback
 
     request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
                          lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
                          restart=restart, weighting=weighting, head_local=head_local, rank=rank)
+    if not ignore_plan:
+        check_plan(request)
     mapper = fit_by_names(request, notify=err_console.print, progress=progress_callback)
     reference = None
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:

@@ -38,9 +38,10 @@ def main(verbose: bool) -> None:
 
 def _attach() -> None:
     """Attach each command family; every module defines ``attach(group)``."""
-    from . import calib_cmd, eval_cmd, fit_cmd, hub_cmd, store_cmd
+    from . import calib_cmd, eval_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
 
     main.add_command(fit_cmd.fit)
+    main.add_command(plan_cmd.plan)
     calib_cmd.attach(main)  # calib list, show, fetch, build
     store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db
     hub_cmd.attach(main)  # push, pull, search

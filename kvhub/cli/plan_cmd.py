@@ -1,0 +1,87 @@
+"""``kvhub plan``: the memory, FLOPs, time and mode of a fit, from the two configs (no weights)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .console import console
+
+
+def _k_option(ctx, param, value: str):
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter("use a positive integer or 'auto'") from None
+
+
+@click.command()
+@click.option("--src", required=True, help="Source model: Hub id, known model name, model directory or config.json.")
+@click.option("--dst", required=True, help="Target model, as --src.")
+@click.option("--samples", type=click.IntRange(min=1), default=None, help="Training sequences [recipe default: 64].")
+@click.option("--heldout", type=click.IntRange(min=0), default=None,
+              help="Held-out sequences [default: a 20% share, as calibration recipes do].")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence [recipe default: 512].")
+@click.option("--stride", type=click.IntRange(min=1), default=None, help="Token stride [recipe default: 4].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per forward pass.")
+@click.option("--k", "k", default="auto", show_default=True, callback=_k_option,
+              help="Source layers per target layer, or 'auto' (costed at the largest k of the grid).")
+@click.option("--ranks", type=click.IntRange(min=1), default=None,
+              help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits].")
+@click.option("--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present].")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
+def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, device, dtype, as_json):
+    """Plan a fit of SRC -> DST: memory per rank, artifact size, FLOPs, time, mode and rank count.
+
+    \b
+    kvhub plan --src Qwen/Qwen3-14B --dst Qwen/Qwen3-32B --samples 256 --seq-len 2048 --device h100 --ranks 8
+
+    Reads only the configs.  Times are estimates from nominal device rates; kvhub fit refuses a fit
+    whose plan does not fit the machine, with this command's advice.
+    """
+    from ..plan import device_profile, plan_fit, recommend, shape_of, workload_for
+
+    source, target = shape_of(src), shape_of(dst)
+    workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
+                            k=k, dtype=dtype)
+    profile = device_profile(device or _default_device())
+    result = plan_fit(source, target, workload, profile, ranks=ranks) if ranks else recommend(
+        source, target, workload, profile)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    _print_plan(result)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _print_plan(result) -> None:
+    from rich.table import Table
+
+    from ..plan import GIB
+
+    w = result.workload
+    console.print(f"{result.source.model_id} -> {result.target.model_id} on {result.ranks} x {result.device.name}: "
+                  f"{w.samples} + {w.heldout} sequences x {w.seq_len} tokens, stride {w.stride}, batch {w.batch_size}, "
+                  f"k {result.k}{' (auto: largest)' if w.k is None else ''}, {w.dtype}")
+    table = Table(title="memory per rank")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for part in ("weights", "statistics", "activations", "solve", "peak"):
+        table.add_row(part, f"{result.memory[part] / GIB:,.2f}")
+    table.add_row("device", f"{result.device.memory / GIB:,.2f}")
+    console.print(table)
+    console.print(f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
+                  f"(all ranks), statistics {result.flops['statistics']:.3g} and solve {result.flops['solve']:.3g} "
+                  f"FLOPs per rank; exchange {result.exchange_bytes / GIB:,.2f} GiB received per rank")
+    seconds = result.seconds
+    console.print("estimated time: " + ", ".join(f"{name} {seconds[name]:,.0f} s" for name in seconds))
+    console.print(f"mode [bold]{result.mode}[/] on {result.ranks} rank(s): {result.advice}")

@@ -1,0 +1,374 @@
+"""What a fit costs, from the two configs alone: memory per rank, FLOPs, time, artifact size, mode.
+
+Shapes (``ds``/``dt``: KV width Hkv*D of one source/target layer; ``p = Ls*ds``, ``q = Lt*dt``; a rank
+of R owns ``qr = ceil(Lt/R)*dt`` target columns; ``Nr = B*ceil(T/s)`` rows per batch of B sequences
+of T tokens at stride s; all sizes in bytes):
+
+    weights     (P_src + P_dst) * bytes(dtype)                   both models on every rank
+    statistics  2 splits * 2 (K, V) * 8 * (p + p^2 + p*qr + 2*qr)  exactly what KVStats allocates
+    activations B*T*Lt*2*dt*bytes(dtype)   the target's cache      (the largest model's, in fact)
+              + B*T*(4*h + 3*i)*bytes(dtype)  hidden/MLP transients of one layer
+              + Nr*(p + q)*2*4             the captured fp32 rows of both models, K and V
+              + Nr*(p + q)*(8 + 8 + 4)     one update's fp64 copies, centred fp64 and fp32 rows
+              + p*CHUNK*(4 + 8)            one chunk of the update's product (kvhub.stats)
+    solve       8 * max(ds*p + 3*ds^2 + 2*ds*qr,  kd*p + 3*kd^2 + 3*kd*dt),  kd = k*ds
+                (the probe's one-layer ridge against all owned targets; one layer's k-source ridge)
+    peak        weights + statistics + max(activations, solve)
+
+Parameters P count the embedding, the LM head when untied, q/k/v/o (with biases for Qwen2-style
+attention), the gated MLP and the norms.  Forward FLOPs of one sequence (the capture runs the
+model body, no LM head) are 2*T*(matmul parameters) + 4*L*H*D*T^2 (QK^T and AV over the full T x T
+score matrix, as eager and SDPA-math attention compute it).  The statistics cost 4*Nr*(p^2 + p*qr)
+FLOPs per batch (K and V).  Times divide FLOPs by a :class:`DeviceProfile`'s nominal rates times an
+efficiency; they are estimates, to be checked against ``benchmarks/gpu_scale.py``.
+
+Modes: ``full`` (one rank holds everything), ``sharded`` (R ranks; each holds the source Gram and
+its target layers' cross blocks and solves those layers; see :mod:`kvhub.distributed`), and
+``probe`` (a first pass of per-layer statistics picks source layers, a second accumulates only
+those): recommended when no rank count fits, and not implemented by ``kvhub fit`` yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+from .stats import CHUNK_COLUMNS
+
+GIB = 1024**3
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+FORWARD_EFFICIENCY = 0.4  # share of the nominal bf16 rate a forward pass reaches
+MATMUL_EFFICIENCY = 0.7  # share of the nominal fp32/fp64 rate the statistics and the solve reach
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a decoder config that decide a fit's cost."""
+
+    model_id: str
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, config: dict, *, model_id: str | None = None) -> "ModelShape":
+        config = config.get("text_config") or config
+        try:
+            heads = config["num_attention_heads"]
+            model_type = config.get("model_type", "")
+            return cls(
+                model_id=model_id or config.get("_name_or_path") or model_type,
+                model_type=model_type, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+                heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+                tied=bool(config.get("tie_word_embeddings", False)),
+                qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+                qk_norm=model_type.startswith("qwen3"),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config of {model_id or 'the model'} has no {exc.args[0]!r}; "
+                              "kvhub plan reads decoder configs (transformers config.json)") from None
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def matmul_parameters(self) -> int:
+        """Weights of one decoder layer's matrix products: q/k/v/o and the gated MLP."""
+        q_width = self.heads * self.head_dim
+        return self.hidden * (q_width + 2 * self.kv_width) + q_width * self.hidden + 3 * self.hidden * self.intermediate
+
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer: matmul weights, q/k/v biases (Qwen2), norms (and Qwen3's q/k norms)."""
+        bias = (self.heads * self.head_dim + 2 * self.kv_width) if self.qkv_bias else 0
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return self.matmul_parameters() + bias + norms
+
+    def parameters(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * self.layer_parameters() + self.hidden
+
+    def forward_flops(self, tokens: int) -> int:
+        """Matmul FLOPs of the model body over one sequence of ``tokens`` tokens (module docstring)."""
+        return (2 * tokens * self.layers * self.matmul_parameters()
+                + 4 * self.layers * self.heads * self.head_dim * tokens * tokens)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Nominal capacity and rates of one rank's device (FLOP/s and bytes/s)."""
+
+    name: str
+    memory: int
+    bf16: float
+    fp32: float
+    fp64: float
+    link: float  # bytes/s one rank exchanges with the others (NVLink, or gloo over loopback)
+
+
+def _cpu_profile() -> DeviceProfile:
+    cores = os.cpu_count() or 1
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # rates per core calibrated on the 2-core machine of docs/benchmarks.md "Fit cost" (0.5B -> 1.5B, bf16)
+    return DeviceProfile(f"cpu ({cores} cores)", memory, bf16=cores * 285e9, fp32=cores * 40e9, fp64=cores * 75e9,
+                         link=2e9)
+
+
+DEVICES = {  # memory: what torch.cuda reports as total_memory for the card
+    "h100": DeviceProfile("NVIDIA H100 80GB SXM", 85_045_608_448, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9),
+    "h200": DeviceProfile("NVIDIA H200 141GB SXM", 150_011_871_232, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9),
+    "a100": DeviceProfile("NVIDIA A100 80GB SXM", 85_100_000_000, bf16=312e12, fp32=19.5e12, fp64=19.5e12, link=300e9),
+}
+
+
+def device_profile(name: str) -> DeviceProfile:
+    """``cpu`` (this machine), ``h100``, ``h200``, ``a100``, or ``cuda`` (the local GPU, matched by name)."""
+    key = name.lower()
+    if key == "cpu":
+        return _cpu_profile()
+    if key.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device here; name one of " + ", ".join(["cpu", *DEVICES]))
+        props = torch.cuda.get_device_properties(0)
+        base = next((d for k, d in DEVICES.items() if k in props.name.lower()), DEVICES["h100"])
+        return DeviceProfile(props.name, props.total_memory, base.bf16, base.fp32, base.fp64, base.link)
+    if key not in DEVICES:
+        raise ConfigError(f"unknown device {name!r}; use one of cpu, cuda, " + ", ".join(DEVICES))
+    return DEVICES[key]
+
+
+# ---- configs -------------------------------------------------------------------------------------
+def shipped_configs() -> dict[str, dict]:
+    """The configs kvhub ships (``registry/configs/*.json``), by lower-cased Hub id and file stem."""
+    from importlib import resources
+
+    out = {}
+    for entry in resources.files("registry").joinpath("configs").iterdir():
+        if entry.name.endswith(".json"):
+            config = json.loads(entry.read_text())
+            out[entry.name[: -len(".json")].lower()] = config
+            out[config.get("_name_or_path", "").lower()] = config
+    return out
+
+
+def load_config(spec: str) -> tuple[dict, str]:
+    """(config dict, model id) of a spec, reading no weights.
+
+    Tries, in order: a config.json file or a model directory; a fetched known model (kvhub.models);
+    a config kvhub ships; the Hugging Face cache (offline).
+    """
+    from .models import find_known, resolve_model_path
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        return json.loads(path.read_text()), str(spec)
+    resolved = resolve_model_path(spec)
+    known = find_known(spec)
+    if isinstance(resolved, Path) and (resolved / "config.json").is_file():
+        return json.loads((resolved / "config.json").read_text()), known.hf_id if known else str(spec)
+    shipped = shipped_configs().get(str(spec).lower())
+    if shipped is not None:
+        return shipped, shipped.get("_name_or_path") or str(spec)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(spec), "config.json")
+    except Exception:  # not a repo id huggingface_hub accepts
+        cached = None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text()), str(spec)
+    shipped_ids = sorted({c["_name_or_path"] for c in shipped_configs().values() if c.get("_name_or_path")})
+    raise ConfigError(f"no config for {spec!r}: pass a config.json path or model directory, a model kvhub ships a "
+                      f"config for ({', '.join(shipped_ids)}), "
+                      "or a Hub id whose config is in the Hugging Face cache")
+
+
+def shape_of(spec: str) -> ModelShape:
+    """The :class:`ModelShape` of a model spec (see :func:`load_config`)."""
+    config, model_id = load_config(spec)
+    return ModelShape.from_config(config, model_id=model_id)
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """Calibration sizes of a fit (defaults: kvhub.calib.recipe.Sequences)."""
+
+    samples: int = 64
+    heldout: int = 16
+    seq_len: int = 512
+    stride: int = 4
+    batch_size: int = 4
+    k: int | None = None  # None: 'auto' (costs are for the largest k of the grid)
+    dtype: str = "bfloat16"
+
+    @property
+    def rows(self) -> int:
+        """Statistics rows of the whole calibration set (train + held-out)."""
+        return (self.samples + self.heldout) * math.ceil(self.seq_len / self.stride)
+
+
+@dataclass
+class Plan:
+    source: ModelShape
+    target: ModelShape
+    workload: Workload
+    device: DeviceProfile
+    ranks: int
+    mode: str
+    k: int
+    memory: dict[str, int]  # per rank: weights, statistics, activations, solve, peak
+    artifact_bytes: int
+    flops: dict[str, float]  # whole job: forward, statistics (per rank), solve (per rank)
+    exchange_bytes: int  # received by one rank over the fit
+    seconds: dict[str, float]
+    fits: bool
+    advice: str
+    alternatives: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["source"], out["target"] = self.source.model_id, self.target.model_id
+        out["device"] = {"name": self.device.name, "memory": self.device.memory}
+        return out
+
+
+def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_len: int | None = None,
+                 stride: int | None = None, batch_size: int = 4, k: int | None = None,
+                 dtype: str = "bfloat16") -> Workload:
+    """A Workload; what is left None takes the calibration recipes' defaults (kvhub.calib.recipe)."""
+    from .calib.recipe import Sequences, heldout_count
+
+    defaults = Sequences()
+    samples = samples or defaults.samples
+    return Workload(samples=samples,
+                    heldout=heldout if heldout is not None else heldout_count(samples, defaults.heldout_fraction),
+                    seq_len=seq_len or defaults.seq_len, stride=stride or defaults.stride, batch_size=batch_size,
+                    k=k, dtype=dtype)
+
+
+def statistics_bytes(p: int, q_owned: int) -> int:
+    """Bytes KVStats allocates for train + held-out: 2 splits * 2 (K, V) * fp64 (p + p^2 + p*q + 2q)."""
+    return 2 * 2 * 8 * (p + p * p + p * q_owned + 2 * q_owned)
+
+
+def _k_for(source: ModelShape, workload: Workload) -> int:
+    from .solve import K_GRID
+
+    if workload.k is not None:
+        return workload.k
+    train_rows = workload.samples * math.ceil(workload.seq_len / workload.stride)
+    feasible = [k for k in K_GRID if k <= source.layers and k * source.kv_width < train_rows]
+    return max(feasible, default=1)
+
+
+def _solve_costs(source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool) -> tuple[int, float]:
+    """(transient bytes, FLOPs) of one rank's solve, K and V: the probe (one ridge per source layer against
+    the owned targets, scored per pair) plus each owned layer's coordinate search (kvhub.solve._solve_layer:
+    every lambda at k=4, every k once, every lambda again at the best k, costed as k = ``k``).
+    One ridge of kd = k*ds inputs and dt outputs: kd^3/3 (Cholesky) + 2 kd^2 dt (solve) + 2 kd^2 dt (scoring)."""
+    from .solve import DEFAULT_K, K_GRID, LAMBDA_GRID
+
+    ds, dt, p = source.kv_width, target.kv_width, source.layers * source.kv_width
+    q_owned, kd = owned_layers * dt, k * ds
+    memory = 8 * max(ds * p + 3 * ds * ds + 2 * ds * q_owned, kd * p + 3 * kd * kd + 3 * kd * dt)
+    ridge = lambda inputs: inputs**3 / 3 + 4 * inputs * inputs * dt  # noqa: E731
+    probe = source.layers * (ds**3 / 3 + 4 * ds * ds * q_owned)
+    if auto:
+        grid = [c for c in K_GRID if c <= k]
+        per_layer = (len(LAMBDA_GRID) * ridge(min(DEFAULT_K, k) * ds) + sum(ridge(c * ds) for c in grid)
+                     + len(LAMBDA_GRID) * ridge(kd))
+    else:
+        per_layer = ridge(kd)
+    return memory, 2 * (probe + owned_layers * per_layer)
+
+
+def plan_fit(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, *,
+             ranks: int = 1) -> Plan:
+    """The plan of a fit on ``ranks`` ranks of ``device`` (see the module docstring for every formula)."""
+    plan = _estimate(source, target, workload, device, ranks)
+    plan.advice = _advice(plan)
+    return plan
+
+
+def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile,
+              ranks: int) -> Plan:
+    if ranks < 1:
+        raise ConfigError(f"ranks must be >= 1, got {ranks}")
+    if workload.dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {workload.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    nbytes = DTYPE_BYTES[workload.dtype]
+    ds, dt = source.kv_width, target.kv_width
+    p, q = source.layers * ds, target.layers * dt
+    owned = math.ceil(target.layers / ranks)
+    k = _k_for(source, workload)
+    rows_batch = workload.batch_size * math.ceil(workload.seq_len / workload.stride)
+    big = max((source, target), key=lambda m: m.layers * m.kv_width)
+    activations = (workload.batch_size * workload.seq_len * big.layers * 2 * big.kv_width * nbytes
+                   + workload.batch_size * workload.seq_len * (4 * big.hidden + 3 * big.intermediate) * nbytes
+                   + rows_batch * (p + q) * 2 * 4 + rows_batch * (p + q) * 20 + p * CHUNK_COLUMNS * 12)
+    solve_memory, solve_flops = _solve_costs(source, target, k, owned, workload.k is None)
+    memory = {"weights": (source.parameters() + target.parameters()) * nbytes,
+              "statistics": statistics_bytes(p, owned * dt), "activations": activations, "solve": solve_memory}
+    memory["peak"] = memory["weights"] + memory["statistics"] + max(activations, solve_memory)
+    sequences = workload.samples + workload.heldout
+    forward = sequences * (source.forward_flops(workload.seq_len) + target.forward_flops(workload.seq_len))
+    stats_flops = 4 * workload.rows * (p * p + p * owned * dt)
+    exchange = workload.rows * (ranks - 1) // ranks * (p + q) * 2 * 4
+    seconds = {"capture": forward / ranks / (device.bf16 * FORWARD_EFFICIENCY),
+               "statistics": stats_flops / (device.fp32 * MATMUL_EFFICIENCY),
+               "exchange": exchange / device.link,
+               "solve": solve_flops / (device.fp64 * MATMUL_EFFICIENCY)}
+    seconds["total"] = sum(seconds.values())
+    artifact = target.layers * 2 * (k * ds * dt + dt) * 4 + 2 * q * 4
+    fits = memory["peak"] <= device.memory
+    return Plan(source, target, workload, device, ranks, "full" if ranks == 1 else "sharded", k, memory, artifact,
+                {"forward": forward, "statistics": stats_flops, "solve": solve_flops}, exchange, seconds, fits, "")
+
+
+def _advice(plan: Plan) -> str:
+    gib = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+    if plan.fits:
+        return f"fits: peak {gib(plan.memory['peak'])} per rank of {gib(plan.device.memory)}"
+    fitting = [r for r in RANK_CHOICES if r > plan.ranks and r <= plan.target.layers
+               and _estimate(plan.source, plan.target, plan.workload, plan.device, r).fits]
+    text = (f"does not fit: peak {gib(plan.memory['peak'])} per rank (weights {gib(plan.memory['weights'])}, "
+            f"statistics {gib(plan.memory['statistics'])}) on {gib(plan.device.memory)}")
+    if fitting:
+        return text + (f"; run the sharded fit on {fitting[0]} ranks: torchrun --nproc-per-node {fitting[0]} "
+                       "-m kvhub fit ... (or kvhub fit --distributed)")
+    floor = plan.memory["weights"] + statistics_bytes(plan.source.layers * plan.source.kv_width, 0)
+    return text + (f"; no rank count fits: the source Gram and both models alone take {gib(floor)} per rank. "
+                   "This pair needs the two-pass probe mode (per-layer statistics first, then only the chosen "
+                   "source layers), which kvhub fit does not implement yet; meanwhile lower --samples/--seq-len "
+                   "only shrinks activations, not statistics")
+
+
+def recommend(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, *,
+              max_ranks: int = 8) -> Plan:
+    """The plan with the fewest ranks (up to ``max_ranks``) that fits, else the ``max_ranks`` plan (advice says why)."""
+    plan = None
+    for ranks in [r for r in RANK_CHOICES if r <= max_ranks] or [1]:
+        plan = plan_fit(source, target, workload, device, ranks=ranks)
+        if plan.fits:
+            return plan
+    plan.mode = "probe"
+    return plan

@@ -1,0 +1,115 @@
+"""kvhub plan: known answers for its formulas (bytes KVStats allocates, parameters of a built model,
+FLOPs counted by torch), its advice, the CLI, and kvhub fit refusing what the machine cannot hold."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.flop_counter import FlopCounterMode
+
+from kvhub.cli.main import main
+from kvhub.errors import ConfigError
+from kvhub.fit import layout_for
+from kvhub.fitjob import FitRequest, check_plan, plan_for
+from kvhub.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of, statistics_bytes
+from kvhub.stats import KVStats, Layout
+from tests.tinymodels import make_model
+
+
+def _allocated(stats: KVStats) -> int:
+    return sum(t.nbytes for m in (stats.k, stats.v) for t in (m.mean_x, m.mean_y, m.cxx, m.cxy, m.syy))
+
+
+@pytest.mark.parametrize("owned", [3, 1])
+def test_statistics_bytes_equal_what_kvstats_allocates(owned):
+    layout = Layout(src_layers=2, src_width=24, dst_layers=owned, dst_width=40)
+    train, heldout = KVStats(layout), KVStats(layout)
+    assert statistics_bytes(2 * 24, owned * 40) == _allocated(train) + _allocated(heldout)
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {"head_dim": 16}),
+    ("llama", {"num_key_value_heads": 1}),
+])
+def test_parameters_equal_a_built_models(model_type, overrides):
+    model = make_model(model_type, **overrides)
+    shape = ModelShape.from_config(model.config.to_dict())
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_forward_flops_equal_torchs_count(model_type):
+    model = make_model(model_type, head_dim=16) if model_type == "qwen3" else make_model(model_type)
+    tokens = 40
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.base_model(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+    shape = ModelShape.from_config(model.config.to_dict())
+    assert counter.get_total_flops() == shape.forward_flops(tokens)
+
+
+def test_shipped_configs_give_the_real_shapes():
+    small, large = shape_of("Qwen/Qwen3-14B"), shape_of("qwen3-32b")
+    assert (small.layers, small.kv_width, large.layers, large.kv_width) == (40, 1024, 64, 1024)
+    assert round(small.parameters() / 1e9, 1) == 14.8 and round(large.parameters() / 1e9, 1) == 32.8
+    plan = plan_fit(small, large, Workload(), DeviceProfile("x", 10**15, 1e15, 1e14, 1e14, 1e11))
+    # the issue's arithmetic: (40,960^2 + 40,960 x 65,536) fp64, K and V, train and held-out: ~140 GB
+    assert 139e9 < plan.memory["statistics"] < 141e9
+
+
+def _tiny_pair():
+    return (ModelShape("s", "qwen2", 2, 64, 4, 2, 16, 128, 128, False, True, False),
+            ModelShape("t", "qwen2", 4, 64, 4, 2, 32, 128, 128, False, True, False))
+
+
+def test_advice_names_the_rank_count_that_fits():
+    source, target = _tiny_pair()
+    workload = Workload(samples=8, heldout=2, seq_len=32, stride=1, batch_size=1, k=1, dtype="float32")
+    one, two = (plan_fit(source, target, workload, DeviceProfile("x", 10**12, 1e9, 1e9, 1e9, 1e9), ranks=r)
+                for r in (1, 2))
+    assert two.memory["statistics"] < one.memory["statistics"] and two.memory["weights"] == one.memory["weights"]
+    device = DeviceProfile("small", (one.memory["peak"] + two.memory["peak"]) // 2, 1e9, 1e9, 1e9, 1e9)
+    chosen = recommend(source, target, workload, device)
+    assert (chosen.ranks, chosen.mode, chosen.fits) == (2, "sharded", True)
+    refused = plan_fit(source, target, workload, device, ranks=1)
+    assert not refused.fits and "on 2 ranks" in refused.advice and "torchrun --nproc-per-node 2" in refused.advice
+    nothing = recommend(source, target, workload, DeviceProfile("tiny", 1000, 1e9, 1e9, 1e9, 1e9))
+    assert nothing.mode == "probe" and "no rank count fits" in nothing.advice
+
+
+def test_load_config_reads_paths_and_refuses_unknown_ids(tmp_path):
+    model = make_model("qwen2")
+    model.config.save_pretrained(tmp_path / "m")
+    assert load_config(str(tmp_path / "m"))[0]["num_hidden_layers"] == 3
+    assert load_config(str(tmp_path / "m" / "config.json"))[0]["hidden_size"] == 64
+    with pytest.raises(ConfigError, match="Qwen/Qwen3-14B"):
+        load_config("nobody/no-such-model")
+
+
+def test_plan_cli_json_and_table(tmp_path):
+    make_model("qwen2").config.save_pretrained(tmp_path / "src")
+    runner = CliRunner()
+    args = ["plan", "--src", str(tmp_path / "src"), "--dst", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "--device", "cpu"]
+    result = runner.invoke(main, args + ["--samples", "8", "--ranks", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["ranks"] == 2 and data["workload"]["heldout"] == 2  # the recipes' 20% share
+    assert data["memory"]["peak"] == sum(data["memory"][k] for k in ("weights", "statistics")) + max(
+        data["memory"]["activations"], data["memory"]["solve"])
+    table = runner.invoke(main, args)
+    assert table.exit_code == 0 and "memory per rank" in table.output and "mode full" in table.output
+    bad = runner.invoke(main, ["plan", "--src", "nobody/none", "--dst", "Qwen/Qwen3-32B"])
+    assert bad.exit_code == 2 and "no config for 'nobody/none'" in bad.output
+
+
+def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
+    model = make_model("qwen2")
+    for name in ("src", "dst"):
+        model.config.save_pretrained(tmp_path / name)  # configs only: a refusal must not load weights
+    request = FitRequest(src=str(tmp_path / "src"), dst=str(tmp_path / "dst"), calib=str(text_corpus), samples=4,
+                         seq_len=16, dtype="float32", device="cpu")
+    plan = plan_for(request, available=10**12)
+    assert plan.fits and plan.workload.samples == 4 and plan.workload.seq_len == 16
+    with pytest.raises(ConfigError, match="does not fit.*kvhub plan --src"):
+        check_plan(request, available=plan.memory["peak"] - 1)
+    check_plan(request, available=plan.memory["peak"])
