@@ -3,11 +3,13 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from kvhub.cli.main import main
 from tests.fixtures_calib import train_tokenizer
 from tests.tinymodels import exact_family_target, make_model
+from tests.tolerances import rtol
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def test_fit_registers_exports_and_reports(model_dirs, env):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["reference"].endswith("@v1")
-    assert summary["metrics"]["heldout_r2_k_mean"] > 0.999
+    # an exact family: R^2 is 1 up to fp32 moment products over at most the 12 x 24 calibration tokens
+    assert abs(1 - summary["metrics"]["heldout_r2_k_mean"]) < rtol(torch.float32, terms=12 * 24)
     assert (out / "mapper.safetensors").is_file() and (out / "mapper.json").is_file()
     listed = json.loads(runner.invoke(main, ["list", "--db", env["db"], "--json"]).stdout)
     assert len(listed) == 1
@@ -153,7 +156,9 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkey
     more = runner.invoke(main, args + ["--exact-suffix", "0", "--exact-suffix", "1"])
     assert more.exit_code == 0, more.output
     assert "hellaswag@exact_prefix=2,exact_suffix=1" in json.loads(more.stdout)["results"]
-    assert calls[4:] == [(str(i), ((0, 1), (2, 1))) for i in range(4)]  # only the new variants were scored
+    new = [[(v.exact_prefix, v.exact_suffix) for v in variants] for _, variants in calls[4:]]
+    assert [item for item, _ in calls[4:]] == [str(i) for i in range(4)]
+    assert new == [[(0, 1), (2, 1)]] * 4  # only the new variants were scored
     shown = json.loads(runner.invoke(main, ["show", ref, "--db", env["db"], "--json"]).stdout)
     names = {(m["task"], m["name"]) for m in shown["metrics"]}
     assert ("hellaswag", "retention") in names and ("hellaswag@exact_prefix=2", "acc_mapped") in names

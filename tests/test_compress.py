@@ -5,13 +5,17 @@ import json
 import pytest
 import torch
 
-from kvhub.capture import run_model
+from kvhub.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
 from kvhub.fit import FitOptions, fit
 from kvhub.mapper import Mapper
 from kvhub.solve import Structure, fit_map, group_rows, head_groups, map_r2, ridge, r2_score, solve
 from kvhub.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
+from tests.tolerances import assert_close, cache_condition, condition_number, rtol
+
+TRAIN_TOKENS, HELDOUT_TOKENS = 24 * 32, 6 * 32  # of _fit
+R2_TOL = rtol(torch.float32, terms=HELDOUT_TOKENS)  # R^2 from fp32 moment products over the held-out tokens
 
 
 def _moments(x, y):
@@ -38,9 +42,10 @@ def test_head_local_recovers_a_block_diagonal_map_and_misses_a_dense_one():
     local = Structure(groups=2)
     exact = _moments(x, x @ block + 0.5)
     linear = fit_map(exact, cols, ycols, 1e-12, local, 1, 8)
-    assert map_r2(exact, cols, ycols, linear, 1, 8) > 1 - 1e-5  # moments are multiplied in fp32
-    assert torch.allclose(linear.dense(1, 8), block, atol=1e-4)
-    assert torch.allclose(linear.bias, torch.full((6,), 0.5, dtype=torch.float64), atol=1e-4)
+    # fp64 data, but the moments are multiplied in fp32 (kvhub/stats.py) over 4000 rows
+    assert 1 - map_r2(exact, cols, ycols, linear, 1, 8) < rtol(torch.float32, terms=4000)
+    assert_close(linear.dense(1, 8), block, terms=4000, condition=condition_number(x))
+    assert_close(linear.bias, torch.full((6,), 0.5, dtype=torch.float64), terms=4000, condition=condition_number(x))
     assert linear.num_parameters() == 2 * 4 * 3 + 6
     mixed = _moments(x, x @ dense)
     assert map_r2(mixed, cols, ycols, fit_map(mixed, cols, ycols, 1e-12, local, 1, 8), 1, 8) < 0.9
@@ -58,17 +63,23 @@ def test_reduced_rank_ridge_meets_its_closed_form_loss():
     weight, bias = ridge(stats, cols, ycols, 0.0)
     sse_ols = (1 - r2_score(stats, cols, ycols, weight, bias)) * float(stats.syy.sum())
     eig = torch.linalg.eigvalsh(weight.T @ stats.cxx @ weight)  # ascending
+    # The identity needs W^T Cxy = W^T Cxx W, which holds only up to the rounding of the fp32 moment products
+    # (Cxx is not even exactly symmetric): float32 precision of R^2, however exact the fp64 solve.
+    moment_tol = rtol(torch.float32)
     for rank in (1, 2, 3):
         linear = fit_map(stats, cols, ycols, 0.0, Structure(rank=rank), 1, 10)
         expected = 1 - (sse_ols + float(eig[: 7 - rank].sum())) / float(stats.syy.sum())
-        assert map_r2(stats, cols, ycols, linear, 1, 10) == pytest.approx(expected, abs=1e-7)
+        assert map_r2(stats, cols, ycols, linear, 1, 10) == pytest.approx(expected, abs=moment_tol)
         assert linear.rank == rank and linear.num_parameters() == 10 * rank + rank * 7 + 7
         u, s, vh = torch.linalg.svd(weight, full_matrices=False)
         truncated = u[:, :rank] @ torch.diag(s[:rank]) @ vh[:rank]
         naive = r2_score(stats, cols, ycols, truncated, stats.mean_y - stats.mean_x @ truncated)
-        assert map_r2(stats, cols, ycols, linear, 1, 10) >= naive - 1e-12
+        assert map_r2(stats, cols, ycols, linear, 1, 10) >= naive - moment_tol
+    # At the planted rank the fit loses to OLS only the noise OLS fitted in the 7 - 3 discarded output
+    # directions: about sigma^2 * 10 inputs * 4 directions (x3 for the chi-square tail) of sum(syy).
     full_rank = fit_map(stats, cols, ycols, 0.0, Structure(rank=3), 1, 10)
-    assert map_r2(stats, cols, ycols, full_rank, 1, 10) == pytest.approx(1 - sse_ols / float(stats.syy.sum()), abs=0.01)
+    noise_share = 3 * 0.3**2 * 10 * 4 / float(stats.syy.sum())
+    assert 0 <= (1 - sse_ols / float(stats.syy.sum())) - map_r2(stats, cols, ycols, full_rank, 1, 10) < noise_share
 
 
 def test_solve_rejects_groups_that_do_not_divide_the_widths():
@@ -99,7 +110,7 @@ def _fit(source, target, **options):
 
 
 def _greedy(model, ids, cache=None):
-    kwargs = {"cache": cache} if cache is not None else {}
+    kwargs = cache_kwargs(model, cache) if cache is not None else {}
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, **kwargs)
 
 
@@ -112,7 +123,7 @@ def test_compressed_maps_stay_exact_on_an_exact_family_and_round_trip(family, op
     mapper = _fit(source, target, **options)
     assert mapper.num_parameters() < dense.num_parameters()
     for layer in mapper.layers:
-        assert layer["r2_k"] > 0.9999 and layer["r2_v"] > 0.9999
+        assert abs(1 - layer["r2_k"]) < R2_TOL and abs(1 - layer["r2_v"]) < R2_TOL
     path = mapper.save(tmp_path / "m")
     metadata = json.loads((path / "mapper.json").read_text())
     assert metadata["format_version"] == 2 and metadata["structure"]["rank"] == options.get("rank")
@@ -120,8 +131,10 @@ def test_compressed_maps_stay_exact_on_an_exact_family_and_round_trip(family, op
     ids = _ids(1, 20, 5)
     cache = loaded.transfer(run_model(source, ids[:, :-1]))
     own = run_model(target, ids[:, :-1])
+    condition = cache_condition(source, _ids(24, 32, 0))  # the map is solved from fp32 moments of these tokens
     for got, want in zip(cache.layers, own.layers):
-        assert torch.allclose(got.keys, want.keys, atol=1e-3) and torch.allclose(got.values, want.values, atol=1e-3)
+        assert_close(got.keys, want.keys, terms=TRAIN_TOKENS, condition=condition)
+        assert_close(got.values, want.values, terms=TRAIN_TOKENS, condition=condition)
     assert torch.equal(_greedy(target, ids, cache), _greedy(target, ids))
 
 

@@ -7,6 +7,7 @@ from kvhub.capture import run_model
 from kvhub.errors import UnsupportedModelError
 from kvhub.rope import Rotary, apply_rope, check_supported, strip_rope
 from tests.tinymodels import ROPE_VARIANTS, make_config, variant_model
+from tests.tolerances import assert_close
 
 
 @pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
@@ -16,12 +17,12 @@ def test_strip_apply_round_trip_fp32_exact(variant):
     cfg = model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    keys = torch.randn(2, heads, 300, dim)
+    keys = torch.randn(2, heads, 300, dim, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(300).expand(2, 300)
     cos, sin = rotary.cos_sin(positions)
     assert cos.dtype == torch.float32
     back = strip_rope(apply_rope(keys, cos, sin), cos, sin)
-    torch.testing.assert_close(back, keys, atol=2e-5, rtol=1e-5)
+    assert_close(back, keys, terms=4)  # apply then strip: two 2-term rotations (and a yarn scale) in fp32
 
 
 @pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
@@ -34,7 +35,7 @@ def test_stripped_cache_equals_raw_projection(variant):
     proj = getattr(attn, "k_proj", None) or attn.query_key_value  # gpt_neox: fused, per head [q | k | v]
     norm = getattr(attn, "k_norm", None)
     proj.register_forward_hook(lambda mod, inp, out: captured.setdefault("k", out))
-    ids = torch.randint(0, 128, (1, 40))
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     cache = run_model(model, ids)
     heads, dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
     out = captured["k"]
@@ -43,7 +44,8 @@ def test_stripped_cache_equals_raw_projection(variant):
     raw = out.reshape(1, 40, heads, dim)
     raw = (norm(raw) if norm is not None else raw).transpose(1, 2)
     cos, sin = Rotary.from_model(model).cos_sin(torch.arange(40)[None])
-    torch.testing.assert_close(strip_rope(cache.layers[0].keys.float(), cos, sin), raw.float(), atol=1e-5, rtol=1e-4)
+    # the model's own rotation against kvhub's, each two terms in fp32 (the cos/sin tables may round differently)
+    assert_close(strip_rope(cache.layers[0].keys.float(), cos, sin), raw.float(), terms=4)
 
 
 def test_yarn_cos_sin_carry_attention_scaling():
@@ -56,7 +58,7 @@ def test_yarn_cos_sin_carry_attention_scaling():
 def test_partial_rotary_leaves_tail_untouched():
     rotary = Rotary.from_model(variant_model("gpt_neox-partial"))
     cos, sin = rotary.cos_sin(torch.arange(5)[None])
-    keys = torch.randn(1, 4, 5, 16)
+    keys = torch.randn(1, 4, 5, 16, generator=torch.Generator().manual_seed(1))
     assert cos.shape[-1] == 4
     torch.testing.assert_close(apply_rope(keys, cos, sin)[..., 4:], keys[..., 4:])
 

@@ -6,6 +6,7 @@ import torch
 from kvhub.errors import FitError
 from kvhub.solve import probe_r2, r2_score, ridge, solve
 from kvhub.stats import KVStats, Layout, Moments
+from tests.tolerances import assert_close, condition_number, rtol
 
 
 def _planted(n, layout, sources_of, *, noise=0.0, seed=0):
@@ -34,10 +35,10 @@ def test_merged_shards_equal_whole():
     b.update(x[300:], y[300:])
     merged = a + b
     assert merged.n == whole.n == 500
-    for name in ("mean_x", "mean_y", "cxx", "cxy", "syy"):
-        torch.testing.assert_close(getattr(merged, name), getattr(whole, name), rtol=1e-5, atol=1e-6)
+    for name in ("mean_x", "mean_y", "cxx", "cxy", "syy"):  # products of up to 300 rows in fp32
+        assert_close(getattr(merged, name), getattr(whole, name), terms=500, msg=name)
     xc = x.double() - x.double().mean(0)
-    torch.testing.assert_close(whole.cxx, xc.T @ xc, rtol=1e-5, atol=1e-6)
+    assert_close(whole.cxx, xc.T @ xc, terms=500)
 
 
 def test_large_offset_stays_accurate():
@@ -48,7 +49,8 @@ def test_large_offset_stays_accurate():
     for i in range(0, 4000, 100):
         m.update(x[i : i + 100], x[i : i + 100, :1])
     exact = torch.cov(x.double().T) * 3999
-    torch.testing.assert_close(m.cxx, exact, rtol=1e-3, atol=1e-2)
+    # fp32 products of 100 centred rows per batch; uncentred fp32 sums of x^2 ~ 1e8 would be off by ~1e4
+    assert_close(m.cxx, exact, terms=100)
 
 
 def test_ridge_recovers_noiseless_affine_map_with_r2_one():
@@ -59,9 +61,12 @@ def test_ridge_recovers_noiseless_affine_map_with_r2_one():
     m.update(x, x @ w + b)
     cols = torch.arange(5)
     weight, bias = ridge(m, cols, slice(None), 1e-10)
-    torch.testing.assert_close(weight.float(), w, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(bias.float(), b, atol=1e-4, rtol=1e-4)
-    assert r2_score(m, cols, slice(None), weight, bias) > 1 - 1e-8
+    # The targets are computed in fp32 and the moments multiplied in fp32 over 400 rows: "noiseless" means
+    # up to float32 rounding, which the solve amplifies by the Gram matrix's condition number.
+    condition = condition_number(x)
+    assert_close(weight, w.double(), terms=400, condition=condition)
+    assert_close(bias, b.double(), terms=400, condition=condition)
+    assert 1 - r2_score(m, cols, slice(None), weight, bias) < rtol(torch.float32, terms=400)
 
 
 def test_heldout_r2_from_statistics_matches_direct_computation():
@@ -75,20 +80,25 @@ def test_heldout_r2_from_statistics_matches_direct_computation():
     pred = x[200:].double() @ weight + bias
     resid = ((y[200:].double() - pred) ** 2).sum()
     total = ((y[200:].double() - y[200:].double().mean(0)) ** 2).sum()
-    assert r2_score(held, torch.arange(4), slice(None), weight, bias) == pytest.approx(float(1 - resid / total), abs=1e-6)
+    # the statistics' fp32 products over 100 rows against an fp64 computation on the same rows
+    assert r2_score(held, torch.arange(4), slice(None), weight, bias) == pytest.approx(
+        float(1 - resid / total), abs=rtol(torch.float32, terms=100))
 
 
 def test_planted_map_recovered_with_right_source_layers():
     layout = Layout(src_layers=5, src_width=4, dst_layers=3, dst_width=6)
     sources_of = {0: [1], 1: [0, 3], 2: [2, 4]}
     train, held = KVStats(layout), KVStats(layout)
+    noise = 1e-3
     for split, n, seed in ((train, 3000, 0), (held, 800, 1)):
-        xs, ys, _ = _planted(n, layout, sources_of, noise=1e-3, seed=seed)
+        xs, ys, _ = _planted(n, layout, sources_of, noise=noise, seed=seed)
         split.update(xs, xs, ys, ys)
     solution = solve(train, held, k="auto", lambda_="auto")
     for layer in solution.layers:
         assert set(sources_of[layer.target]) <= set(layer.sources)
-        assert layer.r2_k > 0.9999 and layer.r2_v > 0.9999
+        # unexplained: the planted noise's share of the variance, plus fp32 rounding of the moments
+        unexplained = noise**2 / float(ys[layer.target].var(0).min()) + rtol(torch.float32, terms=3000)
+        assert layer.r2_k > 1 - unexplained and layer.r2_v > 1 - unexplained
     probe_k, _ = probe_r2(train, held)
     assert int(probe_k[:, 0].argmax()) == 1
 
@@ -96,8 +106,9 @@ def test_planted_map_recovered_with_right_source_layers():
 def test_fixed_k_with_too_few_observations_is_refused():
     layout = Layout(src_layers=4, src_width=8, dst_layers=1, dst_width=2)
     stats = KVStats(layout)
-    xs = [torch.randn(20, 8) for _ in range(4)]
-    stats.update(xs, xs, [torch.randn(20, 2)], [torch.randn(20, 2)])
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(20, 8, generator=gen) for _ in range(4)]
+    stats.update(xs, xs, [torch.randn(20, 2, generator=gen)], [torch.randn(20, 2, generator=gen)])
     with pytest.raises(FitError, match="training observations"):
         solve(stats, None, k=3, lambda_=0.01)
     with pytest.raises(FitError, match="more observations than features"):
@@ -106,17 +117,20 @@ def test_fixed_k_with_too_few_observations_is_refused():
 
 def _tiny_state(layout):
     stats = KVStats(layout)
-    xs = [torch.randn(5, 8) for _ in range(4)]
-    stats.update(xs, xs, [torch.randn(5, 2)], [torch.randn(5, 2)])
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(5, 8, generator=gen) for _ in range(4)]
+    stats.update(xs, xs, [torch.randn(5, 2, generator=gen)], [torch.randn(5, 2, generator=gen)])
     return stats.state_dict()
 
 
 def test_stats_state_dict_round_trip():
     layout = Layout(2, 3, 2, 2)
     stats = KVStats(layout)
-    xs = [torch.randn(10, 3) for _ in range(2)]
-    ys = [torch.randn(10, 2) for _ in range(2)]
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(10, 3, generator=gen) for _ in range(2)]
+    ys = [torch.randn(10, 2, generator=gen) for _ in range(2)]
     stats.update(xs, xs, ys, ys)
     back = KVStats.from_state_dict(stats.state_dict())
     assert back.layout == layout and back.n == 10
-    torch.testing.assert_close(back.k.cxy, stats.k.cxy)
+    for name, tensor in stats.state_dict().items():  # a round trip stores the bits, no arithmetic
+        assert torch.equal(back.state_dict()[name], tensor), name
