@@ -79,13 +79,14 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048), repeats: int = 5,
                              vocab: int | None = None, seed: int = 0, exact_prefix: int = 0,
-                             exact_suffix: int = 0) -> list[dict]:
+                             exact_suffix: int = 0, exact_budget: float = 0.0, select: str = "source") -> list[dict]:
     """Median/p90 seconds per context length of four operations, interleaved in one run:
 
     - ``transfer``: mapper.transfer of the source cache (which exists already when a stack escalates);
     - ``prefill``: the target body re-prefilling the same context (what transfer replaces);
-    - ``handoff_ttft``: the handoff cache (transfer, plus the exact_prefix / exact_suffix recomputes
-      when asked) + the target consuming the last token -> first logits;
+    - ``handoff_ttft``: the handoff cache (transfer, plus the exact_prefix / exact_suffix / selective
+      ``exact_budget`` recomputes when asked, token selection included) + the target consuming the last
+      token -> first logits;
     - ``full_ttft``: the target (with LM head) over the whole prompt -> first logits.
     On CUDA, also the peak memory of each (torch.cuda.max_memory_allocated, MiB).
     """
@@ -98,9 +99,10 @@ def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048
         source_cache = run_model(source, ids[:, :-1])
 
         def handoff_step():
-            if exact_prefix or exact_suffix:
+            if exact_prefix or exact_suffix or exact_budget:
                 cache = prepare_cache(mapper, source, target, ids, exact_prefix=exact_prefix,
-                                      exact_suffix=exact_suffix, source_cache=source_cache)
+                                      exact_suffix=exact_suffix, exact_budget=exact_budget, select=select,
+                                      source_cache=source_cache)
             else:
                 cache = mapper.transfer(source_cache)
             logits = target(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))

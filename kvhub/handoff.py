@@ -77,7 +77,8 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
     if spec.exact_prefix + spec.exact_suffix >= tokens:  # nothing left to map: the target's own cache
         return run_model(target_model, context)
     source_cache = run_model(source_model, context) if source_cache is None else source_cache
-    cache = mapper.transfer(cropped(source_cache, tokens), dtype=target_model.dtype)
+    whole = source_cache if source_cache.get_seq_length() == tokens else cropped(source_cache, tokens)
+    cache = mapper.transfer(whole, dtype=target_model.dtype)
     positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source_model,
                               target_model=target_model, source_cache=source_cache, tokenizer=tokenizer)
     recompute_positions(target_model, cache, context, positions)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .capture import cache_kwargs, run_model
 from .handoff import prepare_cache
+from .recompute import Recompute
 
 
 @dataclass
@@ -124,23 +125,17 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
     return logits, (list(recorder.outputs) if recorder else [])
 
 
-def variant_name(exact_prefix: int, exact_suffix: int) -> str:
-    """'' for the plain handoff, else e.g. 'exact_prefix=4,exact_suffix=8' (how results are named)."""
-    parts = [f"exact_prefix={exact_prefix}"] * bool(exact_prefix) + [f"exact_suffix={exact_suffix}"] * bool(exact_suffix)
-    return ",".join(parts)
-
-
 @torch.no_grad()
-def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[tuple[int, int], ...] = ((0, 0),),
+def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recompute, ...] = (Recompute(),),
                recorder: _AttnRecorder | None = None) -> list[ItemScore]:
     """Score one multiple-choice item under the three conditions; one ItemScore per variant.
 
-    A variant is (exact_prefix, exact_suffix): context tokens the target recomputes itself at the
-    start and at the end (see :func:`kvhub.handoff.prepare_cache`; both are capped to the context).
-    Every condition prefills the shared context minus its last token once (own: target; mapped:
-    source -> mapper plus the exact recomputes; source: source), then runs the same tails
-    ``[last context token] + prefix_i + continuation_i`` (batched over choices) from that cache, so the
-    conditions differ only in the cache.  Own and source are computed once for all variants.
+    A variant is a :class:`~kvhub.recompute.Recompute`: the context tokens the target recomputes
+    itself (exact prefix / suffix, selected spans; capped to the context; see
+    :func:`kvhub.handoff.prepare_cache`).  Every condition prefills the shared context minus its last
+    token once (own: target; mapped: source -> mapper plus the recomputes; source: source), then runs
+    the same tails ``[last context token] + prefix_i + continuation_i`` (batched over choices) from
+    that cache, so the conditions differ only in the cache.  Own and source are computed once.
     """
     device = next(target.parameters()).device
     ctx, pres, conts = _encode(tokenizer, item)
@@ -156,9 +151,9 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[tuple
     own_logits, own_attn = _tail_logits(target, run_model(target, context), tail_ids, tail_mask, recorder=recorder)
     source_cache = run_model(source, context)
     mapped_caches = [
-        prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), exact_prefix=min(p, len(ctx) - 1),
-                      exact_suffix=min(s, len(ctx) - 1), source_cache=source_cache)
-        for p, s in variants
+        prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), recompute=spec.capped(len(ctx) - 1),
+                      tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
+        for spec in variants
     ]  # before the source tails below grow source_cache
     src_logits, _ = _tail_logits(source, source_cache, tail_ids, tail_mask)
     own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)

@@ -10,10 +10,9 @@ import click
 
 from .console import console, err_console
 
-TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada", "ppl")
-_SUMMARY_METRICS = ("acc_own", "acc_mapped", "acc_source", "retention", "gap_closed",
-                    "acc_norm_own", "acc_norm_mapped", "acc_norm_source", "retention_norm", "gap_closed_norm",
-                    "agree_next", "kl_next", "attn_cosine")
+MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada")
+LONG_TASKS = ("facts", "multiturn", "code")  # kvhub.longctx
+TASKS = MC_TASKS + ("ppl",) + LONG_TASKS
 
 
 def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
@@ -31,129 +30,146 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     return store, version, mapper, source, target, tokenizer
 
 
-def _results_file(version, task: str, seed: int, variant: tuple[int, int]) -> Path:
-    from ..calib.corpus import cache_root
+def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
+    """Every (prefix, suffix, budget, selector) combination (the selector only where budget > 0), then
+    the explicit --variant specs; duplicates dropped, order kept."""
+    from ..recompute import Recompute
 
-    prefix, suffix = variant
-    name = f"{task}-seed{seed}-xp{prefix}" + (f"-xs{suffix}" if suffix else "")
-    return cache_root() / "eval-cache" / version.tensors_sha256[:24] / f"{name}.jsonl"
-
-
-def _read_done(path: Path) -> dict:
-    """Item id -> ItemScore already in a per-variant results file (a line cut by a kill is ignored)."""
-    from ..taskeval import ItemScore
-
-    done = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-                done[record["id"]] = ItemScore(**record["score"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return done
-
-
-def _score_items(items, paths: list[Path], scorer, progress) -> list[list]:
-    """Per item, one ItemScore per variant (``paths[i]`` caches variant i as JSONL).
-
-    ``scorer(item, indices)`` scores the variants an item still lacks; each result is appended to its
-    variant's file at once, so an interrupted run resumes and a run adding a variant reuses the others.
-    """
-    done = [_read_done(path) for path in paths]
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    handles = [path.open("a") for path in paths]
-    scores = []
-    try:
-        for index, item in enumerate(items):
-            progress(f"items: {item.id}", index, len(items))
-            key = str(item.id)
-            missing = [i for i in range(len(paths)) if key not in done[i]]
-            if missing:
-                for i, score in zip(missing, scorer(item, missing)):
-                    done[i][key] = score
-                    handles[i].write(json.dumps({"id": key, "score": score.as_dict()}) + "\n")
-                    handles[i].flush()
-            scores.append([done[i][key] for i in range(len(paths))])
-        progress("items: done", len(items), len(items))
-    finally:
-        for handle in handles:
-            handle.close()
-    return scores
+    variants = [Recompute(p, s, b, select)
+                for p in exact_prefixes for s in exact_suffixes for b in exact_budgets
+                for select in (selects if b > 0 else selects[:1])]
+    variants += [Recompute.parse(spec) for spec in specs]
+    unique = {}
+    for variant in variants:
+        unique.setdefault(variant.name(), variant)
+    return list(unique.values())
 
 
 @click.command("eval")
 @click.argument("ref")
 @click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(TASKS),
-              help="Task to evaluate (repeatable).")
+              help="Task to evaluate (repeatable).  facts / multiturn / code are long-context tasks scored "
+                   "exactly (see --context-tokens).")
 @click.option("--limit", type=int, default=200, show_default=True, help="Items per task (seeded subset).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--exact-prefix", "exact_prefixes", type=int, multiple=True, default=(0,), show_default=True,
+@click.option("--exact-prefix", "exact_prefixes", type=click.IntRange(min=0), multiple=True, default=(0,),
+              show_default=True,
               help="First context tokens the target recomputes itself (attention sinks); the rest is mapped. "
                    "Repeat to compare variants in one pass (own and source are scored once).")
-@click.option("--exact-suffix", "exact_suffixes", type=int, multiple=True, default=(0,), show_default=True,
+@click.option("--exact-suffix", "exact_suffixes", type=click.IntRange(min=0), multiple=True, default=(0,),
+              show_default=True,
               help="Last context tokens the target recomputes itself over the mapped cache. Repeatable; "
-                   "every (prefix, suffix) combination is a variant.")
+                   "every combination of the recompute options is a variant.")
+@click.option("--exact-budget", "exact_budgets", type=click.FloatRange(0, 1), multiple=True, default=(0.0,),
+              show_default=True,
+              help="Fraction of the context the target recomputes selectively (whole sentences/lines chosen "
+                   "by --select) over the mapped rest. Repeatable.")
+@click.option("--select", "selects", type=click.Choice(("source", "target", "deviation", "random")), multiple=True,
+              default=("source",), show_default=True,
+              help="How --exact-budget chooses the tokens: the source's attention from the last tokens, the "
+                   "target's from its exact suffix, the mapped-vs-exact deviation at the first target layer, "
+                   "or random spans (the control for the signal). Repeatable.")
+@click.option("--variant", "specs", multiple=True, metavar="SPEC",
+              help="An explicit recompute variant, e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.1,"
+                   "select=source'. Repeatable; added to the combinations above.")
+@click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
+              show_default=True, help="For facts / multiturn / code: context length in tokens. Repeatable.")
 @click.option("--ppl-calib", default=None, metavar="NAME",
               help="For --task ppl: the calibration set whose held-out text is scored (default: the mapper's own).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @click.option("--db", default=None, metavar="URL")
 @click.option("--json", "as_json", is_flag=True)
-def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, ppl_calib, device, dtype, db, as_json):
+def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_budgets, selects, specs,
+                 context_tokens, ppl_calib, device, dtype, db, as_json):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
-    measures what `kvhub.handoff.handoff` does by default.
+    measures what `kvhub.handoff.handoff` does by default, and `--exact-budget 0.1 --select source`
+    adds a selective recompute of 10% of the context.
 
-    Results (retention, gap closed, 95% bootstrap intervals, next-token agreement/KL, attention-output
-    cosine) are stored as metrics of the version and shown by `kvhub show`.  Per-item results are cached,
-    so an interrupted evaluation resumes where it stopped.
+    The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
+    stated early in a chat; code: next line after a long Python file prefix) score each answer exactly
+    and add two conditions: `control`, the same recompute over a map with no information about the
+    context (the mapper's calibration-mean K/V), and `floor`, the target given only the question.
+
+    Results (retention, 95% bootstrap intervals, ...) are stored as metrics of the version and shown by
+    `kvhub show`.  Per-item results are cached, so an interrupted evaluation resumes where it stopped.
     """
-    store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
-    from ..taskeval import variant_name
+    from ..recompute import Recompute
 
+    variants = _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs)
+    store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
+    run = {"dtype": dtype, "device": str(next(target.parameters()).device), "seed": seed, "limit": limit}
     results = {}
-    variants = [(p, s) for p in sorted(set(exact_prefixes)) for s in sorted(set(exact_suffixes))]
-    if any(value < 0 for pair in variants for value in pair):
-        raise click.BadParameter("exact prefix/suffix token counts must be >= 0")
     for task in tasks:
         if task == "ppl":
-            summaries = [_eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed, exact_prefix=p,
-                                   exact_suffix=s, calib=ppl_calib) for p, s in variants]
+            summaries = {variant.name(): _eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed,
+                                                   exact_prefix=variant.exact_prefix,
+                                                   exact_suffix=variant.exact_suffix, calib=ppl_calib)
+                         for variant in variants if not variant.selective}
+            named = {"ppl": summaries}
+        elif task in LONG_TASKS:
+            named = {f"{task}-{length}": _eval_recall(version, mapper, source, target, tokenizer, task, length,
+                                                      variants, run)
+                     for length in context_tokens}
         else:
-            summaries = _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, variants)
-        for (exact_prefix, exact_suffix), summary in zip(variants, summaries):
-            label = variant_name(exact_prefix, exact_suffix)
-            name = f"{task}@{label}" if label else task
-            summary["exact_prefix"], summary["exact_suffix"] = exact_prefix, exact_suffix
-            results[name] = summary
-            store.add_metrics(version, _as_metrics(name, summary, seed))
+            named = {task: _eval_task(version, mapper, source, target, tokenizer, task, variants, run)}
+        for base, summaries in named.items():
+            for label, summary in summaries.items():
+                name = f"{base}@{label}" if label else base
+                spec = Recompute.parse(label)
+                summary.update(variant=label, exact_prefix=spec.exact_prefix, exact_suffix=spec.exact_suffix,
+                               exact_budget=spec.budget, select=spec.select if spec.selective else None)
+                results[name] = summary
+                store.add_metrics(version, _as_metrics(name, summary, seed))
     if as_json:
-        click.echo(json.dumps({"ref": version.ref, "results": results}, indent=2))
+        click.echo(json.dumps({"ref": version.ref, "config": run, "results": results}, indent=2))
     else:
         _print_results(version.ref, results)
 
 
-def _eval_task(version, mapper, source, target, tokenizer, task, limit, seed, variants) -> list[dict]:
-    from ..taskeval import _AttnRecorder, score_item, summarize
+def _eval_task(version, mapper, source, target, tokenizer, task, variants, run) -> dict[str, dict]:
+    from ..evalcache import results_file, score_items
+    from ..taskeval import ItemScore, _AttnRecorder, score_item, summarize
     from ..tasks import load_task
     from .progress import progress_callback
 
-    items = load_task(task, limit=limit, seed=seed)
+    items = load_task(task, limit=run["limit"], seed=run["seed"])
+    paths = [results_file(version.tensors_sha256, task, seed=run["seed"], variant=v.name(), dtype=run["dtype"],
+                          device=run["device"]) for v in variants]
     recorder = _AttnRecorder(target)
     try:
         with progress_callback("items/s") as callback:
-            scores = _score_items(
-                items, [_results_file(version, task, seed, variant) for variant in variants],
+            scores = score_items(
+                items, paths,
                 lambda item, indices: score_item(item, mapper=mapper, source=source, target=target,
                                                  tokenizer=tokenizer, variants=tuple(variants[i] for i in indices),
                                                  recorder=recorder),
-                callback)
+                from_dict=lambda record: ItemScore(**record), progress=callback)
     finally:
         recorder.remove()
-    return [summarize([row[i] for row in scores], seed=seed) for i in range(len(variants))]
+    return {v.name(): summarize([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)}
+
+
+def _eval_recall(version, mapper, source, target, tokenizer, task, length, variants, run) -> dict[str, dict]:
+    from ..control import control_mapper
+    from ..evalcache import results_file, score_items
+    from ..longctx import RecallScore, build_items, score_recall_item, summarize_recall
+    from .progress import progress_callback
+
+    control = control_mapper(mapper)
+    items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
+    paths = [results_file(version.tensors_sha256, f"{task}-{length}", seed=run["seed"], variant=v.name(),
+                          dtype=run["dtype"], device=run["device"]) for v in variants]
+    with progress_callback("items/s") as callback:
+        scores = score_items(
+            items, paths,
+            lambda item, indices: score_recall_item(item, mapper=mapper, control=control, source=source,
+                                                    target=target, tokenizer=tokenizer,
+                                                    variants=[variants[i] for i in indices]),
+            from_dict=lambda record: RecallScore(**record), progress=callback)
+    return {v.name(): summarize_recall([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)}
 
 
 def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix, exact_suffix, calib=None) -> dict:
@@ -182,7 +198,7 @@ def _as_metrics(task: str, summary: dict, seed: int) -> list[dict]:
     for name, value in summary.items():
         if isinstance(value, (int, float)) and not math.isfinite(value):
             continue
-        if isinstance(value, (int, float)) and name not in ("n", "exact_prefix", "exact_suffix", "sequences"):
+        if isinstance(value, (int, float)) and name not in ("n", "exact_prefix", "exact_suffix", "exact_budget", "sequences"):
             rows.append({"name": name, "value": float(value), "task": task, "split": "eval",
                          "n": summary.get("n"), "seed": seed})
         elif name.endswith("_ci") and isinstance(value, list) and all(math.isfinite(v) for v in value):
@@ -199,7 +215,10 @@ def _print_results(ref: str, results: dict) -> None:
     table = Table(title=ref)
     for column in ("task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"):
         table.add_column(column, justify="right")
+    recall = {task: r for task, r in results.items() if "acc_control" in r}
     for task, r in results.items():
+        if task in recall:
+            continue
         if task.startswith("ppl"):
             table.add_row(task, str(r["n"]), f"ppl {r['ppl_own']:.2f}", f"ppl {r['ppl_mapped']:.2f}",
                           f"no ctx {r['ppl_no_context']:.2f}", "", "", f"{r['agreement']:.3f}", "")
@@ -208,6 +227,26 @@ def _print_results(ref: str, results: dict) -> None:
         table.add_row(task, str(r["n"]), f"{r['acc_own']:.3f}", f"{r['acc_mapped']:.3f}", f"{r['acc_source']:.3f}",
                       f"{r['retention']:.3f} [{low:.2f}, {high:.2f}]", f"{r['gap_closed']:.3f}",
                       f"{r['agree_next']:.3f}", f"{r['attn_cosine']:.3f}")
+    if table.row_count:
+        console.print(table)
+    if recall:
+        _print_recall(ref, recall)
+
+
+def _print_recall(ref: str, results: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{ref}: exact answers from long contexts")
+    for column in ("task", "n", "tokens", "exact %", "own", "mapped", "control", "source", "floor",
+                   "retention [95% CI]", "map - control [95% CI]"):
+        table.add_column(column, justify="right")
+    for task, r in results.items():
+        low, high = r["retention_ci"]
+        dlow, dhigh = r["map_minus_control_ci"]
+        table.add_row(task, str(r["n"]), f"{r['context_tokens']:.0f}", f"{100 * r['recomputed_fraction']:.1f}",
+                      *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
+                      f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
+                      f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]")
     console.print(table)
 
 
@@ -219,11 +258,15 @@ def _print_results(ref: str, results: dict) -> None:
               help="Include this exact-prefix recompute in the handoff's time to first token.")
 @click.option("--exact-suffix", type=click.IntRange(min=0), default=0, show_default=True,
               help="Include this exact-suffix recompute in the handoff's time to first token.")
+@click.option("--exact-budget", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Include a selective recompute of this fraction of the context (token selection included).")
+@click.option("--select", type=click.Choice(("source", "target", "deviation", "random")), default="source",
+              show_default=True, help="Token selector of --exact-budget.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--db", default=None, metavar="URL")
 @click.option("--json", "as_json", is_flag=True)
-def bench(ref, lengths, repeats, exact_prefix, exact_suffix, device, dtype, db, as_json):
+def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, select, device, dtype, db, as_json):
     """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
     and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
     from ..evaluate import time_transfer_vs_prefill
@@ -231,11 +274,12 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, device, dtype, db, 
     store, version, mapper, source, target, _ = _load_version(ref, db, device=device, dtype=dtype)
     mapper.to(device=next(target.parameters()).device)
     rows = time_transfer_vs_prefill(mapper, source, target, lengths=[int(x) for x in lengths.split(",")],
-                                    repeats=repeats, exact_prefix=exact_prefix, exact_suffix=exact_suffix)
+                                    repeats=repeats, exact_prefix=exact_prefix, exact_suffix=exact_suffix,
+                                    exact_budget=exact_budget, select=select)
     device_name = str(next(target.parameters()).device)
-    from ..taskeval import variant_name
+    from ..recompute import Recompute
 
-    variant = variant_name(exact_prefix, exact_suffix)
+    variant = Recompute(exact_prefix, exact_suffix, exact_budget, select).name()
     store.add_metrics(version, [
         {"name": name, "value": float(value), "split": "bench",
          "task": f"bench:{device_name}:{dtype}:{row['tokens']}" + (f"@{variant}" if variant else ""),
@@ -244,7 +288,8 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, device, dtype, db, 
                                                                    "prefill_median_s")])
     if as_json:
         click.echo(json.dumps({"ref": version.ref, "device": device_name, "dtype": dtype,
-                               "exact_prefix": exact_prefix, "exact_suffix": exact_suffix, "rows": rows}, indent=2))
+                               "exact_prefix": exact_prefix, "exact_suffix": exact_suffix,
+                               "exact_budget": exact_budget, "select": select, "rows": rows}, indent=2))
         return
     from rich.table import Table
 

@@ -1,0 +1,64 @@
+"""Per-item evaluation results, cached so an interrupted evaluation resumes and a new variant reuses the rest.
+
+One JSONL file per (mapper tensors, task, seed, variant, dtype, device) under
+``<cache>/eval-cache/<tensors sha256[:24]>/``; each line is ``{"id": item id, "score": {...}}``,
+appended and flushed as soon as the item is scored (a line cut by a kill is ignored on reading).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+
+def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str) -> Path:
+    """Where the per-item results of one (mapper, task, seed, variant, dtype, device) live."""
+    from .calib.corpus import cache_root
+
+    key = hashlib.sha256(json.dumps([variant, str(dtype), str(device)]).encode()).hexdigest()[:12]
+    return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{task}-seed{seed}-{key}.jsonl"
+
+
+def read_done(path: Path, from_dict: Callable[[dict], object]) -> dict:
+    """Item id -> score already in ``path``."""
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                done[record["id"]] = from_dict(record["score"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    return done
+
+
+def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict], object],
+                progress: Callable[[str, int, int], None]) -> list[list]:
+    """Per item, one score per variant (``paths[i]`` caches variant i).
+
+    ``scorer(item, indices)`` scores the variants an item still lacks (returns one score per index,
+    each with ``as_dict()``); each result is appended to its variant's file at once.
+    """
+    done = [read_done(path, from_dict) for path in paths]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    handles = [path.open("a") for path in paths]
+    scores = []
+    try:
+        for index, item in enumerate(items):
+            progress(f"items: {item.id}", index, len(items))
+            key = str(item.id)
+            missing = [i for i in range(len(paths)) if key not in done[i]]
+            if missing:
+                for i, score in zip(missing, scorer(item, missing)):
+                    done[i][key] = score
+                    handles[i].write(json.dumps({"id": key, "score": score.as_dict()}) + "\n")
+                    handles[i].flush()
+            scores.append([done[i][key] for i in range(len(paths))])
+        progress("items: done", len(items), len(items))
+    finally:
+        for handle in handles:
+            handle.close()
+    return scores

@@ -1,0 +1,312 @@
+"""Long-context tasks where one fact decides the answer, scored exactly, with a no-information control.
+
+Multiple-choice retention (kvhub.taskeval) hides what a handoff loses: its items barely depend on a
+single stated fact.  Here every item is a long context that states something once and a prompt that
+ends where the answer starts; the answer is scored by teacher forcing: correct iff every answer token
+is the model's greedy choice (what greedy decoding would write), plus the answer's log-likelihood.
+
+Tasks (``context_tokens`` sets the length of the context, approximately, at paragraph/line bounds):
+
+- ``facts``:     passkey retrieval.  1-3 sentences "The access code for the {colour} {thing} vault is
+                 {5 digits}." at depths swept over the context (the asked one at depth d, the others
+                 as distractors) inside filler prose; the prompt asks for one vault's code.
+- ``multiturn``: a chat (the tokenizer's chat template): the user states a number in the first turn,
+                 several turns of other talk follow, the last turn asks for the number.
+- ``code``:      next-line completion after a long Python file prefix, from installed packages that no
+                 calibration set uses (click, rich, sqlalchemy; the ``code`` set is the stdlib).
+
+Conditions per item (one ItemScore per recompute variant; own/source/floor shared):
+
+- ``own``:     the target from its own cache of the prompt;
+- ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.recompute`);
+- ``control``: the same recompute over the no-information control map (:mod:`kvhub.control`);
+- ``source``:  the source model alone;
+- ``floor``:   the target given only the last ``FLOOR_TOKENS`` prompt tokens (the question).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .capture import cache_kwargs, run_model
+from .errors import ConfigError
+
+TASKS = ("facts", "multiturn", "code")
+CONDITIONS = ("own", "mapped", "control", "source", "floor")
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+FLOOR_TOKENS = 32
+CODE_PACKAGES = ("click", "rich", "sqlalchemy")
+
+_COLOURS = ("red", "blue", "green", "amber", "violet", "silver", "golden", "black", "white", "orange", "grey", "teal")
+_THINGS = ("harbour", "granite", "orchard", "lantern", "compass", "falcon", "meadow", "quarry", "beacon", "willow",
+           "cobalt", "summit")
+_CHAT_THINGS = ("locker number", "badge number", "flight booking code", "parcel tracking number", "room number")
+
+
+@dataclass
+class RecallItem:
+    """A prompt (token ids, ending where the answer starts) and the answer's token ids."""
+
+    id: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+# ---- building items ----------------------------------------------------------------------------------
+def fact_items(tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0,
+               facts_per_context: tuple[int, ...] = (1, 2, 3), depths: tuple[float, ...] = DEPTHS) -> list[RecallItem]:
+    """Passkey items: item i has ``facts_per_context[i % len]`` facts, the asked one at ``depths[i % len]``."""
+    rng = random.Random(f"facts-{seed}-{context_tokens}")
+    items = []
+    for i in range(n):
+        count, depth = facts_per_context[i % len(facts_per_context)], depths[(i // len(facts_per_context)) % len(depths)]
+        vaults = rng.sample([(c, t) for c in _COLOURS for t in _THINGS], count)
+        codes = [str(rng.randrange(10_000, 100_000)) for _ in vaults]
+        sentences = [f"The access code for the {c} {t} vault is {code}." for (c, t), code in zip(vaults, codes)]
+        where = [depth] + [rng.uniform(0.05, 0.95) for _ in vaults[1:]]
+        colour, thing = vaults[0]
+        question = (f"\n\nQuestion: What is the access code for the {colour} {thing} vault?\n"
+                    f"Answer: The access code for the {colour} {thing} vault is")
+        body = _haystack(tokenizer, filler, rng, context_tokens, list(zip(where, sentences)))
+        prompt = tokenizer(body + question, add_special_tokens=False)["input_ids"]
+        answer = _answer_ids(tokenizer, body + question, " " + codes[0])
+        items.append(RecallItem(f"facts-{context_tokens}-{i}", prompt, answer, codes[0],
+                                {"context_tokens": len(prompt), "depth": depth, "facts": count}))
+    return items
+
+
+def multiturn_items(tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0) -> list[RecallItem]:
+    """Chat items: a number stated in turn 1, ~``context_tokens`` of other turns, then the question."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the multiturn task needs a tokenizer with a chat template (an instruct model)")
+    rng = random.Random(f"multiturn-{seed}-{context_tokens}")
+    items = []
+    for i in range(n):
+        thing, value = _CHAT_THINGS[i % len(_CHAT_THINGS)], str(rng.randrange(1000, 10_000))
+        messages = [{"role": "user", "content": f"Please remember this: my {thing} is {value}."},
+                    {"role": "assistant", "content": "Noted. What else can I help you with?"}]
+        used = 0
+        while used < context_tokens:
+            paragraph = rng.choice(filler)
+            messages += [{"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat happens next?"},
+                         {"role": "assistant", "content": _first_sentence(paragraph)}]
+            used += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"]) + 30
+        messages.append({"role": "user", "content": f"What is my {thing}? Reply with the number only."})
+        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        answer = _answer_ids(tokenizer, prompt_text, value)
+        items.append(RecallItem(f"multiturn-{context_tokens}-{i}", prompt, answer, value,
+                                {"context_tokens": len(prompt), "turns": len(messages) // 2}))
+    return items
+
+
+def code_items(tokenizer, *, context_tokens: int, n: int, seed: int = 0,
+               packages: tuple[str, ...] = CODE_PACKAGES) -> list[RecallItem]:
+    """Next-line items: ~``context_tokens`` of a Python file, then its next non-trivial line."""
+    files = _code_files(packages)
+    rng = random.Random(f"code-{seed}-{context_tokens}")
+    rng.shuffle(files)
+    items = []
+    for path in files:
+        if len(items) == n:
+            break
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        prefix, cut = "", None
+        for index, line in enumerate(lines):
+            prefix += line
+            if len(prefix) > 3 * context_tokens and len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) >= context_tokens:
+                cut = index + 1
+                break
+        if cut is None:
+            continue
+        follow = next((j for j in range(cut, len(lines)) if _worth_completing(lines[j])), None)
+        if follow is None:
+            continue
+        prefix = "".join(lines[:follow])
+        indent = lines[follow][: len(lines[follow]) - len(lines[follow].lstrip())]
+        text = lines[follow].rstrip("\n")[len(indent):]
+        prompt = tokenizer(prefix + indent, add_special_tokens=False)["input_ids"]
+        answer = _answer_ids(tokenizer, prefix + indent, text)
+        relative = path.name if not path.parent.name else f"{path.parent.name}/{path.name}"
+        items.append(RecallItem(f"code-{context_tokens}-{relative}:{follow + 1}", prompt, answer, text,
+                                {"context_tokens": len(prompt), "file": relative}))
+    if len(items) < n:
+        raise ConfigError(f"found only {len(items)} Python files of {', '.join(packages)} with {context_tokens}+ "
+                          "tokens; ask for fewer items or shorter contexts")
+    return items
+
+
+def _haystack(tokenizer, filler, rng, context_tokens, inserts: list[tuple[float, str]]) -> str:
+    """Filler paragraphs of about ``context_tokens`` tokens with each (depth, sentence) inserted between them."""
+    paragraphs, used = [], 0
+    order = list(range(len(filler)))
+    rng.shuffle(order)
+    for index in order * (1 + context_tokens // 20):
+        if used >= context_tokens:
+            break
+        paragraphs.append(filler[index])
+        used += len(tokenizer(filler[index], add_special_tokens=False)["input_ids"]) + 1
+    for depth, sentence in sorted(inserts, reverse=True):
+        paragraphs.insert(round(depth * len(paragraphs)), sentence)
+    return "\n".join(paragraphs)
+
+
+def _answer_ids(tokenizer, prompt_text: str, answer: str) -> list[int]:
+    """Tokens the answer adds after the prompt (tokenised together, so merges at the seam are kept)."""
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    whole = tokenizer(prompt_text + answer, add_special_tokens=False)["input_ids"]
+    if whole[: len(prompt)] != prompt:
+        raise ConfigError(f"the answer {answer!r} merges with the end of its prompt; the item cannot be scored")
+    return whole[len(prompt):]
+
+
+def _first_sentence(text: str) -> str:
+    head = text.split(". ")[0].strip()
+    return head if head.endswith(".") else head + "."
+
+
+def _worth_completing(line: str) -> bool:
+    stripped = line.strip()
+    return len(stripped) >= 12 and not stripped.startswith(("#", '"""', "'''")) and any(c.isalpha() for c in stripped)
+
+
+def _code_files(packages: tuple[str, ...]) -> list[Path]:
+    files = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"the code task reads the installed package {name!r}; pip install it")
+        for root in spec.submodule_search_locations:
+            files += sorted(Path(root).rglob("*.py"))
+    return sorted(files)
+
+
+def filler_paragraphs(*, limit: int = 2000, seed: int = 0) -> list[str]:
+    """Filler prose outside every calibration set: HellaSwag contexts with their correct endings."""
+    from .tasks import load_task
+
+    return [item.context + item.continuations[item.label] for item in load_task("hellaswag", limit=limit, seed=seed)]
+
+
+def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
+                filler: list[str] | None = None) -> list[RecallItem]:
+    if task not in TASKS:
+        raise ConfigError(f"unknown long-context task {task!r}; use one of {', '.join(TASKS)}")
+    if context_tokens < 64:
+        raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
+    if task == "code":
+        return code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed)
+    filler = filler if filler is not None else filler_paragraphs(seed=seed)
+    builder = fact_items if task == "facts" else multiturn_items
+    return builder(tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
+
+
+# ---- scoring -------------------------------------------------------------------------------------
+@dataclass
+class RecallScore:
+    """Per item and variant: exact[c] 1/0 (greedy would write the answer), token_acc[c], logp[c] per condition."""
+
+    id: str
+    exact: dict
+    token_acc: dict
+    logp: dict
+    recomputed: int = 0  # context tokens the variant recomputed exactly
+    meta: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, float, float]:
+    """(exact, token accuracy, log-likelihood) of the last ``answers`` of ``tail_ids`` continuing ``cache``
+    (which holds everything before tail_ids[0]); the cache grows."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([tail_ids], device=device)
+    past = cache.get_seq_length()
+    positions = torch.arange(past, past + ids.shape[1], device=device).unsqueeze(0)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
+    predicted = logits[-answers - 1:-1]  # (A, V): the positions that predict the answer tokens
+    target = ids[0, -answers:]
+    hits = predicted.argmax(-1) == target
+    logp = F.log_softmax(predicted, -1).gather(1, target[:, None]).sum()
+    return int(hits.all()), float(hits.float().mean()), float(logp)
+
+
+@torch.no_grad()
+def score_recall_item(item: RecallItem, *, mapper, control, source, target, tokenizer, variants) -> list[RecallScore]:
+    """Score ``item`` under every condition; one RecallScore per :class:`~kvhub.recompute.Recompute` variant."""
+    from .handoff import prepare_cache
+
+    prompt, answer = item.prompt_ids, item.answer_ids
+    device = next(target.parameters()).device
+    tail = [prompt[-1]] + answer
+    context = torch.tensor([prompt[:-1]], device=device)
+    shared = {"own": answer_score(target, run_model(target, context), tail, len(answer))}
+    source_cache = run_model(source, context)
+    floor = torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)
+    shared["floor"] = answer_score(target, run_model(target, floor), tail, len(answer))
+    scores = []
+    ids = torch.tensor([prompt], device=device)
+    for spec in variants:
+        spec = spec.capped(len(prompt) - 1)
+        result = dict(shared)
+        for name, which in (("mapped", mapper), ("control", control)):
+            cache = prepare_cache(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
+                                  source_cache=source_cache)
+            result[name] = answer_score(target, cache, tail, len(answer))
+        scores.append(result)
+    result_source = answer_score(source, source_cache, tail, len(answer))  # last: it grows source_cache
+    out = []
+    for spec, result in zip(variants, scores):
+        result["source"] = result_source
+        out.append(RecallScore(
+            id=item.id, exact={c: result[c][0] for c in CONDITIONS}, token_acc={c: result[c][1] for c in CONDITIONS},
+            logp={c: result[c][2] for c in CONDITIONS}, recomputed=_recomputed(spec, len(prompt) - 1),
+            meta=item.meta))
+    return out
+
+
+def _recomputed(spec, context: int) -> int:
+    spec = spec.capped(context)
+    return spec.exact_prefix + spec.exact_suffix + round(spec.budget * context)
+
+
+def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int = 1000) -> dict:
+    """Exact-match accuracy per condition with bootstrap 95% intervals; retention = mapped / own and
+    mapped minus control (the map's own contribution), each with its interval; mean token accuracy."""
+    if not scores:
+        return {"n": 0}
+    rng = random.Random(seed)
+    n = len(scores)
+    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
+    columns = {c: [s.exact[c] for s in scores] for c in CONDITIONS}
+
+    def stats(index) -> dict:
+        acc = {c: sum(columns[c][i] for i in index) / len(index) for c in CONDITIONS}
+        out = {f"acc_{c}": acc[c] for c in CONDITIONS}
+        out["retention"] = acc["mapped"] / acc["own"] if acc["own"] else math.nan
+        out["map_minus_control"] = acc["mapped"] - acc["control"]
+        return out
+
+    out = {"n": n}
+    point, boot = stats(range(n)), [stats(d) for d in draws]
+    for key, value in point.items():
+        values = sorted(b[key] for b in boot if not math.isnan(b[key]))
+        out[key] = value
+        out[f"{key}_ci"] = ([values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
+                            if values else [math.nan, math.nan])
+    for c in CONDITIONS:
+        out[f"token_acc_{c}"] = sum(s.token_acc[c] for s in scores) / n
+    out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
+    out["recomputed_fraction"] = sum(s.recomputed / max(1, s.meta.get("context_tokens", 1) - 1) for s in scores) / n
+    return out
