@@ -20,9 +20,10 @@ import hashlib
 import re
 from collections.abc import Iterable
 
+from .artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
+
 MARKER_PREFIX = "<!-- kvhub-card sha256:"
 _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg")
 RELATION = "adapter"
 
 

@@ -58,6 +58,14 @@ class FormatVersionError(ArtifactError):
     """The artifact was written by a newer kvhub."""
 
 
+class InvalidArtifactError(IntegrityError):
+    """An artifact breaks a rule of the format (docs/artifact-format.md); ``field`` names what is wrong."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class NotFoundError(KVHubError, LookupError):
     """A model, calibration set, mapper version or alias does not exist."""
 

@@ -8,22 +8,21 @@ For target layer m with selected source layers S_m = (l_1..l_k):
 
 Weights are stored as (in_features, out_features) so that y = x @ W + b.
 
-Artifact directory (format version 1, see docs/artifact-format.md):
-    mapper.safetensors   k.{m}.weight, k.{m}.bias, v.{m}.weight, v.{m}.bias  (fp32)
+Artifact directory (kvhub.artifact owns the format, see docs/artifact-format.md):
+    mapper.safetensors   k.{m}.weight, k.{m}.bias, v.{m}.weight, v.{m}.bias  (fp32; or factors when compressed)
     mapper.json          metadata incl. fingerprints, selected layers, lambda, k, R^2, sha256 of the tensors
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from . import __version__
 from .artifact import (  # noqa: F401  (re-exported: the artifact format is part of the Mapper's API)
-    FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, AtomicDirectory, read_metadata, sha256_file, verify_tensors,
+    FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, format_version_of, read_artifact, read_metadata, tensor_path,
+    verify_tensors, write_artifact,
 )
 from .errors import IncompatibleError, NonFiniteError
 from .fingerprint import config_from_fingerprint
@@ -95,9 +94,7 @@ class Mapper:
 
     def format_version(self) -> int:
         """1 for dense maps (readable by every kvhub); 2 when low-rank or head-local tensors are stored."""
-        compressed = any(name.endswith(".weight_a") or (name.endswith(".weight") and t.dim() == 3)
-                         for name, t in self.tensors.items())
-        return 2 if compressed else 1
+        return format_version_of({name: tuple(t.shape) for name, t in self.tensors.items()})
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Mapper":
         """Move weights (in place) and/or set the output cache dtype; returns self."""
@@ -199,7 +196,7 @@ class Mapper:
                 rows = rows @ weight
             return torch.addmm(bias, rows, weights[-1]).view(*x.shape[:-1], -1)
         groups = weights[0].shape[0]
-        sources = len(self.layers[m]["sources"])
+        sources = x.shape[-1] // (self.source["num_kv_heads"] * self.source["head_dim"])
         # (N, k * Hs*Ds) -> (groups, N, k * Hs*Ds / groups): group i takes its heads of every source layer
         rows = rows.view(rows.shape[0], sources, groups, -1).permute(2, 0, 1, 3).reshape(groups, rows.shape[0], -1)
         for weight in weights:
@@ -234,38 +231,25 @@ class Mapper:
             dtype=parse_dtype(dtype),
         )
         cache = DynamicCache(config=self._config("target"))
-        for m, (keys, values) in enumerate(mapped):
-            cache.update(keys, values, m)
+        # each map to its own target layer, whatever the order of mapper.json's `layers` (they cover each once)
+        for layer, (keys, values) in sorted(zip(self.layers, mapped), key=lambda pair: pair[0]["target"]):
+            cache.update(keys, values, layer["target"])
         return cache
 
     # ---- persistence -------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the artifact directory atomically; returns its path.  Tensors are stored in fp32."""
-        from safetensors.torch import save_file
-
-        with AtomicDirectory(directory, overwrite=overwrite) as tmp:
-            tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.tensors.items()}
-            save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
-            metadata = dict(self.metadata)
-            metadata["format_version"] = self.format_version()
-            metadata.setdefault("kvhub_version", __version__)
-            metadata["tensors"] = {
-                "file": TENSORS_FILE,
-                "sha256": sha256_file(tmp / TENSORS_FILE),
-                "bytes": (tmp / TENSORS_FILE).stat().st_size,
-            }
-            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-            self.metadata = metadata
+        """Write the artifact directory atomically (kvhub.artifact.write_artifact); returns its path.
+        Tensors are stored in fp32."""
+        tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in self.tensors.items()}
+        self.metadata = write_artifact(directory, tensors, self.metadata, overwrite=overwrite)
         return Path(directory)
 
     @classmethod
     def load(cls, directory: str | os.PathLike, *, device=None, dtype=None, compute_dtype=None) -> "Mapper":
-        """Load and verify an artifact directory (format version, sha256 of the tensors).  See __init__ for dtypes."""
+        """Load an artifact directory after every check of the format (kvhub.artifact.read_artifact:
+        mapper.json fields, tensor names and shapes, sha256, finite weights).  See __init__ for dtypes."""
         from safetensors.torch import load_file
 
-        directory = Path(directory)
-        metadata = read_metadata(directory)
-        tensor_path = directory / metadata["tensors"]["file"]
-        verify_tensors(directory, metadata)
-        tensors = load_file(str(tensor_path), device=str(device) if device is not None else "cpu")
+        metadata = read_artifact(directory)
+        tensors = load_file(str(tensor_path(directory, metadata)), device=str(device) if device is not None else "cpu")
         return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype))

@@ -43,8 +43,8 @@ def make_store_artifact(directory, *, seed: int = 0, source: str = SRC_ID, targe
                         calibration: str = "legal-docs", metrics: dict | None = None, padding_mb: int = 0) -> Path:
     """Save a small random Mapper (k=1, every source layer feeding target layer m % 2) and return its dir.
 
-    ``seed`` changes the weights (and so the content address); ``padding_mb`` adds an unused tensor to
-    make the file big enough to kill a writer mid-copy.
+    ``seed`` changes the weights (and so the content address); ``padding_mb`` adds an extra file
+    (``padding.bin``: the store keeps it, push never publishes it) big enough to kill a writer mid-copy.
     """
     import torch
 
@@ -61,14 +61,15 @@ def make_store_artifact(directory, *, seed: int = 0, source: str = SRC_ID, targe
             tensors[f"{kind}.{m}.bias"] = torch.zeros(d_out)
         layers.append({"target": m, "sources": [m % src["num_layers"]], "lambda_k": 0.1, "lambda_v": 0.1,
                        "r2_k": 0.9 - 0.01 * m, "r2_v": 0.8 - 0.01 * m})
-    if padding_mb:
-        tensors["padding"] = torch.zeros(padding_mb * 262144)
     metadata = {
         "source": src, "target": dst, "layers": layers, "k": 1, "lambda": 0.1,
         "calibration": {"name": calibration, "version": 1, "content_hash": f"{calibration}-hash", "tokens": 4096},
         "metrics": metrics if metrics is not None else {"heldout_r2_k_mean": 0.89, "heldout_r2_v_mean": 0.79},
     }
-    return Mapper(tensors, metadata).save(Path(directory))
+    path = Mapper(tensors, metadata).save(Path(directory))
+    if padding_mb:
+        (path / "padding.bin").write_bytes(bytes(padding_mb << 20))
+    return path
 
 
 @pytest.fixture

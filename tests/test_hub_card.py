@@ -87,8 +87,10 @@ def _rewrite_json(directory, change) -> None:
     (lambda d: _rewrite_json(d, lambda m: m.update(format_version=99)), FormatVersionError, "upgrade"),
     (lambda d: _rewrite_json(d, lambda m: m["target"]["config"].update(num_hidden_layers=30)),
      IntegrityError, "config_hash"),
-    (lambda d: _rewrite_json(d, lambda m: m["source"].update(num_kv_heads=4)), IntegrityError, "shapes"),
-    (lambda d: _rewrite_json(d, lambda m: m["layers"][0].update(sources=[5])), IntegrityError, "outside"),
+    (lambda d: _rewrite_json(d, lambda m: m["source"].update(num_kv_heads=4)), IntegrityError,
+     "source.num_kv_heads` is 4, but the recorded config says 2"),
+    (lambda d: _rewrite_json(d, lambda m: m["layers"][0].update(sources=[5])), IntegrityError,
+     r"layers\[0\].sources` must be ascending distinct source layers in 0..1"),
 ])
 def test_verify_artifact_refuses_damage(tmp_path, damage, error, match):
     directory = make_artifact(tmp_path / "a", seed=2)

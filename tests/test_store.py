@@ -86,7 +86,7 @@ def test_an_artifact_of_an_unknown_format_is_refused(store, artifact_factory):
     (artifact / "mapper.json").write_text(json.dumps(metadata))
     with pytest.raises(ArtifactError, match="format version 99"):
         store.register(artifact)
-    with pytest.raises(ArtifactError, match="no files"):
+    with pytest.raises(ArtifactError, match="mapper.json is missing"):
         store.register(artifact.parent / "does-not-exist")
 
 

@@ -1,25 +1,24 @@
-"""Atomic, hash-verified files and directories.
+"""Atomic, hash-verified files and directories, read without following symbolic links.
 
 A reader never sees a half-written artifact: everything is written to a temporary sibling, fsynced,
 then renamed into place.  A killed writer leaves at most a ``.tmp-*`` sibling, which is never mistaken
-for an artifact.
+for an artifact.  Files of an artifact are opened with ``O_NOFOLLOW`` and must be regular files: a
+symbolic link planted in an artifact directory (``figure.png -> ~/.ssh/id_rsa``) is refused, never
+followed (docs/artifact-format.md, threat model).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
-from . import __version__
-from .errors import ArtifactError, FormatVersionError, IntegrityError
+from ..errors import ArtifactError
 
-FORMAT_VERSION = 2  # the newest mapper artifact format this kvhub reads (docs/artifact-format.md)
-TENSORS_FILE = "mapper.safetensors"
-METADATA_FILE = "mapper.json"
+_CHUNK = 1 << 20
 
 
 def sha256_file(path: str | os.PathLike, *, chunk_bytes: int = 1 << 20) -> str:
@@ -81,7 +80,7 @@ class AtomicDirectory:
     def __init__(self, target: str | os.PathLike, *, overwrite: bool = False):
         self.target = Path(target)
         self.overwrite = overwrite
-        if self.target.exists() and not overwrite:
+        if os.path.lexists(self.target) and not overwrite:
             raise ArtifactError(
                 f"{self.target} already exists; choose another directory or pass overwrite=True (--force)"
             )
@@ -98,44 +97,75 @@ class AtomicDirectory:
             shutil.rmtree(self.path, ignore_errors=True)
             return
         fsync_tree(self.path)
-        if self.target.exists():
+        if os.path.lexists(self.target):  # a symbolic link is replaced, never followed
             old = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
             os.replace(self.target, old)
             os.replace(self.path, self.target)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink() or not old.is_dir():
+                old.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.path, self.target)
         fsync_dir(self.target.parent)
 
 
-def read_metadata(directory: str | os.PathLike) -> dict:
-    """Read mapper.json, checking that it exists and that its format version is one this kvhub reads."""
-    path = Path(directory) / METADATA_FILE
-    if not path.is_file():
-        raise ArtifactError(f"{directory} is not a kvhub mapper artifact: {METADATA_FILE} is missing")
+def open_regular(path: str | os.PathLike):
+    """Open ``path`` for binary reading if it is a regular file and not a symbolic link.
+
+    Raises ArtifactError for a link, a directory, a device or a missing file.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        metadata = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}); the artifact is corrupt, re-fetch or re-fit it") from exc
-    version = metadata.get("format_version")
-    if not isinstance(version, int):
-        raise ArtifactError(f"{path} has no integer format_version; the artifact is corrupt")
-    if version > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{directory} has artifact format version {version}, this kvhub ({__version__}) reads up to "
-            f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`"
-        )
-    return metadata
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-fetch or re-fit it") from None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ArtifactError(f"{path} is a symbolic link; kvhub reads only regular files of an artifact "
+                                "(replace the link by a copy of the file)") from None
+        raise ArtifactError(f"cannot read {path} ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtifactError(f"{path} is not a regular file; an artifact holds only regular files")
+    return os.fdopen(fd, "rb")
 
 
-def verify_tensors(directory: str | os.PathLike, metadata: dict) -> None:
-    """Raise IntegrityError unless the tensor file's sha256 matches mapper.json."""
-    path = Path(directory) / metadata["tensors"]["file"]
-    if not path.is_file():
-        raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-fetch or re-fit it")
-    actual = sha256_file(path)
-    if actual != metadata["tensors"]["sha256"]:
-        raise IntegrityError(
-            f"{path} has sha256 {actual}, but mapper.json records {metadata['tensors']['sha256']}: "
-            "the file was modified or corrupted; re-fetch it (kvhub pull) or re-fit"
-        )
+def regular_files(directory: str | os.PathLike, *, recursive: bool = True) -> dict[str, Path]:
+    """``{relative posix path: path}`` of an artifact directory's files, sorted.
+
+    Names starting with ``.`` (at any depth, e.g. a Hub download's ``.cache/``) are not part of an
+    artifact.  A symbolic link anywhere else is an ArtifactError, and so is anything that is neither
+    a file nor a directory: nothing is followed, nothing is silently left out.
+    """
+    directory = Path(directory)
+    files = {}
+    for current, dirnames, filenames in os.walk(directory):
+        current = Path(current)
+        for name in [*dirnames, *filenames]:
+            if not name.startswith(".") and (current / name).is_symlink():
+                raise ArtifactError(
+                    f"{current / name} is a symbolic link; kvhub copies only regular files of an artifact "
+                    "(replace the link by a copy of the file, or remove it)")
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
+        for name in filenames:
+            path = current / name
+            if name.startswith("."):
+                continue
+            if not path.is_file():
+                raise ArtifactError(f"{path} is not a regular file; an artifact holds only regular files")
+            files[path.relative_to(directory).as_posix()] = path
+    return dict(sorted(files.items()))
+
+
+def copy_regular(source: str | os.PathLike, destination: Path) -> str:
+    """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes."""
+    digest = hashlib.sha256()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with open_regular(source) as reader, open(destination, "wb") as writer:
+        while chunk := reader.read(_CHUNK):
+            digest.update(chunk)
+            writer.write(chunk)
+        writer.flush()
+        os.fsync(writer.fileno())
+    return digest.hexdigest()

@@ -19,10 +19,10 @@ from .client import HubSettings, hub_settings, parse_repo_ref
 from .pull import NAMESPACES_ENV, PullResult, configured_namespaces, load_from_hub, pull
 from .push import CARD_MODES, PushResult, push, version_tag
 from .search import HubMapper, search
-from .verify import check_fingerprints, same_model, verify_artifact
+from .verify import same_model, verify_artifact
 
 __all__ = [
-    "CARD_MODES", "NAMESPACES_ENV", "HubMapper", "HubSettings", "PullResult", "PushResult", "check_fingerprints",
+    "CARD_MODES", "NAMESPACES_ENV", "HubMapper", "HubSettings", "PullResult", "PushResult",
     "configured_namespaces", "hub_settings", "load_from_hub", "parse_repo_ref", "pull", "push", "same_model",
     "search", "verify_artifact", "version_tag",
 ]

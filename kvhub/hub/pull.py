@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -13,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..artifact import sha256_file
-from ..card import IMAGE_SUFFIXES
+from ..artifact import (
+    CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, TENSORS_FILE, copy_regular, is_figure_name, parse_metadata_bytes,
+)
 from ..errors import (
     ArtifactError,
     FormatVersionError,
@@ -24,9 +24,7 @@ from ..errors import (
     IntegrityError,
     NotFoundError,
 )
-from ..mapper import METADATA_FILE, TENSORS_FILE
 from .client import HubSettings, _api, hub_errors, hub_settings, parse_repo_ref
-from .push import CARD_FILE
 from .search import search
 from .verify import same_model, series_key, verify_artifact
 
@@ -36,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAMESPACES_ENV = "KVHUB_HUB_NAMESPACES"
-_PULL_PATTERNS = [METADATA_FILE, TENSORS_FILE, CARD_FILE, *(f"*{s}" for s in IMAGE_SUFFIXES)]
+_PULL_PATTERNS = [METADATA_FILE, TENSORS_FILE, CARD_FILE, *(f"*{s}" for s in FIGURE_SUFFIXES)]
 
 
 @dataclass
@@ -73,11 +71,15 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             raise HubRevisionNotFoundError(f"{repo_id} has no revision {revision!r}{hint}", repo_id=repo_id,
                                            revision=revision) from None
         commit = snapshot.name
-        if not (snapshot / METADATA_FILE).is_file():
+        if not os.path.lexists(snapshot / METADATA_FILE):
             raise HubRepoNotFoundError(f"{repo_id}@{revision} has no {METADATA_FILE}: it is not a kvhub mapper "
                                        "repository", repo_id=repo_id, revision=revision)
-        try:
-            metadata = verify_artifact(snapshot, source=source, target=target)
+        label = revision if settings.offline else _best_label(settings, repo_id, revision, commit, token)
+    with tempfile.TemporaryDirectory(prefix="kvhub-pull-") as tmp:
+        staged = Path(tmp) / "artifact"
+        try:  # what is verified is the copy that gets registered, not the cache it came from
+            _stage(snapshot, staged)
+            metadata = verify_artifact(staged, source=source, target=target)
             _check_calibration(repo_id, metadata, calibration)
         except FormatVersionError:
             raise
@@ -86,8 +88,7 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             raise type(exc)(f"pull {repo_id}@{revision} (commit {commit[:12]}) refused: {exc}. The download was "
                             "removed from the cache and nothing was registered; run the same `kvhub pull` again, "
                             "and if it fails again the files on the Hub are damaged") from None
-        label = revision if settings.offline else _best_label(settings, repo_id, revision, commit, token)
-    version, already = _register(store, snapshot, metadata, repo_id=repo_id, revision=label, commit=commit)
+        version, already = _register(store, staged, metadata, repo_id=repo_id, revision=label, commit=commit)
     if not any(p["repo_id"] == repo_id and p["commit_sha"] == commit for p in store.publications(version)):
         store.add_publication(version, repo_id, label, commit)
     return PullResult(version, repo_id, label, commit, already_registered=already, metadata=metadata)
@@ -134,23 +135,37 @@ def _purge_cached_snapshot(snapshot: Path) -> None:
     logger.info("dropped %s from the Hugging Face cache after a failed verification", snapshot)
 
 
-def _register(store, snapshot: Path, metadata: dict, *, repo_id: str, revision: str, commit: str):
-    """Register a verified snapshot (a clean copy of it) unless the store already holds these weights."""
+def _stage(snapshot: Path, staged: Path) -> None:
+    """Copy the artifact's files (mapper.json, the tensor file, the card, figures) out of a cached
+    snapshot into ``staged``, following only the cache's own links to its blobs."""
+    staged.mkdir()
+    for path in sorted(snapshot.iterdir()):
+        if path.name in (METADATA_FILE, CARD_FILE) or path.name.endswith(".safetensors") or is_figure_name(path.name):
+            copy_regular(_cached_blob(snapshot, path), staged / path.name)
+
+
+def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: str, commit: str):
+    """Register a verified staged copy unless the store already holds these weights."""
     source, target, calibration = (metadata["source"]["model_id"], metadata["target"]["model_id"],
                                    metadata["calibration"]["name"])
     for existing in store.versions(source=source, target=target, calibration=calibration):
         if existing.tensors_sha256 == metadata["tensors"]["sha256"]:
             return existing, True
-    with tempfile.TemporaryDirectory(prefix="kvhub-pull-") as tmp:
-        staged = Path(tmp) / "artifact"
-        staged.mkdir()
-        for path in snapshot.iterdir():
-            if path.is_file():
-                shutil.copyfile(path, staged / path.name)  # follows the cache's symlinks to the blobs
-        if sha256_file(staged / TENSORS_FILE) != metadata["tensors"]["sha256"]:
-            raise IntegrityError(f"{snapshot} changed while it was being copied; pull again")
-        lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
-        return store.register(staged, lineage=lineage), False
+    lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
+    return store.register(staged, lineage=lineage), False
+
+
+def _cached_blob(snapshot: Path, path: Path) -> Path:
+    """The blob a snapshot entry links to, which must lie in this repository's ``blobs/`` folder of the
+    Hugging Face cache (the only link kvhub follows: the cache's own layout)."""
+    if not path.is_symlink():
+        return path
+    blob = path.resolve()
+    blobs = (snapshot.parent.parent / "blobs").resolve()
+    if blob.parent != blobs:
+        raise IntegrityError(f"{path} links outside the Hugging Face cache's blobs ({blob}); the cache was "
+                             "tampered with: delete it (`hf cache delete`) and pull again")
+    return blob
 
 
 def configured_namespaces() -> list[str]:
@@ -210,7 +225,11 @@ def _cached_candidates(settings: HubSettings, namespaces: list[str], source: str
             meta = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else "-") / METADATA_FILE
             if not meta.is_file():
                 continue
-            metadata = json.loads(meta.read_text())
+            try:
+                metadata = parse_metadata_bytes(meta.read_bytes(), where=str(meta.parent))
+            except ArtifactError as exc:
+                logger.warning("skipping cached %s: %s", folder.name, exc)
+                continue
             src, dst, calib = series_key(metadata)
             if same_model(src, source) and same_model(dst, target) and calibration in (None, calib):
                 found.append(folder.name[len("models--"):].replace("--", "/", 1))

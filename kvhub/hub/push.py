@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..card import IMAGE_SUFFIXES, card_is_pristine, model_card
+from ..artifact import CARD_FILE, METADATA_FILE, copy_regular, is_figure_name, publishable_files
+from ..card import card_is_pristine, model_card
 from ..errors import ConfigError, HubConflictError, HubOfflineError
-from ..mapper import METADATA_FILE, TENSORS_FILE
 from .client import _api, hub_errors, hub_settings, parse_repo_ref
 from .verify import series_key, verify_artifact
 
-CARD_FILE = "README.md"
 CARD_MODES = ("auto", "keep", "replace")
 
 
@@ -93,12 +91,13 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | 
             store.add_publication(version, repo_id, tag, commit)
             return PushResult(repo_id, tag, commit, branch, url, already_published=True,
                               notes=[f"{repo_id} already had {tag} with these weights; recorded it"])
-        images = sorted(p.name for p in artifact.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        files = publishable_files(artifact, metadata)  # the format's files and figures: nothing else leaves
+        images = [name for name in files if is_figure_name(name)]
         text, card_action, notes = _card_for_push(metadata, remote.head_card, card, repo_id=repo_id, tag=tag,
                                                   images=images)
         with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
-            for name in (TENSORS_FILE, METADATA_FILE, *images):
-                shutil.copyfile(artifact / name, Path(tmp) / name)
+            for name in files:
+                copy_regular(artifact / name, Path(tmp) / name)
             if text is not None:
                 (Path(tmp) / CARD_FILE).write_text(text, encoding="utf-8")
             if branch not in remote.branches:
@@ -137,17 +136,26 @@ def _remote_state(api, repo_id: str, branch: str) -> _Remote:
     with tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
         raw = _remote_file(api, repo_id, head, METADATA_FILE, tmp)
         card = _remote_file(api, repo_id, head, CARD_FILE, tmp)
-    remote.head_metadata = json.loads(raw) if raw else None
+    remote.head_metadata = _json_object(raw)
     remote.head_card = card.decode("utf-8", errors="replace") if card is not None else None
     return remote
+
+
+def _json_object(raw: bytes | None) -> dict | None:
+    """A remote mapper.json as a dict; None when missing or not a JSON object (it is then not ours)."""
+    try:
+        data = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _existing_tag(api, repo_id: str, tag: str, commit: str, metadata: dict) -> str:
     """The tag's commit if it holds these very weights; HubConflictError otherwise."""
     with tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
         raw = _remote_file(api, repo_id, commit, METADATA_FILE, tmp)
-    remote = json.loads(raw) if raw else {}
-    theirs = (remote.get("tensors") or {}).get("sha256")
+    remote = _json_object(raw) or {}
+    theirs = remote.get("tensors").get("sha256") if isinstance(remote.get("tensors"), dict) else None
     if theirs == metadata["tensors"]["sha256"] and series_key(remote) == series_key(metadata):
         return commit
     raise HubConflictError(

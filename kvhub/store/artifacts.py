@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import stat
 import time
@@ -31,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..artifact import fsync_dir, sha256_file
+from ..artifact import copy_regular, fsync_dir, regular_files, sha256_file
 from ..errors import ArtifactError, IntegrityError, StoreError
 
 OBJECTS_DIR = "sha256"
 TMP_DIR = ".tmp"
 LOCK_FILE = ".lock"
-_CHUNK = 1 << 20
+_LOCATION = re.compile(rf"{OBJECTS_DIR}/([0-9a-f]{{2}})/(\1[0-9a-f]{{62}})")
 
 
 @dataclass(frozen=True)
@@ -57,28 +58,16 @@ def manifest_sha256(files: dict[str, str]) -> str:
 
 
 def artifact_files(directory: Path) -> dict[str, Path]:
-    """``{relative posix path: path}`` of the regular files of an artifact directory (see module doc)."""
-    files = {}
-    for current, dirnames, filenames in os.walk(directory):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in filenames:
-            path = Path(current) / name
-            if not name.startswith(".") and path.is_file():
-                files[path.relative_to(directory).as_posix()] = path
-    return dict(sorted(files.items()))
+    """``{relative posix path: path}`` of the regular files of an artifact directory (see module doc).
+
+    A symbolic link in it is an ArtifactError: nothing is ever copied through one.
+    """
+    return regular_files(directory)
 
 
 def copy_hashing(source: Path, destination: Path) -> str:
-    """Copy one file, fsync it, and return the sha256 of the bytes written."""
-    digest = hashlib.sha256()
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    with open(source, "rb") as reader, open(destination, "wb") as writer:
-        while chunk := reader.read(_CHUNK):
-            digest.update(chunk)
-            writer.write(chunk)
-        writer.flush()
-        os.fsync(writer.fileno())
-    return digest.hexdigest()
+    """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes."""
+    return copy_regular(source, destination)
 
 
 def _make_read_only(directory: Path) -> None:
@@ -102,8 +91,23 @@ class ArtifactStore:
 
     # ---- locations -----------------------------------------------------------------------------
     def path(self, location: str) -> Path:
-        """Absolute path of a stored location such as ``sha256/ab/ab12...``."""
-        return self.root / location
+        """Absolute path of a stored location such as ``sha256/ab/ab12...``.
+
+        ``location`` comes from the database, which whoever shares the store can write: anything but
+        the exact form ``sha256/<2 hex>/<64 hex>`` (no ``..``, no absolute path, no link in between)
+        is refused, so no path a row names can lead outside the store.
+        """
+        if not isinstance(location, str) or not _LOCATION.fullmatch(location):
+            raise StoreError(
+                f"the store's database names the artifact location {location!r}, which is not a content address "
+                f"inside {self.root}; the row was edited by hand or by another program. Nothing was read or "
+                "deleted; remove the version (`kvhub rm REF`) and re-import or pull it")
+        path = self.root / location
+        for parent in (self.root / OBJECTS_DIR, path.parent, path):
+            if parent.is_symlink():
+                raise StoreError(f"{parent} is a symbolic link; the artifact store holds only real directories. "
+                                 "Nothing was read or deleted; replace the link or remove the version")
+        return path
 
     @staticmethod
     def location_of(sha256: str) -> str:

@@ -1,7 +1,7 @@
 """From an artifact's mapper.json to store rows (read without torch: registering stays light).
 
-The store understands the metadata of artifact format versions :data:`SUPPORTED_FORMAT_VERSIONS`
-(every version up to kvhub.artifact.FORMAT_VERSION).
+The store keeps artifacts of the format versions kvhub.artifact reads (SUPPORTED_FORMAT_VERSIONS),
+each checked by kvhub.artifact before anything is stored.
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from .. import __version__
-from ..artifact import FORMAT_VERSION, METADATA_FILE
-from ..errors import ArtifactError, ConfigError, FormatVersionError, IntegrityError, NonFiniteError
+from ..artifact import METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, read_metadata, verify_tensors  # noqa: F401
+from ..errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
 from .artifacts import StoredArtifact
 from .refs import LATEST
 from .schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_FORMAT_VERSIONS = tuple(range(1, FORMAT_VERSION + 1))
-_FINGERPRINT_FIELDS = ("model_id", "model_type", "family", "config_hash", "num_layers", "num_kv_heads", "head_dim")
 METRIC_FIELDS = ("name", "value", "split", "task", "layer", "n", "seed")
 
 
@@ -43,42 +41,56 @@ def _number(value) -> float | None:
 
 
 def read_checked_metadata(directory: Path, hashes: dict[str, str]) -> dict:
-    """mapper.json of an artifact copy, checked against the file hashes taken while copying it."""
-    path = directory / METADATA_FILE
+    """mapper.json of an artifact copy after every check of the format (kvhub.artifact), its tensor
+    file's hash taken while copying equal to the recorded one, and each field the store keeps within
+    its column's length."""
     if METADATA_FILE not in hashes:
         raise ArtifactError(f"{METADATA_FILE} is missing; not a kvhub mapper artifact (write one with `kvhub fit`)")
-    try:
-        metadata = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{METADATA_FILE} is not valid JSON ({exc}); the artifact is corrupt, re-fit it") from exc
-    _check_format(metadata)
-    tensors = metadata.get("tensors") or {}
-    name, expected = tensors.get("file"), tensors.get("sha256")
-    if name not in hashes or not expected:
+    metadata = read_metadata(directory)
+    name, expected = metadata["tensors"]["file"], metadata["tensors"]["sha256"]
+    if name not in hashes:
         raise ArtifactError(f"{METADATA_FILE} names tensor file {name!r}, which the artifact lacks; re-fit it")
     if hashes[name] != expected:
         raise IntegrityError(
             f"{name} has sha256 {hashes[name]}, but {METADATA_FILE} records {expected}: the artifact was "
             "modified or corrupted; re-fit it or fetch it again"
         )
+    verify_tensors(directory, metadata)
+    check_storable(metadata)
     return metadata
 
 
-def _check_format(metadata: dict) -> None:
-    version = metadata.get("format_version")
-    if not isinstance(version, int):
-        raise ArtifactError(f"{METADATA_FILE} has no integer format_version; the artifact is corrupt")
-    if version not in SUPPORTED_FORMAT_VERSIONS:
-        raise FormatVersionError(
-            f"artifact format version {version} is not one this kvhub ({__version__}) stores "
-            f"({', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade with `pip install -U kvhub`"
-        )
-    for side in ("source", "target"):
-        missing = [f for f in _FINGERPRINT_FIELDS if f not in (metadata.get(side) or {})]
-        if missing:
-            raise ArtifactError(f"{METADATA_FILE} {side} fingerprint lacks {', '.join(missing)}; re-fit the mapper")
-    if not (metadata.get("calibration") or {}).get("name"):
-        raise ArtifactError(f"{METADATA_FILE} names no calibration set; re-fit the mapper")
+def check_storable(metadata: dict) -> None:
+    """What the store needs beyond the format: a calibration-set name (its series key) and every field
+    within its column's length."""
+    if not metadata["calibration"].get("name"):
+        raise InvalidArtifactError(f"{METADATA_FILE} names no calibration set (calibration.name); the store files "
+                                   "versions under it: re-fit the mapper with a calibration set", field="calibration.name")
+    check_lengths(metadata)
+
+
+def _limit(column) -> int | None:
+    return getattr(column.property.columns[0].type, "length", None)
+
+
+def check_lengths(metadata: dict) -> None:
+    """Refuse, naming the field, a mapper.json value longer than the store's column for it (PostgreSQL
+    would refuse the row only after the artifact was copied; SQLite would keep it silently)."""
+    fields = [("kvhub_version", metadata.get("kvhub_version"), VersionRow.kvhub_version)]
+    for role in ("source", "target"):
+        for key, column in (("model_type", ModelRow.model_type), ("family", ModelRow.family),
+                            ("config_hash", ModelRow.config_hash), ("tokenizer_hash", ModelRow.tokenizer_hash)):
+            fields.append((f"{role}.{key}", metadata[role].get(key), column))
+    calibration = metadata["calibration"]
+    fields += [("calibration.version", calibration.get("version"), CalibrationSetRow.version),
+               ("calibration.content_hash", calibration.get("content_hash"), CalibrationSetRow.content_hash)]
+    fields += [(f"metrics.{m['name']}", m["name"], MetricRow.name) for m in metadata_metrics(metadata)]
+    for name, value, column in fields:
+        limit = _limit(column)
+        if value is not None and limit is not None and len(str(value)) > limit:
+            raise InvalidArtifactError(
+                f"{METADATA_FILE} field `{name}` is {len(str(value))} characters long; the store keeps at most "
+                f"{limit}: shorten it (nothing was stored)", field=name)
 
 
 # ---- get-or-create (a concurrent insert of the same row raises IntegrityError; the caller retries) ---
@@ -240,6 +252,14 @@ def metric_row(version_id: int, metric: dict, *, kvhub_version: str) -> MetricRo
     value = metric["value"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise NonFiniteError(f"metric {metric['name']!r} has value {value!r}; only finite numbers are stored")
+    for key, column in (("name", MetricRow.name), ("split", MetricRow.split), ("task", MetricRow.task)):
+        text = metric.get(key)
+        if text is not None and (not isinstance(text, str) or len(text) > _limit(column)):
+            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {_limit(column)} characters")
+    for key in ("layer", "n", "seed"):
+        number = metric.get(key)
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or abs(number) >= 1 << 62):
+            raise ConfigError(f"metric {key} {number!r} must be an integer")
     return MetricRow(
         version_id=version_id,
         name=str(metric["name"]),

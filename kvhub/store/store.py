@@ -31,14 +31,16 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import __version__
-from ..artifact import AtomicDirectory
-from ..errors import AmbiguousError, ConfigError, NotFoundError, StoreError
+from ..artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
+from ..errors import AmbiguousError, ArtifactError, ConfigError, NotFoundError, StoreError
 from ..errors import IntegrityError as ArtifactIntegrityError
 from . import queries
 from . import resolve as rs
 from .artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
 from .engine import connection_error, make_engine, write_engine
-from .ingest import METADATA_FILE, insert_version, lock_series, metric_row, read_checked_metadata, set_alias
+from .ingest import (
+    METADATA_FILE, check_storable, insert_version, lock_series, metric_row, read_checked_metadata, set_alias,
+)
 from .location import default_artifacts_dir, display_url, resolve_db_url
 from .migrate import ensure_schema
 from .records import MapperVersion, version_record
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 VersionLike = MapperVersion | Ref | str
 _RETRIES = 12
+_COLLECT_WAIT_S = 2.0  # rm waits this long for registrations in flight, then leaves the artifact to gc
 _RETRY_SQLSTATES = {"40001", "40P01", "23505"}  # serialization failure, deadlock, unique violation
 
 
@@ -169,6 +172,7 @@ class Store:
         Raises ArtifactError / IntegrityError for a malformed or corrupt artifact (nothing is stored).
         """
         _check_json("lineage", lineage)
+        check_storable(read_metadata(artifact_dir))  # before copying: a refusal leaves nothing behind
         checked: dict = {}
 
         def check(copy: Path, hashes: dict[str, str]) -> None:
@@ -287,17 +291,22 @@ class Store:
 
     def _tensor_file(self, metadata_path: Path, record: MapperVersion) -> str:
         try:
-            tensors = json.loads(metadata_path.read_text())["tensors"]
-        except (OSError, ValueError, KeyError, TypeError):
+            with open_regular(metadata_path) as handle:
+                tensors = json.loads(handle.read())["tensors"]
+        except (ArtifactError, ValueError, KeyError, TypeError):
             return ""  # verify() below reports the missing or altered file
-        if tensors.get("sha256") != record.tensors_sha256:
+        if not isinstance(tensors, dict) or tensors.get("sha256") != record.tensors_sha256:
             return ""
-        return tensors.get("file", "")
+        name = tensors.get("file", "")
+        return name if is_plain_file_name(name) else ""
 
     def verify(self, version: VersionLike) -> Path:
-        """Hash every file of a version's artifact against its content address; returns the path."""
+        """Hash every file of a version's artifact against its content address, then run every check of
+        the artifact format on it (kvhub.artifact.read_artifact); returns the path."""
         record = version if isinstance(version, MapperVersion) else self.resolve(version)
-        return self._artifacts.verify(record.artifact_location, sha256=record.artifact_sha256)
+        path = self._artifacts.verify(record.artifact_location, sha256=record.artifact_sha256)
+        read_artifact(path)
+        return path
 
     def export(self, version: VersionLike, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Copy a version's artifact to ``directory`` (atomically), verifying every byte copied."""
@@ -362,7 +371,10 @@ class Store:
         unless ``force``.  Version numbers are never reused; ``latest`` moves to the newest remaining.
         """
         record = self._write(lambda s: self._remove(s, version, force))
-        self._collect([record.artifact_location])
+        try:  # the removal is committed: what follows may only leave work for gc, never fail the removal
+            self._collect([record.artifact_location])
+        except StoreError as exc:
+            log.warning("removed %s, but its artifact was left for `kvhub gc`: %s", record.ref, exc)
         return record
 
     def _remove(self, session: Session, version: VersionLike, force: bool) -> MapperVersion:
@@ -408,7 +420,7 @@ class Store:
 
     def _collect(self, locations: list[str]) -> None:
         """Remove these artifacts if no version references them any more."""
-        with self._artifacts.collecting():
+        with self._artifacts.collecting(timeout_s=_COLLECT_WAIT_S):
             query = select(VersionRow.artifact_location).where(VersionRow.artifact_location.in_(locations))
             referenced = set(self._read(lambda s: s.scalars(query).all()))
             for location in set(locations) - referenced:

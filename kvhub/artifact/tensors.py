@@ -1,0 +1,182 @@
+"""mapper.safetensors: the tensor names and shapes of every map structure, checked against the file's
+own header (parsed here, never trusted from mapper.json), and its bytes scanned for NaN/Inf.
+
+Per target layer m (d_in = k * Hs * Ds over the layer's k sources, d_out = Ht * Dt), for kind in k, v:
+
+    {kind}.{m}.bias           (d_out,)
+    {kind}.{m}.weight         (d_in, d_out)                          dense
+                              (G, d_in / G, d_out / G)               head-local, G head groups
+    {kind}.{m}.weight_a/_b    (d_in, R), (R, d_out)                  low rank R
+                              (G, d_in / G, R), (G, R, d_out / G)    both
+    {kind}.{m}.target_mean    (d_out,)   optional: the calibration mean of the target's K~ / V
+
+All fp32 (``F32``).  G divides both KV head counts; format version 2 is required when any map is
+head-local or low rank.  The tensors alone say which structure a map has (a fit may store densely a
+map whose rank would save nothing); mapper.json's ``structure`` records what was asked for.  Nothing
+here imports torch (numpy scans the bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArtifactError
+from .files import open_regular
+
+DTYPE = "F32"
+HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
+_CHUNK = 4 << 20  # a multiple of 4: chunks hold whole fp32 values
+_SUFFIXES = ("bias", "weight", "weight_a", "weight_b", "target_mean")
+
+
+@dataclass
+class TensorFile:
+    """What the header of a tensor file says, and what scanning its bytes found."""
+
+    shapes: dict[str, tuple[int, ...]]
+    sha256: str | None = None
+    nonfinite: list[str] = field(default_factory=list)  # tensors holding NaN or Inf
+
+
+def read_tensor_file(path, *, scan: bool = True, where: str = "") -> TensorFile:
+    """Parse the safetensors header of ``path`` (a regular file, never a link) and validate it: every
+    tensor F32, offsets contiguous and covering the data exactly.  ``scan``: also hash the whole file
+    and find the tensors holding NaN or Inf, in the same pass.  InvalidArtifactError otherwise."""
+    where = where or str(path)
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= length <= min(HEADER_LIMIT, size - 8):
+            _fail(where, f"is not a safetensors file (header length {length}, file size {size})")
+        raw = handle.read(length)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            _fail(where, f"has a safetensors header that is not valid JSON ({exc})")
+        entries = _entries(header, size - 8 - length, where)
+        result = TensorFile({name: entry[1] for name, entry in entries.items()})
+        if scan:
+            digest = hashlib.sha256(head + raw)
+            result.nonfinite = _scan(handle, digest, entries)
+            result.sha256 = digest.hexdigest()
+    return result
+
+
+def _entries(header, data_bytes: int, where: str) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """{name: (begin, shape, end)} of a parsed header, checked; sorted by offset."""
+    if not isinstance(header, dict):
+        _fail(where, "has a safetensors header that is not a JSON object")
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)
+        numbers = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                             for x in [*info["shape"], *info["data_offsets"]]) and len(info["data_offsets"]) == 2
+        if not numbers:
+            _fail(where, f"has a malformed header entry for tensor {name!r}")
+        if info.get("dtype") != DTYPE:
+            _fail(where, f"stores tensor {name!r} as {info.get('dtype')!r}; the format stores fp32 ({DTYPE})")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - begin != 4 * math.prod(shape):
+            _fail(where, f"gives tensor {name!r} of shape {shape} {end - begin} bytes, not {4 * math.prod(shape)}")
+        entries[name] = (begin, shape, end)
+    entries = dict(sorted(entries.items(), key=lambda item: (item[1][0], item[1][2])))
+    position = 0
+    for name, (begin, _, end) in entries.items():
+        if begin != position:
+            _fail(where, f"has overlapping or gapped data offsets at tensor {name!r}")
+        position = end
+    if position != data_bytes:
+        _fail(where, f"has {data_bytes} data bytes but its header describes {position} (truncated or padded)")
+    return entries
+
+
+def _scan(handle, digest, entries) -> list[str]:
+    """Hash the rest of the file into ``digest``; the names of tensors holding a non-finite value."""
+    import numpy as np
+
+    bad_offsets = []
+    offset = 0
+    while chunk := handle.read(_CHUNK):
+        digest.update(chunk)
+        values = np.frombuffer(chunk[: len(chunk) - len(chunk) % 4], dtype="<f4")
+        finite = np.isfinite(values)
+        if not finite.all():
+            bad_offsets += [offset + 4 * int(i) for i in np.flatnonzero(~finite)[:1024]]
+        offset += len(chunk)
+    return sorted({name for name, (begin, _, end) in entries.items() for o in bad_offsets if begin <= o < end})
+
+
+def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
+    """True when some map is low rank (``weight_a``) or head-local (a 3-D ``weight``)."""
+    return any(name.endswith(".weight_a") or (name.endswith(".weight") and len(shape) == 3)
+               for name, shape in shapes.items())
+
+
+def format_version_of(shapes: dict[str, tuple[int, ...]]) -> int:
+    """1 for dense maps (readable by every kvhub), 2 when a head-local or low-rank map is stored."""
+    return 2 if is_compressed(shapes) else 1
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: str) -> None:
+    """Raise InvalidArtifactError unless the tensors are exactly those ``metadata`` (checked by
+    kvhub.artifact.schema) implies, with the shapes of one of the structures in the module doc."""
+    src, dst = metadata["source"], metadata["target"]
+    expected: set[str] = set()
+    for layer in metadata["layers"]:
+        m, k = layer["target"], len(layer["sources"])
+        d_in, d_out = k * src["num_kv_heads"] * src["head_dim"], dst["num_kv_heads"] * dst["head_dim"]
+        for kind in ("k", "v"):
+            prefix = f"{kind}.{m}"
+            names = _check_map(shapes, prefix, d_in, d_out, src, dst, where)
+            expected |= names | {f"{prefix}.bias"}
+            if shapes.get(f"{prefix}.bias") != (d_out,):
+                _fail(where, f"has {prefix}.bias of shape {shapes.get(f'{prefix}.bias')}, expected ({d_out},)")
+            if f"{prefix}.target_mean" in shapes:
+                expected.add(f"{prefix}.target_mean")
+                if shapes[f"{prefix}.target_mean"] != (d_out,):
+                    _fail(where, f"has {prefix}.target_mean of shape {shapes[f'{prefix}.target_mean']}, "
+                                 f"expected ({d_out},)")
+    extra = sorted(set(shapes) - expected)
+    if extra:
+        _fail(where, f"holds tensors the format does not name ({', '.join(extra[:4])}"
+                     f"{', ...' if len(extra) > 4 else ''})")
+    if is_compressed(shapes) and metadata["format_version"] < 2:
+        _fail(where, "stores head-local or low-rank maps under format_version 1; they need format version 2")
+
+
+def _check_map(shapes, prefix: str, d_in: int, d_out: int, src: dict, dst: dict, where: str) -> set[str]:
+    """Check one map's weight tensors; returns their names."""
+    dense, low_rank = f"{prefix}.weight", (f"{prefix}.weight_a", f"{prefix}.weight_b")
+    if dense in shapes and not any(n in shapes for n in low_rank):
+        factors = [shapes[dense]]
+    elif dense not in shapes and all(n in shapes for n in low_rank):
+        factors = [shapes[n] for n in low_rank]
+    else:
+        _fail(where, f"needs either {dense} or both {low_rank[0]} and {low_rank[1]} for target layer map {prefix}")
+    groups = factors[0][0] if len(factors[0]) == 3 else 1
+    rank = factors[0][-1] if len(factors) == 2 else None
+    heads_ok = groups >= 1 and src["num_kv_heads"] % groups == 0 and dst["num_kv_heads"] % groups == 0
+    if len(factors[0]) == 3 and (groups < 2 or not heads_ok):
+        _fail(where, f"splits {prefix} into {groups} head groups, which do not divide the KV heads "
+                     f"({src['num_kv_heads']} source, {dst['num_kv_heads']} target)")
+    lead = (groups,) if groups > 1 else ()
+    rows, cols = d_in // groups, d_out // groups
+    want = [lead + (rows, cols)] if rank is None else [lead + (rows, rank), lead + (rank, cols)]
+    if factors != want or (rank is not None and rank < 1):
+        names = [dense] if rank is None else list(low_rank)
+        _fail(where, f"has {', '.join(names)} of shape {', '.join(map(str, factors))}, expected "
+                     f"{', '.join(map(str, want))} from the fingerprints' geometry")
+    return {dense} if rank is None else set(low_rank)
+
+
+def _fail(where: str, problem: str):
+    raise InvalidArtifactError(f"{where} {problem}; the artifact is corrupt or inconsistent, re-fetch it or "
+                               "re-fit the mapper", field="tensors")
