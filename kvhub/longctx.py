@@ -76,7 +76,8 @@ def fact_items(tokenizer, filler: list[str], *, context_tokens: int, n: int, see
         colour, thing = vaults[0]
         question = (f"\n\nQuestion: What is the access code for the {colour} {thing} vault?\n"
                     f"Answer: The access code for the {colour} {thing} vault is")
-        body = _haystack(tokenizer, filler, rng, context_tokens, list(zip(where, sentences)))
+        stated = sum(_count(tokenizer, text) for text in sentences + [question])
+        body = _haystack(tokenizer, filler, rng, context_tokens - stated, list(zip(where, sentences)))
         prompt = tokenizer(body + question, add_special_tokens=False)["input_ids"]
         answer = _answer_ids(tokenizer, body + question, " " + codes[0])
         items.append(RecallItem(f"facts-{context_tokens}-{i}", prompt, answer, codes[0],
@@ -99,7 +100,7 @@ def multiturn_items(tokenizer, filler: list[str], *, context_tokens: int, n: int
             paragraph = rng.choice(filler)
             messages += [{"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat happens next?"},
                          {"role": "assistant", "content": _first_sentence(paragraph)}]
-            used += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"]) + 30
+            used += _count(tokenizer, paragraph) + 30
         messages.append({"role": "user", "content": f"What is my {thing}? Reply with the number only."})
         prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
@@ -154,10 +155,14 @@ def _haystack(tokenizer, filler, rng, context_tokens, inserts: list[tuple[float,
         if used >= context_tokens:
             break
         paragraphs.append(filler[index])
-        used += len(tokenizer(filler[index], add_special_tokens=False)["input_ids"]) + 1
+        used += _count(tokenizer, filler[index]) + 1
     for depth, sentence in sorted(inserts, reverse=True):
         paragraphs.insert(round(depth * len(paragraphs)), sentence)
     return "\n".join(paragraphs)
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _answer_ids(tokenizer, prompt_text: str, answer: str) -> list[int]:
