@@ -1,0 +1,400 @@
+"""A vLLM v1 KV connector that hands a small model's prompt KV to a large model through a kvhub mapper.
+
+One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_extra_config``
+(docs/serving.md has the full table)::
+
+    KVTransferConfig(kv_connector="KVHubConnector", kv_connector_module_path="kvhub.serving.vllm_connector",
+                     kv_role="kv_producer" | "kv_consumer", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"store_dir": "/dev/shm/kvhub", "source_model": "...",
+                                                "mapper": "SRC:DST:CALIB@production"})  # consumer only
+
+* producer (small model's engine): when a request's prompt is fully computed, its K/V (every layer,
+  read from the paged blocks) goes into the :class:`~kvhub.serving.kvstore.KVStore` under
+  (isolation key, source model, token-id prefix hashes).
+* consumer (large model's engine): ``get_num_new_matched_tokens`` reports the longest stored prefix,
+  block-aligned, minus ``exact_tail`` tokens that vLLM computes itself (:func:`~kvhub.serving.paged.load_plan`);
+  ``start_load_kv`` reads those source rows and maps them with :meth:`kvhub.mapper.Mapper.map_layers` at their
+  absolute positions (RoPE stripped and re-applied); ``wait_for_layer_load`` writes each layer into its
+  allocated blocks with the attention backend's own writer, just before that layer runs.
+* Mapped blocks are approximate: right after vLLM allocates (and prefix-caches) them, the consumer evicts
+  their hashes from vLLM's prefix cache, so no later request reuses them as exact.  The request's later
+  blocks chain from those hashes and so can never be a prefix-cache hit either.
+* Isolation key: the request's ``kv_transfer_params["kvhub_tenant"]`` if given, else its ``cache_salt``,
+  else "" (one shared namespace; ``require_isolation_key`` turns that off).
+* Fallback is never silent: no stored prefix, an incompatible mapper, a failed pin or a failed map/write
+  is a log line, a counter in ``self.counters`` and, with ``events_path``, a JSON line; a failed load
+  reports its blocks through ``get_block_ids_with_load_errors`` so vLLM recomputes them (with
+  ``kv_load_failure_policy="recompute"``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..errors import ConfigError, IncompatibleError
+from .kvstore import KVStore
+from .paged import PagedLayout, load_plan, probe_layout
+
+log = logging.getLogger("kvhub.serving")
+
+_LAYER_NUMBER = re.compile(r"layers\.(\d+)\.")
+DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "exact_tail": 16, "require_isolation_key": False}
+
+
+@dataclass
+class SaveJob:
+    request_id: str
+    isolation_key: str
+    token_ids: list[int]
+    slots: list[int]
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    pin: str
+    token_ids: list[int]
+    start: int
+    end: int
+    slots: list[int]  # of tokens [start, end)
+    block_ids: list[int]  # the blocks those slots are in (reported back on a failed load)
+
+
+@dataclass
+class KVHubConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Producer bookkeeping of one running request (scheduler side)."""
+
+    isolation_key: str
+    token_ids: list[int]
+    block_ids: list[int]
+    computed: int = 0
+    saved: bool = False
+
+
+class KVHubConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
+        if "store_dir" not in extra:
+            raise ConfigError("kv_connector_extra_config needs 'store_dir': a directory both engines can reach")
+        self.is_producer = transfer.kv_role == "kv_producer"
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ConfigError(f"KVHubConnector runs as kv_producer or kv_consumer, not {transfer.kv_role!r}")
+        self.block_size = vllm_config.cache_config.block_size
+        self.exact_tail = max(int(extra["exact_tail"]), 1)
+        self.require_isolation_key = bool(extra["require_isolation_key"])
+        self.store = KVStore(extra["store_dir"], max_bytes=int(extra["store_max_bytes"]),
+                             chunk_tokens=int(extra["chunk_tokens"]))
+        self.events_path = extra.get("events_path")
+        self.counters: Counter[str] = Counter()
+        self._role_name = "producer" if self.is_producer else "consumer"
+        self._lock = threading.Lock()
+        self.mapper = None
+        self.refusal: str | None = None
+        if self.is_producer:
+            self.source_model = extra.get("source_model") or vllm_config.model_config.model
+        else:
+            self._init_consumer(vllm_config, extra)
+        # scheduler side
+        self._requests: dict[str, Any] = {}  # producer: request objects, for their isolation keys
+        self._tracked: dict[str, _Tracked] = {}
+        self._matched: dict[str, tuple[Any, int, int]] = {}  # request id -> (stored prefix, start, end)
+        self._loads: list[LoadJob] = []
+        # worker side
+        self._layouts: dict[tuple, PagedLayout] = {}
+        self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pending_writes: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._layers: dict[str, Any] = {}
+        self._load_errors: set[int] = set()
+
+    # ---- configuration ---------------------------------------------------------------------------
+    def _init_consumer(self, vllm_config, extra: dict) -> None:
+        device = "cpu" if self.role == KVConnectorRole.SCHEDULER else _worker_device(vllm_config)
+        try:
+            self.mapper = _load_mapper(extra, device=device)
+            self.source_model = extra.get("source_model") or self.mapper.source["model_id"]
+            _check_target(self.mapper, vllm_config)
+        except Exception as exc:  # noqa: BLE001 - any failure to get a usable mapper means: prefill, visibly
+            self.refusal = f"{type(exc).__name__}: {exc}"
+            self.source_model = extra.get("source_model", "")
+            log.error("kvhub consumer disabled, every request falls back to prefill: %s", self.refusal)
+        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvhub consumer: set kv_load_failure_policy='recompute' so a failed map falls back to "
+                        "prefill instead of failing the request")
+
+    def _event(self, event: str, request_id: str, **fields) -> None:
+        self.counters[event] += 1
+        if self.events_path:
+            line = json.dumps({"time": time.time(), "role": self._role_name, "event": event,
+                               "request_id": request_id, **fields})
+            with self._lock, open(self.events_path, "a") as f:
+                f.write(line + "\n")
+
+    def _isolation_key(self, request) -> str | None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        key = params.get("kvhub_tenant") or getattr(request, "cache_salt", None) or ""
+        return None if (self.require_isolation_key and not key) else key
+
+    # ---- scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.is_producer:
+            return 0, False
+        reason, plan = self._plan(request, num_computed_tokens)
+        if plan is None:
+            self._event("fallback", request.request_id, reason=reason, local_hit_tokens=num_computed_tokens,
+                        prompt_tokens=len(request.prompt_token_ids or []))
+            return 0, False
+        prefix, start, end = plan
+        self._matched[request.request_id] = plan
+        return end - start, False
+
+    def _plan(self, request, computed: int):
+        """(reason, None) for a fallback, or (None, (stored prefix, start, end))."""
+        if self.refusal is not None:
+            return f"consumer disabled: {self.refusal}", None
+        key = self._isolation_key(request)
+        if key is None:
+            return "no isolation key (require_isolation_key is set)", None
+        tokens = list(request.prompt_token_ids or [])
+        prefix = self.store.longest_prefix(isolation_key=key, source_model=self.source_model, token_ids=tokens,
+                                           max_tokens=len(tokens) - self.exact_tail)
+        if prefix is None:
+            return "no stored source KV for this prompt", None
+        start, end = load_plan(prompt_tokens=len(tokens), computed_tokens=computed, stored_tokens=prefix.tokens,
+                               block_size=self.block_size, exact_tail=self.exact_tail)
+        if end <= start:
+            return f"stored prefix of {prefix.tokens} tokens adds nothing past {computed} computed", None
+        return None, (prefix, start, end)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.is_producer:
+            return
+        plan = self._matched.pop(request.request_id, None)
+        if num_external_tokens == 0 or plan is None:
+            return
+        prefix, start, end = plan
+        block_ids = list(self._kv_cache_manager.get_block_ids(request.request_id)[0])
+        mapped_blocks = block_ids[start // self.block_size:end // self.block_size]
+        # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them
+        self._kv_cache_manager.block_pool.evict_blocks(set(mapped_blocks))
+        pin = self.store.pin(prefix)
+        if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
+            self._event("fallback", request.request_id, reason="stored KV evicted before the load")
+        slots = [block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(start, end)]
+        self._loads.append(LoadJob(request.request_id, str(pin) if pin else "", list(request.prompt_token_ids[:end]),
+                                   start, end, slots, mapped_blocks))
+        self._event("hit", request.request_id, start=start, end=end, local_hit_tokens=start,
+                    prompt_tokens=len(request.prompt_token_ids), stored_tokens=prefix.tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KVHubConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if self.is_producer:
+            meta.saves = self._saves(scheduler_output)
+        return meta
+
+    def _saves(self, out) -> list[SaveJob]:
+        for new in out.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            key = self._isolation_key(request) if request is not None else None
+            if key is None:
+                continue
+            self._tracked[new.req_id] = _Tracked(key, list(new.prompt_token_ids or []), list(new.block_ids[0]),
+                                                 new.num_computed_tokens)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                tracked.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                tracked.block_ids += list(new_ids[0])
+            tracked.computed = cached.num_computed_tokens[i]
+        jobs = []
+        for req_id, tracked in self._tracked.items():
+            done = tracked.computed + out.num_scheduled_tokens.get(req_id, 0)
+            n = len(tracked.token_ids)
+            if tracked.saved or done < n or n < self.store.chunk_tokens:
+                continue
+            tracked.saved = True
+            slots = [tracked.block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(n)]
+            jobs.append(SaveJob(req_id, tracked.isolation_key, tracked.token_ids, slots))
+        for req_id in out.finished_req_ids:
+            self._tracked.pop(req_id, None)
+            self._requests.pop(req_id, None)
+        return jobs
+
+    def on_new_request(self, request) -> None:
+        if self.is_producer:
+            self._requests[request.request_id] = request
+
+    def request_finished(self, request, block_ids):
+        self._matched.pop(request.request_id, None)
+        self._tracked.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side -----------------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        self._layers = forward_context.no_compile_layers
+        for job in meta.loads:
+            try:
+                self._map_job(job)
+            except Exception as exc:  # noqa: BLE001 - a failed load is recomputed by vLLM, visibly
+                self._load_errors.update(job.block_ids)
+                self._event("fallback", job.request_id, reason=f"load failed: {type(exc).__name__}: {exc}")
+                log.warning("kvhub: mapping request %s failed, vLLM recomputes its blocks: %s", job.request_id, exc)
+            finally:
+                if job.pin:
+                    self.store.release(job.pin)
+
+    def _map_job(self, job: LoadJob) -> None:
+        if not job.pin:
+            raise IncompatibleError("the stored source KV was evicted before it could be pinned")
+        device = self.mapper.device
+        keys, values = self.store.read(job.pin, token_ids=job.token_ids, start=job.start, end=job.end, device=device)
+        source = self.mapper.source
+        if len(keys) != source["num_layers"] or keys[0].shape[1:] != (source["num_kv_heads"], job.end - job.start,
+                                                                       source["head_dim"]):
+            raise IncompatibleError(f"stored KV of shape {len(keys)} x {tuple(keys[0].shape)} is not "
+                                    f"{source['model_id']}'s; check source_model on both engines")
+        positions = torch.arange(job.start, job.end, device=device).unsqueeze(0)  # (1, T): absolute positions
+        dtype = next(layer.kv_cache.dtype for layer in self._layers.values() if hasattr(layer, "kv_cache"))
+        mapped = self.mapper.map_layers(keys, values, positions, dtype=dtype)
+        slots = torch.tensor(job.slots, dtype=torch.long)
+        for m, (k, v) in enumerate(mapped):
+            self._pending_writes.setdefault(m, []).append((k[0].transpose(0, 1).contiguous(),
+                                                           v[0].transpose(0, 1).contiguous(), slots))
+        self._event("mapped", job.request_id, tokens=job.end - job.start)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        writes = self._pending_writes.pop(_layer_number(layer_name), None)
+        if not writes:
+            return
+        layer = self._layers[layer_name]
+        for keys, values, slots in writes:  # keys, values: (N, H, D)
+            slots = slots.to(layer.kv_cache.device)
+            layer.impl.do_kv_cache_update(layer, keys.to(layer.kv_cache.device), values.to(layer.kv_cache.device),
+                                          layer.kv_cache, slots)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        if not self.is_producer:
+            return
+        meta = self._get_connector_metadata()
+        if not meta.saves:
+            return
+        from vllm.forward_context import get_forward_context
+
+        layer = get_forward_context().no_compile_layers[layer_name]
+        layout = self._layout(layer, kv_layer)
+        number = _layer_number(layer_name)
+        for job in meta.saves:
+            slots = torch.tensor(job.slots, dtype=torch.long, device=kv_layer.device)
+            self._collected.setdefault(job.request_id, {})[number] = layout.gather(kv_layer, slots)
+
+    def _layout(self, layer, kv_layer: torch.Tensor) -> PagedLayout:
+        key = (type(layer.impl), getattr(layer, "isa", None), kv_layer.dtype, tuple(kv_layer.shape[1:]))
+        if key not in self._layouts:
+            heads, head_dim = layer.num_kv_heads, layer.head_size
+
+            def writer(k, v, cache, slots):
+                layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+            scratch = kv_layer.new_zeros((1, *kv_layer.shape[1:]))
+            self._layouts[key] = probe_layout(writer, scratch, block_size=self.block_size, heads=heads,
+                                              head_dim=head_dim)
+        return self._layouts[key]
+
+    def wait_for_save(self) -> None:
+        if self._pending_writes:
+            log.error("kvhub: mapped KV for layers %s was never written (wait_for_layer_load not called)",
+                      sorted(self._pending_writes))
+            self._pending_writes.clear()
+        if not self.is_producer:
+            return
+        meta = self._get_connector_metadata()
+        for job in meta.saves:
+            layers = self._collected.pop(job.request_id, {})
+            try:
+                ordered = [layers[l] for l in range(len(layers))]
+                self.store.put(isolation_key=job.isolation_key, source_model=self.source_model,
+                               token_ids=job.token_ids, keys=[k for k, _ in ordered], values=[v for _, v in ordered])
+                self._event("saved", job.request_id, tokens=len(job.token_ids))
+            except Exception as exc:  # noqa: BLE001 - a failed save only costs a later cache miss
+                self._event("save_failed", job.request_id, reason=f"{type(exc).__name__}: {exc}")
+                log.warning("kvhub: saving request %s failed: %s", job.request_id, exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+
+def _layer_number(layer_name: str) -> int:
+    match = _LAYER_NUMBER.search(layer_name)
+    if match is None:
+        raise IncompatibleError(f"cannot tell the layer number of attention layer {layer_name!r}")
+    return int(match.group(1))
+
+
+def _worker_device(vllm_config) -> str:
+    device = getattr(vllm_config.device_config, "device", None)
+    return str(device) if device is not None else "cpu"
+
+
+def _load_mapper(extra: dict, *, device):
+    """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory)."""
+    from ..mapper import Mapper
+
+    if extra.get("mapper_path"):
+        return Mapper.load(Path(extra["mapper_path"]), device=device)
+    if not extra.get("mapper"):
+        raise ConfigError("the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in "
+                          "kv_connector_extra_config")
+    from ..api import load
+    from ..store.refs import Ref
+
+    ref = Ref.parse(extra["mapper"])
+    if extra.get("db"):
+        os.environ.setdefault("KVHUB_DB_URL", str(extra["db"]))
+    return load(ref.source, ref.target, calib=ref.calibration, version=ref.version, alias=ref.alias,
+                hub_repo=extra.get("hub_repo"), db=extra.get("db"), device=device)
+
+
+def _check_target(mapper, vllm_config) -> None:
+    """The engine's model must have the KV geometry the mapper writes (IncompatibleError otherwise)."""
+    model = vllm_config.model_config
+    engine = {"num_layers": model.hf_config.num_hidden_layers,
+              "num_kv_heads": model.get_num_kv_heads(vllm_config.parallel_config),
+              "head_dim": model.get_head_size()}
+    wanted = {name: mapper.target[name] for name in engine}
+    if engine != wanted:
+        raise IncompatibleError(f"this engine's model has KV geometry {engine}, the mapper writes {wanted} "
+                                f"({mapper.target['model_id']}); serve that model or pick its mapper")

@@ -1,0 +1,166 @@
+"""The connector's engine-independent parts: the shared KV store, the load plan, the paged-layout probe.
+
+No vLLM needed; tests/test_vllm_connector.py drives them inside the real engine.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
+from kvhub.serving.kvstore import KVStore
+from kvhub.serving.paged import load_plan, probe_layout
+
+LAYERS, HEADS, DIM = 3, 2, 8
+
+
+def _kv(tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(HEADS, tokens, DIM, generator=g) for _ in range(LAYERS)]
+    values = [torch.randn(HEADS, tokens, DIM, generator=g) for _ in range(LAYERS)]
+    return keys, values
+
+
+def _put(store, ids, *, tenant="alice", model="src", seed=0):
+    keys, values = _kv(len(ids), seed)
+    store.put(isolation_key=tenant, source_model=model, token_ids=ids, keys=keys, values=values)
+    return keys, values
+
+
+def test_longest_prefix_is_chunk_aligned_and_reads_back_exact_rows(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 15))  # 14 tokens: chunks end at 4, 8, 12
+    keys, values = _put(store, ids)
+    prompt = ids[:10] + [99, 98, 97]  # shares 10 tokens -> 8 chunk-aligned
+    found = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=prompt)
+    assert found.tokens == 8
+    assert store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids, max_tokens=11).tokens == 8
+    assert store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids).tokens == 12
+    got_k, got_v = KVStore.read(found.entry, token_ids=prompt, start=2, end=8)
+    for l in range(LAYERS):
+        assert got_k[l].shape == (1, HEADS, 6, DIM)
+        assert torch.equal(got_k[l][0], keys[l][:, 2:8]) and torch.equal(got_v[l][0], values[l][:, 2:8])
+
+
+def test_tenants_and_source_models_never_see_each_other(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 13))
+    _put(store, ids, tenant="alice", model="src")
+    assert store.longest_prefix(isolation_key="bob", source_model="src", token_ids=ids) is None
+    assert store.longest_prefix(isolation_key="", source_model="src", token_ids=ids) is None
+    assert store.longest_prefix(isolation_key="alice", source_model="other", token_ids=ids) is None
+    assert store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids) is not None
+    assert KVStore.namespace("alice", "src") != KVStore.namespace("bob", "src")
+
+
+def test_read_refuses_an_entry_holding_other_tokens(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 13))
+    _put(store, ids)
+    entry = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids).entry
+    with pytest.raises(IncompatibleError, match="does not hold"):
+        KVStore.read(entry, token_ids=[5] + ids[1:], start=0, end=8)
+
+
+def test_size_cap_evicts_least_recently_used_and_its_index(tmp_path):
+    ids = [list(range(100 * n + 1, 100 * n + 17)) for n in range(3)]
+    probe = KVStore(tmp_path / "probe", max_bytes=1 << 30, chunk_tokens=4)
+    _put(probe, ids[0])
+    store = KVStore(tmp_path / "capped", max_bytes=int(2.5 * probe.total_bytes()), chunk_tokens=4)
+
+    def entry(n):
+        return store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids[n])
+
+    _put(store, ids[0])
+    _put(store, ids[1])
+    oldest = entry(0).entry
+    os.utime(oldest, (1e9, 1e9))
+    os.utime(entry(1).entry, (2e9, 2e9))
+    _put(store, ids[2])
+    assert store.total_bytes() <= store.max_bytes
+    assert entry(0) is None and entry(1) is not None and entry(2) is not None
+    index = oldest.parent.parent / "index"
+    assert len(list(index.iterdir())) == 2 * 4  # 4 chunk prefixes of each surviving entry, none of the evicted one
+
+
+def test_a_pinned_entry_stays_readable_after_eviction(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 13))
+    keys, _ = _put(store, ids)
+    found = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids)
+    pin = store.pin(found)
+    KVStore(tmp_path, max_bytes=1, chunk_tokens=4).evict()  # a cap that nothing fits
+    assert not found.entry.exists()
+    assert store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids) is None
+    got, _ = KVStore.read(pin, token_ids=ids, start=0, end=12)
+    assert torch.equal(got[0][0], keys[0])
+    KVStore.release(pin)
+    assert not pin.exists()
+    assert store.pin(found) is None  # the entry is gone: nothing to pin
+
+
+def test_engines_must_agree_on_the_chunk_size(tmp_path):
+    KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=16)
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=32)
+
+
+def test_short_prompts_are_not_stored(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=16)
+    keys, values = _kv(10)
+    assert store.put(isolation_key="a", source_model="s", token_ids=list(range(10)), keys=keys, values=values) is None
+
+
+@pytest.mark.parametrize("prompt, computed, stored, expected", [
+    (100, 0, 80, (0, 64)),     # min(80, 100 - 16) = 80 -> 64 with 32-token blocks
+    (100, 32, 80, (32, 64)),   # vLLM's own exact prefix-cache hit is kept, only the rest is mapped
+    (100, 64, 80, (64, 64)),   # nothing past the local hit
+    (40, 0, 400, (0, 0)),      # the exact tail leaves less than a block
+    (200, 0, 400, (0, 160)),   # the tail bounds it: 200 - 16 = 184 -> 160
+])
+def test_load_plan(prompt, computed, stored, expected):
+    assert load_plan(prompt_tokens=prompt, computed_tokens=computed, stored_tokens=stored, block_size=32,
+                     exact_tail=16) == expected
+
+
+def test_load_plan_always_leaves_one_token_to_compute():
+    assert load_plan(prompt_tokens=64, computed_tokens=0, stored_tokens=64, block_size=32, exact_tail=0) == (0, 32)
+
+
+# ---- paged layout ----------------------------------------------------------------------------------
+def _transposed_key_writer(block_size, heads, dim):
+    """A cache laid out like vLLM's CPU 'vec' kernel: (blocks, H, b, 2D) holding keys as (D, b) then values (b, D)."""
+
+    def write(key, value, cache, slots):  # key, value: (N, H, D)
+        view = cache.view(cache.shape[0], heads, 2 * block_size * dim)
+        for n, slot in enumerate(slots.tolist()):
+            block, offset = divmod(slot, block_size)
+            for h in range(heads):
+                keys = view[block, h, :block_size * dim].view(dim, block_size)
+                keys[:, offset] = key[n, h]
+                view[block, h, block_size * dim:].view(block_size, dim)[offset] = value[n, h]
+
+    return write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_finds_a_transposed_layout_and_gather_reads_tokens_back(dtype):
+    block_size, heads, dim = 8, 2, 32
+    writer = _transposed_key_writer(block_size, heads, dim)
+    layout = probe_layout(writer, torch.zeros(1, heads, block_size, 2 * dim, dtype=dtype), block_size=block_size,
+                          heads=heads, head_dim=dim)
+    cache = torch.zeros(5, heads, block_size, 2 * dim, dtype=dtype)
+    slots = torch.tensor([3 * 8 + 5, 3 * 8 + 6, 1 * 8 + 0, 4 * 8 + 7])
+    key, value = torch.randn(4, heads, dim).to(dtype), torch.randn(4, heads, dim).to(dtype)
+    writer(key, value, cache, slots)
+    got_k, got_v = layout.gather(cache, slots)
+    assert torch.equal(got_k, key.transpose(0, 1)) and torch.equal(got_v, value.transpose(0, 1))
+
+
+def test_probe_refuses_a_writer_it_cannot_invert():
+    def lossy(key, value, cache, slots):  # keeps only head 0
+        cache.view(-1)[: key[:, 0].numel()] = key[:, 0].reshape(-1)
+
+    with pytest.raises(UnsupportedModelError, match="cannot read this paged KV layout"):
+        probe_layout(lossy, torch.zeros(1, 2, 4, 16), block_size=4, heads=2, head_dim=8)
