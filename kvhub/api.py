@@ -61,10 +61,11 @@ def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_re
     # ---- hub fallback hook (owned by kvhub.hub; keep this body minimal) ----
     from .hub import configured_namespaces, load_from_hub
     from .store import open_store
+    from .store.refs import parse_selector
 
     if (hub_repo is None and not configured_namespaces()) or alias not in (None, "latest"):
         raise miss
-    number = int(str(version).lower().lstrip("v")) if version is not None else None
+    number = parse_selector(version)[0] if version is not None else None
     with open_store(db) as store:
         pulled = load_from_hub(store, src, dst, calibration=calib, version=number, hub_repo=hub_repo)
         return store.artifact_path(pulled.version)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .console import console, err_console
+from .console import console, err_console, plain
 
 _DB_HELP = "Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir)."
 
@@ -43,17 +43,17 @@ def push(ref, repo_id, private, branch, card, db, as_json):
     with _store(db) as store:
         result = push_version(store, ref, repo_id, private=private, branch=branch, card=card)
     for note in result.notes:
-        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        err_console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     if as_json:
         click.echo(json.dumps({"repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
                                "branch": result.branch, "url": result.url, "card": result.card,
                                "already_published": result.already_published}, indent=2))
     elif result.already_published:
         console.print(f"{ref} is already published as {result.repo_id}@{result.tag} "
-                      f"(commit {result.commit_sha[:12]}); nothing to do", highlight=False, soft_wrap=True)
+                      f"(commit {result.commit_sha[:12]}); nothing to do", highlight=False, markup=False, soft_wrap=True)
     else:
         console.print(f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on "
-                      f"{result.branch}, card {result.card})\n{result.url}", highlight=False, soft_wrap=True)
+                      f"{result.branch}, card {result.card})\n{result.url}", highlight=False, markup=False, soft_wrap=True)
 
 
 @click.command()
@@ -82,10 +82,10 @@ def pull(repo, revision, db, as_json):
                               indent=2))
     elif result.already_registered:
         console.print(f"{result.repo_id}@{result.revision} is already in the store as {reference}; nothing to do",
-                      highlight=False, soft_wrap=True)
+                      highlight=False, markup=False, soft_wrap=True)
     else:
         console.print(f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> "
-                      f"registered {reference}", highlight=False, soft_wrap=True)
+                      f"registered {reference}", highlight=False, markup=False, soft_wrap=True)
 
 
 @click.command()
@@ -119,10 +119,15 @@ def search(src, dst, calib, author, limit, as_json):
         table.add_column(column, overflow="fold")  # never elide an id
     for m in found:
         r2 = [m.metrics.get(f"heldout_r2_{kind}_mean") for kind in ("k", "v")]
-        table.add_row(m.repo_id + (" (private)" if m.private else ""), m.source, m.target, m.calibration or "-",
+        _row(table, m.repo_id + (" (private)" if m.private else ""), m.source, m.target, m.calibration or "-",
                       m.version or "-", str(m.k if m.k is not None else "-"),
                       *(f"{x:.3f}" if isinstance(x, (int, float)) else "-" for x in r2), (m.last_modified or "")[:10])
     console.print(table)
+
+
+def _row(table, *cells) -> None:
+    """Add a table row shown verbatim (card metadata from the Hub is never read as Rich markup)."""
+    table.add_row(*(plain(cell) for cell in cells))
 
 
 def attach(group: click.Group) -> None:

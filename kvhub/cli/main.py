@@ -18,9 +18,9 @@ class KVHubGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KVHubError as exc:
-            from .console import err_console
+            from .console import say
 
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            say(str(exc), label="error:", style="bold red")  # verbatim: never read as Rich markup
             sys.exit(exc.exit_code)
 
 
@@ -33,12 +33,15 @@ def main(verbose: bool) -> None:
     Fit a mapper (kvhub fit), keep its versions in the store (kvhub list/show/tag),
     publish it (kvhub push/pull), and load it in serving code (kvhub.load(src, dst).transfer(cache)).
     """
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
+    # -v is kvhub's own debug log only: other libraries' DEBUG output (httpcore logs raw HTTP headers,
+    # which can echo a token) stays off.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvhub").setLevel(logging.DEBUG if verbose else logging.NOTSET)
 
 
 def _attach() -> None:
     """Attach each command family; every module defines ``attach(group)``."""
-    from . import calib_cmd, eval_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
+    from . import calib_cmd, eval_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
 
     main.add_command(fit_cmd.fit)
     main.add_command(plan_cmd.plan)
@@ -46,6 +49,7 @@ def _attach() -> None:
     store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db
     hub_cmd.attach(main)  # push, pull, search
     eval_cmd.attach(main)  # eval, bench, report
+    main.add_command(fetch_cmd.fetch)  # fetch models, evals
 
 
 _attach()

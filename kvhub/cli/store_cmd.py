@@ -12,7 +12,7 @@ from datetime import datetime
 
 import click
 
-from .console import console, err_console
+from .console import console, err_console, plain, say
 
 _DB_HELP = "Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data dir)."
 _REF_HELP = """\b
@@ -33,6 +33,11 @@ def _open(db):
 
 def _echo_json(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _row(table, *cells) -> None:
+    """Add a table row shown verbatim (names from the store are never read as Rich markup)."""
+    table.add_row(*(plain(cell) for cell in cells))
 
 
 def _size(num_bytes: int) -> str:
@@ -58,13 +63,19 @@ _HEADLINE = ("heldout_r2_k_mean", "heldout_r2_v_mean")
 def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
     from ..errors import ConfigError
 
+    import math
+
     thresholds = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         try:
-            thresholds[name.strip()] = float(value)
+            number = float(value)
         except ValueError:
-            raise ConfigError(f"--min-metric {pair!r}: write NAME=VALUE, e.g. heldout_r2_k_mean=0.9") from None
+            number = math.nan
+        if not name.strip() or not math.isfinite(number):
+            raise ConfigError(f"--min-metric {pair!r}: write NAME=VALUE with a finite number, "
+                              "e.g. heldout_r2_k_mean=0.9")
+        thresholds[name.strip()] = number
     return thresholds
 
 
@@ -110,7 +121,7 @@ def _versions_table(versions, summary):
     unambiguous = len(short_names) == len({v.ref for v in versions})
     for v in versions:
         metrics = summary.get(v.id, {})
-        table.add_row(
+        _row(table, 
             v.short_ref if unambiguous else v.ref, ", ".join(v.aliases), _when(v.created_at),
             "" if v.k is None else str(v.k), _number(v.ridge_lambda), _number(metrics.get(_HEADLINE[0])),
             _number(metrics.get(_HEADLINE[1])), _size(v.artifact_bytes),
@@ -139,7 +150,7 @@ def show(ref, verify, db, as_json):
         return
     _print_description(data)
     if verify:
-        err_console.print("artifact verified: every file matches its recorded sha256")
+        err_console.print("artifact verified: every file matches its recorded sha256 and the artifact format")
 
 
 def _print_description(data: dict) -> None:
@@ -149,13 +160,13 @@ def _print_description(data: dict) -> None:
     overview.add_column(style="bold", no_wrap=True)
     overview.add_column(overflow="fold")
     for label, value in _overview_rows(data):
-        overview.add_row(label, value)
+        _row(overview, label, value)
     console.print(overview)
     layers = Table(title="selected layers", box=None, header_style="bold", title_justify="left")
     for column in ("TARGET", "SOURCES", "LAMBDA K", "LAMBDA V", "R2 K", "R2 V"):
         layers.add_column(column)
     for layer in data["selected_layers"]:
-        layers.add_row(str(layer.get("target")), ",".join(map(str, layer.get("sources", []))),
+        _row(layers, str(layer.get("target")), ",".join(map(str, layer.get("sources", []))),
                        _number(layer.get("lambda_k")), _number(layer.get("lambda_v")),
                        _number(layer.get("r2_k")), _number(layer.get("r2_v")))
     console.print(layers)
@@ -163,7 +174,7 @@ def _print_description(data: dict) -> None:
     for publication in data["publications"]:
         console.print(f"published: {publication['repo_id']}@{publication['revision']} "
                       f"(commit {str(publication['commit_sha'])[:12]}, {publication['published_at'][:16]})",
-                      highlight=False)
+                      highlight=False, markup=False)
 
 
 def _overview_rows(data: dict) -> list[tuple[str, str]]:
@@ -194,7 +205,7 @@ def _metrics_table(metrics: list[dict]):
     for column in ("NAME", "VALUE", "SPLIT", "TASK", "LAYER", "N", "MEASURED"):
         table.add_column(column)
     for m in sorted(metrics, key=lambda m: (m["layer"] is not None, m["name"], m["layer"] or 0)):
-        table.add_row(m["name"], _number(m["value"]), m["split"] or "", m["task"] or "",
+        _row(table, m["name"], _number(m["value"]), m["split"] or "", m["task"] or "",
                       "" if m["layer"] is None else str(m["layer"]), "" if m["n"] is None else str(m["n"]),
                       m["measured_at"][:16])
     return table
@@ -216,7 +227,7 @@ def tag(ref, alias, db):
     """
     with _open(db) as store:
         version = store.tag(ref, alias)
-        err_console.print(f"{alias} -> {store.reference(version)}", highlight=False)
+        err_console.print(f"{alias} -> {store.reference(version)}", highlight=False, markup=False)
 
 
 @click.command(epilog=_REF_HELP)
@@ -232,7 +243,7 @@ def untag(ref, alias, db):
     """
     with _open(db) as store:
         version = store.untag(ref, alias)
-        err_console.print(f"removed {alias} (it pointed at {store.reference(version)})", highlight=False)
+        err_console.print(f"removed {alias} (it pointed at {store.reference(version)})", highlight=False, markup=False)
 
 
 @click.command(epilog=_REF_HELP)
@@ -250,7 +261,7 @@ def rm(ref, force, db):
     """
     with _open(db) as store:
         version = store.remove(ref, force=force)
-    err_console.print(f"removed {version.ref} ({_size(version.artifact_bytes)})", highlight=False)
+    err_console.print(f"removed {version.ref} ({_size(version.artifact_bytes)})", highlight=False, markup=False)
 
 
 @click.command()
@@ -275,10 +286,10 @@ def gc(dry_run, db, as_json):
         return
     verb = "would remove" if dry_run else "removed"
     err_console.print(f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
-                      f"leftovers ({_size(report.bytes)})", highlight=False)
+                      f"leftovers ({_size(report.bytes)})", highlight=False, markup=False)
     for location in report.missing:
-        err_console.print(f"[yellow]warning:[/] {location} is referenced but missing; "
-                          "re-import it or `kvhub rm` its version", highlight=False)
+        say(f"{location} is referenced but missing; re-import it or `kvhub rm` its version", label="warning:",
+            style="yellow")
 
 
 # ---- moving artifacts in and out -----------------------------------------------------------------
@@ -295,7 +306,7 @@ def export_version(ref, directory, force, db):
     """
     with _open(db) as store, err_console.status(f"exporting {ref}"):
         path = store.export(ref, directory, overwrite=force)
-    err_console.print(f"exported {ref} to {path}", highlight=False)
+    err_console.print(f"exported {ref} to {path}", highlight=False, markup=False)
 
 
 @click.command("import")
@@ -318,7 +329,7 @@ def import_artifact(directory, db, as_json):
     if as_json:
         _echo_json(version.to_dict())
     else:
-        err_console.print(f"registered {reference}", highlight=False)
+        err_console.print(f"registered {reference}", highlight=False, markup=False)
 
 
 # ---- schema --------------------------------------------------------------------------------------
@@ -341,10 +352,10 @@ def upgrade(db):
     before, head = schema_status(url)
     upgrade_schema(url)
     if before == head:
-        err_console.print(f"{display_url(url)} is already at {head}", highlight=False)
+        err_console.print(f"{display_url(url)} is already at {head}", highlight=False, markup=False)
     else:
         err_console.print(f"upgraded {display_url(url)} from {before or 'an empty database'} to {head}",
-                          highlight=False)
+                          highlight=False, markup=False)
 
 
 @db.command()
@@ -353,14 +364,18 @@ def upgrade(db):
 def current(db, as_json):
     """Print the schema revision of the store and whether it is this kvhub's head."""
     from ..store.location import display_url, resolve_db_url
-    from ..store.migrate import schema_status
+    from ..store.migrate import is_known_revision, schema_status
 
     url = resolve_db_url(db)
     revision, head = schema_status(url)
     if as_json:
-        _echo_json({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head})
+        _echo_json({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
+                    "newer_than_kvhub": not is_known_revision(revision)})
         return
-    state = "(head)" if revision == head else f"(behind {head}: run `kvhub db upgrade`)"
+    if not is_known_revision(revision):
+        state = f"(newer than this kvhub's {head}: upgrade kvhub, `pip install -U kvhub`)"
+    else:
+        state = "(head)" if revision == head else f"(behind {head}: run `kvhub db upgrade`)"
     click.echo(f"{revision or 'empty database'} {state}")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .. import __version__
 from ..errors import (
     ConfigError,
+    KVHubError,
     HubAuthError,
     HubError,
     HubOfflineError,
@@ -95,6 +96,8 @@ def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None,
     tail = f"; {aftermath}" if aftermath else ""
     try:
         yield
+    except KVHubError:
+        raise
     except (hf.OfflineModeIsEnabled, hf.LocalEntryNotFoundError) as exc:
         offline = settings.offline if settings else True
         if offline or isinstance(exc, hf.OfflineModeIsEnabled):
@@ -126,6 +129,10 @@ def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None,
             raise HubAuthError(f"{action} {where}: your token may not do this ({message}); use a token with write "
                                f"access to {str(repo_id).split('/')[0]}", repo_id=repo_id, revision=revision) from None
         raise HubError(f"{action} {where}: the Hub answered {status} ({message}){tail}") from None
+    except ValueError as exc:  # huggingface_hub's own refusals, e.g. a file name that leaves the download folder
+        raise HubError(f"{action} {where}: huggingface_hub refused it ({_redact(str(exc).strip()[:300], token)}); "
+                       "the repository holds something kvhub will not use (such as a file name with `..` or an "
+                       f"absolute path): pull another revision or repository{tail}") from None
     except httpx2.HTTPError as exc:
         raise HubError(f"{action} {where}: the connection to {endpoint} failed ({type(exc).__name__}: "
                        f"{_redact(str(exc), token)}){tail}") from None

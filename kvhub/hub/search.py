@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ..errors import HubOfflineError
 from .client import _api, hub_errors, hub_settings
 from .verify import same_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,18 +47,38 @@ def search(*, source: str | None = None, target: str | None = None, calibration:
 
 
 def _from_card(info, card: dict) -> HubMapper | None:
-    block = card.get("kvhub") or {}
+    """The mapper a card describes; None (with a warning) when its metadata is not what kvhub writes:
+    one malformed card on the Hub must not break a search for everyone."""
+    block = card.get("kvhub") if card.get("kvhub") is not None else {}
     bases = card.get("base_model") or []
-    bases = [bases] if isinstance(bases, str) else list(bases)
-    source = (block.get("source") or {}).get("model_id") or (bases[0] if bases else None)
-    target = (block.get("target") or {}).get("model_id") or (bases[1] if len(bases) > 1 else None)
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(block, dict) or not isinstance(bases, list):
+        return _skip(info, "its `kvhub` or `base_model` card metadata has the wrong type")
+    source = _model_id(block.get("source")) or (bases[0] if bases else None)
+    target = _model_id(block.get("target")) or (bases[1] if len(bases) > 1 else None)
+    calibration = block.get("calibration") if isinstance(block.get("calibration"), dict) else {}
+    metrics = block.get("metrics") if block.get("metrics") is not None else {}
+    fields = (source, target, calibration.get("name"), block.get("version"))
+    if not isinstance(metrics, dict) or not all(x is None or isinstance(x, str) for x in fields):
+        return _skip(info, "its `kvhub` card metadata has fields of the wrong type")
     if not source or not target:
         return None
+    k = block.get("k") if isinstance(block.get("k"), (int, str, type(None))) else None
+    numbers = {str(n): v for n, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return HubMapper(
-        repo_id=info.id, source=source, target=target, calibration=(block.get("calibration") or {}).get("name"),
-        version=block.get("version"), k=block.get("k"), metrics=block.get("metrics") or {},
+        repo_id=info.id, source=source, target=target, calibration=calibration.get("name"),
+        version=block.get("version"), k=k, metrics=numbers,
         private=bool(info.private), last_modified=info.last_modified.isoformat() if info.last_modified else None,
     )
+
+
+def _model_id(fingerprint) -> str | None:
+    return fingerprint.get("model_id") if isinstance(fingerprint, dict) else None
+
+
+def _skip(info, why: str) -> None:
+    log.warning("skipping %s: %s", info.id, why)
+    return None
 
 
 def _matches(mapper: HubMapper, source: str | None, target: str | None, calibration: str | None) -> bool:

@@ -83,10 +83,22 @@ def schema_status(url: str) -> tuple[str | None, str]:
         engine.dispose()
 
 
+def is_known_revision(revision: str | None) -> bool:
+    """True for no revision (an empty database) and for every revision this kvhub's migrations know."""
+    return revision is None or revision in {rev.revision for rev in _script().walk_revisions()}
+
+
 def upgrade(url: str, *, revision: str = "head") -> None:
-    """Migrate the database at ``url`` up to ``revision`` (default: head)."""
+    """Migrate the database at ``url`` up to ``revision`` (default: head).
+
+    A database stamped by a newer kvhub is refused with "upgrade kvhub": its revision is not one these
+    migrations can start from.
+    """
     from alembic import command
 
+    current, _ = schema_status(url)
+    if not is_known_revision(current):
+        raise _newer_error(current, display_url(url))
     _run_alembic(command.upgrade, url, revision)
 
 
@@ -149,13 +161,17 @@ def _create(url: str) -> None:
         ) from exc
 
 
+def _newer_error(current: str, where: str) -> StoreError:
+    return StoreError(
+        f"{where} has schema revision {current}, newer than this kvhub knows ({head_revision()}): a newer kvhub "
+        "wrote it. Upgrade kvhub (`pip install -U kvhub`); `kvhub db upgrade` cannot help"
+    )
+
+
 def _schema_error(current: str, url: str) -> StoreError:
     where = display_url(url)
-    if current not in {rev.revision for rev in _script().walk_revisions()}:
-        return StoreError(
-            f"{where} has schema revision {current}, newer than this kvhub knows ({head_revision()}); "
-            "upgrade kvhub (`pip install -U kvhub`)"
-        )
+    if not is_known_revision(current):
+        return _newer_error(current, where)
     return SchemaOutdatedError(
         f"{where} has schema revision {current}, this kvhub needs {head_revision()}; "
         "back it up, then run `kvhub db upgrade` (with the same --db)"

@@ -87,9 +87,14 @@ def parse_selector(selector: str | int) -> tuple[int | None, str | None]:
     return None, check_alias_name(selector.strip())
 
 
+MAX_VERSION = 2**31 - 1  # the store's version column is a 32-bit integer
+
+
 def _version_number(number: int) -> int:
-    if number < 1:
-        raise ConfigError(f"version numbers start at 1, got {number}")
+    if isinstance(number, bool) or not 1 <= number <= MAX_VERSION:
+        shown = str(number) if len(str(number)) <= 24 else str(number)[:21] + "..."
+        raise ConfigError(f"version numbers run from 1 to {MAX_VERSION}, got {shown}; see `kvhub list` for the "
+                          "versions that exist")
     return number
 
 
