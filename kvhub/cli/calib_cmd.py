@@ -129,7 +129,7 @@ def load_tokenizer(spec: str):
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load a tokenizer from {spec!r} ({exc}); pass a model directory, a .gguf file or a "
-            "tokenizer.json (known models are fetched with benchmarks/fetch_models.py)"
+            "tokenizer.json (known models are fetched with `kvhub fetch models`)"
         ) from exc
 
 

