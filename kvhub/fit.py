@@ -120,21 +120,24 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
                progress: Progress | None, job: str) -> tuple[KVStats, KVStats]:
     """One pass over both splits; returns (train, heldout) statistics.  Resumes from a checkpoint."""
     layout = layout_for(source_model.config, target_model.config)
-    splits = [("train", train_ids), ("heldout", heldout_ids if heldout_ids is not None else train_ids[:0])]
-    batches = [(name, ids[i : i + options.batch_size]) for name, ids in splits
-               for i in range(0, ids.shape[0], options.batch_size)]
+    batches = fit_batches(train_ids, heldout_ids, options.batch_size)
     stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
     done = _load_checkpoint(options.checkpoint, job, stats) if options.checkpoint else 0
     total = sum(int(b.numel()) for _, b in batches)
     completed = sum(int(b.numel()) for _, b in batches[:done])
     rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
-    timings = options.timings
-    timings.setdefault("forward_s", 0.0), timings.setdefault("stats_s", 0.0)
+    options.timings.setdefault("forward_s", 0.0), options.timings.setdefault("stats_s", 0.0)
     for index in range(done, len(batches)):
         name, ids = batches[index]
         if progress:
             progress(f"capture: {name} batch {index + 1}/{len(batches)}", completed, total)
-        _accumulate_batch(source_model, target_model, ids, stats[name], rotaries, options)
+        src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
+        started = time.perf_counter()
+        device = stats[name].k.cxx.device
+        weights = dst.weights.to(device) if dst.weights is not None else None
+        stats[name].update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
+                           [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
+        options.timings["stats_s"] += time.perf_counter() - started
         completed += int(ids.numel())
         if options.checkpoint and ((index + 1) % options.checkpoint_every == 0):
             _save_checkpoint(options.checkpoint, job, stats, index + 1)
@@ -143,21 +146,24 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
     return stats["train"], stats["heldout"]
 
 
-def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions) -> None:
+def fit_batches(train_ids, heldout_ids, batch_size: int) -> list[tuple[str, torch.Tensor]]:
+    """The fit's batches, in the order their statistics are merged: (split name, (B, T) ids), train first."""
+    splits = [("train", train_ids), ("heldout", heldout_ids if heldout_ids is not None else train_ids[:0])]
+    return [(name, ids[i : i + batch_size]) for name, ids in splits for i in range(0, ids.shape[0], batch_size)]
+
+
+def capture_pair(source_model, target_model, ids, rotaries, options: FitOptions):
+    """Both models' captures of one batch of ids: (source CapturedKV, target CapturedKV with row weights
+    when weighting by attention).  Adds the forward time and tokens to ``options.timings``."""
     started = time.perf_counter()
-    weighted = _attention_weighted(options)
     kwargs = {"stride": options.stride, "skip_first": options.skip_first}
     src = capture(source_model, ids, rotary=rotaries[0], **kwargs)
-    dst = capture(target_model, ids, rotary=rotaries[1], attention_weights=weighted, weight_cap=options.weight_cap,
-                  **kwargs)
-    middle = time.perf_counter()
-    device = stats.k.cxx.device
-    weights = dst.weights.to(device) if dst.weights is not None else None
-    stats.update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
-                 [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
-    options.timings["forward_s"] += middle - started
-    options.timings["stats_s"] += time.perf_counter() - middle
-    options.timings["tokens"] = options.timings.get("tokens", 0) + int(ids.numel())
+    dst = capture(target_model, ids, rotary=rotaries[1], attention_weights=_attention_weighted(options),
+                  weight_cap=options.weight_cap, **kwargs)
+    timings = options.timings
+    timings["forward_s"] = timings.get("forward_s", 0.0) + time.perf_counter() - started
+    timings["tokens"] = timings.get("tokens", 0) + int(ids.numel())
+    return src, dst
 
 
 def _attention_weighted(options: FitOptions) -> bool:

@@ -168,6 +168,37 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
     return mapper
 
 
+def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | None = None,
+                             progress: ProgressFactory | None = None):
+    """The fit on every rank of ``group`` (:mod:`kvhub.distributed`); rank 0 returns the Mapper, the others None.
+
+    Rank 0 prepares first (so the calibration set is built into the cache once), then the others.
+    """
+    import torch.distributed as dist
+
+    from .distributed import fit_distributed, remove_checkpoints
+
+    if group.device.type == "cuda":
+        request = dataclasses.replace(request, device=str(group.device))
+    if not group.is_main:
+        notify, progress = (lambda message: None), None
+        dist.barrier()
+    job = prepare(request, notify=notify, progress=progress)
+    if group.is_main:
+        dist.barrier()
+    if request.restart:
+        remove_checkpoints(group, job.options.checkpoint)
+        dist.barrier()
+    with (progress or _no_progress)("tok/s") as callback:
+        mapper = fit_distributed(job.source, job.target, job.train, job.heldout, group=group,
+                                 source_id=job.source_id, target_id=job.target_id,
+                                 source_tokenizer=job.source_tokenizer, target_tokenizer=job.target_tokenizer,
+                                 calibration=job.calibration, options=job.options, progress=callback)
+    dist.barrier()
+    remove_checkpoints(group, job.options.checkpoint)
+    return mapper
+
+
 def checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
                     weighting: str = "uniform") -> Path:
     """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options."""

@@ -55,18 +55,23 @@ def _auto_or(convert, hint: str):
 @click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
 @click.option("--db", default=None, help="Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir).")
 @click.option("--no-register", is_flag=True, help="Do not register the mapper in the store (needs --out).")
+@click.option("--distributed", "nproc", type=click.IntRange(min=2), default=None,
+              help="Fit on N processes of this machine (one GPU each with CUDA, else gloo on CPU): runs "
+                   "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
+                   "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.")
 @click.option("--ignore-plan", is_flag=True,
               help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
-        batch_size, seed, restart, db, no_register, ignore_plan, as_json):
+        batch_size, seed, restart, db, no_register, nproc, ignore_plan, as_json):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
     kvhub fit --src Qwen/Qwen2.5-Coder-0.5B-Instruct --dst Qwen/Qwen2.5-Coder-1.5B-Instruct --calib legal-docs
 
     An interrupted fit continues from its last checkpoint when run again with the same arguments
-    (statistics are checkpointed every few batches); --restart starts over.
+    (statistics are checkpointed every few batches); --restart starts over.  A distributed fit keeps
+    one checkpoint per rank and resumes when restarted with the same number of processes.
     """
     from ..errors import ConfigError
 
@@ -80,9 +85,18 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
                          lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
                          restart=restart, weighting=weighting, head_local=head_local, rank=rank)
-    if not ignore_plan:
-        check_plan(request)
-    mapper = fit_by_names(request, notify=err_console.print, progress=progress_callback)
+    if nproc:
+        raise SystemExit(_launch_torchrun(nproc))
+    from ..distributed import launched
+
+    if launched():
+        mapper = _fit_rank(request, ignore_plan=ignore_plan)
+        if mapper is None:  # ranks other than 0: rank 0 saves, registers and reports
+            return
+    else:
+        if not ignore_plan:
+            check_plan(request)
+        mapper = fit_by_names(request, notify=err_console.print, progress=progress_callback)
     reference = None
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
@@ -91,6 +105,50 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
         if out is not None:
             mapper.save(out)
     _print_summary(mapper, reference=reference, out=out, as_json=as_json)
+
+
+def _launch_torchrun(nproc: int) -> int:
+    """Run this same command line under torchrun on ``nproc`` local processes; returns its exit code."""
+    import subprocess
+    import sys
+
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--distributed":
+            skip = True
+        elif not arg.startswith("--distributed="):
+            args.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "kvhub", *args]
+    err_console.print("running " + " ".join(command[1:]))
+    return subprocess.call(command)
+
+
+def _fit_rank(request, *, ignore_plan: bool):
+    """This process's part of a torchrun job; the Mapper on rank 0, None elsewhere."""
+    import os
+
+    import torch.distributed as dist
+
+    from ..distributed import init_group
+    from ..fitjob import check_plan, fit_by_names_distributed, plan_for
+    from .progress import progress_callback
+
+    group = init_group(request.device)
+    try:
+        if not ignore_plan and group.device.type == "cpu":  # the local ranks share this machine's memory
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
+            free = plan_for(request, ranks=group.world)
+            if free is not None:
+                check_plan(request, ranks=group.world, available=free.device.memory // local)
+        elif not ignore_plan:
+            check_plan(request, ranks=group.world)
+        return fit_by_names_distributed(request, group=group, notify=err_console.print,
+                                        progress=progress_callback if group.is_main else None)
+    finally:
+        dist.destroy_process_group()
 
 
 def _register(artifact: Path, db: str | None) -> str:

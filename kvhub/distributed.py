@@ -1,0 +1,277 @@
+"""The fit on R processes with torch.distributed (gloo on CPU, NCCL on GPUs), sharded by target layer.
+
+Capture is data-parallel: the fit's batches (:func:`kvhub.fit.fit_batches`, the single-process order)
+are dealt round-robin, batch ``step * R + r`` to rank r.  After each step the ranks all-gather the
+step's captured rows (source K/V, target K/V, row weights; fp32), and every rank Chan-merges the R
+batches in batch order into its statistics, which keep the source Gram and only its own target
+layers' cross blocks (:func:`owned_layers`: contiguous blocks).  So each rank's statistics are, to the
+last bit of every merge, the single-process statistics restricted to its target columns: no
+reduction of statistics is needed, and no rank ever holds the full (p, q) cross block.  Each rank
+then solves its target layers (:func:`kvhub.solve.solve` on its restricted statistics: a target
+layer's probe, selection and ridge read only its own columns), and rank 0 gathers the layer
+solutions, assembles the Mapper and is the only one to save or register it.
+
+Rows exchanged per rank: (R-1)/R of all statistics rows * (2p + 2q) * 4 bytes (:mod:`kvhub.plan`).
+
+Checkpoints are per rank (``<checkpoint>.rank<r>-of-<R>``), written after the same steps on every
+rank, with the previous generation kept; a restarted job (torchrun restarts every rank) resumes from
+the latest step every rank has, so a rank killed mid-write costs one checkpoint interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+from .fit import (FitOptions, Progress, _job_hash, _load_checkpoint, _save_checkpoint, build_mapper, capture_pair,
+                  check_same_tokenizer, fit_batches, layout_for, structure_for)
+from .fingerprint import model_fingerprint
+from .rope import Rotary
+from .solve import Solution, solve
+from .stats import KVStats, Layout, Moments
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the job: ``rank`` of ``world``; ``device`` holds the exchanged tensors."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched() -> bool:
+    """True inside a job started by torchrun (or anything that sets WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_group(device: str | None = None) -> Group:
+    """Join the torchrun job (env:// rendezvous): NCCL when ``device`` is CUDA, else gloo.
+
+    On CUDA each rank takes ``cuda:LOCAL_RANK``.  ``$KVHUB_DIST_TIMEOUT`` (seconds, default 1800)
+    bounds how long a rank waits for the others, e.g. for one that died.
+    """
+    import torch.distributed as dist
+
+    cuda = str(device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cuda:
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(where)
+    else:
+        where = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=float(os.environ.get("KVHUB_DIST_TIMEOUT", "1800")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return Group(dist.get_rank(), dist.get_world_size(), where)
+
+
+def owned_layers(layers: int, rank: int, world: int) -> list[int]:
+    """Target layers of ``rank``: contiguous blocks, the first ``layers % world`` ranks one layer more."""
+    if world > layers:
+        raise ConfigError(f"{world} ranks for {layers} target layers: every rank needs a target layer; "
+                          f"run at most {layers} processes")
+    size, extra = divmod(layers, world)
+    start = rank * size + min(rank, extra)
+    return list(range(start, start + size + (1 if rank < extra else 0)))
+
+
+def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout_ids: torch.Tensor | None, *,
+                    group: Group, source_id: str, target_id: str, source_tokenizer=None, target_tokenizer=None,
+                    calibration: dict | None = None, options: FitOptions | None = None,
+                    progress: Progress | None = None):
+    """:func:`kvhub.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
+    token ids and options; returns the Mapper on rank 0 and None on the others."""
+    options = options or FitOptions()
+    source_fp = model_fingerprint(source_model.config, model_id=source_id, tokenizer=source_tokenizer)
+    target_fp = model_fingerprint(target_model.config, model_id=target_id, tokenizer=target_tokenizer)
+    source_fp["dtype"] = str(source_model.dtype).replace("torch.", "")
+    target_fp["dtype"] = str(target_model.dtype).replace("torch.", "")
+    check_same_tokenizer(source_fp, target_fp)
+    job = _job_hash(source_fp, target_fp, train_ids, heldout_ids, options) + f":rank{group.rank}of{group.world}"
+    train, heldout, owned = accumulate_sharded(source_model, target_model, train_ids, heldout_ids, group=group,
+                                               options=options, progress=progress, job=job)
+    started = time.perf_counter()
+    structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
+    part = solve(train, heldout, k=options.k, lambda_=options.lambda_, structure=structure)
+    for layer in part.layers:
+        layer.target = owned[layer.target]
+    options.timings["solve_s"] = time.perf_counter() - started
+    parts = _gather_to_main(group, (part, _target_means(train), options.timings))
+    if not group.is_main:
+        return None
+    solution = _assemble([p for p, _, _ in parts])
+    means = [torch.cat([m[kind] for _, m, _ in parts]) for kind in ("k", "v")]
+    options.timings["ranks"] = group.world
+    options.timings["solve_s"] = max(t["solve_s"] for _, _, t in parts)  # the ranks solve in parallel
+    summary = _means_only(layout_for(source_model.config, target_model.config), means, train, heldout)
+    return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options)
+
+
+def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, group: Group, options: FitOptions,
+                       progress: Progress | None, job: str) -> tuple[KVStats, KVStats, list[int]]:
+    """This rank's (train, heldout) statistics over its owned target layers, and those layers."""
+    layout = layout_for(source_model.config, target_model.config)
+    owned = owned_layers(layout.dst_layers, group.rank, group.world)
+    local = Layout(layout.src_layers, layout.src_width, len(owned), layout.dst_width)
+    columns = torch.cat([torch.arange(m * layout.dst_width, (m + 1) * layout.dst_width) for m in owned])
+    batches = fit_batches(train_ids, heldout_ids, options.batch_size)
+    steps = -(-len(batches) // group.world)
+    stats = {"train": KVStats(local), "heldout": KVStats(local)}
+    done = _resume(group, options.checkpoint, job, stats)
+    total = sum(int(b.numel()) for _, b in batches)
+    completed = sum(int(b.numel()) for _, b in batches[: done * group.world])
+    rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
+    timings = options.timings
+    timings.setdefault("forward_s", 0.0), timings.setdefault("stats_s", 0.0), timings.setdefault("exchange_s", 0.0)
+    width = (layout.src_layers * layout.src_width, layout.dst_layers * layout.dst_width)
+    for step in range(done, steps):
+        if progress:
+            progress(f"capture: step {step + 1}/{steps}", completed, total)
+        index = step * group.world + group.rank
+        rows = None
+        if index < len(batches):
+            src, dst = capture_pair(source_model, target_model, batches[index][1], rotaries, options)
+            rows = _pack(src, dst)
+        started = time.perf_counter()
+        gathered = _all_gather_rows(group, rows, 2 * sum(width) + 1)
+        timings["exchange_s"] += time.perf_counter() - started
+        started = time.perf_counter()
+        for rank, block in enumerate(gathered):
+            if step * group.world + rank < len(batches):
+                name, ids = batches[step * group.world + rank]
+                _update(stats[name], block, width, columns, weighted=options.weighting == "attention")
+                completed += int(ids.numel())
+        timings["stats_s"] += time.perf_counter() - started
+        if options.checkpoint and (step + 1) % options.checkpoint_every == 0:
+            _save_generation(group, options.checkpoint, job, stats, step + 1)
+    if progress:
+        progress("capture: done", completed, total)
+    return stats["train"], stats["heldout"], owned
+
+
+# ---- the exchange --------------------------------------------------------------------------------
+def _pack(src, dst) -> torch.Tensor:
+    """(N, 2p + 2q + 1) fp32 rows: source K | source V | target K | target V | row weight (1 if none)."""
+    weights = dst.weights if dst.weights is not None else torch.ones(src.tokens, device=src.keys[0].device)
+    return torch.cat([*src.keys, *src.values, *dst.keys, *dst.values, weights[:, None].float()], dim=1)
+
+
+def _all_gather_rows(group: Group, rows: torch.Tensor | None, width: int) -> list[torch.Tensor]:
+    """Every rank's rows of this step (zero rows for a rank without a batch), padded for all_gather."""
+    import torch.distributed as dist
+
+    rows = torch.zeros(0, width) if rows is None else rows
+    rows = rows.to(group.device, torch.float32)
+    counts = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.world)]
+    dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64, device=group.device))
+    longest = max(int(c) for c in counts)
+    padded = torch.zeros(longest, width, device=group.device)
+    padded[: rows.shape[0]] = rows
+    out = [torch.empty_like(padded) for _ in range(group.world)]
+    dist.all_gather(out, padded)
+    return [block[: int(count)] for block, count in zip(out, counts)]
+
+
+def _update(stats: KVStats, rows: torch.Tensor, width: tuple[int, int], columns: torch.Tensor, *,
+            weighted: bool) -> None:
+    p, q = width
+    rows = rows.cpu() if stats.k.cxx.device.type == "cpu" else rows
+    source_k, source_v = rows[:, :p], rows[:, p : 2 * p]  # (N, p)
+    target_k, target_v = rows[:, 2 * p : 2 * p + q], rows[:, 2 * p + q : 2 * p + 2 * q]  # (N, q)
+    weights = rows[:, -1] if weighted else None
+    stats.update([source_k], [source_v], [target_k[:, columns]], [target_v[:, columns]], weights=weights)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def _rank_paths(group: Group, checkpoint: Path) -> tuple[Path, Path]:
+    base = Path(checkpoint)
+    current = base.with_name(f"{base.stem}.rank{group.rank}-of-{group.world}{base.suffix}")
+    return current, current.with_name(current.stem + ".prev" + current.suffix)
+
+
+def _save_generation(group: Group, checkpoint: Path, job: str, stats: dict, steps_done: int) -> None:
+    """Write this rank's checkpoint, keeping the previous one, then wait for every rank to have written."""
+    import torch.distributed as dist
+
+    current, previous = _rank_paths(group, checkpoint)
+    if current.exists():
+        os.replace(current, previous)
+    _save_checkpoint(current, job, stats, steps_done)
+    dist.barrier()
+
+
+def _resume(group: Group, checkpoint: Path | None, job: str, stats: dict) -> int:
+    """Load the latest checkpoint generation every rank has; returns its step count (0: start over)."""
+    import torch.distributed as dist
+
+    if checkpoint is None:
+        return 0
+    available = {}
+    for path in _rank_paths(group, checkpoint):
+        loaded = {name: KVStats(s.layout) for name, s in stats.items()}
+        steps = _load_checkpoint(path, job, loaded)
+        if steps:
+            available[steps] = loaded
+    latest = torch.tensor([max(available, default=0)], dtype=torch.int64, device=group.device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+    agreed = int(latest)
+    usable = torch.tensor([1 if agreed in available or agreed == 0 else 0], device=group.device)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    if agreed == 0 or not int(usable):
+        return 0
+    stats.update(available[agreed])
+    log.info("rank %d resumes after step %d", group.rank, agreed)
+    return agreed
+
+
+def remove_checkpoints(group: Group, checkpoint: Path | None) -> None:
+    for path in _rank_paths(group, checkpoint) if checkpoint else ():
+        path.unlink(missing_ok=True)
+
+
+# ---- assembling on rank 0 ------------------------------------------------------------------------
+def _gather_to_main(group: Group, payload) -> list | None:
+    import torch.distributed as dist
+
+    out = [None] * group.world if group.is_main else None
+    dist.gather_object(payload, out, dst=0)
+    return out
+
+
+def _target_means(train: KVStats) -> dict[str, torch.Tensor]:
+    return {"k": train.k.mean_y.cpu(), "v": train.v.mean_y.cpu()}
+
+
+def _assemble(parts: list[Solution]) -> Solution:
+    """One Solution from the ranks' (owned layers in rank order, probe columns likewise)."""
+    first = parts[0]
+    notes = list(dict.fromkeys(note for part in parts for note in part.notes))
+    chosen_by = "held-out R^2" if any(p.chosen_by == "held-out R^2" for p in parts) else first.chosen_by
+    return Solution([layer for part in parts for layer in part.layers],
+                    torch.cat([p.probe_r2_k for p in parts], dim=1), torch.cat([p.probe_r2_v for p in parts], dim=1),
+                    first.k, first.lambda_, chosen_by, notes, first.structure)
+
+
+def _means_only(layout: Layout, means: list[torch.Tensor], train: KVStats, heldout: KVStats) -> KVStats:
+    """Statistics of the full layout carrying only what :func:`kvhub.fit.build_mapper` reads from them:
+    the row counts and the target means (every target layer), no Gram or cross blocks."""
+    out = KVStats.__new__(KVStats)
+    out.layout = layout
+    for kind, mean_y, moments in (("k", means[0], train.k), ("v", means[1], train.v)):
+        summary = Moments(0, 0)
+        summary.n, summary.weight_sum, summary.mean_y = moments.n, moments.weight_sum, mean_y
+        setattr(out, kind, summary)
+    return out

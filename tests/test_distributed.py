@@ -1,0 +1,155 @@
+"""The distributed fit (kvhub.distributed) on 2 gloo processes equals the single-process fit, also
+when a rank dies mid-capture and the job is started again from the per-rank checkpoints."""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvhub.distributed import owned_layers
+from kvhub.errors import ConfigError
+from kvhub.fit import FitOptions, fit
+from tests.tinymodels import make_model
+
+DIE_AT_STEP = 2  # rank 1 dies when it starts this step, after the checkpoint of the steps before
+
+
+def _family():
+    """A source and a target of different depth and KV geometry, and calibration ids (train, held-out)."""
+    source = make_model("qwen2", num_hidden_layers=2, seed=4)
+    target = make_model("qwen2", num_hidden_layers=3, num_key_value_heads=4, seed=5)
+    ids = torch.randint(0, 128, (14, 16), generator=torch.Generator().manual_seed(0))
+    return source, target, ids[:11], ids[11:]
+
+
+def _options(checkpoint=None) -> FitOptions:
+    # 6 + 2 batches: 4 steps on 2 ranks, the last rank-1 batch held-out; k and lambda chosen on held-out R^2
+    return FitOptions(stride=1, batch_size=2, checkpoint=checkpoint, checkpoint_every=1)
+
+
+def _rank_main(rank: int, port: int, out: Path, die_at: int, family) -> None:
+    """One rank, in a process forked from the test (so the tiny models and imports come for free)."""
+    import traceback
+
+    from safetensors.torch import save_file
+
+    from kvhub.distributed import fit_distributed, init_group
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "KVHUB_DIST_TIMEOUT": "60"})
+    torch.set_num_threads(1)
+    steps = []
+
+    def progress(description, completed, total):
+        if description.startswith("capture: step"):
+            steps.append(int(description.split()[2].split("/")[0]) - 1)
+            if rank == 1 and steps[-1] == die_at:
+                os._exit(3)  # no cleanup, like a killed process
+
+    try:
+        group = init_group("cpu")
+        source, target, train, heldout = family
+        mapper = fit_distributed(source, target, train, heldout, group=group, source_id="src", target_id="dst",
+                                 options=_options(out / "checkpoint.safetensors"), progress=progress)
+        (out / f"steps.rank{rank}.json").write_text(json.dumps(steps))
+        if mapper is not None:
+            save_file({k: v.contiguous() for k, v in mapper.tensors.items()}, str(out / "mapper.safetensors"))
+            (out / "layers.json").write_text(json.dumps(mapper.layers))
+    except BaseException:
+        (out / f"error.rank{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)  # skip the test process's exit handlers
+
+
+def _run_ranks(out: Path, family, *, die_at: int = -1) -> list[int]:
+    import multiprocessing
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_rank_main, args=(rank, port, out, die_at, family)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        if proc.exitcode is None:
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    if die_at < 0 and codes != [0, 0]:
+        raise AssertionError("\n".join(f.read_text() for f in out.glob("error.rank*.txt")) or f"exit codes {codes}")
+    return codes
+
+
+def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
+    from safetensors.torch import load_file
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' thread count: the same GEMM kernels
+    try:
+        family = _family()
+        single = fit(*family, source_id="src", target_id="dst", options=_options())
+    finally:
+        torch.set_num_threads(threads)
+
+    codes = _run_ranks(tmp_path, family, die_at=DIE_AT_STEP)
+    assert codes[1] == 3 and codes[0] != 0  # rank 0 fails on the lost peer instead of hanging
+    assert not (tmp_path / "mapper.safetensors").exists()
+    assert _run_ranks(tmp_path, family) == [0, 0]
+    for rank in range(2):  # both resumed after the last step every rank had checkpointed
+        assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [DIE_AT_STEP, DIE_AT_STEP + 1]
+
+    tensors = load_file(str(tmp_path / "mapper.safetensors"))
+    assert sorted(tensors) == sorted(single.tensors)
+    for name, expected in single.tensors.items():
+        torch.testing.assert_close(tensors[name].double(), expected.double(), rtol=0, atol=1e-10, msg=name)
+    distributed_layers = json.loads((tmp_path / "layers.json").read_text())
+    assert [(l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in distributed_layers] == [
+        (l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in single.layers]
+    assert single.metadata["chosen_by"] == "held-out R^2"
+
+
+def test_owned_layers_cover_every_target_layer_once():
+    assert [owned_layers(7, r, 3) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [owned_layers(64, r, 8)[0] for r in range(8)] == list(range(0, 64, 8))
+    with pytest.raises(ConfigError, match="at most 3 processes"):
+        owned_layers(3, 0, 4)
+
+
+@pytest.mark.slow
+def test_kvhub_fit_distributed_launches_torchrun_and_registers_once(tmp_path, text_corpus):
+    """The CLI path end to end: kvhub fit --distributed 2 (torchrun, gloo) gives the single-process mapper."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.fixtures_calib import train_tokenizer
+
+    tokenizer = train_tokenizer()
+    for name, seed, layers in (("src", 4, 2), ("dst", 5, 3)):
+        make_model("qwen2", vocab_size=640, num_hidden_layers=layers, seed=seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    env = {**os.environ, "KVHUB_CACHE": str(tmp_path / "cache"), "KVHUB_HOME": str(tmp_path / "home"),
+           "OMP_NUM_THREADS": "1"}
+
+    def kvhub_fit(out, *extra):
+        args = ["fit", "--src", str(tmp_path / "src"), "--dst", str(tmp_path / "dst"), "--calib", str(text_corpus),
+                "--samples", "8", "--seq-len", "24", "--stride", "1", "--dtype", "float32", "--batch-size", "2",
+                "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'store.db'}", "--out", str(out), "--json", *extra]
+        done = subprocess.run([sys.executable, "-m", "kvhub", *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout[done.stdout.index("{"):])
+
+    distributed = kvhub_fit(tmp_path / "two", "--distributed", "2")
+    single = kvhub_fit(tmp_path / "one")
+    assert (distributed["reference"], single["reference"]) == (distributed["reference"][:-1] + "1",
+                                                               distributed["reference"][:-1] + "2")
+    two, one = (load_file(str(tmp_path / d / "mapper.safetensors")) for d in ("two", "one"))
+    for name in one:
+        torch.testing.assert_close(two[name].double(), one[name].double(), rtol=0, atol=1e-6, msg=name)
+    assert not list((tmp_path / "cache" / "checkpoints").glob("*"))
