@@ -126,7 +126,8 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
     profile = device_profile("cuda" if device.startswith("cuda") else "cpu")
     if available is None:
         available = _free_memory(device)
-    profile = dataclasses.replace(profile, memory=available)
+    host = available if not profile.gpu else _free_memory("cpu")
+    profile = dataclasses.replace(profile, memory=available, host_memory=host)
     return plan_fit(source, target, workload, profile, ranks=ranks)
 
 

@@ -2,18 +2,26 @@
 
 Shapes (``ds``/``dt``: KV width Hkv*D of one source/target layer; ``p = Ls*ds``, ``q = Lt*dt``; a rank
 of R owns ``qr = ceil(Lt/R)*dt`` target columns; ``Nr = B*ceil(T/s)`` rows per batch of B sequences
-of T tokens at stride s; all sizes in bytes):
+of T tokens at stride s; all sizes in bytes).  Per rank, on the device (the GPU, or the CPU's RAM):
 
     weights     (P_src + P_dst) * bytes(dtype)                   both models on every rank
-    statistics  2 splits * 2 (K, V) * 8 * (p + p^2 + p*qr + 2*qr)  exactly what KVStats allocates
-    activations B*T*Lt*2*dt*bytes(dtype)   the target's cache      (the largest model's, in fact)
+    activations B*T*L*2*d*bytes(dtype)     the larger model's cache (L, d: its layers and KV width)
               + B*T*(4*h + 3*i)*bytes(dtype)  hidden/MLP transients of one layer
               + Nr*(p + q)*2*4             the captured fp32 rows of both models, K and V
-              + Nr*(p + q)*(8 + 8 + 4)     one update's fp64 copies, centred fp64 and fp32 rows
-              + p*CHUNK*(4 + 8)            one chunk of the update's product (kvhub.stats)
+    exchange    2 * R*Nr*(2p + 2q + 1)*4   a step's rows from every rank (padded and gathered); 0 if R = 1
+
+and in host memory, where kvhub.fit keeps the statistics and solves:
+
+    statistics  2 splits * 2 (K, V) * 8 * (p + p^2 + p*qr + 2*qr)  exactly what KVStats allocates
+    update      Nr*(p + q)*(8 + 8 + 4) + p*CHUNK*(4 + 8)   one batch's fp64/centred/fp32 rows and one
+                                                            product chunk (kvhub.stats)
     solve       8 * max(ds*p + 3*ds^2 + 2*ds*qr,  kd*p + 3*kd^2 + 3*kd*dt),  kd = k*ds
                 (the probe's one-layer ridge against all owned targets; one layer's k-source ridge)
-    peak        weights + statistics + max(activations, solve)
+
+    device peak = weights + activations + exchange,  host peak = statistics + max(update, solve)
+
+On a CPU both are one pool that the R ranks share; on GPUs each rank has its device, and the ranks
+of one node (up to ``devices_per_host``) share its host memory.
 
 Parameters P count the embedding, the LM head when untied, q/k/v/o (with biases for Qwen2-style
 attention), the gated MLP and the norms.  Forward FLOPs of one sequence (the capture runs the
@@ -21,6 +29,9 @@ model body, no LM head) are 2*T*(matmul parameters) + 4*L*H*D*T^2 (QK^T and AV o
 score matrix, as eager and SDPA-math attention compute it).  The statistics cost 4*Nr*(p^2 + p*qr)
 FLOPs per batch (K and V).  Times divide FLOPs by a :class:`DeviceProfile`'s nominal rates times an
 efficiency; they are estimates, to be checked against ``benchmarks/gpu_scale.py``.
+
+The statistics and the solve run on the host's cores (shared by the node's ranks), the
+forward passes on the device.
 
 Modes: ``full`` (one rank holds everything), ``sharded`` (R ranks; each holds the source Gram and
 its target layers' cross blocks and solves those layers; see :mod:`kvhub.distributed`), and
@@ -30,6 +41,7 @@ those): recommended when no rank count fits, and not implemented by ``kvhub fit`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -110,7 +122,9 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Nominal capacity and rates of one rank's device (FLOP/s and bytes/s)."""
+    """Nominal capacity and rates (FLOP/s, bytes/s) of one rank's device and of the host it sits in.
+
+    A CPU "device" is the whole machine, shared by its ranks (``gpu`` False: host fields unused)."""
 
     name: str
     memory: int
@@ -118,20 +132,33 @@ class DeviceProfile:
     fp32: float
     fp64: float
     link: float  # bytes/s one rank exchanges with the others (NVLink, or gloo over loopback)
+    gpu: bool = False
+    host_memory: int = 0  # the node's RAM
+    host_fp32: float = 0.0  # the node's cores together
+    host_fp64: float = 0.0
+    devices_per_host: int = 1
+
+
+def _cpu_rates() -> tuple[int, float, float, float]:
+    """(RAM bytes, bf16, fp32, fp64 FLOP/s) of this machine; rates per core calibrated on the 2-core
+    machine of docs/benchmarks.md "Fit cost" (0.5B -> 1.5B in bf16: forward, statistics and solve)."""
+    cores = os.cpu_count() or 1
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cores * 285e9, cores * 40e9, cores * 75e9
 
 
 def _cpu_profile() -> DeviceProfile:
-    cores = os.cpu_count() or 1
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    # rates per core calibrated on the 2-core machine of docs/benchmarks.md "Fit cost" (0.5B -> 1.5B, bf16)
-    return DeviceProfile(f"cpu ({cores} cores)", memory, bf16=cores * 285e9, fp32=cores * 40e9, fp64=cores * 75e9,
-                         link=2e9)
+    memory, bf16, fp32, fp64 = _cpu_rates()
+    return DeviceProfile(f"cpu ({os.cpu_count()} cores)", memory, bf16=bf16, fp32=fp32, fp64=fp64, link=2e9)
 
 
-DEVICES = {  # memory: what torch.cuda reports as total_memory for the card
-    "h100": DeviceProfile("NVIDIA H100 80GB SXM", 85_045_608_448, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9),
-    "h200": DeviceProfile("NVIDIA H200 141GB SXM", 150_011_871_232, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9),
-    "a100": DeviceProfile("NVIDIA A100 80GB SXM", 85_100_000_000, bf16=312e12, fp32=19.5e12, fp64=19.5e12, link=300e9),
+_NODE = {"host_memory": 2 * 1024**4, "host_fp32": 14e12, "host_fp64": 7e12, "devices_per_host": 8}  # 2 TiB, 2 x 56 cores
+DEVICES = {  # memory: what torch.cuda reports as total_memory for the card; host: an 8-GPU node (DGX/HGX)
+    "h100": DeviceProfile("NVIDIA H100 80GB SXM", 85_045_608_448, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9,
+                          gpu=True, **_NODE),
+    "h200": DeviceProfile("NVIDIA H200 141GB SXM", 150_011_871_232, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9,
+                          gpu=True, **_NODE),
+    "a100": DeviceProfile("NVIDIA A100 80GB SXM", 85_100_000_000, bf16=312e12, fp32=19.5e12, fp64=19.5e12, link=300e9,
+                          gpu=True, **_NODE),
 }
 
 
@@ -147,7 +174,9 @@ def device_profile(name: str) -> DeviceProfile:
             raise ConfigError("--device cuda: no CUDA device here; name one of " + ", ".join(["cpu", *DEVICES]))
         props = torch.cuda.get_device_properties(0)
         base = next((d for k, d in DEVICES.items() if k in props.name.lower()), DEVICES["h100"])
-        return DeviceProfile(props.name, props.total_memory, base.bf16, base.fp32, base.fp64, base.link)
+        memory, _, fp32, fp64 = _cpu_rates()
+        return dataclasses.replace(base, name=props.name, memory=props.total_memory, host_memory=memory,
+                                   host_fp32=fp32, host_fp64=fp64, devices_per_host=torch.cuda.device_count())
     if key not in DEVICES:
         raise ConfigError(f"unknown device {name!r}; use one of cpu, cuda, " + ", ".join(DEVICES))
     return DEVICES[key]
@@ -159,7 +188,7 @@ def shipped_configs() -> dict[str, dict]:
     from importlib import resources
 
     out = {}
-    for entry in resources.files("registry").joinpath("configs").iterdir():
+    for entry in resources.files("kvhub._registry").joinpath("configs").iterdir():
         if entry.name.endswith(".json"):
             config = json.loads(entry.read_text())
             out[entry.name[: -len(".json")].lower()] = config
@@ -322,44 +351,67 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
     k = _k_for(source, workload)
     rows_batch = workload.batch_size * math.ceil(workload.seq_len / workload.stride)
     big = max((source, target), key=lambda m: m.layers * m.kv_width)
-    activations = (workload.batch_size * workload.seq_len * big.layers * 2 * big.kv_width * nbytes
-                   + workload.batch_size * workload.seq_len * (4 * big.hidden + 3 * big.intermediate) * nbytes
-                   + rows_batch * (p + q) * 2 * 4 + rows_batch * (p + q) * 20 + p * CHUNK_COLUMNS * 12)
+    tokens = workload.batch_size * workload.seq_len
     solve_memory, solve_flops = _solve_costs(source, target, k, owned, workload.k is None)
-    memory = {"weights": (source.parameters() + target.parameters()) * nbytes,
-              "statistics": statistics_bytes(p, owned * dt), "activations": activations, "solve": solve_memory}
-    memory["peak"] = memory["weights"] + memory["statistics"] + max(activations, solve_memory)
+    memory = {
+        "weights": (source.parameters() + target.parameters()) * nbytes,
+        "activations": (tokens * big.layers * 2 * big.kv_width * nbytes
+                        + tokens * (4 * big.hidden + 3 * big.intermediate) * nbytes + rows_batch * (p + q) * 2 * 4),
+        "exchange": 2 * ranks * rows_batch * (2 * p + 2 * q + 1) * 4 if ranks > 1 else 0,
+        "statistics": statistics_bytes(p, owned * dt),
+        "update": rows_batch * (p + q) * 20 + p * CHUNK_COLUMNS * 12,
+        "solve": solve_memory,
+    }
+    memory["device_peak"] = memory["weights"] + memory["activations"] + memory["exchange"]
+    memory["host_peak"] = memory["statistics"] + max(memory["update"], solve_memory)
+    memory["peak"] = memory["device_peak"] + memory["host_peak"]
+    on_host = min(ranks, device.devices_per_host) if device.gpu else ranks  # ranks sharing one host
+    if device.gpu:
+        fits = memory["device_peak"] <= device.memory and memory["host_peak"] * on_host <= device.host_memory
+        host_fp32, host_fp64 = device.host_fp32 / on_host, device.host_fp64 / on_host
+        forward_rate = device.bf16
+    else:
+        fits = memory["peak"] * ranks <= device.memory
+        host_fp32, host_fp64, forward_rate = device.fp32 / ranks, device.fp64 / ranks, device.bf16 / ranks
     sequences = workload.samples + workload.heldout
     forward = sequences * (source.forward_flops(workload.seq_len) + target.forward_flops(workload.seq_len))
     stats_flops = 4 * workload.rows * (p * p + p * owned * dt)
-    exchange = workload.rows * (ranks - 1) // ranks * (p + q) * 2 * 4
-    seconds = {"capture": forward / ranks / (device.bf16 * FORWARD_EFFICIENCY),
-               "statistics": stats_flops / (device.fp32 * MATMUL_EFFICIENCY),
+    exchange = workload.rows * (ranks - 1) // ranks * (2 * p + 2 * q + 1) * 4
+    seconds = {"capture": forward / ranks / (forward_rate * FORWARD_EFFICIENCY),
+               "statistics": stats_flops / (host_fp32 * MATMUL_EFFICIENCY),
                "exchange": exchange / device.link,
-               "solve": solve_flops / (device.fp64 * MATMUL_EFFICIENCY)}
+               "solve": solve_flops / (host_fp64 * MATMUL_EFFICIENCY)}
     seconds["total"] = sum(seconds.values())
     artifact = target.layers * 2 * (k * ds * dt + dt) * 4 + 2 * q * 4
-    fits = memory["peak"] <= device.memory
     return Plan(source, target, workload, device, ranks, "full" if ranks == 1 else "sharded", k, memory, artifact,
                 {"forward": forward, "statistics": stats_flops, "solve": solve_flops}, exchange, seconds, fits, "")
 
 
 def _advice(plan: Plan) -> str:
     gib = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+    memory, device = plan.memory, plan.device
+    if device.gpu:
+        on_host = min(plan.ranks, device.devices_per_host)
+        where = (f"device {gib(memory['device_peak'])} of {gib(device.memory)} per rank (weights "
+                 f"{gib(memory['weights'])}), host {gib(memory['host_peak'])} per rank (statistics "
+                 f"{gib(memory['statistics'])}) x {on_host} of {gib(device.host_memory)}")
+    else:
+        where = (f"{gib(memory['peak'])} per rank (weights {gib(memory['weights'])}, statistics "
+                 f"{gib(memory['statistics'])}) x {plan.ranks} of {gib(device.memory)}")
     if plan.fits:
-        return f"fits: peak {gib(plan.memory['peak'])} per rank of {gib(plan.device.memory)}"
+        return f"fits: {where}"
     fitting = [r for r in RANK_CHOICES if r > plan.ranks and r <= plan.target.layers
-               and _estimate(plan.source, plan.target, plan.workload, plan.device, r).fits]
-    text = (f"does not fit: peak {gib(plan.memory['peak'])} per rank (weights {gib(plan.memory['weights'])}, "
-            f"statistics {gib(plan.memory['statistics'])}) on {gib(plan.device.memory)}")
+               and _estimate(plan.source, plan.target, plan.workload, device, r).fits]
+    text = f"does not fit: {where}"
     if fitting:
         return text + (f"; run the sharded fit on {fitting[0]} ranks: torchrun --nproc-per-node {fitting[0]} "
                        "-m kvhub fit ... (or kvhub fit --distributed)")
-    floor = plan.memory["weights"] + statistics_bytes(plan.source.layers * plan.source.kv_width, 0)
-    return text + (f"; no rank count fits: the source Gram and both models alone take {gib(floor)} per rank. "
-                   "This pair needs the two-pass probe mode (per-layer statistics first, then only the chosen "
-                   "source layers), which kvhub fit does not implement yet; meanwhile lower --samples/--seq-len "
-                   "only shrinks activations, not statistics")
+    if device.gpu and memory["device_peak"] > device.memory:
+        return text + ("; the two models do not fit one device together and kvhub's data-parallel capture puts both "
+                       "on every rank: use devices with more memory")
+    return text + ("; no rank count fits: every rank keeps the whole source Gram. This pair needs the two-pass "
+                   "probe mode (per-layer statistics first, then only the chosen source layers), which kvhub fit "
+                   "does not implement yet")
 
 
 def recommend(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, *,

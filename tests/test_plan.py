@@ -65,16 +65,21 @@ def _tiny_pair():
 def test_advice_names_the_rank_count_that_fits():
     source, target = _tiny_pair()
     workload = Workload(samples=8, heldout=2, seq_len=32, stride=1, batch_size=1, k=1, dtype="float32")
-    one, two = (plan_fit(source, target, workload, DeviceProfile("x", 10**12, 1e9, 1e9, 1e9, 1e9), ranks=r)
+    node = dict(memory=10**12, bf16=1e9, fp32=1e9, fp64=1e9, link=1e9, gpu=True, host_fp32=1e9, host_fp64=1e9,
+                devices_per_host=1)  # one GPU per node: sharding divides each node's statistics
+    one, two = (plan_fit(source, target, workload, DeviceProfile("x", host_memory=10**12, **node), ranks=r)
                 for r in (1, 2))
-    assert two.memory["statistics"] < one.memory["statistics"] and two.memory["weights"] == one.memory["weights"]
-    device = DeviceProfile("small", (one.memory["peak"] + two.memory["peak"]) // 2, 1e9, 1e9, 1e9, 1e9)
+    assert two.memory["host_peak"] < one.memory["host_peak"] and two.memory["weights"] == one.memory["weights"]
+    device = DeviceProfile("small-host", host_memory=(one.memory["host_peak"] + two.memory["host_peak"]) // 2, **node)
     chosen = recommend(source, target, workload, device)
     assert (chosen.ranks, chosen.mode, chosen.fits) == (2, "sharded", True)
     refused = plan_fit(source, target, workload, device, ranks=1)
     assert not refused.fits and "on 2 ranks" in refused.advice and "torchrun --nproc-per-node 2" in refused.advice
-    nothing = recommend(source, target, workload, DeviceProfile("tiny", 1000, 1e9, 1e9, 1e9, 1e9))
+    nothing = recommend(source, target, workload, DeviceProfile("tiny", host_memory=1000, **node))
     assert nothing.mode == "probe" and "no rank count fits" in nothing.advice
+    cpu = DeviceProfile("cpu", one.memory["peak"] * 2 - 1, 1e9, 1e9, 1e9, 1e9)  # CPU ranks share one memory
+    assert plan_fit(source, target, workload, cpu, ranks=1).fits
+    assert not plan_fit(source, target, workload, cpu, ranks=2).fits
 
 
 def test_load_config_reads_paths_and_refuses_unknown_ids(tmp_path):
@@ -94,8 +99,9 @@ def test_plan_cli_json_and_table(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["ranks"] == 2 and data["workload"]["heldout"] == 2  # the recipes' 20% share
-    assert data["memory"]["peak"] == sum(data["memory"][k] for k in ("weights", "statistics")) + max(
-        data["memory"]["activations"], data["memory"]["solve"])
+    memory = data["memory"]
+    assert memory["device_peak"] == memory["weights"] + memory["activations"] + memory["exchange"]
+    assert memory["host_peak"] == memory["statistics"] + max(memory["update"], memory["solve"])
     table = runner.invoke(main, args)
     assert table.exit_code == 0 and "memory per rank" in table.output and "mode full" in table.output
     bad = runner.invoke(main, ["plan", "--src", "nobody/none", "--dst", "Qwen/Qwen3-32B"])

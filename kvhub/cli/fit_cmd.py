@@ -128,22 +128,15 @@ def _launch_torchrun(nproc: int) -> int:
 
 def _fit_rank(request, *, ignore_plan: bool):
     """This process's part of a torchrun job; the Mapper on rank 0, None elsewhere."""
-    import os
-
     import torch.distributed as dist
 
     from ..distributed import init_group
-    from ..fitjob import check_plan, fit_by_names_distributed, plan_for
+    from ..fitjob import check_plan, fit_by_names_distributed
     from .progress import progress_callback
 
     group = init_group(request.device)
     try:
-        if not ignore_plan and group.device.type == "cpu":  # the local ranks share this machine's memory
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world))
-            free = plan_for(request, ranks=group.world)
-            if free is not None:
-                check_plan(request, ranks=group.world, available=free.device.memory // local)
-        elif not ignore_plan:
+        if not ignore_plan:  # CPU ranks share this machine's memory: the plan counts every rank
             check_plan(request, ranks=group.world)
         return fit_by_names_distributed(request, group=group, notify=err_console.print,
                                         progress=progress_callback if group.is_main else None)

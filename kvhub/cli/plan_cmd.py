@@ -72,12 +72,15 @@ def _print_plan(result) -> None:
     console.print(f"{result.source.model_id} -> {result.target.model_id} on {result.ranks} x {result.device.name}: "
                   f"{w.samples} + {w.heldout} sequences x {w.seq_len} tokens, stride {w.stride}, batch {w.batch_size}, "
                   f"k {result.k}{' (auto: largest)' if w.k is None else ''}, {w.dtype}")
-    table = Table(title="memory per rank")
+    table = Table(title="memory per rank (GiB)")
+    table.add_column("where")
     table.add_column("part")
     table.add_column("GiB", justify="right")
-    for part in ("weights", "statistics", "activations", "solve", "peak"):
-        table.add_row(part, f"{result.memory[part] / GIB:,.2f}")
-    table.add_row("device", f"{result.device.memory / GIB:,.2f}")
+    device = "device" if result.device.gpu else "RAM"
+    host = "host" if result.device.gpu else "RAM"
+    for where, part in ((device, "weights"), (device, "activations"), (device, "exchange"), (host, "statistics"),
+                        (host, "update"), (host, "solve"), (device, "device_peak"), (host, "host_peak")):
+        table.add_row(where, part.replace("_", " "), f"{result.memory[part] / GIB:,.2f}")
     console.print(table)
     console.print(f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
                   f"(all ranks), statistics {result.flops['statistics']:.3g} and solve {result.flops['solve']:.3g} "
