@@ -60,7 +60,7 @@ def known_models() -> dict[str, KnownModel]:
     import tomllib
     from importlib import resources
 
-    data = tomllib.loads(resources.files("registry").joinpath("models.toml").read_text())
+    data = tomllib.loads(resources.files("kvhub._registry").joinpath("models.toml").read_text())
     return {
         name: KnownModel(name=name, packages=tuple(entry.pop("packages")), **entry)
         for name, entry in data["models"].items()

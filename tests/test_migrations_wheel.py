@@ -1,4 +1,5 @@
-"""`kvhub db upgrade` from a plain wheel install: the migrations travel inside the wheel.
+"""`kvhub db upgrade` from a plain wheel install: the migrations travel inside the wheel, under the kvhub
+package (kvhub._migrations, kvhub._registry), never as top-level `migrations` / `registry` modules.
 
 Builds a wheel and a venv in ~5-10 s on 2 cores, without network (``--no-index``).  The fresh venv gets kvhub only from the wheel; its dependencies come from this environment's
 site-packages through a .pth file, so nothing is downloaded (and no CUDA torch can be pulled).
@@ -29,7 +30,7 @@ def _build_wheel(tmp_path: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("kvhub", "migrations", "registry"):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, source / name)
     _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -49,6 +50,19 @@ def _fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     return venv
 
 
+def test_wheel_holds_registry_and_migrations_inside_kvhub_only(tmp_path):
+    import zipfile
+
+    names = zipfile.ZipFile(_build_wheel(tmp_path)).namelist()
+    assert {name.split("/")[0] for name in names} == {"kvhub", "kvhub-0.1.0.dist-info"}
+    for member in ("kvhub/_registry/models.toml", "kvhub/_registry/calibration/legal-docs.toml",
+                   "kvhub/_migrations/env.py", "kvhub/_migrations/alembic.ini", "kvhub/_migrations/script.py.mako",
+                   "kvhub/_migrations/versions/0001_initial_schema.py"):
+        assert member in names, member
+    configs = [name for name in names if name.startswith("kvhub/_registry/configs/")]
+    assert configs and all(name.endswith(".json") for name in configs)
+
+
 def test_db_upgrade_works_from_an_installed_wheel(tmp_path):
     wheel = _build_wheel(tmp_path)
     venv = _fresh_venv(tmp_path, wheel)
@@ -56,9 +70,12 @@ def test_db_upgrade_works_from_an_installed_wheel(tmp_path):
     env["KVHUB_HOME"] = str(tmp_path / "home")
     work = tmp_path / "elsewhere"  # not the checkout: nothing may be imported from it
     work.mkdir()
-    where = "import kvhub, migrations; print(kvhub.__file__, migrations.__file__)"
-    located = _run(venv / "bin" / "python", "-c", where, cwd=work, env=env).stdout.split()
-    assert all(path.startswith(str(venv)) for path in located), located
+    where = ("import importlib.util, kvhub, kvhub._migrations, kvhub._registry; "
+             "print(kvhub.__file__, kvhub._migrations.__file__, kvhub._registry.__file__); "
+             "print(importlib.util.find_spec('migrations'), importlib.util.find_spec('registry'))")
+    located, top_level = _run(venv / "bin" / "python", "-c", where, cwd=work, env=env).stdout.splitlines()
+    assert all(path.startswith(str(venv)) for path in located.split()), located
+    assert top_level == "None None", f"the wheel installs top-level modules: {top_level}"
 
     db = f"sqlite:///{tmp_path / 'fresh.db'}"
     upgraded = _run(venv / "bin" / "kvhub", "db", "upgrade", "--db", db, cwd=work, env=env)

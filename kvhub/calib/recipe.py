@@ -315,7 +315,7 @@ def catalog_dir() -> Path:
     """Directory of the built-in recipes (``registry/calibration`` inside the installed package)."""
     from importlib.resources import files
 
-    return Path(str(files("registry") / "calibration"))
+    return Path(str(files("kvhub._registry") / "calibration"))
 
 
 def builtin_names() -> list[str]:

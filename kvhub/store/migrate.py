@@ -29,8 +29,8 @@ SCHEMA_HEAD = "0002_hub_publications"
 
 
 def migrations_dir() -> Path:
-    """The installed ``migrations`` package (inside the wheel, or the repository checkout)."""
-    import migrations
+    """The repository's ``migrations/`` folder, installed as ``kvhub._migrations`` (setup.py)."""
+    from .. import _migrations as migrations
 
     return Path(migrations.__file__).resolve().parent
 
