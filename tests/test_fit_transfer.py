@@ -8,7 +8,8 @@ from kvhub.errors import ConfigError, IncompatibleError, IntegrityError, FormatV
 from kvhub.fit import FitOptions, fit
 from kvhub.handoff import handoff
 from kvhub.mapper import Mapper
-from tests.tinymodels import control_mapper, exact_family_target, make_model
+from kvhub.control import control_mapper
+from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, rtol
 
 TRAIN_TOKENS, HELDOUT_TOKENS = 24 * 32, 6 * 32  # of _fit

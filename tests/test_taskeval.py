@@ -9,7 +9,8 @@ import torch
 from kvhub.fit import FitOptions, fit
 from kvhub.recompute import Recompute
 from kvhub.taskeval import ItemScore, _AttnRecorder, score_item, summarize
-from tests.tinymodels import control_mapper, exact_family_target, make_model
+from kvhub.control import control_mapper
+from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 
 VARIANTS = tuple(Recompute(p, s) for p, s in ((0, 0), (3, 0), (0, 4), (2, 3)))

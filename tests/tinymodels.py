@@ -18,6 +18,8 @@ import math
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kvhub.control import control_mapper  # noqa: F401  (the no-information control; tests import it from here too)
+
 BASE = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=128,
     vocab_size=128, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
@@ -141,21 +143,3 @@ def _copy_layer(state, new, l, m, heads, kv_heads, head_dim, repeat, double, *, 
         new[dst + "self_attn.o_proj.weight"].zero_()
         new[dst + "mlp.down_proj.weight"].zero_()
 
-
-def control_mapper(mapper):
-    """A zero-information control of ``mapper``: every weight 0, every bias a constant: the calibration mean
-    of the target's RoPE-stripped keys / values (``{k,v}.{m}.target_mean``) when the artifact carries it,
-    else 0.  Its cache says nothing about the context, so whatever scores as well from it as from the real
-    map cannot have used the map."""
-    from kvhub.mapper import Mapper
-
-    tensors = {}
-    for name, tensor in mapper.tensors.items():
-        mean = mapper.tensors.get(name.removesuffix(".bias") + ".target_mean") if name.endswith(".bias") else None
-        if name.endswith(".target_mean"):
-            tensors[name] = tensor.clone()
-        elif mean is not None:
-            tensors[name] = mean.clone()
-        else:
-            tensors[name] = torch.zeros_like(tensor)
-    return Mapper(tensors, mapper.metadata)
