@@ -34,6 +34,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """'bf16'/'bfloat16'/torch.bfloat16 -> torch.bfloat16; None stays None."""
+    if isinstance(name, torch.dtype) and not name.is_floating_point:
+        from .errors import ConfigError
+
+        raise ConfigError(f"dtype {name} is not a floating-point type; use one of float32, bfloat16, float16")
     if name is None or isinstance(name, torch.dtype):
         return name
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -127,10 +131,14 @@ class Mapper:
                 f"{src['model_id']}; pass the cache of that model"
             )
         keys = layers[0].keys
-        if keys is None or keys.dim() != 4:
-            raise IncompatibleError("source cache is empty; run the source model over the context first")
+        if keys is None or keys.dim() != 4 or 0 in (keys.shape[0], keys.shape[2]):
+            raise IncompatibleError("source cache is empty (no sequences or no tokens); run the source model over "
+                                    "the context first")
         batch, _, tokens, _ = keys.shape
         for index, layer in enumerate(layers):
+            if not (layer.keys.is_floating_point() and layer.values.is_floating_point()):
+                raise IncompatibleError(f"source cache layer {index} holds {layer.keys.dtype} keys and "
+                                        f"{layer.values.dtype} values; a model's cache is floating point")
             shape = tuple(layer.keys.shape)
             expected = (batch, src["num_kv_heads"], tokens, src["head_dim"])
             if shape != expected or tuple(layer.values.shape) != expected:
