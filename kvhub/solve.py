@@ -208,7 +208,7 @@ def fit_map(train: Moments, cols: torch.Tensor, ycols: slice, lambda_rel: float,
             sources: int, src_width: int) -> LinearMap:
     """Ridge map of y[ycols] on x[cols] with the given structure (cols: the layer input's global columns)."""
     groups, out_width = structure.groups, (ycols.stop - ycols.start) // structure.groups
-    blocks, bias = [], torch.empty(ycols.stop - ycols.start, dtype=train.mean_y.dtype)
+    blocks, bias = [], torch.empty(ycols.stop - ycols.start, dtype=train.mean_y.dtype, device=train.mean_y.device)
     for i in range(groups):
         block_cols = cols[group_rows(sources, src_width, groups, i)]
         block_y = slice(ycols.start + i * out_width, ycols.start + (i + 1) * out_width)
