@@ -97,16 +97,25 @@ class ArtifactStore:
         the exact form ``sha256/<2 hex>/<64 hex>`` (no ``..``, no absolute path, no link in between)
         is refused, so no path a row names can lead outside the store.
         """
+        path = self._entry(location)
+        if path.is_symlink():
+            raise StoreError(f"{path} is a symbolic link; the artifact store holds only real directories. "
+                             "Nothing was read or deleted; remove the version (`kvhub rm REF`) and re-import it")
+        return path
+
+    def _entry(self, location: str) -> Path:
+        """The path of a location of the exact form ``sha256/<2 hex>/<64 hex>``, whose parents inside the
+        store are no links (StoreError otherwise)."""
         if not isinstance(location, str) or not _LOCATION.fullmatch(location):
             raise StoreError(
                 f"the store's database names the artifact location {location!r}, which is not a content address "
                 f"inside {self.root}; the row was edited by hand or by another program. Nothing was read or "
                 "deleted; remove the version (`kvhub rm REF`) and re-import or pull it")
         path = self.root / location
-        for parent in (self.root / OBJECTS_DIR, path.parent, path):
+        for parent in (self.root / OBJECTS_DIR, path.parent):
             if parent.is_symlink():
                 raise StoreError(f"{parent} is a symbolic link; the artifact store holds only real directories. "
-                                 "Nothing was read or deleted; replace the link or remove the version")
+                                 "Nothing was read or deleted; replace the link by a directory")
         return path
 
     @staticmethod
@@ -118,12 +127,10 @@ class ArtifactStore:
         objects = self.root / OBJECTS_DIR
         if not objects.is_dir():
             return []
-        return sorted(
-            f"{OBJECTS_DIR}/{prefix.name}/{entry.name}"
-            for prefix in objects.iterdir()
-            if prefix.is_dir()
-            for entry in prefix.iterdir()
-        )
+        found = (f"{OBJECTS_DIR}/{prefix.name}/{entry.name}"
+                 for prefix in objects.iterdir() if prefix.is_dir() and not prefix.is_symlink()
+                 for entry in prefix.iterdir())
+        return sorted(location for location in found if _LOCATION.fullmatch(location))
 
     def temporaries(self) -> list[Path]:
         """Everything under ``.tmp`` (debris of killed writers, when no write is in flight)."""
@@ -233,8 +240,12 @@ class ArtifactStore:
         fsync_dir(final.parent)
 
     def remove(self, location: str) -> None:
-        """Delete a stored artifact: renamed into ``.tmp`` first, so it vanishes at once."""
-        path = self.path(location)
+        """Delete a stored artifact: renamed into ``.tmp`` first, so it vanishes at once.  A symbolic link
+        in its place is unlinked (what it points to is never touched)."""
+        path = self._entry(location)
+        if path.is_symlink():
+            path.unlink()
+            return
         if not path.exists():
             return
         trash = self.root / TMP_DIR / f"{uuid.uuid4().hex}.removing"
