@@ -4,9 +4,9 @@ Capture is data-parallel: the fit's batches (:func:`kvhub.fit.fit_batches`, the 
 are dealt round-robin, batch ``step * R + r`` to rank r.  After each step the ranks all-gather the
 step's captured rows (source K/V, target K/V, row weights; fp32), and every rank Chan-merges the R
 batches in batch order into its statistics, which keep the source Gram and only its own target
-layers' cross blocks (:func:`owned_layers`: contiguous blocks).  So each rank's statistics are, to the
-last bit of every merge, the single-process statistics restricted to its target columns: no
-reduction of statistics is needed, and no rank ever holds the full (p, q) cross block.  Each rank
+layers' cross blocks (:func:`owned_layers`: contiguous blocks).  So each rank makes the single
+process's merges, in its order, restricted to its target columns (equal up to how the GEMM rounds a
+column subset): no reduction of statistics is needed, and no rank ever holds the full (p, q) cross block.  Each rank
 then solves its target layers (:func:`kvhub.solve.solve` on its restricted statistics: a target
 layer's probe, selection and ridge read only its own columns), and rank 0 gathers the layer
 solutions, assembles the Mapper and is the only one to save or register it.
@@ -115,7 +115,9 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     solution = _assemble([p for p, _, _ in parts])
     means = [torch.cat([m[kind] for _, m, _ in parts]) for kind in ("k", "v")]
     options.timings["ranks"] = group.world
-    options.timings["solve_s"] = max(t["solve_s"] for _, _, t in parts)  # the ranks solve in parallel
+    for key in ("forward_s", "stats_s", "exchange_s", "solve_s"):  # the ranks run in parallel
+        options.timings[key] = max(t.get(key, 0.0) for _, _, t in parts)
+    options.timings["tokens"] = sum(t.get("tokens", 0) for _, _, t in parts)
     summary = _means_only(layout_for(source_model.config, target_model.config), means, train, heldout)
     return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options)
 
@@ -214,27 +216,36 @@ def _save_generation(group: Group, checkpoint: Path, job: str, stats: dict, step
 
 
 def _resume(group: Group, checkpoint: Path | None, job: str, stats: dict) -> int:
-    """Load the latest checkpoint generation every rank has; returns its step count (0: start over)."""
+    """Load the latest checkpoint generation every rank has; returns its step count (0: start over).
+
+    Headers are read first, so only the agreed generation is loaded."""
     import torch.distributed as dist
 
     if checkpoint is None:
         return 0
-    available = {}
-    for path in _rank_paths(group, checkpoint):
-        loaded = {name: KVStats(s.layout) for name, s in stats.items()}
-        steps = _load_checkpoint(path, job, loaded)
-        if steps:
-            available[steps] = loaded
-    latest = torch.tensor([max(available, default=0)], dtype=torch.int64, device=group.device)
+    steps = {_checkpoint_steps(path, job): path for path in _rank_paths(group, checkpoint)}
+    steps.pop(0, None)
+    latest = torch.tensor([max(steps, default=0)], dtype=torch.int64, device=group.device)
     dist.all_reduce(latest, op=dist.ReduceOp.MIN)
     agreed = int(latest)
-    usable = torch.tensor([1 if agreed in available or agreed == 0 else 0], device=group.device)
+    usable = torch.tensor([1 if agreed in steps or agreed == 0 else 0], device=group.device)
     dist.all_reduce(usable, op=dist.ReduceOp.MIN)
     if agreed == 0 or not int(usable):
         return 0
-    stats.update(available[agreed])
+    _load_checkpoint(steps[agreed], job, stats)
     log.info("rank %d resumes after step %d", group.rank, agreed)
     return agreed
+
+
+def _checkpoint_steps(path: Path, job: str) -> int:
+    """Steps a checkpoint of this job covers (0: none, or another job's), from its header alone."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata() or {}
+    return int(header.get("batches_done", 0)) if header.get("job") == job else 0
 
 
 def remove_checkpoints(group: Group, checkpoint: Path | None) -> None:

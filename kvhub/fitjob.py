@@ -146,6 +146,13 @@ def _free_memory(device: str) -> int:
     if device.startswith("cuda"):
         index = torch.device(device).index
         return torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())[0]
+    try:  # MemAvailable counts the page cache the kernel would reclaim; free pages alone do not
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
