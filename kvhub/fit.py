@@ -131,19 +131,23 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
         name, ids = batches[index]
         if progress:
             progress(f"capture: {name} batch {index + 1}/{len(batches)}", completed, total)
-        src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
-        started = time.perf_counter()
-        device = stats[name].k.cxx.device
-        weights = dst.weights.to(device) if dst.weights is not None else None
-        stats[name].update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
-                           [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
-        options.timings["stats_s"] += time.perf_counter() - started
+        _accumulate_batch(source_model, target_model, ids, stats[name], rotaries, options)
         completed += int(ids.numel())
         if options.checkpoint and ((index + 1) % options.checkpoint_every == 0):
             _save_checkpoint(options.checkpoint, job, stats, index + 1)
     if progress:
         progress("capture: done", completed, total)
     return stats["train"], stats["heldout"]
+
+
+def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions) -> None:
+    src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
+    started = time.perf_counter()
+    device = stats.k.cxx.device
+    weights = dst.weights.to(device) if dst.weights is not None else None
+    stats.update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
+                 [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
+    options.timings["stats_s"] += time.perf_counter() - started
 
 
 def fit_batches(train_ids, heldout_ids, batch_size: int) -> list[tuple[str, torch.Tensor]]:
