@@ -14,7 +14,7 @@ down (:data:`SCALED`), and the run measures, in this order:
    mapper has random weights with the plan's k sources per target layer (what is timed is the same);
 3. statistics: rows/s of KVStats.update on the device for --stats-layers source and target layers
    (the full layout's Gram does not fit next to the models), with the measured FLOP rate and the
-   rows/s it implies for the full layout;
+   rows/s (and calibration tokens/s, at the stride) it implies for the full layout;
 4. solve: the models are freed, then one rank's share (the full source Gram, --solve-layers target
    layers, statistics from random rows on the device) is solved with k and lambda auto, against the
    plan's estimate.
@@ -160,7 +160,8 @@ def measure_transfer(mapper, source, target, *, lengths, repeats: int, device) -
     return rows
 
 
-def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, batches: int, device) -> dict:
+def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, batches: int, stride: int,
+                       device) -> dict:
     from kvhub.stats import KVStats, Layout
 
     src_layers, dst_layers = min(layers, source_shape.layers), min(layers, target_shape.layers)
@@ -178,7 +179,8 @@ def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, ba
     rate = flops / seconds
     return {"layout": [src_layers, layout.src_width, dst_layers, layout.dst_width], "rows": rows * batches,
             "seconds": seconds, "rows_per_s": rows * batches / seconds, "flop_per_s": rate,
-            "full_layout_rows_per_s": rate / (4 * (full_p * full_p + full_p * full_q))}
+            "full_layout_rows_per_s": rate / (4 * (full_p * full_p + full_p * full_q)),
+            "full_layout_tokens_per_s": stride * rate / (4 * (full_p * full_p + full_p * full_q))}
 
 
 def measure_solve(source_shape, target_shape, *, layers: int, rows: int, device, plan_seconds: float) -> dict:
@@ -249,7 +251,7 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     report["statistics"] = measure_statistics(*shapes, layers=args.stats_layers, rows=args.batch * seq_len // args.stride,
-                                              batches=3, device=device)
+                                              batches=3, stride=args.stride, device=device)
     solve_layers = min(args.solve_layers, shapes[1].layers)
     share = plan_fit(*shapes, workload_for(samples=256, seq_len=seq_len, stride=args.stride),
                      profile, ranks=math.ceil(shapes[1].layers / solve_layers))

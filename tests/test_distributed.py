@@ -12,6 +12,7 @@ import torch
 from kvhub.distributed import owned_layers
 from kvhub.errors import ConfigError
 from kvhub.fit import FitOptions, fit
+from kvhub.stats import KVStats, Layout
 from tests.tinymodels import make_model
 
 DIE_AT_STEP = 2  # rank 1 dies when it starts this step, after the checkpoint of the steps before
@@ -110,6 +111,48 @@ def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
     assert [(l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in distributed_layers] == [
         (l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in single.layers]
     assert single.metadata["chosen_by"] == "held-out R^2"
+
+
+def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:
+    from kvhub.distributed import Group, _resume
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
+    steps = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", stats)
+    (checkpoint.parent / f"resumed.rank{rank}.json").write_text(json.dumps([steps, stats["train"].n]))
+    os._exit(0)
+
+
+def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
+    """Rank 0 wrote step 3 and was killed before rank 1 did: both resume from step 2, rank 0 from its
+    previous generation (the stats' row count tells which file was loaded)."""
+    import multiprocessing
+
+    from kvhub.distributed import Group, _rank_paths
+    from kvhub.fit import _save_checkpoint
+
+    layout = Layout(1, 2, 1, 2)
+    checkpoint = tmp_path / "checkpoint.safetensors"
+    for rank, generations in ((0, (3, 2)), (1, (2, 1))):
+        for path, steps in zip(_rank_paths(Group(rank, 2, torch.device("cpu")), checkpoint), generations):
+            stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
+            stats["train"].update([torch.randn(steps * 10, 2)], [torch.randn(steps * 10, 2)],
+                                  [torch.randn(steps * 10, 2)], [torch.randn(steps * 10, 2)])
+            _save_checkpoint(path, f"job{rank}", stats, steps)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_resume_main, args=(rank, port, checkpoint, layout)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert [json.loads((tmp_path / f"resumed.rank{r}.json").read_text()) for r in range(2)] == [[2, 20], [2, 20]]
 
 
 def test_owned_layers_cover_every_target_layer_once():
