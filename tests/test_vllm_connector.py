@@ -10,7 +10,9 @@ one for the producer and one for the consumer; the consumer's requests, in order
    model's own output for A (and shows another tenant gets no hit);
 2. prompt A as tenant "alice": the producer's KV, mapped -> must equal 1.;
 3. prompt A as "alice" again: vLLM's own prefix cache must not hit the mapped blocks (local hit 0);
-4. prompt B as "alice": never produced -> fallback.
+4. prompt B as "alice": never produced -> fallback;
+5. prompt C as "other", then as "alice" after the test stored random KV for it: the engine really reads
+   what was mapped (the control: its output must differ from C's own).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32
 PROMPT_A = [(7 * i + 3) % 120 + 1 for i in range(100)]
 PROMPT_B = [(11 * i + 5) % 120 + 1 for i in range(90)]
+PROMPT_C = [(13 * i + 2) % 120 + 1 for i in range(100)]
 NEW_TOKENS = 12
 
 
@@ -116,21 +119,35 @@ def test_consumer_maps_producer_kv_into_vllm_blocks(tmp_path):
     saved = [e for e in _events(paths) if e["event"] == "saved"]
     assert [e["tokens"] for e in saved] == [len(PROMPT_A)]
 
-    own, mapped, again, unseen = _spawn("consumer", paths, [(PROMPT_A, "other"), (PROMPT_A, "alice"),
-                                                            (PROMPT_A, "alice"), (PROMPT_B, "alice")])
+    _store_random_kv(paths, PROMPT_C, tenant="alice")
+
+    own, mapped, again, unseen, own_c, random_c = _spawn("consumer", paths, [
+        (PROMPT_A, "other"), (PROMPT_A, "alice"), (PROMPT_A, "alice"), (PROMPT_B, "alice"),
+        (PROMPT_C, "other"), (PROMPT_C, "alice")])
     events = [e for e in _events(paths) if e["role"] == "consumer"]
     decisions = [e for e in events if e["event"] in ("hit", "fallback")]
-    assert [e["event"] for e in decisions] == ["fallback", "hit", "hit", "fallback"], decisions
-    other, first, second, b = decisions
+    assert [e["event"] for e in decisions] == ["fallback", "hit", "hit", "fallback", "fallback", "hit"], decisions
+    other, first, second, b = decisions[:4]
     assert other["reason"] == "no stored source KV for this prompt"  # tenant isolation
     # 100 prompt tokens, exact tail 16 -> the stored 80-token prefix, block-aligned to 64 tokens
     assert (first["start"], first["end"]) == (0, 64)
     assert second["local_hit_tokens"] == 0  # the mapped blocks never became vLLM prefix-cache entries
     assert b["reason"] == "no stored source KV for this prompt"
-    assert [e["event"] for e in events].count("mapped") == 2
-    assert not [e for e in events if e["reason" if "reason" in e else "event"].startswith("load failed")]
+    assert [e["event"] for e in events].count("mapped") == 3
+    assert [e["layers"] for e in events if e["event"] == "written"] == [4, 4, 4]  # every target layer, each load
     assert mapped == own, "greedy output from the mapped cache differs from the target's own"
     assert again == own
+    assert random_c != own_c, "the output ignores the mapped KV"
+
+
+def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str) -> None:
+    import torch
+
+    from kvhub.serving import KVStore
+
+    store = KVStore(paths["store"], max_bytes=64 << 20)
+    noise = [torch.randn(2, len(prompt), 32) * 3 for _ in range(2 * 3)]  # the source's 3 layers x (H=2, T, D=32)
+    store.put(isolation_key=tenant, source_model="tiny/src", token_ids=prompt, keys=noise[:3], values=noise[3:])
 
 
 if __name__ == "__main__":

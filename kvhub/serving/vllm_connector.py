@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..errors import ConfigError, IncompatibleError
+from ..errors import ConfigError, IncompatibleError, UnsupportedModelError
 from .kvstore import KVStore
 from .paged import PagedLayout, load_plan, probe_layout
 
@@ -128,7 +128,9 @@ class KVHubConnector(KVConnectorBase_V1):
         # worker side
         self._layouts: dict[tuple, PagedLayout] = {}
         self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._pending_writes: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._pending_writes: dict[int, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._written: Counter[str] = Counter()  # request id -> layers written this step
+        self._job_blocks: dict[str, list[int]] = {}  # request id -> blocks of its load this step
         self._layers: dict[str, Any] = {}
         self._load_errors: set[int] = set()
 
@@ -265,6 +267,7 @@ class KVHubConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         self._layers = forward_context.no_compile_layers
+        self._job_blocks = {job.request_id: job.block_ids for job in meta.loads}
         for job in meta.loads:
             try:
                 self._map_job(job)
@@ -291,7 +294,7 @@ class KVHubConnector(KVConnectorBase_V1):
         mapped = self.mapper.map_layers(keys, values, positions, dtype=dtype)
         slots = torch.tensor(job.slots, dtype=torch.long)
         for m, (k, v) in enumerate(mapped):
-            self._pending_writes.setdefault(m, []).append((k[0].transpose(0, 1).contiguous(),
+            self._pending_writes.setdefault(m, []).append((job.request_id, k[0].transpose(0, 1).contiguous(),
                                                            v[0].transpose(0, 1).contiguous(), slots))
         self._event("mapped", job.request_id, tokens=job.end - job.start)
 
@@ -300,10 +303,15 @@ class KVHubConnector(KVConnectorBase_V1):
         if not writes:
             return
         layer = self._layers[layer_name]
-        for keys, values, slots in writes:  # keys, values: (N, H, D)
-            slots = slots.to(layer.kv_cache.device)
-            layer.impl.do_kv_cache_update(layer, keys.to(layer.kv_cache.device), values.to(layer.kv_cache.device),
-                                          layer.kv_cache, slots)
+        device = layer.kv_cache.device
+        for request_id, keys, values, slots in writes:  # keys, values: (N, H, D)
+            try:
+                layer.impl.do_kv_cache_update(layer, keys.to(device), values.to(device), layer.kv_cache,
+                                              slots.to(device))
+                self._written[request_id] += 1
+            except Exception as exc:  # noqa: BLE001 - never take the engine down; vLLM recomputes the blocks
+                self._load_errors.update(self._job_blocks.get(request_id, ()))
+                self._event("fallback", request_id, reason=f"write failed: {type(exc).__name__}: {exc}")
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         if not self.is_producer:
@@ -313,9 +321,14 @@ class KVHubConnector(KVConnectorBase_V1):
             return
         from vllm.forward_context import get_forward_context
 
-        layer = get_forward_context().no_compile_layers[layer_name]
-        layout = self._layout(layer, kv_layer)
-        number = _layer_number(layer_name)
+        try:
+            layer = get_forward_context().no_compile_layers[layer_name]
+            layout = self._layout(layer, kv_layer)
+            number = _layer_number(layer_name)
+        except Exception as exc:  # noqa: BLE001 - a failed save only costs a later cache miss
+            for job in meta.saves:
+                self._collected.setdefault(job.request_id, {})["error"] = f"{type(exc).__name__}: {exc}"
+            return
         for job in meta.saves:
             slots = torch.tensor(job.slots, dtype=torch.long, device=kv_layer.device)
             self._collected.setdefault(job.request_id, {})[number] = layout.gather(kv_layer, slots)
@@ -324,6 +337,11 @@ class KVHubConnector(KVConnectorBase_V1):
         key = (type(layer.impl), getattr(layer, "isa", None), kv_layer.dtype, tuple(kv_layer.shape[1:]))
         if key not in self._layouts:
             heads, head_dim = layer.num_kv_heads, layer.head_size
+            if kv_layer[0].numel() != 2 * self.block_size * heads * head_dim:
+                raise UnsupportedModelError(
+                    f"the paged KV cache {tuple(kv_layer.shape)} is not laid out blocks first (one block = "
+                    f"K and V of {self.block_size} tokens); the producer cannot read this attention backend"
+                )
 
             def writer(k, v, cache, slots):
                 layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
@@ -334,6 +352,9 @@ class KVHubConnector(KVConnectorBase_V1):
         return self._layouts[key]
 
     def wait_for_save(self) -> None:
+        for request_id, layers in self._written.items():
+            self._event("written", request_id, layers=layers)
+        self._written.clear()
         if self._pending_writes:
             log.error("kvhub: mapped KV for layers %s was never written (wait_for_layer_load not called)",
                       sorted(self._pending_writes))
@@ -344,6 +365,8 @@ class KVHubConnector(KVConnectorBase_V1):
         for job in meta.saves:
             layers = self._collected.pop(job.request_id, {})
             try:
+                if "error" in layers:
+                    raise UnsupportedModelError(layers["error"])
                 ordered = [layers[l] for l in range(len(layers))]
                 self.store.put(isolation_key=job.isolation_key, source_model=self.source_model,
                                token_ids=job.token_ids, keys=[k for k, _ in ordered], values=[v for _, v in ordered])
