@@ -45,7 +45,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import ConfigError
@@ -271,12 +271,11 @@ class Plan:
     seconds: dict[str, float]
     fits: bool
     advice: str
-    alternatives: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["source"], out["target"] = self.source.model_id, self.target.model_id
-        out["device"] = {"name": self.device.name, "memory": self.device.memory}
+        out["device"] = asdict(self.device)
         return out
 
 
