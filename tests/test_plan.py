@@ -10,7 +10,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError
-from kvhub.fit import layout_for
 from kvhub.fitjob import FitRequest, check_plan, plan_for
 from kvhub.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of, statistics_bytes
 from kvhub.stats import KVStats, Layout
