@@ -12,9 +12,7 @@ the reduced config dict so the rotary module can be rebuilt without the model.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
+from .artifact import json_sha256 as _sha256_json  # the format owns how config_hash hashes a config
 from .rope import SUPPORTED_MODEL_TYPES, check_supported
 
 _VOLATILE_KEYS = {
@@ -22,10 +20,6 @@ _VOLATILE_KEYS = {
     "_attn_implementation_autoset", "_attn_implementation", "use_cache", "quantization_config",
     "architectures", "output_attentions", "output_hidden_states", "return_dict",
 }
-
-
-def _sha256_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def reduced_config(config) -> dict:

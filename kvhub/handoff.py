@@ -28,8 +28,18 @@ DEFAULT_EXACT_PREFIX = 4  # attention sinks
 DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
 
 
+# Config fields whose change changes a model's KV cache (or the context it encodes): check_models compares
+# them with the fingerprint's recorded config, wherever both configs have them.
+COMPATIBILITY_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "rms_norm_eps", "hidden_act",
+)
+
+
 def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
-    """Refuse models whose KV geometry (or, when given, tokenizer) differs from what the mapper was fitted for."""
+    """Refuse models whose KV geometry, model type or a config field of :data:`COMPATIBILITY_FIELDS` (or,
+    when given, tokenizer) differs from what the mapper was fitted for; the error names the field."""
     if tokenizer is not None:
         from .fingerprint import tokenizer_hash
 
@@ -48,6 +58,25 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
             raise IncompatibleError(
                 f"the {side} model ({model.config.model_type}, layers/kv_heads/head_dim {got}) is not the one "
                 f"this mapper was fitted for ({expected['model_id']}: {expected['model_type']}, {want})"
+            )
+        _check_config(side, expected, model.config)
+
+
+def _check_config(side: str, fingerprint: dict, config) -> None:
+    import json
+
+    from .fingerprint import reduced_config
+
+    def normal(value):  # tuples and lists, ints and floats compare as mapper.json stores them
+        return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+    fitted, given = fingerprint.get("config") or {}, reduced_config(config)
+    for field in COMPATIBILITY_FIELDS:
+        if field in fitted and field in given and normal(fitted[field]) != normal(given[field]):
+            raise IncompatibleError(
+                f"the {side} model's config has {field}={given[field]!r}, but this mapper was fitted for "
+                f"{fingerprint['model_id']} with {field}={fitted[field]!r}; load that model (the mapped cache "
+                "would be wrong)"
             )
 
 

@@ -75,7 +75,8 @@ def _entries(header, data_bytes: int, where: str) -> dict[str, tuple[int, tuple[
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)
+        ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and \
+            isinstance(info.get("data_offsets"), list)
         numbers = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                              for x in [*info["shape"], *info["data_offsets"]]) and len(info["data_offsets"]) == 2
         if not numbers:

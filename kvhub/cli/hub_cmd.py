@@ -50,10 +50,12 @@ def push(ref, repo_id, private, branch, card, db, as_json):
                                "already_published": result.already_published}, indent=2))
     elif result.already_published:
         console.print(f"{ref} is already published as {result.repo_id}@{result.tag} "
-                      f"(commit {result.commit_sha[:12]}); nothing to do", highlight=False, markup=False, soft_wrap=True)
+                      f"(commit {result.commit_sha[:12]}); nothing to do",
+                      highlight=False, markup=False, soft_wrap=True)
     else:
         console.print(f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on "
-                      f"{result.branch}, card {result.card})\n{result.url}", highlight=False, markup=False, soft_wrap=True)
+                      f"{result.branch}, card {result.card})\n{result.url}",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 @click.command()

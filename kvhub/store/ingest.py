@@ -65,7 +65,8 @@ def check_storable(metadata: dict) -> None:
     within its column's length."""
     if not metadata["calibration"].get("name"):
         raise InvalidArtifactError(f"{METADATA_FILE} names no calibration set (calibration.name); the store files "
-                                   "versions under it: re-fit the mapper with a calibration set", field="calibration.name")
+                                   "versions under it: re-fit the mapper with a calibration set",
+                                   field="calibration.name")
     check_lengths(metadata)
 
 
@@ -255,7 +256,8 @@ def metric_row(version_id: int, metric: dict, *, kvhub_version: str) -> MetricRo
     for key, column in (("name", MetricRow.name), ("split", MetricRow.split), ("task", MetricRow.task)):
         text = metric.get(key)
         if text is not None and (not isinstance(text, str) or len(text) > _limit(column)):
-            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {_limit(column)} characters")
+            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {_limit(column)} "
+                              "characters")
     for key in ("layer", "n", "seed"):
         number = metric.get(key)
         if number is not None and (isinstance(number, bool) or not isinstance(number, int) or abs(number) >= 1 << 62):
