@@ -48,8 +48,9 @@ class _Fields:
         self.obj = obj
 
     def fail(self, path: str, problem: str):
+        what = f"field `{path}`" if path else "(the whole document)"
         raise InvalidArtifactError(
-            f"{self.where}: {METADATA_FILE} field `{path}` {problem}; the artifact is corrupt or was edited, "
+            f"{self.where}: {METADATA_FILE} {what} {problem}; the artifact is corrupt or was edited, "
             "re-fetch it or re-fit the mapper", field=path)
 
     def _name(self, key: str) -> str:
@@ -125,7 +126,7 @@ def check_metadata(metadata, *, where: str) -> dict:
     target = _check_fingerprint(fields, "target")
     calibration = fields.child("calibration")
     calibration.text("name", required=False, max_length=256)  # the store requires it: its series key
-    calibration.get("version", (str, int, type(None)), required=False, what="a string or an integer")
+    calibration.get("version", (str, int, float, type(None)), required=False, what="a string or a number")
     calibration.text("content_hash", required=False, null=True, max_length=128)
     calibration.integer("tokens", required=False, null=True, high=1 << 62)
     _check_choice_or_number(fields, "k", integer=True)
