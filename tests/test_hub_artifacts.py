@@ -164,3 +164,17 @@ def test_search_skips_a_malicious_card_and_lists_the_rest(good_files, hub_env, d
     assert_clean_exit(result, 0)
     assert [m["repo_id"] for m in json.loads(result.stdout)] == ["alice/kv-good"]
     assert sum("skipping alice/kv-bad-" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_pull_warns_when_the_card_describes_other_weights(hub_env, db, caplog):
+    """mapper.json and the tensors swapped together stay a valid artifact (kvhub trusts the verified
+    mapper.json); the stale card that still names the old sha256 is reported."""
+    assert run("import", str(make_store_artifact(hub_env.tmp / "a", seed=61)), "--db", db).exit_code == 0
+    assert run("push", "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct@v1", "--repo", "alice/kv-swap",
+               "--db", db).exit_code == 0
+    other = make_store_artifact(hub_env.tmp / "b", seed=62)
+    publish_raw(hub_env.server, "alice/kv-swap", {name: (other / name).read_bytes()
+                                                  for name in ("mapper.json", "mapper.safetensors")})
+    pulled = run("pull", "alice/kv-swap", "--db", str(hub_env.tmp / "other.db"))
+    assert_clean_exit(pulled, 0)
+    assert any("README.md describes tensors" in r.getMessage() for r in caplog.records)

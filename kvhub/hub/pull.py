@@ -81,6 +81,7 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             _stage(snapshot, staged)
             metadata = verify_artifact(staged, source=source, target=target)
             _check_calibration(repo_id, metadata, calibration)
+            _check_card(repo_id, staged, metadata)
         except FormatVersionError:
             raise
         except ArtifactError as exc:  # bad bytes: drop them so the next pull downloads afresh
@@ -213,6 +214,21 @@ def _check_calibration(repo_id: str, metadata: dict, calibration: str | None) ->
     if calibration is not None and (have or "").lower() != calibration.lower():
         raise IncompatibleError(f"{repo_id} was calibrated on {have!r}, not {calibration!r}; "
                                 "pass the repository that holds that calibration set")
+
+
+def _check_card(repo_id: str, staged: Path, metadata: dict) -> None:
+    """Warn when the repository's card describes other weights than its mapper.json (kvhub trusts
+    mapper.json, which it verified; the card someone reads may be stale or misleading)."""
+    from ..card import read_front_matter
+
+    if not (staged / CARD_FILE).is_file():
+        return
+    block = read_front_matter((staged / CARD_FILE).read_text(encoding="utf-8", errors="replace")).get("kvhub")
+    claimed = block.get("tensors_sha256") if isinstance(block, dict) else None
+    if claimed is not None and claimed != metadata["tensors"]["sha256"]:
+        logger.warning("%s: README.md describes tensors %s, but mapper.json (verified) holds %s; the card is stale "
+                       "or misleading, trust `kvhub show` of the pulled version", repo_id, str(claimed)[:12],
+                       metadata["tensors"]["sha256"][:12])
 
 
 def _cached_candidates(settings: HubSettings, namespaces: list[str], source: str, target: str,
