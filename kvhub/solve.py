@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .artifact import tensor_name
 from .errors import ConfigError, FitError
 from .stats import KVStats, Moments
 
@@ -90,15 +91,15 @@ class LinearMap:
         return dense
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Artifact tensors (fp32): ``{prefix}.weight`` or ``.weight_a``/``.weight_b``, 2-D when dense over
-        heads, else stacked (groups, ...); and ``{prefix}.bias``."""
+        """Artifact tensors (fp32, named by kvhub.artifact): ``{prefix}.weight`` or ``.weight_a``/``.weight_b``,
+        2-D when dense over heads, else stacked (groups, ...); and ``{prefix}.bias``."""
         stack = (lambda ts: ts[0]) if self.groups == 1 else torch.stack
-        out = {f"{prefix}.bias": self.bias.float()}
+        out = {tensor_name(prefix, "bias"): self.bias.float()}
         if self.rank is None:
-            out[f"{prefix}.weight"] = stack([a.float() for a, _ in self.blocks])
+            out[tensor_name(prefix, "weight")] = stack([a.float() for a, _ in self.blocks])
         else:
-            out[f"{prefix}.weight_a"] = stack([a.float() for a, _ in self.blocks])
-            out[f"{prefix}.weight_b"] = stack([b.float() for _, b in self.blocks])
+            out[tensor_name(prefix, "weight_a")] = stack([a.float() for a, _ in self.blocks])
+            out[tensor_name(prefix, "weight_b")] = stack([b.float() for _, b in self.blocks])
         return out
 
     def num_parameters(self) -> int:

@@ -115,6 +115,20 @@ def _scan(handle, digest, entries) -> list[str]:
     return sorted({name for name, (begin, _, end) in entries.items() for o in bad_offsets if begin <= o < end})
 
 
+def map_prefix(kind: str, target: int) -> str:
+    """``k.3``: the name prefix of target layer 3's key map (kind ``k``) or value map (``v``)."""
+    if kind not in ("k", "v"):
+        raise ValueError(f"a map's kind is 'k' or 'v', not {kind!r}")
+    return f"{kind}.{target}"
+
+
+def tensor_name(prefix: str, part: str) -> str:
+    """``k.3.weight_a``: a map's tensor; ``part`` one of bias, weight, weight_a, weight_b, target_mean."""
+    if part not in _SUFFIXES:
+        raise ValueError(f"a map's tensors are {', '.join(_SUFFIXES)}, not {part!r}")
+    return f"{prefix}.{part}"
+
+
 def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
     """True when some map is low rank (``weight_a``) or head-local (a 3-D ``weight``)."""
     return any(name.endswith(".weight_a") or (name.endswith(".weight") and len(shape) == 3)
@@ -135,16 +149,15 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: 
         m, k = layer["target"], len(layer["sources"])
         d_in, d_out = k * src["num_kv_heads"] * src["head_dim"], dst["num_kv_heads"] * dst["head_dim"]
         for kind in ("k", "v"):
-            prefix = f"{kind}.{m}"
-            names = _check_map(shapes, prefix, d_in, d_out, src, dst, where)
-            expected |= names | {f"{prefix}.bias"}
-            if shapes.get(f"{prefix}.bias") != (d_out,):
-                _fail(where, f"has {prefix}.bias of shape {shapes.get(f'{prefix}.bias')}, expected ({d_out},)")
-            if f"{prefix}.target_mean" in shapes:
-                expected.add(f"{prefix}.target_mean")
-                if shapes[f"{prefix}.target_mean"] != (d_out,):
-                    _fail(where, f"has {prefix}.target_mean of shape {shapes[f'{prefix}.target_mean']}, "
-                                 f"expected ({d_out},)")
+            prefix = map_prefix(kind, m)
+            bias, mean = tensor_name(prefix, "bias"), tensor_name(prefix, "target_mean")
+            expected |= _check_map(shapes, prefix, d_in, d_out, src, dst, where) | {bias}
+            if shapes.get(bias) != (d_out,):
+                _fail(where, f"has {bias} of shape {shapes.get(bias)}, expected ({d_out},)")
+            if mean in shapes:
+                expected.add(mean)
+                if shapes[mean] != (d_out,):
+                    _fail(where, f"has {mean} of shape {shapes[mean]}, expected ({d_out},)")
     extra = sorted(set(shapes) - expected)
     if extra:
         _fail(where, f"holds tensors the format does not name ({', '.join(extra[:4])}"
@@ -155,7 +168,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: 
 
 def _check_map(shapes, prefix: str, d_in: int, d_out: int, src: dict, dst: dict, where: str) -> set[str]:
     """Check one map's weight tensors; returns their names."""
-    dense, low_rank = f"{prefix}.weight", (f"{prefix}.weight_a", f"{prefix}.weight_b")
+    dense, low_rank = tensor_name(prefix, "weight"), (tensor_name(prefix, "weight_a"), tensor_name(prefix, "weight_b"))
     if dense in shapes and not any(n in shapes for n in low_rank):
         factors = [shapes[dense]]
     elif dense not in shapes and all(n in shapes for n in low_rank):
