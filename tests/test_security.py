@@ -202,3 +202,10 @@ def test_fit_and_handoff_stay_functions_whatever_was_imported(tmp_path):
             "from kvhub import handoff\n"
             "print(all(inspect.isfunction(f) for f in (fit, handoff, kvhub.fit, kvhub.handoff)))")
     assert _python(code, tmp_path) == "True"
+
+
+def test_the_store_and_the_hub_check_artifacts_without_torch(tmp_path):
+    """kvhub.artifact (the format's one owner) is what the store and the Hub code run; none loads torch."""
+    code = ("import sys\nimport kvhub.artifact, kvhub.store, kvhub.hub\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert _python(code, tmp_path) == "[]"
