@@ -348,6 +348,8 @@ STORE_CASES = [
     ("db-not-a-url", ["list", "--db", "::::://"], 2, None),
     ("export-existing-dir", ["export", f"{_REF}@v1", "."], 5, "already exists"),
     ("import-no-such-dir", ["import", "no/such/dir"], 2, "does not exist"),
+    ("export-markup-ref", ["export", "a[/]:b", "out"], 6, "no mapper from model 'a[/]'"),
+    ("import-markup-dir-not-artifact", ["import", "[bold]x[red]"], 5, "[bold]x[red] is not a kvhub mapper artifact"),
 ]
 
 
@@ -355,6 +357,7 @@ STORE_CASES = [
 def test_store_command_refuses_bad_input(case_id, args, code, words, filled, monkeypatch):
     db, tmp_path = filled
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "[bold]x[red]").mkdir(exist_ok=True)
     before = run("list", "--db", db, "--json").stdout
     has_db = "--db" in args
     result = run(*args, *([] if has_db else ["--db", db]))

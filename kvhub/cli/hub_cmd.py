@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .console import console, err_console, plain
+from .console import console, plain, say
 
 _DB_HELP = "Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir)."
 
@@ -43,7 +43,7 @@ def push(ref, repo_id, private, branch, card, db, as_json):
     with _store(db) as store:
         result = push_version(store, ref, repo_id, private=private, branch=branch, card=card)
     for note in result.notes:
-        err_console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
+        say(note, label="note:")
     if as_json:
         click.echo(json.dumps({"repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
                                "branch": result.branch, "url": result.url, "card": result.card,
@@ -114,7 +114,7 @@ def search(src, dst, calib, author, limit, as_json):
         click.echo(json.dumps([asdict(m) for m in found], indent=2))
         return
     if not found:
-        err_console.print("no kvhub mappers on the Hub match; publish one with `kvhub push`", soft_wrap=True)
+        say("no kvhub mappers on the Hub match; publish one with `kvhub push`")
         return
     table = Table()
     for column in ("repository", "source", "target", "calibration", "version", "k", "R2 K", "R2 V", "updated"):

@@ -103,7 +103,7 @@ def list_versions(src, dst, calib, family, min_metrics, db, as_json):
         _echo_json([dict(v.to_dict(), metrics=summary.get(v.id, {})) for v in versions])
         return
     if not versions:
-        err_console.print("no mapper versions match; fit one with `kvhub fit` or import one with `kvhub import DIR`")
+        say("no mapper versions match; fit one with `kvhub fit` or import one with `kvhub import DIR`")
         return
     console.print(_versions_table(versions, summary))
 
@@ -150,7 +150,7 @@ def show(ref, verify, db, as_json):
         return
     _print_description(data)
     if verify:
-        err_console.print("artifact verified: every file matches its recorded sha256 and the artifact format")
+        say("artifact verified: every file matches its recorded sha256 and the artifact format")
 
 
 def _print_description(data: dict) -> None:
@@ -227,7 +227,7 @@ def tag(ref, alias, db):
     """
     with _open(db) as store:
         version = store.tag(ref, alias)
-        err_console.print(f"{alias} -> {store.reference(version)}", highlight=False, markup=False)
+        say(f"{alias} -> {store.reference(version)}")
 
 
 @click.command(epilog=_REF_HELP)
@@ -243,7 +243,7 @@ def untag(ref, alias, db):
     """
     with _open(db) as store:
         version = store.untag(ref, alias)
-        err_console.print(f"removed {alias} (it pointed at {store.reference(version)})", highlight=False, markup=False)
+        say(f"removed {alias} (it pointed at {store.reference(version)})")
 
 
 @click.command(epilog=_REF_HELP)
@@ -261,7 +261,7 @@ def rm(ref, force, db):
     """
     with _open(db) as store:
         version = store.remove(ref, force=force)
-    err_console.print(f"removed {version.ref} ({_size(version.artifact_bytes)})", highlight=False, markup=False)
+    say(f"removed {version.ref} ({_size(version.artifact_bytes)})")
 
 
 @click.command()
@@ -285,8 +285,8 @@ def gc(dry_run, db, as_json):
                     "missing": report.missing, "bytes": report.bytes})
         return
     verb = "would remove" if dry_run else "removed"
-    err_console.print(f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
-                      f"leftovers ({_size(report.bytes)})", highlight=False, markup=False)
+    say(f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
+        f"leftovers ({_size(report.bytes)})")
     for location in report.missing:
         say(f"{location} is referenced but missing; re-import it or `kvhub rm` its version", label="warning:",
             style="yellow")
@@ -304,9 +304,9 @@ def export_version(ref, directory, force, db):
     \b
     kvhub export qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production ./mapper
     """
-    with _open(db) as store, err_console.status(f"exporting {ref}"):
+    with _open(db) as store, err_console.status(plain(f"exporting {ref}")):
         path = store.export(ref, directory, overwrite=force)
-    err_console.print(f"exported {ref} to {path}", highlight=False, markup=False)
+    say(f"exported {ref} to {path}")
 
 
 @click.command("import")
@@ -323,13 +323,13 @@ def import_artifact(directory, db, as_json):
     """
     from pathlib import Path
 
-    with _open(db) as store, err_console.status(f"importing {directory}"):
+    with _open(db) as store, err_console.status(plain(f"importing {directory}")):
         version = store.register(directory, lineage={"imported_from": str(Path(directory).resolve())})
         reference = store.reference(version)
     if as_json:
         _echo_json(version.to_dict())
     else:
-        err_console.print(f"registered {reference}", highlight=False, markup=False)
+        say(f"registered {reference}")
 
 
 # ---- schema --------------------------------------------------------------------------------------
@@ -352,10 +352,9 @@ def upgrade(db):
     before, head = schema_status(url)
     upgrade_schema(url)
     if before == head:
-        err_console.print(f"{display_url(url)} is already at {head}", highlight=False, markup=False)
+        say(f"{display_url(url)} is already at {head}")
     else:
-        err_console.print(f"upgraded {display_url(url)} from {before or 'an empty database'} to {head}",
-                          highlight=False, markup=False)
+        say(f"upgraded {display_url(url)} from {before or 'an empty database'} to {head}")
 
 
 @db.command()

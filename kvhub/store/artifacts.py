@@ -106,7 +106,7 @@ class ArtifactStore:
     def _entry(self, location: str) -> Path:
         """The path of a location of the exact form ``sha256/<2 hex>/<64 hex>``, whose parents inside the
         store are no links (StoreError otherwise)."""
-        if not isinstance(location, str) or not _LOCATION.fullmatch(location):
+        if not self.is_location(location):
             raise StoreError(
                 f"the store's database names the artifact location {location!r}, which is not a content address "
                 f"inside {self.root}; the row was edited by hand or by another program. Nothing was read or "
@@ -117,6 +117,11 @@ class ArtifactStore:
                 raise StoreError(f"{parent} is a symbolic link; the artifact store holds only real directories. "
                                  "Nothing was read or deleted; replace the link by a directory")
         return path
+
+    @staticmethod
+    def is_location(location) -> bool:
+        """True for a location of the form the store writes, ``sha256/<2 hex>/<64 hex>``."""
+        return isinstance(location, str) and bool(_LOCATION.fullmatch(location))
 
     @staticmethod
     def location_of(sha256: str) -> str:

@@ -371,10 +371,14 @@ class Store:
         unless ``force``.  Version numbers are never reused; ``latest`` moves to the newest remaining.
         """
         record = self._write(lambda s: self._remove(s, version, force))
+        if not self._artifacts.is_location(record.artifact_location):
+            log.warning("removed %s; its database row named the artifact location %r, which is not inside the "
+                        "store, so no file was deleted", record.ref, record.artifact_location)
+            return record
         try:  # the removal is committed: what follows may only leave work for gc, never fail the removal
             self._collect([record.artifact_location])
         except StoreError as exc:
-            log.warning("removed %s, but its artifact was left for `kvhub gc`: %s", record.ref, exc)
+            log.warning("removed %s; its artifact was left for `kvhub gc` (%s)", record.ref, exc)
         return record
 
     def _remove(self, session: Session, version: VersionLike, force: bool) -> MapperVersion:
