@@ -127,7 +127,7 @@ class KVHubConnector(KVConnectorBase_V1):
         self._loads: list[LoadJob] = []
         # worker side
         self._layouts: dict[tuple, PagedLayout] = {}
-        self._collected: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._collected: dict[str, dict] = {}  # request id -> {layer: (K, V)} or {"error": why}
         self._pending_writes: dict[int, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._written: Counter[str] = Counter()  # request id -> layers written this step
         self._job_blocks: dict[str, list[int]] = {}  # request id -> blocks of its load this step
@@ -151,6 +151,9 @@ class KVHubConnector(KVConnectorBase_V1):
 
     def _event(self, event: str, request_id: str, **fields) -> None:
         self.counters[event] += 1
+        if event == "fallback":
+            log.info("kvhub %s: request %s is prefilled normally: %s (%d fallbacks so far)", self._role_name,
+                     request_id, fields.get("reason"), self.counters[event])
         if self.events_path:
             line = json.dumps({"time": time.time(), "role": self._role_name, "event": event,
                                "request_id": request_id, **fields})
