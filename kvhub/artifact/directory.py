@@ -71,8 +71,9 @@ def verify_tensors(directory: str | os.PathLike, metadata: dict) -> TensorFile:
     try:
         found = read_tensor_file(path, where=str(path))
     except InvalidArtifactError:
-        if sha256_file(path) != recorded:  # a damaged file: say so rather than describe the damage
-            raise _sha_mismatch(path, sha256_file(path), recorded) from None
+        actual = sha256_file(path)
+        if actual != recorded:  # a damaged file: say so rather than describe the damage
+            raise _sha_mismatch(path, actual, recorded) from None
         raise
     if found.sha256 != recorded:
         raise _sha_mismatch(path, found.sha256, recorded)
