@@ -27,12 +27,14 @@ _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
 RELATION = "adapter"
 
 
-def model_card(metadata: dict, *, repo_id: str, version_tag: str, images: Iterable[str] = ()) -> str:
+def model_card(metadata: dict, *, repo_id: str, version_tag: str, images: Iterable[str] = (),
+               base_model: tuple[str, str] | None = None) -> str:
     """README.md text for the artifact described by ``metadata`` (mapper.json), pushed as ``version_tag``.
 
     ``images``: file names (relative to the artifact directory) shown in a "Figures" section.
+    ``base_model``: Hub ids of (source, target) overriding the fingerprints' model ids.
     """
-    text = _front_matter(metadata, repo_id=repo_id, version_tag=version_tag) + _body(
+    text = _front_matter(metadata, repo_id=repo_id, version_tag=version_tag, base_model=base_model) + _body(
         metadata, repo_id=repo_id, version_tag=version_tag, images=sorted(images)
     )
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -79,7 +81,7 @@ def _numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
     return []
 
 
-def _front_matter(metadata: dict, *, repo_id: str, version_tag: str) -> str:
+def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model: tuple[str, str] | None) -> str:
     from huggingface_hub import EvalResult, ModelCardData
 
     source, target = metadata["source"], metadata["target"]
@@ -106,7 +108,7 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str) -> str:
     ]
     data = ModelCardData(
         library_name="kvhub",
-        base_model=[source["model_id"], target["model_id"]],
+        base_model=list(base_model) if base_model else [source["model_id"], target["model_id"]],
         base_model_relation=RELATION,
         tags=[t for t in ("kvhub", "kv-cache", family) if t],
         datasets=[dataset] if dataset else None,

@@ -45,13 +45,13 @@ def test_fit_registers_exports_and_reports(model_dirs, env):
     result = runner.invoke(main, _fit_args(model_dirs, env, out) + ["--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["reference"].endswith("@v1")
+    assert summary["ref"].endswith("@v1")
     # an exact family: R^2 is 1 up to fp32 moment products over at most the 12 x 24 calibration tokens
     assert abs(1 - summary["metrics"]["heldout_r2_k_mean"]) < rtol(torch.float32, terms=12 * 24)
     assert (out / "mapper.safetensors").is_file() and (out / "mapper.json").is_file()
     listed = json.loads(runner.invoke(main, ["list", "--db", env["db"], "--json"]).stdout)
     assert len(listed) == 1
-    ref = summary["reference"]
+    ref = summary["ref"]
     bench = runner.invoke(main, ["bench", ref, "--lengths", "16,24", "--repeats", "1", "--dtype", "float32",
                                  "--device", "cpu", "--db", env["db"], "--json"])
     assert bench.exit_code == 0, bench.output
@@ -101,7 +101,8 @@ def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch
     result = runner.invoke(main, _fit_args(model_dirs, env, out))
     assert result.exit_code != 0
     assert not out.exists()
-    assert json.loads(runner.invoke(main, ["list", "--db", env["db"], "--json"]).stdout) == []
+    listed = runner.invoke(main, ["list", "--db", env["db"], "--json"])  # nothing registered: not even a store
+    assert listed.exit_code == 6 and "no kvhub store" in listed.output
     checkpoints = list((env["tmp"] / "cache" / "checkpoints").glob("*.safetensors"))
     assert len(checkpoints) == 1
 
@@ -134,7 +135,7 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkey
 
     runner = CliRunner()
     fitted = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "m") + ["--json"])
-    ref = json.loads(fitted.stdout)["reference"]
+    ref = json.loads(fitted.stdout)["ref"]
     # contexts made of the calibration corpus' own words: the fitted map is exact on their span
     items = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"],
                   label=i % 3, id=str(i)) for i in range(4)]

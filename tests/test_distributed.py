@@ -190,8 +190,8 @@ def test_kvhub_fit_distributed_launches_torchrun_and_registers_once(tmp_path, te
 
     distributed = kvhub_fit(tmp_path / "two", "--distributed", "2")
     single = kvhub_fit(tmp_path / "one")
-    assert (distributed["reference"], single["reference"]) == (distributed["reference"][:-1] + "1",
-                                                               distributed["reference"][:-1] + "2")
+    assert (distributed["ref"], single["ref"]) == (distributed["ref"][:-1] + "1",
+                                                               distributed["ref"][:-1] + "2")
     two, one = (load_file(str(tmp_path / d / "mapper.safetensors")) for d in ("two", "one"))
     for name in one:
         torch.testing.assert_close(two[name].double(), one[name].double(), rtol=0, atol=1e-6, msg=name)

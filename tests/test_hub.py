@@ -83,7 +83,7 @@ def test_pull_at_tag_and_main_registers_with_provenance_idempotently(hub_env, db
     repo = hub_env.server.repo("alice/kvmap")
     assert (info["revision"], info["commit_sha"], info["already_registered"]) == ("v1", repo["tags"]["v1"], False)
     with open_store(other) as store:
-        pulled = store.resolve(info["reference"])
+        pulled = store.resolve(info["ref"])
         assert pulled.tensors_sha256 == v1.tensors_sha256
         assert pulled.lineage == {"hub": {"repo_id": "alice/kvmap", "revision": "v1", "commit_sha": repo["tags"]["v1"]}}
         assert [(p["repo_id"], p["revision"]) for p in store.publications(pulled)] == [("alice/kvmap", "v1")]
@@ -101,7 +101,7 @@ def test_pulled_mapper_can_be_aliased_loaded_and_pushed_elsewhere(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1)
     assert run("push", v1.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
     other = str(hub_env.tmp / "other.db")
-    ref = json.loads(run("pull", "alice/kvmap@v1", "--db", other, "--json").stdout)["reference"]
+    ref = json.loads(run("pull", "alice/kvmap@v1", "--db", other, "--json").stdout)["ref"]
     with open_store(other) as store:
         store.tag(ref, "production")
         mapper_dir = store.artifact_path(f"{SRC_ID}:{DST_ID}:legal-docs@production")
@@ -220,7 +220,7 @@ def test_private_repo_needs_the_owners_token_and_tokens_never_leak(hub_env, db, 
     Path(constants.HF_TOKEN_PATH).write_text(ALICE_TOKEN)
     alice = run("-v", "pull", "alice/secret@v1", "--db", other)
     assert alice.exit_code == 0, alice.stderr
-    assert run("search", "--src", SRC_ID, "--json").stdout.count("alice/secret") == 1
+    assert run("search", "--src", SRC_ID, "--json").stdout.count("\"repo_id\": \"alice/secret\"") == 1
     for result in (pushed, anonymous, bob, rejected, alice):
         for secret in (ALICE_TOKEN, BOB_TOKEN, "hf_revokedTOKEN000000000000000000"):
             assert secret not in result.stdout + result.stderr

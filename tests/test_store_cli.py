@@ -42,14 +42,14 @@ def test_a_version_through_its_whole_life(kvhub_cli, artifact_factory, tmp_path)
     table = kvhub_cli("list").stdout
     assert f"{PAIR}:legal-docs@v1".lower() in table.lower() and "latest" in table
     listed = json.loads(kvhub_cli("list", "--json", "--min-metric", "heldout_r2_k_mean=0.5").stdout)
-    assert [v["version"] for v in listed] == [1, 2] and listed[0]["metrics"]["heldout_r2_k_mean"] == 0.89
+    assert [v["version"] for v in listed] == [1, 2] and {m["name"]: m["value"] for m in listed[0]["metrics"]}["heldout_r2_k_mean"] == 0.89
 
     kvhub_cli("tag", f"{PAIR}@v1", "production")
     shown = json.loads(kvhub_cli("show", PAIR, "--json").stdout)
     assert shown["version"] == 1 and shown["aliases"] == ["production"]
     assert shown["lineage"]["imported_from"] == str(first.resolve())
     assert shown["source_model"]["name"] == "Qwen/Tiny-Coder-0.5B-Instruct" and shown["metrics"]
-    human = kvhub_cli("show", f"{PAIR}@v1", "--verify")
+    human = kvhub_cli("show", f"{PAIR}@v1", "--verify", "--layers")
     assert "selected layers" in human.stdout and "metrics" in human.stdout and "verified" in human.stderr
 
     refused = kvhub_cli("rm", f"{PAIR}@v1", expect=StoreError.exit_code)

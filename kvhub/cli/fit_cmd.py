@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .console import console, err_console
+from .console import console, plain, say
 
 
 def _auto_or(convert, hint: str):
@@ -96,7 +96,7 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     else:
         if not ignore_plan:
             check_plan(request)
-        mapper = fit_by_names(request, notify=err_console.print, progress=progress_callback)
+        mapper = fit_by_names(request, notify=say, progress=progress_callback)
     reference = None
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
@@ -122,7 +122,7 @@ def _launch_torchrun(nproc: int) -> int:
             args.append(arg)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "kvhub", *args]
-    err_console.print("running " + " ".join(command[1:]))
+    say("running " + " ".join(command[1:]))
     return subprocess.call(command)
 
 
@@ -138,7 +138,7 @@ def _fit_rank(request, *, ignore_plan: bool):
     try:
         if not ignore_plan:  # CPU ranks share this machine's memory: the plan counts every rank
             check_plan(request, ranks=group.world)
-        return fit_by_names_distributed(request, group=group, notify=err_console.print,
+        return fit_by_names_distributed(request, group=group, notify=say,
                                         progress=progress_callback if group.is_main else None)
     finally:
         dist.destroy_process_group()
@@ -152,15 +152,22 @@ def _register(artifact: Path, db: str | None) -> str:
         return store.reference(version)
 
 
+def _auto(value):
+    """A fit option as JSON shows it: "auto" when it was chosen per target layer (None)."""
+    return "auto" if value is None else value
+
+
 def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
     from rich.table import Table
 
     metrics = mapper.metadata["metrics"]
     if as_json:
-        click.echo(json.dumps({"reference": reference, "out": str(out) if out else None, "metrics": metrics,
-                               "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"]}, indent=2))
+        click.echo(json.dumps({"ref": reference, "out": str(out) if out else None, "metrics": metrics,
+                               "k": _auto(mapper.metadata.get("k")), "lambda": _auto(mapper.metadata.get("lambda")),
+                               "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"]}, indent=2,
+                              sort_keys=True))
         return
-    table = Table(title=f"{mapper.source['model_id']} -> {mapper.target['model_id']}")
+    table = Table(title=plain(f"{mapper.source['model_id']} -> {mapper.target['model_id']}"))
     for column in ("target layer", "source layers", "k", "lambda K/V", "held-out R2 K", "held-out R2 V"):
         table.add_column(column, justify="right")
     for layer in mapper.layers:
@@ -179,8 +186,8 @@ def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
     console.print(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
                   f"solve {timings.get('solve_s', 0):.1f} s")
     for note in mapper.metadata.get("notes", []):
-        err_console.print(f"note: {note}")
+        say(note, label="note:")
     if reference:
-        console.print(f"registered [bold]{reference}[/]")
+        say(reference, label="registered", style="bold", to=console)
     if out:
-        console.print(f"exported to {out}")
+        say(f"exported to {out}", to=console)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from .console import console, plain, say
+from .console import console, say
+from .output import echo_json, format_option, print_table
+from .store_cmd import DB_HELP as _DB_HELP
 
-_DB_HELP = "Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir)."
 
-
-def _store(db):
+def _store(db, *, create: bool = True):
     from ..store import open_store
 
-    return open_store(db)
+    return open_store(db, create=create)
 
 
 @click.command()
@@ -25,9 +23,12 @@ def _store(db):
               help="Branch that receives the commit (created if missing).")
 @click.option("--card", type=click.Choice(["auto", "keep", "replace"]), default="auto", show_default=True,
               help="README.md: auto = replace it unless it was edited on the Hub; keep; replace.")
+@click.option("--base-model", default=None, metavar="SRC,DST",
+              help="Hub ids of the source and target models for the card's base_model, when the mapper was "
+                   "fitted from local paths kvhub cannot map to Hub ids itself.")
 @click.option("--db", default=None, help=_DB_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def push(ref, repo_id, private, branch, card, db, as_json):
+def push(ref, repo_id, private, branch, card, base_model, db, as_json):
     """Publish the mapper version REF to the Hub: one commit, tagged vN.
 
     \b
@@ -40,14 +41,16 @@ def push(ref, repo_id, private, branch, card, db, as_json):
     """
     from ..hub import push as push_version
 
-    with _store(db) as store:
-        result = push_version(store, ref, repo_id, private=private, branch=branch, card=card)
+    with _store(db, create=False) as store:
+        result = push_version(store, ref, repo_id, private=private, branch=branch, card=card,
+                              base_model=_base_models(base_model))
+        full_ref = store.resolve(ref).ref
     for note in result.notes:
         say(note, label="note:")
     if as_json:
-        click.echo(json.dumps({"repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
-                               "branch": result.branch, "url": result.url, "card": result.card,
-                               "already_published": result.already_published}, indent=2))
+        echo_json({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
+                   "branch": result.branch, "url": result.url, "card": result.card,
+                   "already_published": result.already_published})
     elif result.already_published:
         console.print(f"{ref} is already published as {result.repo_id}@{result.tag} "
                       f"(commit {result.commit_sha[:12]}); nothing to do",
@@ -79,9 +82,9 @@ def pull(repo, revision, db, as_json):
         result = pull_repo(store, repo, revision=revision)
         reference = store.reference(result.version)
     if as_json:
-        click.echo(json.dumps({"reference": reference, "repo_id": result.repo_id, "revision": result.revision,
-                               "commit_sha": result.commit_sha, "already_registered": result.already_registered},
-                              indent=2))
+        echo_json({"ref": result.version.ref, "version": result.version.version, "repo_id": result.repo_id,
+                   "revision": result.revision, "commit_sha": result.commit_sha,
+                   "already_registered": result.already_registered})
     elif result.already_registered:
         console.print(f"{result.repo_id}@{result.revision} is already in the store as {reference}; nothing to do",
                       highlight=False, markup=False, soft_wrap=True)
@@ -96,8 +99,8 @@ def pull(repo, revision, db, as_json):
 @click.option("--calib", default=None, help="Calibration-set name.")
 @click.option("--author", default=None, help="Only repositories of this user or organisation.")
 @click.option("--limit", type=int, default=100, show_default=True, help="Most repositories to look at.")
-@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON on stdout.")
-def search(src, dst, calib, author, limit, as_json):
+@format_option
+def search(src, dst, calib, author, limit, output_format):
     """List mappers published on the Hub (library_name: kvhub), e.g. for a model pair.
 
     \b
@@ -105,31 +108,36 @@ def search(src, dst, calib, author, limit, as_json):
     """
     from dataclasses import asdict
 
-    from rich.table import Table
-
     from ..hub import search as search_hub
 
     found = search_hub(source=src, target=dst, calibration=calib, author=author, limit=limit)
-    if as_json:
-        click.echo(json.dumps([asdict(m) for m in found], indent=2))
+    if output_format == "json":
+        echo_json([dict(asdict(m), ref=f"{m.repo_id}@{m.version}" if m.version else m.repo_id) for m in found])
         return
-    if not found:
+    if not found and output_format == "table":
         say("no kvhub mappers on the Hub match; publish one with `kvhub push`")
         return
-    table = Table()
-    for column in ("repository", "source", "target", "calibration", "version", "k", "R2 K", "R2 V", "updated"):
-        table.add_column(column, overflow="fold")  # never elide an id
+    rows = []
     for m in found:
         r2 = [m.metrics.get(f"heldout_r2_{kind}_mean") for kind in ("k", "v")]
-        _row(table, m.repo_id + (" (private)" if m.private else ""), m.source, m.target, m.calibration or "-",
-                      m.version or "-", str(m.k if m.k is not None else "-"),
-                      *(f"{x:.3f}" if isinstance(x, (int, float)) else "-" for x in r2), (m.last_modified or "")[:10])
-    console.print(table)
+        rows.append([m.repo_id, "private" if m.private else "public", m.source, m.target, m.calibration or "-",
+                     m.version or "-", m.k if m.k is not None else "-",
+                     *(f"{x:.3f}" if isinstance(x, (int, float)) else "-" for x in r2), (m.last_modified or "")[:10]])
+    print_table(["REPOSITORY", "VISIBILITY", "SOURCE", "TARGET", "CALIBRATION", "VERSION", "K", "R2 K", "R2 V",
+                 "UPDATED"], rows, output_format=output_format, right=("K", "R2 K", "R2 V"))
 
 
-def _row(table, *cells) -> None:
-    """Add a table row shown verbatim (card metadata from the Hub is never read as Rich markup)."""
-    table.add_row(*(plain(cell) for cell in cells))
+def _base_models(option: str | None) -> tuple[str, str] | None:
+    """--base-model SRC,DST as a pair of ids."""
+    from ..errors import ConfigError
+
+    if option is None:
+        return None
+    parts = [part.strip() for part in option.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--base-model {option!r}: give two Hub model ids, SRC,DST, e.g. "
+                          "--base-model Qwen/Qwen2.5-Coder-0.5B-Instruct,Qwen/Qwen2.5-Coder-1.5B-Instruct")
+    return parts[0], parts[1]
 
 
 def attach(group: click.Group) -> None:

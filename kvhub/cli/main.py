@@ -12,16 +12,26 @@ from ..errors import KVHubError
 
 
 class KVHubGroup(click.Group):
-    """Maps KVHubError to a one-line message on stderr and the error's exit code."""
+    """Maps KVHubError to a one-line message on stderr and the error's exit code; a reader that
+    closes the pipe early (``| head``) ends the command quietly."""
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+            return result
         except KVHubError as exc:
             from .console import say
 
             say(str(exc), label="error:", style="bold red")  # verbatim: never read as Rich markup
             sys.exit(exc.exit_code)
+        except BrokenPipeError:
+            # `kvhub show REF | head -2`: the reader has what it wanted; not an error.  Point stdout at
+            # /dev/null so the interpreter's final flush does not raise again.
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
 
 
 @click.group(cls=KVHubGroup)

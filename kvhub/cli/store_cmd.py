@@ -1,8 +1,12 @@
 """Store commands: list, show, tag, untag, rm, gc, export, import, db upgrade|current.
 
 References everywhere read ``SRC:DST[:CALIB][@SELECTOR]`` (see ``kvhub show --help``); every command
-takes ``--db URL`` (a SQLAlchemy URL or a SQLite path).  Tables go to stdout for people, ``--json``
-for scripts; messages about what happened go to stderr.
+takes ``--db URL`` (a SQLAlchemy URL or a SQLite path).  Data goes to stdout as a table for people or
+``--format json|tsv`` for scripts (kvhub.cli.output); messages about what happened go to stderr.
+
+JSON vocabulary, shared with fit, push and pull: ``ref`` (the full reference), ``version`` (the number
+in ``@vN``, never a database id), ``metrics`` (a list of {name, value, split, task, layer, n, seed,
+measured_at, kvhub_version}), ``k``/``ridge_lambda`` (``"auto"`` when chosen per target layer).
 """
 
 from __future__ import annotations
@@ -12,32 +16,37 @@ from datetime import datetime
 
 import click
 
-from .console import console, err_console, plain, say
+from .console import err_console, plain, say
+from .output import echo_json, format_option, print_table
 
-_DB_HELP = "Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data dir)."
+DB_HELP = ("Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data "
+           "dir). Commands that only read refuse a path where no store exists.")
 _REF_HELP = """\b
 REF is SRC:DST[:CALIB][@SELECTOR]:
   SRC, DST  model id (Qwen/Qwen2.5-Coder-0.5B-Instruct) or short name (qwen2.5-coder-0.5b-instruct)
   CALIB     calibration set; optional when the pair has one
   SELECTOR  v3 (a version), latest, production, or any alias; default: production if set, else latest"""
 
-db_option = click.option("--db", default=None, metavar="URL", help=_DB_HELP)
+db_option = click.option("--db", default=None, metavar="URL", help=DB_HELP)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout instead of a table.")
 
 
-def _open(db):
+def _open(db, *, create: bool = True):
+    """The store at ``db``; ``create=False`` for commands that only read (a mistyped --db is refused)."""
     from ..store import open_store
 
-    return open_store(db)
+    return open_store(db, create=create)
 
 
-def _echo_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
-
-def _row(table, *cells) -> None:
-    """Add a table row shown verbatim (names from the store are never read as Rich markup)."""
-    table.add_row(*(plain(cell) for cell in cells))
+def version_json(version, metrics: list[dict] | None = None) -> dict:
+    """The JSON of one version in the shared vocabulary (module docstring)."""
+    data = version.to_dict()
+    data["k"] = "auto" if data["k"] is None else data["k"]
+    data["ridge_lambda"] = "auto" if data["ridge_lambda"] is None else data["ridge_lambda"]
+    if metrics is not None:
+        data["metrics"] = metrics
+    return data
 
 
 def _size(num_bytes: int) -> str:
@@ -87,101 +96,113 @@ def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
 @click.option("--min-metric", "min_metrics", multiple=True, metavar="NAME=VALUE",
               help="Keep versions with a measurement NAME >= VALUE (repeatable).")
 @db_option
-@json_option
-def list_versions(src, dst, calib, family, min_metrics, db, as_json):
+@format_option
+def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     """List mapper versions in the store, oldest first within each model pair.
 
     \b
     kvhub list
     kvhub list --src qwen2.5-coder-0.5b-instruct --min-metric heldout_r2_k_mean=0.9 --json
+    kvhub list --format tsv | cut -f1
+
+    The table's REF column holds short references where they are unambiguous; --format json and tsv
+    always give full ones.  JSON: one object per version with its whole-mapper metrics.
     """
-    with _open(db) as store:
+    with _open(db, create=False) as store:
         versions = store.versions(source=src, target=dst, calibration=calib, family=family,
                                   min_metrics=_parse_thresholds(min_metrics))
-        summary = store.metric_summary(versions, list(_HEADLINE))
-    if as_json:
-        _echo_json([dict(v.to_dict(), metrics=summary.get(v.id, {})) for v in versions])
+        metrics = store.mapper_metrics(versions)
+    if output_format == "json":
+        echo_json([version_json(v, metrics.get(v.id, [])) for v in versions])
         return
-    if not versions:
+    if not versions and output_format == "table":
         say("no mapper versions match; fit one with `kvhub fit` or import one with `kvhub import DIR`")
         return
-    console.print(_versions_table(versions, summary))
-
-
-def _versions_table(versions, summary):
-    from rich.table import Table
-
-    table = Table(box=None, header_style="bold")
-    table.add_column("REF", overflow="fold")  # a reference is copied from here: wrap it, never cut it
-    table.add_column("ALIASES", overflow="fold")
-    table.add_column("CREATED", no_wrap=True)
-    for column in ("K", "LAMBDA", "R2 K", "R2 V", "SIZE"):
-        table.add_column(column, justify="right", no_wrap=True)
     short_names = {v.short_ref for v in versions}
-    unambiguous = len(short_names) == len({v.ref for v in versions})
+    short = output_format == "table" and len(short_names) == len({v.ref for v in versions})
+    rows = []
     for v in versions:
-        metrics = summary.get(v.id, {})
-        _row(table, 
-            v.short_ref if unambiguous else v.ref, ", ".join(v.aliases), _when(v.created_at),
-            "" if v.k is None else str(v.k), _number(v.ridge_lambda), _number(metrics.get(_HEADLINE[0])),
-            _number(metrics.get(_HEADLINE[1])), _size(v.artifact_bytes),
-        )
-    return table
+        headline = {m["name"]: m["value"] for m in metrics.get(v.id, []) if m["task"] is None}
+        rows.append([v.short_ref if short else v.ref, ",".join(v.aliases), _when(v.created_at),
+                     "auto" if v.k is None else v.k, "auto" if v.ridge_lambda is None else _number(v.ridge_lambda),
+                     _number(headline.get(_HEADLINE[0])), _number(headline.get(_HEADLINE[1])),
+                     _size(v.artifact_bytes) if output_format == "table" else v.artifact_bytes])
+    columns = ["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V",
+               "SIZE" if output_format == "table" else "BYTES"]
+    print_table(columns, rows, output_format=output_format, right=("K", "LAMBDA", "R2 K", "R2 V", "SIZE"))
 
 
 @click.command(epilog=_REF_HELP)
 @click.argument("ref")
+@click.option("--layers", "per_layer", is_flag=True,
+              help="Also show every target layer: its source layers, lambdas, held-out R2 and per-layer metrics.")
 @click.option("--verify", is_flag=True, help="Also hash every file of the artifact.")
 @db_option
-@json_option
-def show(ref, verify, db, as_json):
-    """Show everything about one mapper version: models, calibration set, selected layers, metrics,
-    lineage, aliases and Hub publications.
+@format_option
+def show(ref, per_layer, verify, db, output_format):
+    """Show one mapper version: models, calibration set, fit, whole-mapper metrics, lineage, aliases
+    and Hub publications (per-layer rows with --layers).
 
     \b
     kvhub show qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@v3
+    kvhub show ...@v3 --layers
+    kvhub show ...@v3 --format tsv      (FIELD<TAB>VALUE lines; metrics as metric.NAME[.TASK][.layerN])
+
+    JSON holds everything (selected_layers, every metric) whatever --layers says.
     """
-    with _open(db) as store:
+    with _open(db, create=False) as store:
         data = store.describe(ref)
         if verify:
             store.verify(data["ref"])
-    if as_json:
-        _echo_json(data)
-        return
-    _print_description(data)
+    if output_format == "json":
+        data.pop("id", None)
+        for key in ("k", "ridge_lambda"):
+            data[key] = "auto" if data[key] is None else data[key]
+        echo_json(data)
+    else:
+        _print_description(data, per_layer=per_layer, output_format=output_format)
     if verify:
         say("artifact verified: every file matches its recorded sha256 and the artifact format")
 
 
-def _print_description(data: dict) -> None:
-    from rich.table import Table
-
-    overview = Table(box=None, show_header=False)
-    overview.add_column(style="bold", no_wrap=True)
-    overview.add_column(overflow="fold")
-    for label, value in _overview_rows(data):
-        _row(overview, label, value)
-    console.print(overview)
-    layers = Table(title="selected layers", box=None, header_style="bold", title_justify="left")
-    for column in ("TARGET", "SOURCES", "LAMBDA K", "LAMBDA V", "R2 K", "R2 V"):
-        layers.add_column(column)
-    for layer in data["selected_layers"]:
-        _row(layers, str(layer.get("target")), ",".join(map(str, layer.get("sources", []))),
+def _print_description(data: dict, *, per_layer: bool, output_format: str) -> None:
+    metrics = sorted(data["metrics"], key=lambda m: (m["layer"] is not None, m["name"], m["task"] or "",
+                                                     m["layer"] or 0))
+    shown = [m for m in metrics if per_layer or m["layer"] is None]
+    if output_format == "tsv":
+        rows = [list(row) for row in _overview_rows(data)]
+        rows += [[_metric_key(m), m["value"]] for m in shown]
+        print_table(None, rows, output_format="tsv")
+        return
+    print_table(None, [list(row) for row in _overview_rows(data)])
+    if per_layer:
+        layer_rows = [[layer.get("target"), ",".join(map(str, layer.get("sources", []))),
                        _number(layer.get("lambda_k")), _number(layer.get("lambda_v")),
-                       _number(layer.get("r2_k")), _number(layer.get("r2_v")))
-    console.print(layers)
-    console.print(_metrics_table(data["metrics"]))
-    for publication in data["publications"]:
-        console.print(f"published: {publication['repo_id']}@{publication['revision']} "
-                      f"(commit {str(publication['commit_sha'])[:12]}, {publication['published_at'][:16]})",
-                      highlight=False, markup=False)
+                       _number(layer.get("r2_k")), _number(layer.get("r2_v"))] for layer in data["selected_layers"]]
+        click.echo()
+        print_table(["TARGET", "SOURCES", "LAMBDA K", "LAMBDA V", "R2 K", "R2 V"], layer_rows, title="selected layers")
+    click.echo()
+    metric_rows = [[m["name"], _number(m["value"]), m["split"] or "", m["task"] or "",
+                    "" if m["layer"] is None else m["layer"], "" if m["n"] is None else m["n"],
+                    m["measured_at"][:16]] for m in shown]
+    hidden = len(metrics) - len(shown)
+    print_table(["NAME", "VALUE", "SPLIT", "TASK", "LAYER", "N", "MEASURED"], metric_rows,
+                title="metrics" + (f" ({hidden} per-layer values: --layers)" if hidden else ""))
+
+
+def _metric_key(metric: dict) -> str:
+    """``metric.NAME[.TASK][.layerN]``: a TSV key unique per measurement kind."""
+    parts = ["metric", metric["name"]] + ([metric["task"]] if metric["task"] else [])
+    parts += [f"layer{metric['layer']}"] if metric["layer"] is not None else []
+    return ".".join(parts)
 
 
 def _overview_rows(data: dict) -> list[tuple[str, str]]:
     src, dst, calib = data["source_model"], data["target_model"], data["calibration_set"]
     geometry = "{num_layers} layers x {num_kv_heads} KV heads x {head_dim}"
-    return [
-        ("reference", data["ref"]),
+    auto = data["k"] is None or data["ridge_lambda"] is None
+    rows = [
+        ("ref", data["ref"]),
         ("aliases", ", ".join(data["aliases"]) or "-"),
         ("created", data["created_at"]),
         ("source", f"{src['name']} @ {src['revision'] or '-'} ({src['model_type']}, {geometry.format(**src)})"),
@@ -190,25 +211,16 @@ def _overview_rows(data: dict) -> list[tuple[str, str]]:
                         f"content {str(calib['content_hash'])[:12]})"),
         ("k / lambda", f"{'auto' if data['k'] is None else data['k']} / "
                        f"{'auto' if data['ridge_lambda'] is None else _number(data['ridge_lambda'])}"
-                       + (" (chosen per target layer, below)" if data['k'] is None or data['ridge_lambda'] is None else "")),
+                       + (" (chosen per target layer: --layers)" if auto else "")),
         ("artifact", f"{data['artifact_path']} ({_size(data['artifact_bytes'])})"),
-        ("sha256", f"{data['artifact_sha256']} (tensors {data['tensors_sha256']})"),
+        ("sha256", data["artifact_sha256"]),
+        ("tensors sha256", data["tensors_sha256"]),
         ("written by", f"kvhub {data['kvhub_version']}, artifact format {data['format_version']}"),
         ("lineage", json.dumps(data["lineage"], sort_keys=True) if data["lineage"] else "-"),
     ]
-
-
-def _metrics_table(metrics: list[dict]):
-    from rich.table import Table
-
-    table = Table(title="metrics", box=None, header_style="bold", title_justify="left")
-    for column in ("NAME", "VALUE", "SPLIT", "TASK", "LAYER", "N", "MEASURED"):
-        table.add_column(column)
-    for m in sorted(metrics, key=lambda m: (m["layer"] is not None, m["name"], m["layer"] or 0)):
-        _row(table, m["name"], _number(m["value"]), m["split"] or "", m["task"] or "",
-                      "" if m["layer"] is None else str(m["layer"]), "" if m["n"] is None else str(m["n"]),
-                      m["measured_at"][:16])
-    return table
+    rows += [("published", f"{p['repo_id']}@{p['revision']} (commit {str(p['commit_sha'])[:12]}, "
+                           f"{p['published_at'][:16]})") for p in data["publications"]]
+    return rows
 
 
 # ---- aliases and removal -------------------------------------------------------------------------
@@ -225,7 +237,7 @@ def tag(ref, alias, db):
     An alias names one version per pair and calibration set; tagging moves it.  `latest` is kept by
     the store itself.  kvhub.load() uses `production` when it is set.
     """
-    with _open(db) as store:
+    with _open(db, create=False) as store:
         version = store.tag(ref, alias)
         say(f"{alias} -> {store.reference(version)}")
 
@@ -241,7 +253,7 @@ def untag(ref, alias, db):
     kvhub untag qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs production
     kvhub untag ...:legal-docs@v3 production     (only if production points at v3)
     """
-    with _open(db) as store:
+    with _open(db, create=False) as store:
         version = store.untag(ref, alias)
         say(f"removed {alias} (it pointed at {store.reference(version)})")
 
@@ -256,10 +268,18 @@ def rm(ref, force, db):
     \b
     kvhub rm qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@v2
 
-    Refuses while an alias other than `latest` points at it (unless --force).  Version numbers are
-    never reused; `latest` moves to the newest remaining version.
+    REF must name the version (@v2, or an alias such as @latest): without a selector rm refuses
+    rather than pick one.  Refuses while an alias other than `latest` points at it (unless --force).
+    Version numbers are never reused; `latest` moves to the newest remaining version.
     """
-    with _open(db) as store:
+    from ..errors import ConfigError
+    from ..store.refs import Ref
+
+    parsed = Ref.parse(ref)
+    if parsed.version is None and parsed.alias is None:
+        raise ConfigError(f"{ref!r} names no version; `kvhub rm` removes exactly one: add it, e.g. "
+                          f"`kvhub rm {ref}@v2` (`kvhub list --src {parsed.source}` shows the versions)")
+    with _open(db, create=False) as store:
         version = store.remove(ref, force=force)
     say(f"removed {version.ref} ({_size(version.artifact_bytes)})")
 
@@ -277,10 +297,10 @@ def gc(dry_run, db, as_json):
 
     Never touches an artifact a version references; waits for registrations in flight.
     """
-    with _open(db) as store, err_console.status("collecting unreferenced artifacts"):
+    with _open(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
     if as_json:
-        _echo_json({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
+        echo_json({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
                     "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
                     "missing": report.missing, "bytes": report.bytes})
         return
@@ -304,7 +324,7 @@ def export_version(ref, directory, force, db):
     \b
     kvhub export qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production ./mapper
     """
-    with _open(db) as store, err_console.status(plain(f"exporting {ref}")):
+    with _open(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
         path = store.export(ref, directory, overwrite=force)
     say(f"exported {ref} to {path}")
 
@@ -319,15 +339,20 @@ def import_artifact(directory, db, as_json):
     \b
     kvhub import ./mapper
 
-    The directory is copied into the store; importing the same artifact again changes nothing.
+    The directory is copied into the store.  An artifact whose tensors the store already holds for the
+    same models and calibration set is that version (nothing changes; other files such as figures
+    are not added to it).  JSON: the version, with ``already_registered``.
     """
     from pathlib import Path
 
     with _open(db) as store, err_console.status(plain(f"importing {directory}")):
-        version = store.register(directory, lineage={"imported_from": str(Path(directory).resolve())})
+        existing = store.registered_as(directory)
+        version = existing or store.register(directory, lineage={"imported_from": str(Path(directory).resolve())})
         reference = store.reference(version)
     if as_json:
-        _echo_json(version.to_dict())
+        echo_json(dict(version_json(version), already_registered=existing is not None))
+    elif existing is not None:
+        say(f"{directory} holds the tensors of {reference}; nothing to do")
     else:
         say(f"registered {reference}")
 
@@ -365,10 +390,13 @@ def current(db, as_json):
     from ..store.location import display_url, resolve_db_url
     from ..store.migrate import is_known_revision, schema_status
 
+    from ..store.location import require_existing
+
     url = resolve_db_url(db)
+    require_existing(url)
     revision, head = schema_status(url)
     if as_json:
-        _echo_json({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
+        echo_json({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
                     "newer_than_kvhub": not is_known_revision(revision)})
         return
     if not is_known_revision(revision):

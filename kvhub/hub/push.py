@@ -52,12 +52,14 @@ class _Remote:
 
 
 def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | None = None, card: str = "auto",
-         token: str | None = None) -> PushResult:
+         token: str | None = None, base_model: tuple[str, str] | None = None) -> PushResult:
     """Publish the version ``ref`` names to ``repo_id``: one commit on ``branch``, tagged ``v{version}``.
 
     Idempotent: a version already published there (per the store, or per the tag on the Hub) is not
     pushed again.  ``card``: "auto" replaces README.md only if kvhub wrote it and nobody edited it since,
     "keep" never touches an existing README.md, "replace" always writes the generated card.
+    ``base_model``: Hub ids (source, target) for the card when the mapper names local models that
+    kvhub cannot map to Hub ids (kvhub.card.base_models).
     """
     repo_id, _ = parse_repo_ref(repo_id)
     if card not in CARD_MODES:
@@ -94,7 +96,7 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | 
         files = publishable_files(artifact, metadata)  # the format's files and figures: nothing else leaves
         images = [name for name in files if is_figure_name(name)]
         text, card_action, notes = _card_for_push(metadata, remote.head_card, card, repo_id=repo_id, tag=tag,
-                                                  images=images)
+                                                  images=images, base_model=base_model)
         with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
             for name in files:
                 copy_regular(artifact / name, Path(tmp) / name)
@@ -176,9 +178,9 @@ def _check_same_series(repo_id: str, remote: dict | None, metadata: dict) -> Non
 
 
 def _card_for_push(metadata: dict, remote_card: str | None, mode: str, *, repo_id: str, tag: str,
-                   images: list[str]) -> tuple[str | None, str, list[str]]:
+                   images: list[str], base_model: tuple[str, str] | None) -> tuple[str | None, str, list[str]]:
     """(README text to upload or None, what happens to the card, notes for the user)."""
-    text = model_card(metadata, repo_id=repo_id, version_tag=tag, images=images)
+    text = model_card(metadata, repo_id=repo_id, version_tag=tag, images=images, base_model=base_model)
     if remote_card is None:
         return text, "written", []
     if remote_card == text:

@@ -185,18 +185,16 @@ def set_alias(session: Session, series_id: int, name: str, version_id: int) -> N
 def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None) -> int:
     """Insert the next version of the artifact's triple, its metrics, and move ``latest``; returns its id.
 
-    Idempotent: an artifact already registered in its triple returns that version's id unchanged.
+    Idempotent: an artifact whose tensors a version of its triple holds returns that version's id.
     """
     source = model_row(session, metadata["source"])
     target = model_row(session, metadata["target"])
     calibration = calibration_row(session, metadata["calibration"])
     series = series_row(session, source.name, target.name, calibration.name)
     lock_series(session, series.id)
-    existing = session.scalar(
-        select(VersionRow.id).where(VersionRow.series_id == series.id, VersionRow.artifact_sha256 == stored.sha256)
-    )
+    existing = find_same_tensors(session, metadata)
     if existing is not None:
-        return existing
+        return existing.id
     number = next_version(session, series)
     row = VersionRow(
         series_id=series.id,
@@ -221,6 +219,17 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     session.add_all(metric_row(row.id, m, kvhub_version=measured_by) for m in metadata_metrics(metadata))
     set_alias(session, series.id, LATEST, row.id)
     return row.id
+
+
+def find_same_tensors(session: Session, metadata: dict) -> VersionRow | None:
+    """The oldest version of the artifact's series (source, target, calibration names) whose tensor
+    file has the same sha256: identical weights are one version, whatever else mapper.json says."""
+    key = (SeriesRow.source_name == metadata["source"]["model_id"],
+           SeriesRow.target_name == metadata["target"]["model_id"],
+           SeriesRow.calibration_name == metadata["calibration"]["name"])
+    query = (select(VersionRow).join(VersionRow.series).where(*key)
+             .where(VersionRow.tensors_sha256 == metadata["tensors"]["sha256"]).order_by(VersionRow.version))
+    return session.scalars(query.limit(1)).first()
 
 
 def metadata_metrics(metadata: dict) -> list[dict]:

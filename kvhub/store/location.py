@@ -57,6 +57,18 @@ def resolve_db_url(db: str | os.PathLike | None = None) -> str:
     return sqlite_url(Path(text).expanduser())
 
 
+def require_existing(url: str) -> None:
+    """Raise NotFoundError when ``url`` is a SQLite file that does not exist: commands that only read
+    must not create a store (a mistyped --db would otherwise answer "no versions" from a new one)."""
+    from ..errors import NotFoundError
+
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        raise NotFoundError(f"no kvhub store at {path}; check --db / KVHUB_DB_URL / KVHUB_HOME (a new store is "
+                            "created only by commands that write one: `kvhub fit`, `kvhub import`, `kvhub pull`, "
+                            "`kvhub db upgrade`)")
+
+
 def sqlite_url(path: Path) -> str:
     """``sqlite:///`` URL of an absolute path."""
     return f"sqlite:///{path.resolve()}"

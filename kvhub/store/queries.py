@@ -45,6 +45,16 @@ def metrics_of(session: Session, version_id: int, names: list[str] | None) -> li
     return [metric_dict(m) for m in session.scalars(query.order_by(MetricRow.measured_at, MetricRow.id))]
 
 
+def mapper_metrics(session: Session, version_ids: list[int]) -> dict[int, list[dict]]:
+    """{version id: [metric dict]} of whole-mapper measurements (no layer), oldest first."""
+    query = (select(MetricRow).where(MetricRow.version_id.in_(version_ids), MetricRow.layer.is_(None))
+             .order_by(MetricRow.measured_at, MetricRow.id))
+    found: dict[int, list[dict]] = {}
+    for row in session.scalars(query):
+        found.setdefault(row.version_id, []).append(metric_dict(row))
+    return found
+
+
 def metric_summary(session: Session, version_ids: list[int], names: list[str]) -> dict[int, dict[str, float]]:
     """{version id: {name: value}} of whole-mapper metrics (no layer); the newest measurement wins."""
     query = (

@@ -57,8 +57,10 @@ class MapperVersion:
         return f"{short_name(self.source)}:{short_name(self.target)}:{self.calibration}@v{self.version}"
 
     def to_dict(self) -> dict:
-        """JSON-ready dict (datetimes as ISO 8601 strings), including ``ref``."""
+        """JSON-ready dict (datetimes as ISO 8601 strings), including ``ref``; without the database
+        ``id`` (``version`` is the number users see)."""
         data = asdict(self)
+        del data["id"]
         data["created_at"] = self.created_at.isoformat()
         data["aliases"] = list(self.aliases)
         data["ref"] = self.ref

@@ -39,9 +39,9 @@ from . import resolve as rs
 from .artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
 from .engine import connection_error, make_engine, write_engine
 from .ingest import (
-    METADATA_FILE, check_storable, insert_version, lock_series, metric_row, read_checked_metadata, set_alias,
+    METADATA_FILE, check_storable, find_same_tensors, insert_version, lock_series, metric_row, read_checked_metadata, set_alias,
 )
-from .location import default_artifacts_dir, display_url, resolve_db_url
+from .location import default_artifacts_dir, display_url, require_existing, resolve_db_url
 from .migrate import ensure_schema
 from .records import MapperVersion, version_record
 from .refs import LATEST, Ref, check_alias_name, parse_selector
@@ -78,12 +78,16 @@ def _retryable(exc: DBAPIError) -> bool:
     return "database is locked" in text or "unique constraint failed" in text
 
 
-def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None) -> "Store":
-    """Open the store at ``db`` (see kvhub.store.location for the default), creating a new one at head.
+def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None,
+               create: bool = True) -> "Store":
+    """Open the store at ``db`` (see kvhub.store.location for the default), creating a new one at head
+    unless ``create=False`` (then a SQLite file that does not exist is a NotFoundError).
 
     Raises SchemaOutdatedError when the database needs ``kvhub db upgrade``.
     """
     url = resolve_db_url(db)
+    if not create:
+        require_existing(url)
     engine = make_engine(url)
     try:
         ensure_schema(engine, url)
@@ -168,7 +172,8 @@ class Store:
 
         Creates model and calibration-set rows from mapper.json as needed, records its metrics, and
         moves ``latest``.  ``lineage``: any JSON dict (fit options, parent version, command line).
-        Registering an artifact already in its triple returns that version (nothing changes).
+        An artifact whose tensors (sha256) a version of its triple already holds returns that version
+        and changes nothing (see :meth:`registered_as`).
         Raises ArtifactError / IntegrityError for a malformed or corrupt artifact (nothing is stored).
         """
         _check_json("lineage", lineage)
@@ -182,6 +187,12 @@ class Store:
             stored = self._artifacts.put(artifact_dir, check=check)
             version_id = self._write(lambda s: insert_version(s, checked["metadata"], stored, lineage))
         version = self.get(version_id)
+        if version.artifact_location != stored.location:  # same tensors as an existing version: drop the copy
+            try:
+                self._collect([stored.location])
+            except StoreError as exc:
+                log.debug("left the duplicate copy of %s to `kvhub gc` (%s)", version.ref, exc)
+            return version
         log.info("registered %s (artifact %s)", version.ref, stored.sha256[:12])
         return version
 
@@ -256,6 +267,22 @@ class Store:
     def metrics(self, version: VersionLike, *, names: list[str] | None = None) -> list[dict]:
         """Measurements of a version {name, value, split, task, layer, n, seed, measured_at, kvhub_version}."""
         return self._read(lambda s: queries.metrics_of(s, self._row(s, version).id, names))
+
+    def mapper_metrics(self, versions: list[MapperVersion]) -> dict[int, list[dict]]:
+        """{version id: measurements of the whole mapper (no layer)}, oldest first, as :meth:`metrics`."""
+        return self._read(lambda s: queries.mapper_metrics(s, [v.id for v in versions]))
+
+    def registered_as(self, artifact_dir: str | os.PathLike) -> MapperVersion | None:
+        """The version of this artifact's series that holds the same tensors (their sha256), or None.
+
+        :meth:`register` returns that version instead of adding one: identical tensors are one version.
+        """
+        metadata = read_metadata(artifact_dir)
+        return self._read(lambda s: self._same_tensors(s, metadata))
+
+    def _same_tensors(self, session: Session, metadata: dict) -> MapperVersion | None:
+        row = find_same_tensors(session, metadata)
+        return None if row is None else self._record(session, row)
 
     def metric_summary(self, versions: list[MapperVersion], names: list[str]) -> dict[int, dict[str, float]]:
         """{version id: {name: value}} of whole-mapper metrics (no layer), the newest measurement each."""

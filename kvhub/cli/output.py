@@ -1,0 +1,90 @@
+"""Data on stdout in one of three formats, the same for every command that lists things.
+
+``--format table`` (the default) is for people: a Rich table on a terminal (cells fold, never
+ellipsised), and on anything else (a pipe, a file) plain columns separated by two spaces, one row a
+line, never wrapped or cut.  ``--format tsv`` is for ``cut``/``awk``: a header line, then one line a
+row, tabs between cells (tabs and newlines inside a cell become spaces).  ``--format json`` (alias
+``--json``) is for programs: the command's documented JSON, sorted keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import click
+
+from .console import console, plain
+
+FORMATS = ("table", "json", "tsv")
+
+
+def format_option(command):
+    """Add ``--format {table,json,tsv}`` and its alias ``--json``; the command receives ``output_format``."""
+
+    @click.option("--format", "output_format", type=click.Choice(FORMATS), default=None,
+                  help="Output: table (people; never wrapped when piped), json, or tsv.  [default: table]")
+    @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+    @functools.wraps(command)
+    def wrapper(*args, output_format=None, as_json=False, **kwargs):
+        if as_json and output_format not in (None, "json"):
+            raise click.UsageError(f"--json and --format {output_format} contradict each other; pass one")
+        return command(*args, output_format="json" if as_json else output_format or "table", **kwargs)
+
+    return wrapper
+
+
+def echo_json(data) -> None:
+    """``data`` as indented JSON with sorted keys on stdout."""
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _cell(value) -> str:
+    return "" if value is None else str(value)
+
+
+def tsv_lines(columns: list[str], rows: list[list]) -> list[str]:
+    """Header and rows as tab-separated lines (tabs and line breaks inside cells become spaces)."""
+    def clean(value) -> str:
+        return " ".join(_cell(value).replace("\t", " ").splitlines())
+
+    return ["\t".join(columns)] + ["\t".join(clean(cell) for cell in row) for row in rows]
+
+
+def plain_lines(columns: list[str] | None, rows: list[list], *, right: tuple[str, ...] = ()) -> list[str]:
+    """Rows as columns padded to their widest cell, two spaces apart, trailing blanks stripped."""
+    table = ([columns] if columns else []) + [[_cell(cell) for cell in row] for row in rows]
+    if not table:
+        return []
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    names = columns or [""] * len(widths)
+    return ["  ".join(cell.rjust(width) if name in right else cell.ljust(width)
+                      for cell, width, name in zip(row, widths, names)).rstrip() for row in table]
+
+
+def print_table(columns: list[str] | None, rows: list[list], *, output_format: str = "table", title: str | None = None,
+                right: tuple[str, ...] = ()) -> None:
+    """Print rows as a table (``columns`` None: a headerless two-column overview) or as TSV.
+
+    ``right``: the columns aligned right (numbers).  Cell text is always shown verbatim (no markup).
+    """
+    if output_format == "tsv":
+        for line in tsv_lines(columns or ["field", "value"], rows):
+            click.echo(line)
+        return
+    if not console.is_terminal:
+        if title:
+            click.echo(f"{title}:")
+        for line in plain_lines(columns, rows, right=right):
+            click.echo(line)
+        return
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", show_header=columns is not None, title=title, title_justify="left")
+    for index, name in enumerate(columns or ["", ""]):
+        overview_label = columns is None and index == 0
+        table.add_column(name, overflow="fold", justify="right" if name in right else "left",
+                         style="bold" if overview_label else None, no_wrap=overview_label)
+    for row in rows:
+        table.add_row(*(plain(_cell(cell)) for cell in row))
+    console.print(table)
