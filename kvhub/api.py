@@ -1,12 +1,21 @@
-"""``kvhub.load``: a Mapper by model names, from the local store (the Hub fallback plugs in below)."""
+"""Loading and publishing Mappers: ``kvhub.load`` (by model names, the store first, then the Hub) and
+what ``Mapper.from_pretrained`` / ``Mapper.push_to_hub`` do (by one name of any kind; the Mapper's
+methods delegate here, so the math core imports neither the store nor the Hub).
+
+A mapper's *ref* is the store reference of the version it is (``SRC:DST:CALIB@v3``); a mapper read
+from a bare directory has none until it is registered.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-from .errors import NotFoundError
+from .errors import ConfigError, NotFoundError
 from .mapper import Mapper
+
+_HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
 
 def load(
@@ -36,23 +45,25 @@ def load(
     match several mappers, IntegrityError when the artifact's bytes differ from their recorded sha256.
     """
     try:
-        directory = _resolve_local(src, dst, calib=calib, version=version, alias=alias, db=db)
+        directory, ref = _resolve_local(src, dst, calib=calib, version=version, alias=alias, db=db)
     except NotFoundError as miss:
-        directory = _resolve_hub(src, dst, calib=calib, version=version, alias=alias, miss=miss,
-                                 hub_repo=hub_repo, db=db)
-    return Mapper.load(directory, device=device, dtype=dtype)
+        directory, ref = _resolve_hub(src, dst, calib=calib, version=version, alias=alias, miss=miss,
+                                      hub_repo=hub_repo, db=db)
+    mapper = Mapper.load(directory, device=device, dtype=dtype)
+    mapper.ref = ref
+    return mapper
 
 
-def _resolve_local(src, dst, *, calib, version, alias, db) -> Path:
-    """Artifact directory of the matching version in the local store; NotFoundError on a miss."""
+def _resolve_local(src, dst, *, calib, version, alias, db) -> tuple[Path, str]:
+    """Artifact directory and full reference of the matching version in the store; NotFoundError on a miss."""
     from .store import open_store
 
     with open_store(db) as store:
         found = store.find(src, dst, calibration=calib, version=version, alias=alias)
-        return store.artifact_path(found)
+        return store.artifact_path(found), found.ref
 
 
-def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_repo=None, db=None) -> Path:
+def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_repo=None, db=None) -> tuple[Path, str]:
     """Hub fallback (kvhub.hub, docs/hub.md): pull a published mapper into the store, return its directory.
 
     The local miss stands when no Hub source is configured (no hub_repo, no KVHUB_HUB_NAMESPACES) and
@@ -68,4 +79,67 @@ def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_re
     number = parse_selector(version)[0] if version is not None else None
     with open_store(db) as store:
         pulled = load_from_hub(store, src, dst, calibration=calib, version=number, hub_repo=hub_repo)
-        return store.artifact_path(pulled.version)
+        return store.artifact_path(pulled.version), pulled.version.ref
+
+
+def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = None, device=None, dtype=None,
+                    compute_dtype=None) -> Mapper:
+    """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
+    text = os.fspath(name)
+    if Path(text).expanduser().is_dir():
+        mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype)
+        mapper.ref = _registered_ref(mapper, db)
+        return mapper
+    from .store import open_store
+
+    if ":" in text:
+        with open_store(db, create=False) as store:
+            version = store.resolve(text)
+            directory = store.artifact_path(version)
+    elif _HUB_REPO.fullmatch(text):
+        from .hub import pull
+
+        with open_store(db) as store:
+            version = pull(store, text, token=token).version
+            directory = store.artifact_path(version)
+    else:
+        raise ConfigError(f"{text!r} is neither an artifact directory, a store reference (SRC:DST:CALIB@v3) nor a "
+                          "Hub repository (OWNER/NAME@v3); check the spelling, or list what exists with "
+                          "`kvhub list` / `kvhub search`")
+    mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype)
+    mapper.ref = version.ref
+    return mapper
+
+
+def _registered_ref(mapper: Mapper, db) -> str | None:
+    """The ref of the store version holding this mapper's tensors, if a store exists and has it."""
+    from .store import open_store
+    from .store.location import resolve_db_url, sqlite_path
+
+    url = resolve_db_url(db)
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        return None
+    with open_store(db) as store:
+        found = [v for v in store.versions(source=mapper.source["model_id"], target=mapper.target["model_id"],
+                                           calibration=(mapper.metadata.get("calibration") or {}).get("name"))
+                 if v.tensors_sha256 == mapper.metadata["tensors"]["sha256"]]
+    return found[0].ref if found else None
+
+
+def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, branch: str | None = None,
+                token: str | None = None, db=None, base_model: tuple[str, str] | None = None, card: str = "auto"):
+    """Register ``mapper`` in the store (its version when its tensors are there already), then publish that
+    version to ``repo_id`` as one commit tagged ``vN`` (kvhub.hub.push); returns the PushResult."""
+    import tempfile
+
+    from .hub import push
+    from .store import open_store
+
+    with open_store(db) as store:
+        if mapper.ref is None:
+            with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
+                artifact = mapper.save(Path(tmp) / "mapper")
+                mapper.ref = store.register(artifact, lineage={"created_by": "Mapper.push_to_hub"}).ref
+        return push(store, mapper.ref, repo_id, private=private, branch=branch, token=token, base_model=base_model,
+                    card=card)

@@ -50,7 +50,9 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 class Mapper:
-    """Weights + metadata.  Build with :func:`kvhub.fit` or :meth:`Mapper.load`; apply with :meth:`transfer`."""
+    """Weights + metadata.  Build with :func:`kvhub.fit`, :meth:`from_pretrained` or :meth:`load`; apply with
+    :meth:`transfer`; keep with :meth:`save_pretrained` / :meth:`push_to_hub`.  ``ref`` names the store
+    version it is (``SRC:DST:CALIB@v3``), None for a mapper no store holds."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict, *, dtype: torch.dtype | None = None,
                  compute_dtype: torch.dtype | None = None):
@@ -61,6 +63,7 @@ class Mapper:
         """
         self.tensors = tensors
         self.metadata = metadata
+        self.ref: str | None = None  # the store version this is (SRC:DST:CALIB@vN), set by whoever resolved it
         self.dtype = dtype or parse_dtype(metadata.get("target", {}).get("dtype")) or torch.float32
         self.compute_dtype = compute_dtype
         self._cast: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -88,10 +91,10 @@ class Mapper:
         return next(iter(self.tensors.values())).device
 
     def __repr__(self) -> str:
-        return (
-            f"Mapper({self.source['model_id']} -> {self.target['model_id']}, "
-            f"{len(self.layers)} target layers, k={self.metadata.get('k')}, {self.num_parameters():,} params)"
-        )
+        name = self.ref or f"{self.source['model_id']} -> {self.target['model_id']}, not in a store"
+        k = self.metadata.get("k")
+        return (f"Mapper({name}, {len(self.layers)} target layers, k={'auto' if k is None else k}, "
+                f"{self.num_parameters():,} params)")
 
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
@@ -245,6 +248,38 @@ class Mapper:
         return cache
 
     # ---- persistence -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name: str | os.PathLike, *, db=None, token: str | None = None, device=None, dtype=None,
+                        compute_dtype=None) -> "Mapper":
+        """The mapper ``name`` designates, verified, with ``ref`` set:
+
+        * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
+          same tensors, if any);
+        * a store reference (``"SRC:DST:CALIB@production"``, any selector): that version;
+        * a Hub repository (``"acme/kvmap-qwen-legal@v3"``, revision optional): pulled, verified and
+          registered in the store (``kvhub pull``), then loaded from there.
+
+        db: store URL or SQLite path; token: Hub token (default: huggingface_hub's).  See __init__ for dtypes.
+        """
+        from .api import from_pretrained  # resolution needs the store and the Hub; the math core does not
+
+        return from_pretrained(name, db=db, token=token, device=device, dtype=dtype, compute_dtype=compute_dtype)
+
+    def save_pretrained(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the artifact directory (mapper.json + mapper.safetensors), readable by
+        :meth:`from_pretrained` and ``kvhub import``; the same as :meth:`save`."""
+        return self.save(directory, overwrite=overwrite)
+
+    def push_to_hub(self, repo_id: str, *, private: bool = False, branch: str | None = None, token: str | None = None,
+                    db=None, base_model: tuple[str, str] | None = None):
+        """Publish this mapper to the Hub repository ``repo_id``: registered in the store first (as the
+        version holding its tensors if there is one), then one commit with its model card, tagged ``vN``
+        (``kvhub push``).  base_model: the Hub ids (source, target) when the models were local paths.
+        Returns a kvhub.hub.PushResult (tag, commit, url)."""
+        from .api import push_to_hub
+
+        return push_to_hub(self, repo_id, private=private, branch=branch, token=token, db=db, base_model=base_model)
+
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the artifact directory atomically (kvhub.artifact.write_artifact); returns its path.
         Tensors are stored in fp32."""

@@ -1,0 +1,61 @@
+"""The PEFT-like Python API: Mapper.from_pretrained (directory, store reference, Hub repository),
+save_pretrained, push_to_hub, and ``ref`` / ``repr`` naming the version."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvhub
+from kvhub.errors import ConfigError, NotFoundError
+from kvhub.store import open_store
+from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact, register
+
+SERIES = f"{SRC_ID}:{DST_ID}:legal-docs"
+
+
+def same_tensors(a, b) -> bool:
+    return a.tensors.keys() == b.tensors.keys() and all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
+def test_from_pretrained_by_store_reference_and_directory(tmp_path):
+    db = str(tmp_path / "store.db")
+    register(db, tmp_path / "a1", seed=1)
+    v2 = register(db, tmp_path / "a2", seed=2)
+    with open_store(db) as store:
+        store.tag(f"{SERIES}@v1", "production")
+
+    production = kvhub.Mapper.from_pretrained(f"{SERIES}@production", db=db)
+    assert production.ref == f"{SERIES}@v1" and repr(production).startswith(f"Mapper({SERIES}@v1, 3 target layers")
+    loaded = kvhub.load(SRC_ID, DST_ID, db=db, version=2)
+    assert loaded.ref == v2.ref == f"{SERIES}@v2"
+
+    saved = production.save_pretrained(tmp_path / "saved")
+    again = kvhub.Mapper.from_pretrained(str(saved), db=db)
+    assert same_tensors(again, production) and again.ref == f"{SERIES}@v1"  # the store holds these tensors
+    stray = kvhub.Mapper.from_pretrained(make_artifact(tmp_path / "stray", seed=9), db=db)
+    assert stray.ref is None and "not in a store" in repr(stray)
+
+
+def test_from_pretrained_refuses_what_it_cannot_name(tmp_path):
+    with pytest.raises(ConfigError, match="neither an artifact directory"):
+        kvhub.Mapper.from_pretrained("no such thing", db=str(tmp_path / "store.db"))
+    with pytest.raises(NotFoundError, match="no kvhub store"):
+        kvhub.Mapper.from_pretrained(f"{SERIES}@v1", db=str(tmp_path / "typo.db"))
+    assert not (tmp_path / "typo.db").exists()
+
+
+@pytest.mark.hub
+def test_push_to_hub_then_from_pretrained_by_repository(hub_env):
+    fitted = kvhub.Mapper.from_pretrained(make_artifact(hub_env.tmp / "fresh", seed=3), db=str(hub_env.tmp / "a.db"))
+    assert fitted.ref is None
+    result = fitted.push_to_hub("alice/kvmap-api", db=str(hub_env.tmp / "a.db"))
+    assert result.tag == "v1" and fitted.ref == f"{SERIES}@v1"  # registered, then published as its version
+    assert hub_env.server.repo("alice/kvmap-api")["tags"]["v1"] == result.commit_sha
+    assert fitted.push_to_hub("alice/kvmap-api", db=str(hub_env.tmp / "a.db")).already_published
+
+    other = str(hub_env.tmp / "b.db")
+    pulled = kvhub.Mapper.from_pretrained("alice/kvmap-api@v1", db=other)
+    assert same_tensors(pulled, fitted) and pulled.ref == f"{SERIES}@v1"
+    with open_store(other) as store:
+        assert store.resolve(pulled.ref).lineage["hub"]["repo_id"] == "alice/kvmap-api"
