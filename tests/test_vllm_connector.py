@@ -85,9 +85,12 @@ def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) ->
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    # the producer prefills in 64-token chunks: its prompt KV is saved from blocks filled over two steps
+    chunk = {"max_num_batched_tokens": 64} if role == "producer" else {}
     llm = LLM(model=paths["source" if role == "producer" else "target"], skip_tokenizer_init=True,
               dtype="float32", block_size=BLOCK, max_model_len=256, max_num_seqs=4, enforce_eager=True,
-              enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(**_transfer_config(paths, role)))
+              enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(**_transfer_config(paths, role)),
+              **chunk)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     outputs = []
     for prompt, salt in requests:

@@ -249,6 +249,9 @@ class KVHubConnector(KVConnectorBase_V1):
             if tracked.saved or done < n or n < self.store.chunk_tokens:
                 continue
             tracked.saved = True
+            if len(tracked.block_ids) * self.block_size < n:  # never index past them inside the scheduler
+                self._event("save_failed", req_id, reason=f"{len(tracked.block_ids)} blocks for {n} prompt tokens")
+                continue
             slots = [tracked.block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(n)]
             jobs.append(SaveJob(req_id, tracked.isolation_key, tracked.token_ids, slots))
         for req_id in out.finished_req_ids:
