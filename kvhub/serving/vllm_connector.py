@@ -169,7 +169,10 @@ class KVHubConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.is_producer:
             return 0, False
-        reason, plan = self._plan(request, num_computed_tokens)
+        try:
+            reason, plan = self._plan(request, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - an unreadable store is a miss, never a dead scheduler
+            reason, plan = f"store lookup failed: {type(exc).__name__}: {exc}", None
         if plan is None:
             self._event("fallback", request.request_id, reason=reason, local_hit_tokens=num_computed_tokens,
                         prompt_tokens=len(request.prompt_token_ids or []))
