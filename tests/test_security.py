@@ -157,7 +157,7 @@ def test_rm_that_committed_does_not_wait_for_a_stalled_registration(tmp_path):
 
 def test_db_upgrade_of_a_newer_database_says_upgrade_kvhub(tmp_path):
     db = str(tmp_path / "kvhub.db")
-    assert cli("list", "--db", db).exit_code == 0
+    assert cli("db", "upgrade", "--db", db).exit_code == 0  # creates it (list never creates a store)
     with sqlite3.connect(db) as connection:
         connection.execute("UPDATE kvhub_alembic_version SET version_num = '0099_from_the_future'")
     upgraded = cli("db", "upgrade", "--db", db)

@@ -148,7 +148,11 @@ def _register(artifact: Path, db: str | None) -> str:
     from ..store import open_store
 
     with open_store(db) as store:
-        version = store.register(artifact, lineage={"created_by": "kvhub fit"})
+        existing = store.registered_as(artifact)  # identical tensors are one version
+        version = existing or store.register(artifact, lineage={"created_by": "kvhub fit"})
+        if existing is not None:
+            say(f"the store already holds these exact weights as {store.reference(existing)}; no new version",
+                label="note:")
         return store.reference(version)
 
 

@@ -73,8 +73,10 @@ def pull(repo, revision, db, as_json):
     kvhub pull acme/kvmap-qwen-legal@v3
 
     Checks the artifact format version, the sha256 of the tensors and the fingerprints before anything
-    is registered; records where it came from (repository, revision, commit).  Pulling again is a
-    no-op.  With HF_HUB_OFFLINE=1 only the local Hugging Face cache is used.
+    is registered; records where it came from (repository, tag, commit) in the version's lineage.  The
+    version keeps the Hub's number (v3 above) when the store never used it for these models and
+    calibration set; otherwise alias hub-v3 names it.  Weights the store already holds are that version
+    (pulling again is a no-op).  With HF_HUB_OFFLINE=1 only the local Hugging Face cache is used.
     """
     from ..hub import pull as pull_repo
 
@@ -82,15 +84,18 @@ def pull(repo, revision, db, as_json):
         result = pull_repo(store, repo, revision=revision)
         reference = store.reference(result.version)
     if as_json:
-        echo_json({"ref": result.version.ref, "version": result.version.version, "repo_id": result.repo_id,
-                   "revision": result.revision, "commit_sha": result.commit_sha,
+        echo_json({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
+                   "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
                    "already_registered": result.already_registered})
-    elif result.already_registered:
-        console.print(f"{result.repo_id}@{result.revision} is already in the store as {reference}; nothing to do",
-                      highlight=False, markup=False, soft_wrap=True)
+        return
+    also = f" (also @{result.alias}: the store's v{result.version.version} is the Hub's {result.revision})" \
+        if result.alias else ""
+    if result.already_registered:
+        say(f"{result.repo_id}@{result.revision} is already in the store as {reference}{also}; nothing to do",
+            to=console)
     else:
-        console.print(f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> "
-                      f"registered {reference}", highlight=False, markup=False, soft_wrap=True)
+        say(f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> registered "
+            f"{reference}{also}", to=console)
 
 
 @click.command()

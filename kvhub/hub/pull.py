@@ -39,7 +39,8 @@ _PULL_PATTERNS = [METADATA_FILE, TENSORS_FILE, CARD_FILE, *(f"*{s}" for s in FIG
 
 @dataclass
 class PullResult:
-    """What :func:`pull` did; ``version`` is the store's record of the pulled mapper."""
+    """What :func:`pull` did; ``version`` is the store's record of the pulled mapper (numbered as on the
+    Hub when that number was free, else reachable by ``alias``)."""
 
     version: MapperVersion
     repo_id: str
@@ -47,6 +48,7 @@ class PullResult:
     commit_sha: str
     already_registered: bool = False
     metadata: dict = field(default_factory=dict)
+    alias: str | None = None  # ``hub-vN`` when the store numbers the version differently from the Hub
 
 
 def pull(store, repo: str, *, revision: str | None = None, token: str | None = None, source: str | None = None,
@@ -89,10 +91,11 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             raise type(exc)(f"pull {repo_id}@{revision} (commit {commit[:12]}) refused: {exc}. The download was "
                             "removed from the cache and nothing was registered; run the same `kvhub pull` again, "
                             "and if it fails again the files on the Hub are damaged") from None
-        version, already = _register(store, staged, metadata, repo_id=repo_id, revision=label, commit=commit)
+        version, already, alias = _register(store, staged, metadata, repo_id=repo_id, revision=label,
+                                            commit=commit)
     if not any(p["repo_id"] == repo_id and p["commit_sha"] == commit for p in store.publications(version)):
         store.add_publication(version, repo_id, label, commit)
-    return PullResult(version, repo_id, label, commit, already_registered=already, metadata=metadata)
+    return PullResult(version, repo_id, label, commit, already_registered=already, metadata=metadata, alias=alias)
 
 
 def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | None) -> str:
@@ -145,15 +148,30 @@ def _stage(snapshot: Path, staged: Path) -> None:
             copy_regular(_cached_blob(snapshot, path), staged / path.name)
 
 
+def hub_alias(revision: str) -> str | None:
+    """``hub-v4`` for the Hub tag ``v4``: how a pulled version stays addressable by the Hub's number when
+    the store's own v4 is another version; None for revisions that are not version tags."""
+    return f"hub-{revision}" if re.fullmatch(r"v\d+", revision) else None
+
+
 def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: str, commit: str):
-    """Register a verified staged copy unless the store already holds these weights."""
-    source, target, calibration = (metadata["source"]["model_id"], metadata["target"]["model_id"],
-                                   metadata["calibration"]["name"])
-    for existing in store.versions(source=source, target=target, calibration=calibration):
-        if existing.tensors_sha256 == metadata["tensors"]["sha256"]:
-            return existing, True
-    lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
-    return store.register(staged, lineage=lineage), False
+    """Register a verified staged copy unless the store already holds these weights (then that version).
+
+    The Hub's identity is kept: a new version takes the Hub's number ``vN`` when the triple never used
+    it, and the lineage records repository, tag and commit; when the store's number differs, alias
+    ``hub-vN`` points at the version.  Returns (version, already registered, alias or None)."""
+    existing = store.registered_as(staged)
+    hub_number = int(revision[1:]) if hub_alias(revision) else None
+    if existing is None:
+        lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
+        version = store.register(staged, lineage=lineage, preferred_version=hub_number)
+    else:
+        version = existing
+    alias = None
+    if hub_number is not None and version.version != hub_number:
+        alias = hub_alias(revision)
+        version = store.tag(version, alias)
+    return version, existing is not None, alias
 
 
 def _cached_blob(snapshot: Path, path: Path) -> Path:

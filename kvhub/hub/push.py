@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..artifact import CARD_FILE, METADATA_FILE, copy_regular, is_figure_name, publishable_files
-from ..card import card_is_pristine, model_card
+from ..card import base_models, card_is_pristine, model_card
 from ..errors import ConfigError, HubConflictError, HubOfflineError
 from .client import _api, hub_errors, hub_settings, parse_repo_ref
 from .verify import series_key, verify_artifact
@@ -68,6 +68,7 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | 
     version = store.resolve(ref)
     artifact = Path(store.artifact_path(version))
     metadata = verify_artifact(artifact)
+    bases = base_models(metadata, base_model)  # refuses a local path before any Hub traffic
     tag = version_tag(version)
     settings = hub_settings()
     url = f"{settings.endpoint}/{repo_id}/tree/{tag}"
@@ -96,7 +97,8 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | 
         files = publishable_files(artifact, metadata)  # the format's files and figures: nothing else leaves
         images = [name for name in files if is_figure_name(name)]
         text, card_action, notes = _card_for_push(metadata, remote.head_card, card, repo_id=repo_id, tag=tag,
-                                                  images=images, base_model=base_model)
+                                                  images=images, base_model=bases,
+                                                  measurements=store.metrics(version))
         with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
             for name in files:
                 copy_regular(artifact / name, Path(tmp) / name)
@@ -178,9 +180,11 @@ def _check_same_series(repo_id: str, remote: dict | None, metadata: dict) -> Non
 
 
 def _card_for_push(metadata: dict, remote_card: str | None, mode: str, *, repo_id: str, tag: str,
-                   images: list[str], base_model: tuple[str, str] | None) -> tuple[str | None, str, list[str]]:
+                   images: list[str], base_model: tuple[str, str],
+                   measurements: list[dict]) -> tuple[str | None, str, list[str]]:
     """(README text to upload or None, what happens to the card, notes for the user)."""
-    text = model_card(metadata, repo_id=repo_id, version_tag=tag, images=images, base_model=base_model)
+    text = model_card(metadata, repo_id=repo_id, version_tag=tag, images=images, base_model=base_model,
+                      measurements=measurements)
     if remote_card is None:
         return text, "written", []
     if remote_card == text:

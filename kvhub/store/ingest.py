@@ -159,16 +159,15 @@ def lock_series(session: Session, series_id: int) -> None:
     session.execute(select(SeriesRow.id).where(SeriesRow.id == series_id).with_for_update())
 
 
-def next_version(session: Session, series: SeriesRow) -> int:
-    """Increment the series counter (call with the series locked); returns the new version number."""
+def next_version(session: Session, series: SeriesRow, preferred: int | None = None) -> int:
+    """Advance the series counter (call with the series locked); returns the new version number:
+    ``preferred`` when it is above every number the series has used (numbers between are skipped,
+    never reused), else the next one."""
     table = SeriesRow.__table__
-    statement = (
-        update(table)
-        .where(table.c.id == series.id)
-        .values(last_version=table.c.last_version + 1)
-        .returning(table.c.last_version)
-    )
-    return session.execute(statement).scalar_one()
+    last = session.execute(select(table.c.last_version).where(table.c.id == series.id)).scalar_one()
+    number = preferred if preferred is not None and preferred > last else last + 1
+    session.execute(update(table).where(table.c.id == series.id).values(last_version=number))
+    return number
 
 
 def set_alias(session: Session, series_id: int, name: str, version_id: int) -> None:
@@ -182,8 +181,10 @@ def set_alias(session: Session, series_id: int, name: str, version_id: int) -> N
 
 
 # ---- the version row -----------------------------------------------------------------------------
-def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None) -> int:
-    """Insert the next version of the artifact's triple, its metrics, and move ``latest``; returns its id.
+def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None,
+                   preferred_version: int | None = None) -> int:
+    """Insert the next version of the artifact's triple (numbered ``preferred_version`` when that is
+    free, see :func:`next_version`), its metrics, and move ``latest``; returns its id.
 
     Idempotent: an artifact whose tensors a version of its triple holds returns that version's id.
     """
@@ -195,7 +196,7 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     existing = find_same_tensors(session, metadata)
     if existing is not None:
         return existing.id
-    number = next_version(session, series)
+    number = next_version(session, series, preferred_version)
     row = VersionRow(
         series_id=series.id,
         version=number,

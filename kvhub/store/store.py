@@ -167,13 +167,15 @@ class Store:
         return version_record(row, rs.aliases_by_version(session, [row.id]).get(row.id, []))
 
     # ---- registering -----------------------------------------------------------------------------
-    def register(self, artifact_dir: str | os.PathLike, *, lineage: dict | None = None) -> MapperVersion:
+    def register(self, artifact_dir: str | os.PathLike, *, lineage: dict | None = None,
+                 preferred_version: int | None = None) -> MapperVersion:
         """Copy an artifact directory into the store and register it as the next version of its triple.
 
         Creates model and calibration-set rows from mapper.json as needed, records its metrics, and
         moves ``latest``.  ``lineage``: any JSON dict (fit options, parent version, command line).
         An artifact whose tensors (sha256) a version of its triple already holds returns that version
-        and changes nothing (see :meth:`registered_as`).
+        and changes nothing (see :meth:`registered_as`).  ``preferred_version``: the number to take
+        when it is above every number the triple has used (a pull keeps the Hub's ``vN``), else the next.
         Raises ArtifactError / IntegrityError for a malformed or corrupt artifact (nothing is stored).
         """
         _check_json("lineage", lineage)
@@ -185,7 +187,8 @@ class Store:
 
         with self._artifacts.writing():
             stored = self._artifacts.put(artifact_dir, check=check)
-            version_id = self._write(lambda s: insert_version(s, checked["metadata"], stored, lineage))
+            version_id = self._write(lambda s: insert_version(s, checked["metadata"], stored, lineage,
+                                                                   preferred_version))
         version = self.get(version_id)
         if version.artifact_location != stored.location:  # same tensors as an existing version: drop the copy
             try:

@@ -1,0 +1,105 @@
+"""What the Hub shows and keeps: the card's model-index from the store's evaluations (read back with
+huggingface_hub.ModelCard.load), license, datasets and base_model as Hub ids; pulls that keep the Hub's
+version numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvhub.card import base_models, model_card, read_front_matter
+from kvhub.errors import ConfigError
+from kvhub.mapper import Mapper, read_metadata
+from kvhub.store import open_store
+from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact, register, run
+
+pytestmark = pytest.mark.hub
+SERIES = f"{SRC_ID}:{DST_ID}:legal-docs"
+EVALS = [("retention", 0.93), ("acc_own", 0.6), ("acc_mapped", 0.56), ("acc_source", 0.4), ("gap_closed", 0.8),
+         ("retention_ci_low", 0.9)]
+
+
+def _artifact(directory, *, seed: int, source: str = SRC_ID, target: str = DST_ID):
+    """A small artifact whose calibration set has a licence and a Hub dataset source."""
+    base = Mapper.load(make_artifact(directory.parent / f"{directory.name}-base", seed=seed))
+    metadata = dict(base.metadata)
+    metadata["source"] = dict(metadata["source"], model_id=source)
+    metadata["target"] = dict(metadata["target"], model_id=target)
+    metadata["calibration"] = dict(metadata["calibration"], licence="CC-BY-SA-4.0",
+                                   sources=["hf:acme/legal-corpus:-:train {text}", "stdlib email/*.py"])
+    return Mapper(dict(base.tensors), metadata).save(directory)
+
+
+def test_card_model_index_from_stored_evaluations_reads_back_with_modelcard_load(hub_env, db):
+    from huggingface_hub import ModelCard, hf_hub_download
+
+    with open_store(db) as store:
+        version = store.register(_artifact(hub_env.tmp / "a", seed=1))
+        variant = "hellaswag@exact_prefix=4,exact_suffix=16"
+        store.add_metrics(version, [{"name": name, "value": value, "task": variant, "split": "eval", "n": 200}
+                                    for name, value in EVALS])
+        store.add_metrics(version, [{"name": "retention", "value": 0.7, "task": "hellaswag", "split": "eval", "n": 200}])
+        store.add_metrics(version, [{"name": "speedup", "value": 12.5, "task": "bench:cpu:bfloat16:2048", "split": "bench",
+                                     "n": 5}])
+    assert run("push", version.ref, "--repo", "alice/kvmap-card", "--db", db).exit_code == 0
+
+    readme = hf_hub_download("alice/kvmap-card", "README.md", revision="v1", endpoint=hub_env.endpoint,
+                             cache_dir=hub_env.cache)
+    card = ModelCard.load(readme)
+    assert card.data.license == "cc-by-sa-4.0" and card.data.datasets == ["acme/legal-corpus"]
+    assert card.data.base_model == [SRC_ID, DST_ID]
+    evals = {(r.dataset_type, r.metric_type, r.metric_config): r for r in card.data.eval_results
+             if r.task_type == "kv-cache-transfer"}
+    assert set(evals) == {("hellaswag", name, "exact_prefix=4,exact_suffix=16") for name, _ in EVALS[:5]} | {
+        ("hellaswag", "retention", "mapped")}
+    retention = evals[("hellaswag", "retention", "exact_prefix=4,exact_suffix=16")]
+    assert retention.metric_value == 0.93 and retention.metric_args == {"variant": "exact_prefix=4,exact_suffix=16",
+                                                                         "n": 200}
+    assert "| cpu | bfloat16 | 2048 | - |" in card.text and "12.5" in card.text  # bench results in the body
+
+
+def test_base_model_is_always_a_hub_id(tmp_path, hub_env, db):
+    local = _artifact(tmp_path / "local", seed=2, source="/data/models/my-finetune-small",
+                      target="/data/models/my-finetune-large")
+    with pytest.raises(ConfigError, match="--base-model SRC_ID,DST_ID"):
+        base_models(read_metadata(local))
+    known = read_metadata(_artifact(tmp_path / "known", seed=3,
+                                    source="/root/.cache/kvhub/models/Qwen2.5-Coder-0.5B-Instruct",
+                                    target="/srv/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+    assert base_models(known) == ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct")
+    with pytest.raises(ConfigError, match="not a Hub model id"):
+        base_models(known, ("./here", "acme/large"))
+
+    with open_store(db) as store:
+        ref = store.register(local).ref
+    refused = run("push", ref, "--repo", "alice/kv-local", "--db", db)
+    assert refused.exit_code == ConfigError.exit_code and "--base-model" in refused.stderr
+    assert "alice/kv-local" not in hub_env.server.state.repos  # refused before any Hub traffic
+    pushed = run("push", ref, "--repo", "alice/kv-local", "--db", db, "--base-model", "acme/small,acme/large")
+    assert pushed.exit_code == 0, pushed.stderr
+    meta = read_front_matter(hub_env.server.file("alice/kv-local", "v1", "README.md").decode())
+    assert meta["base_model"] == ["acme/small", "acme/large"]
+    card = read_front_matter(model_card(known, repo_id="a/b", version_tag="v1"))
+    assert card["base_model"] == ["Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"]
+
+
+def test_pull_keeps_the_hub_version_number_or_aliases_it(hub_env, db):
+    v1 = register(db, hub_env.tmp / "a1", seed=1)
+    v2 = register(db, hub_env.tmp / "a2", seed=2)
+    for version in (v1, v2):
+        assert run("push", version.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
+    other = str(hub_env.tmp / "other.db")
+
+    first = json.loads(run("pull", "alice/kvmap@v2", "--db", other, "--json").stdout)
+    assert (first["version"], first["alias"], first["ref"]) == (2, None, f"{SERIES}@v2")  # v2 was free
+    second = json.loads(run("pull", "alice/kvmap@v1", "--db", other, "--json").stdout)
+    assert (second["version"], second["alias"]) == (3, "hub-v1")  # v1 lies below v2: numbers only grow
+    with open_store(other) as store:
+        assert store.resolve(f"{SERIES}@v2").tensors_sha256 == v2.tensors_sha256
+        hub_v1 = store.resolve(f"{SERIES}@hub-v1")
+        assert hub_v1.tensors_sha256 == v1.tensors_sha256
+        assert hub_v1.lineage["hub"] == {"repo_id": "alice/kvmap", "revision": "v1",
+                                         "commit_sha": hub_env.server.repo("alice/kvmap")["tags"]["v1"]}
+    human = run("pull", "alice/kvmap@v1", "--db", other)
+    assert "already in the store" in human.stdout and "@hub-v1" in human.stdout
