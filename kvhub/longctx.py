@@ -64,11 +64,12 @@ class RecallItem:
 # ---- building items ----------------------------------------------------------------------------------
 def fact_items(tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0,
                facts_per_context: tuple[int, ...] = (1, 2, 3), depths: tuple[float, ...] = DEPTHS) -> list[RecallItem]:
-    """Passkey items: item i has ``facts_per_context[i % len]`` facts, the asked one at ``depths[i % len]``."""
+    """Passkey items: item i has ``facts_per_context[i % len]`` facts, the asked one at ``depths[i % len]``
+    (3 and 5 values: every 15 items hold each pair once, and any first n are balanced in both)."""
     rng = random.Random(f"facts-{seed}-{context_tokens}")
     items = []
     for i in range(n):
-        count, depth = facts_per_context[i % len(facts_per_context)], depths[(i // len(facts_per_context)) % len(depths)]
+        count, depth = facts_per_context[i % len(facts_per_context)], depths[i % len(depths)]  # coprime: all pairs
         vaults = rng.sample([(c, t) for c in _COLOURS for t in _THINGS], count)
         codes = [str(rng.randrange(10_000, 100_000)) for _ in vaults]
         sentences = [f"The access code for the {c} {t} vault is {code}." for (c, t), code in zip(vaults, codes)]
@@ -132,11 +133,10 @@ def code_items(tokenizer, *, context_tokens: int, n: int, seed: int = 0,
         follow = next((j for j in range(cut, len(lines)) if _worth_completing(lines[j])), None)
         if follow is None:
             continue
-        prefix = "".join(lines[:follow])
-        indent = lines[follow][: len(lines[follow]) - len(lines[follow].lstrip())]
-        text = lines[follow].rstrip("\n")[len(indent):]
-        prompt = tokenizer(prefix + indent, add_special_tokens=False)["input_ids"]
-        answer = _answer_ids(tokenizer, prefix + indent, text)
+        prompt, answer = _split_at_line(tokenizer, "".join(lines[:follow]), lines[follow].rstrip("\n"))
+        if len(prompt) > context_tokens * 5 // 4:  # the next code line lies far beyond the asked length
+            continue
+        text = tokenizer.decode(answer)
         relative = path.name if not path.parent.name else f"{path.parent.name}/{path.name}"
         items.append(RecallItem(f"code-{context_tokens}-{relative}:{follow + 1}", prompt, answer, text,
                                 {"context_tokens": len(prompt), "file": relative}))
@@ -161,6 +161,15 @@ def _haystack(tokenizer, filler, rng, context_tokens, inserts: list[tuple[float,
     return "\n".join(paragraphs)
 
 
+def _split_at_line(tokenizer, prefix: str, line: str) -> tuple[list[int], list[int]]:
+    """Token ids of ``prefix + line`` split where the line's code starts: the answer is every token that
+    ends past the indentation (so a token merging the indent with the code belongs to the answer)."""
+    encoded = tokenizer(prefix + line, add_special_tokens=False, return_offsets_mapping=True)
+    start = len(prefix) + len(line) - len(line.lstrip())
+    cut = next(i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > start)
+    return encoded["input_ids"][:cut], encoded["input_ids"][cut:]
+
+
 def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -180,8 +189,10 @@ def _first_sentence(text: str) -> str:
 
 
 def _worth_completing(line: str) -> bool:
+    """A line of code (not a comment or docstring prose) long enough to be more than a guess."""
     stripped = line.strip()
-    return len(stripped) >= 12 and not stripped.startswith(("#", '"""', "'''")) and any(c.isalpha() for c in stripped)
+    code_like = any(mark in stripped for mark in ("(", " = ", "return ", "import ")) and not stripped.endswith(".")
+    return len(stripped) >= 12 and code_like and not stripped.startswith(("#", '"""', "'''", ">>>", "..", "`"))
 
 
 def _code_files(packages: tuple[str, ...]) -> list[Path]:
