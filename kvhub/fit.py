@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from . import __version__
-from .artifact import atomic_write_bytes
+from .artifact import atomic_write_bytes, map_prefix, tensor_name
 from .capture import capture
 from .errors import ConfigError, IncompatibleError
 from .fingerprint import kv_geometry, model_fingerprint
@@ -225,7 +225,7 @@ def target_means(train: KVStats) -> dict[str, torch.Tensor]:
     out = {}
     for kind, moments in (("k", train.k), ("v", train.v)):
         for m in range(train.layout.dst_layers):
-            out[f"{kind}.{m}.target_mean"] = moments.mean_y[train.layout.dst_columns(m)].float().clone()
+            out[tensor_name(map_prefix(kind, m), "target_mean")] = moments.mean_y[train.layout.dst_columns(m)].float().clone()
     return out
 
 

@@ -100,7 +100,8 @@ class Mapper:
         return sum(t.numel() for t in self.tensors.values())
 
     def format_version(self) -> int:
-        """1 for dense maps (readable by every kvhub); 2 when low-rank or head-local tensors are stored."""
+        """The artifact format version these tensors need (kvhub.artifact.format_version_of): 1 for dense
+        maps (readable by every kvhub), 2 with low-rank or head-local maps, 3 with target_mean tensors."""
         return format_version_of({name: tuple(t.shape) for name, t in self.tensors.items()})
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Mapper":

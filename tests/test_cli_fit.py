@@ -75,7 +75,7 @@ def test_fit_with_compressed_maps_and_attention_weighting(model_dirs, env):
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     metadata = json.loads((out / "mapper.json").read_text())
-    assert metadata["format_version"] == 2 and metadata["structure"]["rank"] == 8
+    assert metadata["format_version"] == 3 and metadata["structure"]["rank"] == 8  # 3: target_mean stored
     assert metadata["structure"]["head_groups"] > 1 and metadata["fit"]["weighting"] == "attention"
     assert any(name.endswith(".weight_a") for name in __import__("safetensors").safe_open(
         str(out / "mapper.safetensors"), "pt").keys())

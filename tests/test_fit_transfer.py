@@ -205,7 +205,7 @@ def test_save_load_round_trip_and_integrity(qwen_family, tmp_path):
     a = mapper.transfer(run_model(source, ids))
     b = loaded.transfer(run_model(source, ids))
     torch.testing.assert_close(a.layers[2].keys, b.layers[2].keys)
-    assert loaded.metadata["tensors"]["sha256"] and loaded.metadata["format_version"] == 1
+    assert loaded.metadata["tensors"]["sha256"] and loaded.metadata["format_version"] == 3
     data = bytearray((path / "mapper.safetensors").read_bytes())
     data[-3] ^= 0xFF
     (path / "mapper.safetensors").write_bytes(bytes(data))

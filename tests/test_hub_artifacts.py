@@ -61,7 +61,7 @@ def _source_cache(seed: int = 0):
 def test_every_structure_is_pushed_pulled_and_used_from_the_pulled_copy(structure, hub_env, db):
     groups, rank = STRUCTURES[structure]
     artifact = structured_artifact(hub_env.tmp / "m", groups=groups, rank=rank, seed=21)
-    assert json.loads((artifact / "mapper.json").read_text())["format_version"] == (1 if structure == "dense" else 2)
+    assert json.loads((artifact / "mapper.json").read_text())["format_version"] == 3  # target_mean stored
     assert run("import", str(artifact), "--db", db).exit_code == 0
     ref = "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct@v1"
     pushed = run("push", ref, "--repo", f"alice/kv-{structure}", "--db", db)
@@ -130,7 +130,7 @@ HUB_CASES = [
     ("tensors-file-parent", _json_edit(lambda m: m["tensors"].update(file="../mapper.safetensors")), 5,
      "plain file name"),
     ("config-edited", _json_edit(lambda m: m["target"]["config"].update(rope_theta=1.0)), 5, "config_hash"),
-    ("format-newer", _json_edit(lambda m: m.update(format_version=3)), 5, "upgrade"),
+    ("format-newer", _json_edit(lambda m: m.update(format_version=4)), 5, "upgrade"),
     ("nan-weights", _nan_weights, 5, "NaN or Inf"),
     ("no-metadata", lambda f: {"mapper.safetensors": f["mapper.safetensors"]}, 12, "not a kvhub mapper repository"),
     ("figure-name-escapes", lambda f: {**f, "../../escape.png": b"x"}, 10, "huggingface_hub refused"),

@@ -22,13 +22,15 @@ from .schema import (
     config_geometry, is_plain_file_name, json_sha256,
 )
 from .tensors import (
-    TensorFile, check_tensors, format_version_of, is_compressed, map_prefix, read_tensor_file, tensor_name,
+    TensorFile, check_tensors, format_version_of, has_target_means, is_compressed, map_prefix, read_tensor_file,
+    tensor_name,
 )
 
 __all__ = [
     "CARD_FILE", "FIGURE_SUFFIXES", "FORMAT_VERSION", "METADATA_FILE", "SUPPORTED_FORMAT_VERSIONS", "TENSORS_FILE",
     "AtomicDirectory", "TensorFile", "atomic_write_bytes", "check_format_version", "check_metadata", "check_tensors",
-    "config_geometry", "copy_regular", "format_version_of", "fsync_dir", "fsync_tree", "is_compressed",
+    "config_geometry", "copy_regular", "format_version_of", "fsync_dir", "fsync_tree", "has_target_means",
+    "is_compressed",
     "is_figure_name", "is_plain_file_name", "json_sha256", "map_prefix", "open_regular", "parse_metadata_bytes",
     "publishable_files", "read_artifact", "read_metadata", "read_tensor_file", "regular_files", "sha256_file",
     "tensor_name", "tensor_path", "verify_tensors", "write_artifact",

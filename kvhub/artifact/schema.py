@@ -16,8 +16,9 @@ import re
 from .. import __version__
 from ..errors import FormatVersionError, InvalidArtifactError
 
-FORMAT_VERSION = 2  # the newest mapper artifact format this kvhub reads and writes
-SUPPORTED_FORMAT_VERSIONS = (1, 2)  # 1: dense maps only; 2: head-local or low-rank maps present
+FORMAT_VERSION = 3  # the newest mapper artifact format this kvhub reads and writes
+# 1: dense maps only; 2: head-local or low-rank maps present; 3: target_mean tensors present (any structure)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 TENSORS_FILE = "mapper.safetensors"
 METADATA_FILE = "mapper.json"
 DTYPES = ("float32", "bfloat16", "float16")  # fingerprint ``dtype``: the default dtype of transfer()

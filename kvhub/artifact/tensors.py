@@ -11,7 +11,10 @@ Per target layer m (d_in = k * Hs * Ds over the layer's k sources, d_out = Ht * 
     {kind}.{m}.target_mean    (d_out,)   optional: the calibration mean of the target's K~ / V
 
 All fp32 (``F32``).  G divides both KV head counts; format version 2 is required when any map is
-head-local or low rank.  The tensors alone say which structure a map has (a fit may store densely a
+head-local or low rank, and version 3 is written whenever ``target_mean`` tensors are stored (kvhub
+0.1 read only the tensors it knew and refused the others as corrupt; version 3 makes it say "upgrade
+kvhub" instead).  Artifacts written before version 3 that carry ``target_mean`` under version 1 or 2
+are still read.  The tensors alone say which structure a map has (a fit may store densely a
 map whose rank would save nothing); mapper.json's ``structure`` records what was asked for.  Nothing
 here imports torch (numpy scans the bytes).
 """
@@ -135,8 +138,16 @@ def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
                for name, shape in shapes.items())
 
 
+def has_target_means(shapes: dict[str, tuple[int, ...]]) -> bool:
+    """True when some map stores its ``target_mean`` (the control of evaluations, kvhub.control)."""
+    return any(name.endswith(".target_mean") for name in shapes)
+
+
 def format_version_of(shapes: dict[str, tuple[int, ...]]) -> int:
-    """1 for dense maps (readable by every kvhub), 2 when a head-local or low-rank map is stored."""
+    """The format version an artifact with these tensors declares: 1 for dense maps only (readable by
+    every kvhub), 2 when a head-local or low-rank map is stored, 3 when ``target_mean`` tensors are."""
+    if has_target_means(shapes):
+        return 3
     return 2 if is_compressed(shapes) else 1
 
 

@@ -60,9 +60,14 @@ def resolve_db_url(db: str | os.PathLike | None = None) -> str:
 def require_existing(url: str) -> None:
     """Raise NotFoundError when ``url`` is a SQLite file that does not exist: commands that only read
     must not create a store (a mistyped --db would otherwise answer "no versions" from a new one)."""
+    from sqlalchemy.exc import ArgumentError
+
     from ..errors import NotFoundError
 
-    path = sqlite_path(url)
+    try:
+        path = sqlite_path(url)
+    except ArgumentError:  # not a URL at all: opening it says so (kvhub.store.engine)
+        return
     if path is not None and not path.exists():
         raise NotFoundError(f"no kvhub store at {path}; check --db / KVHUB_DB_URL / KVHUB_HOME (a new store is "
                             "created only by commands that write one: `kvhub fit`, `kvhub import`, `kvhub pull`, "

@@ -281,6 +281,7 @@ class Store:
         :meth:`register` returns that version instead of adding one: identical tensors are one version.
         """
         metadata = read_metadata(artifact_dir)
+        check_storable(metadata)  # the series key must exist before it can be looked up
         return self._read(lambda s: self._same_tensors(s, metadata))
 
     def _same_tensors(self, session: Session, metadata: dict) -> MapperVersion | None:
