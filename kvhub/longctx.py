@@ -125,7 +125,7 @@ def code_items(tokenizer, *, context_tokens: int, n: int, seed: int = 0,
         prefix, cut = "", None
         for index, line in enumerate(lines):
             prefix += line
-            if len(prefix) > 3 * context_tokens and len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) >= context_tokens:
+            if len(prefix) > context_tokens and _count(tokenizer, prefix) >= context_tokens:
                 cut = index + 1
                 break
         if cut is None:
