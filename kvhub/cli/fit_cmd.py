@@ -80,11 +80,14 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
     from ..fitjob import FitRequest, check_plan, fit_by_names
-    from .progress import progress_callback
+    from .progress import progress_callback, quiet_other_bars
+
+    quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
 
     request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
                          lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
                          restart=restart, weighting=weighting, head_local=head_local, rank=rank)
+    check_before_loading(request)
     if nproc:
         raise SystemExit(_launch_torchrun(nproc))
     from ..distributed import launched
@@ -105,6 +108,44 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
         if out is not None:
             mapper.save(out)
     _print_summary(mapper, reference=reference, out=out, as_json=as_json)
+
+
+def check_before_loading(request) -> None:
+    """Refuse, before any model loads, what the arguments alone show will fail: an unknown calibration
+    set (with the closest built-in name), and a fixed k above the source's layer count or with more
+    features than the calibration set can have observations (read from the config, no weights)."""
+    import difflib
+    import math
+
+    from ..calib.recipe import recipe_from_spec
+    from ..errors import ConfigError, UnknownCalibrationError
+    from ..plan import shape_of
+
+    try:
+        sequences = recipe_from_spec(request.calib).with_sequences(
+            samples=request.samples, seq_len=request.seq_len, seed=request.seed).sequences
+    except UnknownCalibrationError as exc:
+        close = difflib.get_close_matches(exc.name, exc.known, n=1, cutoff=0.6)
+        if not close:
+            raise
+        raise UnknownCalibrationError(f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? "
+                                      f"({exc})", name=exc.name, known=exc.known) from None
+    if not isinstance(request.k, int):
+        return
+    if request.k < 1:
+        raise ConfigError(f"--k {request.k}: use a positive number of source layers per target layer, or 'auto'")
+    try:
+        source = shape_of(request.src)
+    except ConfigError:  # no config without downloading: the fit checks k once the model is there
+        return
+    if request.k > source.layers:
+        raise ConfigError(f"--k {request.k} is more source layers than {request.src} has ({source.layers}); use "
+                          f"--k 1..{source.layers} or --k auto")
+    rows = sequences.samples * math.ceil(sequences.seq_len / (request.stride or sequences.stride))
+    if request.k * source.kv_width >= rows:
+        raise ConfigError(f"--k {request.k} gives {request.k * source.kv_width} features per target layer, but "
+                          f"the calibration set has at most {rows} training observations; use a smaller --k, "
+                          "--k auto, more --samples or a smaller --stride")
 
 
 def _launch_torchrun(nproc: int) -> int:

@@ -42,11 +42,19 @@ def main(verbose: bool) -> None:
 
     Fit a mapper (kvhub fit), keep its versions in the store (kvhub list/show/tag),
     publish it (kvhub push/pull), and load it in serving code (kvhub.load(src, dst).transfer(cache)).
+
+    Data goes to stdout (tables never wrap or cut when piped; --format json|tsv for scripts), messages
+    and progress to stderr: bars on a terminal, else a plain line per step every
+    $KVHUB_PROGRESS_INTERVAL seconds (30) and when it completes; HF_HUB_DISABLE_PROGRESS_BARS=1 turns
+    the bars into those lines too.
     """
     # -v is kvhub's own debug log only: other libraries' DEBUG output (httpcore logs raw HTTP headers,
     # which can echo a token) stays off.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvhub").setLevel(logging.DEBUG if verbose else logging.NOTSET)
+    from .progress import quiet_other_bars
+
+    quiet_other_bars()  # before huggingface_hub is imported: its download bars only on a terminal
 
 
 def _attach() -> None:

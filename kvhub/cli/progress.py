@@ -1,13 +1,29 @@
-"""Rich progress rendering for library progress callbacks ``(description, completed, total)``."""
+"""The CLI's one progress system, driven by library callbacks ``(description, completed, total)``.
+
+On a terminal: one Rich bar per step (the description up to its first ``:``).  Anywhere else (a CI
+log, a file, ``2>&1 | tee``), or with ``HF_HUB_DISABLE_PROGRESS_BARS`` set: plain lines on stderr,
+one per step every ``KVHUB_PROGRESS_INTERVAL`` seconds (default 30) and when a step completes, so a
+10-minute fit in a CI log says how far it is without carriage-return bars.
+
+Other libraries' bars: transformers' (weight loading) are switched off while kvhub reports progress;
+huggingface_hub's download bars stay on a terminal and are switched off elsewhere, or wherever
+``HF_HUB_DISABLE_PROGRESS_BARS`` asks (huggingface_hub's own setting, honoured by kvhub's bars too).
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from contextlib import contextmanager
 
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from .console import err_console
+from .console import err_console, say
+
+INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"
+_DEFAULT_INTERVAL_S = 30.0
 
 
 class RateColumn(ProgressColumn):
@@ -30,10 +46,83 @@ class CountColumn(ProgressColumn):
         return Text(f"{int(task.completed):,}/{total}")
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def bars_wanted() -> bool:
+    """Rich bars only on a terminal and unless HF_HUB_DISABLE_PROGRESS_BARS is set."""
+    return err_console.is_terminal and not _env_flag("HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+def quiet_other_bars(*, load_transformers: bool = False) -> None:
+    """Switch off huggingface_hub's bars off a terminal (or when asked), and transformers' always (when
+    it is imported, or ``load_transformers`` for commands about to load models)."""
+    if not bars_wanted():
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read by huggingface_hub when it is imported
+        if "huggingface_hub" in sys.modules:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+    if load_transformers or "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def _interval() -> float:
+    try:
+        return max(0.0, float(os.environ.get(INTERVAL_ENV, _DEFAULT_INTERVAL_S)))
+    except ValueError:
+        return _DEFAULT_INTERVAL_S
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class LineProgress:
+    """``callback(description, completed, total)`` writing a plain status line per step at most every
+    ``interval`` seconds, and once when the step completes: ``capture: 120/480 (25%), 3,100 tok/s,
+    1:23 elapsed, eta 4:09``."""
+
+    def __init__(self, unit: str, *, interval: float, clock=time.monotonic, write=say):
+        self.unit, self.interval, self.clock, self.write = unit, interval, clock, write
+        self.steps: dict[str, dict] = {}
+
+    def __call__(self, description: str, completed: int, total: int | None) -> None:
+        now = self.clock()
+        step = self.steps.setdefault(description.split(":")[0], {"start": now, "shown": None, "finished": False})
+        finished = total is not None and completed >= total
+        due = step["shown"] is None or now - step["shown"] >= self.interval
+        if step["finished"] or not (due or finished):
+            return
+        step["shown"], step["finished"] = now, finished
+        self.write(self.line(description, completed, total, now - step["start"]))
+
+    def line(self, description: str, completed: int, total: int | None, elapsed: float) -> str:
+        parts = [f"{description}: {completed:,}/{'?' if total is None else f'{total:,}'}"]
+        if total:
+            parts[0] += f" ({100 * completed / total:.0f}%)"
+        if elapsed > 0 and completed:
+            parts.append(f"{completed / elapsed:,.0f} {self.unit}")
+        parts.append(f"{_clock(elapsed)} elapsed")
+        if total and 0 < completed < total and elapsed > 0:
+            parts.append(f"eta {_clock(elapsed * (total - completed) / completed)}")
+        return ", ".join(parts)
+
+
 @contextmanager
 def progress_callback(unit: str = "tok/s"):
-    """Yield a ``callback(description, completed, total)`` that drives one rich bar per description prefix."""
-    columns = (TextColumn("{task.description}"), BarColumn(), CountColumn(),
+    """Yield a ``callback(description, completed, total)``: Rich bars on a terminal, plain periodic lines
+    elsewhere (module docstring)."""
+    quiet_other_bars()
+    if not bars_wanted():
+        yield LineProgress(unit, interval=_interval())
+        return
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), CountColumn(),
                RateColumn(unit), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=False) as bar:
         tasks: dict[str, int] = {}

@@ -1,0 +1,81 @@
+"""One progress system: plain periodic lines off a terminal (or with HF_HUB_DISABLE_PROGRESS_BARS), other
+libraries' bars quieted; and kvhub fit refusing bad arguments before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvhub.cli import progress
+from kvhub.cli.main import main
+from kvhub.errors import ConfigError, UnknownCalibrationError
+
+
+def test_plain_lines_are_periodic_and_say_how_far(monkeypatch):
+    now, lines = [0.0], []
+    line_progress = progress.LineProgress("tok/s", interval=30, clock=lambda: now[0], write=lines.append)
+    for second, done in ((0, 0), (10, 100), (29, 200), (31, 300), (45, 350), (60, 1200), (61, 1200)):
+        now[0] = float(second)
+        line_progress("capture: batch", done, 1200)
+    line_progress("solve", 1, None)
+    assert lines == [
+        "capture: batch: 0/1,200 (0%), 0:00 elapsed",
+        "capture: batch: 300/1,200 (25%), 10 tok/s, 0:31 elapsed, eta 1:33",
+        "capture: batch: 1,200/1,200 (100%), 20 tok/s, 1:00 elapsed",  # completion is always shown, once
+        "solve: 1/?, 0:00 elapsed",
+    ]
+
+
+def test_bars_only_on_a_terminal_and_unless_disabled(monkeypatch):
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setattr(progress.err_console, "_force_terminal", True)
+    with progress.progress_callback() as callback:
+        assert not isinstance(callback, progress.LineProgress)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    with progress.progress_callback() as callback:
+        assert isinstance(callback, progress.LineProgress)
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
+    monkeypatch.setattr(progress.err_console, "_force_terminal", False)  # a CI log
+    try:
+        with progress.progress_callback() as callback:
+            assert isinstance(callback, progress.LineProgress)
+        assert are_progress_bars_disabled()  # huggingface_hub's download bars too
+    finally:
+        enable_progress_bars()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch, tmp_path):
+    """A source model directory with only a config (2 layers); loading any model fails the test."""
+    import kvhub.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvhub.models, "load_model", refuse)
+    monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
+    model = tmp_path / "src"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}))
+    return model
+
+
+def test_fit_checks_arguments_before_loading_models(no_model_loads, tmp_path):
+    runner = CliRunner()
+    base = ["fit", "--src", str(no_model_loads), "--dst", str(no_model_loads), "--ignore-plan"]
+    misspelt = runner.invoke(main, [*base, "--calib", "legal-doc"])
+    assert misspelt.exit_code == UnknownCalibrationError.exit_code
+    assert "did you mean 'legal-docs'?" in misspelt.stderr
+    too_deep = runner.invoke(main, [*base, "--k", "9"])
+    assert too_deep.exit_code == ConfigError.exit_code and "--k 1..2 or --k auto" in too_deep.stderr
+    too_wide = runner.invoke(main, [*base, "--k", "2", "--samples", "1", "--seq-len", "16", "--stride", "4"])
+    assert too_wide.exit_code == ConfigError.exit_code and "training observations" in too_wide.stderr
+    missing = runner.invoke(main, [*base, "--calib", str(tmp_path / "notes.jsonl")])
+    assert missing.exit_code == ConfigError.exit_code and "does not exist" in missing.stderr
