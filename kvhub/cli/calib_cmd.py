@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError
-from .console import console, err_console
+from .console import console, say
+from .output import print_table
 
 
 @click.group()
@@ -43,21 +44,19 @@ def list_command(as_json: bool) -> None:
 
         kvhub calib list
     """
-    from rich.table import Table
-
     from ..calib import list_calibration_sets
 
     rows = [_recipe_row(recipe) for recipe in list_calibration_sets()]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table("name", "v", "sequences", "licence", "what", box=None)
+    table = []
     for row in rows:
         size = f"{row['sequences']} + {row['heldout_sequences']} x {row['seq_len']}"
         what = re.split(r": | \(|\. ", row["description"], maxsplit=1)[0].strip()
         licence = re.split(r"; | \(", row["licence"], maxsplit=1)[0]
-        table.add_row(row["name"], str(row["version"]), size, licence, what)
-    console.print(table)
+        table.append([row["name"], row["version"], size, licence, what])
+    print_table(["NAME", "V", "SEQUENCES", "LICENCE", "WHAT"], table)
 
 
 @calib.command("show")
@@ -77,17 +76,18 @@ def show_command(name: str, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
     sequences = recipe.sequences
-    console.print(f"[bold]{recipe.name}[/] v{recipe.version}  ({recipe.origin or 'synthesised from a path'})")
-    console.print(recipe.description, highlight=False)
-    console.print(f"licence: {recipe.licence}", highlight=False)
-    console.print(
+    say(f"v{recipe.version}  ({recipe.origin or 'synthesised from a path'})", label=recipe.name, style="bold",
+        to=console)
+    say(recipe.description, to=console)
+    say(f"licence: {recipe.licence}", to=console)
+    say(
         f"sequences: {sequences.samples} train + {sequences.heldout_samples} held-out x {sequences.seq_len} tokens, "
         f"seed {sequences.seed}, stride {sequences.stride}, max {sequences.max_document_tokens or 'all'} tokens "
-        f"per document", highlight=False,
+        f"per document", to=console,
     )
     for status in data["status"]:
         optional = "" if status["required"] else " (optional)"
-        console.print(f"- {status['source']}{optional}\n    {status['where']}", highlight=False)
+        say(f"- {status['source']}{optional}\n    {status['where']}", to=console)
 
 
 @calib.command("fetch")
@@ -160,7 +160,7 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
         )
     metadata = {**calibration_set.to_metadata(), "cache_path": calibration_set.cache_path}
     for note in calibration_set.notes:
-        err_console.print(f"[yellow]warning:[/] {note}", highlight=False)
+        say(note, label="warning:", style="yellow")
     if as_json:
         click.echo(json.dumps(metadata, indent=2, sort_keys=True))
         return

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .console import console
+from .console import console, say
 
 
 def _k_option(ctx, param, value: str):
@@ -69,9 +69,9 @@ def _print_plan(result) -> None:
     from ..plan import GIB
 
     w = result.workload
-    console.print(f"{result.source.model_id} -> {result.target.model_id} on {result.ranks} x {result.device.name}: "
-                  f"{w.samples} + {w.heldout} sequences x {w.seq_len} tokens, stride {w.stride}, batch {w.batch_size}, "
-                  f"k {result.k}{' (auto: largest)' if w.k is None else ''}, {w.dtype}")
+    say(f"{result.source.model_id} -> {result.target.model_id} on {result.ranks} x {result.device.name}: "
+        f"{w.samples} + {w.heldout} sequences x {w.seq_len} tokens, stride {w.stride}, batch {w.batch_size}, "
+        f"k {result.k}{' (auto: largest)' if w.k is None else ''}, {w.dtype}", to=console)
     table = Table(title="memory per rank (GiB)")
     table.add_column("where")
     table.add_column("part")
