@@ -58,7 +58,7 @@ def _resolve_local(src, dst, *, calib, version, alias, db) -> tuple[Path, str]:
     """Artifact directory and full reference of the matching version in the store; NotFoundError on a miss."""
     from .store import open_store
 
-    with open_store(db) as store:
+    with open_store(db, create=False) as store:  # a mistyped db is a miss, not a new empty store
         found = store.find(src, dst, calibration=calib, version=version, alias=alias)
         return store.artifact_path(found), found.ref
 

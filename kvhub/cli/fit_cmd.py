@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from .console import console, plain, say
+from .store_cmd import db_option
 
 
 def _auto_or(convert, hint: str):
@@ -53,7 +54,7 @@ def _auto_or(convert, hint: str):
 @click.option("--batch-size", type=int, default=4, show_default=True, help="Sequences per forward pass.")
 @click.option("--seed", type=int, help="Seed of the calibration sampling (overrides the recipe).")
 @click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
-@click.option("--db", default=None, help="Store URL or SQLite path (default: $KVHUB_DB_URL or the user data dir).")
+@db_option
 @click.option("--no-register", is_flag=True, help="Do not register the mapper in the store (needs --out).")
 @click.option("--distributed", "nproc", type=click.IntRange(min=2), default=None,
               help="Fit on N processes of this machine (one GPU each with CUDA, else gloo on CPU): runs "

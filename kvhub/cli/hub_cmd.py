@@ -6,7 +6,7 @@ import click
 
 from .console import console, say
 from .output import echo_json, format_option, print_table
-from .store_cmd import DB_HELP as _DB_HELP
+from .store_cmd import db_option
 
 
 def _store(db, *, create: bool = True):
@@ -26,7 +26,7 @@ def _store(db, *, create: bool = True):
 @click.option("--base-model", default=None, metavar="SRC,DST",
               help="Hub ids of the source and target models for the card's base_model, when the mapper was "
                    "fitted from local paths kvhub cannot map to Hub ids itself.")
-@click.option("--db", default=None, help=_DB_HELP)
+@db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def push(ref, repo_id, private, branch, card, base_model, db, as_json):
     """Publish the mapper version REF to the Hub: one commit, tagged vN.
@@ -64,7 +64,7 @@ def push(ref, repo_id, private, branch, card, base_model, db, as_json):
 @click.command()
 @click.argument("repo")
 @click.option("--revision", default=None, help="Branch, tag or commit (same as OWNER/NAME@REVISION; default main).")
-@click.option("--db", default=None, help=_DB_HELP)
+@db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def pull(repo, revision, db, as_json):
     """Download a mapper from the Hub, verify it, and register it in the store.
