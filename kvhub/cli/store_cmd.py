@@ -155,7 +155,6 @@ def show(ref, per_layer, verify, db, output_format):
         if verify:
             store.verify(data["ref"])
     if output_format == "json":
-        data.pop("id", None)
         for key in ("k", "ridge_lambda"):
             data[key] = "auto" if data[key] is None else data[key]
         echo_json(data)
@@ -276,10 +275,12 @@ def rm(ref, force, db):
     from ..store.refs import Ref
 
     parsed = Ref.parse(ref)
-    if parsed.version is None and parsed.alias is None:
-        raise ConfigError(f"{ref!r} names no version; `kvhub rm` removes exactly one: add it, e.g. "
-                          f"`kvhub rm {ref}@v2` (`kvhub list --src {parsed.source}` shows the versions)")
     with _open(db, create=False) as store:
+        if parsed.version is None and parsed.alias is None:
+            latest = store.resolve(parsed.with_selector(alias="latest"))  # names what exists (or why not)
+            raise ConfigError(f"{ref!r} names no version; `kvhub rm` removes exactly one: add it, e.g. "
+                              f"`kvhub rm {ref}@v{latest.version}` (the latest; `kvhub list --src {parsed.source}` "
+                              "shows them all)")
         version = store.remove(ref, force=force)
     say(f"removed {version.ref} ({_size(version.artifact_bytes)})")
 
