@@ -103,3 +103,13 @@ def test_pull_keeps_the_hub_version_number_or_aliases_it(hub_env, db):
                                          "commit_sha": hub_env.server.repo("alice/kvmap")["tags"]["v1"]}
     human = run("pull", "alice/kvmap@v1", "--db", other)
     assert "already in the store" in human.stdout and "@hub-v1" in human.stdout
+
+
+def test_licence_and_datasets_in_hub_terms(tmp_path):
+    metadata = read_metadata(_artifact(tmp_path / "m", seed=4))
+    psf = dict(metadata, calibration=dict(metadata["calibration"], licence="PSF-2.0 (Python documentation)",
+                                          sources=["stdlib email/*.py"]))
+    meta = read_front_matter(model_card(psf, repo_id="a/b", version_tag="v1"))
+    assert (meta["license"], meta["license_name"]) == ("other", "psf-2-0-python-documentation")
+    assert "datasets" not in meta and "licence of the calibration text: PSF-2.0" in model_card(
+        psf, repo_id="a/b", version_tag="v1")
