@@ -26,6 +26,8 @@ from .recompute import Recompute, cropped, recompute_positions, recompute_set
 
 DEFAULT_EXACT_PREFIX = 4  # attention sinks
 DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
+DEFAULT_EXACT_BUDGET = 0.0  # selective recompute: fraction of the context (kvhub.recompute)
+DEFAULT_SELECT = "source"  # ... chosen by the source's attention from the last tokens
 
 
 # Config fields whose change changes a model's KV cache (or the context it encodes): check_models compares
@@ -116,22 +118,38 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
 
 @torch.no_grad()
 def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
-            exact_prefix: int = DEFAULT_EXACT_PREFIX, exact_suffix: int = DEFAULT_EXACT_SUFFIX, tokenizer=None,
+            exact_prefix: int = DEFAULT_EXACT_PREFIX, exact_suffix: int = DEFAULT_EXACT_SUFFIX,
+            exact_budget: float = DEFAULT_EXACT_BUDGET, select: str = DEFAULT_SELECT, tokenizer=None,
             **generate_kwargs) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
     input_ids: (B, n), no padding.  generate_kwargs go to ``generate`` (e.g. max_new_tokens,
     do_sample=False).  Equivalent to ``target_model.generate(input_ids, ...)`` when the map is exact.
-    ``tokenizer``: the tokenizer that produced input_ids; refused unless it is the one fitted with.
-    exact_prefix / exact_suffix: see the module docstring; capped to the context, so a short prompt is
-    simply prefilled by the target (pass 0 and 0 to map every token).
+    ``tokenizer``: the tokenizer that produced input_ids; refused unless it is the one fitted with, and
+    used to recompute whole sentences / lines (without it: 16-token windows).
+    exact_prefix / exact_suffix / exact_budget / select: see the module docstring and
+    :mod:`kvhub.recompute`; capped to the context, so a short prompt is simply prefilled by the target
+    (pass 0, 0 and 0.0 to map every token).  Selection is per sequence: rows of a batch are prepared one
+    by one and their caches stacked.
     """
-    context = input_ids.shape[1] - 1
-    exact_prefix, exact_suffix = min(exact_prefix, context), min(exact_suffix, max(0, context - exact_prefix))
-    cache = prepare_cache(mapper, source_model, target_model, input_ids, exact_prefix=exact_prefix,
-                          exact_suffix=exact_suffix, tokenizer=tokenizer)
+    spec = Recompute(exact_prefix, exact_suffix, exact_budget, select).capped(input_ids.shape[1] - 1)
+    rows = [input_ids[i:i + 1] for i in range(input_ids.shape[0])] if spec.selective else [input_ids]
+    caches = [prepare_cache(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer)
+              for row in rows]
+    cache = caches[0] if len(caches) == 1 else _stacked(caches)
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = torch.ones_like(input_ids)
     return target_model.generate(input_ids, attention_mask=attention_mask, **cache_kwargs(target_model, cache),
                                  **generate_kwargs)
+
+
+def _stacked(caches):
+    """One DynamicCache whose batch holds the rows of ``caches`` (same length, full-attention layers)."""
+    from transformers import DynamicCache
+
+    out = DynamicCache()
+    for index in range(len(caches[0].layers)):
+        out.update(torch.cat([c.layers[index].keys for c in caches]), torch.cat([c.layers[index].values for c in caches]),
+                   index)
+    return out

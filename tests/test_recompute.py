@@ -134,3 +134,18 @@ def test_selection_needs_one_sequence(family):
     source, target, control = family
     with pytest.raises(ConfigError, match="batch 1"):
         prepare_cache(control, source, target, _ids(2, 20, 9), exact_budget=0.1)
+
+
+def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_targets_generation():
+    """On an exact family the selective handoff of a batch of 2 generates what the target does alone."""
+    from kvhub.handoff import handoff
+
+    source = make_model("qwen2", num_hidden_layers=3)
+    target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
+    mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
+                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+    ids = _ids(2, 40, 11)
+    out = handoff(mapper, source, target, ids, exact_prefix=2, exact_suffix=3, exact_budget=0.2, select="source",
+                  max_new_tokens=8, do_sample=False)
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, want)
