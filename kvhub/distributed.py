@@ -31,8 +31,7 @@ import torch
 
 from .errors import ConfigError
 from .fit import (FitOptions, Progress, _job_hash, _load_checkpoint, _save_checkpoint, build_mapper, capture_pair,
-                  check_same_tokenizer, fit_batches, layout_for, structure_for)
-from .fingerprint import model_fingerprint
+                  fit_batches, layout_for, pair_fingerprints, structure_for)
 from .rope import Rotary
 from .solve import Solution, solve
 from .stats import KVStats, Layout, Moments
@@ -95,11 +94,8 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     """:func:`kvhub.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
     token ids and options; returns the Mapper on rank 0 and None on the others."""
     options = options or FitOptions()
-    source_fp = model_fingerprint(source_model.config, model_id=source_id, tokenizer=source_tokenizer)
-    target_fp = model_fingerprint(target_model.config, model_id=target_id, tokenizer=target_tokenizer)
-    source_fp["dtype"] = str(source_model.dtype).replace("torch.", "")
-    target_fp["dtype"] = str(target_model.dtype).replace("torch.", "")
-    check_same_tokenizer(source_fp, target_fp)
+    source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
+                                             source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     job = _job_hash(source_fp, target_fp, train_ids, heldout_ids, options) + f":rank{group.rank}of{group.world}"
     train, heldout, owned = accumulate_sharded(source_model, target_model, train_ids, heldout_ids, group=group,
                                                options=options, progress=progress, job=job)

@@ -65,6 +65,19 @@ def check_same_tokenizer(source_fp: dict, target_fp: dict) -> None:
         )
 
 
+def pair_fingerprints(source_model, target_model, *, source_id: str, target_id: str, source_tokenizer=None,
+                      target_tokenizer=None) -> tuple[dict, dict]:
+    """The fingerprints (with dtypes) of a (source, target) pair; refused when their tokenizers differ."""
+    fingerprints = []
+    for model, model_id, tokenizer in ((source_model, source_id, source_tokenizer),
+                                       (target_model, target_id, target_tokenizer)):
+        fingerprint = model_fingerprint(model.config, model_id=model_id, tokenizer=tokenizer)
+        fingerprint["dtype"] = str(model.dtype).replace("torch.", "")
+        fingerprints.append(fingerprint)
+    check_same_tokenizer(*fingerprints)
+    return fingerprints[0], fingerprints[1]
+
+
 def structure_for(source_fp: dict, target_fp: dict, *, head_local: bool, rank: int | None) -> Structure:
     """Map structure of a fit: head groups = gcd of the KV head counts when head-local, else 1."""
     groups = head_groups(source_fp["num_kv_heads"], target_fp["num_kv_heads"]) if head_local else 1
@@ -100,11 +113,8 @@ def fit(
     calibration-set metadata stored in mapper.json.  Returns an unsaved Mapper (weights fp32).
     """
     options = options or FitOptions()
-    source_fp = model_fingerprint(source_model.config, model_id=source_id, tokenizer=source_tokenizer)
-    target_fp = model_fingerprint(target_model.config, model_id=target_id, tokenizer=target_tokenizer)
-    source_fp["dtype"] = str(source_model.dtype).replace("torch.", "")
-    target_fp["dtype"] = str(target_model.dtype).replace("torch.", "")
-    check_same_tokenizer(source_fp, target_fp)
+    source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
+                                             source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     train, heldout = accumulate(
         source_model, target_model, train_ids, heldout_ids, options=options, progress=progress,
         job=_job_hash(source_fp, target_fp, train_ids, heldout_ids, options),
