@@ -26,7 +26,7 @@ from .recompute import Recompute, cropped, recompute_positions, recompute_set
 
 DEFAULT_EXACT_PREFIX = 4  # attention sinks
 DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
-DEFAULT_EXACT_BUDGET = 0.0  # selective recompute: fraction of the context (kvhub.recompute)
+DEFAULT_EXACT_BUDGET = 0.1  # selective recompute: fraction of the context (kvhub.recompute)
 DEFAULT_SELECT = "source"  # ... chosen by the source's attention from the last tokens
 
 
@@ -108,6 +108,11 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
     if spec.exact_prefix + spec.exact_suffix >= tokens:  # nothing left to map: the target's own cache
         return run_model(target_model, context)
     source_cache = run_model(source_model, context) if source_cache is None else source_cache
+    if mapper.windowed_target():
+        if spec.selective:
+            raise ConfigError("selective recompute needs a target whose layers all keep the whole context; "
+                              f"{mapper.target['model_id']} has sliding-window layers: use exact_budget=0")
+        return _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec)
     whole = source_cache if source_cache.get_seq_length() == tokens else cropped(source_cache, tokens)
     cache = mapper.transfer(whole, dtype=target_model.dtype)
     positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source_model,
@@ -116,10 +121,31 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
     return cache
 
 
+def _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec: Recompute):
+    """Prefix and suffix recomputes for a target with sliding-window layers (which keep only their last
+    tokens, so no masked pass can address a position): map [0, n-1-r), overwrite the first p positions
+    where a layer still holds them, then prefill the last r tokens over the mapped cache."""
+    tokens = context.shape[1]
+    mapped_end = tokens - spec.exact_suffix
+    cache = mapper.transfer(cropped(source_cache, mapped_end), dtype=target_model.dtype)
+    if spec.exact_prefix:
+        exact = run_model(target_model, context[:, :spec.exact_prefix])
+        for mapped, own in zip(cache.layers, exact.layers):
+            if mapped.keys.shape[-2] == mapped_end:  # sliding layers past their window keep no prefix
+                mapped.keys[:, :, :spec.exact_prefix] = own.keys.to(mapped.keys.dtype)
+                mapped.values[:, :, :spec.exact_prefix] = own.values.to(mapped.values.dtype)
+    if spec.exact_suffix:
+        device = next(target_model.parameters()).device
+        positions = torch.arange(mapped_end, tokens, device=device).expand(context.shape[0], -1)
+        target_model.base_model(input_ids=context[:, mapped_end:].to(device), position_ids=positions,
+                                use_cache=True, **cache_kwargs(target_model.base_model, cache))
+    return cache
+
+
 @torch.no_grad()
 def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
             exact_prefix: int = DEFAULT_EXACT_PREFIX, exact_suffix: int = DEFAULT_EXACT_SUFFIX,
-            exact_budget: float = DEFAULT_EXACT_BUDGET, select: str = DEFAULT_SELECT, tokenizer=None,
+            exact_budget: float | None = None, select: str = DEFAULT_SELECT, tokenizer=None,
             **generate_kwargs) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
@@ -129,9 +155,12 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
     used to recompute whole sentences / lines (without it: 16-token windows).
     exact_prefix / exact_suffix / exact_budget / select: see the module docstring and
     :mod:`kvhub.recompute`; capped to the context, so a short prompt is simply prefilled by the target
-    (pass 0, 0 and 0.0 to map every token).  Selection is per sequence: rows of a batch are prepared one
+    (pass 0, 0 and 0.0 to map every token).  exact_budget=None: DEFAULT_EXACT_BUDGET, or 0 for a
+    target with sliding-window layers.  Selection is per sequence: rows of a batch are prepared one
     by one and their caches stacked.
     """
+    if exact_budget is None:  # the default; a target with sliding-window layers cannot address positions
+        exact_budget = 0.0 if mapper.windowed_target() else DEFAULT_EXACT_BUDGET
     spec = Recompute(exact_prefix, exact_suffix, exact_budget, select).capped(input_ids.shape[1] - 1)
     rows = [input_ids[i:i + 1] for i in range(input_ids.shape[0])] if spec.selective else [input_ids]
     caches = [prepare_cache(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer)

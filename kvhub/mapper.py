@@ -114,6 +114,12 @@ class Mapper:
         return self
 
     # ---- transfer ----------------------------------------------------------------------------
+    def windowed_target(self) -> bool:
+        """True when the target has sliding-window layers (its cache keeps only the last tokens there)."""
+        from transformers import DynamicCache
+
+        return any(getattr(layer, "sliding_window", None) for layer in DynamicCache(config=self._config("target")).layers)
+
     def _config(self, side: str):
         if side not in self._configs:
             self._configs[side] = config_from_fingerprint(self.metadata[side])

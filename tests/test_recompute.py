@@ -149,3 +149,19 @@ def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_target
                   max_new_tokens=8, do_sample=False)
     want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert torch.equal(out, want)
+
+
+def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_selection():
+    """A windowed cache cannot address positions: prefix/suffix take the windowed path, the default handoff
+    drops its selective budget, and an explicit one is refused with the fix."""
+    from kvhub.handoff import handoff
+
+    model = make_model("mistral", sliding_window=8, head_dim=16)
+    mapper = fit(model, model, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/m", target_id="tiny/m",
+                 options=FitOptions(k=1, lambda_=1e-9, stride=1, batch_size=8))
+    assert mapper.windowed_target()
+    ids = _ids(1, 30, 4)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(handoff(mapper, model, model, ids, max_new_tokens=6, do_sample=False), want)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        prepare_cache(mapper, model, model, ids, exact_budget=0.1)
