@@ -2,17 +2,20 @@
 
 The source covers tokens [0, n-1); the mapped cache holds n-1 positions; the target consumes token
 n-1 itself and produces the first logits.  (A cache that covered every input token would make
-``generate`` silently re-feed the prompt.)  Two cheap exact recomputes by the target are optional:
+``generate`` silently re-feed the prompt.)  The target can recompute some context tokens itself, over
+the mapped rest (:mod:`kvhub.recompute`):
 
-- ``exact_prefix=p``: the first p tokens (attention sinks), a p-token prefill with no context;
-- ``exact_suffix=r``: the last r context tokens, a prefill of r tokens over the mapped cache, so the
-  tokens nearest to what the target generates next are its own (attending to the mapped rest).
+- ``exact_prefix=p``: the first p tokens (attention sinks);
+- ``exact_suffix=r``: the last r context tokens, the ones nearest to what the target generates next;
+- ``exact_budget=f`` with ``select=``: a fraction f of the context in whole sentences / lines, chosen
+  by a signal available at handoff time (by default the source's attention from the last tokens).
 
-Only tokens [p, n-1-r) are mapped.  With p + r >= n-1 the cache is exactly the target's own.
-:func:`handoff` recomputes the first 4 and the last 16 tokens by default (DEFAULT_EXACT_PREFIX /
-DEFAULT_EXACT_SUFFIX): the best variant measured on HellaSwag (retention 0.825 -> 0.934) and on
-held-out text (agreement 0.922 -> 0.930 over the sink recompute alone), for a fixed 20-token target
-prefill (docs/benchmarks.md, section 2); :func:`prepare_cache` maps everything unless asked.
+With p + r >= n-1 the cache is exactly the target's own.  :func:`handoff` recomputes the first 4, the
+last 16 and 10% of the context chosen by the source's attention by default (DEFAULT_EXACT_PREFIX /
+DEFAULT_EXACT_SUFFIX / DEFAULT_EXACT_BUDGET / DEFAULT_SELECT): on passkey retrieval at 1k tokens the
+map with the first 4 + last 16 exact answered 0/15, with the selective 10% 15/15 (own 15/15), for a time
+to first token 5.6x below a full prefill at 4k tokens (docs/benchmarks.md, section 4).
+:func:`prepare_cache` maps everything unless asked.
 """
 
 from __future__ import annotations
