@@ -21,9 +21,9 @@ run=(--exact-prefix 4 --exact-suffix 16 --dtype bfloat16 --device cpu --json)
 # 4k tokens: the default handoff and the two attention selectors at 10%
 "$KVHUB" eval "$REF" --task facts --context-tokens 4096 --limit 8 "${run[@]}" \
   --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/facts_4k.json"
+# multi-turn recall and next-line code completion at 1k
+"$KVHUB" eval "$REF" --task multiturn --task code --context-tokens 1024 --limit 8 "${run[@]}" \
+  --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/recall_1k.json"
 # no regression on short multiple-choice contexts
 "$KVHUB" eval "$REF" --task hellaswag --limit 100 "${run[@]}" \
   --exact-budget 0 --exact-budget 0.1 --select source > "$OUT/hellaswag_selective.json"
-# multi-turn recall and next-line code completion at 1k
-"$KVHUB" eval "$REF" --task multiturn --task code --context-tokens 1024 --limit 10 "${run[@]}" \
-  --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/recall_1k.json"
