@@ -49,6 +49,59 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[key]
 
 
+# Elements of one stacked block of layers (G, B, H, T, D): bounds the fp32 RoPE temporaries (a few of these
+# at 4 bytes each) while keeping the number of kernel launches per transfer independent of the depth at
+# the context lengths where launches matter.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunks(items: list[int], per_item: int) -> list[list[int]]:
+    """``items`` in consecutive chunks of at most _CHUNK_ELEMENTS // per_item (at least one) each."""
+    step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
+    return [items[start:start + step] for start in range(0, len(items), step)]
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (itself when already there); host -> CUDA through pinned memory, non-blocking."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _stack_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """torch.stack(tensors) (G, *shape) on ``device`` as a new tensor, the inputs untouched.  Host tensors
+    bound for CUDA are stacked into pinned memory and copied with non_blocking=True: the host does not wait,
+    and the caching host allocator keeps the pinned block until the copy has run."""
+    dtype = tensors[0].dtype if len({t.dtype for t in tensors}) == 1 else torch.float32
+    if device.type == "cuda" and all(t.device.type == "cpu" for t in tensors):
+        staged = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, pin_memory=True)
+        torch.stack([t.to(dtype) for t in tensors], out=staged)
+        return staged.to(device, non_blocking=True)
+    return torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(G, B, H, T, D) -> (G, B, T, H*D) in ``dtype``: one copy (transpose and cast together)."""
+    g, b, h, t, d = x.shape
+    rows = torch.empty(g, b, t, h, d, dtype=dtype, device=x.device)
+    return rows.copy_(x.transpose(2, 3)).view(g, b, t, h * d)  # (G, B, T, H*D)
+
+
+def _inputs(rows: dict[int, torch.Tensor], sources: list[int], keep: int) -> torch.Tensor:
+    """X = [rows_l1 | ... | rows_lk] over the last ``keep`` tokens: (B, keep, k*Hs*Ds) (a view when k = 1)."""
+    parts = [rows[l][:, rows[l].shape[1] - keep:] for l in sources]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # (B, keep, k*Hs*Ds)
+
+
+def _write(y: torch.Tensor, into: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` copied into ``into`` in place, or into a new contiguous tensor of ``dtype``: one copy either way."""
+    if into is None:
+        into = torch.empty(y.shape, dtype=dtype, device=y.device)
+    return into.copy_(y)
+
+
 class Mapper:
     """Weights + metadata.  Build with :func:`kvhub.fit`, :meth:`from_pretrained` or :meth:`load`; apply with
     :meth:`transfer`; keep with :meth:`save_pretrained` / :meth:`push_to_hub`.  ``ref`` names the store
@@ -163,42 +216,118 @@ class Mapper:
     @torch.no_grad()
     def map_layers(
         self, source_keys: list[torch.Tensor], source_values: list[torch.Tensor], position_ids: torch.Tensor,
-        *, dtype: torch.dtype | None = None,
+        *, dtype: torch.dtype | None = None, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Map per-layer source K/V (B, Hs, T, Ds) to target K/V (B, Ht, T, Dt) in ``dtype`` (default self.dtype).
+        """Map per-layer source K/V (B, Hs, T, Ds) to target K/V (B, Ht, T, Dt), one pair per entry of
+        ``self.layers`` (mapper.json order).  Source keys carry the source RoPE at ``position_ids`` (B, T) or
+        (1, T); the result carries the target's.  The source tensors are only read (any device and float
+        dtype; host tensors go to a CUDA mapper through pinned memory without blocking the host).
 
-        source keys carry the source RoPE at ``position_ids`` (B, T); the result carries the target's.
+        Without ``out``: new contiguous tensors in ``dtype`` (default self.dtype), owned by the caller.
+        With ``out`` (one (keys, values) pair per entry of self.layers, each (B, Ht, t, Dt) with 1 <= t <= T,
+        on the mapper's device): the last t tokens are written into those tensors in place, in their own
+        dtype (``dtype`` must then be None or theirs), and ``out`` is returned.  On NonFiniteError the
+        contents of ``out`` are unspecified.
+
+        Host synchronisation: one, the finiteness check of the source layers at the end (the rotary
+        modules of dynamic/longrope RoPE in transformers add their own).
         """
-        device, dtype = self.device, dtype or self.dtype
-        compute = self.compute_dtype or dtype
         batch, _, tokens, _ = source_keys[0].shape
-        position_ids = position_ids.to(device)
-        src_rot, dst_rot = self._rotary_for("source", device), self._rotary_for("target", device)
+        if out is not None:
+            dtype = self._check_out(out, batch, tokens, dtype)
+        dtype = dtype or self.dtype
+        position_ids = _to_device(position_ids, self.device)
+        rows_k, rows_v, finite, checked = self._source_rows(source_keys, source_values, position_ids,
+                                                            self.compute_dtype or dtype)
+        kept = [tokens] * len(self.layers) if out is None else [keys.shape[-2] for keys, _ in out]
+        result = self._target_layers(rows_k, rows_v, position_ids, kept, dtype, out)
+        if not bool(finite.all()):  # the one host synchronisation
+            bad = min(checked[i] for i in (~finite).nonzero().flatten().tolist())
+            raise NonFiniteError(
+                f"source cache layer {bad} contains NaN or Inf; the source model's forward pass is broken "
+                "(try float32 or bfloat16 instead of float16)"
+            )
+        return result if out is None else out
+
+    def _source_rows(self, source_keys, source_values, position_ids, compute: torch.dtype):
+        """The rows every map reads: {l: (B, T, Hs*Ds)} of RoPE-stripped keys and of values in ``compute``,
+        for the source layers any map selects; plus (finite, checked): a device bool per checked layer (are
+        its keys and values finite) and those layers.  Layers sharing cos/sin are stripped together (fp32),
+        in chunks of at most _CHUNK_ELEMENTS elements."""
+        rotary = self._rotary_for("source", self.device)
         needed = sorted({l for layer in self.layers for l in layer["sources"]})
-        raw_k, raw_v = {}, {}
-        for l in needed:
-            k = source_keys[l].to(device=device, dtype=torch.float32)
-            v = source_values[l].to(device=device, dtype=torch.float32)
-            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-                raise NonFiniteError(
-                    f"source cache layer {l} contains NaN or Inf; the source model's forward pass is broken "
-                    "(try float32 or bfloat16 instead of float16)"
-                )
-            cos, sin = src_rot.cos_sin(position_ids, l)
-            raw_k[l] = strip_rope(k, cos, sin).transpose(1, 2).reshape(batch, tokens, -1).to(compute)  # (B, T, Hs*Ds)
-            raw_v[l] = v.transpose(1, 2).reshape(batch, tokens, -1).to(compute)
+        rows_k, rows_v, finite, checked = {}, {}, [], []
+        for group in rotary.layer_groups(needed):
+            cos, sin = rotary.cos_sin(position_ids, group[0])  # (B, T, rot)
+            for chunk in _chunks(group, source_keys[group[0]].numel()):
+                keys = _stack_on([source_keys[l] for l in chunk], self.device)  # (G, B, Hs, T, Ds)
+                values = _stack_on([source_values[l] for l in chunk], self.device)
+                finite.append(keys.isfinite().flatten(1).all(1) & values.isfinite().flatten(1).all(1))  # (G,)
+                checked += chunk
+                keys, values = _rows(strip_rope(keys.float(), cos, sin), compute), _rows(values, compute)
+                for i, l in enumerate(chunk):
+                    rows_k[l], rows_v[l] = keys[i], values[i]
+        return rows_k, rows_v, torch.cat(finite), checked
+
+    def _target_layers(self, rows_k, rows_v, position_ids, kept: list[int], dtype: torch.dtype, out) -> list:
+        """Every map applied to the last kept[i] tokens of its source rows, target RoPE re-applied: one
+        (keys, values) per entry of self.layers (see map_layers for ``out``)."""
+        rotary = self._rotary_for("target", self.device)
         heads, head_dim = self.target["num_kv_heads"], self.target["head_dim"]
-        out = []
-        for layer in self.layers:
-            m = layer["target"]
-            xk = torch.cat([raw_k[l] for l in layer["sources"]], dim=-1)  # (B, T, k*Hs*Ds)
-            xv = torch.cat([raw_v[l] for l in layer["sources"]], dim=-1)
-            yk = self._affine(xk, "k", m).view(batch, tokens, heads, head_dim).transpose(1, 2)  # (B, Ht, T, Dt)
-            yv = self._affine(xv, "v", m).view(batch, tokens, heads, head_dim).transpose(1, 2)
-            cos, sin = dst_rot.cos_sin(position_ids, m)
-            yk = apply_rope(yk.float(), cos, sin)
-            out.append((yk.to(dtype).contiguous(), yv.to(dtype).contiguous()))
-        return out
+        batch, tokens, _ = next(iter(rows_k.values())).shape
+        targets = [layer["target"] for layer in self.layers]
+        result: list = [None] * len(self.layers)
+        for group in rotary.layer_groups(targets):
+            entries = [i for i, m in enumerate(targets) if m in group]
+            for keep in sorted({kept[i] for i in entries}):
+                cos, sin = rotary.cos_sin(position_ids[:, tokens - keep:], group[0])  # (B, keep, rot)
+                same = [i for i in entries if kept[i] == keep]
+                for chunk in _chunks(same, batch * heads * keep * head_dim):
+                    self._map_chunk(chunk, rows_k, rows_v, keep, (cos, sin), dtype, out, result)
+        return result
+
+    def _map_chunk(self, chunk: list[int], rows_k, rows_v, keep: int, cos_sin, dtype, out, result: list) -> None:
+        """Fill result[i] for the entries ``chunk`` of self.layers, whose target layers share ``cos_sin``:
+        each map through Mapper._affine, then one RoPE application over the chunk's stacked keys."""
+        heads, head_dim = self.target["num_kv_heads"], self.target["head_dim"]
+        batch = next(iter(rows_k.values())).shape[0]
+        staged = torch.empty(len(chunk), batch, heads, keep, head_dim, device=self.device)  # fp32 (G, B, Ht, keep, Dt)
+        values = {}
+        for j, i in enumerate(chunk):
+            layer = self.layers[i]
+            yk = self._affine(_inputs(rows_k, layer["sources"], keep), "k", layer["target"])  # (B, keep, Ht*Dt)
+            staged[j].copy_(yk.view(batch, keep, heads, head_dim).transpose(1, 2))
+            yv = self._affine(_inputs(rows_v, layer["sources"], keep), "v", layer["target"])
+            values[i] = _write(yv.view(batch, keep, heads, head_dim).transpose(1, 2), None if out is None else out[i][1],
+                               dtype)
+        keys = apply_rope(staged, *cos_sin)
+        if out is None:
+            keys = keys.to(dtype)
+        for j, i in enumerate(chunk):
+            result[i] = (keys[j] if out is None else out[i][0].copy_(keys[j]), values[i])
+
+    def _check_out(self, out, batch: int, tokens: int, dtype: torch.dtype | None) -> torch.dtype:
+        """Refuse an ``out`` map_layers cannot write into; return the dtype its tensors hold."""
+        heads, head_dim = self.target["num_kv_heads"], self.target["head_dim"]
+        if len(out) != len(self.layers):
+            raise IncompatibleError(f"out holds {len(out)} (keys, values) pairs; this mapper writes "
+                                    f"{len(self.layers)}, one per target layer in the order of mapper.layers")
+        dtypes = {t.dtype for pair in out for t in pair}
+        for i, pair in enumerate(out):
+            shapes = [tuple(t.shape) for t in pair]
+            ok = (len(pair) == 2 and shapes[0] == shapes[1] and len(shapes[0]) == 4
+                  and shapes[0][:2] == (batch, heads) and shapes[0][3] == head_dim and 1 <= shapes[0][2] <= tokens)
+            if not ok:
+                raise IncompatibleError(
+                    f"out[{i}] (target layer {self.layers[i]['target']}) holds {shapes}; expected keys and values "
+                    f"of shape {(batch, heads, 't', head_dim)} with 1 <= t <= {tokens} (they receive the last t tokens)")
+            if any(t.device != self.device or not t.is_floating_point() for t in pair):
+                raise IncompatibleError(f"out[{i}] holds {pair[0].dtype} tensors on {pair[0].device}; they must be "
+                                        f"floating point on the mapper's device {self.device} (Mapper.to moves it)")
+        if len(dtypes) != 1 or (dtype is not None and dtype not in dtypes):
+            raise IncompatibleError(f"out holds {sorted(map(str, dtypes))} tensors but dtype={dtype} was asked; "
+                                    "out's tensors must share one dtype, and dtype must be None or that one")
+        return dtypes.pop()
 
     def _affine(self, x: torch.Tensor, kind: str, m: int) -> torch.Tensor:
         """x @ W + b in x's dtype (fp32 accumulation inside the GEMM), for every stored map structure:
@@ -228,31 +357,56 @@ class Mapper:
         return self._cast[key]
 
     @torch.no_grad()
-    def transfer(self, source_cache, *, position_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None):
-        """Map a source-model cache to a new target-model ``DynamicCache``.
+    def transfer(self, source_cache, *, position_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 out=None):
+        """Map a source-model cache to a target-model ``DynamicCache``.
 
         source_cache: a transformers cache of the source model, every layer (B, Hs, T, Ds).
         position_ids: (B, T) positions of the cached tokens; default 0..T-1 (no left padding).
-        Returns a ``DynamicCache(config=target_config)`` on the mapper's device in ``dtype`` (default
-        ``self.dtype``: the target's dtype at fit time, or Mapper.load's), sliding-window layers included.  The caller keeps the last prompt token for the target
-        (see :func:`kvhub.handoff.handoff`).
+        Returns a new ``DynamicCache(config=target_config)`` on the mapper's device in ``dtype`` (default
+        ``self.dtype``: the target's dtype at fit time, or Mapper.load's), sliding-window layers included.
+        out: a ``DynamicCache`` of the target already holding every layer at T tokens for this batch (e.g. an
+        earlier transfer's result): its tensors are overwritten in place, in their dtype, and it is returned.
+        The caller keeps the last prompt token for the target (see :func:`kvhub.handoff.handoff`).
         """
         from transformers import DynamicCache
 
         batch, tokens = self._check_cache(source_cache)
         if position_ids is None:
-            position_ids = torch.arange(tokens).expand(batch, tokens)
+            position_ids = torch.arange(tokens, device=self.device).expand(batch, tokens)
         elif tuple(position_ids.shape) != (batch, tokens):
             raise IncompatibleError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(batch, tokens)}")
-        mapped = self.map_layers(
-            [layer.keys for layer in source_cache.layers], [layer.values for layer in source_cache.layers], position_ids,
-            dtype=parse_dtype(dtype),
-        )
+        keys, values = [layer.keys for layer in source_cache.layers], [layer.values for layer in source_cache.layers]
+        if out is not None:
+            self.map_layers(keys, values, position_ids, dtype=parse_dtype(dtype), out=self._out_layers(out, tokens))
+            return out
+        mapped = self.map_layers(keys, values, position_ids, dtype=parse_dtype(dtype))
         cache = DynamicCache(config=self._config("target"))
         # each map to its own target layer, whatever the order of mapper.json's `layers` (they cover each once)
         for layer, (keys, values) in sorted(zip(self.layers, mapped), key=lambda pair: pair[0]["target"]):
             cache.update(keys, values, layer["target"])
         return cache
+
+    def _out_layers(self, cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (keys, values) tensors of ``cache`` that map_layers(out=...) overwrites, in self.layers order;
+        refused unless every layer holds what a DynamicCache holds after T tokens (a sliding-window layer:
+        the last min(T, window - 1))."""
+        from transformers import DynamicCache
+
+        expected = self.target["num_layers"]
+        layers = getattr(cache, "layers", [])
+        if not isinstance(cache, DynamicCache) or len(layers) != expected:
+            raise IncompatibleError(
+                f"out must be a DynamicCache of the target's {expected} layers, got {type(cache).__name__} with "
+                f"{len(layers)}; pass an earlier transfer()'s result for the same batch size and length")
+        for m, layer in enumerate(layers):
+            held = None if layer.keys is None or layer.keys.dim() != 4 else layer.keys.shape[-2]
+            window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+            if layer.get_seq_length() != tokens or held != (tokens if window is None else min(tokens, window - 1)):
+                raise IncompatibleError(
+                    f"out layer {m} has seen {layer.get_seq_length()} tokens and holds {held}; a {tokens}-token source "
+                    "cache needs a target cache of the same length (e.g. an earlier transfer()'s result), or no out")
+        return [(layers[layer["target"]].keys, layers[layer["target"]].values) for layer in self.layers]
 
     # ---- persistence -------------------------------------------------------------------------
     @classmethod

@@ -55,7 +55,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def strip_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Invert RoPE on cached keys.
 
-    keys: (B, H, T, D) fp32; cos, sin: (B, T, rot) fp32 with rot <= D.  Returns a new fp32 tensor.
+    keys: (B, H, T, D) fp32, or (L, B, H, T, D) for L layers sharing cos/sin (see Rotary.layer_groups);
+    cos, sin: (B, T, rot) fp32 with rot <= D (B may be 1: every row at the same positions).
+    Returns a new fp32 tensor of keys' shape.
     """
     rot = cos.shape[-1]
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, rot)
@@ -65,7 +67,8 @@ def strip_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def apply_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE: k * cos + rotate_half(k) * sin over the first ``rot`` dims.  Shapes as strip_rope."""
+    """Apply RoPE: k * cos + rotate_half(k) * sin over the first ``rot`` dims.  Shapes as strip_rope
+    (a leading layers dim included)."""
     rot = cos.shape[-1]
     cos, sin = cos[:, None], sin[:, None]
     k_rot, k_pass = keys[..., :rot], keys[..., rot:]
@@ -115,6 +118,19 @@ class Rotary:
             return cls.from_config(model.config, device=next(model.parameters()).device)
         return cls(module, getattr(model.config, "layer_types", None))
 
+    def _layer_type(self, layer_idx: int) -> str | None:
+        """What cos/sin depend on besides the positions: the layer's type when the module takes one."""
+        return self.layer_types[layer_idx] if self._takes_layer_type and self.layer_types is not None else None
+
+    def layer_groups(self, layers: list[int]) -> list[list[int]]:
+        """``layers`` split into groups whose cos/sin are identical at any positions (one group per layer
+        type for per-layer-type rotary such as Gemma 3's local/global layers, else a single group), each
+        in the given order, groups in order of first appearance."""
+        groups: dict[str | None, list[int]] = {}
+        for layer in layers:
+            groups.setdefault(self._layer_type(layer), []).append(layer)
+        return list(groups.values())
+
     @torch.no_grad()
     def cos_sin(self, position_ids: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids: (B, T) long -> cos, sin: (B, T, rot) fp32 on position_ids' device."""
@@ -122,8 +138,9 @@ class Rotary:
         if next(self.module.buffers()).device != device:
             self.module.to(device)
         x = torch.zeros(1, dtype=torch.float32, device=device)
-        if self._takes_layer_type and self.layer_types is not None:
-            cos, sin = self.module(x, position_ids, self.layer_types[layer_idx])
+        layer_type = self._layer_type(layer_idx)
+        if layer_type is not None:
+            cos, sin = self.module(x, position_ids, layer_type)
         else:
             cos, sin = self.module(x, position_ids)
         return cos.float(), sin.float()
