@@ -82,6 +82,11 @@ def _stack_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor
     return torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """(G, ...) -> (G,) bool on x's device: no NaN or Inf in x[g].  One pass: max |x| propagates both."""
+    return torch.linalg.vector_norm(x.flatten(1), float("inf"), dim=1).isfinite()
+
+
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(G, B, H, T, D) -> (G, B, T, H*D) in ``dtype``: one copy (transpose and cast together)."""
     g, b, h, t, d = x.shape
@@ -89,10 +94,9 @@ def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return rows.copy_(x.transpose(2, 3)).view(g, b, t, h * d)  # (G, B, T, H*D)
 
 
-def _inputs(rows: dict[int, torch.Tensor], sources: list[int], keep: int) -> torch.Tensor:
-    """X = [rows_l1 | ... | rows_lk] over the last ``keep`` tokens: (B, keep, k*Hs*Ds) (a view when k = 1)."""
-    parts = [rows[l][:, rows[l].shape[1] - keep:] for l in sources]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # (B, keep, k*Hs*Ds)
+def _inputs(rows: dict[int, torch.Tensor], sources: list[int], keep: int) -> list[torch.Tensor]:
+    """The column blocks of X = [rows_l1 | ... | rows_lk] over the last ``keep`` tokens: k views (B, keep, Hs*Ds)."""
+    return [rows[l][:, rows[l].shape[1] - keep:] for l in sources]
 
 
 def _write(y: torch.Tensor, into: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -262,7 +266,7 @@ class Mapper:
             for chunk in _chunks(group, source_keys[group[0]].numel()):
                 keys = _stack_on([source_keys[l] for l in chunk], self.device)  # (G, B, Hs, T, Ds)
                 values = _stack_on([source_values[l] for l in chunk], self.device)
-                finite.append(keys.isfinite().flatten(1).all(1) & values.isfinite().flatten(1).all(1))  # (G,)
+                finite.append(_finite(keys) & _finite(values))  # (G,)
                 checked += chunk
                 keys, values = _rows(strip_rope(keys.float(), cos, sin), compute), _rows(values, compute)
                 for i, l in enumerate(chunk):
@@ -329,26 +333,36 @@ class Mapper:
                                     "out's tensors must share one dtype, and dtype must be None or that one")
         return dtypes.pop()
 
-    def _affine(self, x: torch.Tensor, kind: str, m: int) -> torch.Tensor:
-        """x @ W + b in x's dtype (fp32 accumulation inside the GEMM), for every stored map structure:
-        ``weight`` (in, out), or low rank ``weight_a`` (in, r) @ ``weight_b`` (r, out); stacked over
-        head groups (a leading groups dim) for head-local maps (docs/artifact-format.md)."""
+    def _affine(self, parts: list[torch.Tensor], kind: str, m: int) -> torch.Tensor:
+        """y = X @ W + b for X = [x_1 | ... | x_k], given as its column blocks x_j (..., Hs*Ds) (one per source
+        layer, never concatenated: X @ W = sum_j x_j @ W_j over W's row blocks), in their dtype with fp32
+        accumulation inside each GEMM.  Every stored map structure: ``weight`` (in, out), or low rank
+        ``weight_a`` (in, r) @ ``weight_b`` (r, out); stacked over head groups (a leading groups dim) for
+        head-local maps, group g reading its heads of every source layer (docs/artifact-format.md).
+        Returns a new (..., out) tensor."""
         name = f"{kind}.{m}"
-        bias = self._weight(f"{name}.bias", x.dtype)
+        bias = self._weight(f"{name}.bias", parts[0].dtype)
         factors = [f"{name}.weight"] if f"{name}.weight" in self.tensors else [f"{name}.weight_a", f"{name}.weight_b"]
-        weights = [self._weight(f, x.dtype) for f in factors]
-        rows = x.reshape(-1, x.shape[-1])  # (N, in)
-        if weights[0].dim() == 2:
-            for weight in weights[:-1]:
-                rows = rows @ weight
-            return torch.addmm(bias, rows, weights[-1]).view(*x.shape[:-1], -1)
-        groups = weights[0].shape[0]
-        sources = x.shape[-1] // (self.source["num_kv_heads"] * self.source["head_dim"])
-        # (N, k * Hs*Ds) -> (groups, N, k * Hs*Ds / groups): group i takes its heads of every source layer
-        rows = rows.view(rows.shape[0], sources, groups, -1).permute(2, 0, 1, 3).reshape(groups, rows.shape[0], -1)
-        for weight in weights:
-            rows = torch.bmm(rows, weight)  # (groups, N, out / groups)
-        return (rows.transpose(0, 1).reshape(*x.shape[:-1], -1) + bias)
+        first, *rest = [self._weight(f, parts[0].dtype) for f in factors]
+        rows = [x.reshape(-1, x.shape[-1]) for x in parts]  # k x (N, Hs*Ds)
+        if first.dim() == 2:
+            blocks = first.split(rows[0].shape[1])  # k x (Hs*Ds, out or r)
+            y = torch.addmm(bias, rows[0], blocks[0]) if not rest else rows[0] @ blocks[0]
+            for x, block in zip(rows[1:], blocks[1:]):
+                y.addmm_(x, block)
+            if rest:
+                y = torch.addmm(bias, y, rest[0])
+            return y.view(*parts[0].shape[:-1], -1)
+        groups = first.shape[0]
+        blocks = first.split(rows[0].shape[1] // groups, dim=1)  # k x (groups, Hs*Ds / groups, out/groups or r)
+        # (N, Hs*Ds) -> (groups, N, Hs*Ds / groups): group g's heads of source layer j
+        grouped = [x.view(x.shape[0], groups, -1).transpose(0, 1) for x in rows]
+        y = torch.bmm(grouped[0], blocks[0])
+        for x, block in zip(grouped[1:], blocks[1:]):
+            y.baddbmm_(x, block)
+        if rest:
+            y = torch.bmm(y, rest[0])  # (groups, N, out / groups)
+        return y.transpose(0, 1).reshape(*parts[0].shape[:-1], -1).add_(bias)
 
     def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         key = (name, dtype)

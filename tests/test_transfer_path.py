@@ -101,6 +101,35 @@ def test_identity_maps_round_trip_rope_per_layer_type():
     assert not torch.allclose(mapped[1][0], keys[0], atol=0.1)  # the two types' RoPE do differ
 
 
+def _dense_equivalent(mapper, kind, m):
+    """The (k*Hs*Ds, out) matrix a stored map stands for: low rank multiplied out, head groups placed on
+    the block diagonal (group g: its Hs/groups heads of every source layer -> its Ht/groups heads)."""
+    tensors = {name.split(".")[-1]: t for name, t in mapper.tensors.items() if name.startswith(f"{kind}.{m}.")}
+    weight = tensors["weight"] if "weight" in tensors else tensors["weight_a"] @ tensors["weight_b"]
+    if weight.dim() == 2:
+        return weight
+    groups, rows_per_group, cols_per_group = weight.shape
+    width = mapper.source["num_kv_heads"] * mapper.source["head_dim"]
+    k, step = rows_per_group * groups // width, width // groups
+    dense = torch.zeros(k * width, groups * cols_per_group)
+    for g in range(groups):
+        for j in range(k):
+            dense[j * width + g * step:j * width + (g + 1) * step, g * cols_per_group:(g + 1) * cols_per_group] = \
+                weight[g, j * step:(j + 1) * step]
+    return dense
+
+
+@pytest.mark.parametrize("structure", STRUCTURES, ids=list(STRUCTURES))
+def test_every_structure_applies_the_dense_map_it_stands_for(structure):
+    """Known answer: _affine on the k = 2 source blocks equals [x_1 | x_2] @ W + b with W written out densely."""
+    mapper = _random_mapper(**STRUCTURES[structure])
+    gen = torch.Generator().manual_seed(8)
+    parts = [torch.randn(3, 5, 32, generator=gen) for _ in range(2)]
+    for kind in ("k", "v"):
+        expected = torch.cat(parts, dim=-1) @ _dense_equivalent(mapper, kind, 1) + mapper.tensors[f"{kind}.1.bias"]
+        assert_close(mapper._affine(parts, kind, 1), expected, terms=_gemm_terms(mapper), msg=kind)
+
+
 @pytest.mark.parametrize("structure", STRUCTURES, ids=list(STRUCTURES))
 def test_batch_of_three_matches_per_row_transfers(structure):
     """Rows at different positions (offsets, and a left-padded row) map as they would alone."""
