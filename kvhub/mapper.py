@@ -106,6 +106,18 @@ def _write(y: torch.Tensor, into: torch.Tensor | None, dtype: torch.dtype) -> to
     return into.copy_(y)
 
 
+def _summed(products) -> torch.Tensor:
+    """Sum of the k per-source-block GEMM products, accumulated in fp32 when they are bf16/fp16: one GEMM
+    over the concatenated blocks would accumulate in fp32 too, and k roundings to bf16 would add error."""
+    total = None
+    for product in products:
+        if total is None:
+            total = product.float() if product.dtype in (torch.bfloat16, torch.float16) else product
+        else:
+            total.add_(product)
+    return total
+
+
 class Mapper:
     """Weights + metadata.  Build with :func:`kvhub.fit`, :meth:`from_pretrained` or :meth:`load`; apply with
     :meth:`transfer`; keep with :meth:`save_pretrained` / :meth:`push_to_hub`.  ``ref`` names the store
@@ -335,8 +347,8 @@ class Mapper:
 
     def _affine(self, parts: list[torch.Tensor], kind: str, m: int) -> torch.Tensor:
         """y = X @ W + b for X = [x_1 | ... | x_k], given as its column blocks x_j (..., Hs*Ds) (one per source
-        layer, never concatenated: X @ W = sum_j x_j @ W_j over W's row blocks), in their dtype with fp32
-        accumulation inside each GEMM.  Every stored map structure: ``weight`` (in, out), or low rank
+        layer, never concatenated: X @ W = sum_j x_j @ W_j over W's row blocks): each product in their dtype
+        (fp32 accumulation inside the GEMM), the k products summed in fp32 (:func:`_summed`).  Every stored map structure: ``weight`` (in, out), or low rank
         ``weight_a`` (in, r) @ ``weight_b`` (r, out); stacked over head groups (a leading groups dim) for
         head-local maps, group g reading its heads of every source layer (docs/artifact-format.md).
         Returns a new (..., out) tensor."""
@@ -344,25 +356,21 @@ class Mapper:
         bias = self._weight(f"{name}.bias", parts[0].dtype)
         factors = [f"{name}.weight"] if f"{name}.weight" in self.tensors else [f"{name}.weight_a", f"{name}.weight_b"]
         first, *rest = [self._weight(f, parts[0].dtype) for f in factors]
+        dtype = parts[0].dtype
         rows = [x.reshape(-1, x.shape[-1]) for x in parts]  # k x (N, Hs*Ds)
         if first.dim() == 2:
             blocks = first.split(rows[0].shape[1])  # k x (Hs*Ds, out or r)
-            y = torch.addmm(bias, rows[0], blocks[0]) if not rest else rows[0] @ blocks[0]
-            for x, block in zip(rows[1:], blocks[1:]):
-                y.addmm_(x, block)
-            if rest:
-                y = torch.addmm(bias, y, rest[0])
+            y = _summed(x @ block for x, block in zip(rows, blocks))
+            y = torch.addmm(bias, y.to(dtype), rest[0]) if rest else y.add_(bias).to(dtype)
             return y.view(*parts[0].shape[:-1], -1)
         groups = first.shape[0]
         blocks = first.split(rows[0].shape[1] // groups, dim=1)  # k x (groups, Hs*Ds / groups, out/groups or r)
         # (N, Hs*Ds) -> (groups, N, Hs*Ds / groups): group g's heads of source layer j
         grouped = [x.view(x.shape[0], groups, -1).transpose(0, 1) for x in rows]
-        y = torch.bmm(grouped[0], blocks[0])
-        for x, block in zip(grouped[1:], blocks[1:]):
-            y.baddbmm_(x, block)
+        y = _summed(torch.bmm(x, block) for x, block in zip(grouped, blocks))
         if rest:
-            y = torch.bmm(y, rest[0])  # (groups, N, out / groups)
-        return y.transpose(0, 1).reshape(*parts[0].shape[:-1], -1).add_(bias)
+            y = torch.bmm(y.to(dtype), rest[0])  # (groups, N, out / groups)
+        return y.transpose(0, 1).reshape(*parts[0].shape[:-1], -1).add_(bias).to(dtype)
 
     def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         key = (name, dtype)
