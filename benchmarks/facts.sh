@@ -27,3 +27,5 @@ run=(--exact-prefix 4 --exact-suffix 16 --dtype bfloat16 --device cpu --json)
 # no regression on short multiple-choice contexts
 "$KVHUB" eval "$REF" --task hellaswag --limit 100 "${run[@]}" \
   --exact-budget 0 --exact-budget 0.1 --select source > "$OUT/hellaswag_selective.json"
+"$KVHUB" eval "$REF" --task piqa --task arc_easy --limit 100 "${run[@]}" \
+  --exact-budget 0 --exact-budget 0.1 --select source > "$OUT/piqa_arc_selective.json"
