@@ -2,7 +2,8 @@
 
 One JSONL file per (mapper tensors, task, seed, variant, dtype, device) under
 ``<cache>/eval-cache/<tensors sha256[:24]>/``; each line is ``{"id": item id, "score": {...}}``,
-appended and flushed as soon as the item is scored (a line cut by a kill is ignored on reading).
+appended and flushed as soon as the item is scored (a line cut by a kill is ignored on reading); the
+id carries a hash of the item's content (:func:`item_key`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dty
 
     key = hashlib.sha256(json.dumps([variant, str(dtype), str(device)]).encode()).hexdigest()[:12]
     return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{task}-seed{seed}-{key}.jsonl"
+
+
+def item_key(item) -> str:
+    """``id#<sha256 of the item's content>``: a result is reused only for the very item it scored, so a
+    change in how items are built (texts, depths, tokenisation) never serves a stale score."""
+    return f"{item.id}#{hashlib.sha256(repr(item).encode()).hexdigest()[:12]}"
 
 
 def read_done(path: Path, from_dict: Callable[[dict], object]) -> dict:
@@ -49,7 +56,7 @@ def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict],
     try:
         for index, item in enumerate(items):
             progress(f"items: {item.id}", index, len(items))
-            key = str(item.id)
+            key = item_key(item)
             missing = [i for i in range(len(paths)) if key not in done[i]]
             if missing:
                 for i, score in zip(missing, scorer(item, missing)):

@@ -138,6 +138,7 @@ class Mapper:
         self._cast: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._rotary: dict[str, Rotary] = {}
         self._configs: dict = {}
+        self._windowed: bool | None = None
 
     # ---- metadata views -------------------------------------------------------------------------
     @property
@@ -185,9 +186,12 @@ class Mapper:
     # ---- transfer ----------------------------------------------------------------------------
     def windowed_target(self) -> bool:
         """True when the target has sliding-window layers (its cache keeps only the last tokens there)."""
-        from transformers import DynamicCache
+        if self._windowed is None:  # asked on every handoff: build the probe cache once
+            from transformers import DynamicCache
 
-        return any(getattr(layer, "sliding_window", None) for layer in DynamicCache(config=self._config("target")).layers)
+            layers = DynamicCache(config=self._config("target")).layers
+            self._windowed = any(getattr(layer, "sliding_window", None) for layer in layers)
+        return self._windowed
 
     def _config(self, side: str):
         if side not in self._configs:

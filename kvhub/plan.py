@@ -48,6 +48,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .calib.recipe import Sequences
 from .errors import ConfigError
 from .stats import CHUNK_COLUMNS
 
@@ -237,14 +238,17 @@ def shape_of(spec: str) -> ModelShape:
 
 
 # ---- the plan ------------------------------------------------------------------------------------
+_SEQUENCES = Sequences()
+
+
 @dataclass
 class Workload:
-    """Calibration sizes of a fit (defaults: kvhub.calib.recipe.Sequences)."""
+    """Calibration sizes of a fit (defaults: those of kvhub.calib.recipe.Sequences, the built-in recipes')."""
 
-    samples: int = 64
-    heldout: int = 16
-    seq_len: int = 512
-    stride: int = 4
+    samples: int = _SEQUENCES.samples
+    heldout: int = _SEQUENCES.heldout_samples
+    seq_len: int = _SEQUENCES.seq_len
+    stride: int = _SEQUENCES.stride
     batch_size: int = 4
     k: int | None = None  # None: 'auto' (costs are for the largest k of the grid)
     dtype: str = "bfloat16"
