@@ -228,14 +228,6 @@ def recompute_positions(target_model, cache, context: torch.Tensor, positions: t
         keys, values = layer.keys, layer.values  # (1, H, T + R, D)
         layer.keys = keys[:, :, :tokens].index_copy(2, positions, keys[:, :, tokens:])
         layer.values = values[:, :, :tokens].index_copy(2, positions, values[:, :, tokens:])
-        _sync_length(layer, tokens)
-
-
-def _sync_length(layer, tokens: int) -> None:
-    """Keep a transformers cache layer's own length bookkeeping (where it has one) at ``tokens``."""
-    for attribute in ("cumulative_length", "_seen_tokens"):
-        if isinstance(getattr(layer, attribute, None), int):
-            setattr(layer, attribute, tokens)
 
 
 # ---- the whole step ------------------------------------------------------------------------------
