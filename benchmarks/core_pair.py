@@ -26,8 +26,8 @@ def fit_once(args) -> dict:
     import torch
 
     from kvhub.calib import resolve_calibration
-    from kvhub.fit import FitOptions, fit
-    from kvhub.models import load_model
+    from kvhub.fitting.fit import FitOptions, fit
+    from kvhub.models.resolve import load_model
 
     torch.manual_seed(0)
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
@@ -70,9 +70,9 @@ def evaluate(args, artifact: Path) -> dict:
     import torch
 
     from kvhub.calib import resolve_calibration
-    from kvhub.evaluate import continuation_metrics, time_transfer_vs_prefill
-    from kvhub.mapper import Mapper
-    from kvhub.models import load_model
+    from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
+    from kvhub.core.mapper import Mapper
+    from kvhub.models.resolve import load_model
 
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
     target, _, _ = load_model(args.dst, dtype="bfloat16")

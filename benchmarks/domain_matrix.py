@@ -5,8 +5,8 @@
 
 One capture pass per domain gives its train and held-out statistics (cached under
 ~/.cache/kvhub/bench/stats/); every (fit domain, eval domain) held-out R^2 then comes from the
-statistics alone (kvhub.solve.map_r2), and next-token agreement / KL from a few held-out sequences
-of each eval domain (kvhub.evaluate.continuation_metrics).
+statistics alone (kvhub.core.solve.map_r2), and next-token agreement / KL from a few held-out sequences
+of each eval domain (kvhub.eval.continuation.continuation_metrics).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
     from safetensors.torch import load_file, save_file
 
     from kvhub.calib import resolve_calibration
-    from kvhub.fit import FitOptions, accumulate
-    from kvhub.stats import KVStats
+    from kvhub.fitting.fit import FitOptions, accumulate
+    from kvhub.core.stats import KVStats
 
     calibration = resolve_calibration(domain, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
                                       seq_len=args.seq_len)
@@ -56,7 +56,7 @@ def write_report(path: Path | None, report: dict) -> None:
 
 
 def mean_r2(solution, stats) -> tuple[float, float]:
-    from kvhub.solve import map_r2
+    from kvhub.core.solve import map_r2
 
     layout = stats.layout
     k_scores, v_scores = [], []
@@ -79,11 +79,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from kvhub.evaluate import continuation_metrics
-    from kvhub.fit import FitOptions, build_mapper
-    from kvhub.fingerprint import model_fingerprint
-    from kvhub.models import load_model
-    from kvhub.solve import solve
+    from kvhub.eval.continuation import continuation_metrics
+    from kvhub.fitting.fit import FitOptions, build_mapper
+    from kvhub.models.fingerprint import model_fingerprint
+    from kvhub.models.resolve import load_model
+    from kvhub.core.solve import solve
 
     source, tok, source_id = load_model(SRC, dtype="bfloat16")
     target, _, target_id = load_model(DST, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""Fetch the known models without the Hugging Face Hub: a wrapper of ``kvhub fetch models`` (kvhub.fetch).
+"""Fetch the known models without the Hugging Face Hub: a wrapper of ``kvhub fetch models`` (kvhub.models.fetch).
 
     python benchmarks/fetch_models.py [ARGS]     # = kvhub fetch models [ARGS]
     python benchmarks/fetch_models.py --evals    # also kvhub fetch evals

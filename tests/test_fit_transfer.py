@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from kvhub.capture import cache_kwargs, run_model
+from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError, IntegrityError, FormatVersionError, NonFiniteError
-from kvhub.fit import FitOptions, fit
-from kvhub.handoff import handoff
-from kvhub.mapper import Mapper
-from kvhub.control import control_mapper
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.serving.handoff import handoff
+from kvhub.core.mapper import Mapper
+from kvhub.eval.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, rtol
 
@@ -116,7 +116,7 @@ def test_exact_prefix_recompute_keeps_exact_generation(qwen_family):
 
 def test_exact_prefix_positions_are_the_targets_own_and_the_mapped_ones_are_not(qwen_family):
     """Over a zero-information control map: a recompute that did nothing would leave the control's K/V."""
-    from kvhub.handoff import prepare_cache
+    from kvhub.serving.handoff import prepare_cache
 
     source, target, _, mapper = qwen_family
     ids = _ids(1, 30, 21)
@@ -139,7 +139,7 @@ def test_exact_suffix_positions_are_recomputed_over_the_mapped_cache(qwen_family
     """Over a zero-information control map.  Layer 0 K/V depend on a position's own token only, so there the
     recomputed suffix equals the target's own; deeper, the suffix attends to the control middle, so it is
     neither the target's own nor what the control map alone put there."""
-    from kvhub.handoff import prepare_cache
+    from kvhub.serving.handoff import prepare_cache
 
     source, target, _, mapper = qwen_family
     control = control_mapper(mapper)
@@ -166,7 +166,7 @@ def test_handoff_defaults_cap_to_short_prompts(qwen_family):
 
 def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
     """With a useless map (zero weights) only the recomputed positions hold the target's own K/V."""
-    from kvhub.handoff import prepare_cache
+    from kvhub.serving.handoff import prepare_cache
 
     source, target, _, mapper = qwen_family
     broken = Mapper({name: torch.zeros_like(t) for name, t in mapper.tensors.items()}, mapper.metadata)
@@ -239,7 +239,7 @@ def test_non_finite_source_cache_refused(qwen_family):
 
 
 def test_different_tokenizers_refused_before_any_forward():
-    from kvhub.fit import check_same_tokenizer
+    from kvhub.fitting.fit import check_same_tokenizer
 
     with pytest.raises(IncompatibleError, match="a/src.*b/dst|different tokenizers"):
         check_same_tokenizer({"model_id": "a/src", "tokenizer_hash": "1" * 64},
@@ -277,7 +277,7 @@ def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
 
 
 def test_handoff_refuses_another_tokenizer():
-    from kvhub.fingerprint import tokenizer_hash
+    from kvhub.models.fingerprint import tokenizer_hash
     from tests.fixtures_calib import train_tokenizer
 
     model = make_model("qwen2", num_hidden_layers=1, vocab_size=640)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvhub.artifact import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, format_version_of, map_prefix, read_artifact
-from kvhub.mapper import Mapper
+from kvhub.core.mapper import Mapper
 from tests.fixtures_store import make_store_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_kvhub_before_version_3_says_upgrade(tmp_path):
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     artifact = _with_means(tmp_path / "m")
-    code = "import sys; from kvhub.mapper import Mapper; Mapper.load(sys.argv[1])"
+    code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
     done = subprocess.run([sys.executable, "-c", code, str(artifact)], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"})
     assert done.returncode != 0

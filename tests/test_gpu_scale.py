@@ -19,7 +19,7 @@ def _load():
 
 
 def test_cpu_scaled_run_writes_every_measurement(tmp_path):
-    from kvhub.plan import statistics_bytes
+    from kvhub.fitting.plan import statistics_bytes
 
     gpu_scale = _load()
     out = tmp_path / "gpu_scale.json"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvhub.artifact import sha256_file
-from kvhub.mapper import Mapper
+from kvhub.core.mapper import Mapper
 from kvhub.store import open_store
 from tests.fixtures_hub import run
 from tests.fixtures_store import make_store_artifact

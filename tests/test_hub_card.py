@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from kvhub.card import card_is_pristine, model_card, read_front_matter
+from kvhub.hub.card import card_is_pristine, model_card, read_front_matter
 from kvhub.errors import FormatVersionError, IncompatibleError, IntegrityError
 from kvhub.hub import parse_repo_ref, verify_artifact
-from kvhub.mapper import read_metadata
+from kvhub.core.mapper import read_metadata
 from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact
 
 pytestmark = pytest.mark.hub

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvhub.card import base_models, model_card, read_front_matter
+from kvhub.hub.card import base_models, model_card, read_front_matter
 from kvhub.errors import ConfigError
-from kvhub.mapper import Mapper, read_metadata
+from kvhub.core.mapper import Mapper, read_metadata
 from kvhub.store import open_store
 from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact, register, run
 

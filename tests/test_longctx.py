@@ -1,4 +1,4 @@
-"""Long-context tasks (kvhub.longctx): items that state a fact once, scored exactly, with controls."""
+"""Long-context tasks (kvhub.eval.longctx): items that state a fact once, scored exactly, with controls."""
 
 import math
 import re
@@ -6,13 +6,13 @@ import re
 import pytest
 import torch
 
-from kvhub.control import control_mapper
+from kvhub.eval.control import control_mapper
 from kvhub.errors import ConfigError
-from kvhub.fit import FitOptions, fit
-from kvhub.longctx import (
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.eval.longctx import (
     CONDITIONS, RecallItem, RecallScore, code_items, fact_items, multiturn_items, score_recall_item, summarize_recall,
 )
-from kvhub.recompute import Recompute
+from kvhub.serving.recompute import Recompute
 from tests.fixtures_calib import train_tokenizer
 from tests.tinymodels import exact_family_target, make_model
 
@@ -105,7 +105,7 @@ def test_exact_map_scores_like_own_and_the_control_does_not(tokenizer, family):
 
 def test_control_needs_the_calibration_means(family):
     _, _, mapper = family
-    from kvhub.mapper import Mapper
+    from kvhub.core.mapper import Mapper
 
     bare = Mapper({k: v for k, v in mapper.tensors.items() if not k.endswith("target_mean")}, mapper.metadata)
     with pytest.raises(ConfigError, match="refit"):

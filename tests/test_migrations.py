@@ -130,7 +130,7 @@ def test_an_old_store_full_of_data_upgrades_intact(db_url, tmp_path, artifact_fa
         assert (metric["value"], metric["split"], metric["n"], metric["seed"]) == (0.875, "heldout", None, None)
         store.add_publication(version, "acme/kvmap", "v3", "abc123")  # the table revision 0002 added
         assert store.register(artifact_factory(seed=2)).version == 4  # the counter carried over
-        from kvhub.mapper import Mapper
+        from kvhub.core.mapper import Mapper
 
         assert Mapper.load(store.artifact_path(version)).metadata["tensors"] == metadata["tensors"]
 

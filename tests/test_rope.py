@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvhub.capture import run_model
+from kvhub.core.capture import run_model
 from kvhub.errors import UnsupportedModelError
-from kvhub.rope import Rotary, apply_rope, check_supported, strip_rope
+from kvhub.core.rope import Rotary, apply_rope, check_supported, strip_rope
 from tests.tinymodels import ROPE_VARIANTS, make_config, variant_model
 from tests.tolerances import assert_close
 

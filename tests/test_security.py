@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvhub.errors import ArtifactError, InvalidArtifactError, StoreError
-from kvhub.mapper import Mapper
+from kvhub.core.mapper import Mapper
 from kvhub.store import open_store
 from tests.fixtures_store import make_store_artifact
 
@@ -198,7 +198,7 @@ def test_verbose_logs_debug_for_kvhub_only_never_http_headers(tmp_path):
 
 
 def test_fit_and_handoff_stay_functions_whatever_was_imported(tmp_path):
-    code = ("import inspect\nfrom kvhub import fit\nimport kvhub, kvhub.fit, kvhub.handoff\n"
+    code = ("import inspect\nfrom kvhub import fit\nimport kvhub, kvhub.fitting.fit, kvhub.serving.handoff\n"
             "from kvhub import handoff\n"
             "print(all(inspect.isfunction(f) for f in (fit, handoff, kvhub.fit, kvhub.handoff)))")
     assert _python(code, tmp_path) == "True"

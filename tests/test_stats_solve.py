@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvhub.errors import FitError
-from kvhub.solve import probe_r2, r2_score, ridge, solve
-from kvhub.stats import KVStats, Layout, Moments
+from kvhub.core.solve import probe_r2, r2_score, ridge, solve
+from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tolerances import assert_close, condition_number, rtol
 
 

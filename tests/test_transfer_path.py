@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import kvhub.mapper as mapper_module
+import kvhub.core.mapper as mapper_module
 from kvhub.errors import IncompatibleError, NonFiniteError
-from kvhub.fingerprint import model_fingerprint
-from kvhub.mapper import Mapper
-from kvhub.rope import Rotary, apply_rope, strip_rope
+from kvhub.models.fingerprint import model_fingerprint
+from kvhub.core.mapper import Mapper
+from kvhub.core.rope import Rotary, apply_rope, strip_rope
 from tests.tinymodels import make_config
 from tests.tolerances import assert_close, rtol
 
@@ -257,7 +257,7 @@ def test_cuda_mapper_takes_a_host_cache_with_one_host_synchronisation():
 def test_bf16_block_products_are_summed_in_fp32_like_one_gemm():
     """k = 12 source blocks in bf16: the summed products must be as accurate as one GEMM over the
     concatenated blocks (k roundings to bf16 would add ~70% more error here)."""
-    from kvhub.mapper import _summed
+    from kvhub.core.mapper import _summed
 
     generator = torch.Generator().manual_seed(0)
     xs = [torch.randn(2048, 128, generator=generator) for _ in range(12)]

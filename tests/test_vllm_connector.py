@@ -45,7 +45,7 @@ def make_family(directory: Path) -> dict:
     """Save the tiny exact pair as HF checkpoints, fit the mapper, register it in a store; returns paths."""
     import torch
 
-    from kvhub.fit import FitOptions, fit
+    from kvhub.fitting.fit import FitOptions, fit
     from kvhub.store import open_store
     from tests.tinymodels import exact_family_target, make_model
 

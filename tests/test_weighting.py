@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kvhub.capture import capture, run_model, token_attention_weights, token_mask
+from kvhub.core.capture import capture, run_model, token_attention_weights, token_mask
 from kvhub.errors import ConfigError
-from kvhub.fit import FitOptions, _job_hash, fit
-from kvhub.solve import r2_score, ridge
-from kvhub.stats import KVStats, Layout, Moments
+from kvhub.fitting.fit import FitOptions, _job_hash, fit
+from kvhub.core.solve import r2_score, ridge
+from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, rtol
 

@@ -7,7 +7,7 @@ the relative error of its inputs by the condition number of its matrix.  So the 
 
     rtol = SAFETY * condition * sqrt(terms) * eps(dtype)
 
-kvhub's statistics multiply in fp32 and keep fp64 totals (kvhub/stats.py), and the tiny test models run in
+kvhub's statistics multiply in fp32 and keep fp64 totals (kvhub/core/stats.py), and the tiny test models run in
 fp32: float32 is the dtype of almost every comparison.  Absolute tolerances are that relative tolerance
 times the scale of the expected values, so a comparison is as strict for small numbers as for large ones.
 """
@@ -48,7 +48,7 @@ def condition_number(x: torch.Tensor) -> float:
 def cache_condition(model, ids: torch.Tensor) -> float:
     """The largest cond(Xc^T Xc) over ``model``'s per-layer keys and values on ``ids``: the amplification
     of rounding by a (near-unregularised) ridge map fitted on that model's cache."""
-    from kvhub.capture import run_model
+    from kvhub.core.capture import run_model
 
     worst = 1.0
     for layer in run_model(model, ids).layers:

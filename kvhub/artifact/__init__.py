@@ -10,18 +10,18 @@ writing, which files an artifact holds), ``files`` (atomic writes, copies that n
 links).  Importing this package loads neither torch nor transformers.
 """
 
-from .directory import (
+from kvhub.artifact.directory import (
     CARD_FILE, FIGURE_SUFFIXES, is_figure_name, parse_metadata_bytes, publishable_files, read_artifact, read_metadata,
     tensor_path, verify_tensors, write_artifact,
 )
-from .files import (
+from kvhub.artifact.files import (
     AtomicDirectory, atomic_write_bytes, copy_regular, fsync_dir, fsync_tree, open_regular, regular_files, sha256_file,
 )
-from .schema import (
+from kvhub.artifact.schema import (
     FORMAT_VERSION, METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, TENSORS_FILE, check_format_version, check_metadata,
     config_geometry, is_plain_file_name, json_sha256,
 )
-from .tensors import (
+from kvhub.artifact.tensors import (
     TensorFile, check_tensors, format_version_of, has_target_means, is_compressed, map_prefix, read_tensor_file,
     tensor_name,
 )

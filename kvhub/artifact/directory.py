@@ -14,11 +14,11 @@ import json
 import os
 from pathlib import Path
 
-from .. import __version__
-from ..errors import ArtifactError, IntegrityError, InvalidArtifactError, NonFiniteError
-from .files import AtomicDirectory, open_regular, sha256_file
-from .schema import METADATA_FILE, TENSORS_FILE, check_metadata, is_plain_file_name
-from .tensors import TensorFile, check_tensors, format_version_of, read_tensor_file
+from kvhub import __version__
+from kvhub.errors import ArtifactError, IntegrityError, InvalidArtifactError, NonFiniteError
+from kvhub.artifact.files import AtomicDirectory, open_regular, sha256_file
+from kvhub.artifact.schema import METADATA_FILE, TENSORS_FILE, check_metadata, is_plain_file_name
+from kvhub.artifact.tensors import TensorFile, check_tensors, format_version_of, read_tensor_file
 
 CARD_FILE = "README.md"
 FIGURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg")

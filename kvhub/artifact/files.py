@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ..errors import ArtifactError
+from kvhub.errors import ArtifactError
 
 _CHUNK = 1 << 20
 

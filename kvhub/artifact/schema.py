@@ -13,8 +13,8 @@ import json
 import math
 import re
 
-from .. import __version__
-from ..errors import FormatVersionError, InvalidArtifactError
+from kvhub import __version__
+from kvhub.errors import FormatVersionError, InvalidArtifactError
 
 FORMAT_VERSION = 3  # the newest mapper artifact format this kvhub reads and writes
 # 1: dense maps only; 2: head-local or low-rank maps present; 3: target_mean tensors present (any structure)
@@ -174,7 +174,7 @@ def _check_fingerprint(fields: _Fields, role: str) -> dict:
 
 def config_geometry(config: dict) -> tuple[int | None, int | None, int | None]:
     """(layers, KV heads, head dim) a reduced config implies, None where it does not say (as
-    kvhub.fingerprint.kv_geometry computes them from a transformers config)."""
+    kvhub.models.fingerprint.kv_geometry computes them from a transformers config)."""
     config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     heads = _int_or_none(config.get("num_attention_heads"))
     kv_heads = _int_or_none(config.get("num_key_value_heads")) or heads

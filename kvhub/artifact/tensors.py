@@ -27,8 +27,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArtifactError
-from .files import open_regular
+from kvhub.errors import InvalidArtifactError
+from kvhub.artifact.files import open_regular
 
 DTYPE = "F32"
 HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
@@ -139,7 +139,7 @@ def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
 
 
 def has_target_means(shapes: dict[str, tuple[int, ...]]) -> bool:
-    """True when some map stores its ``target_mean`` (the control of evaluations, kvhub.control)."""
+    """True when some map stores its ``target_mean`` (the control of evaluations, kvhub.eval.control)."""
     return any(name.endswith(".target_mean") for name in shapes)
 
 

@@ -7,9 +7,9 @@
 See docs/calibration.md for the catalog, the recipe format and what the content hash covers.
 """
 
-from .calibration_set import CalibrationSet, fetch_corpus, resolve_calibration, source_status
-from .corpus import cache_root
-from .recipe import Recipe, heldout_count, list_calibration_sets, load_recipe, recipe_from_spec
+from kvhub.calib.calibration_set import CalibrationSet, fetch_corpus, resolve_calibration, source_status
+from kvhub.calib.corpus import cache_root
+from kvhub.calib.recipe import Recipe, heldout_count, list_calibration_sets, load_recipe, recipe_from_spec
 
 __all__ = [
     "CalibrationSet",

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import atomic_write_bytes
-from ..errors import ConfigError, CorpusTooSmallError
-from .corpus import Progress, cache_root, locate, read_source
-from .packing import (
+from kvhub.artifact import atomic_write_bytes
+from kvhub.errors import ConfigError, CorpusTooSmallError
+from kvhub.calib.corpus import Progress, cache_root, locate, read_source
+from kvhub.calib.packing import (
     TokenStream, corpus_digest, default_prefix, filter_documents, max_samples, pack, shuffle_documents,
 )
-from .recipe import Recipe, heldout_count, recipe_from_spec
+from kvhub.calib.recipe import Recipe, heldout_count, recipe_from_spec
 
 log = logging.getLogger(__name__)
 PACKING_VERSION = 1
@@ -114,7 +114,7 @@ def tokenizer_digest(tokenizer, *, with_chat_template: bool = False) -> str:
     if backend is not None:
         parts["definition"] = hashlib.sha256(backend.to_str().encode()).hexdigest()
     else:
-        from ..fingerprint import tokenizer_hash
+        from kvhub.models.fingerprint import tokenizer_hash
 
         parts["vocab"] = tokenizer_hash(tokenizer)
     return _sha256_json(parts)

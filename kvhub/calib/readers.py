@@ -24,8 +24,8 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from .recipe import Source
+from kvhub.errors import ConfigError
+from kvhub.calib.recipe import Source
 
 log = logging.getLogger(__name__)
 _FIELD_RE = re.compile(r"\{([^{}]+)\}")

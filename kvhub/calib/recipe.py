@@ -48,7 +48,7 @@ from pathlib import Path
 
 import tomllib
 
-from ..errors import ConfigError, RecipeError, UnknownCalibrationError
+from kvhub.errors import ConfigError, RecipeError, UnknownCalibrationError
 
 log = logging.getLogger(__name__)
 

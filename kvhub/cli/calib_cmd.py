@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import ConfigError
-from .console import console, say
-from .output import print_table
+from kvhub.errors import ConfigError
+from kvhub.cli.console import console, say
+from kvhub.cli.output import print_table
 
 
 @click.group()
@@ -44,7 +44,7 @@ def list_command(as_json: bool) -> None:
 
         kvhub calib list
     """
-    from ..calib import list_calibration_sets
+    from kvhub.calib import list_calibration_sets
 
     rows = [_recipe_row(recipe) for recipe in list_calibration_sets()]
     if as_json:
@@ -68,7 +68,7 @@ def show_command(name: str, as_json: bool) -> None:
         kvhub calib show legal-docs
         kvhub calib show ./my-set.toml
     """
-    from ..calib import recipe_from_spec, source_status
+    from kvhub.calib import recipe_from_spec, source_status
 
     recipe = recipe_from_spec(name)
     data = {**recipe.to_dict(), "origin": recipe.origin, "status": source_status(recipe)}
@@ -97,8 +97,8 @@ def fetch_command(names: tuple[str, ...]) -> None:
 
         kvhub calib fetch legal-docs medical
     """
-    from ..calib import fetch_corpus
-    from .progress import progress_callback
+    from kvhub.calib import fetch_corpus
+    from kvhub.cli.progress import progress_callback
 
     for name in names:
         with progress_callback("items") as callback:
@@ -109,7 +109,7 @@ def fetch_command(names: tuple[str, ...]) -> None:
 
 def load_tokenizer(spec: str):
     """A tokenizer from a model directory, a .gguf file, a tokenizer.json, or a (cached/Hub) model id."""
-    from ..models import find_known, resolve_model_path
+    from kvhub.models.resolve import find_known, resolve_model_path
 
     path = Path(spec).expanduser()
     resolved = resolve_model_path(spec)
@@ -149,8 +149,8 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
         kvhub calib build legal-docs --tokenizer Qwen/Qwen2.5-Coder-0.5B-Instruct
         kvhub calib build ./notes --tokenizer ./my-model --samples 32
     """
-    from ..calib import resolve_calibration
-    from .progress import progress_callback
+    from kvhub.calib import resolve_calibration
+    from kvhub.cli.progress import progress_callback
 
     tokenizer = load_tokenizer(tokenizer_spec)
     with progress_callback("items") as callback:

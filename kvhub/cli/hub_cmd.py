@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from .console import console, say
-from .output import echo_json, format_option, print_table
-from .store_cmd import db_option
+from kvhub.cli.console import console, say
+from kvhub.cli.output import echo_json, format_option, print_table
+from kvhub.cli.store_cmd import db_option
 
 
 def _store(db, *, create: bool = True):
-    from ..store import open_store
+    from kvhub.store import open_store
 
     return open_store(db, create=create)
 
@@ -39,7 +39,7 @@ def push(ref, repo_id, private, branch, card, base_model, db, as_json):
     A README.md edited on the Hub is kept unless --card replace.  Needs a write token (HF_TOKEN or
     `hf auth login`).
     """
-    from ..hub import push as push_version
+    from kvhub.hub import push as push_version
 
     with _store(db, create=False) as store:
         result = push_version(store, ref, repo_id, private=private, branch=branch, card=card,
@@ -78,7 +78,7 @@ def pull(repo, revision, db, as_json):
     calibration set; otherwise alias hub-v3 names it.  Weights the store already holds are that version
     (pulling again is a no-op).  With HF_HUB_OFFLINE=1 only the local Hugging Face cache is used.
     """
-    from ..hub import pull as pull_repo
+    from kvhub.hub import pull as pull_repo
 
     with _store(db) as store:
         result = pull_repo(store, repo, revision=revision)
@@ -113,7 +113,7 @@ def search(src, dst, calib, author, limit, output_format):
     """
     from dataclasses import asdict
 
-    from ..hub import search as search_hub
+    from kvhub.hub import search as search_hub
 
     found = search_hub(source=src, target=dst, calibration=calib, author=author, limit=limit)
     if output_format == "json":
@@ -134,7 +134,7 @@ def search(src, dst, calib, author, limit, output_format):
 
 def _base_models(option: str | None) -> tuple[str, str] | None:
     """--base-model SRC,DST as a pair of ids."""
-    from ..errors import ConfigError
+    from kvhub.errors import ConfigError
 
     if option is None:
         return None

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from .. import __version__
-from ..errors import KVHubError
+from kvhub import __version__
+from kvhub.errors import KVHubError
 
 
 class KVHubGroup(click.Group):
@@ -21,7 +21,7 @@ class KVHubGroup(click.Group):
             sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
             return result
         except KVHubError as exc:
-            from .console import say
+            from kvhub.cli.console import say
 
             say(str(exc), label="error:", style="bold red")  # verbatim: never read as Rich markup
             sys.exit(exc.exit_code)
@@ -52,14 +52,14 @@ def main(verbose: bool) -> None:
     # which can echo a token) stays off.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvhub").setLevel(logging.DEBUG if verbose else logging.NOTSET)
-    from .progress import quiet_other_bars
+    from kvhub.cli.progress import quiet_other_bars
 
     quiet_other_bars()  # before huggingface_hub is imported: its download bars only on a terminal
 
 
 def _attach() -> None:
     """Attach each command family; every module defines ``attach(group)``."""
-    from . import calib_cmd, eval_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
+    from kvhub.cli import calib_cmd, eval_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
 
     main.add_command(fit_cmd.fit)
     main.add_command(plan_cmd.plan)

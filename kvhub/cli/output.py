@@ -14,7 +14,7 @@ import json
 
 import click
 
-from .console import console, plain
+from kvhub.cli.console import console, plain
 
 FORMATS = ("table", "json", "tsv")
 

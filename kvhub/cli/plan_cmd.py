@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .console import console, say
+from kvhub.cli.console import console, say
 
 
 def _k_option(ctx, param, value: str):
@@ -43,7 +43,7 @@ def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, devi
     Reads only the configs.  Times are estimates from nominal device rates; kvhub fit refuses a fit
     whose plan does not fit the machine, with this command's advice.
     """
-    from ..plan import device_profile, plan_fit, recommend, shape_of, workload_for
+    from kvhub.fitting.plan import device_profile, plan_fit, recommend, shape_of, workload_for
 
     source, target = shape_of(src), shape_of(dst)
     workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
@@ -66,7 +66,7 @@ def _default_device() -> str:
 def _print_plan(result) -> None:
     from rich.table import Table
 
-    from ..plan import GIB
+    from kvhub.fitting.plan import GIB
 
     w = result.workload
     say(f"{result.source.model_id} -> {result.target.model_id} on {result.ranks} x {result.device.name}: "

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from .console import err_console, say
+from kvhub.cli.console import err_console, say
 
 INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"
 _DEFAULT_INTERVAL_S = 30.0

@@ -16,8 +16,8 @@ from datetime import datetime
 
 import click
 
-from .console import err_console, plain, say
-from .output import echo_json, format_option, print_table
+from kvhub.cli.console import err_console, plain, say
+from kvhub.cli.output import echo_json, format_option, print_table
 
 DB_HELP = ("Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data "
            "dir). Commands that only read refuse a path where no store exists.")
@@ -33,7 +33,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON o
 
 def _open(db, *, create: bool = True):
     """The store at ``db``; ``create=False`` for commands that only read (a mistyped --db is refused)."""
-    from ..store import open_store
+    from kvhub.store import open_store
 
     return open_store(db, create=create)
 
@@ -70,7 +70,7 @@ _HEADLINE = ("heldout_r2_k_mean", "heldout_r2_v_mean")
 
 
 def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
-    from ..errors import ConfigError
+    from kvhub.errors import ConfigError
 
     import math
 
@@ -271,8 +271,8 @@ def rm(ref, force, db):
     rather than pick one.  Refuses while an alias other than `latest` points at it (unless --force).
     Version numbers are never reused; `latest` moves to the newest remaining version.
     """
-    from ..errors import ConfigError
-    from ..store.refs import Ref
+    from kvhub.errors import ConfigError
+    from kvhub.store.refs import Ref
 
     parsed = Ref.parse(ref)
     with _open(db, create=False) as store:
@@ -371,8 +371,8 @@ def upgrade(db):
 
     Back up the database first; stop other kvhub processes that use it.
     """
-    from ..store.location import display_url, resolve_db_url
-    from ..store.migrate import schema_status, upgrade as upgrade_schema
+    from kvhub.store.location import display_url, resolve_db_url
+    from kvhub.store.migrate import schema_status, upgrade as upgrade_schema
 
     url = resolve_db_url(db)
     before, head = schema_status(url)
@@ -388,10 +388,10 @@ def upgrade(db):
 @json_option
 def current(db, as_json):
     """Print the schema revision of the store and whether it is this kvhub's head."""
-    from ..store.location import display_url, resolve_db_url
-    from ..store.migrate import is_known_revision, schema_status
+    from kvhub.store.location import display_url, resolve_db_url
+    from kvhub.store.migrate import is_known_revision, schema_status
 
-    from ..store.location import require_existing
+    from kvhub.store.location import require_existing
 
     url = resolve_db_url(db)
     require_existing(url)

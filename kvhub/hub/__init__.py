@@ -6,7 +6,7 @@
     load_from_hub(store, SRC, DST, calibration=...)             -> the fallback of kvhub.load()
 
 Modules: ``client`` (settings, HfApi, error translation), ``verify`` (what an artifact must satisfy),
-``push``, ``pull`` (and the load fallback), ``search``.  The model card is kvhub.card.
+``push``, ``pull`` (and the load fallback), ``search``.  The model card is kvhub.hub.card.
 
 Settings are read when a function runs, not when a module is imported: ``HF_ENDPOINT``,
 ``HF_HUB_OFFLINE`` (either the variable or huggingface_hub's own flag switches kvhub to the local
@@ -15,11 +15,11 @@ cache), ``HF_HUB_CACHE``/``HF_HOME`` and ``KVHUB_HUB_NAMESPACES``.  Tokens come 
 and masks them in any message it raises.
 """
 
-from .client import HubSettings, hub_settings, parse_repo_ref
-from .pull import NAMESPACES_ENV, PullResult, configured_namespaces, load_from_hub, pull
-from .push import CARD_MODES, PushResult, push, version_tag
-from .search import HubMapper, search
-from .verify import same_model, verify_artifact
+from kvhub.hub.client import HubSettings, hub_settings, parse_repo_ref
+from kvhub.hub.pull import NAMESPACES_ENV, PullResult, configured_namespaces, load_from_hub, pull
+from kvhub.hub.push import CARD_MODES, PushResult, push, version_tag
+from kvhub.hub.search import HubMapper, search
+from kvhub.hub.verify import same_model, verify_artifact
 
 __all__ = [
     "CARD_MODES", "NAMESPACES_ENV", "HubMapper", "HubSettings", "PullResult", "PushResult",

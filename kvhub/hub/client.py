@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .. import __version__
-from ..errors import (
+from kvhub import __version__
+from kvhub.errors import (
     ConfigError,
     KVHubError,
     HubAuthError,

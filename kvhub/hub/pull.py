@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import __version__
-from ..artifact import (
+from kvhub import __version__
+from kvhub.artifact import (
     CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, TENSORS_FILE, copy_regular, is_figure_name, parse_metadata_bytes,
 )
-from ..errors import (
+from kvhub.errors import (
     ArtifactError,
     FormatVersionError,
     HubRepoNotFoundError,
@@ -24,12 +24,12 @@ from ..errors import (
     IntegrityError,
     NotFoundError,
 )
-from .client import HubSettings, _api, hub_errors, hub_settings, parse_repo_ref
-from .search import search
-from .verify import same_model, series_key, verify_artifact
+from kvhub.hub.client import HubSettings, _api, hub_errors, hub_settings, parse_repo_ref
+from kvhub.hub.search import search
+from kvhub.hub.verify import same_model, series_key, verify_artifact
 
 if TYPE_CHECKING:
-    from ..store import MapperVersion
+    from kvhub.store import MapperVersion
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def _check_calibration(repo_id: str, metadata: dict, calibration: str | None) ->
 def _check_card(repo_id: str, staged: Path, metadata: dict) -> None:
     """Warn when the repository's card describes other weights than its mapper.json (kvhub trusts
     mapper.json, which it verified; the card someone reads may be stale or misleading)."""
-    from ..card import read_front_matter
+    from kvhub.hub.card import read_front_matter
 
     if not (staged / CARD_FILE).is_file():
         return

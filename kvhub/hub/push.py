@@ -7,12 +7,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__
-from ..artifact import CARD_FILE, METADATA_FILE, copy_regular, is_figure_name, publishable_files
-from ..card import base_models, card_is_pristine, model_card
-from ..errors import ConfigError, HubConflictError, HubOfflineError
-from .client import _api, hub_errors, hub_settings, parse_repo_ref
-from .verify import series_key, verify_artifact
+from kvhub import __version__
+from kvhub.artifact import CARD_FILE, METADATA_FILE, copy_regular, is_figure_name, publishable_files
+from kvhub.hub.card import base_models, card_is_pristine, model_card
+from kvhub.errors import ConfigError, HubConflictError, HubOfflineError
+from kvhub.hub.client import _api, hub_errors, hub_settings, parse_repo_ref
+from kvhub.hub.verify import series_key, verify_artifact
 
 CARD_MODES = ("auto", "keep", "replace")
 
@@ -59,7 +59,7 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | 
     pushed again.  ``card``: "auto" replaces README.md only if kvhub wrote it and nobody edited it since,
     "keep" never touches an existing README.md, "replace" always writes the generated card.
     ``base_model``: Hub ids (source, target) for the card when the mapper names local models that
-    kvhub cannot map to Hub ids (kvhub.card.base_models).
+    kvhub cannot map to Hub ids (kvhub.hub.card.base_models).
     """
     repo_id, _ = parse_repo_ref(repo_id)
     if card not in CARD_MODES:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..errors import HubOfflineError
-from .client import _api, hub_errors, hub_settings
-from .verify import same_model
+from kvhub.errors import HubOfflineError
+from kvhub.hub.client import _api, hub_errors, hub_settings
+from kvhub.hub.verify import same_model
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..artifact import read_artifact
-from ..errors import IncompatibleError
+from kvhub.artifact import read_artifact
+from kvhub.errors import IncompatibleError
 
 
 def verify_artifact(directory: str | os.PathLike, *, source: str | None = None, target: str | None = None) -> dict:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, IncompatibleError
+from kvhub.errors import ConfigError, IncompatibleError
 
 log = logging.getLogger(__name__)
 

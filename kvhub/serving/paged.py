@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedModelError
+from kvhub.errors import UnsupportedModelError
 
 
 def load_plan(*, prompt_tokens: int, computed_tokens: int, stored_tokens: int, block_size: int,

@@ -13,7 +13,7 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
   (isolation key, source model, token-id prefix hashes).
 * consumer (large model's engine): ``get_num_new_matched_tokens`` reports the longest stored prefix,
   block-aligned, minus ``exact_tail`` tokens that vLLM computes itself (:func:`~kvhub.serving.paged.load_plan`);
-  ``start_load_kv`` reads those source rows and maps them with :meth:`kvhub.mapper.Mapper.map_layers` at their
+  ``start_load_kv`` reads those source rows and maps them with :meth:`kvhub.core.mapper.Mapper.map_layers` at their
   absolute positions (RoPE stripped and re-applied); ``wait_for_layer_load`` writes each layer into its
   allocated blocks with the attention backend's own writer, just before that layer runs.
 * Mapped blocks are approximate: right after vLLM allocates (and prefix-caches) them, the consumer evicts
@@ -47,9 +47,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..errors import ConfigError, IncompatibleError, UnsupportedModelError
-from .kvstore import KVStore
-from .paged import PagedLayout, load_plan, probe_layout
+from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
+from kvhub.serving.kvstore import KVStore
+from kvhub.serving.paged import PagedLayout, load_plan, probe_layout
 
 log = logging.getLogger("kvhub.serving")
 
@@ -403,15 +403,15 @@ def _worker_device(vllm_config) -> str:
 
 def _load_mapper(extra: dict, *, device):
     """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory)."""
-    from ..mapper import Mapper
+    from kvhub.core.mapper import Mapper
 
     if extra.get("mapper_path"):
         return Mapper.load(Path(extra["mapper_path"]), device=device)
     if not extra.get("mapper"):
         raise ConfigError("the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in "
                           "kv_connector_extra_config")
-    from ..api import load
-    from ..store.refs import Ref
+    from kvhub.api import load
+    from kvhub.store.refs import Ref
 
     ref = Ref.parse(extra["mapper"])
     if extra.get("db"):

@@ -11,9 +11,9 @@
 See docs/store.md for where data lives, the reference syntax and the commands.
 """
 
-from .location import resolve_db_url
-from .records import MapperVersion
-from .refs import Ref
-from .store import GcReport, Store, open_store
+from kvhub.store.location import resolve_db_url
+from kvhub.store.records import MapperVersion
+from kvhub.store.refs import Ref
+from kvhub.store.store import GcReport, Store, open_store
 
 __all__ = ["GcReport", "MapperVersion", "Ref", "Store", "open_store", "resolve_db_url"]

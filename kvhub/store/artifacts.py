@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..artifact import copy_regular, fsync_dir, regular_files, sha256_file
-from ..errors import ArtifactError, IntegrityError, StoreError
+from kvhub.artifact import copy_regular, fsync_dir, regular_files, sha256_file
+from kvhub.errors import ArtifactError, IntegrityError, StoreError
 
 OBJECTS_DIR = "sha256"
 TMP_DIR = ".tmp"

@@ -16,8 +16,8 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
-from ..errors import ConfigError, StoreError
-from .location import display_url, sqlite_path
+from kvhub.errors import ConfigError, StoreError
+from kvhub.store.location import display_url, sqlite_path
 
 SQLITE_BUSY_TIMEOUT_S = 60.0
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from .. import __version__
-from ..artifact import METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, read_metadata, verify_tensors  # noqa: F401
-from ..errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
-from .artifacts import StoredArtifact
-from .refs import LATEST
-from .schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
+from kvhub import __version__
+from kvhub.artifact import METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, read_metadata, verify_tensors  # noqa: F401
+from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
+from kvhub.store.artifacts import StoredArtifact
+from kvhub.store.refs import LATEST
+from kvhub.store.schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from kvhub.errors import ConfigError
 
 DB_FILE = "kvhub.db"
 ARTIFACTS_DIR = "artifacts"
@@ -62,7 +62,7 @@ def require_existing(url: str) -> None:
     must not create a store (a mistyped --db would otherwise answer "no versions" from a new one)."""
     from sqlalchemy.exc import ArgumentError
 
-    from ..errors import NotFoundError
+    from kvhub.errors import NotFoundError
 
     try:
         path = sqlite_path(url)

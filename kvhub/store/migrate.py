@@ -16,9 +16,9 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import SchemaOutdatedError, StoreError
-from .engine import connection_error, make_engine
-from .location import display_url
+from kvhub.errors import SchemaOutdatedError, StoreError
+from kvhub.store.engine import connection_error, make_engine
+from kvhub.store.location import display_url
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ SCHEMA_HEAD = "0002_hub_publications"
 
 def migrations_dir() -> Path:
     """The repository's ``migrations/`` folder, installed as ``kvhub._migrations`` (setup.py)."""
-    from .. import _migrations as migrations
+    from kvhub import _migrations as migrations
 
     return Path(migrations.__file__).resolve().parent
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from . import resolve as rs
-from .records import MapperVersion, as_utc, version_record
-from .refs import match_calibration_names, match_model_names
-from .schema import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
+from kvhub.store import resolve as rs
+from kvhub.store.records import MapperVersion, as_utc, version_record
+from kvhub.store.refs import match_calibration_names, match_model_names
+from kvhub.store.schema import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
 
 _MODEL_FIELDS = ("name", "revision", "model_type", "family", "config_hash", "tokenizer_hash", "num_layers",
                  "num_kv_heads", "head_dim", "rope", "layer_types")

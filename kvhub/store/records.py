@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
-from .refs import short_name
-from .schema import VersionRow
+from kvhub.store.refs import short_name
+from kvhub.store.schema import VersionRow
 
 
 def as_utc(moment: datetime | None) -> datetime | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from kvhub.errors import ConfigError
 
 LATEST = "latest"
 PRODUCTION = "production"

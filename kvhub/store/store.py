@@ -30,22 +30,22 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .. import __version__
-from ..artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
-from ..errors import AmbiguousError, ArtifactError, ConfigError, NotFoundError, StoreError
-from ..errors import IntegrityError as ArtifactIntegrityError
-from . import queries
-from . import resolve as rs
-from .artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
-from .engine import connection_error, make_engine, write_engine
-from .ingest import (
+from kvhub import __version__
+from kvhub.artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
+from kvhub.errors import AmbiguousError, ArtifactError, ConfigError, NotFoundError, StoreError
+from kvhub.errors import IntegrityError as ArtifactIntegrityError
+from kvhub.store import queries
+from kvhub.store import resolve as rs
+from kvhub.store.artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
+from kvhub.store.engine import connection_error, make_engine, write_engine
+from kvhub.store.ingest import (
     METADATA_FILE, check_storable, find_same_tensors, insert_version, lock_series, metric_row, read_checked_metadata, set_alias,
 )
-from .location import default_artifacts_dir, display_url, require_existing, resolve_db_url
-from .migrate import ensure_schema
-from .records import MapperVersion, version_record
-from .refs import LATEST, Ref, check_alias_name, parse_selector
-from .schema import AliasRow, PublicationRow, StorePropertyRow, VersionRow
+from kvhub.store.location import default_artifacts_dir, display_url, require_existing, resolve_db_url
+from kvhub.store.migrate import ensure_schema
+from kvhub.store.records import MapperVersion, version_record
+from kvhub.store.refs import LATEST, Ref, check_alias_name, parse_selector
+from kvhub.store.schema import AliasRow, PublicationRow, StorePropertyRow, VersionRow
 
 log = logging.getLogger(__name__)
 

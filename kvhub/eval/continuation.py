@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .capture import cache_kwargs, run_model
-from .handoff import prepare_cache
+from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.serving.handoff import prepare_cache
 
 
 @dataclass

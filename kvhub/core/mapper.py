@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .artifact import (  # noqa: F401  (re-exported: the artifact format is part of the Mapper's API)
+from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is part of the Mapper's API)
     FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, format_version_of, read_artifact, read_metadata, tensor_path,
     verify_tensors, write_artifact,
 )
-from .errors import IncompatibleError, NonFiniteError
-from .fingerprint import config_from_fingerprint
-from .rope import Rotary, apply_rope, strip_rope
+from kvhub.errors import IncompatibleError, NonFiniteError
+from kvhub.models.fingerprint import config_from_fingerprint
+from kvhub.core.rope import Rotary, apply_rope, strip_rope
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     """'bf16'/'bfloat16'/torch.bfloat16 -> torch.bfloat16; None stays None."""
     if isinstance(name, torch.dtype) and not name.is_floating_point:
-        from .errors import ConfigError
+        from kvhub.errors import ConfigError
 
         raise ConfigError(f"dtype {name} is not a floating-point type; use one of float32, bfloat16, float16")
     if name is None or isinstance(name, torch.dtype):
@@ -43,7 +43,7 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
     key = aliases.get(name, name).replace("torch.", "")
     if key not in _DTYPES:
-        from .errors import ConfigError
+        from kvhub.errors import ConfigError
 
         raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
     return _DTYPES[key]
@@ -119,7 +119,7 @@ def _summed(products) -> torch.Tensor:
 
 
 class Mapper:
-    """Weights + metadata.  Build with :func:`kvhub.fit`, :meth:`from_pretrained` or :meth:`load`; apply with
+    """Weights + metadata.  Build with :func:`kvhub.fitting.fit`, :meth:`from_pretrained` or :meth:`load`; apply with
     :meth:`transfer`; keep with :meth:`save_pretrained` / :meth:`push_to_hub`.  ``ref`` names the store
     version it is (``SRC:DST:CALIB@v3``), None for a mapper no store holds."""
 
@@ -393,7 +393,7 @@ class Mapper:
         ``self.dtype``: the target's dtype at fit time, or Mapper.load's), sliding-window layers included.
         out: a ``DynamicCache`` of the target already holding every layer at T tokens for this batch (e.g. an
         earlier transfer's result): its tensors are overwritten in place, in their dtype, and it is returned.
-        The caller keeps the last prompt token for the target (see :func:`kvhub.handoff.handoff`).
+        The caller keeps the last prompt token for the target (see :func:`kvhub.serving.handoff.handoff`).
         """
         from transformers import DynamicCache
 
@@ -448,7 +448,7 @@ class Mapper:
 
         db: store URL or SQLite path; token: Hub token (default: huggingface_hub's).  See __init__ for dtypes.
         """
-        from .api import from_pretrained  # resolution needs the store and the Hub; the math core does not
+        from kvhub.api import from_pretrained  # resolution needs the store and the Hub; the math core does not
 
         return from_pretrained(name, db=db, token=token, device=device, dtype=dtype, compute_dtype=compute_dtype)
 
@@ -463,7 +463,7 @@ class Mapper:
         version holding its tensors if there is one), then one commit with its model card, tagged ``vN``
         (``kvhub push``).  base_model: the Hub ids (source, target) when the models were local paths.
         Returns a kvhub.hub.PushResult (tag, commit, url)."""
-        from .api import push_to_hub
+        from kvhub.api import push_to_hub
 
         return push_to_hub(self, repo_id, private=private, branch=branch, token=token, db=db, base_model=base_model)
 

@@ -1,8 +1,8 @@
 """Fit by model names: resolve both models and the calibration set, then fit (one process or many).
 
 :func:`prepare` turns a :class:`FitRequest` (what ``kvhub fit`` takes) into loaded models, calibration
-tokens, :class:`kvhub.fit.FitOptions` and a checkpoint path; :func:`fit_by_names` runs the whole fit
-in this process.  :mod:`kvhub.distributed` and the benchmarks start from the same :func:`prepare`, so
+tokens, :class:`kvhub.fitting.fit.FitOptions` and a checkpoint path; :func:`fit_by_names` runs the whole fit
+in this process.  :mod:`kvhub.fitting.distributed` and the benchmarks start from the same :func:`prepare`, so
 every entry point fits the same job from the same arguments.
 
 The library never prints: ``notify(message)`` receives the status lines, and ``progress(unit)``
@@ -64,7 +64,7 @@ class PreparedFit:
     train: torch.Tensor  # (N, T) long
     heldout: torch.Tensor  # (M, T) long
     calibration: dict  # calibration metadata for mapper.json
-    options: object  # kvhub.fit.FitOptions
+    options: object  # kvhub.fitting.fit.FitOptions
 
 
 def _no_progress(unit: str) -> ContextManager:
@@ -74,10 +74,10 @@ def _no_progress(unit: str) -> ContextManager:
 def prepare(request: FitRequest, *, notify: Notify | None = None,
             progress: ProgressFactory | None = None) -> PreparedFit:
     """Load both models (checking they share a tokenizer) and the calibration set; build the options."""
-    from .calib import resolve_calibration
-    from .fingerprint import tokenizer_hash
-    from .fit import FitOptions, check_same_tokenizer
-    from .models import load_model
+    from kvhub.calib import resolve_calibration
+    from kvhub.models.fingerprint import tokenizer_hash
+    from kvhub.fitting.fit import FitOptions, check_same_tokenizer
+    from kvhub.models.resolve import load_model
 
     notify = notify or log.info
     progress = progress or _no_progress
@@ -105,12 +105,12 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
 
 
 def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = None):
-    """The :class:`kvhub.plan.Plan` of a request on ``ranks`` ranks of this machine's device, with the
+    """The :class:`kvhub.fitting.plan.Plan` of a request on ``ranks`` ranks of this machine's device, with the
     device memory replaced by ``available`` bytes (default: what is free now); None when a config
     cannot be read without loading the model (the fit then finds out itself)."""
-    from .calib.recipe import recipe_from_spec
-    from .errors import ConfigError
-    from .plan import Workload, device_profile, plan_fit, shape_of
+    from kvhub.calib.recipe import recipe_from_spec
+    from kvhub.errors import ConfigError
+    from kvhub.fitting.plan import Workload, device_profile, plan_fit, shape_of
 
     try:
         source, target = shape_of(request.src), shape_of(request.dst)
@@ -133,7 +133,7 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
 
 def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = None) -> None:
     """Refuse, before loading anything, a fit whose plan needs more memory than this machine has free."""
-    from .errors import ConfigError
+    from kvhub.errors import ConfigError
 
     plan = plan_for(request, ranks=ranks, available=available)
     if plan is not None and not plan.fits:
@@ -157,12 +157,12 @@ def _free_memory(device: str) -> int:
 
 
 def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None):
-    """The whole fit in this process: :func:`prepare`, then :func:`kvhub.fit.fit`.  Returns the Mapper.
+    """The whole fit in this process: :func:`prepare`, then :func:`kvhub.fitting.fit.fit`.  Returns the Mapper.
 
     An interrupted fit resumes from its checkpoint (``request.restart`` discards it); the checkpoint
     is deleted once the mapper is built.
     """
-    from .fit import fit
+    from kvhub.fitting.fit import fit
 
     job = prepare(request, notify=notify, progress=progress)
     if request.restart:
@@ -178,13 +178,13 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
 
 def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | None = None,
                              progress: ProgressFactory | None = None):
-    """The fit on every rank of ``group`` (:mod:`kvhub.distributed`); rank 0 returns the Mapper, the others None.
+    """The fit on every rank of ``group`` (:mod:`kvhub.fitting.distributed`); rank 0 returns the Mapper, the others None.
 
     Rank 0 prepares first (so the calibration set is built into the cache once), then the others.
     """
     import torch.distributed as dist
 
-    from .distributed import fit_distributed, remove_checkpoints
+    from kvhub.fitting.distributed import fit_distributed, remove_checkpoints
 
     if group.device.type == "cuda":
         request = dataclasses.replace(request, device=str(group.device))
@@ -210,7 +210,7 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
 def checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
                     weighting: str = "uniform") -> Path:
     """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options."""
-    from .calib.corpus import cache_root
+    from kvhub.calib.corpus import cache_root
 
     parts = [source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
              calibration.get("heldout_sequences"), stride, batch_size]

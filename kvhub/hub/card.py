@@ -25,9 +25,9 @@ import hashlib
 import re
 from collections.abc import Iterable
 
-from .artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
+from kvhub.artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
 
-from .errors import ConfigError
+from kvhub.errors import ConfigError
 
 MARKER_PREFIX = "<!-- kvhub-card sha256:"
 _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
@@ -107,7 +107,7 @@ def is_hub_id(name: str) -> bool:
 
 def _known_hub_id(model_id: str) -> str | None:
     """The Hub id of a known model (registry/models.toml) a local path names by its directory or GGUF file."""
-    from .models import known_models
+    from kvhub.models.resolve import known_models
 
     last = re.split(r"[\\/]", model_id.rstrip("/\\"))[-1]
     for model in known_models().values():

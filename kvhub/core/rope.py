@@ -22,7 +22,7 @@ import sys
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
+from kvhub.errors import UnsupportedModelError
 
 # model_type -> family.  These cache post-RoPE keys of shape (B, H_kv, T, D) per layer.
 SUPPORTED_MODEL_TYPES = {

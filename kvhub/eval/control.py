@@ -1,7 +1,7 @@
 """The no-information control of a mapper: a map that knows nothing about the context.
 
 Every weight is zero and every bias is the calibration mean of the target layer's RoPE-stripped keys
-/ values (``{k,v}.{m}.target_mean``, written by :func:`kvhub.fit.build_mapper`), the best constant
+/ values (``{k,v}.{m}.target_mean``, written by :func:`kvhub.fitting.fit.build_mapper`), the best constant
 prediction (R^2 = 0).  Its cache holds the right shapes, norms and positions but no content, so
 whatever a handoff scores from it is what the exact recomputes and the target's priors give; what
 the real map scores above it is what the mapped context contributes.  ``kvhub eval`` scores it
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
+from kvhub.errors import ConfigError
 
 
 def control_mapper(mapper):
@@ -21,7 +21,7 @@ def control_mapper(mapper):
     Each target layer reads one source layer through a zero (in, out) weight, so the control costs
     one small GEMM per layer whatever the real map's structure.
     """
-    from .mapper import Mapper
+    from kvhub.core.mapper import Mapper
 
     tensors, layers = {}, []
     width_in = mapper.source["num_kv_heads"] * mapper.source["head_dim"]

@@ -12,8 +12,8 @@ the reduced config dict so the rotary module can be rebuilt without the model.
 
 from __future__ import annotations
 
-from .artifact import json_sha256 as _sha256_json  # the format owns how config_hash hashes a config
-from .rope import SUPPORTED_MODEL_TYPES, check_supported
+from kvhub.artifact import json_sha256 as _sha256_json  # the format owns how config_hash hashes a config
+from kvhub.core.rope import SUPPORTED_MODEL_TYPES, check_supported
 
 _VOLATILE_KEYS = {
     "_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",

@@ -27,7 +27,7 @@ S is chosen under a budget of ``budget * (n-1)`` tokens by one signal available 
                  CacheBlend-style signal of where the map is worst;
 - ``random``:    random spans, the control for the signal.
 
-Scores are (i+1)-scaled attention (1 = uniform, :class:`kvhub.capture.AttentionMass`).  Tokens are
+Scores are (i+1)-scaled attention (1 = uniform, :class:`kvhub.core.capture.AttentionMass`).  Tokens are
 grouped into spans (sentences / lines, at most ``max_span`` tokens) and whole spans are taken in
 order of their best token: a fact sentence is recomputed whole, not its most-attended digit alone.
 """
@@ -40,8 +40,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .capture import AttentionMass, cache_kwargs, run_model
-from .errors import ConfigError
+from kvhub.core.capture import AttentionMass, cache_kwargs, run_model
+from kvhub.errors import ConfigError
 
 SELECTORS = ("source", "target", "deviation", "random")
 _SPAN_END = re.compile(r"(\n|[.!?;:]\s*$)")

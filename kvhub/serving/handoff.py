@@ -3,7 +3,7 @@
 The source covers tokens [0, n-1); the mapped cache holds n-1 positions; the target consumes token
 n-1 itself and produces the first logits.  (A cache that covered every input token would make
 ``generate`` silently re-feed the prompt.)  The target can recompute some context tokens itself, over
-the mapped rest (:mod:`kvhub.recompute`):
+the mapped rest (:mod:`kvhub.serving.recompute`):
 
 - ``exact_prefix=p``: the first p tokens (attention sinks);
 - ``exact_suffix=r``: the last r context tokens, the ones nearest to what the target generates next;
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from .capture import cache_kwargs, run_model
-from .errors import ConfigError, IncompatibleError
-from .fingerprint import kv_geometry
-from .recompute import Recompute, cropped, recompute_positions, recompute_set
+from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.models.fingerprint import kv_geometry
+from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
 
 DEFAULT_EXACT_PREFIX = 4  # attention sinks
 DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
-DEFAULT_EXACT_BUDGET = 0.1  # selective recompute: fraction of the context (kvhub.recompute)
+DEFAULT_EXACT_BUDGET = 0.1  # selective recompute: fraction of the context (kvhub.serving.recompute)
 DEFAULT_SELECT = "source"  # ... chosen by the source's attention from the last tokens
 
 
@@ -46,7 +46,7 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
     """Refuse models whose KV geometry, model type or a config field of :data:`COMPATIBILITY_FIELDS` (or,
     when given, tokenizer) differs from what the mapper was fitted for; the error names the field."""
     if tokenizer is not None:
-        from .fingerprint import tokenizer_hash
+        from kvhub.models.fingerprint import tokenizer_hash
 
         given, fitted = tokenizer_hash(tokenizer), mapper.source.get("tokenizer_hash")
         if fitted is not None and given != fitted:
@@ -70,7 +70,7 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
 def _check_config(side: str, fingerprint: dict, config) -> None:
     import json
 
-    from .fingerprint import reduced_config
+    from kvhub.models.fingerprint import reduced_config
 
     def normal(value):  # tuples and lists, ints and floats compare as mapper.json stores them
         return json.loads(json.dumps(value, sort_keys=True, default=str))
@@ -91,10 +91,10 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
                   recompute: Recompute | None = None, tokenizer=None, source_cache=None):
     """Target cache for input_ids[:, :-1]: mapped from the source, then the first ``exact_prefix``, the
     last ``exact_suffix`` and (``exact_budget`` > 0) a selected ``exact_budget`` fraction of the context
-    tokens recomputed by the target itself over the mapped rest (:mod:`kvhub.recompute`).
+    tokens recomputed by the target itself over the mapped rest (:mod:`kvhub.serving.recompute`).
 
     input_ids: (B, n) with n >= 2, no padding (B = 1 when exact_budget > 0).  ``recompute``: a full
-    :class:`~kvhub.recompute.Recompute` spec instead of the four keywords.  ``tokenizer`` (optional)
+    :class:`~kvhub.serving.recompute.Recompute` spec instead of the four keywords.  ``tokenizer`` (optional)
     lets selected spans follow sentences and lines.  source_cache: the source model's cache of (at
     least) input_ids[:, :-1] when the caller has it (a serving stack does); else it is computed.
     Returns a target DynamicCache of n-1 positions.
@@ -157,7 +157,7 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
     ``tokenizer``: the tokenizer that produced input_ids; refused unless it is the one fitted with, and
     used to recompute whole sentences / lines (without it: 16-token windows).
     exact_prefix / exact_suffix / exact_budget / select: see the module docstring and
-    :mod:`kvhub.recompute`; capped to the context, so a short prompt is simply prefilled by the target
+    :mod:`kvhub.serving.recompute`; capped to the context, so a short prompt is simply prefilled by the target
     (pass 0, 0 and 0.0 to map every token).  exact_budget=None: DEFAULT_EXACT_BUDGET, or 0 for a
     target with sliding-window layers.  Selection is per sequence: rows of a batch are prepared one
     by one and their caches stacked.

@@ -1,6 +1,6 @@
 """Long-context tasks where one fact decides the answer, scored exactly, with a no-information control.
 
-Multiple-choice retention (kvhub.taskeval) hides what a handoff loses: its items barely depend on a
+Multiple-choice retention (kvhub.eval.taskeval) hides what a handoff loses: its items barely depend on a
 single stated fact.  Here every item is a long context that states something once and a prompt that
 ends where the answer starts; the answer is scored by teacher forcing: correct iff every answer token
 is the model's greedy choice (what greedy decoding would write), plus the answer's log-likelihood.
@@ -18,8 +18,8 @@ Tasks (``context_tokens`` sets the length of the context, approximately, at para
 Conditions per item (one ItemScore per recompute variant; own/source/floor shared):
 
 - ``own``:     the target from its own cache of the prompt;
-- ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.recompute`);
-- ``control``: the same recompute over the no-information control map (:mod:`kvhub.control`);
+- ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.serving.recompute`);
+- ``control``: the same recompute over the no-information control map (:mod:`kvhub.eval.control`);
 - ``source``:  the source model alone;
 - ``floor``:   the target given only the last ``FLOOR_TOKENS`` prompt tokens (the question).
 """
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .capture import cache_kwargs, run_model
-from .errors import ConfigError
+from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.errors import ConfigError
 
 TASKS = ("facts", "multiturn", "code")
 CONDITIONS = ("own", "mapped", "control", "source", "floor")
@@ -208,7 +208,7 @@ def _code_files(packages: tuple[str, ...]) -> list[Path]:
 
 def filler_paragraphs(*, limit: int = 2000, seed: int = 0) -> list[str]:
     """Filler prose outside every calibration set: HellaSwag contexts with their correct endings."""
-    from .tasks import load_task
+    from kvhub.eval.tasks import load_task
 
     return [item.context + item.continuations[item.label] for item in load_task("hellaswag", limit=limit, seed=seed)]
 
@@ -260,8 +260,8 @@ def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, 
 
 @torch.no_grad()
 def score_recall_item(item: RecallItem, *, mapper, control, source, target, tokenizer, variants) -> list[RecallScore]:
-    """Score ``item`` under every condition; one RecallScore per :class:`~kvhub.recompute.Recompute` variant."""
-    from .handoff import prepare_cache
+    """Score ``item`` under every condition; one RecallScore per :class:`~kvhub.serving.recompute.Recompute` variant."""
+    from kvhub.serving.handoff import prepare_cache
 
     prompt, answer = item.prompt_ids, item.answer_ids
     device = next(target.parameters()).device

@@ -1,17 +1,17 @@
 """The fit on R processes with torch.distributed (gloo on CPU, NCCL on GPUs), sharded by target layer.
 
-Capture is data-parallel: the fit's batches (:func:`kvhub.fit.fit_batches`, the single-process order)
+Capture is data-parallel: the fit's batches (:func:`kvhub.fitting.fit.fit_batches`, the single-process order)
 are dealt round-robin, batch ``step * R + r`` to rank r.  After each step the ranks all-gather the
 step's captured rows (source K/V, target K/V, row weights; fp32), and every rank Chan-merges the R
 batches in batch order into its statistics, which keep the source Gram and only its own target
 layers' cross blocks (:func:`owned_layers`: contiguous blocks).  So each rank makes the single
 process's merges, in its order, restricted to its target columns (equal up to how the GEMM rounds a
 column subset): no reduction of statistics is needed, and no rank ever holds the full (p, q) cross block.  Each rank
-then solves its target layers (:func:`kvhub.solve.solve` on its restricted statistics: a target
+then solves its target layers (:func:`kvhub.core.solve.solve` on its restricted statistics: a target
 layer's probe, selection and ridge read only its own columns), and rank 0 gathers the layer
 solutions, assembles the Mapper and is the only one to save or register it.
 
-Rows exchanged per rank: (R-1)/R of all statistics rows * (2p + 2q) * 4 bytes (:mod:`kvhub.plan`).
+Rows exchanged per rank: (R-1)/R of all statistics rows * (2p + 2q) * 4 bytes (:mod:`kvhub.fitting.plan`).
 
 Checkpoints are per rank (``<checkpoint>.rank<r>-of-<R>``), written after the same steps on every
 rank, with the previous generation kept; a restarted job (torchrun restarts every rank) resumes from
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
-from .fit import (FitOptions, Progress, _job_hash, _load_checkpoint, _save_checkpoint, build_mapper, capture_pair,
+from kvhub.errors import ConfigError
+from kvhub.fitting.fit import (FitOptions, Progress, _job_hash, _load_checkpoint, _save_checkpoint, build_mapper, capture_pair,
                   fit_batches, layout_for, pair_fingerprints, structure_for)
-from .rope import Rotary
-from .solve import Solution, solve
-from .stats import KVStats, Layout, Moments
+from kvhub.core.rope import Rotary
+from kvhub.core.solve import Solution, solve
+from kvhub.core.stats import KVStats, Layout, Moments
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
                     group: Group, source_id: str, target_id: str, source_tokenizer=None, target_tokenizer=None,
                     calibration: dict | None = None, options: FitOptions | None = None,
                     progress: Progress | None = None):
-    """:func:`kvhub.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
+    """:func:`kvhub.fitting.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
     token ids and options; returns the Mapper on rank 0 and None on the others."""
     options = options or FitOptions()
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
@@ -273,7 +273,7 @@ def _assemble(parts: list[Solution]) -> Solution:
 
 
 def _means_only(layout: Layout, means: list[torch.Tensor], train: KVStats, heldout: KVStats) -> KVStats:
-    """Statistics of the full layout carrying only what :func:`kvhub.fit.build_mapper` reads from them:
+    """Statistics of the full layout carrying only what :func:`kvhub.fitting.fit.build_mapper` reads from them:
     the row counts and the target means (every target layer), no Gram or cross blocks."""
     out = KVStats.__new__(KVStats)
     out.layout = layout

@@ -10,11 +10,11 @@ of T tokens at stride s; all sizes in bytes).  Per rank, on the device (the GPU,
               + Nr*(p + q)*2*4             the captured fp32 rows of both models, K and V
     exchange    2 * R*Nr*(2p + 2q + 1)*4   a step's rows from every rank (padded and gathered); 0 if R = 1
 
-and in host memory, where kvhub.fit keeps the statistics and solves:
+and in host memory, where kvhub.fitting.fit keeps the statistics and solves:
 
     statistics  2 splits * 2 (K, V) * 8 * (p + p^2 + p*qr + 2*qr)  exactly what KVStats allocates
     update      Nr*(p + q)*(8 + 8 + 4) + p*CHUNK*(4 + 8)   one batch's fp64/centred/fp32 rows and one
-                                                            product chunk (kvhub.stats)
+                                                            product chunk (kvhub.core.stats)
     solve       8 * max(ds*p + 3*ds^2 + 2*ds*qr,  kd*p + 3*kd^2 + 3*kd*dt),  kd = k*ds
                 (the probe's one-layer ridge against all owned targets; one layer's k-source ridge)
 
@@ -34,7 +34,7 @@ The statistics and the solve run on the host's cores (shared by the node's ranks
 forward passes on the device.
 
 Modes: ``full`` (one rank holds everything), ``sharded`` (R ranks; each holds the source Gram and
-its target layers' cross blocks and solves those layers; see :mod:`kvhub.distributed`), and
+its target layers' cross blocks and solves those layers; see :mod:`kvhub.fitting.distributed`), and
 ``probe`` (a first pass of per-layer statistics picks source layers, a second accumulates only
 those): recommended when no rank count fits, and not implemented by ``kvhub fit`` yet.
 """
@@ -48,9 +48,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .calib.recipe import Sequences
-from .errors import ConfigError
-from .stats import CHUNK_COLUMNS
+from kvhub.calib.recipe import Sequences
+from kvhub.errors import ConfigError
+from kvhub.core.stats import CHUNK_COLUMNS
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -200,10 +200,10 @@ def shipped_configs() -> dict[str, dict]:
 def load_config(spec: str) -> tuple[dict, str]:
     """(config dict, model id) of a spec, reading no weights.
 
-    Tries, in order: a config.json file or a model directory; a fetched known model (kvhub.models);
+    Tries, in order: a config.json file or a model directory; a fetched known model (kvhub.models.resolve);
     a config kvhub ships; the Hugging Face cache (offline).
     """
-    from .models import find_known, resolve_model_path
+    from kvhub.models.resolve import find_known, resolve_model_path
 
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -287,7 +287,7 @@ def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_
                  stride: int | None = None, batch_size: int = 4, k: int | None = None,
                  dtype: str = "bfloat16") -> Workload:
     """A Workload; what is left None takes the calibration recipes' defaults (kvhub.calib.recipe)."""
-    from .calib.recipe import Sequences, heldout_count
+    from kvhub.calib.recipe import Sequences, heldout_count
 
     defaults = Sequences()
     samples = samples or defaults.samples
@@ -303,7 +303,7 @@ def statistics_bytes(p: int, q_owned: int) -> int:
 
 
 def _k_for(source: ModelShape, workload: Workload) -> int:
-    from .solve import K_GRID
+    from kvhub.core.solve import K_GRID
 
     if workload.k is not None:
         return workload.k
@@ -314,10 +314,10 @@ def _k_for(source: ModelShape, workload: Workload) -> int:
 
 def _solve_costs(source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool) -> tuple[int, float]:
     """(transient bytes, FLOPs) of one rank's solve, K and V: the probe (one ridge per source layer against
-    the owned targets, scored per pair) plus each owned layer's coordinate search (kvhub.solve._solve_layer:
+    the owned targets, scored per pair) plus each owned layer's coordinate search (kvhub.core.solve._solve_layer:
     every lambda at k=4, every k once, every lambda again at the best k, costed as k = ``k``).
     One ridge of kd = k*ds inputs and dt outputs: kd^3/3 (Cholesky) + 2 kd^2 dt (solve) + 2 kd^2 dt (scoring)."""
-    from .solve import DEFAULT_K, K_GRID, LAMBDA_GRID
+    from kvhub.core.solve import DEFAULT_K, K_GRID, LAMBDA_GRID
 
     ds, dt, p = source.kv_width, target.kv_width, source.layers * source.kv_width
     q_owned, kd = owned_layers * dt, k * ds

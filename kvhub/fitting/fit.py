@@ -1,8 +1,8 @@
 """capture -> statistics -> solve -> Mapper, with progress callbacks and resumable checkpoints.
 
 One pass over the calibration sequences: each batch runs through the source and the target model,
-both captures feed :class:`kvhub.stats.KVStats` (train and held-out splits separately), and the
-solve (:mod:`kvhub.solve`) never touches the models again.  Statistics are checkpointed atomically
+both captures feed :class:`kvhub.core.stats.KVStats` (train and held-out splits separately), and the
+solve (:mod:`kvhub.core.solve`) never touches the models again.  Statistics are checkpointed atomically
 every ``checkpoint_every`` batches; a fit started again with the same checkpoint file and the same
 job (models, tokens, stride) continues after the last checkpointed batch and ends with the same
 statistics, hence the same mapper.
@@ -20,15 +20,15 @@ from typing import Callable
 
 import torch
 
-from . import __version__
-from .artifact import atomic_write_bytes, map_prefix, tensor_name
-from .capture import capture
-from .errors import ConfigError, IncompatibleError
-from .fingerprint import kv_geometry, model_fingerprint
-from .mapper import Mapper
-from .rope import Rotary
-from .solve import Solution, Structure, head_groups, solve
-from .stats import KVStats, Layout
+from kvhub import __version__
+from kvhub.artifact import atomic_write_bytes, map_prefix, tensor_name
+from kvhub.core.capture import capture
+from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.models.fingerprint import kv_geometry, model_fingerprint
+from kvhub.core.mapper import Mapper
+from kvhub.core.rope import Rotary
+from kvhub.core.solve import Solution, Structure, head_groups, solve
+from kvhub.core.stats import KVStats, Layout
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ Progress = Callable[[str, int, int], None]  # (phase, completed tokens, total to
 @dataclass
 class FitOptions:
     """Knobs of a fit.  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens.
-    head_local / rank: compressed maps (see :mod:`kvhub.solve`); they change only the solve."""
+    head_local / rank: compressed maps (see :mod:`kvhub.core.solve`); they change only the solve."""
 
     k: int | str = "auto"
     lambda_: float | str = "auto"
@@ -47,7 +47,7 @@ class FitOptions:
     stride: int = 4
     skip_first: int = 0
     batch_size: int = 4
-    weighting: str = "uniform"  # "attention": weigh rows by the target's attention (kvhub.capture)
+    weighting: str = "uniform"  # "attention": weigh rows by the target's attention (kvhub.core.capture)
     weight_cap: float = 10.0  # cap of the raw attention weight, against attention sinks
     checkpoint: Path | None = None
     checkpoint_every: int = 4
@@ -231,7 +231,7 @@ def _load_checkpoint(path: Path, job: str, stats: dict[str, KVStats]) -> int:
 def target_means(train: KVStats) -> dict[str, torch.Tensor]:
     """``{k,v}.{m}.target_mean`` (Ht*Dt,) fp32: the calibration mean of target layer m's RoPE-stripped
     keys and of its values.  A cache of these constants is the no-information control of an evaluation
-    (:mod:`kvhub.control`): what a handoff scores above it is what the mapped context contributes."""
+    (:mod:`kvhub.eval.control`): what a handoff scores above it is what the mapped context contributes."""
     out = {}
     for kind, moments in (("k", train.k), ("v", train.v)):
         for m in range(train.layout.dst_layers):

@@ -3,7 +3,7 @@
 The model's body (no LM head) runs with a plain ``DynamicCache()`` (no config), so sliding-window
 layers keep every token; keys are read from the cache after the forward pass, which is exactly what
 the model caches (post k_norm for Qwen3, post RoPE), and the RoPE is stripped with the model's own
-rotary module in fp32 (see :mod:`kvhub.rope`).
+rotary module in fp32 (see :mod:`kvhub.core.rope`).
 
 Attention weights of the tokens (for attention-weighted fits), from the attention probabilities
 A_lh[i, t] of query i on key t in layer l, head h of one unpadded sequence of T tokens:
@@ -27,8 +27,8 @@ from functools import lru_cache
 
 import torch
 
-from .errors import ConfigError, NonFiniteError, UnsupportedModelError
-from .rope import Rotary, check_supported, strip_rope
+from kvhub.errors import ConfigError, NonFiniteError, UnsupportedModelError
+from kvhub.core.rope import Rotary, check_supported, strip_rope
 
 
 @dataclass

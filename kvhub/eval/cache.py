@@ -16,7 +16,7 @@ from pathlib import Path
 
 def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str) -> Path:
     """Where the per-item results of one (mapper, task, seed, variant, dtype, device) live."""
-    from .calib.corpus import cache_root
+    from kvhub.calib.corpus import cache_root
 
     key = hashlib.sha256(json.dumps([variant, str(dtype), str(device)]).encode()).hexdigest()[:12]
     return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{task}-seed{seed}-{key}.jsonl"

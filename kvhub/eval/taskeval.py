@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .capture import cache_kwargs, run_model
-from .handoff import prepare_cache
-from .recompute import Recompute
+from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.serving.handoff import prepare_cache
+from kvhub.serving.recompute import Recompute
 
 
 @dataclass
@@ -130,9 +130,9 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
                recorder: _AttnRecorder | None = None) -> list[ItemScore]:
     """Score one multiple-choice item under the three conditions; one ItemScore per variant.
 
-    A variant is a :class:`~kvhub.recompute.Recompute`: the context tokens the target recomputes
+    A variant is a :class:`~kvhub.serving.recompute.Recompute`: the context tokens the target recomputes
     itself (exact prefix / suffix, selected spans; capped to the context; see
-    :func:`kvhub.handoff.prepare_cache`).  Every condition prefills the shared context minus its last
+    :func:`kvhub.serving.handoff.prepare_cache`).  Every condition prefills the shared context minus its last
     token once (own: target; mapped: source -> mapper plus the recomputes; source: source), then runs
     the same tails ``[last context token] + prefix_i + continuation_i`` (batched over choices) from
     that cache, so the conditions differ only in the cache.  Own and source are computed once.
@@ -140,7 +140,7 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
     device = next(target.parameters()).device
     ctx, pres, conts = _encode(tokenizer, item)
     if len(ctx) < 2:
-        from .errors import ConfigError
+        from kvhub.errors import ConfigError
 
         raise ConfigError(f"item {item.id}: the context must be at least 2 tokens long")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError, IncompatibleError
+from kvhub.errors import ConfigError, IncompatibleError
 
 F64 = torch.float64
 CHUNK_COLUMNS = 4096  # columns of one fp32 product during an update: bounds its transient memory
@@ -65,7 +65,7 @@ class Moments:
     def _merge_rows(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Chan-merge a batch into self without materialising its (p, p) and (p, q) moments: the fp32
         products are made :data:`CHUNK_COLUMNS` columns at a time and added in place, so the transient
-        memory is N * (p + q) fp64 rows plus one (p, CHUNK_COLUMNS) product (see :mod:`kvhub.plan`)."""
+        memory is N * (p + q) fp64 rows plus one (p, CHUNK_COLUMNS) product (see :mod:`kvhub.fitting.plan`)."""
         n, x64, y64 = x.shape[0], x.to(F64), y.to(F64)
         if weight is None:
             batch_weight, mean_x, mean_y = float(n), x64.mean(0), y64.mean(0)
@@ -208,7 +208,7 @@ class KVStats:
 
     def update(self, source_keys, source_values, target_keys, target_values, *,
                weights: torch.Tensor | None = None) -> None:
-        """Add one batch: lists of per-layer (N, width) blocks, as returned by kvhub.capture.
+        """Add one batch: lists of per-layer (N, width) blocks, as returned by kvhub.core.capture.
 
         ``weights`` (N,) >= 0 weigh each row in both the K and the V moments (None: all 1).
         """

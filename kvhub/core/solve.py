@@ -1,6 +1,6 @@
 """Closed-form solves over sufficient statistics: probe R^2, layer selection, ridge, k/lambda choice.
 
-Notation (see :mod:`kvhub.stats`): for a source-column set S and target columns J,
+Notation (see :mod:`kvhub.core.stats`): for a source-column set S and target columns J,
 
     ridge:  W = (Cxx[S,S] + lam * I)^-1 Cxy[S,J],   b = mean_y[J] - mean_x[S] W
     lam   = lambda_rel * trace(Cxx[S,S]) / |S|      (scale-aware: lambda_rel is relative to the
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .artifact import tensor_name
-from .errors import ConfigError, FitError
-from .stats import KVStats, Moments
+from kvhub.artifact import tensor_name
+from kvhub.errors import ConfigError, FitError
+from kvhub.core.stats import KVStats, Moments
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ def solve(
     probe_k, probe_v = probe_r2(train, heldout if has_heldout else None)
     if layout.src_width % structure.groups or layout.dst_width % structure.groups:
         raise ConfigError(f"{structure.groups} head groups do not divide the source/target layer widths "
-                          f"({layout.src_width}, {layout.dst_width}); use kvhub.solve.head_groups")
+                          f"({layout.src_width}, {layout.dst_width}); use kvhub.core.solve.head_groups")
     layers = [
         _solve_layer(train, heldout if has_heldout else None, m, rank_sources(probe_k, probe_v, m),
                      k_candidates, lambda_candidates, structure)

@@ -4,12 +4,12 @@ A *spec* is one of:
 - a local directory holding a transformers model (config.json + weights, tokenizer files optional);
 - a ``.gguf`` file, de-quantised by transformers on load (needs the ``gguf`` package);
 - a name or Hub id listed in ``registry/models.toml`` (``Qwen/Qwen2.5-Coder-0.5B-Instruct``), which
-  resolves to ``<cache>/models/<name>/`` once ``kvhub fetch models`` (:func:`kvhub.fetch.fetch_model`)
+  resolves to ``<cache>/models/<name>/`` once ``kvhub fetch models`` (:func:`kvhub.models.fetch.fetch_model`)
   has converted it;
 - any other Hub id, which transformers loads from its own cache (or the Hub when online).
 
 The cache root is :func:`kvhub.calib.corpus.cache_root` (``$KVHUB_CACHE``, ...).  Fetching and converting
-the known models is :mod:`kvhub.fetch`.
+the known models is :mod:`kvhub.models.fetch`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import sha256_file
-from .errors import ArtifactError, ModelUnavailableError
+from kvhub.artifact import sha256_file
+from kvhub.errors import ArtifactError, ModelUnavailableError
 
 MANIFEST = "kvhub-model.json"
 FETCH_COMMAND = "kvhub fetch models"
@@ -79,7 +79,7 @@ def find_known(spec: str) -> KnownModel | None:
 def models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """``<cache_dir>/models``; ``cache_dir`` defaults to kvhub's cache root (``$KVHUB_CACHE``)."""
     if cache_dir is None:
-        from .calib.corpus import cache_root
+        from kvhub.calib.corpus import cache_root
 
         cache_dir = cache_root()
     return Path(cache_dir).expanduser() / "models"
@@ -168,7 +168,7 @@ def parse_torch_dtype(dtype):
         return dtype
     value = getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
-        from .errors import ConfigError
+        from kvhub.errors import ConfigError
 
         raise ConfigError(f"unknown dtype {dtype!r}; use e.g. bfloat16, float16 or float32")
     return value
