@@ -88,6 +88,7 @@ class Timer:
 
 def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
     """A Mapper of the fitted kind (k sources per target layer, fp32 maps) with random weights."""
+    from kvhub.dtypes import dtype_name
     from kvhub.models.fingerprint import model_fingerprint
     from kvhub.fitting.fit import FitOptions, build_mapper, layout_for
     from kvhub.core.solve import LayerSolution, LinearMap, Solution
@@ -110,7 +111,7 @@ def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
     fingerprints = []
     for model, name in ((source, SRC), (target, DST)):
         fp = model_fingerprint(model.config, model_id=name)
-        fp["dtype"] = str(model.dtype).replace("torch.", "")
+        fp["dtype"] = dtype_name(model.dtype)
         fingerprints.append(fp)
     mapper = build_mapper(solution, *fingerprints, {}, counts, counts, FitOptions())
     return mapper.to(device)

@@ -174,10 +174,11 @@ def test_load_local_dir(tmp_path):
     assert tokenizer is None and model_id == str(tmp_path.resolve())
 
 
-def test_unknown_dtype_is_a_config_error(tmp_path):
+@pytest.mark.parametrize("dtype", ["float13", "int8", torch.int8])
+def test_unknown_or_non_float_dtype_is_a_config_error_naming_the_valid_ones(tmp_path, dtype):
     make_model("qwen2").save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="dtype"):
-        models.load_model(tmp_path, dtype="float13")
+    with pytest.raises(ConfigError, match="use float32, bfloat16, float16 or float64"):
+        models.load_model(tmp_path, dtype=dtype)
 
 
 def test_unknown_hub_id_offline_names_the_fetch_command(monkeypatch, tmp_path):

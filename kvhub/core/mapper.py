@@ -24,29 +24,10 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
     FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, format_version_of, read_artifact, read_metadata, tensor_path,
     verify_tensors, write_artifact,
 )
+from kvhub.dtypes import parse_dtype  # noqa: F401  (re-exported: kvhub.core.mapper.parse_dtype)
 from kvhub.errors import IncompatibleError, NonFiniteError
 from kvhub.models.fingerprint import config_from_fingerprint
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """'bf16'/'bfloat16'/torch.bfloat16 -> torch.bfloat16; None stays None."""
-    if isinstance(name, torch.dtype) and not name.is_floating_point:
-        from kvhub.errors import ConfigError
-
-        raise ConfigError(f"dtype {name} is not a floating-point type; use one of float32, bfloat16, float16")
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    key = aliases.get(name, name).replace("torch.", "")
-    if key not in _DTYPES:
-        from kvhub.errors import ConfigError
-
-        raise ConfigError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
-    return _DTYPES[key]
 
 
 # Elements of one stacked block of layers (G, B, H, T, D): bounds the fp32 RoPE temporaries (a few of these

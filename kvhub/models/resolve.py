@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvhub.artifact import sha256_file
+from kvhub.dtypes import parse_dtype
 from kvhub.errors import ArtifactError, ModelUnavailableError
 
 MANIFEST = "kvhub-model.json"
@@ -160,20 +161,6 @@ def _model_id(spec: str, resolved: Path | str) -> str:
     return spec
 
 
-def parse_torch_dtype(dtype):
-    """A torch dtype from itself or its name ("bfloat16", "torch.float32"); None stays None."""
-    import torch
-
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        from kvhub.errors import ConfigError
-
-        raise ConfigError(f"unknown dtype {dtype!r}; use e.g. bfloat16, float16 or float32")
-    return value
-
-
 def _default_device(device):
     import torch
 
@@ -192,7 +179,7 @@ def load_model(spec: str | os.PathLike, *, device=None, dtype=None, cache_dir=No
     """
     spec = str(spec)
     resolved = resolve_model_path(spec, cache_dir=cache_dir)
-    torch_dtype = parse_torch_dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     if isinstance(resolved, Path) and resolved.suffix == ".gguf":
         model, tokenizer = _load_gguf(resolved, dtype=torch_dtype)
     elif isinstance(resolved, Path):
