@@ -188,12 +188,21 @@ def test_unknown_hub_id_offline_names_the_fetch_command(monkeypatch, tmp_path):
     assert info.value.model_id == "someone/not-a-cached-model"
 
 
-def test_known_id_not_fetched_offline_says_how_to_fetch_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@pytest.mark.parametrize("offline", ["env=1", "env=On", "huggingface_hub flag"])
+def test_known_id_not_fetched_offline_says_how_to_fetch_it(monkeypatch, tmp_path, offline):
+    """Offline as kvhub.hub sees it (the variable now, or huggingface_hub's flag read at its import)."""
+    from huggingface_hub import constants
+
+    if offline.startswith("env="):
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline[4:])
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelUnavailableError) as info:
         models.load_model(QWEN_05, cache_dir=tmp_path)
     assert info.value.command == "kvhub fetch models Qwen2.5-Coder-0.5B-Instruct"
-    assert info.value.command in str(info.value) and "HF_HUB_OFFLINE" in str(info.value)
+    assert "has not been fetched on this machine and HF_HUB_OFFLINE is set" in str(info.value)  # before transformers
+    assert info.value.command in str(info.value)
 
 
 def test_missing_gguf_path_is_not_sent_to_the_hub(tmp_path):

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeE
 from rich.text import Text
 
 from kvhub.cli.console import err_console, say
+from kvhub.hub.client import env_flag
 
 INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"
 _DEFAULT_INTERVAL_S = 30.0
@@ -46,13 +47,9 @@ class CountColumn(ProgressColumn):
         return Text(f"{int(task.completed):,}/{total}")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def bars_wanted() -> bool:
     """Rich bars only on a terminal and unless HF_HUB_DISABLE_PROGRESS_BARS is set."""
-    return err_console.is_terminal and not _env_flag("HF_HUB_DISABLE_PROGRESS_BARS")
+    return err_console.is_terminal and not env_flag("HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 def quiet_other_bars(*, load_transformers: bool = False) -> None:

@@ -37,8 +37,18 @@ class HubSettings:
     cache_dir: str
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+def env_flag(name: str) -> bool:
+    """True when the environment variable ``name`` says yes now (1, true, yes, on; any case), as
+    huggingface_hub reads its own flags."""
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def hub_offline() -> bool:
+    """Whether kvhub must stay off the Hub: ``HF_HUB_OFFLINE`` set now, or huggingface_hub's own flag
+    (which it read from the environment when it was imported)."""
+    from huggingface_hub import constants
+
+    return env_flag("HF_HUB_OFFLINE") or bool(constants.HF_HUB_OFFLINE)
 
 
 def hub_settings() -> HubSettings:
@@ -46,11 +56,10 @@ def hub_settings() -> HubSettings:
     from huggingface_hub import constants
 
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    offline = _truthy(os.environ.get("HF_HUB_OFFLINE")) or constants.HF_HUB_OFFLINE
     cache = os.environ.get("HF_HUB_CACHE") or (
         os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE
     )
-    return HubSettings(endpoint=endpoint, offline=bool(offline), cache_dir=os.path.expanduser(cache))
+    return HubSettings(endpoint=endpoint, offline=hub_offline(), cache_dir=os.path.expanduser(cache))
 
 
 def _api(settings: HubSettings, token: str | None):

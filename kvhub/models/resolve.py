@@ -130,10 +130,6 @@ def verify_converted(model: KnownModel, *, cache_dir=None, hashes: bool = False)
 # ---------------------------------------------------------------------------------------------------
 # Resolving and loading.
 
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _looks_like_path(spec: str) -> bool:
     return spec.endswith(".gguf") or spec.startswith(("/", "./", "../", "~"))
 
@@ -223,8 +219,10 @@ def _load_hub(model_id: str, *, dtype):
     """Load ``model_id`` through transformers; known-but-unfetched models fail fast when offline."""
     if _looks_like_path(model_id):
         raise ModelUnavailableError(f"{model_id} does not exist; check the path", model_id=model_id)
+    from kvhub.hub.client import hub_offline
+
     known = find_known(model_id)
-    if known is not None and _hub_offline():
+    if known is not None and hub_offline():
         raise _unavailable(model_id, known, "it has not been fetched on this machine and HF_HUB_OFFLINE is set")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -232,7 +230,7 @@ def _load_hub(model_id: str, *, dtype):
         model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except OSError as exc:
-        reason = "it is not in the local Hugging Face cache" + (" and HF_HUB_OFFLINE is set" if _hub_offline()
+        reason = "it is not in the local Hugging Face cache" + (" and HF_HUB_OFFLINE is set" if hub_offline()
                                                                  else f" and the Hub failed ({exc})")
         raise _unavailable(model_id, known, reason) from exc
     return model, tokenizer
