@@ -373,3 +373,15 @@ def test_an_unreachable_server_is_a_store_error_without_the_password():
     with pytest.raises(StoreError, match="cannot use the store") as caught:
         open_store("postgresql+psycopg://kvhub:s3cret@127.0.0.1:1/kvhub")
     assert "s3cret" not in str(caught.value) and "kvhub:***@" in str(caught.value)
+
+
+def test_row_identities_and_json_hashes_are_pinned():
+    """Stores written by older kvhub look their model and calibration rows up by these hashes: the
+    canonical JSON (sorted keys, json's default separators) must never change."""
+    from kvhub.artifact import json_sha256
+    from kvhub.store.ingest import _identity
+
+    assert _identity("Qwen/Qwen2.5-0.5B", None, "c0ffee", None) == (
+        "6a29b437a07383b3095d0f9a7d6896e75734152e0e50a9a1c4623335307e9953")
+    assert json_sha256({"b": [1, 2], "a": "x"}) == json_sha256({"a": "x", "b": [1, 2]}) == (
+        "5125d018f84d57c49a8d3c2cfa6063d23cc3f4cd7ff13f4fdedfa2c1d3162f30")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvhub.artifact import atomic_write_bytes
+from kvhub.artifact import atomic_write_bytes, json_sha256
 from kvhub.errors import ConfigError, CorpusTooSmallError
 from kvhub.calib.corpus import Progress, cache_root, locate, read_source
 from kvhub.calib.packing import (
@@ -97,10 +97,6 @@ class CalibrationSet:
         return metadata
 
 
-def _sha256_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def tokenizer_digest(tokenizer, *, with_chat_template: bool = False) -> str:
     """sha256 of everything about the tokenizer that changes the packed ids.
 
@@ -117,12 +113,12 @@ def tokenizer_digest(tokenizer, *, with_chat_template: bool = False) -> str:
         from kvhub.models.fingerprint import tokenizer_hash
 
         parts["vocab"] = tokenizer_hash(tokenizer)
-    return _sha256_json(parts)
+    return json_sha256(parts)
 
 
 def content_hash(recipe: Recipe, *, corpus: str, tokenizer: str) -> str:
     sequences = {name: getattr(recipe.sequences, name) for name in _HASHED_SEQUENCE_FIELDS}
-    return _sha256_json({"packing": PACKING_VERSION, "corpus": corpus, "sequences": sequences, "tokenizer": tokenizer})
+    return json_sha256({"packing": PACKING_VERSION, "corpus": corpus, "sequences": sequences, "tokenizer": tokenizer})
 
 
 def set_path(name: str, digest: str) -> Path:

@@ -6,8 +6,6 @@ each checked by kvhub.artifact before anything is stored.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 from pathlib import Path
@@ -16,7 +14,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from kvhub import __version__
-from kvhub.artifact import METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, read_metadata, verify_tensors  # noqa: F401
+from kvhub.artifact import (  # noqa: F401
+    METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, json_sha256, read_metadata, verify_tensors,
+)
 from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
 from kvhub.store.artifacts import StoredArtifact
 from kvhub.store.refs import LATEST
@@ -28,7 +28,8 @@ METRIC_FIELDS = ("name", "value", "split", "task", "layer", "n", "seed")
 
 
 def _identity(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    """The row identity of a model or calibration set: the sha256 of its key parts as one JSON list."""
+    return json_sha256(list(parts))
 
 
 def _integer(value) -> int | None:
