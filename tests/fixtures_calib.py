@@ -43,6 +43,20 @@ def train_tokenizer(*, vocab_size: int = 600, bos: bool = False, chat_template: 
     return tokenizer
 
 
+class ProgressRecorder(list):
+    """A kvhub.progress.Progress callback that keeps every event and checks each against the protocol:
+    a str label, an int count that never decreases within a step (the label up to its first ':') and
+    never passes the total, which is an int or None."""
+
+    def __call__(self, label, done, total) -> None:
+        assert isinstance(label, str) and isinstance(done, int) and (total is None or isinstance(total, int))
+        step = label.split(":")[0]
+        earlier = [d for (l, d, _) in self if l.split(":")[0] == step]
+        assert not earlier or done >= earlier[-1], f"{label}: {done} after {earlier[-1]}"
+        assert total is None or done <= total, f"{label}: {done} of {total}"
+        self.append((label, done, total))
+
+
 @pytest.fixture(scope="session")
 def calib_tokenizer():
     return train_tokenizer()

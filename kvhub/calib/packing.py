@@ -22,12 +22,13 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from kvhub.calib.readers import Document
+from kvhub.progress import Progress, report
 from kvhub.calib.recipe import Filters, Sequences, heldout_count
 
 log = logging.getLogger(__name__)
@@ -148,16 +149,14 @@ def _windows(buffer: list[int], prefix: list[int], body: int) -> torch.Tensor:
 
 
 def pack(tokens, *, prefix: list[int], seq_len: int, samples: int, heldout: int,
-         progress: Callable | None = None) -> Packed | None:
+         progress: Progress | None = None) -> Packed | None:
     """Pack a token stream into ``heldout`` then ``samples`` sequences; None when it runs out."""
     body = seq_len - len(prefix)
     stream = iter(tokens)
     held_buffer, held_docs = _fill(stream, heldout * body)
-    if progress:
-        progress("tokenize", len(held_buffer), (heldout + samples) * body)
+    report(progress, "tokenize", len(held_buffer), (heldout + samples) * body)
     train_buffer, train_docs = _fill(stream, samples * body)
-    if progress:
-        progress("tokenize", len(held_buffer) + len(train_buffer), (heldout + samples) * body)
+    report(progress, "tokenize", len(held_buffer) + len(train_buffer), (heldout + samples) * body)
     if len(held_buffer) < heldout * body or len(train_buffer) < samples * body:
         return None
     return Packed(_windows(train_buffer, prefix, body), _windows(held_buffer, prefix, body), train_docs, held_docs)

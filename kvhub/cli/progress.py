@@ -1,4 +1,5 @@
-"""The CLI's one progress system, driven by library callbacks ``(description, completed, total)``.
+"""The CLI's one progress system: it draws the library's :data:`kvhub.progress.Progress` callbacks
+``(label, done, total)``.
 
 On a terminal: one Rich bar per step (the description up to its first ``:``).  Anywhere else (a CI
 log, a file, ``2>&1 | tee``), or with ``HF_HUB_DISABLE_PROGRESS_BARS`` set: plain lines on stderr,
@@ -15,13 +16,16 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
 from rich.text import Text
 
 from kvhub.cli.console import err_console, say
 from kvhub.hub.client import env_flag
+from kvhub.progress import Progress
 
 INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"
 _DEFAULT_INTERVAL_S = 30.0
@@ -112,8 +116,8 @@ class LineProgress:
 
 
 @contextmanager
-def progress_callback(unit: str = "tok/s"):
-    """Yield a ``callback(description, completed, total)``: Rich bars on a terminal, plain periodic lines
+def progress_callback(unit: str = "tok/s") -> Iterator[Progress]:
+    """Yield a :data:`kvhub.progress.Progress` callback: Rich bars on a terminal, plain periodic lines
     elsewhere (module docstring)."""
     quiet_other_bars()
     if not bars_wanted():
@@ -121,7 +125,7 @@ def progress_callback(unit: str = "tok/s"):
         return
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), CountColumn(),
                RateColumn(unit), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
-    with Progress(*columns, console=err_console, transient=False) as bar:
+    with RichProgress(*columns, console=err_console, transient=False) as bar:
         tasks: dict[str, int] = {}
 
         def callback(description: str, completed: int, total: int | None) -> None:

