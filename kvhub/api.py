@@ -9,13 +9,14 @@ from a bare directory has none until it is registered.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvhub.errors import ConfigError, NotFoundError
 from kvhub.core.mapper import Mapper
 
-_HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+if TYPE_CHECKING:  # the store (SQLAlchemy) and the Hub client are imported when a name is resolved
+    from kvhub.store.refs import Ref
 
 
 def load(
@@ -34,36 +35,39 @@ def load(
 
     src, dst: model ids as fitted (``Qwen/Qwen2.5-Coder-0.5B-Instruct``) or short names
     (``qwen2.5-coder-0.5b-instruct``).  calib: calibration-set name; needed only when the pair was
-    fitted on several.  version (``3`` or ``"v3"``) or alias picks the version; by default the one
-    aliased ``production`` if set, else ``latest``.  db: store URL or SQLite path (default: see
+    fitted on several.  version (``3``, ``"v3"``, or an alias name as in a reference's ``@SELECTOR``) or
+    alias picks the version; by default the one aliased ``production`` if set, else ``latest``.  db: store URL or SQLite path (default: see
     kvhub.store.location).  device, dtype: where the weights go and the dtype of the caches
     ``transfer`` returns.  hub_repo (``"owner/name[@revision]"``): where to look on the Hugging Face
     Hub when the store has no match; without it, the namespaces in KVHUB_HUB_NAMESPACES are searched
     (see docs/hub.md).  A mapper found on the Hub is verified and registered in the store first.
 
-    Raises NotFoundError when nothing matches, AmbiguousError (listing the candidates) when the names
+    Raises ConfigError for a malformed version or alias (before any store or Hub is read), NotFoundError
+    (with the next step) when nothing matches, AmbiguousError (listing the candidates) when the names
     match several mappers, IntegrityError when the artifact's bytes differ from their recorded sha256.
     """
+    from kvhub.store.refs import Ref
+
+    ref = Ref.of(src, dst, calibration=calib, version=version, alias=alias)
     try:
-        directory, ref = _resolve_local(src, dst, calib=calib, version=version, alias=alias, db=db)
+        directory, found = _resolve_local(ref, db=db)
     except NotFoundError as miss:
-        directory, ref = _resolve_hub(src, dst, calib=calib, version=version, alias=alias, miss=miss,
-                                      hub_repo=hub_repo, db=db)
+        directory, found = _resolve_hub(ref, miss=miss, hub_repo=hub_repo, db=db)
     mapper = Mapper.load(directory, device=device, dtype=dtype)
-    mapper.ref = ref
+    mapper.ref = found
     return mapper
 
 
-def _resolve_local(src, dst, *, calib, version, alias, db) -> tuple[Path, str]:
+def _resolve_local(ref: Ref, *, db) -> tuple[Path, str]:
     """Artifact directory and full reference of the matching version in the store; NotFoundError on a miss."""
     from kvhub.store import open_store
 
     with open_store(db, create=False) as store:  # a mistyped db is a miss, not a new empty store
-        found = store.find(src, dst, calibration=calib, version=version, alias=alias)
+        found = store.resolve(ref)
         return store.artifact_path(found), found.ref
 
 
-def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_repo=None, db=None) -> tuple[Path, str]:
+def _resolve_hub(ref: Ref, *, miss: NotFoundError, hub_repo=None, db=None) -> tuple[Path, str]:
     """Hub fallback (kvhub.hub, docs/hub.md): pull a published mapper into the store, return its directory.
 
     The local miss stands when no Hub source is configured (no hub_repo, no KVHUB_HUB_NAMESPACES) and
@@ -72,13 +76,13 @@ def _resolve_hub(src, dst, *, calib, version, alias, miss: NotFoundError, hub_re
     # ---- hub fallback hook (owned by kvhub.hub; keep this body minimal) ----
     from kvhub.hub import configured_namespaces, load_from_hub
     from kvhub.store import open_store
-    from kvhub.store.refs import parse_selector
+    from kvhub.store.refs import LATEST
 
-    if (hub_repo is None and not configured_namespaces()) or alias not in (None, "latest"):
+    if (hub_repo is None and not configured_namespaces()) or ref.alias not in (None, LATEST):
         raise miss
-    number = parse_selector(version)[0] if version is not None else None
     with open_store(db) as store:
-        pulled = load_from_hub(store, src, dst, calibration=calib, version=number, hub_repo=hub_repo)
+        pulled = load_from_hub(store, ref.source, ref.target, calibration=ref.calibration, version=ref.version,
+                               hub_repo=hub_repo)
         return store.artifact_path(pulled.version), pulled.version.ref
 
 
@@ -92,23 +96,38 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
         return mapper
     from kvhub.store import open_store
 
-    if ":" in text:
+    from kvhub.store.refs import Ref
+
+    named = _parse_name(text)
+    if isinstance(named, Ref):
         with open_store(db, create=False) as store:
-            version = store.resolve(text)
+            version = store.resolve(named)
             directory = store.artifact_path(version)
-    elif _HUB_REPO.fullmatch(text):
+    else:
         from kvhub.hub import pull
 
         with open_store(db) as store:
-            version = pull(store, text, token=token).version
+            version = pull(store, named[0], revision=named[1], token=token).version
             directory = store.artifact_path(version)
-    else:
-        raise ConfigError(f"{text!r} is neither an artifact directory, a store reference (SRC:DST:CALIB@v3) nor a "
-                          "Hub repository (OWNER/NAME@v3); check the spelling, or list what exists with "
-                          "`kvhub list` / `kvhub search`")
     mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype)
     mapper.ref = version.ref
     return mapper
+
+
+def _parse_name(text: str) -> Ref | tuple[str, str | None]:
+    """What a name that is not a directory designates: a store reference (it has a ':'), else a Hub
+    repository ``(repo_id, revision)``; ConfigError naming the three forms for anything else."""
+    from kvhub.hub import parse_repo_ref
+    from kvhub.store.refs import SYNTAX_HELP, Ref
+
+    if ":" in text:
+        return Ref.parse(text)
+    try:
+        return parse_repo_ref(text)
+    except ConfigError:
+        raise ConfigError(f"{text!r} is neither an artifact directory, a store reference nor a Hub repository "
+                          f"(OWNER/NAME or OWNER/NAME@v3); for a reference, {SYNTAX_HELP}. Check the spelling, "
+                          "or list what exists with `kvhub list` / `kvhub search`") from None
 
 
 def _registered_ref(mapper: Mapper, db) -> str | None:

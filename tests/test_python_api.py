@@ -59,3 +59,50 @@ def test_push_to_hub_then_from_pretrained_by_repository(hub_env):
     assert same_tensors(pulled, fitted) and pulled.ref == f"{SERIES}@v1"
     with open_store(other) as store:
         assert store.resolve(pulled.ref).lineage["hub"]["repo_id"] == "alice/kvmap-api"
+
+
+@pytest.mark.parametrize(("selector", "match"), [
+    ({"version": 0}, "version numbers run from 1"), ({"version": "v0"}, "version numbers run from 1"),
+    ({"version": 2.5}, "a version is a number"), ({"version": "bad name!"}, "cannot be an alias"),
+    ({"alias": "v3"}, "cannot be an alias"), ({"version": 3, "alias": "production"}, "either a version or an alias"),
+])
+def test_load_refuses_a_malformed_selector_before_reading_any_store(tmp_path, selector, match):
+    with pytest.raises(ConfigError, match=match):
+        kvhub.load(SRC_ID, DST_ID, db=str(tmp_path / "store.db"), **selector)
+    assert not (tmp_path / "store.db").exists()
+
+
+@pytest.mark.parametrize("hub_configured", [False, True])
+def test_every_miss_of_load_is_a_not_found_error_with_a_next_step(tmp_path, monkeypatch, hub_configured):
+    """Aliases other than latest are names in this store: with a Hub source configured they are still
+    local misses (``version="production"`` used to fall through to the Hub's newest version)."""
+    if hub_configured:
+        monkeypatch.setenv("KVHUB_HUB_NAMESPACES", "alice")  # offline (conftest), an empty Hugging Face cache
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    db = str(tmp_path / "store.db")
+    no_store = "in the local Hugging Face cache under alice" if hub_configured else "no kvhub store"
+    with pytest.raises(NotFoundError, match=f"{no_store}.*`kvhub fit`"):
+        kvhub.load(SRC_ID, DST_ID, db=db)
+    register(db, tmp_path / "a1", seed=1)
+    misses = [({"version": "production"}, "has no alias 'production'; set it with `kvhub tag"),
+              ({"alias": "staging"}, "has no alias 'staging'; set it with `kvhub tag"),
+              ({"calib": "other-docs"}, "other-docs.*`kvhub fit`"),
+              ({"version": 7}, "v7 in the store or in the local Hugging Face cache" if hub_configured
+               else r"has no version v7 \(versions: v1\); name one of those"),
+              ({"src": "someone/else"}, "`kvhub fit`")]
+    for selector, match in misses:
+        names = {"src": SRC_ID, "dst": DST_ID, **selector}
+        with pytest.raises(NotFoundError, match=match):
+            kvhub.load(names.pop("src"), names.pop("dst"), db=db, **names)
+    assert kvhub.load(SRC_ID, DST_ID, db=db, version="latest").ref == f"{SERIES}@v1"
+
+
+@pytest.mark.parametrize(("name", "match"), [
+    ("./not/here", "neither an artifact directory"), ("../up", "neither an artifact directory"),
+    ("a/b/c", "neither an artifact directory"), ("kvmap", "neither an artifact directory"),
+    ("a:b:c:d", "is not a mapper reference"), ("a:b@", "names no version or alias"), ("a:b@v0", "run from 1"),
+])
+def test_from_pretrained_parses_names_with_the_store_and_hub_parsers(tmp_path, name, match):
+    with pytest.raises(ConfigError, match=match):
+        kvhub.Mapper.from_pretrained(name, db=str(tmp_path / "store.db"))
+    assert not (tmp_path / "store.db").exists()

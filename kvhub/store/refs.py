@@ -52,6 +52,21 @@ class Ref:
         calibration = parts[2].strip() if len(parts) == 3 else None
         return cls(parts[0].strip(), parts[1].strip(), calibration, version, alias)
 
+    @classmethod
+    def of(cls, source: str, target: str, *, calibration: str | None = None, version: int | str | None = None,
+           alias: str | None = None) -> "Ref":
+        """The reference to the parts given one by one (model ids may then contain ':', unlike in text).
+
+        ``version`` is a selector (``3``, ``"v3"``, or an alias name such as ``"production"``); ``alias``
+        names an alias only.  ConfigError for both at once or for a selector that is neither.
+        """
+        if version is not None and alias is not None:
+            raise ConfigError(f"pass either a version or an alias, not both (got {version!r} and {alias!r})")
+        number, named = parse_selector(version) if version is not None else (None, None)
+        if alias is not None:
+            named = check_alias_name(alias)
+        return cls(source, target, calibration, number, named)
+
     def with_selector(self, *, version: int | None = None, alias: str | None = None) -> "Ref":
         return Ref(self.source, self.target, self.calibration, version, alias)
 
@@ -81,6 +96,9 @@ def parse_selector(selector: str | int) -> tuple[int | None, str | None]:
     """``3``/``"v3"`` -> (3, None); ``"production"`` -> (None, "production")."""
     if isinstance(selector, int):
         return _version_number(selector), None
+    if not isinstance(selector, str):
+        raise ConfigError(f"a version is a number (3), 'v3' or an alias name, not {selector!r} "
+                          f"({type(selector).__name__}); see `kvhub list` for the versions that exist")
     match = _VERSION_PATTERN.fullmatch(selector.strip())
     if match:
         return _version_number(int(match.group(1))), None

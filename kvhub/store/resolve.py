@@ -19,32 +19,27 @@ _NEXT_STEP = "fit one with `kvhub fit`, import one with `kvhub import DIR`, or s
 def find_series(session: Session, ref: Ref) -> SeriesRow:
     """The one triple ``ref`` names (its selector is ignored here)."""
     series = session.scalars(select(SeriesRow)).all()
-    sources = match_model_names(ref.source, [s.source_name for s in series])
-    if not sources:
-        known = sorted({s.source_name for s in series})
-        raise NotFoundError(
-            f"no mapper from model {ref.source!r} in the store ({_listing('sources', known)}); {_NEXT_STEP}"
-        )
-    series = [s for s in series if s.source_name in sources]
-    targets = match_model_names(ref.target, [s.target_name for s in series])
-    if not targets:
-        known = sorted({s.target_name for s in series})
-        raise NotFoundError(
-            f"no mapper from {_one_of(sources)} to {ref.target!r} ({_listing('targets', known)}); {_NEXT_STEP}"
-        )
-    series = [s for s in series if s.target_name in targets]
+    series, sources = _narrow(series, "source_name", match_model_names(ref.source, [s.source_name for s in series]),
+                              miss=f"no mapper from model {ref.source!r} in the store", what="sources")
+    series, targets = _narrow(series, "target_name", match_model_names(ref.target, [s.target_name for s in series]),
+                              miss=f"no mapper from {_one_of(sources)} to {ref.target!r}", what="targets")
     if ref.calibration is not None:
-        calibrations = match_calibration_names(ref.calibration, [s.calibration_name for s in series])
-        if not calibrations:
-            known = sorted({s.calibration_name for s in series})
-            raise NotFoundError(
-                f"no mapper from {_one_of(sources)} to {_one_of(targets)} fitted on calibration set "
-                f"{ref.calibration!r} ({_listing('calibration sets', known)}); {_NEXT_STEP}"
-            )
-        series = [s for s in series if s.calibration_name in calibrations]
+        series, _ = _narrow(
+            series, "calibration_name", match_calibration_names(ref.calibration, [s.calibration_name for s in series]),
+            miss=f"no mapper from {_one_of(sources)} to {_one_of(targets)} fitted on calibration set "
+                 f"{ref.calibration!r}", what="calibration sets")
     if len(series) > 1:
         raise _ambiguity(ref, series)
     return series[0]
+
+
+def _narrow(series: list[SeriesRow], column: str, matches: list[str], *, miss: str, what: str):
+    """(the series whose ``column`` is one of ``matches``, ``matches``); when there is none, NotFoundError
+    saying ``miss``, listing the ``what`` the store has and the next step."""
+    if not matches:
+        known = sorted({getattr(s, column) for s in series})
+        raise NotFoundError(f"{miss} ({_listing(what, known)}); {_NEXT_STEP}")
+    return [s for s in series if getattr(s, column) in matches], matches
 
 
 def _ambiguity(ref: Ref, series: list[SeriesRow]) -> AmbiguousError:
@@ -76,7 +71,8 @@ def select_version(session: Session, series: SeriesRow, *, version: int | None, 
     if version is not None:
         row = session.scalar(versions_query().where(VersionRow.series_id == series.id, VersionRow.version == version))
         if row is None:
-            raise NotFoundError(f"{where} has no version v{version} ({_version_listing(session, series)})")
+            raise NotFoundError(f"{where} has no version v{version} ({_version_listing(session, series)}); "
+                                f"name one of those, or leave the version out for the newest (`kvhub list` shows them)")
         return row
     for name in [alias] if alias is not None else [PRODUCTION, LATEST]:
         row = session.scalar(

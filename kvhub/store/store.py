@@ -44,7 +44,7 @@ from kvhub.store.ingest import (
 from kvhub.store.location import default_artifacts_dir, display_url, require_existing, resolve_db_url
 from kvhub.store.migrate import ensure_schema
 from kvhub.store.records import MapperVersion, version_record
-from kvhub.store.refs import LATEST, Ref, check_alias_name, parse_selector
+from kvhub.store.refs import LATEST, Ref, check_alias_name
 from kvhub.store.schema import AliasRow, PublicationRow, StorePropertyRow, VersionRow
 
 log = logging.getLogger(__name__)
@@ -245,13 +245,8 @@ class Store:
         self, source: str, target: str, *, calibration: str | None = None, version: int | str | None = None,
         alias: str | None = None,
     ) -> MapperVersion:
-        """Like :meth:`resolve` with each part given separately (model ids may then contain ':')."""
-        if version is not None and alias is not None:
-            raise ConfigError("pass either a version or an alias, not both")
-        number, named = parse_selector(version) if version is not None else (None, None)
-        if alias is not None:
-            named = check_alias_name(alias)
-        return self.resolve(Ref(source, target, calibration, number, named))
+        """Like :meth:`resolve` with each part given separately (:meth:`Ref.of`)."""
+        return self.resolve(Ref.of(source, target, calibration=calibration, version=version, alias=alias))
 
     def versions(
         self, *, source: str | None = None, target: str | None = None, calibration: str | None = None,
