@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from kvhub.hub.card import card_is_pristine, model_card, read_front_matter
-from kvhub.errors import FormatVersionError, IncompatibleError, IntegrityError
+from kvhub.errors import ConfigError, FormatVersionError, IncompatibleError, IntegrityError
 from kvhub.hub import parse_repo_ref, verify_artifact
 from kvhub.core.mapper import read_metadata
 from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact
@@ -102,9 +103,16 @@ def test_verify_artifact_refuses_damage(tmp_path, damage, error, match):
 def test_parse_repo_ref():
     assert parse_repo_ref("acme/kvmap") == ("acme/kvmap", None)
     assert parse_repo_ref("acme/kvmap@v3") == ("acme/kvmap", "v3")
-    for bad in ("kvmap", "a/b/c", "", "acme/kv map"):
-        with pytest.raises(Exception, match="OWNER/NAME"):
+    for bad in ("kvmap", "a/b/c", "", "acme/kv map", "./kvmap", "../kvmap", "-acme/kvmap", "acme/kv..map"):
+        with pytest.raises(ConfigError, match="OWNER/NAME"):
             parse_repo_ref(bad)
+
+
+def test_hub_version_tags_round_trip():
+    from kvhub.hub.push import tag_number, version_tag
+
+    assert [tag_number(t) for t in ("v3", "v12", "main", "v3a", "V3", "3")] == [3, 12, None, None, None, None]
+    assert tag_number(version_tag(SimpleNamespace(version=7))) == 7
 
 
 def test_error_text_is_redacted_of_tokens(monkeypatch):

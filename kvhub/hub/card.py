@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from kvhub.artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
 
 from kvhub.errors import ConfigError
+from kvhub.hub.client import is_repo_id
 
 MARKER_PREFIX = "<!-- kvhub-card sha256:"
 _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
@@ -93,7 +94,6 @@ def _numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
 
 
 # ---- what the Hub indexes: base models, licence, datasets ----------------------------------------
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 # Hub licence identifiers a calibration licence may start with (others are published as "other")
 _HUB_LICENSES = {"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-sa-3.0",
                  "bsd-2-clause", "bsd-3-clause", "gpl-2.0", "gpl-3.0", "lgpl-3.0", "mpl-2.0", "unlicense",
@@ -101,17 +101,18 @@ _HUB_LICENSES = {"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "c
 
 
 def is_hub_id(name: str) -> bool:
-    """``owner/name`` as the Hub spells repository ids (a local path never is one)."""
-    return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".gguf")
+    """``owner/name`` as the Hub spells repository ids (a local path, or a local ``x/model.gguf``, never is one)."""
+    return is_repo_id(name) and not name.endswith(".gguf")
 
 
 def _known_hub_id(model_id: str) -> str | None:
     """The Hub id of a known model (registry/models.toml) a local path names by its directory or GGUF file."""
     from kvhub.models.resolve import known_models
+    from kvhub.store.refs import short_name
 
-    last = re.split(r"[\\/]", model_id.rstrip("/\\"))[-1]
+    last = short_name(model_id)
     for model in known_models().values():
-        if last.lower() in (model.name.lower(), model.gguf_file.lower(), model.hf_id.split("/")[-1].lower()):
+        if last.lower() in (model.name.lower(), model.gguf_file.lower(), short_name(model.hf_id).lower()):
             return model.hf_id
     return None
 

@@ -25,7 +25,7 @@ from kvhub.errors import (
     HubRevisionNotFoundError,
 )
 
-_REPO_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,16 @@ def _redact(text: str, token: str | None) -> str:
     return re.sub(r"hf_[A-Za-z0-9]{20,}", "hf_***", text)
 
 
+def is_repo_id(text: str) -> bool:
+    """``owner/name`` as the Hub spells repository ids: each part a letter or digit, then at most 95
+    letters, digits, '_', '.' or '-', and no '..' (so a local path such as ``./x`` or ``../x`` never is one)."""
+    return bool(_REPO_ID.fullmatch(text)) and ".." not in text
+
+
 def parse_repo_ref(text: str) -> tuple[str, str | None]:
-    """'owner/name[@revision]' -> (repo_id, revision or None)."""
+    """'owner/name[@revision]' -> (repo_id, revision or None); ConfigError, with the syntax, otherwise."""
     repo_id, _, revision = text.strip().partition("@")
-    if not _REPO_ID.match(repo_id):
+    if not is_repo_id(repo_id):
         raise ConfigError(f"{text!r} is not a Hub repository; write it as OWNER/NAME or OWNER/NAME@REVISION")
     return repo_id, revision or None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from kvhub.errors import (
     NotFoundError,
 )
 from kvhub.hub.client import HubSettings, _api, hub_errors, hub_settings, parse_repo_ref
+from kvhub.hub.push import tag_number
 from kvhub.hub.search import search
 from kvhub.hub.verify import same_model, series_key, verify_artifact
 
@@ -120,11 +120,11 @@ def _refs_hint(settings: HubSettings, repo_id: str, token: str | None) -> str:
 
 def _best_label(settings: HubSettings, repo_id: str, revision: str, commit: str, token: str | None) -> str:
     """A 'v<N>' tag pointing at ``commit`` if there is one (stable provenance), else the revision asked for."""
-    if re.fullmatch(r"v\d+", revision):
+    if tag_number(revision) is not None:
         return revision
     refs = _api(settings, token).list_repo_refs(repo_id)
-    tags = sorted((r.name for r in refs.tags if r.target_commit == commit and re.fullmatch(r"v\d+", r.name)),
-                  key=lambda name: int(name[1:]))
+    tags = sorted((r.name for r in refs.tags if r.target_commit == commit and tag_number(r.name) is not None),
+                  key=tag_number)
     return tags[-1] if tags else revision
 
 
@@ -151,7 +151,7 @@ def _stage(snapshot: Path, staged: Path) -> None:
 def hub_alias(revision: str) -> str | None:
     """``hub-v4`` for the Hub tag ``v4``: how a pulled version stays addressable by the Hub's number when
     the store's own v4 is another version; None for revisions that are not version tags."""
-    return f"hub-{revision}" if re.fullmatch(r"v\d+", revision) else None
+    return f"hub-{revision}" if tag_number(revision) is not None else None
 
 
 def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: str, commit: str):
@@ -161,7 +161,7 @@ def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: st
     it, and the lineage records repository, tag and commit; when the store's number differs, alias
     ``hub-vN`` points at the version.  Returns (version, already registered, alias or None)."""
     existing = store.registered_as(staged)
-    hub_number = int(revision[1:]) if hub_alias(revision) else None
+    hub_number = tag_number(revision)
     if existing is None:
         lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
         version = store.register(staged, lineage=lineage, preferred_version=hub_number)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,12 @@ CARD_MODES = ("auto", "keep", "replace")
 def version_tag(version) -> str:
     """The Hub tag of a store version: 'v3'."""
     return f"v{version.version}"
+
+
+def tag_number(revision: str) -> int | None:
+    """The version number a Hub tag written by :func:`version_tag` carries ('v3' -> 3); None for other revisions."""
+    match = re.fullmatch(r"v(\d+)", revision)
+    return int(match.group(1)) if match else None
 
 
 def _publication(store, version, repo_id: str, tag: str):
