@@ -5,14 +5,8 @@ from __future__ import annotations
 import click
 
 from kvhub.cli.console import console, say
+from kvhub.cli.options import db_option, open_db
 from kvhub.cli.output import echo_json, format_option, print_table
-from kvhub.cli.store_cmd import db_option
-
-
-def _store(db, *, create: bool = True):
-    from kvhub.store import open_store
-
-    return open_store(db, create=create)
 
 
 @click.command()
@@ -41,7 +35,7 @@ def push(ref, repo_id, private, branch, card, base_model, db, as_json):
     """
     from kvhub.hub import push as push_version
 
-    with _store(db, create=False) as store:
+    with open_db(db, create=False) as store:
         result = push_version(store, ref, repo_id, private=private, branch=branch, card=card,
                               base_model=_base_models(base_model))
         full_ref = store.resolve(ref).ref
@@ -80,7 +74,7 @@ def pull(repo, revision, db, as_json):
     """
     from kvhub.hub import pull as pull_repo
 
-    with _store(db) as store:
+    with open_db(db) as store:
         result = pull_repo(store, repo, revision=revision)
         reference = store.reference(result.version)
     if as_json:

@@ -17,26 +17,16 @@ from datetime import datetime
 import click
 
 from kvhub.cli.console import err_console, plain, say
+from kvhub.cli.options import db_option, open_db
 from kvhub.cli.output import echo_json, format_option, print_table
 
-DB_HELP = ("Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data "
-           "dir). Commands that only read refuse a path where no store exists.")
 _REF_HELP = """\b
 REF is SRC:DST[:CALIB][@SELECTOR]:
   SRC, DST  model id (Qwen/Qwen2.5-Coder-0.5B-Instruct) or short name (qwen2.5-coder-0.5b-instruct)
   CALIB     calibration set; optional when the pair has one
   SELECTOR  v3 (a version), latest, production, or any alias; default: production if set, else latest"""
 
-db_option = click.option("--db", default=None, metavar="URL", help=DB_HELP)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout instead of a table.")
-
-
-def _open(db, *, create: bool = True):
-    """The store at ``db``; ``create=False`` for commands that only read (a mistyped --db is refused)."""
-    from kvhub.store import open_store
-
-    return open_store(db, create=create)
-
 
 
 def version_json(version, metrics: list[dict] | None = None) -> dict:
@@ -108,7 +98,7 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     The table's REF column holds short references where they are unambiguous; --format json and tsv
     always give full ones.  JSON: one object per version with its whole-mapper metrics.
     """
-    with _open(db, create=False) as store:
+    with open_db(db, create=False) as store:
         versions = store.versions(source=src, target=dst, calibration=calib, family=family,
                                   min_metrics=_parse_thresholds(min_metrics))
         metrics = store.mapper_metrics(versions)
@@ -150,7 +140,7 @@ def show(ref, per_layer, verify, db, output_format):
 
     JSON holds everything (selected_layers, every metric) whatever --layers says.
     """
-    with _open(db, create=False) as store:
+    with open_db(db, create=False) as store:
         data = store.describe(ref)
         if verify:
             store.verify(data["ref"])
@@ -236,7 +226,7 @@ def tag(ref, alias, db):
     An alias names one version per pair and calibration set; tagging moves it.  `latest` is kept by
     the store itself.  kvhub.load() uses `production` when it is set.
     """
-    with _open(db, create=False) as store:
+    with open_db(db, create=False) as store:
         version = store.tag(ref, alias)
         say(f"{alias} -> {store.reference(version)}")
 
@@ -252,7 +242,7 @@ def untag(ref, alias, db):
     kvhub untag qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs production
     kvhub untag ...:legal-docs@v3 production     (only if production points at v3)
     """
-    with _open(db, create=False) as store:
+    with open_db(db, create=False) as store:
         version = store.untag(ref, alias)
         say(f"removed {alias} (it pointed at {store.reference(version)})")
 
@@ -275,7 +265,7 @@ def rm(ref, force, db):
     from kvhub.store.refs import Ref
 
     parsed = Ref.parse(ref)
-    with _open(db, create=False) as store:
+    with open_db(db, create=False) as store:
         if parsed.version is None and parsed.alias is None:
             latest = store.resolve(parsed.with_selector(alias="latest"))  # names what exists (or why not)
             raise ConfigError(f"{ref!r} names no version; `kvhub rm` removes exactly one: add it, e.g. "
@@ -298,7 +288,7 @@ def gc(dry_run, db, as_json):
 
     Never touches an artifact a version references; waits for registrations in flight.
     """
-    with _open(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
+    with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
     if as_json:
         echo_json({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
@@ -325,7 +315,7 @@ def export_version(ref, directory, force, db):
     \b
     kvhub export qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production ./mapper
     """
-    with _open(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
+    with open_db(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
         path = store.export(ref, directory, overwrite=force)
     say(f"exported {ref} to {path}")
 
@@ -346,7 +336,7 @@ def import_artifact(directory, db, as_json):
     """
     from pathlib import Path
 
-    with _open(db) as store, err_console.status(plain(f"importing {directory}")):
+    with open_db(db) as store, err_console.status(plain(f"importing {directory}")):
         existing = store.registered_as(directory)
         version = existing or store.register(directory, lineage={"imported_from": str(Path(directory).resolve())})
         reference = store.reference(version)
