@@ -102,3 +102,12 @@ def register(db: str, directory, **kwargs):
 
     with open_store(db) as store:
         return store.register(make_artifact(directory, **kwargs))
+
+
+def push_two_versions(hub_env, db: str, repo_id: str = "alice/kvmap"):
+    """Register v1 and v2 (seeds 1 and 2) of one series in ``db`` and push both to ``repo_id`` (tags v1, v2)."""
+    versions = [register(db, hub_env.tmp / f"a{seed}", seed=seed) for seed in (1, 2)]
+    for version in versions:
+        pushed = run("push", version.ref, "--repo", repo_id, "--db", db)
+        assert pushed.exit_code == 0, pushed.stderr
+    return versions

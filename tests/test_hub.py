@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvhub.store import open_store
-from tests.fixtures_hub import ALICE_TOKEN, BOB_TOKEN, DST_ID, SRC_ID, make_artifact, register, run
+from tests.fixtures_hub import ALICE_TOKEN, BOB_TOKEN, DST_ID, SRC_ID, make_artifact, push_two_versions, register, run
 
 pytestmark = pytest.mark.hub
 
@@ -58,10 +58,7 @@ def test_push_tags_records_and_second_push_is_a_noop(hub_env, db):
 
 def test_every_version_stays_reachable_at_its_tag(hub_env, db):
     server = hub_env.server
-    v1 = register(db, hub_env.tmp / "a1", seed=1)
-    v2 = register(db, hub_env.tmp / "a2", seed=2)
-    for version in (v1, v2):
-        assert run("push", version.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
+    v1, v2 = push_two_versions(hub_env, db)
     repo = server.repo("alice/kvmap")
     assert repo["branches"]["main"] == repo["tags"]["v2"] != repo["tags"]["v1"]
     for version, tag in ((v1, "v1"), (v2, "v2")):
@@ -71,10 +68,7 @@ def test_every_version_stays_reachable_at_its_tag(hub_env, db):
 
 
 def test_pull_at_tag_and_main_registers_with_provenance_idempotently(hub_env, db):
-    v1 = register(db, hub_env.tmp / "a1", seed=1)
-    v2 = register(db, hub_env.tmp / "a2", seed=2)
-    for version in (v1, v2):
-        assert run("push", version.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
+    v1, v2 = push_two_versions(hub_env, db)
     other = str(hub_env.tmp / "other.db")
 
     first = run("pull", "alice/kvmap@v1", "--db", other, "--json")

@@ -12,7 +12,7 @@ from kvhub.hub.card import base_models, model_card, read_front_matter
 from kvhub.errors import ConfigError
 from kvhub.core.mapper import Mapper, read_metadata
 from kvhub.store import open_store
-from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact, register, run
+from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact, push_two_versions, run
 
 pytestmark = pytest.mark.hub
 SERIES = f"{SRC_ID}:{DST_ID}:legal-docs"
@@ -85,10 +85,7 @@ def test_base_model_is_always_a_hub_id(tmp_path, hub_env, db):
 
 
 def test_pull_keeps_the_hub_version_number_or_aliases_it(hub_env, db):
-    v1 = register(db, hub_env.tmp / "a1", seed=1)
-    v2 = register(db, hub_env.tmp / "a2", seed=2)
-    for version in (v1, v2):
-        assert run("push", version.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
+    v1, v2 = push_two_versions(hub_env, db)
     other = str(hub_env.tmp / "other.db")
 
     first = json.loads(run("pull", "alice/kvmap@v2", "--db", other, "--json").stdout)
