@@ -36,9 +36,9 @@ def load(
     src, dst: model ids as fitted (``Qwen/Qwen2.5-Coder-0.5B-Instruct``) or short names
     (``qwen2.5-coder-0.5b-instruct``).  calib: calibration-set name; needed only when the pair was
     fitted on several.  version (``3``, ``"v3"``, or an alias name as in a reference's ``@SELECTOR``) or
-    alias picks the version; by default the one aliased ``production`` if set, else ``latest``.  db: store URL or SQLite path (default: see
-    kvhub.store.location).  device, dtype: where the weights go and the dtype of the caches
-    ``transfer`` returns.  hub_repo (``"owner/name[@revision]"``): where to look on the Hugging Face
+    alias picks the version; by default the one aliased ``production`` if set, else ``latest``.  db:
+    store URL or SQLite path (default: see kvhub.store.location).  device, dtype: where the weights go
+    and the dtype of the caches ``transfer`` returns.  hub_repo (``"owner/name[@revision]"``): where to look on the Hugging Face
     Hub when the store has no match; without it, the namespaces in KVHUB_HUB_NAMESPACES are searched
     (see docs/hub.md).  A mapper found on the Hub is verified and registered in the store first.
 
