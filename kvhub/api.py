@@ -38,9 +38,10 @@ def load(
     fitted on several.  version (``3``, ``"v3"``, or an alias name as in a reference's ``@SELECTOR``) or
     alias picks the version; by default the one aliased ``production`` if set, else ``latest``.  db:
     store URL or SQLite path (default: see kvhub.store.location).  device, dtype: where the weights go
-    and the dtype of the caches ``transfer`` returns.  hub_repo (``"owner/name[@revision]"``): where to look on the Hugging Face
-    Hub when the store has no match; without it, the namespaces in KVHUB_HUB_NAMESPACES are searched
-    (see docs/hub.md).  A mapper found on the Hub is verified and registered in the store first.
+    and the dtype of the caches ``transfer`` returns.  hub_repo (``"owner/name[@revision]"``): where to
+    look on the Hugging Face Hub when the store has no match; without it, the namespaces in
+    KVHUB_HUB_NAMESPACES are searched (see docs/hub.md).  A mapper found on the Hub is verified and
+    registered in the store first.
 
     Raises ConfigError for a malformed version or alias (before any store or Hub is read), NotFoundError
     (with the next step) when nothing matches, AmbiguousError (listing the candidates) when the names
