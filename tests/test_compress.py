@@ -88,7 +88,7 @@ def test_solve_rejects_groups_that_do_not_divide_the_widths():
     stats.update([torch.randn(50, 6, generator=gen)] * 2, [torch.randn(50, 6, generator=gen)] * 2,
                  [torch.randn(50, 6, generator=gen)] * 2, [torch.randn(50, 6, generator=gen)] * 2)
     with pytest.raises(ConfigError, match="head groups"):
-        solve(stats, k=1, lambda_=0.01, structure=Structure(groups=4))
+        solve(stats, top_k=1, ridge_lambda=0.01, structure=Structure(groups=4))
     with pytest.raises(ConfigError, match="rank"):
         Structure(rank=0)
 

@@ -11,7 +11,9 @@ import torch
 
 from kvhub.fitting.distributed import owned_layers
 from kvhub.errors import ConfigError
+from kvhub.fitting.checkpoint import FitState
 from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.modes import ONE_PASS
 from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model
 
@@ -120,9 +122,8 @@ def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
-    steps = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", stats)
-    (checkpoint.parent / f"resumed.rank{rank}.json").write_text(json.dumps([steps, stats["train"].n]))
+    state = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", ONE_PASS)
+    (checkpoint.parent / f"resumed.rank{rank}.json").write_text(json.dumps([state.batches_done, state.stats["train"].n]))
     os._exit(0)
 
 
@@ -131,8 +132,8 @@ def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
     previous generation (the stats' row count tells which file was loaded)."""
     import multiprocessing
 
+    from kvhub.fitting import checkpoint as checkpoints
     from kvhub.fitting.distributed import Group, _rank_paths
-    from kvhub.fitting.fit import _save_checkpoint
 
     layout = Layout(1, 2, 1, 2)
     checkpoint = tmp_path / "checkpoint.safetensors"
@@ -141,7 +142,7 @@ def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
             stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
             stats["train"].update([torch.randn(steps * 10, 2)], [torch.randn(steps * 10, 2)],
                                   [torch.randn(steps * 10, 2)], [torch.randn(steps * 10, 2)])
-            _save_checkpoint(path, f"job{rank}", stats, steps)
+            checkpoints.save(path, f"job{rank}", ONE_PASS, FitState(stats, batches_done=steps))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -1,6 +1,7 @@
 """kvhub plan: known answers for its formulas (bytes KVStats allocates, parameters of a built model,
 FLOPs counted by torch), its advice, the CLI, and kvhub fit refusing what the machine cannot hold."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError
 from kvhub.fitting.job import FitRequest, check_plan, plan_for
-from kvhub.fitting.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of, statistics_bytes
+from kvhub.fitting.modes import StatisticsMode, statistics_bytes
+from kvhub.fitting.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of
 from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model
 
@@ -21,10 +23,17 @@ def _allocated(stats: KVStats) -> int:
 
 
 @pytest.mark.parametrize("owned", [3, 1])
-def test_statistics_bytes_equal_what_kvstats_allocates(owned):
+@pytest.mark.parametrize("gram,dtype", [("full", "float64"), ("diagonal", "float64"), ("full", "float32"),
+                                        ("diagonal", "float32")])
+def test_statistics_bytes_equal_what_kvstats_allocates(owned, gram, dtype):
     layout = Layout(src_layers=2, src_width=24, dst_layers=owned, dst_width=40)
-    train, heldout = KVStats(layout), KVStats(layout)
-    assert statistics_bytes(2 * 24, owned * 40) == _allocated(train) + _allocated(heldout)
+    torch_dtype = getattr(torch, dtype)
+    train, heldout = (KVStats(layout, gram=gram, dtype=torch_dtype) for _ in range(2))
+    entries = 2 * 24 * 24 if gram == "diagonal" else None  # Ls * ds^2 stored Gram entries
+    expected = statistics_bytes(2 * 24, owned * 40, gram_entries=entries, dtype=dtype)
+    assert expected == _allocated(train) + _allocated(heldout) == train.nbytes() + heldout.nbytes()
+    if (gram, dtype) == ("full", "float64"):  # the one-pass fp64 formula, written out
+        assert expected == 2 * 2 * 8 * (48 + 48 * 48 + 48 * owned * 40 + 2 * owned * 40)
 
 
 @pytest.mark.parametrize("model_type,overrides", [
@@ -70,15 +79,15 @@ def test_advice_names_the_rank_count_that_fits():
                 for r in (1, 2))
     assert two.memory["host_peak"] < one.memory["host_peak"] and two.memory["weights"] == one.memory["weights"]
     device = DeviceProfile("small-host", host_memory=(one.memory["host_peak"] + two.memory["host_peak"]) // 2, **node)
-    chosen = recommend(source, target, workload, device)
-    assert (chosen.ranks, chosen.mode, chosen.fits) == (2, "sharded", True)
-    refused = plan_fit(source, target, workload, device, ranks=1)
+    chosen = recommend(source, target, workload, device)  # one pass on more ranks before two passes on fewer
+    assert (chosen.ranks, chosen.mode, chosen.statistics.passes, chosen.fits) == (2, "sharded", 1, True)
+    refused = plan_fit(source, target, workload, device, ranks=1, statistics="one-pass")
     assert not refused.fits and "on 2 ranks" in refused.advice and "torchrun --nproc-per-node 2" in refused.advice
     nothing = recommend(source, target, workload, DeviceProfile("tiny", host_memory=1000, **node))
-    assert nothing.mode == "probe" and "no rank count fits" in nothing.advice
+    assert not nothing.fits and "no rank count fits, not even with two-pass statistics" in nothing.advice
     cpu = DeviceProfile("cpu", one.memory["peak"] * 2 - 1, 1e9, 1e9, 1e9, 1e9)  # CPU ranks share one memory
     assert plan_fit(source, target, workload, cpu, ranks=1).fits
-    assert not plan_fit(source, target, workload, cpu, ranks=2).fits
+    assert not plan_fit(source, target, workload, cpu, ranks=2, statistics="one-pass").fits
 
 
 def test_load_config_reads_paths_and_refuses_unknown_ids(tmp_path):
@@ -114,7 +123,12 @@ def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
     request = FitRequest(src=str(tmp_path / "src"), dst=str(tmp_path / "dst"), calib=str(text_corpus), samples=4,
                          seq_len=16, dtype="float32", device="cpu")
     plan = plan_for(request, available=10**12)
-    assert plan.fits and plan.workload.samples == 4 and plan.workload.seq_len == 16
-    with pytest.raises(ConfigError, match="does not fit.*kvhub plan --src"):
-        check_plan(request, available=plan.memory["peak"] - 1)
-    check_plan(request, available=plan.memory["peak"])
+    assert plan.fits and plan.workload.samples == 4 and plan.workload.seq_len == 16 and plan.statistics.passes == 1
+    one_pass = dataclasses.replace(request, statistics="one-pass")
+    with pytest.raises(ConfigError, match="does not fit.*two-pass statistics fit.*kvhub plan --src"):
+        check_plan(one_pass, available=plan.memory["peak"] - 1)
+    assert check_plan(one_pass, available=plan.memory["peak"]).statistics.passes == 1
+    two = check_plan(request, available=plan.memory["peak"] - 1)  # auto: the plan turns to two passes
+    assert two.fits and two.statistics.passes == 2 and two.memory["peak"] <= plan.memory["peak"] - 1
+    with pytest.raises(ConfigError, match="not even with two-pass statistics"):
+        check_plan(request, available=two.memory["weights"])

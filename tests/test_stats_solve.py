@@ -93,7 +93,7 @@ def test_planted_map_recovered_with_right_source_layers():
     for split, n, seed in ((train, 3000, 0), (held, 800, 1)):
         xs, ys, _ = _planted(n, layout, sources_of, noise=noise, seed=seed)
         split.update(xs, xs, ys, ys)
-    solution = solve(train, held, k="auto", lambda_="auto")
+    solution = solve(train, held, top_k="auto", ridge_lambda="auto")
     for layer in solution.layers:
         assert set(sources_of[layer.target]) <= set(layer.sources)
         # unexplained: the planted noise's share of the variance, plus fp32 rounding of the moments
@@ -110,7 +110,7 @@ def test_fixed_k_with_too_few_observations_is_refused():
     xs = [torch.randn(20, 8, generator=gen) for _ in range(4)]
     stats.update(xs, xs, [torch.randn(20, 2, generator=gen)], [torch.randn(20, 2, generator=gen)])
     with pytest.raises(FitError, match="training observations"):
-        solve(stats, None, k=3, lambda_=0.01)
+        solve(stats, None, top_k=3, ridge_lambda=0.01)
     with pytest.raises(FitError, match="more observations than features"):
         solve(KVStats.from_state_dict(_tiny_state(layout)), None)
 

@@ -5,7 +5,8 @@ import torch
 
 from kvhub.core.capture import capture, run_model, token_attention_weights, token_mask
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import FitOptions, _job_hash, fit
+from kvhub.fitting.checkpoint import job_identity
+from kvhub.fitting.fit import FitOptions, fit
 from kvhub.core.solve import r2_score, ridge
 from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
@@ -68,14 +69,14 @@ def test_zero_weight_chunk_counts_rows_but_carries_no_mass():
 
 
 def test_unweighted_moments_unchanged():
-    """No weights: exactly the previous formulas (batch mean, fp32 products), weight_sum = n."""
+    """No weights: exactly the unweighted formulas (batch mean, fp32 products, fp64 Syy), weight_sum = n."""
     x, y, _ = _data(seed=3)
     stats = Moments.from_batch(x, y)
     mean_x, mean_y = x.double().mean(0), y.double().mean(0)
     xc, yc = (x.double() - mean_x).float(), (y.double() - mean_y).float()
     assert torch.equal(stats.mean_x, mean_x) and torch.equal(stats.mean_y, mean_y)
     assert torch.equal(stats.cxx, (xc.T @ xc).double()) and torch.equal(stats.cxy, (xc.T @ yc).double())
-    assert torch.equal(stats.syy, (yc.double() ** 2).sum(0))
+    assert torch.equal(stats.syy, ((y.double() - mean_y) ** 2).sum(0))
     assert stats.n == 60 and stats.weight_sum == 60.0
     _assert_same_moments(Moments.from_batch(x, y, torch.ones(60)), stats)
 
@@ -220,7 +221,7 @@ def test_job_hash_separates_weightings():
     ids = _ids(2, 8, 0)
 
     def job(**options):
-        return _job_hash(fp, fp, ids, None, FitOptions(**options))
+        return job_identity(fp, fp, ids, None, FitOptions(**options))
 
     assert job() != job(weighting="attention")
     assert job(weighting="attention") != job(weighting="attention", weight_cap=5.0)

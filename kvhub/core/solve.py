@@ -1,11 +1,15 @@
-"""Closed-form solves over sufficient statistics: probe R^2, layer selection, ridge, k/lambda choice.
+"""Closed-form solves over sufficient statistics: probe R^2, layer selection, ridge, top_k/lambda choice.
+
+Names: ``top_k`` is the number of source layers a target layer reads (mapper.json and ``kvhub fit
+--k`` call it k); ``ridge_lambda`` the relative ridge strength (mapper.json: lambda, lambda_k,
+lambda_v); a ``_k``/``_v`` suffix or a "k"/"v" label always means keys/values.
 
 Notation (see :mod:`kvhub.core.stats`): for a source-column set S and target columns J,
 
-    ridge:  W = (Cxx[S,S] + lam * I)^-1 Cxy[S,J],   b = mean_y[J] - mean_x[S] W
-    lam   = lambda_rel * trace(Cxx[S,S]) / |S|      (scale-aware: lambda_rel is relative to the
-                                                     mean diagonal of the centred Gram)
-    R^2   = 1 - sum_j SSE_j / sum_j Syy_j           (pooled over the layer's output dims)
+    ridge:    W = (Cxx[S,S] + penalty * I)^-1 Cxy[S,J],   b = mean_y[J] - mean_x[S] W
+    penalty = ridge_lambda * trace(Cxx[S,S]) / |S|   (scale-aware: ridge_lambda is relative to the
+                                                      mean diagonal of the centred Gram)
+    R^2     = 1 - sum_j SSE_j / sum_j Syy_j           (pooled over the layer's output dims)
 
 and the residual sum of squares of any (W, b) on a split with moments (n, mu_x, mu_y, C*) is
 
@@ -13,7 +17,10 @@ and the residual sum of squares of any (W, b) on a split with moments (n, mu_x, 
 
 (n is the total row weight, ``weight_sum``: the number of rows unless the fit weighs tokens)
 
-so held-out R^2 for every candidate k and lambda needs no further pass over the models.
+so held-out R^2 for every candidate top_k and ridge_lambda needs no further pass over the models.
+The probe (one source layer l -> target layer m) reads only Cxx[l,l], Cxy[l,:], the means and Syy,
+so it runs on full statistics and on a probe pass's block-diagonal ones alike
+(:mod:`kvhub.fitting.two_pass`).
 
 Compressed maps (artifact size vs quality), solved from the same statistics:
 
@@ -21,28 +28,30 @@ Compressed maps (artifact size vs quality), solved from the same statistics:
   target head group i reads only source head group i of each selected layer, so W is block-diagonal
   with g blocks: g times fewer weights.
 - low rank (``rank`` = r): reduced-rank ridge per block: W_r = W P_r with P_r the projection onto the
-  top-r eigenvectors of W^T (Cxx + lam I) W (the ridge fit's fitted values on the penalised data), the
-  closed-form rank-r minimiser of the penalised loss; stored as A = W V_r (in, r), B = V_r^T (r, out),
+  top-r eigenvectors of W^T (Cxx + penalty I) W (the ridge fit's fitted values on the penalised data),
+  the closed-form rank-r minimiser of the penalised loss; stored as A = W V_r (in, r), B = V_r^T (r, out),
   and b = mean_y - mean_x W_r.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from kvhub.artifact import tensor_name
 from kvhub.errors import ConfigError, FitError
-from kvhub.core.stats import KVStats, Moments
+from kvhub.core.stats import F64, KVStats, Moments
 
 log = logging.getLogger(__name__)
 
-K_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+TOP_K_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 LAMBDA_GRID = (1e-3, 1e-2, 1e-1, 1.0)
-DEFAULT_K = 4  # used when k is 'auto' but there is no held-out split
+DEFAULT_TOP_K = 4  # used when top_k is 'auto' but there is no held-out split
 DEFAULT_LAMBDA = 1e-2  # the paper's lambda
+PROBE_LAMBDA = 1e-4  # ridge_lambda of the one-source-layer probe maps
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class LinearMap:
 
     blocks: list[tuple[torch.Tensor, torch.Tensor | None]]
     bias: torch.Tensor  # (out,)
-    lambda_: float
+    ridge_lambda: float
 
     @property
     def groups(self) -> int:
@@ -81,13 +90,13 @@ class LinearMap:
     def block_weights(self) -> list[torch.Tensor]:
         return [a if b is None else a @ b for a, b in self.blocks]
 
-    def dense(self, sources: int, src_width: int) -> torch.Tensor:
-        """The equivalent (sources * src_width, out) matrix."""
+    def dense(self, n_sources: int, src_width: int) -> torch.Tensor:
+        """The equivalent (n_sources * src_width, out) matrix."""
         weights = self.block_weights()
         out_width = weights[0].shape[1]
-        dense = torch.zeros(sources * src_width, out_width * self.groups, dtype=weights[0].dtype)
+        dense = torch.zeros(n_sources * src_width, out_width * self.groups, dtype=weights[0].dtype)
         for i, weight in enumerate(weights):
-            dense[group_rows(sources, src_width, self.groups, i), i * out_width:(i + 1) * out_width] = weight
+            dense[group_rows(n_sources, src_width, self.groups, i), i * out_width:(i + 1) * out_width] = weight
         return dense
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -106,17 +115,18 @@ class LinearMap:
         return sum(a.numel() + (0 if b is None else b.numel()) for a, b in self.blocks) + self.bias.numel()
 
 
-def group_rows(sources: int, src_width: int, groups: int, index: int) -> torch.Tensor:
-    """Columns of a layer input x = [source layer 1 | ... | layer k] that head group ``index`` reads:
-    the index-th 1/groups of every source layer's src_width (heads are head-major within a layer)."""
+def group_rows(n_sources: int, src_width: int, groups: int, index: int) -> torch.Tensor:
+    """Columns of a layer input x = [source layer 1 | ... | layer n_sources] that head group ``index``
+    reads: the index-th 1/groups of every source layer's src_width (heads are head-major within a layer)."""
     width = src_width // groups
     return torch.cat([torch.arange(j * src_width + index * width, j * src_width + (index + 1) * width)
-                      for j in range(sources)])
+                      for j in range(n_sources)])
 
 
 @dataclass
 class LayerSolution:
-    """The maps of one target layer for K and V, from ``sources`` (ascending)."""
+    """The maps of one target layer for keys (``k_map``) and values (``v_map``), from ``sources``
+    (ascending; top_k = len(sources))."""
 
     target: int
     sources: list[int]
@@ -127,18 +137,11 @@ class LayerSolution:
     train_r2_k: float = float("nan")
     train_r2_v: float = float("nan")
 
-    @property
-    def lambda_k(self) -> float:
-        return self.k_map.lambda_
-
-    @property
-    def lambda_v(self) -> float:
-        return self.v_map.lambda_
-
     def to_metadata(self) -> dict:
+        """The layer's entry in mapper.json (field names owned by kvhub.artifact)."""
         meta = {
             "target": self.target, "sources": self.sources, "k": len(self.sources),
-            "lambda_k": self.lambda_k, "lambda_v": self.lambda_v,
+            "lambda_k": self.k_map.ridge_lambda, "lambda_v": self.v_map.ridge_lambda,
             "r2_k": self.r2_k, "r2_v": self.r2_v,
             "train_r2_k": self.train_r2_k, "train_r2_v": self.train_r2_v,
         }
@@ -152,8 +155,8 @@ class Solution:
     layers: list[LayerSolution]
     probe_r2_k: torch.Tensor  # (Ls, Lt)
     probe_r2_v: torch.Tensor
-    k: int | str
-    lambda_: float | str
+    top_k: int | str  # as asked: a count, or 'auto' (chosen per layer)
+    ridge_lambda: float | str
     chosen_by: str
     notes: list[str] = field(default_factory=list)
     structure: Structure = Structure()
@@ -166,23 +169,32 @@ class Solution:
 
 
 # ---- primitives ------------------------------------------------------------------------------
-def ridge(train: Moments, cols: torch.Tensor, ycols: slice, lambda_rel: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _gram(moments: Moments, cols: torch.Tensor) -> torch.Tensor:
+    """Cxx[S, S] as fp64 (|S|, |S|), gathered without an (|S|, p) intermediate."""
+    return moments.cxx[cols[:, None], cols].to(F64)
+
+
+def _penalty(gram: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
+    return ridge_lambda * gram.diagonal().mean().clamp_min(1e-30)
+
+
+def ridge(train: Moments, cols: torch.Tensor, ycols: slice, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Centred ridge W (|S|, |J|), b (|J|,) from the training moments (fp64)."""
-    gram = train.cxx[cols][:, cols]  # (|S|, |S|)
-    lam = lambda_rel * gram.diagonal().mean().clamp_min(1e-30)
+    gram = _gram(train, cols)  # (|S|, |S|)
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    chol, info = torch.linalg.cholesky_ex(gram + lam * eye)
-    rhs = train.cxy[cols, ycols]
-    weight = torch.cholesky_solve(rhs, chol) if int(info) == 0 else torch.linalg.lstsq(gram + lam * eye, rhs).solution
+    penalised = gram + _penalty(gram, ridge_lambda) * eye
+    chol, info = torch.linalg.cholesky_ex(penalised)
+    rhs = train.cxy[cols, ycols].to(F64)  # (|S|, |J|)
+    weight = torch.cholesky_solve(rhs, chol) if int(info) == 0 else torch.linalg.lstsq(penalised, rhs).solution
     bias = train.mean_y[ycols] - train.mean_x[cols] @ weight
     return weight, bias
 
 
 def sse_sst(split: Moments, cols: torch.Tensor, ycols: slice, weight: torch.Tensor, bias: torch.Tensor) -> tuple[float, float]:
     """(residual, total) sums of squares of y[ycols] ~ x[cols] @ weight + bias on a split, from its moments."""
-    cxy = split.cxy[cols, ycols]
+    cxy = split.cxy[cols, ycols].to(weight.dtype)
     cross = (weight * cxy).sum(0)  # diag(W^T Cxy)
-    quad = ((split.cxx[cols][:, cols] @ weight) * weight).sum(0)  # diag(W^T Cxx W)
+    quad = ((_gram(split, cols).to(weight.dtype) @ weight) * weight).sum(0)  # diag(W^T Cxx W)
     delta = split.mean_y[ycols] - split.mean_x[cols] @ weight - bias
     sse = split.syy[ycols] - 2 * cross + quad + split.weight_sum * delta * delta
     return float(sse.sum()), float(split.syy[ycols].sum())
@@ -194,64 +206,69 @@ def r2_score(split: Moments, cols: torch.Tensor, ycols: slice, weight: torch.Ten
     return 1.0 - sse / max(sst, 1e-30)
 
 
-def reduce_rank(train: Moments, cols: torch.Tensor, weight: torch.Tensor, lambda_rel: float,
+def reduce_rank(train: Moments, cols: torch.Tensor, weight: torch.Tensor, ridge_lambda: float,
                 rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Factors (A (in, r), B (r, out)) of the rank-r reduced-rank ridge map of a full ridge ``weight``."""
-    gram = train.cxx[cols][:, cols]
-    lam = lambda_rel * gram.diagonal().mean().clamp_min(1e-30)
-    fitted = weight.T @ (gram @ weight) + lam * (weight.T @ weight)  # W^T (Cxx + lam I) W  (out, out)
+    gram = _gram(train, cols)
+    fitted = weight.T @ (gram @ weight) + _penalty(gram, ridge_lambda) * (weight.T @ weight)  # W^T (Cxx + pI) W
     _, vectors = torch.linalg.eigh((fitted + fitted.T) / 2)  # ascending eigenvalues
     top = vectors[:, -rank:]  # (out, r)
     return weight @ top, top.T.contiguous()
 
 
-def fit_map(train: Moments, cols: torch.Tensor, ycols: slice, lambda_rel: float, structure: Structure,
-            sources: int, src_width: int) -> LinearMap:
-    """Ridge map of y[ycols] on x[cols] with the given structure (cols: the layer input's global columns)."""
+def fit_map(train: Moments, cols: torch.Tensor, ycols: slice, ridge_lambda: float, structure: Structure,
+            n_sources: int, src_width: int) -> LinearMap:
+    """Ridge map of y[ycols] on x[cols] with the given structure (cols: the layer input's global columns,
+    ``n_sources`` source layers of ``src_width``)."""
     groups, out_width = structure.groups, (ycols.stop - ycols.start) // structure.groups
     blocks, bias = [], torch.empty(ycols.stop - ycols.start, dtype=train.mean_y.dtype, device=train.mean_y.device)
     for i in range(groups):
-        block_cols = cols[group_rows(sources, src_width, groups, i)]
+        block_cols = cols[group_rows(n_sources, src_width, groups, i)]
         block_y = slice(ycols.start + i * out_width, ycols.start + (i + 1) * out_width)
-        weight, block_bias = ridge(train, block_cols, block_y, lambda_rel)
+        weight, block_bias = ridge(train, block_cols, block_y, ridge_lambda)
         factors = (weight, None)
         if structure.rank is not None and structure.rank < min(weight.shape):
-            a, b = reduce_rank(train, block_cols, weight, lambda_rel, structure.rank)
+            a, b = reduce_rank(train, block_cols, weight, ridge_lambda, structure.rank)
             factors = (a, b)
             block_bias = train.mean_y[block_y] - train.mean_x[block_cols] @ (a @ b)
         blocks.append(factors)
         bias[i * out_width:(i + 1) * out_width] = block_bias
-    return LinearMap(blocks, bias, lambda_rel)
+    return LinearMap(blocks, bias, ridge_lambda)
 
 
-def map_r2(split: Moments, cols: torch.Tensor, ycols: slice, linear: LinearMap, sources: int, src_width: int) -> float:
+def map_r2(split: Moments, cols: torch.Tensor, ycols: slice, linear: LinearMap, n_sources: int,
+           src_width: int) -> float:
     """Pooled R^2 of a (possibly block-diagonal, low-rank) map on a split."""
     out_width = (ycols.stop - ycols.start) // linear.groups
     sse = sst = 0.0
     for i, weight in enumerate(linear.block_weights()):
-        block_cols = cols[group_rows(sources, src_width, linear.groups, i)]
+        block_cols = cols[group_rows(n_sources, src_width, linear.groups, i)]
         block_y = slice(ycols.start + i * out_width, ycols.start + (i + 1) * out_width)
         part = sse_sst(split, block_cols, block_y, weight, linear.bias[i * out_width:(i + 1) * out_width])
         sse, sst = sse + part[0], sst + part[1]
     return 1.0 - sse / max(sst, 1e-30)
 
 
-def probe_r2(train: KVStats, evaluate: KVStats | None = None, *, lambda_rel: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_r2(train: KVStats, evaluate: KVStats | None = None, *,
+             ridge_lambda: float = PROBE_LAMBDA) -> tuple[torch.Tensor, torch.Tensor]:
     """R^2 of a one-source-layer ridge map for every (source l, target m): two (Ls, Lt) grids (K, V).
 
-    Fitted on ``train``; scored on ``evaluate`` (held-out) when given, else in-sample.
+    Fitted on ``train``; scored on ``evaluate`` (held-out) when given, else in-sample.  Reads only each
+    source layer's own Gram block, so full and block-diagonal (``gram="diagonal"``) statistics give
+    the same grids.
     """
     layout = train.layout
     evaluate = evaluate if evaluate is not None and evaluate.n > 0 else train
+    width, cols = layout.src_width, torch.arange(layout.src_width)
     grids = []
-    for fit_m, eval_m in ((train.k, evaluate.k), (train.v, evaluate.v)):
-        grid = torch.zeros(layout.src_layers, layout.dst_layers, dtype=torch.float64)
+    for fit_moments, eval_moments in ((train.k, evaluate.k), (train.v, evaluate.v)):
+        grid = torch.zeros(layout.src_layers, layout.dst_layers, dtype=F64)
         for l in range(layout.src_layers):
-            cols = layout.src_columns([l])
-            weight, bias = ridge(fit_m, cols, slice(None), lambda_rel)  # (Hs*Ds, q): all targets at once
+            fit_l, eval_l = fit_moments.source_block(l, width), eval_moments.source_block(l, width)
+            weight, bias = ridge(fit_l, cols, slice(None), ridge_lambda)  # (ds, q): all targets at once
             for m in range(layout.dst_layers):
                 ycols = layout.dst_columns(m)
-                grid[l, m] = r2_score(eval_m, cols, ycols, weight[:, ycols], bias[ycols])
+                grid[l, m] = r2_score(eval_l, cols, ycols, weight[:, ycols], bias[ycols])
         grids.append(grid)
     return grids[0], grids[1]
 
@@ -262,14 +279,62 @@ def rank_sources(probe_k: torch.Tensor, probe_v: torch.Tensor, target: int) -> l
     return torch.argsort(score, descending=True, stable=True).tolist()
 
 
+def candidate_sources(probe_k: torch.Tensor, probe_v: torch.Tensor, targets, *, depth: int,
+                      budget: int | None = None) -> list[int]:
+    """The source layers a second statistics pass keeps for ``targets``, ascending.
+
+    Every target's best source layer (by :func:`rank_sources`), then every target's second best, ...,
+    down to ``depth``, skipping repeats, until ``budget`` layers are chosen (None: no limit).  So every
+    target keeps its best d layers for the largest d the budget allows; with the budget unspent, each
+    target's best ``depth`` layers are all kept, which is what a solve with top_k <= depth reads.
+    """
+    if depth < 1 or (budget is not None and budget < 1):
+        raise ConfigError(f"candidate depth and budget must be >= 1, got {depth} and {budget}")
+    rankings = [rank_sources(probe_k, probe_v, m) for m in targets]
+    chosen: list[int] = []
+    for d in range(min(depth, probe_k.shape[0])):
+        for ranking in rankings:
+            if ranking[d] in chosen:
+                continue
+            if budget is not None and len(chosen) == budget:
+                return sorted(chosen)
+            chosen.append(ranking[d])
+    return sorted(chosen)
+
+
 # ---- the solve -------------------------------------------------------------------------------
+@dataclass
+class ScoredMap:
+    """A map and its held-out R^2 (None without held-out data)."""
+
+    linear: LinearMap
+    heldout_r2: float | None
+
+
+@dataclass
+class Trial:
+    """One target layer solved from its best ``len(sources)`` source layers (ascending), K and V."""
+
+    sources: list[int]
+    cols: torch.Tensor  # the sources' columns of X
+    keys: ScoredMap
+    values: ScoredMap
+
+    @property
+    def score(self) -> float | None:
+        """Mean held-out R^2 of K and V: what top_k is chosen on."""
+        if self.keys.heldout_r2 is None:
+            return None
+        return (self.keys.heldout_r2 + self.values.heldout_r2) / 2
+
+
 def solve(
     train: KVStats,
     heldout: KVStats | None = None,
     *,
-    k: int | str = "auto",
-    lambda_: float | str = "auto",
-    k_grid: tuple[int, ...] = K_GRID,
+    top_k: int | str = "auto",
+    ridge_lambda: float | str = "auto",
+    top_k_grid: tuple[int, ...] = TOP_K_GRID,
     lambda_grid: tuple[float, ...] = LAMBDA_GRID,
     structure: Structure = Structure(),
 ) -> Solution:
@@ -279,120 +344,120 @@ def solve(
     both models' KV head counts (:func:`head_groups` gives the largest), and the caller passes the
     same structure to score them.
 
-    ``k``/``lambda_`` are ints/floats or 'auto'.  'auto' picks, per target layer, the k (shared by K
-    and V) and a lambda for K and one for V that maximise held-out R^2 (mean of K and V for k), by the
-    coordinate search of :func:`_solve_layer`.
-    Without held-out data 'auto' falls back to k=4, lambda=0.01 (the paper's) and says so in notes.
+    ``top_k``/``ridge_lambda`` are ints/floats or 'auto'.  'auto' picks, per target layer, the top_k
+    (shared by K and V) and a ridge_lambda for K and one for V that maximise held-out R^2 (mean of K
+    and V for top_k), by the coordinate search of :func:`_solve_layer`.
+    Without held-out data 'auto' falls back to top_k=4, ridge_lambda=0.01 (the paper's) and says so in notes.
     """
     layout = train.layout
     has_heldout = heldout is not None and heldout.n > 0
     notes: list[str] = []
-    k_candidates = _k_candidates(k, k_grid, layout.src_layers, layout.src_width, train.n, notes)
-    lambda_candidates = _lambda_candidates(lambda_, lambda_grid)
-    if not has_heldout and (len(k_candidates) > 1 or len(lambda_candidates) > 1):
-        k_candidates = [k if isinstance(k, int) else min(DEFAULT_K, max(k_candidates))]
-        lambda_candidates = [lambda_ if isinstance(lambda_, float) else DEFAULT_LAMBDA]
-        notes.append(f"no held-out data: k={k_candidates[0]}, lambda={lambda_candidates[0]} (defaults)")
+    counts = _top_k_candidates(top_k, top_k_grid, layout.src_layers, layout.src_width, train.n, notes)
+    lambdas = _lambda_candidates(ridge_lambda, lambda_grid)
+    if not has_heldout and (len(counts) > 1 or len(lambdas) > 1):
+        counts = counts if len(counts) == 1 else [min(DEFAULT_TOP_K, max(counts))]
+        lambdas = lambdas if len(lambdas) == 1 else [DEFAULT_LAMBDA]
+        notes.append(f"no held-out data: k={counts[0]}, lambda={lambdas[0]} (defaults)")
     probe_k, probe_v = probe_r2(train, heldout if has_heldout else None)
     if layout.src_width % structure.groups or layout.dst_width % structure.groups:
         raise ConfigError(f"{structure.groups} head groups do not divide the source/target layer widths "
                           f"({layout.src_width}, {layout.dst_width}); use kvhub.core.solve.head_groups")
     layers = [
         _solve_layer(train, heldout if has_heldout else None, m, rank_sources(probe_k, probe_v, m),
-                     k_candidates, lambda_candidates, structure)
+                     counts, lambdas, structure)
         for m in range(layout.dst_layers)
     ]
-    chosen_by = "held-out R^2" if has_heldout and (len(k_candidates) > 1 or len(lambda_candidates) > 1) else "fixed"
-    return Solution(layers, probe_k, probe_v, k, lambda_, chosen_by, notes, structure)
+    chosen_by = "held-out R^2" if has_heldout and (len(counts) > 1 or len(lambdas) > 1) else "fixed"
+    return Solution(layers, probe_k, probe_v, top_k, ridge_lambda, chosen_by, notes, structure)
 
 
 def head_groups(source_kv_heads: int, target_kv_heads: int) -> int:
     """Head groups of a head-local map: gcd of the KV head counts (each group: whole heads on both sides)."""
-    import math
-
     return math.gcd(source_kv_heads, target_kv_heads)
 
 
-def _k_candidates(k, k_grid, src_layers: int, src_width: int, n_train: int, notes: list[str]) -> list[int]:
-    if isinstance(k, str) and k != "auto":
-        raise ConfigError(f"k must be a positive integer or 'auto', got {k!r}")
-    if isinstance(k, int):
-        if not 1 <= k <= src_layers:
-            raise ConfigError(f"k={k} is outside 1..{src_layers} (the source model's layer count)")
-        if k * src_width >= n_train:
+def _top_k_candidates(top_k, top_k_grid, src_layers: int, src_width: int, n_train: int,
+                      notes: list[str]) -> list[int]:
+    if isinstance(top_k, str) and top_k != "auto":
+        raise ConfigError(f"k (source layers per target layer) must be a positive integer or 'auto', got {top_k!r}")
+    if isinstance(top_k, int):
+        if not 1 <= top_k <= src_layers:
+            raise ConfigError(f"k={top_k} is outside 1..{src_layers} (the source layers the statistics hold)")
+        if top_k * src_width >= n_train:
             raise FitError(
-                f"k={k} needs more than {k * src_width} training observations (k * kv_heads * head_dim "
+                f"k={top_k} needs more than {top_k * src_width} training observations (k * kv_heads * head_dim "
                 f"features), but the calibration data gave {n_train} tokens; add calibration sequences "
                 "(--samples), lower the token stride (--stride), or use a smaller k"
             )
-        return [k]
-    feasible = [c for c in k_grid if c <= src_layers and c * src_width < n_train]
+        return [top_k]
+    feasible = [c for c in top_k_grid if c <= src_layers and c * src_width < n_train]
     if not feasible:
         raise FitError(
             f"only {n_train} training observations (tokens) for {src_width} features per source layer: "
             "a ridge fit needs more observations than features; add calibration sequences (--samples) "
             "or lower the token stride (--stride)"
         )
-    skipped = [c for c in k_grid if c <= src_layers and c not in feasible]
+    skipped = [c for c in top_k_grid if c <= src_layers and c not in feasible]
     if skipped:
         notes.append(f"k in {skipped} skipped: fewer training tokens ({n_train}) than features")
     return feasible
 
 
-def _lambda_candidates(lambda_, lambda_grid) -> list[float]:
-    if lambda_ == "auto":
+def _lambda_candidates(ridge_lambda, lambda_grid) -> list[float]:
+    if ridge_lambda == "auto":
         return list(lambda_grid)
-    if isinstance(lambda_, (int, float)) and not isinstance(lambda_, bool) and lambda_ >= 0:
-        return [float(lambda_)]
-    raise ConfigError(f"lambda must be a non-negative number or 'auto', got {lambda_!r}")
+    if isinstance(ridge_lambda, (int, float)) and not isinstance(ridge_lambda, bool) and ridge_lambda >= 0:
+        return [float(ridge_lambda)]
+    raise ConfigError(f"lambda must be a non-negative number or 'auto', got {ridge_lambda!r}")
 
 
 def _best_lambda(train: Moments, heldout: Moments | None, cols, ycols, lambdas: list[float],
-                 structure: Structure, sources: int, src_width: int) -> tuple[float | None, LinearMap]:
-    """(held-out R^2, map) of the lambda with the best held-out R^2 (R^2 None without held-out)."""
+                 structure: Structure, n_sources: int, src_width: int) -> ScoredMap:
+    """The map of the ridge_lambda with the best held-out R^2 (the first one without held-out data)."""
     best = None
-    for lam in lambdas:
-        linear = fit_map(train, cols, ycols, lam, structure, sources, src_width)
-        score = map_r2(heldout, cols, ycols, linear, sources, src_width) if heldout is not None else None
-        if best is None or (score is not None and score > best[0]):
-            best = (score, linear)
+    for ridge_lambda in lambdas:
+        linear = fit_map(train, cols, ycols, ridge_lambda, structure, n_sources, src_width)
+        score = map_r2(heldout, cols, ycols, linear, n_sources, src_width) if heldout is not None else None
+        if best is None or (score is not None and score > best.heldout_r2):
+            best = ScoredMap(linear, score)
     return best
 
 
-def _solve_layer(train: KVStats, heldout: KVStats | None, m: int, ranking: list[int],
-                 k_candidates: list[int], lambdas: list[float], structure: Structure) -> LayerSolution:
-    """Coordinate search: lambdas at a middle k, then k at those lambdas, then lambdas again at the best k.
+def _solve_layer(train: KVStats, heldout: KVStats | None, target: int, ranking: list[int],
+                 counts: list[int], lambdas: list[float], structure: Structure) -> LayerSolution:
+    """Coordinate search: lambdas at a middle top_k, then top_k at those lambdas, then lambdas again at
+    the best top_k.
 
-    Each step maximises held-out R^2 (K and V lambdas separately; k on their mean), which needs
-    |lambdas| + |k| + |lambdas| solves instead of |k| * |lambdas|.
+    Each step maximises held-out R^2 (K and V lambdas separately; top_k on their mean), which needs
+    |lambdas| + |counts| + |lambdas| solves instead of |counts| * |lambdas|.
     """
     layout = train.layout
-    ycols = layout.dst_columns(m)
+    ycols = layout.dst_columns(target)
 
-    def fit_at(k: int, lambdas_k: list[float], lambdas_v: list[float]):
-        sources = sorted(ranking[:k])
+    def fit_at(top_k: int, key_lambdas: list[float], value_lambdas: list[float]) -> Trial:
+        sources = sorted(ranking[:top_k])
         cols = layout.src_columns(sources)
-        shape = (structure, k, layout.src_width)
-        fit_k = _best_lambda(train.k, heldout.k if heldout else None, cols, ycols, lambdas_k, *shape)
-        fit_v = _best_lambda(train.v, heldout.v if heldout else None, cols, ycols, lambdas_v, *shape)
-        score = None if heldout is None else (fit_k[0] + fit_v[0]) / 2
-        return score, sources, cols, fit_k, fit_v
+        shape = (structure, top_k, layout.src_width)
+        keys = _best_lambda(train.k, heldout.k if heldout else None, cols, ycols, key_lambdas, *shape)
+        values = _best_lambda(train.v, heldout.v if heldout else None, cols, ycols, value_lambdas, *shape)
+        return Trial(sources, cols, keys, values)
 
-    start_k = max(c for c in k_candidates if c <= max(DEFAULT_K, min(k_candidates)))
-    best = fit_at(start_k, lambdas, lambdas)
-    if len(k_candidates) > 1:
-        lam_k, lam_v = [best[3][1].lambda_], [best[4][1].lambda_]
-        for k in k_candidates:
-            if k != start_k:
-                trial = fit_at(k, lam_k, lam_v)
-                if trial[0] > best[0]:
+    start = max(c for c in counts if c <= max(DEFAULT_TOP_K, min(counts)))
+    best = fit_at(start, lambdas, lambdas)
+    if len(counts) > 1:
+        key_lambda, value_lambda = [best.keys.linear.ridge_lambda], [best.values.linear.ridge_lambda]
+        for top_k in counts:
+            if top_k != start:
+                trial = fit_at(top_k, key_lambda, value_lambda)
+                if trial.score > best.score:
                     best = trial
-        if len(best[1]) != start_k and len(lambdas) > 1:
-            best = fit_at(len(best[1]), lambdas, lambdas)
-    _, sources, cols, (r2_k, k_map), (r2_v, v_map) = best
-    shape = (len(sources), layout.src_width)
+        if len(best.sources) != start and len(lambdas) > 1:
+            best = fit_at(len(best.sources), lambdas, lambdas)
+    shape = (len(best.sources), layout.src_width)
+    k_map, v_map = best.keys.linear, best.values.linear
     return LayerSolution(
-        target=m, sources=sources, k_map=k_map, v_map=v_map, r2_k=r2_k, r2_v=r2_v,
-        train_r2_k=map_r2(train.k, cols, ycols, k_map, *shape),
-        train_r2_v=map_r2(train.v, cols, ycols, v_map, *shape),
+        target=target, sources=best.sources, k_map=k_map, v_map=v_map,
+        r2_k=best.keys.heldout_r2, r2_v=best.values.heldout_r2,
+        train_r2_k=map_r2(train.k, best.cols, ycols, k_map, *shape),
+        train_r2_v=map_r2(train.v, best.cols, ycols, v_map, *shape),
     )

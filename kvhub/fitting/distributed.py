@@ -13,13 +13,19 @@ solutions, assembles the Mapper and is the only one to save or register it.
 
 Rows exchanged per rank: (R-1)/R of all statistics rows * (2p + 2q) * 4 bytes (:mod:`kvhub.fitting.plan`).
 
+Two-pass statistics (:mod:`kvhub.fitting.two_pass`) run the same step loop twice: in pass 1 each rank
+keeps the diagonal Gram blocks and its cross blocks, probes its own target layers and chooses their
+candidate source layers (each rank its own set); in pass 2 it keeps only those source layers' columns.
+Rank 0 decides the statistics mode (:func:`kvhub.fitting.fit.statistics_mode`) and every rank takes it.
+
 Checkpoints are per rank (``<checkpoint>.rank<r>-of-<R>``), written after the same steps on every
 rank, with the previous generation kept; a restarted job (torchrun restarts every rank) resumes from
-the latest step every rank has, so a rank killed mid-write costs one checkpoint interval.
+the latest (pass, step) every rank has, so a rank killed mid-write costs one checkpoint interval.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,12 +35,17 @@ from pathlib import Path
 
 import torch
 
-from kvhub.errors import ConfigError
-from kvhub.fitting.fit import (FitOptions, Progress, _job_hash, _load_checkpoint, _save_checkpoint, build_mapper, capture_pair,
-                  fit_batches, layout_for, pair_fingerprints, structure_for)
 from kvhub.core.rope import Rotary
-from kvhub.core.solve import Solution, solve
+from kvhub.core.solve import Solution
 from kvhub.core.stats import KVStats, Layout, Moments
+from kvhub.errors import ConfigError
+from kvhub.fitting import checkpoint as checkpoints
+from kvhub.fitting.checkpoint import FitState, job_identity
+from kvhub.fitting.fit import (FitOptions, build_mapper, capture_pair, fit_batches, layout_for, pair_fingerprints,
+                               solve_statistics, statistics_mode, structure_for)
+from kvhub.fitting.modes import ONE_PASS, StatisticsMode
+from kvhub.fitting.two_pass import run_passes
+from kvhub.progress import Progress, report
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +107,17 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     options = options or FitOptions()
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
                                              source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
-    job = _job_hash(source_fp, target_fp, train_ids, heldout_ids, options) + f":rank{group.rank}of{group.world}"
-    train, heldout, owned = accumulate_sharded(source_model, target_model, train_ids, heldout_ids, group=group,
-                                               options=options, progress=progress, job=job)
-    started = time.perf_counter()
+    job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
+    mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job)
+    state, owned = accumulate_sharded(source_model, target_model, train_ids, heldout_ids, group=group,
+                                      options=options, progress=progress, job=job, mode=mode)
+    layout = layout_for(source_model.config, target_model.config)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
-    part = solve(train, heldout, k=options.k, lambda_=options.lambda_, structure=structure)
+    part = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
+                            targets=owned)
     for layer in part.layers:
         layer.target = owned[layer.target]
-    options.timings["solve_s"] = time.perf_counter() - started
+    train, heldout = state.stats["train"], state.stats["heldout"]
     parts = _gather_to_main(group, (part, _target_means(train), options.timings))
     if not group.is_main:
         return None
@@ -114,30 +127,59 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     for key in ("forward_s", "stats_s", "exchange_s", "solve_s"):  # the ranks run in parallel
         options.timings[key] = max(t.get(key, 0.0) for _, _, t in parts)
     options.timings["tokens"] = sum(t.get("tokens", 0) for _, _, t in parts)
-    summary = _means_only(layout_for(source_model.config, target_model.config), means, train, heldout)
+    summary = _means_only(layout, means, train, heldout)
     return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options)
 
 
+def _agreed_mode(group: Group, source_model, target_model, train_ids, heldout_ids, options: FitOptions,
+                 job: str) -> StatisticsMode:
+    """Rank 0's :func:`kvhub.fitting.fit.statistics_mode` (read against its own checkpoint), on every rank."""
+    import torch.distributed as dist
+
+    chosen = [None]
+    if group.is_main:
+        current = _rank_paths(group, options.checkpoint)[0] if options.checkpoint else None
+        chosen[0] = statistics_mode(source_model, target_model, train_ids, heldout_ids,
+                                    dataclasses.replace(options, checkpoint=current), job=job, ranks=group.world)
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
 def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, group: Group, options: FitOptions,
-                       progress: Progress | None, job: str) -> tuple[KVStats, KVStats, list[int]]:
-    """This rank's (train, heldout) statistics over its owned target layers, and those layers."""
+                       progress: Progress | None, job: str,
+                       mode: StatisticsMode = ONE_PASS) -> tuple[FitState, list[int]]:
+    """This rank's statistics over its owned target layers (after every pass of ``mode``), and those layers."""
     layout = layout_for(source_model.config, target_model.config)
     owned = owned_layers(layout.dst_layers, group.rank, group.world)
     local = Layout(layout.src_layers, layout.src_width, len(owned), layout.dst_width)
     columns = torch.cat([torch.arange(m * layout.dst_width, (m + 1) * layout.dst_width) for m in owned])
     batches = fit_batches(train_ids, heldout_ids, options.batch_size)
-    steps = -(-len(batches) // group.world)
-    stats = {"train": KVStats(local), "heldout": KVStats(local)}
-    done = _resume(group, options.checkpoint, job, stats)
-    total = sum(int(b.numel()) for _, b in batches)
-    completed = sum(int(b.numel()) for _, b in batches[: done * group.world])
+    save = (lambda s: _save_generation(group, options.checkpoint, job, mode, s)) if options.checkpoint else None
     rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
+    for key in ("forward_s", "stats_s", "exchange_s"):
+        options.timings.setdefault(key, 0.0)
+
+    def run(state: FitState, label: str) -> None:
+        _run_steps(source_model, target_model, batches, state, layout, columns, rotaries, group=group,
+                   options=options, progress=progress, label=label, save=save)
+
+    state = run_passes(_resume(group, options.checkpoint, job, mode), local, mode, top_k=options.k, run=run,
+                       save=save)
+    return state, owned
+
+
+def _run_steps(source_model, target_model, batches, state: FitState, layout: Layout, columns: torch.Tensor,
+               rotaries, *, group: Group, options: FitOptions, progress: Progress | None, label: str, save) -> None:
+    """The steps of one pass after ``state.batches_done``: capture this rank's batch, all-gather every
+    rank's rows, merge them in batch order (source columns of ``state.candidates`` only, when set)."""
+    steps = -(-len(batches) // group.world)
+    total = sum(int(b.numel()) for _, b in batches)
+    completed = sum(int(b.numel()) for _, b in batches[: state.batches_done * group.world])
     timings = options.timings
-    timings.setdefault("forward_s", 0.0), timings.setdefault("stats_s", 0.0), timings.setdefault("exchange_s", 0.0)
     width = (layout.src_layers * layout.src_width, layout.dst_layers * layout.dst_width)
-    for step in range(done, steps):
-        if progress:
-            progress(f"capture: step {step + 1}/{steps}", completed, total)
+    sources = None if state.candidates is None else layout.src_columns(state.candidates)
+    for step in range(state.batches_done, steps):
+        report(progress, f"{label}: step {step + 1}/{steps}", completed, total)
         index = step * group.world + group.rank
         rows = None
         if index < len(batches):
@@ -150,14 +192,13 @@ def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, gr
         for rank, block in enumerate(gathered):
             if step * group.world + rank < len(batches):
                 name, ids = batches[step * group.world + rank]
-                _update(stats[name], block, width, columns, weighted=options.weighting == "attention")
+                _update(state.stats[name], block, width, columns, sources, weighted=options.weighting == "attention")
                 completed += int(ids.numel())
         timings["stats_s"] += time.perf_counter() - started
-        if options.checkpoint and (step + 1) % options.checkpoint_every == 0:
-            _save_generation(group, options.checkpoint, job, stats, step + 1)
-    if progress:
-        progress("capture: done", completed, total)
-    return stats["train"], stats["heldout"], owned
+        state.batches_done = step + 1
+        if save and state.batches_done % options.checkpoint_every == 0:
+            save(state)
+    report(progress, f"{label}: done", completed, total)
 
 
 # ---- the exchange --------------------------------------------------------------------------------
@@ -183,11 +224,15 @@ def _all_gather_rows(group: Group, rows: torch.Tensor | None, width: int) -> lis
     return [block[: int(count)] for block, count in zip(out, counts)]
 
 
-def _update(stats: KVStats, rows: torch.Tensor, width: tuple[int, int], columns: torch.Tensor, *,
-            weighted: bool) -> None:
+def _update(stats: KVStats, rows: torch.Tensor, width: tuple[int, int], columns: torch.Tensor,
+            sources: torch.Tensor | None, *, weighted: bool) -> None:
+    """Merge gathered rows into ``stats``: the owned target ``columns`` and the ``sources`` columns of X
+    (None: all)."""
     p, q = width
     rows = rows.cpu() if stats.k.cxx.device.type == "cpu" else rows
     source_k, source_v = rows[:, :p], rows[:, p : 2 * p]  # (N, p)
+    if sources is not None:
+        source_k, source_v = source_k[:, sources], source_v[:, sources]  # (N, |U| * ds)
     target_k, target_v = rows[:, 2 * p : 2 * p + q], rows[:, 2 * p + q : 2 * p + 2 * q]  # (N, q)
     weights = rows[:, -1] if weighted else None
     stats.update([source_k], [source_v], [target_k[:, columns]], [target_v[:, columns]], weights=weights)
@@ -200,48 +245,40 @@ def _rank_paths(group: Group, checkpoint: Path) -> tuple[Path, Path]:
     return current, current.with_name(current.stem + ".prev" + current.suffix)
 
 
-def _save_generation(group: Group, checkpoint: Path, job: str, stats: dict, steps_done: int) -> None:
+def _save_generation(group: Group, checkpoint: Path, job: str, mode: StatisticsMode, state: FitState) -> None:
     """Write this rank's checkpoint, keeping the previous one, then wait for every rank to have written."""
     import torch.distributed as dist
 
     current, previous = _rank_paths(group, checkpoint)
     if current.exists():
         os.replace(current, previous)
-    _save_checkpoint(current, job, stats, steps_done)
+    checkpoints.save(current, job, mode, state)
     dist.barrier()
 
 
-def _resume(group: Group, checkpoint: Path | None, job: str, stats: dict) -> int:
-    """Load the latest checkpoint generation every rank has; returns its step count (0: start over).
+def _resume(group: Group, checkpoint: Path | None, job: str, mode: StatisticsMode) -> FitState | None:
+    """The latest checkpoint generation every rank has (None: start over), by (pass, step).
 
     Headers are read first, so only the agreed generation is loaded."""
     import torch.distributed as dist
 
     if checkpoint is None:
-        return 0
-    steps = {_checkpoint_steps(path, job): path for path in _rank_paths(group, checkpoint)}
-    steps.pop(0, None)
-    latest = torch.tensor([max(steps, default=0)], dtype=torch.int64, device=group.device)
+        return None
+    found = {}
+    for path in _rank_paths(group, checkpoint):
+        header = checkpoints.read_header(path, job)
+        if header is not None and header["statistics"] == mode.to_json():
+            found[checkpoints.header_position(header)] = path
+    latest = torch.tensor([max(found, default=0)], dtype=torch.int64, device=group.device)
     dist.all_reduce(latest, op=dist.ReduceOp.MIN)
     agreed = int(latest)
-    usable = torch.tensor([1 if agreed in steps or agreed == 0 else 0], device=group.device)
+    usable = torch.tensor([1 if agreed in found or agreed == 0 else 0], device=group.device)
     dist.all_reduce(usable, op=dist.ReduceOp.MIN)
     if agreed == 0 or not int(usable):
-        return 0
-    _load_checkpoint(steps[agreed], job, stats)
-    log.info("rank %d resumes after step %d", group.rank, agreed)
-    return agreed
-
-
-def _checkpoint_steps(path: Path, job: str) -> int:
-    """Steps a checkpoint of this job covers (0: none, or another job's), from its header alone."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return 0
-    with safe_open(str(path), framework="pt") as handle:
-        header = handle.metadata() or {}
-    return int(header.get("batches_done", 0)) if header.get("job") == job else 0
+        return None
+    state = checkpoints.load(found[agreed], job, mode)
+    log.info("rank %d resumes in pass %d after step %d", group.rank, state.pass_index, state.batches_done)
+    return state
 
 
 def remove_checkpoints(group: Group, checkpoint: Path | None) -> None:
@@ -269,7 +306,7 @@ def _assemble(parts: list[Solution]) -> Solution:
     chosen_by = "held-out R^2" if any(p.chosen_by == "held-out R^2" for p in parts) else first.chosen_by
     return Solution([layer for part in parts for layer in part.layers],
                     torch.cat([p.probe_r2_k for p in parts], dim=1), torch.cat([p.probe_r2_v for p in parts], dim=1),
-                    first.k, first.lambda_, chosen_by, notes, first.structure)
+                    first.top_k, first.ridge_lambda, chosen_by, notes, first.structure)
 
 
 def _means_only(layout: Layout, means: list[torch.Tensor], train: KVStats, heldout: KVStats) -> KVStats:

@@ -1,44 +1,52 @@
 """capture -> statistics -> solve -> Mapper, with progress callbacks and resumable checkpoints.
 
-One pass over the calibration sequences: each batch runs through the source and the target model,
-both captures feed :class:`kvhub.core.stats.KVStats` (train and held-out splits separately), and the
-solve (:mod:`kvhub.core.solve`) never touches the models again.  Statistics are checkpointed atomically
-every ``checkpoint_every`` batches; a fit started again with the same checkpoint file and the same
-job (models, tokens, stride) continues after the last checkpointed batch and ends with the same
-statistics, hence the same mapper.
+The statistics take one pass over the calibration sequences, or two when the full statistics do not
+fit (:mod:`kvhub.fitting.two_pass`: a probe pass, then a pass over the chosen source layers only);
+:func:`statistics_mode` asks the plan (:func:`kvhub.fitting.plan.plan_fit`, the one owner of that
+decision) unless the options force a mode.  In each pass every batch runs through the source and the
+target model, both captures feed :class:`kvhub.core.stats.KVStats` (train and held-out splits
+separately), and the solve (:mod:`kvhub.core.solve`) never touches the models again.  Statistics are
+checkpointed atomically every ``checkpoint_every`` batches and when pass 1 ends
+(:mod:`kvhub.fitting.checkpoint`); a fit started again with the same checkpoint file and the same job
+(models, tokens, stride, ...) continues after the last checkpointed batch of its pass and ends with the
+same statistics, hence the same mapper.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from kvhub import __version__
-from kvhub.artifact import atomic_write_bytes, map_prefix, tensor_name
+from kvhub.artifact import map_prefix, tensor_name
 from kvhub.core.capture import capture
-from kvhub.errors import ConfigError, IncompatibleError
-from kvhub.models.fingerprint import kv_geometry, model_fingerprint
 from kvhub.core.mapper import Mapper
 from kvhub.core.rope import Rotary
 from kvhub.core.solve import Solution, Structure, head_groups, solve
 from kvhub.core.stats import KVStats, Layout
+from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.fitting import checkpoint
+from kvhub.fitting.checkpoint import FitState, job_identity
+from kvhub.fitting.modes import MODES, ONE_PASS, StatisticsMode
+from kvhub.fitting.two_pass import run_passes, solve_candidates
+from kvhub.models.fingerprint import kv_geometry, model_fingerprint
+from kvhub.progress import Progress, report
 
 log = logging.getLogger(__name__)
-
-from kvhub.progress import Progress  # noqa: E402  (label, completed tokens, total tokens)
 
 
 @dataclass
 class FitOptions:
-    """Knobs of a fit.  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens.
-    head_local / rank: compressed maps (see :mod:`kvhub.core.solve`); they change only the solve."""
+    """Knobs of a fit.  k / lambda_: the solve's top_k and ridge_lambda (``kvhub fit --k/--lambda``; a
+    number or 'auto').  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens.
+    head_local / rank: compressed maps (see :mod:`kvhub.core.solve`); they change only the solve.
+    statistics: "auto" (the plan's choice), "one-pass", "two-pass", or a StatisticsMode; candidates:
+    the most source layers a two-pass fit's pass 2 keeps (None: what the plan fits)."""
 
     k: int | str = "auto"
     lambda_: float | str = "auto"
@@ -49,6 +57,8 @@ class FitOptions:
     batch_size: int = 4
     weighting: str = "uniform"  # "attention": weigh rows by the target's attention (kvhub.core.capture)
     weight_cap: float = 10.0  # cap of the raw attention weight, against attention sinks
+    statistics: str | StatisticsMode = "auto"
+    candidates: int | None = None
     checkpoint: Path | None = None
     checkpoint_every: int = 4
     timings: dict = field(default_factory=dict)
@@ -115,47 +125,130 @@ def fit(
     options = options or FitOptions()
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
                                              source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
-    train, heldout = accumulate(
-        source_model, target_model, train_ids, heldout_ids, options=options, progress=progress,
-        job=_job_hash(source_fp, target_fp, train_ids, heldout_ids, options),
-    )
-    started = time.perf_counter()
-    solution = solve(train, heldout, k=options.k, lambda_=options.lambda_, structure=structure_for(
-        source_fp, target_fp, head_local=options.head_local, rank=options.rank))
-    options.timings["solve_s"] = time.perf_counter() - started
-    return build_mapper(solution, source_fp, target_fp, calibration or {}, train, heldout, options)
+    job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options)
+    mode = statistics_mode(source_model, target_model, train_ids, heldout_ids, options, job=job)
+    layout = layout_for(source_model.config, target_model.config)
+    state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
+                              layout, mode=mode, options=options, progress=progress, job=job)
+    structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
+    solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers)
+    return build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
+                        state.stats["heldout"], options)
+
+
+def statistics_mode(source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, job: str,
+                    ranks: int = 1) -> StatisticsMode:
+    """How this fit accumulates its statistics: the mode of its checkpoint when it resumes one the options
+    allow; else the options' StatisticsMode; else the plan's choice for "auto", "one-pass" or "two-pass"
+    (:func:`kvhub.fitting.plan.plan_fit` against the memory free now plus the loaded models)."""
+    requested = options.statistics
+    if not isinstance(requested, StatisticsMode) and requested not in MODES:
+        raise ConfigError(f"statistics {requested!r}: use one of {', '.join(MODES)}")
+    saved = checkpoint.saved_mode(options.checkpoint, job)
+    if saved is not None and _allows(requested, options.candidates, saved):
+        return saved
+    if isinstance(requested, StatisticsMode):
+        return requested
+    return _planned_mode(source_model, target_model, train_ids, heldout_ids, options, ranks=ranks)
+
+
+def _allows(requested, candidates: int | None, saved: StatisticsMode) -> bool:
+    """Whether a checkpoint written in ``saved`` mode may be resumed by a fit asking for ``requested``."""
+    if isinstance(requested, StatisticsMode):
+        return requested == saved
+    if candidates is not None and saved.candidates != candidates:
+        return False
+    return requested == "auto" or (saved.passes == 2) == (requested == "two-pass")
+
+
+def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: FitOptions, *,
+                  ranks: int) -> StatisticsMode:
+    from kvhub.fitting.plan import DTYPE_BYTES, ModelShape, Workload, machine_profile, plan_fit
+
+    try:
+        shapes = [ModelShape.from_config(model.config.to_dict()) for model in (source_model, target_model)]
+    except ConfigError as exc:  # a config the plan cannot read: no memory estimate to decide on
+        log.info("no plan for these models (%s); statistics as asked, without a candidate budget", exc)
+        two = options.statistics == "two-pass" or options.candidates is not None
+        return StatisticsMode(passes=2, candidates=options.candidates) if two else ONE_PASS
+    dtype = str(source_model.dtype).replace("torch.", "")
+    workload = Workload(samples=train_ids.shape[0], heldout=0 if heldout_ids is None else heldout_ids.shape[0],
+                        seq_len=train_ids.shape[1], stride=options.stride, batch_size=options.batch_size,
+                        k=options.k if isinstance(options.k, int) else None,
+                        dtype=dtype if dtype in DTYPE_BYTES else "float32")
+    device = str(next(source_model.parameters()).device)
+    loaded = sum(p.numel() * p.element_size() for m in (source_model, target_model) for p in m.parameters())
+    profile = machine_profile(device, loaded=loaded * (1 if device.startswith("cuda") else ranks))
+    plan = plan_fit(*shapes, workload, profile, ranks=ranks, statistics=options.statistics,
+                    candidates=options.candidates)
+    log.info("statistics: %s (%s)", plan.statistics.describe(), plan.advice)
+    return plan.statistics
 
 
 def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: FitOptions,
                progress: Progress | None, job: str) -> tuple[KVStats, KVStats]:
-    """One pass over both splits; returns (train, heldout) statistics.  Resumes from a checkpoint."""
+    """One pass over both splits; returns the full (train, heldout) statistics.  Resumes from a checkpoint."""
     layout = layout_for(source_model.config, target_model.config)
-    batches = fit_batches(train_ids, heldout_ids, options.batch_size)
-    stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
-    done = _load_checkpoint(options.checkpoint, job, stats) if options.checkpoint else 0
-    total = sum(int(b.numel()) for _, b in batches)
-    completed = sum(int(b.numel()) for _, b in batches[:done])
+    state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
+                              layout, mode=ONE_PASS, options=options, progress=progress, job=job)
+    return state.stats["train"], state.stats["heldout"]
+
+
+def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mode: StatisticsMode,
+                      options: FitOptions, progress: Progress | None, job: str) -> FitState:
+    """Every pass of ``mode`` over ``batches``, resuming from ``options.checkpoint``; the last pass's state."""
+    save = (lambda s: checkpoint.save(options.checkpoint, job, mode, s)) if options.checkpoint else None
     rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
+
+    def run(state: FitState, label: str) -> None:
+        run_pass(source_model, target_model, batches, state, rotaries, options=options, progress=progress,
+                 label=label, save=save)
+
+    return run_passes(checkpoint.load(options.checkpoint, job, mode), layout, mode, top_k=options.k, run=run,
+                      save=save)
+
+
+def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, options: FitOptions,
+             progress: Progress | None, label: str, save) -> None:
+    """Merge ``batches[state.batches_done:]`` into ``state`` (in pass 2, only the candidates' source
+    layers), calling ``save(state)`` every ``options.checkpoint_every`` batches."""
+    total = sum(int(b.numel()) for _, b in batches)
+    completed = sum(int(b.numel()) for _, b in batches[: state.batches_done])
     options.timings.setdefault("forward_s", 0.0), options.timings.setdefault("stats_s", 0.0)
-    for index in range(done, len(batches)):
+    for index in range(state.batches_done, len(batches)):
         name, ids = batches[index]
-        if progress:
-            progress(f"capture: {name} batch {index + 1}/{len(batches)}", completed, total)
-        _accumulate_batch(source_model, target_model, ids, stats[name], rotaries, options)
+        report(progress, f"{label}: {name} batch {index + 1}/{len(batches)}", completed, total)
+        _accumulate_batch(source_model, target_model, ids, state.stats[name], rotaries, options,
+                          sources=state.candidates)
         completed += int(ids.numel())
-        if options.checkpoint and ((index + 1) % options.checkpoint_every == 0):
-            _save_checkpoint(options.checkpoint, job, stats, index + 1)
-    if progress:
-        progress("capture: done", completed, total)
-    return stats["train"], stats["heldout"]
+        state.batches_done = index + 1
+        if save and state.batches_done % options.checkpoint_every == 0:
+            save(state)
+    report(progress, f"{label}: done", completed, total)
 
 
-def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions) -> None:
+def solve_statistics(state: FitState, mode: StatisticsMode, *, options: FitOptions, structure: Structure,
+                     src_layers: int, targets: list[int] | None = None) -> Solution:
+    """The solve of the accumulated statistics (pass 2's in a two-pass fit); its time goes to ``solve_s``."""
+    started = time.perf_counter()
+    if mode.passes == 1:
+        solution = solve(state.stats["train"], state.stats["heldout"], top_k=options.k, ridge_lambda=options.lambda_,
+                         structure=structure)
+    else:
+        solution = solve_candidates(state, mode, top_k=options.k, ridge_lambda=options.lambda_, structure=structure,
+                                    src_layers=src_layers, targets=targets)
+    options.timings["solve_s"] = time.perf_counter() - started
+    return solution
+
+
+def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions, *,
+                      sources: list[int] | None = None) -> None:
     src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
     started = time.perf_counter()
     device = stats.k.cxx.device
     weights = dst.weights.to(device) if dst.weights is not None else None
-    stats.update([b.to(device) for b in src.keys], [b.to(device) for b in src.values],
+    keep = range(len(src.keys)) if sources is None else sources
+    stats.update([src.keys[l].to(device) for l in keep], [src.values[l].to(device) for l in keep],
                  [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
     options.timings["stats_s"] += time.perf_counter() - started
 
@@ -184,47 +277,6 @@ def _attention_weighted(options: FitOptions) -> bool:
     if options.weighting not in ("uniform", "attention"):
         raise ConfigError(f"weighting must be 'uniform' or 'attention', got {options.weighting!r}")
     return options.weighting == "attention"
-
-
-# ---- checkpoints --------------------------------------------------------------------------------
-def _job_hash(source_fp, target_fp, train_ids, heldout_ids, options: FitOptions) -> str:
-    digest = hashlib.sha256()
-    for part in (source_fp["config_hash"], target_fp["config_hash"], options.stride, options.skip_first,
-                 options.batch_size):
-        digest.update(str(part).encode())
-    if options.weighting != "uniform":  # uniform fits keep the hash of checkpoints written before weighting
-        digest.update(f"weighting={options.weighting},cap={options.weight_cap!r}".encode())
-    for ids in (train_ids, heldout_ids):
-        if ids is not None:
-            digest.update(ids.to(torch.int64).contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _save_checkpoint(path: Path, job: str, stats: dict[str, KVStats], batches_done: int) -> None:
-    from safetensors.torch import save
-
-    tensors = {f"{name}.{key}": t.contiguous().cpu() for name, s in stats.items() for key, t in s.state_dict().items()}
-    header = {"job": job, "batches_done": str(batches_done), "kvhub_version": __version__}
-    atomic_write_bytes(path, save(tensors, metadata=header))
-
-
-def _load_checkpoint(path: Path, job: str, stats: dict[str, KVStats]) -> int:
-    """Fill ``stats`` from a matching checkpoint; returns the number of batches it covers (0 if none)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    with safe_open(str(path), framework="pt") as handle:
-        header = handle.metadata() or {}
-        if header.get("job") != job:
-            log.warning("checkpoint %s belongs to another fit; starting from scratch", path)
-            return 0
-        state = {key: handle.get_tensor(key) for key in handle.keys()}
-    for name in stats:
-        prefix = f"{name}."
-        stats[name] = KVStats.from_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-    return int(header["batches_done"])
 
 
 # ---- the mapper -------------------------------------------------------------------------------
@@ -260,8 +312,8 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
         "kind": "ridge",
         "source": source_fp,
         "target": target_fp,
-        "k": solution.k,
-        "lambda": solution.lambda_,
+        "k": solution.top_k,
+        "lambda": solution.ridge_lambda,
         "chosen_by": solution.chosen_by,
         "structure": {"head_groups": solution.structure.groups, "rank": solution.structure.rank},
         "notes": solution.notes,

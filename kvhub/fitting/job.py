@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,8 @@ class FitRequest:
     weighting: str = "uniform"
     head_local: bool = False
     rank: int | None = None
+    statistics: str = "auto"  # "auto" (the plan decides), "one-pass" or "two-pass"
+    candidates: int | None = None  # two-pass: the most source layers pass 2 keeps
 
 
 @dataclass
@@ -95,6 +96,7 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     meta["stride"] = stride
     options = FitOptions(k=request.k, lambda_=request.lambda_, stride=stride, batch_size=request.batch_size,
                          weighting=request.weighting, head_local=request.head_local, rank=request.rank,
+                         statistics=request.statistics, candidates=request.candidates,
                          checkpoint=checkpoint_path(source_id, target_id, meta, stride, request.batch_size,
                                                     request.weighting))
     notify(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
@@ -106,11 +108,12 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
 
 def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = None):
     """The :class:`kvhub.fitting.plan.Plan` of a request on ``ranks`` ranks of this machine's device, with the
-    device memory replaced by ``available`` bytes (default: what is free now); None when a config
-    cannot be read without loading the model (the fit then finds out itself)."""
+    device memory replaced by ``available`` bytes (default: what is free now), in the statistics mode the
+    request asks for ("auto": the plan's choice); None when a config cannot be read without loading the
+    model (the fit then finds out itself)."""
     from kvhub.calib.recipe import recipe_from_spec
     from kvhub.errors import ConfigError
-    from kvhub.fitting.plan import Workload, device_profile, plan_fit, shape_of
+    from kvhub.fitting.plan import Workload, machine_profile, plan_fit, shape_of
 
     try:
         source, target = shape_of(request.src), shape_of(request.dst)
@@ -123,16 +126,13 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
                         stride=request.stride or sequences.stride, batch_size=request.batch_size,
                         k=request.k if isinstance(request.k, int) else None, dtype=request.dtype)
     device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    profile = device_profile("cuda" if device.startswith("cuda") else "cpu")
-    if available is None:
-        available = _free_memory(device)
-    host = available if not profile.gpu else _free_memory("cpu")
-    profile = dataclasses.replace(profile, memory=available, host_memory=host)
-    return plan_fit(source, target, workload, profile, ranks=ranks)
+    return plan_fit(source, target, workload, machine_profile(device, available=available), ranks=ranks,
+                    statistics=request.statistics, candidates=request.candidates)
 
 
-def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = None) -> None:
-    """Refuse, before loading anything, a fit whose plan needs more memory than this machine has free."""
+def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = None):
+    """Refuse, before loading anything, a fit whose plan needs more memory than this machine has free;
+    returns the plan (None when it cannot be made before loading the models)."""
     from kvhub.errors import ConfigError
 
     plan = plan_for(request, ranks=ranks, available=available)
@@ -140,20 +140,7 @@ def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = N
         raise ConfigError(f"{request.src} -> {request.dst}: {plan.advice} (the memory free now). "
                           f"`kvhub plan --src {request.src} --dst {request.dst}` shows the memory table; "
                           "kvhub fit --ignore-plan tries anyway")
-
-
-def _free_memory(device: str) -> int:
-    if device.startswith("cuda"):
-        index = torch.device(device).index
-        return torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())[0]
-    try:  # MemAvailable counts the page cache the kernel would reclaim; free pages alone do not
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return plan
 
 
 def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None):
@@ -209,10 +196,10 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
 
 def checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
                     weighting: str = "uniform") -> Path:
-    """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options."""
+    """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options
+    (what is in the file is checked against :func:`kvhub.fitting.checkpoint.job_identity` when it is read)."""
     from kvhub.calib.corpus import cache_root
 
-    parts = [source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
-             calibration.get("heldout_sequences"), stride, batch_size]
-    key = json.dumps(parts + ([weighting] if weighting != "uniform" else []))  # uniform keeps its old path
+    key = json.dumps([source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
+                      calibration.get("heldout_sequences"), stride, batch_size, weighting])
     return cache_root() / "checkpoints" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
