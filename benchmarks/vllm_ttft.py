@@ -52,14 +52,13 @@ def _prompts(args, vocab: int) -> dict[int, list[int]]:
 
 
 def _transfer(args, role: str) -> dict:
-    extra = {"store_dir": args.store_dir, "source_model": args.source_model, "exact_tail": args.exact_tail,
-             "store_max_bytes": args.store_max_bytes, "events_path": str(Path(args.store_dir) / "events.jsonl")}
-    if role == "consumer":
-        extra.update({"mapper": args.mapper} if args.mapper else {"mapper_path": args.mapper_path})
-        if args.db:
-            extra["db"] = args.db
-    return {"kv_connector": "KVHubConnector", "kv_connector_module_path": "kvhub.serving.vllm_connector",
-            "kv_role": f"kv_{role}", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    from kvhub.serving.launch import transfer_configs
+
+    configs = transfer_configs(store_dir=args.store_dir, source_model=args.source_model, mapper=args.mapper,
+                               mapper_path=None if args.mapper else args.mapper_path, db=args.db,
+                               exact_tail=args.exact_tail, store_max_bytes=args.store_max_bytes,
+                               events_path=str(Path(args.store_dir) / "events.jsonl"))
+    return configs[role]
 
 
 def run_engine(args, role: str) -> dict:

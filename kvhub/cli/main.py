@@ -68,6 +68,8 @@ def _attach() -> None:
     hub_cmd.attach(main)  # push, pull, search
     eval_cmd.attach(main)  # eval, bench, report
     main.add_command(fetch_cmd.fetch)  # fetch models, evals
+    from kvhub.cli import serve_cmd  # its own import line: the one above is shared with other command families
+    serve_cmd.attach(main)  # serve
 
 
 _attach()

@@ -49,12 +49,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
 from kvhub.serving.kvstore import KVStore
+from kvhub.serving.launch import EXTRA_DEFAULTS, EXTRA_KEYS, LOAD_FAILURE_POLICY, ROLES
 from kvhub.serving.paged import PagedLayout, load_plan, probe_layout
 
 log = logging.getLogger("kvhub.serving")
 
 _LAYER_NUMBER = re.compile(r"layers\.(\d+)\.")
-DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "exact_tail": 16, "require_isolation_key": False}
+DEFAULTS = EXTRA_DEFAULTS  # the configuration contract (class, module, roles, keys) is kvhub.serving.launch's
 
 
 @dataclass
@@ -100,11 +101,15 @@ class KVHubConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            log.warning("kvhub connector: ignoring unknown kv_connector_extra_config keys %s (known: %s)", unknown,
+                        sorted(EXTRA_KEYS))
         if "store_dir" not in extra:
             raise ConfigError("kv_connector_extra_config needs 'store_dir': a directory both engines can reach")
-        self.is_producer = transfer.kv_role == "kv_producer"
-        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
-            raise ConfigError(f"KVHubConnector runs as kv_producer or kv_consumer, not {transfer.kv_role!r}")
+        self.is_producer = transfer.kv_role == ROLES["producer"]
+        if transfer.kv_role not in ROLES.values():
+            raise ConfigError(f"KVHubConnector runs as {' or '.join(ROLES.values())}, not {transfer.kv_role!r}")
         self.block_size = vllm_config.cache_config.block_size
         self.exact_tail = max(int(extra["exact_tail"]), 1)
         self.require_isolation_key = bool(extra["require_isolation_key"])
@@ -145,9 +150,9 @@ class KVHubConnector(KVConnectorBase_V1):
             self.refusal = f"{type(exc).__name__}: {exc}"
             self.source_model = extra.get("source_model", "")
             log.error("kvhub consumer disabled, every request falls back to prefill: %s", self.refusal)
-        if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
-            log.warning("kvhub consumer: set kv_load_failure_policy='recompute' so a failed map falls back to "
-                        "prefill instead of failing the request")
+        if vllm_config.kv_transfer_config.kv_load_failure_policy != LOAD_FAILURE_POLICY:
+            log.warning("kvhub consumer: set kv_load_failure_policy=%r so a failed map falls back to prefill instead "
+                        "of failing the request", LOAD_FAILURE_POLICY)
 
     def _event(self, event: str, request_id: str, **fields) -> None:
         self.counters[event] += 1

@@ -1,0 +1,242 @@
+"""``kvhub serve``: a cascade's two OpenAI-compatible vLLM servers, joined by the kvhub connector.
+
+The small (source) model's server stores each prompt's KV (kv_producer); the large (target) model's
+server maps it with the mapper (kv_consumer).  The configuration and command lines come from
+:mod:`kvhub.serving.launch`, as for docs/serving.md and benchmarks/vllm_ttft.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+from pathlib import Path
+
+import click
+
+from kvhub.cli.console import console, say
+from kvhub.cli.store_cmd import db_option
+from kvhub.errors import ConfigError
+
+_SMALL, _LARGE = "small", "large"
+
+
+class _ServeCommand(click.Command):
+    """Everything after the first ``--`` goes to both ``vllm serve`` command lines, unparsed."""
+
+    def parse_args(self, ctx, args):
+        if "--" in args:
+            cut = args.index("--")
+            args, ctx.meta["vllm_args"] = args[:cut], tuple(args[cut + 1:])
+        return super().parse_args(ctx, args)
+
+    def collect_usage_pieces(self, ctx):
+        return [*super().collect_usage_pieces(ctx), "[-- VLLM_ARGS...]"]
+
+
+@click.command(cls=_ServeCommand)
+@click.argument("ref", required=False)
+@click.option("--src", default=None, help="Source (small) model id, instead of REF.")
+@click.option("--dst", default=None, help="Target (large) model id, instead of REF.")
+@click.option("--calib", default=None, help="Calibration-set name, with --src/--dst (when the pair has several).")
+@click.option("--store-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The shared KV store directory (created with mode 700; /dev/shm/... for shared memory).")
+@click.option("--port-small", type=int, default=8001, show_default=True, help="Port of the small model's server.")
+@click.option("--port-large", type=int, default=8002, show_default=True, help="Port of the large model's server.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address both servers listen on.")
+@click.option("--small-model", default=None, metavar="PATH",
+              help="What the small server loads (default: the mapper's source model; a model `kvhub fetch "
+                   "models` fetched is served from its local copy).")
+@click.option("--large-model", default=None, metavar="PATH", help="What the large server loads (same default rule).")
+@click.option("--vllm", "vllm_executable", default=None, metavar="PATH",
+              help="The vllm executable (default: $KVHUB_VLLM, else `vllm` on PATH, else .venv-vllm/bin/vllm).")
+@db_option
+@click.option("--hub-repo", default=None, metavar="OWNER/NAME", help="Hub repository to fall back to (kvhub.load).")
+@click.option("--exact-tail", type=int, default=None, help="Prompt tokens the large model always computes (16).")
+@click.option("--store-max-bytes", type=int, default=None, help="Size cap of the KV store, LRU eviction (1 GiB).")
+@click.option("--require-isolation-key", is_flag=True,
+              help="Store and load only requests with a cache_salt (or kvhub_tenant).")
+@click.option("--events", "events_path", default=None, type=click.Path(dir_okay=False),
+              help="Append the connectors' decisions here, one JSON line each.")
+@click.option("--log-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="Where the servers' logs go (default: a new temporary directory).")
+@click.option("--timeout", type=float, default=900, show_default=True,
+              help="Seconds to wait for both servers to answer /v1/models.")
+@click.option("--dry-run", is_flag=True, help="Print the commands (shell-quoted) and exit.")
+@click.option("--json", "as_json", is_flag=True, help="When both are ready, print one JSON line on stdout.")
+@click.pass_context
+def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, small_model, large_model,
+          vllm_executable, db, hub_repo, exact_tail, store_max_bytes, require_isolation_key, events_path, log_dir,
+          timeout, dry_run, as_json):
+    """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
+
+    \b
+    kvhub serve qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production \\
+        --store-dir /dev/shm/kvhub --port-small 8001 --port-large 8002 -- --max-model-len 4096
+
+    REF (or --src/--dst/--calib) names the mapper; it is resolved first (store, then Hub), and the
+    large server loads exactly that version.  Both servers run until Ctrl-C or SIGTERM, which is
+    passed on to both; if one exits, the other is stopped.  Send a conversation to the small server;
+    to escalate it, send the same messages with the same cache_salt to the large one, which then
+    prefills only the tail the small server's KV does not cover (docs/serving.md).
+
+    Arguments after -- go to both `vllm serve` commands.  vLLM runs from its own environment
+    (scripts/setup-vllm.sh makes .venv-vllm).  --dry-run prints the commands without starting them.
+    """
+    from kvhub.serving import launch
+
+    if port_small == port_large:
+        raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
+    mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)
+    vllm = _find_vllm(vllm_executable, dry_run=dry_run)
+    configs = launch.transfer_configs(
+        store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db,
+        hub_repo=hub_repo, exact_tail=exact_tail, store_max_bytes=store_max_bytes,
+        require_isolation_key=require_isolation_key or None,
+        events_path=None if events_path is None else os.path.abspath(events_path))
+    extra = ctx.meta.get("vllm_args", ())
+    plan = {
+        _SMALL: dict(model=small_model or _model_path(source_id), served_model_name=source_id, port=port_small,
+                     role="producer"),
+        _LARGE: dict(model=large_model or _model_path(target_id), served_model_name=target_id, port=port_large,
+                     role="consumer"),
+    }
+    commands = {name: launch.server_command(vllm, model=p["model"], served_model_name=p["served_model_name"],
+                                            host=host, port=p["port"], transfer_config=configs[p["role"]],
+                                            extra_args=extra)
+                for name, p in plan.items()}
+    if dry_run:
+        _print_dry_run(commands, store_dir=configs["producer"]["kv_connector_extra_config"]["store_dir"],
+                       mapper_ref=mapper_ref)
+        return
+    launch.check_port_free(host, port_small, option="--port-small")
+    launch.check_port_free(host, port_large, option="--port-large")
+    _make_store_dir(store_dir.expanduser())
+    logs = _log_dir(log_dir)
+    servers = [launch.Server(name, commands[name], launch.base_url(host, p["port"]), p["served_model_name"],
+                             logs / f"{name}.log") for name, p in plan.items()]
+    _run(launch.ServerPair(servers), timeout=timeout, mapper_ref=mapper_ref, as_json=as_json)
+
+
+def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo) -> tuple[str, str, str]:
+    """(the version's full reference, source model id, target model id); kvhub.load's errors otherwise."""
+    from kvhub.store.refs import SYNTAX_HELP, Ref
+
+    version = alias = None
+    if ref is not None and (src or dst or calib):
+        raise ConfigError("name the mapper once: REF, or --src/--dst (and --calib), not both")
+    if ref is not None:
+        parsed = Ref.parse(ref)
+        src, dst, calib, version, alias = parsed.source, parsed.target, parsed.calibration, parsed.version, parsed.alias
+    elif not (src and dst):
+        raise ConfigError(f"name the mapper to serve: REF or --src and --dst; {SYNTAX_HELP}. `kvhub list` "
+                            "shows the store's mappers")
+    from kvhub.api import load
+
+    mapper = load(src, dst, calib=calib, version=version, alias=alias, hub_repo=hub_repo, db=db, device="cpu")
+    if mapper.ref is None:  # kvhub.load always returns a registered version; guard the contract anyway
+        raise ConfigError(f"the mapper for {src} -> {dst} has no store reference; register it with `kvhub import`")
+    return mapper.ref, mapper.source["model_id"], mapper.target["model_id"]
+
+
+def _find_vllm(option, *, dry_run: bool) -> str:
+    """The vllm executable; for --dry-run, ``vllm`` (with a note) when none is installed here."""
+    from kvhub.errors import NotFoundError
+    from kvhub.serving.launch import find_vllm
+
+    try:
+        found = find_vllm(option)
+    except NotFoundError as missing:
+        if not dry_run:
+            raise
+        say(f"{missing}; the commands below say `vllm`", label="note:")
+        return "vllm"
+    try:  # a path under the working directory is printed relative to it, as docs show it
+        return str(Path(found).relative_to(Path.cwd()))
+    except ValueError:
+        return found
+
+
+def _model_path(model_id: str) -> str:
+    """The local copy of a model `kvhub fetch models` fetched, else the id itself (vLLM resolves it)."""
+    from kvhub.models.resolve import resolve_model_path
+
+    return str(resolve_model_path(model_id))
+
+
+def _print_dry_run(commands: dict[str, list[str]], *, store_dir: str, mapper_ref: str) -> None:
+    click.echo(f"# kvhub serve, mapper {mapper_ref}: run each server in its own terminal")
+    click.echo(shlex.join(["mkdir", "-p", "-m", "700", store_dir]))
+    for name, role in ((_SMALL, "kv_producer: stores each prompt's KV"), (_LARGE, "kv_consumer: maps it")):
+        click.echo(f"# {name} model, {role}")
+        click.echo(shlex.join(commands[name]))
+
+
+def _make_store_dir(path: Path) -> None:
+    """Create the store directory private to this user; warn when an existing one is open to others."""
+    if path.is_dir():
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            say(f"the store directory {path} is open to other users (mode {mode:o}); it holds every tenant's "
+                f"prompts' KV: `chmod 700 {shlex.quote(str(path))}`", label="warning:", style="yellow")
+        return
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        path.chmod(0o700)  # mkdir's mode is filtered by the umask
+    except OSError as exc:
+        raise ConfigError(f"cannot create the store directory {path}: {exc.strerror}; pick another --store-dir") \
+            from exc
+
+
+def _log_dir(option: Path | None) -> Path:
+    import tempfile
+
+    if option is None:
+        return Path(tempfile.mkdtemp(prefix="kvhub-serve-"))
+    option.expanduser().mkdir(parents=True, exist_ok=True)
+    return option.expanduser()
+
+
+def _run(pair, *, timeout: float, mapper_ref: str, as_json: bool) -> None:
+    """Start both servers, report them when ready, and serve until a signal or a server's exit."""
+    from kvhub.cli.progress import progress_callback
+
+    previous = {signum: signal.signal(signum, pair.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pair:
+            for server in pair.servers:
+                say(f"{server.name} server: {shlex.join(server.command[:3])} ... (log: {server.log_path})")
+            pair.start()
+            with progress_callback(unit="ready/s") as progress:
+                ready = pair.wait_ready(timeout=timeout, progress=progress)
+            if ready:
+                _report_ready(pair, mapper_ref=mapper_ref, as_json=as_json)
+                pair.wait()
+            name = signal.Signals(pair.stop_signal).name
+            say(f"{name}: stopping both servers")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    say("both servers stopped")
+
+
+def _report_ready(pair, *, mapper_ref: str, as_json: bool) -> None:
+    small, large = pair.servers
+    if as_json:
+        click.echo(json.dumps({"mapper": mapper_ref, **{
+            server.name: {"url": server.url, "model": server.served_model_name, "pid": server.process.pid,
+                          "log": str(server.log_path)} for server in pair.servers}}, sort_keys=True))
+    else:
+        say(f"small  {small.url}  {small.served_model_name}  (kv_producer)", to=console)
+        say(f"large  {large.url}  {large.served_model_name}  (kv_consumer, mapper {mapper_ref})", to=console)
+    body = json.dumps({"model": large.served_model_name, "messages": ["...the same messages..."],
+                       "cache_salt": "<the same cache_salt>"})
+    say(f"to escalate a conversation, send its messages with the same cache_salt to the large server:\n"
+        f"  curl -s {large.url}/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        "Ctrl-C stops both servers.")
+
+
+def attach(group: click.Group) -> None:
+    """Register serve on the ``kvhub`` group."""
+    group.add_command(serve)

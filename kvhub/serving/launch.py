@@ -1,0 +1,281 @@
+"""Starting a cascade's two vLLM servers with the kvhub connector (``kvhub serve``, docs/serving.md).
+
+This module owns the connector's configuration contract: the class and module vLLM loads, the role
+names, the ``kv_connector_extra_config`` keys (which roles read each, and their defaults) and the load
+failure policy.  :mod:`kvhub.serving.vllm_connector` reads them from here, because that module imports
+vLLM and this one must not: ``kvhub serve`` runs in kvhub's own environment, where vLLM is not
+installed, and starts vLLM's ``vllm serve`` executable from another one.
+
+* :func:`transfer_configs` builds both engines' ``kv_transfer_config`` from one set of options, so the
+  keys both roles must agree on (store, chunking, source model, isolation) cannot differ;
+* :func:`server_command` is one ``vllm serve`` command line; :func:`find_vllm` locates the executable;
+* :class:`ServerPair` runs both servers as child processes: readiness on ``GET /v1/models``, the last
+  log lines of a server that dies, a forwarded stop signal, and no server left running afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import http.client
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvhub.errors import ConfigError, KVHubError, NotFoundError
+
+log = logging.getLogger("kvhub.serving")
+
+CONNECTOR_CLASS = "KVHubConnector"
+CONNECTOR_MODULE = "kvhub.serving.vllm_connector"
+ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}  # kvhub's name -> vLLM's kv_role
+LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead of failing the request
+EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
+    "store_dir": ("producer", "consumer"),
+    "store_max_bytes": ("producer", "consumer"),
+    "chunk_tokens": ("producer", "consumer"),
+    "source_model": ("producer", "consumer"),
+    "require_isolation_key": ("producer", "consumer"),
+    "events_path": ("producer", "consumer"),
+    "mapper": ("consumer",),
+    "mapper_path": ("consumer",),
+    "db": ("consumer",),
+    "hub_repo": ("consumer",),
+    "exact_tail": ("consumer",),
+}
+EXTRA_DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "exact_tail": 16, "require_isolation_key": False}
+SETUP_COMMAND = "bash scripts/setup-vllm.sh"
+LOG_TAIL_LINES = 40
+
+
+def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper: str | None = None,
+                     mapper_path: str | os.PathLike | None = None, **options) -> dict[str, dict]:
+    """``{"producer": config, "consumer": config}``: each engine's ``kv_transfer_config`` as a JSON-ready dict.
+
+    Both get the same store, ``source_model`` and shared options; each extra key goes only to the roles
+    that read it (:data:`EXTRA_KEYS`); options left None are left out (the connector's defaults apply).
+    The consumer needs ``mapper`` (a reference) or ``mapper_path`` (an artifact directory).
+    ``KVTransferConfig(**config)`` takes a result as is; ``vllm serve`` takes it as JSON.
+    """
+    unknown = sorted(set(options) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
+    if (mapper is None) == (mapper_path is None):
+        raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
+                          "(an artifact directory)")
+    values = {"store_dir": os.fspath(store_dir), "source_model": source_model, "mapper": mapper,
+              "mapper_path": None if mapper_path is None else os.fspath(mapper_path), **options}
+    configs = {}
+    for role, kv_role in ROLES.items():
+        extra = {key: value for key, value in values.items() if value is not None and role in EXTRA_KEYS[key]}
+        configs[role] = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+                         "kv_role": kv_role, "kv_load_failure_policy": LOAD_FAILURE_POLICY,
+                         "kv_connector_extra_config": extra}
+    return configs
+
+
+def server_command(vllm: str, *, model: str, served_model_name: str, host: str, port: int, transfer_config: dict,
+                   extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The ``vllm serve`` argv of one OpenAI-compatible server with the connector; ``extra_args`` go last."""
+    return [vllm, "serve", model, "--host", host, "--port", str(port), "--served-model-name", served_model_name,
+            "--enable-prefix-caching", "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":")),
+            *extra_args]
+
+
+def find_vllm(executable: str | os.PathLike | None = None) -> str:
+    """The ``vllm`` executable: ``executable``, else $KVHUB_VLLM, else ``vllm`` on PATH, else
+    ``.venv-vllm/bin/vllm`` in the working directory or in the checkout kvhub is installed from.
+
+    ConfigError when a given one is not an executable file; NotFoundError naming the setup script when
+    none is found.
+    """
+    for given, origin in ((executable, "--vllm"), (os.environ.get("KVHUB_VLLM"), "$KVHUB_VLLM")):
+        if given:
+            path = Path(given).expanduser()
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                raise ConfigError(f"{origin} {os.fspath(given)!r} is not an executable file; point it at the "
+                                  f"`vllm` of the environment vLLM is installed in (`{SETUP_COMMAND}` makes "
+                                  ".venv-vllm/bin/vllm)")
+            return os.fspath(path)
+    on_path = shutil.which("vllm")
+    if on_path:
+        return on_path
+    for root in _checkout_roots():
+        candidate = root / ".venv-vllm" / "bin" / "vllm"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return os.fspath(candidate)
+    raise NotFoundError(f"no vLLM executable found (--vllm, $KVHUB_VLLM, `vllm` on PATH, .venv-vllm/bin/vllm); "
+                        f"install vLLM in its own environment with `{SETUP_COMMAND}` (CPU) or `pip install "
+                        "'kvhub[vllm]'` in a CUDA venv, then pass --vllm PATH or set KVHUB_VLLM")
+
+
+def _checkout_roots() -> list[Path]:
+    """Where scripts/setup-vllm.sh may have made .venv-vllm: the working directory, kvhub's checkout."""
+    return [Path.cwd(), Path(__file__).resolve().parents[2]]
+
+
+def check_port_free(host: str, port: int, *, option: str) -> None:
+    """ConfigError naming ``option`` when something already listens on (host, port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "in use"
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve on {host}:{port} ({exc.strerror}); stop what uses it or pick "
+                              f"another port with {option}") from exc
+
+
+def _local_host(host: str) -> str:
+    """The address to reach a server bound to ``host`` from this machine."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://HOST:PORT/v1``, the OpenAI base URL of a server bound to ``host``."""
+    address = _local_host(host)
+    return f"http://[{address}]:{port}/v1" if ":" in address else f"http://{address}:{port}/v1"
+
+
+@dataclass
+class Server:
+    """One child server: ``name`` ("small"/"large") for messages, its argv, where it logs."""
+
+    name: str
+    command: list[str]
+    url: str  # OpenAI base URL, ends in /v1
+    served_model_name: str
+    log_path: Path
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(deque(f, maxlen=lines)).rstrip()
+        except OSError:
+            return "(no log)"
+
+
+class ServerPair:
+    """Runs servers as child processes, each in its own process group (so vLLM's engine process goes with
+    its server) and, on Linux, stopped by the kernel if this process dies.  Use as a context manager: on
+    exit every child group still running gets the stop signal, then SIGKILL after ``stop_timeout`` s."""
+
+    def __init__(self, servers: list[Server], *, env: dict | None = None, stop_timeout: float = 30.0):
+        self.servers = servers
+        self.env = env
+        self.stop_timeout = stop_timeout
+        self.stop_signal: int | None = None  # set by request_stop (a signal handler)
+        self._signals = 0
+
+    def __enter__(self) -> "ServerPair":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(server.log_path, "ab") as log_file:
+                server.process = subprocess.Popen(server.command, stdin=subprocess.DEVNULL, stdout=log_file,
+                                                  stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                                  preexec_fn=_die_with_parent())
+            log.info("started the %s server (pid %d): %s", server.name, server.process.pid, server.command)
+
+    def request_stop(self, signum: int, _frame=None) -> None:
+        """Signal handler: stop both servers with this signal at the next check; a second one kills them."""
+        self.stop_signal = signum
+        self._signals += 1
+
+    def wait_ready(self, *, timeout: float, interval: float = 0.5, progress=None) -> bool:
+        """Poll each server's ``/v1/models`` until it lists its model; False if a stop was requested first.
+
+        ``progress(description, ready, total)`` hears each poll.  KVHubError with the server's last log
+        lines when one exits or is not ready within ``timeout`` s.
+        """
+        deadline = time.monotonic() + timeout
+        waiting = list(self.servers)
+        while waiting:
+            if self.stop_signal is not None:
+                return False
+            self._check_alive()
+            waiting = [server for server in waiting if not _answers(server)]
+            if progress is not None:
+                progress("servers ready", len(self.servers) - len(waiting), len(self.servers))
+            if waiting and time.monotonic() > deadline:
+                server = waiting[0]
+                raise KVHubError(f"the {server.name} server did not answer {server.url}/models within {timeout:.0f} s "
+                                 f"(raise --timeout for a slow start); its log {server.log_path} ends with:\n"
+                                 f"{server.log_tail()}")
+            if waiting:
+                time.sleep(interval)
+        return True
+
+    def wait(self, *, interval: float = 0.5) -> None:
+        """Until a stop is requested; KVHubError when a server exits by itself."""
+        while self.stop_signal is None:
+            self._check_alive()
+            time.sleep(interval)
+
+    def _check_alive(self) -> None:
+        for server in self.servers:
+            code = server.process.poll()
+            if code is not None:
+                raise KVHubError(f"the {server.name} server exited with code {code} (the other one is stopped); "
+                                 f"its log {server.log_path} ends with:\n{server.log_tail()}")
+
+    def stop(self, *, interval: float = 0.1) -> None:
+        """Send the requested signal (SIGTERM by default) to every child's process group; SIGKILL what is
+        still there after ``stop_timeout`` seconds or on another signal.  Idempotent."""
+        signum = self.stop_signal or signal.SIGTERM
+        signals_before = self._signals
+        started = [server for server in self.servers if server.process is not None]
+        for server in started:
+            _signal_group(server.process, signum)
+        deadline = time.monotonic() + self.stop_timeout
+        while any(server.process.poll() is None for server in started):
+            if time.monotonic() > deadline or self._signals > signals_before:
+                log.warning("servers still running after signal %d; killing them", signum)
+                break
+            time.sleep(interval)
+        for server in started:
+            _signal_group(server.process, signal.SIGKILL)  # also what outlived its leader (vLLM's engine process)
+            server.process.wait()
+
+
+def _answers(server: Server) -> bool:
+    """True when ``server`` lists its served model at /v1/models (another program on the port does not)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP proxy
+    try:
+        with opener.open(f"{server.url}/models", timeout=5) as response:
+            listed = json.load(response).get("data", [])
+    except (OSError, ValueError, AttributeError, http.client.HTTPException):
+        return False
+    return any(isinstance(entry, dict) and entry.get("id") == server.served_model_name for entry in listed)
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)  # start_new_session: the group id is the child's pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _die_with_parent():
+    """A pre-exec hook that has the kernel SIGTERM the child when kvhub serve dies, even by SIGKILL (Linux;
+    None elsewhere).  libc is loaded here, in the parent: the hook itself only makes the system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
