@@ -12,6 +12,9 @@ only the continuation is scored.  Three conditions:
 - ``source``: the source model alone over context + continuation.
 
 Retention = acc(mapped) / acc(own); gap closed = (acc(mapped) - acc(source)) / (acc(own) - acc(source)).
+:func:`condition_cache` builds the cache of each condition and :func:`score_continuations` scores token-level
+(context, continuations) requests from it; :func:`score_item` and the lm-evaluation-harness model
+(:mod:`kvhub.eval.lmeval`) both score through them, so there is one scoring path.
 Per item we also record the attention-output cosine between own and mapped at the continuation tokens
 (mean over layers), and top-1 agreement / KL of the target's next-token distribution after the context.
 """
@@ -30,9 +33,13 @@ from kvhub.serving.handoff import prepare_cache
 from kvhub.serving.recompute import Recompute
 
 
+CONDITIONS = ("own", "mapped", "source", "control")  # control: the mapped path with control_mapper(mapper)
+
+
 @dataclass
 class ItemScore:
-    """Per-item outcome.  correct_*: 1/0 for acc; correct_norm_*: for acc_norm."""
+    """Per-item outcome.  correct_*: 1/0 for acc; correct_norm_*: for acc_norm.  logprobs[c]: the summed
+    log-likelihood of each choice under condition c (own / mapped / source); gold: the label."""
 
     id: str
     correct_own: int
@@ -44,9 +51,23 @@ class ItemScore:
     agree_next: int
     kl_next: float
     attn_cosine: float
+    logprobs: dict | None = None
+    gold: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ItemScore":
+        """Read a cached record back; one written before per-choice log-likelihoods were kept is refused
+        (ValueError), so the per-item cache scores that item again."""
+        if record.get("logprobs") is None:
+            raise ValueError("record without per-choice log-likelihoods")
+        return cls(**record)
+
+    def predictions(self) -> dict[str, int]:
+        """Condition -> index of the choice it picks (acc); needs ``logprobs``."""
+        return {c: max(range(len(v)), key=v.__getitem__) for c, v in (self.logprobs or {}).items()}
 
 
 def _extend(tokenizer, prefix_ids: list[int], prefix: str, text: str) -> list[int]:
@@ -81,11 +102,20 @@ def _padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _continuation_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int]) -> list[float]:
     """Sum of log p(ids[t] | <t) over each row's continuation span; logits (B, T, V) align with ids."""
+    return [logp for logp, _ in _continuation_scores(logits, ids, starts, lengths)]
+
+
+def _continuation_scores(logits: torch.Tensor, ids: torch.Tensor, starts: list[int],
+                         lengths: list[int]) -> list[tuple[float, bool]]:
+    """Per row: (sum of log p(ids[t] | <t) over its continuation span, whether each of those tokens is the
+    argmax, i.e. greedy decoding would write the continuation).  logits (B, T, V) align with ids (B, T)."""
     logp = F.log_softmax(logits.float(), -1)
     out = []
     for row, (start, length) in enumerate(zip(starts, lengths)):
-        positions = torch.arange(start - 1, start - 1 + length)
-        out.append(float(logp[row, positions, ids[row, positions + 1]].sum()))
+        positions = torch.arange(start - 1, start - 1 + length, device=logits.device)
+        wanted = ids[row, positions + 1]
+        greedy = bool((logp[row, positions].argmax(-1) == wanted).all())
+        out.append((float(logp[row, positions, wanted].sum()), greedy))
     return out
 
 
@@ -113,16 +143,71 @@ class _AttnRecorder:
             handle.remove()
 
 
+
+
 @torch.no_grad()
 def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, *, recorder=None):
-    """Logits of ``model`` over the tails (n, W) continuing a batch-1 cache of the shared context."""
-    n = tail_ids.shape[0]
-    cache.batch_repeat_interleave(n)
-    past = cache.get_seq_length()
-    mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=tail_ids.device), tail_mask], 1)
+    """Logits of ``model`` over the tails (n, W) continuing a batch-1 cache of the shared context (None:
+    no context before the tails)."""
+    kwargs = {}
+    mask = tail_mask
+    if cache is not None:
+        n = tail_ids.shape[0]
+        cache.batch_repeat_interleave(n)
+        past = cache.get_seq_length()
+        mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=tail_ids.device), tail_mask], 1)
+        kwargs = {"use_cache": True, **cache_kwargs(model, cache)}
     with recorder or _null():
-        logits = model(input_ids=tail_ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache)).logits
+        logits = model(input_ids=tail_ids, attention_mask=mask, **kwargs).logits
     return logits, (list(recorder.outputs) if recorder else [])
+
+
+@torch.no_grad()
+def condition_cache(condition: str, context: torch.Tensor, *, source, target, mapper=None,
+                    recompute: Recompute = Recompute(), tokenizer=None, source_cache=None):
+    """(model that continues, its cache of ``context[:, :-1]``) under one condition; that model then
+    consumes the last context token itself.
+
+    context: (1, n) ids with n >= 2 on the target's device.  ``own``: the target's prefill; ``source``:
+    the source's (``source_cache`` when given); ``mapped``: :func:`kvhub.serving.handoff.prepare_cache`
+    with ``mapper`` and ``recompute`` (capped to the context; pass ``control_mapper(mapper)`` for the
+    control).  ``tokenizer`` is used by selective recomputes only.  The cache grows when the model
+    continues it: one cache per use.
+    """
+    if condition == "own":
+        return target, run_model(target, context[:, :-1])
+    if condition == "source":
+        return source, run_model(source, context[:, :-1]) if source_cache is None else source_cache
+    if condition != "mapped":
+        from kvhub.errors import ConfigError
+
+        raise ConfigError(f"unknown condition {condition!r}; use own, mapped or source")
+    spec = recompute.capped(context.shape[1] - 1)
+    return target, prepare_cache(mapper, source, target, context, recompute=spec,
+                                 tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
+
+
+@torch.no_grad()
+def score_continuations(context: list[int], continuations: list[list[int]], *, condition: str, source, target,
+                        mapper=None, recompute: Recompute = Recompute(), tokenizer=None,
+                        pad_id: int = 0) -> list[tuple[float, bool]]:
+    """(log p(continuation_i | context) summed over its tokens, is it greedy) for each continuation.
+
+    Token-level: context (n >= 1 ids) and each continuation (>= 1 ids) are already tokenised.  The
+    condition's cache covers context[:-1] (:func:`condition_cache`); the tails ``[context[-1]] +
+    continuation_i`` run batched from it, exactly as :func:`score_item` does.  A one-token context has
+    nothing to map: every target condition is then the target alone.
+    """
+    device = next(target.parameters()).device
+    tail_ids, tail_mask = _padded([context[-1:] + list(c) for c in continuations], pad_id)
+    tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)
+    if len(context) >= 2:
+        model, cache = condition_cache(condition, torch.tensor([context], device=device), source=source,
+                                       target=target, mapper=mapper, recompute=recompute, tokenizer=tokenizer)
+    else:
+        model, cache = (source if condition == "source" else target), None
+    logits, _ = _tail_logits(model, cache, tail_ids, tail_mask)
+    return _continuation_scores(logits, tail_ids, [1] * len(continuations), [len(c) for c in continuations])
 
 
 @torch.no_grad()
@@ -135,7 +220,8 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
     :func:`kvhub.serving.handoff.prepare_cache`).  Every condition prefills the shared context minus its last
     token once (own: target; mapped: source -> mapper plus the recomputes; source: source), then runs
     the same tails ``[last context token] + prefix_i + continuation_i`` (batched over choices) from
-    that cache, so the conditions differ only in the cache.  Own and source are computed once.
+    that cache (:func:`condition_cache`), so the conditions differ only in the cache.  Own and source are
+    computed once.
     """
     device = next(target.parameters()).device
     ctx, pres, conts = _encode(tokenizer, item)
@@ -146,16 +232,17 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     tail_ids, tail_mask = _padded([[ctx[-1]] + p + c for p, c in zip(pres, conts)], pad)
     tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)
-    context = torch.tensor([ctx[:-1]], device=device)
+    context = torch.tensor([ctx], device=device)
     starts, lengths = [1 + len(p) for p in pres], [len(c) for c in conts]
-    own_logits, own_attn = _tail_logits(target, run_model(target, context), tail_ids, tail_mask, recorder=recorder)
-    source_cache = run_model(source, context)
-    mapped_caches = [
-        prepare_cache(mapper, source, target, torch.tensor([ctx], device=device), recompute=spec.capped(len(ctx) - 1),
-                      tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
-        for spec in variants
-    ]  # before the source tails below grow source_cache
-    src_logits, _ = _tail_logits(source, source_cache, tail_ids, tail_mask)
+    shared = dict(source=source, target=target, tokenizer=tokenizer)
+    own_logits, own_attn = _tail_logits(*condition_cache("own", context, **shared), tail_ids, tail_mask,
+                                        recorder=recorder)
+    source_cache = run_model(source, context[:, :-1])
+    mapped_caches = [condition_cache("mapped", context, mapper=mapper, recompute=spec, source_cache=source_cache,
+                                     **shared)[1]
+                     for spec in variants]  # before the source tails below grow source_cache
+    src_logits, _ = _tail_logits(*condition_cache("source", context, source_cache=source_cache, **shared),
+                                 tail_ids, tail_mask)
     own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)
     src = _continuation_logprobs(src_logits, tail_ids, starts, lengths)
     scores = []
@@ -181,6 +268,7 @@ def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_at
         agree_next=int(own_next.argmax() == map_next.argmax()),
         kl_next=float((own_next.exp() * (own_next - map_next)).sum()),
         attn_cosine=_attn_cosine(own_attn, map_attn, tail_mask),
+        logprobs={"own": own, "mapped": mapped, "source": src}, gold=int(item.label),
     )
 
 
