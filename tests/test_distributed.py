@@ -1,8 +1,11 @@
 """The distributed fit (kvhub.fitting.distributed) on 2 gloo processes equals the single-process fit, also
-when a rank dies mid-capture and the job is started again from the per-rank checkpoints."""
+when a rank dies mid-capture and the job is started again from the per-rank checkpoints; in one pass and
+in two (each rank probing its own target layers)."""
 
+import dataclasses
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -13,11 +16,12 @@ from kvhub.fitting.distributed import owned_layers
 from kvhub.errors import ConfigError
 from kvhub.fitting.checkpoint import FitState
 from kvhub.fitting.fit import FitOptions, fit
-from kvhub.fitting.modes import ONE_PASS
+from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model
 
 DIE_AT_STEP = 2  # rank 1 dies when it starts this step, after the checkpoint of the steps before
+STEP = re.compile(r"^(.*): step (\d+)/")
 
 
 def _family():
@@ -28,13 +32,14 @@ def _family():
     return source, target, ids[:11], ids[11:]
 
 
-def _options(checkpoint=None) -> FitOptions:
+def _options(**changes) -> FitOptions:
     # 6 + 2 batches: 4 steps on 2 ranks, the last rank-1 batch held-out; k and lambda chosen on held-out R^2
-    return FitOptions(stride=1, batch_size=2, checkpoint=checkpoint, checkpoint_every=1)
+    return dataclasses.replace(FitOptions(stride=1, batch_size=2, checkpoint_every=1), **changes)
 
 
-def _rank_main(rank: int, port: int, out: Path, die_at: int, family) -> None:
-    """One rank, in a process forked from the test (so the tiny models and imports come for free)."""
+def _rank_main(rank: int, port: int, out: Path, die_at, family, options: FitOptions) -> None:
+    """One rank, in a process forked from the test (so the tiny models and imports come for free); rank 1
+    dies when it starts step ``die_at`` = (label, step) (None: never)."""
     import traceback
 
     from safetensors.torch import save_file
@@ -47,8 +52,9 @@ def _rank_main(rank: int, port: int, out: Path, die_at: int, family) -> None:
     steps = []
 
     def progress(description, completed, total):
-        if description.startswith("capture: step"):
-            steps.append(int(description.split()[2].split("/")[0]) - 1)
+        step = STEP.match(description)
+        if step:
+            steps.append([step.group(1), int(step.group(2)) - 1])
             if rank == 1 and steps[-1] == die_at:
                 os._exit(3)  # no cleanup, like a killed process
 
@@ -56,25 +62,27 @@ def _rank_main(rank: int, port: int, out: Path, die_at: int, family) -> None:
         group = init_group("cpu")
         source, target, train, heldout = family
         mapper = fit_distributed(source, target, train, heldout, group=group, source_id="src", target_id="dst",
-                                 options=_options(out / "checkpoint.safetensors"), progress=progress)
+                                 options=dataclasses.replace(options, checkpoint=out / "checkpoint.safetensors"),
+                                 progress=progress)
         (out / f"steps.rank{rank}.json").write_text(json.dumps(steps))
         if mapper is not None:
             save_file({k: v.contiguous() for k, v in mapper.tensors.items()}, str(out / "mapper.safetensors"))
             (out / "layers.json").write_text(json.dumps(mapper.layers))
+            (out / "metadata.json").write_text(json.dumps(mapper.metadata))
     except BaseException:
         (out / f"error.rank{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)  # skip the test process's exit handlers
 
 
-def _run_ranks(out: Path, family, *, die_at: int = -1) -> list[int]:
+def _run_ranks(out: Path, family, options: FitOptions, *, die_at=None) -> list[int]:
     import multiprocessing
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_rank_main, args=(rank, port, out, die_at, family)) for rank in range(2)]
+    procs = [context.Process(target=_rank_main, args=(rank, port, out, die_at, family, options)) for rank in range(2)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -82,37 +90,68 @@ def _run_ranks(out: Path, family, *, die_at: int = -1) -> list[int]:
         if proc.exitcode is None:
             proc.kill()
     codes = [proc.exitcode for proc in procs]
-    if die_at < 0 and codes != [0, 0]:
+    if die_at is None and codes != [0, 0]:
         raise AssertionError("\n".join(f.read_text() for f in out.glob("error.rank*.txt")) or f"exit codes {codes}")
     return codes
 
 
-def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
-    from safetensors.torch import load_file
-
+def _single(family, options: FitOptions):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' thread count: the same GEMM kernels
     try:
-        family = _family()
-        single = fit(*family, source_id="src", target_id="dst", options=_options())
+        return fit(*family, source_id="src", target_id="dst", options=options)
     finally:
         torch.set_num_threads(threads)
 
-    codes = _run_ranks(tmp_path, family, die_at=DIE_AT_STEP)
-    assert codes[1] == 3 and codes[0] != 0  # rank 0 fails on the lost peer instead of hanging
-    assert not (tmp_path / "mapper.safetensors").exists()
-    assert _run_ranks(tmp_path, family) == [0, 0]
-    for rank in range(2):  # both resumed after the last step every rank had checkpointed
-        assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [DIE_AT_STEP, DIE_AT_STEP + 1]
 
-    tensors = load_file(str(tmp_path / "mapper.safetensors"))
+def _assert_same_mapper(out: Path, single) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "mapper.safetensors"))
     assert sorted(tensors) == sorted(single.tensors)
     for name, expected in single.tensors.items():
         torch.testing.assert_close(tensors[name].double(), expected.double(), rtol=0, atol=1e-10, msg=name)
-    distributed_layers = json.loads((tmp_path / "layers.json").read_text())
+    distributed_layers = json.loads((out / "layers.json").read_text())
     assert [(l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in distributed_layers] == [
         (l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in single.layers]
+
+
+def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
+    family = _family()
+    single = _single(family, _options())
+    die_at = ["capture", DIE_AT_STEP]
+    codes = _run_ranks(tmp_path, family, _options(), die_at=die_at)
+    assert codes[1] == 3 and codes[0] != 0  # rank 0 fails on the lost peer instead of hanging
+    assert not (tmp_path / "mapper.safetensors").exists()
+    assert _run_ranks(tmp_path, family, _options()) == [0, 0]
+    for rank in range(2):  # both resumed after the last step every rank had checkpointed
+        assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [
+            ["capture", DIE_AT_STEP], ["capture", DIE_AT_STEP + 1]]
+    _assert_same_mapper(tmp_path, single)
     assert single.metadata["chosen_by"] == "held-out R^2"
+
+
+def test_two_pass_on_two_ranks_equals_one_process_also_after_a_rank_dies_in_pass_two(tmp_path):
+    """Each rank probes its own target layers and keeps their best source layer; the single process keeps
+    every target's: the same layers per target, the same sums, the same mapper."""
+    source = make_model("qwen2", num_hidden_layers=4, seed=6)
+    target = make_model("qwen2", num_hidden_layers=3, num_key_value_heads=4, seed=7)
+    ids = torch.randint(0, 128, (14, 16), generator=torch.Generator().manual_seed(1))
+    family = (source, target, ids[:11], ids[11:])
+    options = _options(k=1, statistics=StatisticsMode(passes=2, top_k_max=1))
+    single = _single(family, options)
+    codes = _run_ranks(tmp_path, family, options, die_at=["capture pass 2", 1])
+    assert codes[1] == 3 and codes[0] != 0
+    assert _run_ranks(tmp_path, family, options) == [0, 0]
+    for rank in range(2):  # pass 1 was not run again; pass 2 resumed at its agreed step
+        assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [
+            ["capture pass 2", 1], ["capture pass 2", 2], ["capture pass 2", 3]]
+    _assert_same_mapper(tmp_path, single)
+    notes = json.loads((tmp_path / "metadata.json").read_text())["notes"]
+    assert sum("two-pass statistics" in note for note in notes) == 2  # one per rank, each its own candidates
+    probe = json.loads((tmp_path / "metadata.json").read_text())["probe_r2"]["k"]
+    assert (len(probe), len(probe[0])) == (4, 3)  # pass 1's grids, assembled over the ranks' target layers
+    assert all(len(l["sources"]) == 1 for l in single.layers)
 
 
 def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:

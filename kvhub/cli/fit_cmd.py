@@ -60,19 +60,33 @@ def _auto_or(convert, hint: str):
               help="Fit on N processes of this machine (one GPU each with CUDA, else gloo on CPU): runs "
                    "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
                    "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.")
+@click.option("--stats", "statistics", type=click.Choice(["auto", "one-pass", "two-pass"]), default="auto",
+              show_default=True,
+              help="How the statistics are accumulated: 'one-pass' (every source layer's full statistics), "
+                   "'two-pass' (a probe pass over per-layer blocks picks candidate source layers, a second pass "
+                   "keeps only those: for pairs whose full statistics do not fit), or 'auto' (what kvhub plan "
+                   "says fits the memory free now).")
+@click.option("--candidates", type=click.IntRange(min=1), default=None,
+              help="Two-pass statistics: the most source layers pass 2 keeps (per process) [default: as many as "
+                   "the plan fits].")
 @click.option("--ignore-plan", is_flag=True,
               help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
-        batch_size, seed, restart, db, no_register, nproc, ignore_plan, as_json):
+        batch_size, seed, restart, db, no_register, nproc, statistics, candidates, ignore_plan, as_json):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
     kvhub fit --src Qwen/Qwen2.5-Coder-0.5B-Instruct --dst Qwen/Qwen2.5-Coder-1.5B-Instruct --calib legal-docs
 
     An interrupted fit continues from its last checkpoint when run again with the same arguments
-    (statistics are checkpointed every few batches); --restart starts over.  A distributed fit keeps
-    one checkpoint per rank and resumes when restarted with the same number of processes.
+    (statistics are checkpointed every few batches, and when a two-pass fit's first pass ends);
+    --restart starts over.  A distributed fit keeps one checkpoint per rank and resumes when restarted
+    with the same number of processes.
+
+    When the full statistics do not fit the memory free now, --stats auto (the default) accumulates
+    them in two passes (see kvhub plan): the mapper then chooses its source layers among the
+    candidates the first pass probed best.
     """
     from kvhub.errors import ConfigError
 
@@ -87,7 +101,8 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
 
     request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
                          lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
-                         restart=restart, weighting=weighting, head_local=head_local, rank=rank)
+                         restart=restart, weighting=weighting, head_local=head_local, rank=rank,
+                         statistics=statistics, candidates=candidates)
     check_before_loading(request)
     if nproc:
         raise SystemExit(_launch_torchrun(nproc))
@@ -99,7 +114,7 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
             return
     else:
         if not ignore_plan:
-            check_plan(request)
+            _say_statistics(check_plan(request))
         mapper = fit_by_names(request, notify=say, progress=progress_callback)
     reference = None
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
@@ -131,6 +146,8 @@ def check_before_loading(request) -> None:
             raise
         raise UnknownCalibrationError(f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? "
                                       f"({exc})", name=exc.name, known=exc.known) from None
+    if request.candidates is not None and request.statistics == "one-pass":
+        raise ConfigError("--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats two-pass")
     if not isinstance(request.k, int):
         return
     if request.k < 1:
@@ -147,6 +164,12 @@ def check_before_loading(request) -> None:
         raise ConfigError(f"--k {request.k} gives {request.k * source.kv_width} features per target layer, but "
                           f"the calibration set has at most {rows} training observations; use a smaller --k, "
                           "--k auto, more --samples or a smaller --stride")
+
+
+def _say_statistics(plan) -> None:
+    """Tell the user how the plan says the statistics will be accumulated (None: no plan before loading)."""
+    if plan is not None:
+        say(f"statistics: {plan.statistics.describe()} (kvhub plan: {plan.advice})", label="plan:")
 
 
 def _launch_torchrun(nproc: int) -> int:
@@ -179,7 +202,9 @@ def _fit_rank(request, *, ignore_plan: bool):
     group = init_group(request.device)
     try:
         if not ignore_plan:  # CPU ranks share this machine's memory: the plan counts every rank
-            check_plan(request, ranks=group.world)
+            plan = check_plan(request, ranks=group.world)
+            if group.is_main:
+                _say_statistics(plan)
         return fit_by_names_distributed(request, group=group, notify=say,
                                         progress=progress_callback if group.is_main else None)
     finally:
@@ -210,7 +235,8 @@ def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"ref": reference, "out": str(out) if out else None, "metrics": metrics,
                                "k": _auto(mapper.metadata.get("k")), "lambda": _auto(mapper.metadata.get("lambda")),
-                               "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"]}, indent=2,
+                               "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"],
+                               "statistics": mapper.metadata["fit"].get("statistics")}, indent=2,
                               sort_keys=True))
         return
     table = Table(title=plain(f"{mapper.source['model_id']} -> {mapper.target['model_id']}"))

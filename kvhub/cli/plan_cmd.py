@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -33,24 +34,40 @@ def _k_option(ctx, param, value: str):
               help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits].")
 @click.option("--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present].")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
+@click.option("--stats", "statistics", type=click.Choice(["auto", "one-pass", "two-pass"]), default="auto",
+              show_default=True, help="Statistics mode to plan: 'auto' = one pass when it fits, else two passes "
+                                      "(probe, then only candidate source layers) when they fit.")
+@click.option("--candidates", type=click.IntRange(min=1), default=None,
+              help="Two passes: the source layers pass 2 keeps [default: the most that fit].")
+@click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
+              help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
+                   "machine's for cpu].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
-def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, device, dtype, as_json):
+def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, device, dtype, statistics, candidates,
+         host_memory, as_json):
     """Plan a fit of SRC -> DST: memory per rank, artifact size, FLOPs, time, mode and rank count.
 
     \b
     kvhub plan --src Qwen/Qwen3-14B --dst Qwen/Qwen3-32B --samples 256 --seq-len 2048 --device h100 --ranks 8
 
-    Reads only the configs.  Times are estimates from nominal device rates; kvhub fit refuses a fit
-    whose plan does not fit the machine, with this command's advice.
+    Reads only the configs.  Times are estimates from nominal device rates; kvhub fit makes the same
+    plan against the memory free when it starts: it takes the statistics mode planned here, and
+    refuses a fit that does not fit the machine, with this command's advice.
     """
-    from kvhub.fitting.plan import device_profile, plan_fit, recommend, shape_of, workload_for
+    from kvhub.fitting.plan import GIB, device_profile, plan_fit, recommend, shape_of, workload_for
 
     source, target = shape_of(src), shape_of(dst)
     workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
                             k=k, dtype=dtype)
     profile = device_profile(device or _default_device())
-    result = plan_fit(source, target, workload, profile, ranks=ranks) if ranks else recommend(
-        source, target, workload, profile)
+    if host_memory is not None:  # a CPU device is its own host
+        field = "host_memory" if profile.gpu else "memory"
+        profile = dataclasses.replace(profile, **{field: int(host_memory * GIB)})
+    if ranks or candidates:
+        result = plan_fit(source, target, workload, profile, ranks=ranks or 1, statistics=statistics,
+                          candidates=candidates)
+    else:
+        result = recommend(source, target, workload, profile, statistics=statistics)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -78,8 +95,11 @@ def _print_plan(result) -> None:
     table.add_column("GiB", justify="right")
     device = "device" if result.device.gpu else "RAM"
     host = "host" if result.device.gpu else "RAM"
-    for where, part in ((device, "weights"), (device, "activations"), (device, "exchange"), (host, "statistics"),
-                        (host, "update"), (host, "solve"), (device, "device_peak"), (host, "host_peak")):
+    parts = [(device, "weights"), (device, "activations"), (device, "exchange"), (host, "statistics"),
+             (host, "update"), (host, "solve"), (device, "device_peak"), (host, "host_peak")]
+    if result.statistics.passes == 2:
+        parts[4:4] = [(host, "statistics_pass1"), (host, "statistics_pass2")]
+    for where, part in parts:
         table.add_row(where, part.replace("_", " "), f"{result.memory[part] / GIB:,.2f}")
     console.print(table)
     console.print(f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
@@ -87,4 +107,5 @@ def _print_plan(result) -> None:
                   f"FLOPs per rank; exchange {result.exchange_bytes / GIB:,.2f} GiB received per rank")
     seconds = result.seconds
     console.print("estimated time: " + ", ".join(f"{name} {seconds[name]:,.0f} s" for name in seconds))
+    console.print(f"statistics: {result.statistics.describe()}")
     console.print(f"mode [bold]{result.mode}[/] on {result.ranks} rank(s): {result.advice}")

@@ -128,7 +128,7 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
         options.timings[key] = max(t.get(key, 0.0) for _, _, t in parts)
     options.timings["tokens"] = sum(t.get("tokens", 0) for _, _, t in parts)
     summary = _means_only(layout, means, train, heldout)
-    return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options)
+    return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options, statistics=mode)
 
 
 def _agreed_mode(group: Group, source_model, target_model, train_ids, heldout_ids, options: FitOptions,

@@ -14,6 +14,7 @@ same statistics, hence the same mapper.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -133,7 +134,7 @@ def fit(
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers)
     return build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
-                        state.stats["heldout"], options)
+                        state.stats["heldout"], options, statistics=mode)
 
 
 def statistics_mode(source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, job: str,
@@ -292,8 +293,10 @@ def target_means(train: KVStats) -> dict[str, torch.Tensor]:
 
 
 def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibration: dict,
-                 train: KVStats, heldout: KVStats, options: FitOptions) -> Mapper:
-    """Weights (fp32) and mapper.json metadata from a solution."""
+                 train: KVStats, heldout: KVStats, options: FitOptions, *,
+                 statistics: StatisticsMode = ONE_PASS) -> Mapper:
+    """Weights (fp32) and mapper.json metadata from a solution; ``statistics``: how they were accumulated
+    (recorded under ``fit``, which kvhub does not read back)."""
     tensors = {}
     for layer in solution.layers:
         tensors.update(layer.k_map.tensors(f"k.{layer.target}"))
@@ -322,6 +325,7 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
         "calibration": calibration,
         "fit": {"stride": options.stride, "skip_first": options.skip_first, "batch_size": options.batch_size,
                 "weighting": options.weighting, "weight_cap": options.weight_cap,
+                "statistics": dataclasses.asdict(statistics),
                 "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()}},
         "metrics": metrics,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

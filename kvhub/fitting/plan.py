@@ -39,9 +39,10 @@ forward passes on the device.
 Modes: ``full`` (one rank holds everything) or ``sharded`` (R ranks; each holds the source Gram and
 its target layers' cross blocks and solves those layers; see :mod:`kvhub.fitting.distributed`), and
 the statistics mode (:class:`kvhub.fitting.modes.StatisticsMode`), decided here for ``kvhub plan``
-and ``kvhub fit`` alike (:func:`plan_fit`): one pass when its plan fits; else two passes
-(:mod:`kvhub.fitting.two_pass`) keeping the most candidate source layers c that fit, with fp64
-totals unless fp32 totals keep more; else nothing fits and the advice says what would.
+and ``kvhub fit`` alike (:func:`plan_fit`), first that fits of: one pass with fp64 totals; one pass
+with fp32 totals (every source layer still a candidate, one capture pass); two passes
+(:mod:`kvhub.fitting.two_pass`) keeping the most candidate source layers c that fit, fp64 unless fp32
+totals keep more.  When none fits, the advice says what would (more ranks, another device).
 """
 
 from __future__ import annotations
@@ -361,6 +362,9 @@ def _choose(source, target, workload, device, ranks, statistics, candidates) -> 
     if candidates is not None and statistics == "one-pass":
         raise ConfigError("--candidates applies to two-pass statistics; drop it or use --stats two-pass")
     one = _estimate(source, target, workload, device, ranks, ONE_PASS)
+    if not one.fits:  # fp32 totals keep the selection over every source layer, and one capture pass
+        one32 = _estimate(source, target, workload, device, ranks, StatisticsMode(dtype="float32"))
+        one = one32 if one32.fits else one
     if statistics == "one-pass" or (statistics == "auto" and one.fits and candidates is None):
         return one
     two = max((_two_pass(source, target, workload, device, ranks, dtype, candidates) for dtype in ACCUMULATORS),
