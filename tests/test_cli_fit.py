@@ -164,3 +164,20 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkey
     shown = json.loads(runner.invoke(main, ["show", ref, "--db", env["db"], "--json"]).stdout)
     names = {(m["task"], m["name"]) for m in shown["metrics"]}
     assert ("hellaswag", "retention") in names and ("hellaswag@exact_prefix=2", "acc_mapped") in names
+
+
+def test_fit_in_two_passes_and_refuses_candidates_in_one(model_dirs, env):
+    """--stats two-pass: the plan's candidate budget, the mode in mapper.json, still exact on an exact family."""
+    runner = CliRunner()
+    out = env["tmp"] / "two-pass"
+    result = runner.invoke(main, _fit_args(model_dirs, env, out) + ["--stats", "two-pass", "--k", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "plan: statistics: two passes, float64" in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["statistics"] == {"passes": 2, "dtype": "float64", "candidates": 2, "top_k_max": 1}
+    assert abs(1 - summary["metrics"]["heldout_r2_k_mean"]) < rtol(torch.float32, terms=12 * 24)
+    metadata = json.loads((out / "mapper.json").read_text())
+    assert any(note.startswith("two-pass statistics (float64)") for note in metadata["notes"])
+    refused = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "no") + ["--stats", "one-pass",
+                                                                                     "--candidates", "2"])
+    assert refused.exit_code == 2 and "--candidates" in refused.output

@@ -79,15 +79,19 @@ def test_advice_names_the_rank_count_that_fits():
                 for r in (1, 2))
     assert two.memory["host_peak"] < one.memory["host_peak"] and two.memory["weights"] == one.memory["weights"]
     device = DeviceProfile("small-host", host_memory=(one.memory["host_peak"] + two.memory["host_peak"]) // 2, **node)
-    chosen = recommend(source, target, workload, device)  # one pass on more ranks before two passes on fewer
-    assert (chosen.ranks, chosen.mode, chosen.statistics.passes, chosen.fits) == (2, "sharded", 1, True)
-    refused = plan_fit(source, target, workload, device, ranks=1, statistics="one-pass")
+    chosen = recommend(source, target, workload, device)  # fp32 totals on one rank before fp64 on two
+    assert (chosen.ranks, chosen.mode, chosen.statistics, chosen.fits) == (1, "full", StatisticsMode(dtype="float32"),
+                                                                            True)
+    fp64 = StatisticsMode()
+    assert recommend(source, target, workload, dataclasses.replace(device, host_memory=1)).ranks == 8
+    refused = plan_fit(source, target, workload, device, ranks=1, statistics=fp64)
     assert not refused.fits and "on 2 ranks" in refused.advice and "torchrun --nproc-per-node 2" in refused.advice
+    assert plan_fit(source, target, workload, device, ranks=2, statistics=fp64).fits
     nothing = recommend(source, target, workload, DeviceProfile("tiny", host_memory=1000, **node))
     assert not nothing.fits and "no rank count fits, not even with two-pass statistics" in nothing.advice
     cpu = DeviceProfile("cpu", one.memory["peak"] * 2 - 1, 1e9, 1e9, 1e9, 1e9)  # CPU ranks share one memory
     assert plan_fit(source, target, workload, cpu, ranks=1).fits
-    assert not plan_fit(source, target, workload, cpu, ranks=2, statistics="one-pass").fits
+    assert not plan_fit(source, target, workload, cpu, ranks=2, statistics=fp64).fits
 
 
 def test_load_config_reads_paths_and_refuses_unknown_ids(tmp_path):
@@ -124,11 +128,50 @@ def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
                          seq_len=16, dtype="float32", device="cpu")
     plan = plan_for(request, available=10**12)
     assert plan.fits and plan.workload.samples == 4 and plan.workload.seq_len == 16 and plan.statistics.passes == 1
+    lean = check_plan(request, available=plan.memory["peak"] - 1)  # auto: fp32 totals, still one pass
+    assert lean.fits and lean.statistics == StatisticsMode(dtype="float32")
+    two = check_plan(request, available=lean.memory["peak"] - 1)  # auto: two passes
+    assert two.fits and two.statistics.passes == 2 and two.memory["peak"] < lean.memory["peak"]
     one_pass = dataclasses.replace(request, statistics="one-pass")
     with pytest.raises(ConfigError, match="does not fit.*two-pass statistics fit.*kvhub plan --src"):
-        check_plan(one_pass, available=plan.memory["peak"] - 1)
-    assert check_plan(one_pass, available=plan.memory["peak"]).statistics.passes == 1
-    two = check_plan(request, available=plan.memory["peak"] - 1)  # auto: the plan turns to two passes
-    assert two.fits and two.statistics.passes == 2 and two.memory["peak"] <= plan.memory["peak"] - 1
+        check_plan(one_pass, available=lean.memory["peak"] - 1)
     with pytest.raises(ConfigError, match="not even with two-pass statistics"):
         check_plan(request, available=two.memory["weights"])
+
+
+def test_two_passes_keep_the_most_candidates_that_fit():
+    """Qwen3-14B -> 32B on an H200 whose host has 64 GiB: one pass fits in neither fp64 nor fp32; two
+    passes keep as many candidate source layers as fit, and one more would not."""
+    from kvhub.fitting.plan import GIB, device_profile, workload_for
+
+    small, large = shape_of("Qwen/Qwen3-14B"), shape_of("Qwen/Qwen3-32B")
+    workload = workload_for(samples=256, seq_len=2048)
+    device = dataclasses.replace(device_profile("h200"), host_memory=64 * GIB)
+    plan = plan_fit(small, large, workload, device)
+    mode = plan.statistics
+    assert plan.fits and mode.passes == 2 and 1 <= mode.candidates < small.layers
+    assert mode.top_k_max <= mode.candidates and mode.top_k_max in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    for dtype in ("float64", "float32"):
+        assert not plan_fit(small, large, workload, device, statistics=StatisticsMode(dtype=dtype)).fits
+        more = StatisticsMode(passes=2, dtype=dtype, candidates=mode.candidates + 1, top_k_max=mode.top_k_max)
+        assert not plan_fit(small, large, workload, device, statistics=more).fits
+    p, q, ds = 40 * 1024, 64 * 1024, 1024  # pass 1: diagonal blocks + the whole cross block; pass 2: c layers
+    assert plan.memory["statistics_pass1"] == statistics_bytes(p, q, gram_entries=p * ds, dtype=mode.dtype)
+    assert plan.memory["statistics_pass2"] == statistics_bytes(mode.candidates * ds, q, dtype=mode.dtype)
+    assert plan.memory["statistics"] == max(plan.memory["statistics_pass1"], plan.memory["statistics_pass2"])
+    assert "two passes" in plan.advice and "in one pass" in plan.advice
+    with pytest.raises(ConfigError, match="--candidates applies to two-pass"):
+        plan_fit(small, large, workload, device, statistics="one-pass", candidates=4)
+    forced = plan_fit(small, large, workload, device, statistics="two-pass", candidates=mode.candidates - 1)
+    assert forced.fits and forced.statistics.candidates == mode.candidates - 1
+
+
+def test_plan_cli_shows_the_two_pass_statistics():
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B", "--samples", "256",
+                                  "--seq-len", "2048", "--device", "h200", "--host-memory", "64", "--ranks", "1"])
+    assert result.exit_code == 0, result.output
+    assert "statistics pass1" in result.output and "statistics: two passes" in result.output
+    data = json.loads(runner.invoke(main, ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B",
+                                           "--device", "h200", "--stats", "one-pass", "--json"]).stdout)
+    assert data["statistics"] == {"passes": 1, "dtype": "float64", "candidates": None, "top_k_max": None}

@@ -373,21 +373,22 @@ def _choose(source, target, workload, device, ranks, statistics, candidates) -> 
 
 
 def _two_pass(source, target, workload, device, ranks, dtype: str, candidates: int | None) -> Plan:
-    """The two-pass plan keeping the most candidate source layers that fits (``candidates`` if given),
-    else the one keeping the fewest (which does not fit)."""
+    """The two-pass plan keeping the most candidate source layers that fits (``candidates`` if given), each
+    with the largest k (``top_k_max``: a fixed k, else a grid value) that fits; else the one keeping the
+    fewest (which does not fit)."""
     from kvhub.core.solve import TOP_K_GRID
 
     k = _k_for(source, workload)
     owned = math.ceil(target.layers / ranks)
-    fewest = workload.k or 1
-    counts = [candidates] if candidates else range(min(source.layers, owned * k), fewest - 1, -1)
+    counts = [candidates] if candidates else range(min(source.layers, owned * k), (workload.k or 1) - 1, -1)
     plan = None
     for count in counts:
-        depth = k if workload.k else max(c for c in TOP_K_GRID if c <= min(k, count))
-        mode = StatisticsMode(passes=2, dtype=dtype, candidates=count, top_k_max=min(depth, count))
-        plan = _estimate(source, target, workload, device, ranks, mode)
-        if plan.fits:
-            break
+        depths = [k] if workload.k else sorted((c for c in TOP_K_GRID if c <= min(k, count)), reverse=True)
+        for depth in depths:
+            mode = StatisticsMode(passes=2, dtype=dtype, candidates=count, top_k_max=depth)
+            plan = _estimate(source, target, workload, device, ranks, mode)
+            if plan.fits:
+                return plan
     return plan
 
 
