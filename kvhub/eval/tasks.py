@@ -264,6 +264,13 @@ _TASKS: dict[str, tuple[Callable[[_Reader, str], list[Item]], str, tuple[str, ..
 TASKS = tuple(_TASKS)
 
 
+def default_split(name: str) -> str:
+    """The split :func:`load_task` reads when none is given."""
+    if name not in _TASKS:
+        raise ConfigError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    return _TASKS[name][1]
+
+
 def subsample(count: int, limit: int | None, *, seed: int = 0) -> list[int]:
     """Sorted indices of ``limit`` of ``count`` items, chosen by a seeded shuffle (all when None).
 
