@@ -119,7 +119,7 @@ def test_fp32_totals_error_is_the_float32_rounding_of_the_sums():
     for name in ("cxx", "cxy"):
         error = float((getattr(narrow, name).double() - getattr(wide, name)).abs().max())
         scale = float(getattr(wide, name).abs().max())
-        assert 0 < error / scale < rtol(torch.float32, terms=200), name  # measured ~1e-7; bound 1.3e-5
+        assert 0 < error / scale < rtol(torch.float32, terms=200), name  # measured 3e-7 to 7e-7; bound 1.3e-5
     assert torch.equal(narrow.syy, wide.syy) and torch.equal(narrow.mean_x, wide.mean_x)
 
 

@@ -84,9 +84,9 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     --restart starts over.  A distributed fit keeps one checkpoint per rank and resumes when restarted
     with the same number of processes.
 
-    When the full statistics do not fit the memory free now, --stats auto (the default) accumulates
-    them in two passes (see kvhub plan): the mapper then chooses its source layers among the
-    candidates the first pass probed best.
+    When the full statistics do not fit the memory free now, --stats auto (the default) keeps their
+    totals in fp32, or failing that accumulates them in two passes (see kvhub plan): the mapper then
+    chooses its source layers among the candidates the first pass probed best.
     """
     from kvhub.errors import ConfigError
 

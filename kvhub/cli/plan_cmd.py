@@ -31,7 +31,8 @@ def _k_option(ctx, param, value: str):
 @click.option("--k", "k", default="auto", show_default=True, callback=_k_option,
               help="Source layers per target layer, or 'auto' (costed at the largest k of the grid).")
 @click.option("--ranks", type=click.IntRange(min=1), default=None,
-              help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits].")
+              help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits in one pass, else in "
+                   "two].")
 @click.option("--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present].")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
 @click.option("--stats", "statistics", type=click.Choice(["auto", "one-pass", "two-pass"]), default="auto",
