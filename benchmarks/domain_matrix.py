@@ -102,7 +102,7 @@ def main() -> None:
     for fit_domain in domains:
         train, heldout, calibration = stats[fit_domain]
         solution = solve(train, heldout)
-        fixed = solve(train, heldout, k=4, lambda_=0.01)  # the paper's lambda, a mid-size k
+        fixed = solve(train, heldout, top_k=4, ridge_lambda=0.01)  # the paper's lambda, a mid-size k
         row = {"fit": fit_domain, "auto": mean_r2(solution, heldout), "k4_lambda0.01": mean_r2(fixed, heldout),
                "auto_k": [len(l.sources) for l in solution.layers]}
         report["fixed_vs_auto"].append(row)

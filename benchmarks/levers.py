@@ -33,11 +33,11 @@ from domain_matrix import DST, SRC, domain_stats, mean_r2, write_report  # noqa:
 
 
 def variants(k_grid_old):
-    from kvhub.core.solve import K_GRID, Structure
+    from kvhub.core.solve import TOP_K_GRID, Structure
 
     return [
-        ("dense, k <= 16", {"k_grid": k_grid_old}),
-        ("dense", {"k_grid": K_GRID}),
+        ("dense, k <= 16", {"top_k_grid": k_grid_old}),
+        ("dense", {"top_k_grid": TOP_K_GRID}),
         ("head-local", {"structure": Structure(groups=2)}),
         ("rank 128", {"structure": Structure(rank=128)}),
         ("rank 64", {"structure": Structure(rank=64)}),

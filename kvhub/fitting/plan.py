@@ -57,7 +57,8 @@ from pathlib import Path
 from kvhub.calib.recipe import Sequences
 from kvhub.errors import ConfigError
 from kvhub.core.stats import CHUNK_COLUMNS
-from kvhub.fitting.modes import ACCUMULATORS, MODES, ONE_PASS, StatisticsMode, pass_bytes
+from kvhub.fitting.modes import (ACCUMULATORS, MODES, ONE_PASS, StatisticsMode, pass_bytes,  # noqa: F401
+                                 statistics_bytes)  # statistics_bytes: the formula, for callers of the plan
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
