@@ -22,7 +22,7 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     from kvhub.models.resolve import load_model
     from kvhub.store import open_store
 
-    store = open_store(db)
+    store = open_store(db, create=False)  # a mistyped --db is a miss, not a new empty store
     version = store.resolve(ref)
     mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)
     err_console.print(f"loading {version.source} and {version.target}")
@@ -401,36 +401,65 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--db", default=None, metavar="URL")
 def report(ref, out, db):
-    """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT."""
+    """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT.
+
+    Needs matplotlib: pip install 'kvhub[plots]'.  layer_r2.png shows the held-out R^2 of the stored
+    maps themselves (compressed maps included); r2_heatmap.png the full-rank one-layer probe that chose
+    their source layers; retention.png the retention (mapped / own accuracy, 95% interval) of every task
+    `kvhub eval` stored, beside each condition's accuracy.
+    """
+    import shutil
+
     from kvhub.core.mapper import read_metadata
-    from kvhub.eval.plots import layer_r2, r2_heatmap, retention_bars
+    from kvhub.eval.plots import require_matplotlib
     from kvhub.store import open_store
 
-    store = open_store(db)
-    version = store.resolve(ref)
-    metadata = read_metadata(store.artifact_path(version))
+    require_matplotlib()  # before anything is written
+    with open_store(db, create=False) as store:
+        version = store.resolve(ref)
+        metadata = read_metadata(store.artifact_path(version))
+        tasks = _task_results(store.metrics(version))
+        reference = store.reference(version)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    r2_heatmap(metadata, out / "r2_heatmap.png")
-    layer_r2(metadata, out / "layer_r2.png")
-    tasks = _task_results(store.metrics(version))
-    lines = [f"# {version.ref}", "", f"- source: {version.source}", f"- target: {version.target}",
-             f"- calibration: {version.calibration}", "",
-             f"held-out R² K {metadata['metrics'].get('heldout_r2_k_mean', float('nan')):.3f}, "
-             f"V {metadata['metrics'].get('heldout_r2_v_mean', float('nan')):.3f}", "",
-             "![R² heatmap](r2_heatmap.png)", "", "![per-layer R²](layer_r2.png)", ""]
-    if tasks:
-        retention_bars(tasks, out / "retention.png")
-        lines += ["| task | n | own | mapped | source | retention |", "| --- | --- | --- | --- | --- | --- |"]
-        for task, r in sorted(tasks.items()):
-            lines.append(f"| {task} | {r.get('n', '')} | {r['acc_own']:.3f} | {r['acc_mapped']:.3f} | "
-                         f"{r['acc_source']:.3f} | {r.get('retention', float('nan')):.3f} |")
-        lines += ["", "![retention](retention.png)"]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    try:
+        _write_report(out, reference, version, metadata, tasks)
+    except BaseException:
+        if created:  # no half-written folder left behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     console.print(f"wrote {out}/report.md")
 
 
+def _write_report(out: Path, reference: str, version, metadata: dict, tasks: dict) -> None:
+    from kvhub.eval.plots import layer_r2, r2_heatmap, retention_chart, structure_label
+
+    r2_heatmap(metadata, out / "r2_heatmap.png")
+    layer_r2(metadata, out / "layer_r2.png")
+    metrics = metadata.get("metrics", {})
+    structure = structure_label(metadata)
+    lines = [f"# {reference}", "", f"- source: {version.source}", f"- target: {version.target}",
+             f"- calibration: {version.calibration}", f"- maps: {structure or 'dense, full rank'}", "",
+             f"Held-out R² of the stored maps (mean over target layers): K "
+             f"{metrics.get('heldout_r2_k_mean', float('nan')):.3f}, V {metrics.get('heldout_r2_v_mean', float('nan')):.3f}.",
+             "", "![per-layer R²](layer_r2.png)", "",
+             "The probe below (full-rank maps from one source layer) chose the source layers"
+             + (f"; it is not the R² of these {structure} maps." if structure else "."), "",
+             "![R² heatmap](r2_heatmap.png)", ""]
+    if tasks:
+        retention_chart(tasks, out / "retention.png")
+        lines += ["| task | n | own | mapped | source | retention [95% CI] |", "| --- | --- | --- | --- | --- | --- |"]
+        for task, r in sorted(tasks.items()):
+            low, high = r.get("retention_ci", [float("nan")] * 2)
+            lines.append(f"| {task} | {r.get('n', '')} | {r['acc_own']:.3f} | {r['acc_mapped']:.3f} | "
+                         f"{r.get('acc_source', float('nan')):.3f} | {r.get('retention', float('nan')):.3f} "
+                         f"[{low:.2f}, {high:.2f}] |")
+        lines += ["", "![retention](retention.png)"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
 def _task_results(metrics: list[dict]) -> dict[str, dict]:
-    """Latest value per (task, name) of the accuracy metrics, with intervals, as retention_bars wants."""
+    """Latest value per (task, name) of the accuracy metrics, with intervals, as retention_chart wants."""
     tasks: dict[str, dict] = {}
     for metric in metrics:
         task = metric.get("task")
@@ -439,10 +468,10 @@ def _task_results(metrics: list[dict]) -> dict[str, dict]:
         entry = tasks.setdefault(task, {"n": metric.get("n")})
         entry[metric["name"]] = metric["value"]
     for entry in tasks.values():
-        for cond in ("own", "mapped", "source"):
-            if f"acc_{cond}_ci_low" in entry:
-                entry[f"acc_{cond}_ci"] = [entry[f"acc_{cond}_ci_low"], entry[f"acc_{cond}_ci_high"]]
-    return {t: e for t, e in tasks.items() if "acc_own" in e}
+        for name in ("acc_own", "acc_mapped", "acc_source", "acc_control", "retention"):
+            if f"{name}_ci_low" in entry and f"{name}_ci_high" in entry:
+                entry[f"{name}_ci"] = [entry[f"{name}_ci_low"], entry[f"{name}_ci_high"]]
+    return {t: e for t, e in tasks.items() if "acc_own" in e and "acc_mapped" in e}
 
 
 def attach(group: click.Group) -> None:

@@ -1,11 +1,41 @@
-"""Headless matplotlib figures of a mapper: R^2 heatmaps, per-layer held-out R^2, task retention."""
+"""Headless matplotlib figures of a mapper (``kvhub report``): the probe R^2 heatmaps, the stored maps' held-out
+R^2 per target layer, and task retention.
+
+matplotlib is the optional ``plots`` extra: :func:`require_matplotlib` raises a ConfigError naming it.
+The data of each figure comes from a plain function (:func:`layer_series`, :func:`retention_series`) so
+what a figure shows can be checked without drawing it.
+
+- ``r2_heatmap``: probe R^2 of full-rank one-layer maps, source layer x target layer, K and V; the
+  source layers each stored map reads marked.  For compressed maps (head-local or low-rank) the probe
+  is not the stored maps' R^2, and the title says so.
+- ``layer_r2``: the held-out R^2 of the stored maps themselves (compressed ones included: mapper.json's
+  per-layer r2_k / r2_v are those maps' R^2 on the held-out statistics), K and V both visible when they
+  coincide; for compressed maps, the best full-rank probe of the selected sources as a reference.
+- ``retention``: retention = acc(mapped) / acc(own) per task with its 95% bootstrap interval, beside the
+  accuracies of each condition.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+from kvhub.errors import ConfigError
+
+PLOTS_EXTRA = "pip install 'kvhub[plots]'"
+
+
+def require_matplotlib() -> None:
+    """ConfigError naming the ``plots`` extra when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"kvhub report draws its figures with matplotlib, which is not installed here: "
+                          f"{PLOTS_EXTRA}") from exc
 
 
 def _pyplot():
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -14,57 +44,154 @@ def _pyplot():
     return plt
 
 
-def r2_heatmap(metadata: dict, path: Path) -> Path:
-    """Probe R^2 (source layer x target layer) for K and V; selected source layers marked with dots."""
+def _integer_ticks(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def structure_label(metadata: dict) -> str:
+    """'' for dense full-rank maps, else e.g. 'rank 8, 2 head groups'."""
+    structure = metadata.get("structure") or {}
+    parts = [f"rank {structure['rank']}"] * bool(structure.get("rank"))
+    parts += [f"{structure['head_groups']} head groups"] * (int(structure.get("head_groups") or 1) > 1)
+    return ", ".join(parts)
+
+
+# ---- data -------------------------------------------------------------------------------------------
+def layer_series(metadata: dict) -> dict[str, list]:
+    """Per stored target layer (ascending): target layer, held-out R^2 of its K and V maps, k, and the best
+    probe R^2 (full-rank one-layer map) over the source layers it reads, for K and V."""
+    layers = sorted(metadata["layers"], key=lambda layer: layer["target"])
+    probe = metadata.get("probe_r2") or {}
+
+    def best_probe(kind, layer):
+        grid = probe.get(kind)
+        return max(grid[s][layer["target"]] for s in layer["sources"]) if grid else math.nan
+
+    return {"layers": [l["target"] for l in layers], "r2_k": [_number(l.get("r2_k")) for l in layers],
+            "r2_v": [_number(l.get("r2_v")) for l in layers], "k": [len(l["sources"]) for l in layers],
+            "probe_k": [best_probe("k", l) for l in layers], "probe_v": [best_probe("v", l) for l in layers]}
+
+
+def retention_series(results: dict[str, dict]) -> dict[str, list]:
+    """Per task (sorted): retention with its 95% interval, and the accuracy of each condition present."""
+    tasks = sorted(results)
+    out = {"tasks": tasks, "retention": [_number(results[t].get("retention")) for t in tasks]}
+    out["retention_ci"] = [results[t].get("retention_ci") or [math.nan, math.nan] for t in tasks]
+    for condition in ("own", "mapped", "control", "source"):
+        if all(f"acc_{condition}" in results[t] for t in tasks):
+            out[f"acc_{condition}"] = [_number(results[t][f"acc_{condition}"]) for t in tasks]
+            out[f"acc_{condition}_ci"] = [results[t].get(f"acc_{condition}_ci") for t in tasks]
+    return out
+
+
+def _number(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+# ---- figures ----------------------------------------------------------------------------------------
+def r2_heatmap_figure(metadata: dict):
     plt = _pyplot()
     probe = metadata["probe_r2"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), constrained_layout=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), constrained_layout=True)
     for ax, kind in zip(axes, ("k", "v")):
         image = ax.imshow(probe[kind], aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=1)
         for layer in metadata["layers"]:
-            ax.scatter([layer["target"]] * len(layer["sources"]), layer["sources"], s=8, c="red", marker="o")
-        ax.set_title(f"held-out R² of one-layer maps ({kind.upper()}); red: selected")
+            ax.scatter([layer["target"]] * len(layer["sources"]), layer["sources"], s=10, c="red", marker="o")
+        ax.set_title(f"{kind.upper()}: red = source layers the stored map reads")
         ax.set_xlabel("target layer")
         ax.set_ylabel("source layer")
-        fig.colorbar(image, ax=ax)
+        _integer_ticks(ax.xaxis)
+        _integer_ticks(ax.yaxis)
+        fig.colorbar(image, ax=ax, label="held-out R²")
+    structure = structure_label(metadata)
+    title = "Probe: held-out R² of a full-rank map from one source layer"
+    if structure:
+        title += f"\n(the stored maps are compressed, {structure}: their own R² is in layer_r2.png)"
+    fig.suptitle(title)
+    return fig
+
+
+def layer_r2_figure(metadata: dict):
+    plt = _pyplot()
+    data = layer_series(metadata)
+    structure = structure_label(metadata)
+    fig, ax = plt.subplots(figsize=(8.5, 4), constrained_layout=True)
+    xs = data["layers"]
+    # V dashed with large hollow squares over K's solid line and filled dots: both visible when equal
+    ax.plot(xs, data["r2_k"], "-o", color="tab:blue", markersize=5, label="K")
+    ax.plot(xs, data["r2_v"], "--s", color="tab:orange", markersize=9, markerfacecolor="none", markeredgewidth=1.5,
+            label="V")
+    if structure:
+        ax.plot(xs, data["probe_k"], ":", color="tab:blue", alpha=0.6, label="K, full-rank probe (best source read)")
+        ax.plot(xs, data["probe_v"], "-.", color="tab:orange", alpha=0.6, label="V, full-rank probe (best source read)")
+    values = [v for key in ("r2_k", "r2_v") for v in data[key] if not math.isnan(v)]
+    bottom = min([0.0] + values)
+    ax.set_ylim(bottom - 0.05 * (1 - bottom), 1.05)
+    for x, k in zip(xs, data["k"]):
+        ax.annotate(str(k), (x, bottom), textcoords="offset points", xytext=(0, 3), fontsize=7, ha="center")
+    _integer_ticks(ax.xaxis)
+    ax.set_xlabel("target layer (numbers: k, the source layers read)")
+    ax.set_ylabel("held-out R²")
+    ax.set_title("Held-out R² of the stored maps per target layer" + (f" ({structure})" if structure else ""))
+    ax.legend(fontsize=8)
+    return fig
+
+
+def retention_figure(results: dict[str, dict]):
+    plt = _pyplot()
+    data = retention_series(results)
+    tasks = data["tasks"]
+    positions = list(range(len(tasks)))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(9, 2.6 * len(tasks)), 4), constrained_layout=True)
+    lows, highs = _errors(data["retention"], data["retention_ci"])
+    left.bar(positions, data["retention"], 0.6, yerr=[lows, highs], capsize=4, color="tab:green")
+    left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    left.set_xticks(positions, tasks, rotation=20, ha="right")
+    left.set_ylabel("retention = acc(mapped) / acc(own)")
+    left.set_title("Retention, 95% interval (1 = own)")
+    conditions = [c for c in ("own", "mapped", "control", "source") if f"acc_{c}" in data]
+    width = 0.8 / max(1, len(conditions))
+    for index, condition in enumerate(conditions):
+        offset = (index - (len(conditions) - 1) / 2) * width
+        cis = [ci or [v, v] for ci, v in zip(data[f"acc_{condition}_ci"], data[f"acc_{condition}"])]
+        lows, highs = _errors(data[f"acc_{condition}"], cis)
+        right.bar([p + offset for p in positions], data[f"acc_{condition}"], width, capsize=3, label=condition,
+                  yerr=[lows, highs] if any(lows + highs) else None)
+    right.set_xticks(positions, tasks, rotation=20, ha="right")
+    right.set_ylabel("accuracy")
+    right.set_title("Accuracy per condition")
+    right.legend(fontsize=8)
+    fig.suptitle("Task retention of the mapped cache")
+    return fig
+
+
+def _errors(values: list[float], cis: list) -> tuple[list[float], list[float]]:
+    """Error-bar lengths below and above each value (0 where the interval is unknown)."""
+    lows, highs = [], []
+    for value, (low, high) in zip(values, cis):
+        ok = not any(math.isnan(_number(x)) for x in (value, low, high))
+        lows.append(max(0.0, value - low) if ok else 0.0)
+        highs.append(max(0.0, high - value) if ok else 0.0)
+    return lows, highs
+
+
+def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
+
+
+def r2_heatmap(metadata: dict, path: Path) -> Path:
+    return _save(r2_heatmap_figure(metadata), path)
 
 
 def layer_r2(metadata: dict, path: Path) -> Path:
-    """Held-out R^2 per target layer for K and V, with k per layer."""
-    plt = _pyplot()
-    layers = metadata["layers"]
-    xs = [l["target"] for l in layers]
-    fig, ax = plt.subplots(figsize=(8, 3.5), constrained_layout=True)
-    ax.plot(xs, [l["r2_k"] for l in layers], marker="o", label="K")
-    ax.plot(xs, [l["r2_v"] for l in layers], marker="s", label="V")
-    for l in layers:
-        ax.annotate(str(len(l["sources"])), (l["target"], 0.02), fontsize=7, ha="center")
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("target layer (numbers: k)")
-    ax.set_ylabel("held-out R²")
-    ax.legend()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(layer_r2_figure(metadata), path)
 
 
-def retention_bars(results: dict[str, dict], path: Path) -> Path:
-    """Accuracy own / mapped / source per task with bootstrap 95% intervals."""
-    plt = _pyplot()
-    tasks = sorted(results)
-    fig, ax = plt.subplots(figsize=(max(5, 1.8 * len(tasks)), 3.5), constrained_layout=True)
-    width = 0.27
-    for offset, cond in ((-width, "own"), (0, "mapped"), (width, "source")):
-        values = [results[t][f"acc_{cond}"] for t in tasks]
-        cis = [results[t].get(f"acc_{cond}_ci", [v, v]) for t, v in zip(tasks, values)]
-        errors = [[v - c[0] for v, c in zip(values, cis)], [c[1] - v for v, c in zip(values, cis)]]
-        ax.bar([i + offset for i in range(len(tasks))], values, width, yerr=errors, capsize=3, label=cond)
-    ax.set_xticks(range(len(tasks)), tasks)
-    ax.set_ylabel("accuracy")
-    ax.legend()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def retention_chart(results: dict[str, dict], path: Path) -> Path:
+    return _save(retention_figure(results), path)
