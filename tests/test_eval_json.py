@@ -4,6 +4,7 @@ cache keyed on dtype and device, and `--task ppl` on a fixed text set (also for 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -154,6 +155,13 @@ def test_ppl_scores_one_fixed_text_set_whatever_the_mappers_calibration(env, mod
     from kvhub.eval.textsets import TextSet
 
     assert dataset["text_sha256"] == TextSet("lambada", "", PASSAGES).sha256
+    out = env["tmp"] / "ppl.json"
+    assert _eval(env, "--task", "ppl", "--limit", "3", "--ppl-seq-len", "32", "--output-path", str(out),
+                 "--log-samples").exit_code == 0
+    windows = [json.loads(line) for line in next(env["tmp"].glob("samples_ppl_lambada_32_*.jsonl")).read_text().splitlines()]
+    assert [(w["task"], w["doc_id"], w["tokens"]) for w in windows] == [("ppl:lambada/32", i, 16) for i in range(3)]
+    total = sum(w["nll"]["own"] for w in windows) / (3 * 16)
+    assert a["ppl_own"] == pytest.approx(math.exp(total), rel=1e-5)  # the windows are what the figure scored
 
 
 def test_text_set_windows_are_a_fixed_prefix_stream():

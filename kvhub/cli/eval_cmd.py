@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvhub.cli.console import console, err_console
+from kvhub.cli.console import console, say
 from kvhub.eval.textsets import TEXT_SETS
 
 MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada")
@@ -25,7 +25,7 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     store = open_store(db, create=False)  # a mistyped --db is a miss, not a new empty store
     version = store.resolve(ref)
     mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)
-    err_console.print(f"loading {version.source} and {version.target}")
+    say(f"loading {version.source} and {version.target}")
     source, tokenizer, _ = load_model(version.source, device=device, dtype=dtype or "bfloat16")
     target, _, _ = load_model(version.target, device=device, dtype=dtype or "bfloat16")
     return store, version, mapper, source, target, tokenizer
@@ -133,7 +133,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
         if task == "ppl":
             outcome = _eval_ppl(mapper, source, target, tokenizer, [v for v in variants if not v.selective], run,
                                 text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib)
-            named = {f"ppl:{outcome[1]['name']}/{outcome[1]['seq_len']}": outcome}  # e.g. ppl:lambada/256
+            named = {_ppl_name(outcome[1]): outcome}
         elif task in LONG_TASKS:
             named = {f"{task}-{length}": _eval_recall(version, mapper, source, target, tokenizer, task, length,
                                                       variants, run)
@@ -157,7 +157,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     doc = document(reference, results, config)
     if output_path is not None:
         for path in write(doc, samples if log_samples else None, output_path):
-            err_console.print(f"wrote {path}")
+            say(f"wrote {path}")
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -261,8 +261,13 @@ def _eval_ppl(mapper, source, target, tokenizer, variants, run, *, text, seq_len
                                        exact_prefix=variant.exact_prefix, exact_suffix=variant.exact_suffix)
         summaries[variant.name()] = {"n": metrics.sequences, **metrics.as_dict()}
         if run["log_samples"]:
-            records += [window_record("ppl", variant.name(), sample) for sample in metrics.samples]
+            records += [window_record(_ppl_name(dataset), variant.name(), sample) for sample in metrics.samples]
     return summaries, dataset, records
+
+
+def _ppl_name(dataset: dict) -> str:
+    """The results name of a perplexity run: its text and window, e.g. ``ppl:lambada/256``."""
+    return f"ppl:{dataset['name']}/{dataset['seq_len']}"
 
 
 def _text_windows(tokenizer, name, limit, seq_len):
@@ -428,7 +433,7 @@ def report(ref, out, db):
         if created:  # no half-written folder left behind
             shutil.rmtree(out, ignore_errors=True)
         raise
-    console.print(f"wrote {out}/report.md")
+    say(f"wrote {out / 'report.md'}", to=console)
 
 
 def _write_report(out: Path, reference: str, version, metadata: dict, tasks: dict) -> None:
