@@ -12,10 +12,12 @@ k at most ``top_k_max``.  Its source indices are positions in U; :func:`solve_ca
 to the model's layers and puts pass 1's probe grids (every source layer) in the solution.
 
 Memory: max(pass 1, pass 2) (:mod:`kvhub.fitting.modes`), since pass 1's statistics are dropped before
-pass 2 allocates its own.  When U holds every target layer's best ``top_k_max`` layers, the solution
-is the one-pass solution: the probe of a layer reads the same sums either way, so each target layer
-ranks U's layers as the one-pass fit ranks all of them, and every k the search tries (<= top_k_max)
-takes the same layers from the same sums (tests/test_two_pass.py checks the weights to 1e-10).
+pass 2 allocates its own.  When U holds every target layer's best ``top_k_max`` layers and the
+one-pass fit's k is at most ``top_k_max`` (with k 'auto': and ``top_k_max`` >= 4, where the coordinate
+search of :func:`kvhub.core.solve.solve` starts), the solution is the one-pass solution: a layer's probe
+reads the same sums either way (up to how fp32 products round per Gram block: near-ties aside), so each
+target layer ranks U's layers as the one-pass fit ranks all of them, and every k the search tries takes
+the same layers from the same sums (tests/test_two_pass.py checks the weights to 1e-10).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def solve_candidates(state: FitState, mode: StatisticsMode, *, top_k: int | str,
     for layer in solution.layers:
         layer.sources = [candidates[i] for i in layer.sources]  # ascending: candidates are
     solution.probe_r2_k, solution.probe_r2_v = state.probe
-    scope = f" for target layers {targets[0]}-{targets[-1]}" if targets else ""
+    scope = "" if not targets else (f" for target layer {targets[0]}" if len(targets) == 1
+                                    else f" for target layers {targets[0]}-{targets[-1]}")
     solution.notes.append(f"two-pass statistics ({mode.dtype}): pass 2 kept source layers "
                           f"{','.join(map(str, candidates))} ({len(candidates)} of {src_layers}){scope}; "
                           f"k at most {depth}")
