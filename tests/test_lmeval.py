@@ -143,6 +143,25 @@ def test_rolling_loglikelihood_is_a_handoff_per_chunk(pair, runs):
         assert abs(c - o) > 10 * tolerance
 
 
+def test_selective_variant_and_an_empty_context(pair):
+    """A selective recompute (exact_budget) scores like own on the exact family; an empty context is scored after
+    the eos token (nothing to map), as lm-eval's other models do."""
+    from lm_eval.api.instance import Instance
+
+    _, _, _, target = pair
+    own, selective = _lm(pair), _lm(pair, "mapped")
+    selective.recompute = type(selective.recompute)(1, 2, 0.3, "source")
+    requests = [Instance("loglikelihood", {}, args, i) for i, args in enumerate([
+        ("Text wrapping and filling. The TextWrapper instance attributes are public", " width."),
+        ("Text wrapping and filling. The TextWrapper instance attributes are public", " height and more."),
+        ("", "import json")])]
+    expected, got = own.loglikelihood(requests), selective.loglikelihood(requests)
+    for (o, _), (m, _) in zip(expected, got):
+        assert m == pytest.approx(o, abs=_tolerance(target, o))
+    tokens = own.tok_encode("import json")
+    assert expected[2][0] == pytest.approx(_direct(target, [own.eot_token_id], tokens), abs=_tolerance(target, expected[2][0]))
+
+
 def test_rolling_chunks_predict_every_token_once_within_max_length(pair):
     lm = _lm(pair)
     lm.rolling_chunk, lm._max_length = 3, 8
