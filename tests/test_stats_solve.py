@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvhub.errors import FitError
+from kvhub.errors import FitError, IncompatibleError
 from kvhub.core.solve import probe_r2, r2_score, ridge, solve
 from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tolerances import assert_close, condition_number, rtol
@@ -134,3 +134,30 @@ def test_stats_state_dict_round_trip():
     assert back.layout == layout and back.n == 10
     for name, tensor in stats.state_dict().items():  # a round trip stores the bits, no arithmetic
         assert torch.equal(back.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_diagonal_gram_blocks_equal_the_exact_centred_blocks(dtype):
+    """Block-diagonal moments (a probe pass's): each stored block is Xc_l^T Xc_l of the whole data, streamed
+    or merged, with fp64 or fp32 totals; the cross block is the full Xc^T Yc."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(600, 12, generator=gen) * 2 + torch.arange(600)[:, None] / 100  # a drifting mean
+    y = x[:, :5] * 0.3 + torch.randn(600, 5, generator=gen)
+    streamed, first, second = (Moments(12, 5, gram_blocks=3, dtype=dtype) for _ in range(3))
+    for start in range(0, 600, 50):
+        streamed.update(x[start:start + 50], y[start:start + 50])
+        (first if start < 350 else second).update(x[start:start + 50], y[start:start + 50])
+    merged = first + second
+    xc, yc = x.double() - x.double().mean(0), y.double() - y.double().mean(0)
+    tolerance = dict(terms=600)  # fp32 products over 600 rows (fp32 totals add 12 roundings: far less)
+    for stats in (streamed, merged):
+        assert tuple(stats.cxx.shape) == (3, 4, 4) and stats.cxx.dtype == dtype
+        for block in range(3):
+            cols = slice(4 * block, 4 * block + 4)
+            assert_close(stats.cxx[block].double(), xc[:, cols].T @ xc[:, cols], **tolerance)
+            view = stats.source_block(block, 4)  # what the probe reads
+            assert_close(view.cxy.double(), xc[:, cols].T @ yc, **tolerance)
+            assert torch.equal(view.cxx, stats.cxx[block])
+        assert_close(stats.syy, (yc * yc).sum(0), terms=600)
+    with pytest.raises(IncompatibleError, match="cannot merge"):
+        streamed.merge_(Moments(12, 5))

@@ -292,3 +292,13 @@ def test_two_pass_options_are_checked():
     with pytest.raises(ConfigError, match="more than the 2 source layers"):
         StatisticsMode(passes=2, top_k_max=2).depth(3, (1, 2, 4), 6)
     assert StatisticsMode(passes=2, candidates=5).depth("auto", (1, 2, 3, 4, 6, 8), 6) == 4
+
+
+def test_fit_refuses_candidates_without_two_passes(family):
+    source, target, train, heldout = family
+    for statistics in ("one-pass", StatisticsMode(passes=2)):
+        with pytest.raises(ConfigError, match="candidates set what a two-pass fit"):
+            fit(source, target, train, heldout, source_id="a", target_id="b",
+                options=_options(statistics=statistics, candidates=2))
+    with pytest.raises(ConfigError, match="use one of auto, one-pass, two-pass"):
+        fit(source, target, train, heldout, source_id="a", target_id="b", options=_options(statistics="three-pass"))

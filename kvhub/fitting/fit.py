@@ -145,6 +145,9 @@ def statistics_mode(source_model, target_model, train_ids, heldout_ids, options:
     requested = options.statistics
     if not isinstance(requested, StatisticsMode) and requested not in MODES:
         raise ConfigError(f"statistics {requested!r}: use one of {', '.join(MODES)}")
+    if options.candidates is not None and (requested == "one-pass" or isinstance(requested, StatisticsMode)):
+        raise ConfigError("candidates set what a two-pass fit's second pass keeps: give them with statistics "
+                          "'two-pass' or 'auto' (a StatisticsMode carries its own)")
     saved = checkpoint.saved_mode(options.checkpoint, job)
     if saved is not None and _allows(requested, options.candidates, saved):
         return saved
