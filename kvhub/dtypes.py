@@ -29,11 +29,17 @@ def parse_dtype(dtype):
         if not dtype.is_floating_point:
             raise ConfigError(f"dtype {dtype} is not a floating-point type; use {_CHOICES}")
         return dtype
+    return getattr(torch, canonical_name(dtype))
+
+
+def canonical_name(dtype: str) -> str:
+    """``"bfloat16"`` for ``"bf16"``, ``"torch.bfloat16"``, ...: the name alone, without importing torch
+    (for code that only reasons about sizes, such as the plan).  ConfigError for anything else."""
     name = str(dtype).strip().lower().removeprefix("torch.")
     name = _ALIASES.get(name, name)
     if name not in DTYPE_NAMES:
         raise ConfigError(f"unknown dtype {dtype!r}; use {_CHOICES}")
-    return getattr(torch, name)
+    return name
 
 
 def dtype_name(dtype) -> str:

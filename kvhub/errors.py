@@ -94,6 +94,12 @@ class SchemaOutdatedError(StoreError):
     """The database schema is behind this kvhub; run `kvhub db upgrade`."""
 
 
+class ServeError(KVHubError, RuntimeError):
+    """A serving engine that kvhub started (``kvhub serve``) died or did not become ready."""
+
+    exit_code = 16
+
+
 class HubError(KVHubError, OSError):
     """Talking to the Hugging Face Hub failed."""
 

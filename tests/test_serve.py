@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvhub.cli.main import main
-from kvhub.errors import ConfigError
+from kvhub.errors import ConfigError, ServeError
 from kvhub.serving import launch
 from tests.fixtures_store import DST_ID, SRC_ID
 
@@ -292,7 +292,7 @@ def test_a_server_that_dies_at_start_up_stops_the_other(mapper_db, tmp_path, fak
     ports = _free_ports()
     monkeypatch.setenv(f"FAKE_VLLM_MODE_{ports[1]}", "fail")
     result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, ports, "--timeout", "60"))
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == ServeError.exit_code == 16, result.output
     assert "the large server exited with code 1 (the other one is stopped)" in result.output
     assert "address already in use" in result.output  # its last log lines
     assert str(tmp_path / "logs" / "large.log") in result.output
@@ -303,7 +303,7 @@ def test_a_server_that_never_answers_times_out(mapper_db, tmp_path, fake_vllm, m
     ports = _free_ports()
     monkeypatch.setenv(f"FAKE_VLLM_MODE_{ports[0]}", "hang")
     result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, ports, "--timeout", "3"))
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == ServeError.exit_code, result.output
     assert f"the small server did not answer http://127.0.0.1:{ports[0]}/v1/models within 3 s" in result.output
     assert "fake vllm: loading" in result.output
     assert _gone(_server_pids(tmp_path, ports))

@@ -88,10 +88,6 @@ def test_db_commands_create_upgrade_and_report(kvhub_cli, db_url):
 
 
 
-# eval_cmd's commands declare their own --db for now (to switch to kvhub.cli.options.db_option)
-_OWN_DB_OPTION = {"eval", "bench", "report"}
-
-
 def test_every_db_option_is_the_shared_one():
     import click
 
@@ -105,7 +101,6 @@ def test_every_db_option_is_the_shared_one():
 
     with_db = {" ".join(path): [p for p in command.params if "--db" in p.opts]
                for path, command in commands(main) if any("--db" in p.opts for p in command.params)}
-    assert {"list", "show", "tag", "push", "pull", "fit", "db upgrade"} <= set(with_db)
+    assert {"list", "show", "tag", "push", "pull", "fit", "db upgrade", "eval", "bench", "report", "serve"} <= set(with_db)
     for name, [option] in with_db.items():
-        if name not in _OWN_DB_OPTION:
-            assert (option.help, option.metavar, option.default) == (DB_HELP, "URL", None), name
+        assert (option.help, option.metavar, option.default) == (DB_HELP, "URL", None), name

@@ -71,12 +71,10 @@ def make_family(directory: Path) -> dict:
 
 
 def _transfer_config(paths: dict, role: str) -> dict:
-    extra = {"store_dir": paths["store"], "source_model": "tiny/src", "events_path": paths["events"],
-             "store_max_bytes": 64 << 20}
-    if role == "consumer":
-        extra.update(mapper="src:dst:tiny-calib@latest", db=paths["db"])
-    return {"kv_connector": "KVHubConnector", "kv_connector_module_path": "kvhub.serving.vllm_connector",
-            "kv_role": f"kv_{role}", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    from kvhub.serving.launch import transfer_configs
+
+    return transfer_configs(store_dir=paths["store"], source_model="tiny/src", mapper="src:dst:tiny-calib@latest",
+                            db=paths["db"], events_path=paths["events"], store_max_bytes=64 << 20)[role]
 
 
 def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) -> list[list[int]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, say
+from kvhub.cli.options import db_option, open_db
 from kvhub.eval.textsets import TEXT_SETS
 
 MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada")
@@ -20,9 +21,8 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
     """(store, version record, Mapper, source model, target model, tokenizer) for a reference."""
     from kvhub.core.mapper import Mapper
     from kvhub.models.resolve import load_model
-    from kvhub.store import open_store
 
-    store = open_store(db, create=False)  # a mistyped --db is a miss, not a new empty store
+    store = open_db(db, create=False)  # a mistyped --db is a miss, not a new empty store
     version = store.resolve(ref)
     mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)
     say(f"loading {version.source} and {version.target}")
@@ -86,7 +86,7 @@ def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
                    "as the mapper's own (figures then depend on that packing).")
 @click.option("--device", default=None, help="cpu, cuda, ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
-@click.option("--db", default=None, metavar="URL")
+@db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the results document (lm-eval's shape) to stdout.")
 @click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
               help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
@@ -362,7 +362,7 @@ def _print_recall(ref: str, results: dict) -> None:
               show_default=True, help="Token selector of --exact-budget.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True)
-@click.option("--db", default=None, metavar="URL")
+@db_option
 @click.option("--json", "as_json", is_flag=True)
 def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, select, device, dtype, db, as_json):
     """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
@@ -404,7 +404,7 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
 @click.command("report")
 @click.argument("ref")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--db", default=None, metavar="URL")
+@db_option
 def report(ref, out, db):
     """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT.
 
@@ -417,10 +417,9 @@ def report(ref, out, db):
 
     from kvhub.core.mapper import read_metadata
     from kvhub.eval.plots import require_matplotlib
-    from kvhub.store import open_store
 
     require_matplotlib()  # before anything is written
-    with open_store(db, create=False) as store:
+    with open_db(db, create=False) as store:
         version = store.resolve(ref)
         metadata = read_metadata(store.artifact_path(version))
         tasks = _task_results(store.metrics(version))

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, plain, say
-from kvhub.cli.store_cmd import db_option
+from kvhub.cli.options import db_option, open_db
 
 
 def _auto_or(convert, hint: str):
@@ -212,9 +212,7 @@ def _fit_rank(request, *, ignore_plan: bool):
 
 
 def _register(artifact: Path, db: str | None) -> str:
-    from kvhub.store import open_store
-
-    with open_store(db) as store:
+    with open_db(db) as store:
         existing = store.registered_as(artifact)  # identical tensors are one version
         version = existing or store.register(artifact, lineage={"created_by": "kvhub fit"})
         if existing is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, say
-from kvhub.cli.store_cmd import db_option
+from kvhub.cli.options import db_option
 from kvhub.errors import ConfigError
 
 _SMALL, _LARGE = "small", "large"

@@ -13,12 +13,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from kvhub.artifact import json_sha256
+from kvhub.progress import Progress
+
 
 def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str) -> Path:
     """Where the per-item results of one (mapper, task, seed, variant, dtype, device) live."""
     from kvhub.calib.corpus import cache_root
 
-    key = hashlib.sha256(json.dumps([variant, str(dtype), str(device)]).encode()).hexdigest()[:12]
+    key = json_sha256([variant, str(dtype), str(device)])[:12]
     return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{task}-seed{seed}-{key}.jsonl"
 
 
@@ -42,7 +45,7 @@ def read_done(path: Path, from_dict: Callable[[dict], object]) -> dict:
 
 
 def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict], object],
-                progress: Callable[[str, int, int], None]) -> list[list]:
+                progress: Progress) -> list[list]:
     """Per item, one score per variant (``paths[i]`` caches variant i).
 
     ``scorer(item, indices)`` scores the variants an item still lacks (returns one score per index,

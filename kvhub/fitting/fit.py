@@ -30,6 +30,7 @@ from kvhub.core.mapper import Mapper
 from kvhub.core.rope import Rotary
 from kvhub.core.solve import Solution, Structure, head_groups, solve
 from kvhub.core.stats import KVStats, Layout
+from kvhub.dtypes import dtype_name
 from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.fitting import checkpoint
 from kvhub.fitting.checkpoint import FitState, job_identity
@@ -83,7 +84,7 @@ def pair_fingerprints(source_model, target_model, *, source_id: str, target_id: 
     for model, model_id, tokenizer in ((source_model, source_id, source_tokenizer),
                                        (target_model, target_id, target_tokenizer)):
         fingerprint = model_fingerprint(model.config, model_id=model_id, tokenizer=tokenizer)
-        fingerprint["dtype"] = str(model.dtype).replace("torch.", "")
+        fingerprint["dtype"] = dtype_name(model.dtype)
         fingerprints.append(fingerprint)
     check_same_tokenizer(*fingerprints)
     return fingerprints[0], fingerprints[1]
@@ -175,7 +176,7 @@ def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: F
         log.info("no plan for these models (%s); statistics as asked, without a candidate budget", exc)
         two = options.statistics == "two-pass" or options.candidates is not None
         return StatisticsMode(passes=2, candidates=options.candidates) if two else ONE_PASS
-    dtype = str(source_model.dtype).replace("torch.", "")
+    dtype = dtype_name(source_model.dtype)
     workload = Workload(samples=train_ids.shape[0], heldout=0 if heldout_ids is None else heldout_ids.shape[0],
                         seq_len=train_ids.shape[1], stride=options.stride, batch_size=options.batch_size,
                         k=options.k if isinstance(options.k, int) else None,

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvhub.calib.recipe import Sequences
+from kvhub.dtypes import canonical_name
 from kvhub.errors import ConfigError
 from kvhub.core.stats import CHUNK_COLUMNS
 from kvhub.fitting.modes import (ACCUMULATORS, MODES, ONE_PASS, StatisticsMode, pass_bytes,  # noqa: F401
@@ -397,9 +398,10 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
               ranks: int, mode: StatisticsMode) -> Plan:
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
-    if workload.dtype not in DTYPE_BYTES:
-        raise ConfigError(f"dtype {workload.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-    nbytes = DTYPE_BYTES[workload.dtype]
+    dtype = canonical_name(workload.dtype)
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {workload.dtype!r}: the plan knows model weights in {', '.join(DTYPE_BYTES)}")
+    nbytes = DTYPE_BYTES[dtype]
     ds, dt = source.kv_width, target.kv_width
     p, q = source.layers * ds, target.layers * dt
     owned = math.ceil(target.layers / ranks)

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvhub.errors import ConfigError, KVHubError, NotFoundError
+from kvhub.errors import ConfigError, NotFoundError, ServeError
 
 log = logging.getLogger("kvhub.serving")
 
@@ -261,7 +261,7 @@ class ServerPair:
     def wait_ready(self, *, timeout: float, interval: float = 0.5, progress=None) -> bool:
         """Poll each server's ``/v1/models`` until it lists its model; False if a stop was requested first.
 
-        ``progress(description, ready, total)`` hears each poll.  KVHubError with the server's last log
+        ``progress(description, ready, total)`` hears each poll.  ServeError with the server's last log
         lines when one exits or is not ready within ``timeout`` s.
         """
         deadline = time.monotonic() + timeout
@@ -275,7 +275,7 @@ class ServerPair:
                 progress("servers ready", len(self.servers) - len(waiting), len(self.servers))
             if waiting and time.monotonic() > deadline:
                 server = waiting[0]
-                raise KVHubError(f"the {server.name} server did not answer {server.url}/models within {timeout:.0f} s "
+                raise ServeError(f"the {server.name} server did not answer {server.url}/models within {timeout:.0f} s "
                                  f"(raise --timeout for a slow start); its log {server.log_path} ends with:\n"
                                  f"{server.log_tail()}")
             if waiting:
@@ -283,7 +283,7 @@ class ServerPair:
         return True
 
     def wait(self, *, interval: float = 0.5) -> None:
-        """Until a stop is requested; KVHubError when a server exits by itself."""
+        """Until a stop is requested; ServeError when a server exits by itself."""
         while self.stop_signal is None:
             self._check_alive()
             time.sleep(interval)
@@ -292,7 +292,7 @@ class ServerPair:
         for server in self.servers:
             code = server.process.poll()
             if code is not None:
-                raise KVHubError(f"the {server.name} server exited with code {code} (the other one is stopped); "
+                raise ServeError(f"the {server.name} server exited with code {code} (the other one is stopped); "
                                  f"its log {server.log_path} ends with:\n{server.log_tail()}")
 
     def stop(self, *, interval: float = 0.1) -> None:
