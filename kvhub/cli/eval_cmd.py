@@ -100,7 +100,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
-    measures what `kvhub.serving.handoff.handoff` does by default, and `--exact-budget 0.1 --select source`
+    measures what `kvhub.handoff` does by default, and `--exact-budget 0.1 --select source`
     adds a selective recompute of 10% of the context.
 
     The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
