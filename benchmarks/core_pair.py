@@ -120,7 +120,9 @@ def main() -> None:
     if args.fit_only:
         fit_once(args)
         return
-    artifact = args.artifact or Path.home() / ".cache" / "kvhub" / "bench" / f"core-{args.calib}-{args.samples}"
+    from kvhub.calib.corpus import cache_root
+
+    artifact = args.artifact or cache_root() / "bench" / f"core-{args.calib}-{args.samples}"
     report = {"command": " ".join(sys.argv), "src": args.src, "dst": args.dst, "calib": args.calib}
     if args.eval_only:
         report.update(evaluate(args, artifact))

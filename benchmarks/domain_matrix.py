@@ -80,23 +80,21 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvhub.eval.continuation import continuation_metrics
-    from kvhub.fitting.fit import FitOptions, build_mapper
-    from kvhub.models.fingerprint import model_fingerprint
+    from kvhub.calib.corpus import cache_root
+    from kvhub.fitting.fit import FitOptions, build_mapper, pair_fingerprints
     from kvhub.models.resolve import load_model
     from kvhub.core.solve import solve
 
     source, tok, source_id = load_model(SRC, dtype="bfloat16")
     target, _, target_id = load_model(DST, dtype="bfloat16")
     domains = args.domains.split(",")
-    cache = Path.home() / ".cache" / "kvhub" / "bench" / "stats"
+    cache = cache_root() / "bench" / "stats"
     stats = {}
     for domain in domains:
         started = time.perf_counter()
         stats[domain] = domain_stats(domain, source, target, tok, source_id, args, cache)
         print(f"{domain}: statistics in {time.perf_counter() - started:.0f} s", flush=True)
-    fps = (model_fingerprint(source.config, model_id=source_id), model_fingerprint(target.config, model_id=target_id))
-    for fp in fps:
-        fp["dtype"] = "bfloat16"
+    fps = pair_fingerprints(source, target, source_id=source_id, target_id=target_id)
     report = {"command": " ".join(sys.argv), "samples": args.samples, "seq_len": args.seq_len, "rows": []}
     report["fixed_vs_auto"] = []
     for fit_domain in domains:

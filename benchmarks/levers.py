@@ -65,15 +65,15 @@ def main() -> None:
     import torch
 
     from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
-    from kvhub.fitting.fit import FitOptions, build_mapper
-    from kvhub.models.fingerprint import model_fingerprint, tokenizer_hash
+    from kvhub.calib.corpus import cache_root
+    from kvhub.fitting.fit import FitOptions, build_mapper, pair_fingerprints
     from kvhub.core.mapper import Mapper
     from kvhub.models.resolve import load_model
     from kvhub.core.solve import solve
 
     source, tok, source_id = load_model(SRC, dtype="bfloat16")
     target, target_tok, target_id = load_model(DST, dtype="bfloat16")
-    cache = Path.home() / ".cache" / "kvhub" / "bench" / "stats"
+    cache = cache_root() / "bench" / "stats"
     started = time.perf_counter()
     train, heldout, calibration = domain_stats(args.calib, source, target, tok, source_id, args, cache)
     print(f"statistics: {time.perf_counter() - started:.0f} s ({train.n} train / {heldout.n} held-out tokens)", flush=True)
@@ -81,11 +81,8 @@ def main() -> None:
     if args.weighting != "uniform":  # the same data unweighted, to score every variant by plain R^2 too
         plain = argparse.Namespace(**{**vars(args), "weighting": "uniform"})
         plain_heldout = domain_stats(args.calib, source, target, tok, source_id, plain, cache)[1]
-    fps = [model_fingerprint(m.config, model_id=i, tokenizer=t)
-           for m, i, t in ((source, source_id, tok), (target, target_id, target_tok))]
-    for fp in fps:
-        fp["dtype"] = "bfloat16"
-    assert tokenizer_hash(tok) == tokenizer_hash(target_tok)
+    fps = pair_fingerprints(source, target, source_id=source_id, target_id=target_id, source_tokenizer=tok,
+                            target_tokenizer=target_tok)
     held = calibration.heldout[: args.eval_sequences]
     report = {"command": " ".join(sys.argv), "calib": args.calib, "samples": args.samples, "seq_len": args.seq_len,
               "weighting": args.weighting,
