@@ -35,7 +35,7 @@ def fit_once(args) -> dict:
     rss_models = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     calibration = resolve_calibration(args.calib, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
                                       seq_len=args.seq_len)
-    options = FitOptions(k=args.k, lambda_=args.lambda_, stride=args.stride, batch_size=args.batch_size)
+    options = FitOptions(top_k=args.k, ridge_lambda=args.lambda_, stride=args.stride, batch_size=args.batch_size)
     started = time.perf_counter()
     mapper = fit(source, target, calibration.train, calibration.heldout, source_id=source_id, target_id=target_id,
                  source_tokenizer=tok, target_tokenizer=target_tok, calibration=calibration.to_metadata(),

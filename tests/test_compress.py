@@ -106,7 +106,7 @@ def family():
 
 def _fit(source, target, **options):
     return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-               options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8, **options))
+               options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8, **options))
 
 
 def _greedy(model, ids, cache=None):

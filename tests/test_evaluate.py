@@ -23,7 +23,7 @@ def family():
     source = make_model("qwen2", num_hidden_layers=2, seed=11)
     target, _ = exact_family_target(source, insert_before=(1,))
     mapper = fit(source, target, _ids(12, 32, 0), _ids(4, 32, 1), source_id="s", target_id="t",
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, mapper
 
 

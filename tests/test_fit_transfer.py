@@ -23,7 +23,7 @@ def _ids(n, t, seed):
 
 def _fit(source, target, *, k="auto", lam=1e-9, **options):
     return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-               options=FitOptions(k=k, lambda_=lam, stride=1, batch_size=8, **options))
+               options=FitOptions(top_k=k, ridge_lambda=lam, stride=1, batch_size=8, **options))
 
 
 def _greedy(model, ids, cache=None, n=12):
@@ -264,12 +264,12 @@ def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
 
     with pytest.raises(Killed):
         fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-            options=FitOptions(k=2, lambda_=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
+            options=FitOptions(top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
             progress=kill_after_two)
     assert checkpoint.is_file()
     resumed_calls = []
     resumed = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                  options=FitOptions(k=2, lambda_=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
+                  options=FitOptions(top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
                   progress=lambda *a: resumed_calls.append(a))
     assert resumed_calls[0][1] == 2 * 8 * 32  # started after the two checkpointed batches
     for name, tensor in clean.tensors.items():  # same batches merged in the same order: the same bits
@@ -284,7 +284,7 @@ def test_handoff_refuses_another_tokenizer():
     fitted_with, other = train_tokenizer(vocab_size=600), train_tokenizer(vocab_size=620)
     mapper = fit(model, model, _ids(12, 16, 0), _ids(4, 16, 1), source_id="a/src", target_id="a/dst",
                  source_tokenizer=fitted_with, target_tokenizer=fitted_with,
-                 options=FitOptions(k=1, lambda_=0.01, stride=1))
+                 options=FitOptions(top_k=1, ridge_lambda=0.01, stride=1))
     assert mapper.source["tokenizer_hash"] == tokenizer_hash(fitted_with)
     ids = _ids(1, 10, 2)
     handoff(mapper, model, model, ids, tokenizer=fitted_with, max_new_tokens=2, do_sample=False)

@@ -43,7 +43,7 @@ def pair(tmp_path_factory):
     ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
                  source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     mapper.save(root / "mapper")
     db = str(root / "store.db")
     with open_store(db) as store:

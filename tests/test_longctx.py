@@ -83,7 +83,7 @@ def family():
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     ids = torch.randint(0, 600, (24, 48), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:20], ids[20:], source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, mapper
 
 

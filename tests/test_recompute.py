@@ -22,7 +22,7 @@ def family():
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, control_mapper(mapper)
 
 
@@ -143,7 +143,7 @@ def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_target
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     ids = _ids(2, 40, 11)
     out = handoff(mapper, source, target, ids, exact_prefix=2, exact_suffix=3, exact_budget=0.2, select="source",
                   max_new_tokens=8, do_sample=False)
@@ -158,7 +158,7 @@ def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_sel
 
     model = make_model("mistral", sliding_window=8, head_dim=16)
     mapper = fit(model, model, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/m", target_id="tiny/m",
-                 options=FitOptions(k=1, lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8))
     assert mapper.windowed_target()
     ids = _ids(1, 30, 4)
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)

@@ -30,7 +30,7 @@ def compressed(tmp_path_factory):
     ids = torch.randint(1, 128, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id="tiny-src", target_id="tiny-dst",
                  calibration={"name": "random-ids"},
-                 options=FitOptions(k=1, lambda_=1e-3, rank=2, stride=1, batch_size=8))
+                 options=FitOptions(top_k=1, ridge_lambda=1e-3, rank=2, stride=1, batch_size=8))
     root = tmp_path_factory.mktemp("report")
     mapper.save(root / "mapper")
     db = str(root / "store.db")

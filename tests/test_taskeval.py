@@ -40,7 +40,7 @@ def family():
     target, _ = exact_family_target(source, insert_before=(1,))
     ids = torch.randint(1, 128, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id="s", target_id="t",
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, mapper
 
 

@@ -133,7 +133,7 @@ def family():
 
 
 def _options(**changes) -> FitOptions:
-    return dataclasses.replace(FitOptions(k=2, lambda_="auto", stride=1, batch_size=4, statistics=ONE_PASS), **changes)
+    return dataclasses.replace(FitOptions(top_k=2, ridge_lambda="auto", stride=1, batch_size=4, statistics=ONE_PASS), **changes)
 
 
 def _solve(family, options):

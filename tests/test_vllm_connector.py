@@ -63,7 +63,7 @@ def make_family(directory: Path) -> dict:
     mapper = fit(source, target, ids, heldout, source_id="tiny/src", target_id="tiny/dst",
                  calibration={"name": "tiny-calib", "version": "1", "content_hash": "0" * 64,
                               "tokens": int(ids.numel())},
-                 options=FitOptions(k="auto", lambda_=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
     mapper.save(directory / "artifact")
     with open_store(str(paths["db"])) as store:
         store.register(directory / "artifact")

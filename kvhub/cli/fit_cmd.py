@@ -99,8 +99,8 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
 
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
 
-    request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, k=k,
-                         lambda_=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
+    request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, top_k=k,
+                         ridge_lambda=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
                          restart=restart, weighting=weighting, head_local=head_local, rank=rank,
                          statistics=statistics, candidates=candidates)
     check_before_loading(request)
@@ -148,20 +148,20 @@ def check_before_loading(request) -> None:
                                       f"({exc})", name=exc.name, known=exc.known) from None
     if request.candidates is not None and request.statistics == "one-pass":
         raise ConfigError("--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats two-pass")
-    if not isinstance(request.k, int):
+    if not isinstance(request.top_k, int):
         return
-    if request.k < 1:
-        raise ConfigError(f"--k {request.k}: use a positive number of source layers per target layer, or 'auto'")
+    if request.top_k < 1:
+        raise ConfigError(f"--k {request.top_k}: use a positive number of source layers per target layer, or 'auto'")
     try:
         source = shape_of(request.src)
     except ConfigError:  # no config without downloading: the fit checks k once the model is there
         return
-    if request.k > source.layers:
-        raise ConfigError(f"--k {request.k} is more source layers than {request.src} has ({source.layers}); use "
+    if request.top_k > source.layers:
+        raise ConfigError(f"--k {request.top_k} is more source layers than {request.src} has ({source.layers}); use "
                           f"--k 1..{source.layers} or --k auto")
     rows = sequences.samples * math.ceil(sequences.seq_len / (request.stride or sequences.stride))
-    if request.k * source.kv_width >= rows:
-        raise ConfigError(f"--k {request.k} gives {request.k * source.kv_width} features per target layer, but "
+    if request.top_k * source.kv_width >= rows:
+        raise ConfigError(f"--k {request.top_k} gives {request.top_k * source.kv_width} features per target layer, but "
                           f"the calibration set has at most {rows} training observations; use a smaller --k, "
                           "--k auto, more --samples or a smaller --stride")
 

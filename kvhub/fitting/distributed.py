@@ -163,7 +163,7 @@ def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, gr
         _run_steps(source_model, target_model, batches, state, layout, columns, rotaries, group=group,
                    options=options, progress=progress, label=label, save=save)
 
-    state = run_passes(_resume(group, options.checkpoint, job, mode), local, mode, top_k=options.k, run=run,
+    state = run_passes(_resume(group, options.checkpoint, job, mode), local, mode, top_k=options.top_k, run=run,
                        save=save)
     return state, owned
 

@@ -44,14 +44,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FitOptions:
-    """Knobs of a fit.  k / lambda_: the solve's top_k and ridge_lambda (``kvhub fit --k/--lambda``; a
-    number or 'auto').  stride: keep every s-th token (paper: 4); skip_first: drop the first tokens.
+    """Knobs of a fit.  top_k / ridge_lambda: source layers per target layer and the ridge strength
+    (``kvhub fit --k/--lambda``; a number or 'auto').  stride: keep every s-th token (paper: 4);
+    skip_first: drop the first tokens.
     head_local / rank: compressed maps (see :mod:`kvhub.core.solve`); they change only the solve.
     statistics: "auto" (the plan's choice), "one-pass", "two-pass", or a StatisticsMode; candidates:
     the most source layers a two-pass fit's pass 2 keeps (None: what the plan fits)."""
 
-    k: int | str = "auto"
-    lambda_: float | str = "auto"
+    top_k: int | str = "auto"
+    ridge_lambda: float | str = "auto"
     head_local: bool = False
     rank: int | None = None
     stride: int = 4
@@ -179,7 +180,7 @@ def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: F
     dtype = dtype_name(source_model.dtype)
     workload = Workload(samples=train_ids.shape[0], heldout=0 if heldout_ids is None else heldout_ids.shape[0],
                         seq_len=train_ids.shape[1], stride=options.stride, batch_size=options.batch_size,
-                        k=options.k if isinstance(options.k, int) else None,
+                        k=options.top_k if isinstance(options.top_k, int) else None,
                         dtype=dtype if dtype in DTYPE_BYTES else "float32")
     device = str(next(source_model.parameters()).device)
     loaded = sum(p.numel() * p.element_size() for m in (source_model, target_model) for p in m.parameters())
@@ -209,7 +210,7 @@ def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mo
         run_pass(source_model, target_model, batches, state, rotaries, options=options, progress=progress,
                  label=label, save=save)
 
-    return run_passes(checkpoint.load(options.checkpoint, job, mode), layout, mode, top_k=options.k, run=run,
+    return run_passes(checkpoint.load(options.checkpoint, job, mode), layout, mode, top_k=options.top_k, run=run,
                       save=save)
 
 
@@ -237,11 +238,11 @@ def solve_statistics(state: FitState, mode: StatisticsMode, *, options: FitOptio
     """The solve of the accumulated statistics (pass 2's in a two-pass fit); its time goes to ``solve_s``."""
     started = time.perf_counter()
     if mode.passes == 1:
-        solution = solve(state.stats["train"], state.stats["heldout"], top_k=options.k, ridge_lambda=options.lambda_,
-                         structure=structure)
+        solution = solve(state.stats["train"], state.stats["heldout"], top_k=options.top_k,
+                         ridge_lambda=options.ridge_lambda, structure=structure)
     else:
-        solution = solve_candidates(state, mode, top_k=options.k, ridge_lambda=options.lambda_, structure=structure,
-                                    src_layers=src_layers, targets=targets)
+        solution = solve_candidates(state, mode, top_k=options.top_k, ridge_lambda=options.ridge_lambda,
+                                    structure=structure, src_layers=src_layers, targets=targets)
     options.timings["solve_s"] = time.perf_counter() - started
     return solution
 

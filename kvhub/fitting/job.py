@@ -38,8 +38,8 @@ class FitRequest:
     samples: int | None = None
     seq_len: int | None = None
     stride: int | None = None
-    k: int | str = "auto"
-    lambda_: float | str = "auto"
+    top_k: int | str = "auto"
+    ridge_lambda: float | str = "auto"
     device: str | None = None
     dtype: str = "bfloat16"
     batch_size: int = 4
@@ -94,8 +94,9 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     stride = request.stride or calibration.stride
     meta = calibration.to_metadata()
     meta["stride"] = stride
-    options = FitOptions(k=request.k, lambda_=request.lambda_, stride=stride, batch_size=request.batch_size,
-                         weighting=request.weighting, head_local=request.head_local, rank=request.rank,
+    options = FitOptions(top_k=request.top_k, ridge_lambda=request.ridge_lambda, stride=stride,
+                         batch_size=request.batch_size, weighting=request.weighting,
+                         head_local=request.head_local, rank=request.rank,
                          statistics=request.statistics, candidates=request.candidates,
                          checkpoint=checkpoint_path(source_id, target_id, meta, stride, request.batch_size,
                                                     request.weighting))
@@ -124,7 +125,7 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
         return None
     workload = Workload(samples=sequences.samples, heldout=sequences.heldout_samples, seq_len=sequences.seq_len,
                         stride=request.stride or sequences.stride, batch_size=request.batch_size,
-                        k=request.k if isinstance(request.k, int) else None, dtype=request.dtype)
+                        k=request.top_k if isinstance(request.top_k, int) else None, dtype=request.dtype)
     device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan_fit(source, target, workload, machine_profile(device, available=available), ranks=ranks,
                     statistics=request.statistics, candidates=request.candidates)
