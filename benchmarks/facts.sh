@@ -4,7 +4,7 @@
 #   bash benchmarks/facts.sh [REF]        # writes docs/results/facts_*.json, recall_1k.json, ...
 # Each eval prints (and stores as metrics) own / mapped / control / source / floor exact-answer
 # accuracy with bootstrap intervals; per-item results are cached, so a rerun only adds what is missing.
-# About 60 minutes on 2 CPU cores.
+# About 90 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF=${1:-Qwen2.5-Coder-0.5B-Instruct:Qwen2.5-Coder-1.5B-Instruct:legal-docs@latest}
@@ -21,6 +21,11 @@ run=(--exact-prefix 4 --exact-suffix 16 --dtype bfloat16 --device cpu --json)
 # 4k tokens: the default handoff and the two attention selectors at 10%
 "$KVHUB" eval "$REF" --task facts --context-tokens 4096 --limit 8 "${run[@]}" \
   --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/facts_4k.json"
+# 512 and 2k tokens: the default handoff and the two attention selectors at 10%
+"$KVHUB" eval "$REF" --task facts --context-tokens 512 --limit 15 "${run[@]}" \
+  --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/facts_512.json"
+"$KVHUB" eval "$REF" --task facts --context-tokens 2048 --limit 8 "${run[@]}" \
+  --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/facts_2k.json"
 # multi-turn recall and next-line code completion at 1k
 "$KVHUB" eval "$REF" --task multiturn --task code --context-tokens 1024 --limit 8 "${run[@]}" \
   --exact-budget 0 --exact-budget 0.1 --select source --select target > "$OUT/recall_1k.json"
