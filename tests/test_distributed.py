@@ -138,7 +138,7 @@ def test_two_pass_on_two_ranks_equals_one_process_also_after_a_rank_dies_in_pass
     target = make_model("qwen2", num_hidden_layers=3, num_key_value_heads=4, seed=7)
     ids = torch.randint(0, 128, (14, 16), generator=torch.Generator().manual_seed(1))
     family = (source, target, ids[:11], ids[11:])
-    options = _options(k=1, statistics=StatisticsMode(passes=2, top_k_max=1))
+    options = _options(top_k=1, statistics=StatisticsMode(passes=2, top_k_max=1))
     single = _single(family, options)
     codes = _run_ranks(tmp_path, family, options, die_at=["capture pass 2", 1])
     assert codes[1] == 3 and codes[0] != 0

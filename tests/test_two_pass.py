@@ -133,7 +133,8 @@ def family():
 
 
 def _options(**changes) -> FitOptions:
-    return dataclasses.replace(FitOptions(top_k=2, ridge_lambda="auto", stride=1, batch_size=4, statistics=ONE_PASS), **changes)
+    options = FitOptions(top_k=2, ridge_lambda="auto", stride=1, batch_size=4, statistics=ONE_PASS)
+    return dataclasses.replace(options, **changes)
 
 
 def _solve(family, options):
