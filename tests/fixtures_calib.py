@@ -99,3 +99,26 @@ def text_corpus(tmp_path) -> Path:
         (directory / f"doc{i:03d}.txt").write_text(f"d{i:03d} " * (20 + 5 * (i % 7)), encoding="utf-8")
     (directory / ".hidden.txt").write_text("h999 " * 50, encoding="utf-8")
     return directory
+
+
+def save_tiny_family(root: Path):
+    """(source, target, tokenizer), also saved as model directories ``root/src`` and ``root/dst``: a 2-layer
+    qwen2 source and its exact-family target (one layer inserted), sharing :func:`train_tokenizer`'s
+    tokenizer; what the CLI and lm-eval tests load by path."""
+    from tests.tinymodels import exact_family_target, make_model
+
+    tokenizer = train_tokenizer()
+    source = make_model("qwen2", vocab_size=640, num_hidden_layers=2, seed=4)
+    target, _ = exact_family_target(source, insert_before=(1,))
+    for name, model in (("src", source), ("dst", target)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return source, target, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(source dir, target dir) of :func:`save_tiny_family`, built once per test session."""
+    root = tmp_path_factory.mktemp("tiny-family")
+    save_tiny_family(root)
+    return root / "src", root / "dst"

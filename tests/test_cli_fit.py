@@ -9,20 +9,8 @@ from click.testing import CliRunner
 
 from kvhub.cli.main import main
 from tests.fixtures_calib import train_tokenizer
-from tests.tinymodels import exact_family_target, make_model
+from tests.tinymodels import make_model
 from tests.tolerances import rtol
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = train_tokenizer()
-    source = make_model("qwen2", vocab_size=640, num_hidden_layers=2, seed=4)
-    target, _ = exact_family_target(source, insert_before=(1,))
-    for name, model in (("src", source), ("dst", target)):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    return root / "src", root / "dst"
 
 
 @pytest.fixture
@@ -32,17 +20,17 @@ def env(tmp_path, monkeypatch, text_corpus):
     return {"db": f"sqlite:///{tmp_path / 'store.db'}", "corpus": text_corpus, "tmp": tmp_path}
 
 
-def _fit_args(model_dirs, env, out):
-    src, dst = model_dirs
+def _fit_args(tiny_model_dirs, env, out):
+    src, dst = tiny_model_dirs
     return ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(env["corpus"]), "--samples", "12",
             "--seq-len", "24", "--stride", "1", "--lambda", "1e-9", "--dtype", "float32", "--batch-size", "1",
             "--device", "cpu", "--db", env["db"], "--out", str(out)]
 
 
-def test_fit_registers_exports_and_reports(model_dirs, env):
+def test_fit_registers_exports_and_reports(tiny_model_dirs, env):
     runner = CliRunner()
     out = env["tmp"] / "exported"
-    result = runner.invoke(main, _fit_args(model_dirs, env, out) + ["--json"])
+    result = runner.invoke(main, _fit_args(tiny_model_dirs, env, out) + ["--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["ref"].endswith("@v1")
@@ -68,10 +56,10 @@ def test_fit_registers_exports_and_reports(model_dirs, env):
         assert (env["tmp"] / "report" / name).stat().st_size > 0
 
 
-def test_fit_with_compressed_maps_and_attention_weighting(model_dirs, env):
+def test_fit_with_compressed_maps_and_attention_weighting(tiny_model_dirs, env):
     runner = CliRunner()
     out = env["tmp"] / "compressed"
-    args = _fit_args(model_dirs, env, out) + ["--head-local", "--rank", "8", "--weighting", "attention", "--json"]
+    args = _fit_args(tiny_model_dirs, env, out) + ["--head-local", "--rank", "8", "--weighting", "attention", "--json"]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     metadata = json.loads((out / "mapper.json").read_text())
@@ -79,11 +67,11 @@ def test_fit_with_compressed_maps_and_attention_weighting(model_dirs, env):
     assert metadata["structure"]["head_groups"] > 1 and metadata["fit"]["weighting"] == "attention"
     assert any(name.endswith(".weight_a") for name in __import__("safetensors").safe_open(
         str(out / "mapper.safetensors"), "pt").keys())
-    bad = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "bad") + ["--rank", "0"])
+    bad = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "bad") + ["--rank", "0"])
     assert bad.exit_code != 0 and "--rank" in bad.output
 
 
-def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch):
+def test_interrupted_fit_leaves_nothing_and_resumes(tiny_model_dirs, env, monkeypatch):
     import kvhub.fitting.fit as fit_module
 
     runner = CliRunner()
@@ -98,7 +86,7 @@ def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fit_module, "_accumulate_batch", dies_after_six)
-    result = runner.invoke(main, _fit_args(model_dirs, env, out))
+    result = runner.invoke(main, _fit_args(tiny_model_dirs, env, out))
     assert result.exit_code != 0
     assert not out.exists()
     listed = runner.invoke(main, ["list", "--db", env["db"], "--json"])  # nothing registered: not even a store
@@ -108,33 +96,33 @@ def test_interrupted_fit_leaves_nothing_and_resumes(model_dirs, env, monkeypatch
 
     calls.clear()
     monkeypatch.setattr(fit_module, "_accumulate_batch", lambda *a, **k: (calls.append(1), real(*a, **k)))
-    result = runner.invoke(main, _fit_args(model_dirs, env, out))
+    result = runner.invoke(main, _fit_args(tiny_model_dirs, env, out))
     assert result.exit_code == 0, result.output
     assert len(calls) == 15 - 4  # 12 train + 3 held-out batches, 4 of them restored from the checkpoint
     assert out.is_dir() and not checkpoints[0].exists()
 
 
-def test_fit_refuses_existing_out_and_different_tokenizers(model_dirs, env, tmp_path):
+def test_fit_refuses_existing_out_and_different_tokenizers(tiny_model_dirs, env, tmp_path):
     runner = CliRunner()
     (tmp_path / "taken").mkdir()
-    result = runner.invoke(main, _fit_args(model_dirs, env, tmp_path / "taken"))
+    result = runner.invoke(main, _fit_args(tiny_model_dirs, env, tmp_path / "taken"))
     assert result.exit_code == 2 and "already exists" in result.output
     other = tmp_path / "other"
     make_model("qwen2", vocab_size=640, num_hidden_layers=2).save_pretrained(other)
     train_tokenizer(vocab_size=620).save_pretrained(other)
-    args = _fit_args(model_dirs, env, tmp_path / "new")
+    args = _fit_args(tiny_model_dirs, env, tmp_path / "new")
     args[args.index("--dst") + 1] = str(other)
     result = runner.invoke(main, args)
     assert result.exit_code == 3 and "different tokenizers" in result.output
 
 
-def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkeypatch):
+def test_eval_stores_metrics_and_resumes_from_item_cache(tiny_model_dirs, env, monkeypatch):
     import kvhub.eval.taskeval as taskeval
     import kvhub.eval.tasks as tasks
     from kvhub.eval.tasks import Item
 
     runner = CliRunner()
-    fitted = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "m") + ["--json"])
+    fitted = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "m") + ["--json"])
     ref = json.loads(fitted.stdout)["ref"]
     # contexts made of the calibration corpus' own words: the fitted map is exact on their span
     items = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"],
@@ -166,11 +154,11 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(model_dirs, env, monkey
     assert ("hellaswag", "retention") in names and ("hellaswag@exact_prefix=2", "acc_mapped") in names
 
 
-def test_fit_in_two_passes_and_refuses_candidates_in_one(model_dirs, env):
+def test_fit_in_two_passes_and_refuses_candidates_in_one(tiny_model_dirs, env):
     """--stats two-pass: the plan's candidate budget, the mode in mapper.json, still exact on an exact family."""
     runner = CliRunner()
     out = env["tmp"] / "two-pass"
-    result = runner.invoke(main, _fit_args(model_dirs, env, out) + ["--stats", "two-pass", "--k", "1", "--json"])
+    result = runner.invoke(main, _fit_args(tiny_model_dirs, env, out) + ["--stats", "two-pass", "--k", "1", "--json"])
     assert result.exit_code == 0, result.output
     assert "plan: statistics: two passes, float64" in result.stderr
     summary = json.loads(result.stdout)
@@ -178,6 +166,6 @@ def test_fit_in_two_passes_and_refuses_candidates_in_one(model_dirs, env):
     assert abs(1 - summary["metrics"]["heldout_r2_k_mean"]) < rtol(torch.float32, terms=12 * 24)
     metadata = json.loads((out / "mapper.json").read_text())
     assert any(note.startswith("two-pass statistics (float64)") for note in metadata["notes"])
-    refused = runner.invoke(main, _fit_args(model_dirs, env, env["tmp"] / "no") + ["--stats", "one-pass",
+    refused = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "no") + ["--stats", "one-pass",
                                                                                      "--candidates", "2"])
     assert refused.exit_code == 2 and "--candidates" in refused.output

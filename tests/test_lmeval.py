@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed: pip install 'kvhub[lmeval]' (part of the dev extra)")
 
-from tests.fixtures_calib import train_tokenizer  # noqa: E402
-from tests.tinymodels import exact_family_target, make_model  # noqa: E402
+from tests.fixtures_calib import save_tiny_family  # noqa: E402
 from tests.tolerances import rtol  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,12 +33,7 @@ def pair(tmp_path_factory):
     from kvhub.store import open_store
 
     root = tmp_path_factory.mktemp("lmeval")
-    tokenizer = train_tokenizer()
-    source = make_model("qwen2", vocab_size=640, num_hidden_layers=2, seed=4)
-    target, _ = exact_family_target(source, insert_before=(1,))
-    for name, model in (("src", source), ("dst", target)):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
+    source, target, tokenizer = save_tiny_family(root)
     ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
                  source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
