@@ -13,27 +13,14 @@ import kvhub
 from kvhub.cli.main import main
 from kvhub.eval.tasks import Item
 from tests.fixtures_calib import train_tokenizer
-from tests.tinymodels import exact_family_target, make_model
 
 ITEMS = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"], label=i % 3,
               id=f"hellaswag/validation/{i}") for i in range(4)]
 PASSAGES = tuple(f"d0{i % 40:02d} d011 d0{(7 * i) % 40:02d} d012 d020 d021 d0{(3 * i) % 40:02d}." for i in range(60))
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = train_tokenizer()
-    source = make_model("qwen2", vocab_size=640, num_hidden_layers=2, seed=4)
-    target, _ = exact_family_target(source, insert_before=(1,))
-    for name, model in (("src", source), ("dst", target)):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    return root / "src", root / "dst"
-
-
 @pytest.fixture
-def env(tmp_path, monkeypatch, text_corpus, model_dirs):
+def env(tmp_path, monkeypatch, text_corpus, tiny_model_dirs):
     """A store, a cache, a fitted mapper (ref), and the evaluation data replaced by the items above."""
     import kvhub.eval.tasks as tasks
     import kvhub.eval.textsets as textsets
@@ -44,12 +31,12 @@ def env(tmp_path, monkeypatch, text_corpus, model_dirs):
     monkeypatch.setattr(textsets, "_lambada_passages", lambda cache_dir: PASSAGES)
     db = f"sqlite:///{tmp_path / 'store.db'}"
     env = {"db": db, "tmp": tmp_path, "corpus": text_corpus}
-    env["ref"] = _fit(model_dirs, env, str(text_corpus), "m1")
+    env["ref"] = _fit(tiny_model_dirs, env, str(text_corpus), "m1")
     return env
 
 
-def _fit(model_dirs, env, calib: str, out: str, *, samples: int = 12, seq_len: int = 24) -> str:
-    src, dst = model_dirs
+def _fit(tiny_model_dirs, env, calib: str, out: str, *, samples: int = 12, seq_len: int = 24) -> str:
+    src, dst = tiny_model_dirs
     result = CliRunner().invoke(main, [
         "fit", "--src", str(src), "--dst", str(dst), "--calib", calib, "--samples", str(samples), "--seq-len",
         str(seq_len), "--stride", "1", "--lambda", "1e-9", "--dtype", "float32", "--batch-size", "1", "--device", "cpu",
@@ -134,10 +121,10 @@ def test_item_cache_is_keyed_on_dtype_and_device(env, monkeypatch):
     assert len(calls) == 4  # a bfloat16 run never reuses float32 scores
 
 
-def test_ppl_scores_one_fixed_text_set_whatever_the_mappers_calibration(env, model_dirs):
+def test_ppl_scores_one_fixed_text_set_whatever_the_mappers_calibration(env, tiny_model_dirs):
     notes = env["tmp"] / "notes.jsonl"
     notes.write_text("".join(json.dumps({"text": f"d0{i:02d} d011 " * 30}) + "\n" for i in range(40)))
-    from_file = _fit(model_dirs, env, str(notes), "m2", samples=10, seq_len=32)
+    from_file = _fit(tiny_model_dirs, env, str(notes), "m2", samples=10, seq_len=32)
     assert from_file.split("@")[0].endswith(":notes")
     docs = {}
     for ref in (env["ref"], from_file):
@@ -187,3 +174,13 @@ def test_lambada_text_set_is_pinned():
     text_set = load_text_set("lambada")
     assert len(text_set.documents) == 5153 and text_set.documents[0].endswith("I don't care about signs")
     assert text_set.sha256 == load_text_set("lambada").sha256
+
+
+@pytest.mark.parametrize("ref", ["..", "../../x", "/etc/passwd", ".hidden:y@v1", "a/../../b:c:d@v1"])
+def test_output_folder_named_from_a_ref_stays_inside_output_path(tmp_path, ref):
+    """The ref (from a store row) names one plain folder under --output-path, whatever it holds."""
+    from kvhub.eval.results import output_files
+
+    results, folder = output_files(tmp_path, ref, "2026-01-01T00-00-00.000000")
+    assert folder.parent == tmp_path and results.parent == folder
+    assert folder.name not in ("", ".", "..") and not folder.name.startswith(".") and "/" not in folder.name

@@ -68,7 +68,8 @@ def output_files(output_path: str | Path, ref: str, date: str) -> tuple[Path, Pa
     path = Path(output_path).expanduser()
     if path.suffix == ".json":
         return path, path.parent
-    folder = path / re.sub(r"[^A-Za-z0-9._@=-]+", "__", ref).strip("_")
+    # the ref comes from a store row: one plain folder name, never "." / ".." or a hidden name
+    folder = path / (re.sub(r"[^A-Za-z0-9._@=-]+", "__", ref).strip("_.") or "mapper")
     return folder / f"results_{date}.json", folder
 
 
