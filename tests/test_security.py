@@ -209,3 +209,11 @@ def test_the_store_and_the_hub_check_artifacts_without_torch(tmp_path):
     code = ("import sys\nimport kvhub.artifact, kvhub.store, kvhub.hub\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     assert _python(code, tmp_path) == "[]"
+
+
+def test_the_cli_starts_without_torch(tmp_path):
+    """Every command's module is imported to build the CLI; none may load torch or transformers at import
+    (kvhub list / show / tag stay fast); they load on the first command that needs them."""
+    code = ("import sys\nimport kvhub.cli.main\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert _python(code, tmp_path) == "[]"

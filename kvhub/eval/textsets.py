@@ -22,10 +22,12 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvhub.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT = "lambada"
 TEXT_SETS = {
@@ -64,7 +66,7 @@ def _lambada_passages(cache_dir) -> tuple[str, ...]:
     return tuple(f"{d['query']} {d['answers_text'][0]}" for d in docs)
 
 
-def token_windows(text_set: TextSet, tokenizer, *, windows: int, seq_len: int) -> torch.Tensor:
+def token_windows(text_set: TextSet, tokenizer, *, windows: int, seq_len: int) -> "torch.Tensor":
     """The first ``windows`` windows (N, seq_len) of the text set's token stream (documents tokenised
     one by one without special tokens, each followed by the eos token when the tokenizer has one).
 
@@ -81,9 +83,11 @@ def token_windows(text_set: TextSet, tokenizer, *, windows: int, seq_len: int) -
     count = min(windows, len(stream) // seq_len)
     if count == 0:
         raise ConfigError(f"text set {text_set.name} has {len(stream)} tokens, fewer than one window of {seq_len}")
+    import torch  # on use: the CLI reads TEXT_SETS for its option without loading torch
+
     return torch.tensor(stream[: count * seq_len]).view(count, seq_len)  # (N, T)
 
 
-def windows_sha256(ids: torch.Tensor) -> str:
+def windows_sha256(ids: "torch.Tensor") -> str:
     """sha256 of the token windows (N, T) as scored: the identity of a ppl figure's input."""
     return hashlib.sha256(json.dumps(ids.tolist()).encode()).hexdigest()
