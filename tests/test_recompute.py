@@ -7,7 +7,8 @@ from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.serving.handoff import prepare_cache
-from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set, select_spans, span_ids
+from kvhub.serving.recompute import (SELECTION_REVISION, Recompute, attention_scores, cropped, query_attention,
+                                     recompute_positions, recompute_set, select_spans, span_ids)
 from tests.tinymodels import control_mapper, exact_family_target, make_model
 from tests.tolerances import rtol
 
@@ -45,7 +46,14 @@ def test_spec_names_round_trip_and_bad_specs_are_refused():
     assert spec.name() == "exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=deviation,spans=token"
     assert Recompute.parse(spec.name()) == spec
     assert Recompute(exact_prefix=4).name() == "exact_prefix=4" and Recompute().name() == ""
-    for bad in (dict(budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words")):
+    scored = Recompute(exact_prefix=4, budget=0.05, select="target", queries=4, score="sum")
+    assert scored.name() == "exact_prefix=4,exact_budget=0.05,select=target,queries=4,score=sum"
+    assert Recompute.parse(scored.name()) == scored
+    # cached results: a plain spec keeps its name, a selective one carries the selection revision
+    assert Recompute(exact_prefix=4).cache_key() == "exact_prefix=4"
+    assert scored.cache_key() == f"{scored.name()};selection=r{SELECTION_REVISION}"
+    assert scored.capped(3) == Recompute(exact_prefix=3, budget=0.05, select="target", queries=4, score="sum")
+    for bad in (dict(budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words"), dict(score="mean")):
         with pytest.raises(ConfigError):
             Recompute(**bad)
     for text in ("exact_budget=lots", "depth=3", "select"):
@@ -68,6 +76,35 @@ def test_whole_spans_are_taken_by_their_best_token_within_the_budget():
     eligible[4] = False  # the best token is off limits (e.g. in the exact suffix)
     assert select_spans(scores, spans, 1, eligible=eligible).tolist() == [3]
     assert select_spans(scores, spans, 0, eligible=eligible).numel() == 0
+
+
+def test_attention_scores_known_answers():
+    """Two queries (tokens 4 and 5 of 6) over 6 tokens; token 0 is an exact prefix, token 5 the suffix."""
+    attention = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2, 0.0],    # query 4: spread over the nearby text
+                              [0.5, 0.0, 0.4, 0.0, 0.0, 0.1]])   # query 5: looks token 2 up
+    eligible = torch.tensor([False, True, True, True, True, False])
+    # max: per query, the share of its eligible attention; then the max over queries
+    # query 4: (0.1, 0.1, 0.1, 0.2) / 0.5; query 5: (0, 0.4, 0, 0) / 0.4
+    want = torch.tensor([0.5 / 0.5, 0.2, 1.0, 0.2, 0.4, 0.0])
+    assert torch.allclose(attention_scores(attention, eligible, score="max")[1:5], want[1:5])
+    # sum: (i + 1)-scaled attention summed over the queries (i + 1 = 5 and 6)
+    want_sum = 5 * attention[0] + 6 * attention[1]
+    assert torch.allclose(attention_scores(attention, eligible, score="sum"), want_sum)
+    # the look-up wins under max, the spread under sum (token 4: 5 * 0.2 = 1.0 vs token 2: 0.5 + 2.4 = 2.9)
+    assert int(attention_scores(attention, eligible, score="max")[1:5].argmax()) + 1 == 2
+
+
+def test_query_attention_is_the_models_attention_per_query(family):
+    """query_attention's P[i, t] equals the eager attention probabilities of a full forward pass, averaged
+    over layers and heads, at the last Q query rows."""
+    source, _, _ = family
+    context = _ids(1, 20, 11)
+    cache = cropped(run_model(source, context), 16)
+    got = query_attention(source, context, cache, queries=4)
+    out = source(input_ids=context, output_attentions=True)  # the tiny models run eager attention
+    want = torch.stack([a[0, :, -4:].float().mean(0) for a in out.attentions]).mean(0)
+    assert got.shape == (4, 20)
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_recomputing_every_token_is_the_targets_own_prefill(family):

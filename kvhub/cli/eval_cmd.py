@@ -196,7 +196,7 @@ def _eval_task(version, mapper, source, target, tokenizer, task, items, variants
     from kvhub.eval.taskeval import ItemScore, _AttnRecorder, score_item, summarize
     from kvhub.cli.progress import progress_callback
 
-    paths = [results_file(version.tensors_sha256, task, seed=run["seed"], variant=v.name(), dtype=run["dtype"],
+    paths = [results_file(version.tensors_sha256, task, seed=run["seed"], variant=v.cache_key(), dtype=run["dtype"],
                           device=run["device"]) for v in variants]
     recorder = _AttnRecorder(target)
     try:
@@ -227,7 +227,7 @@ def _eval_recall(version, mapper, source, target, tokenizer, task, length, varia
 
     control = control_mapper(mapper)
     items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
-    paths = [results_file(version.tensors_sha256, f"{task}-{length}", seed=run["seed"], variant=v.name(),
+    paths = [results_file(version.tensors_sha256, f"{task}-{length}", seed=run["seed"], variant=v.cache_key(),
                           dtype=run["dtype"], device=run["device"]) for v in variants]
     with progress_callback("items/s") as callback:
         scores = score_items(

@@ -179,14 +179,18 @@ def token_attention_weights(model, input_ids: torch.Tensor, *, cap: float = 10.0
 class AttentionMass:
     """While entered: eager attention, and every attention module of ``model`` adds its
     sum_h sum_{i >= t} (i + 1) A_h[i, t] to ``total`` (B, T) fp32; ``terms`` counts the (layer, head) pairs.
+    With ``per_query=True`` it also adds sum_h A_h[i, t] to ``by_query`` (B, Tq, T) fp32, per query i of
+    the pass (what :mod:`kvhub.serving.recompute` scores a few last tokens with).
 
-    Each layer's (B, H, T, T) probabilities are reduced in a forward hook as the layer runs, so only
+    Each layer's (B, H, Tq, T) probabilities are reduced in a forward hook as the layer runs, so only
     one layer's matrix is alive at a time.  The previous attention implementation is restored on exit.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, *, per_query: bool = False):
         self.model = model
         self.total: torch.Tensor | None = None
+        self.by_query: torch.Tensor | None = None
+        self.per_query = per_query
         self.terms = 0
         self._handles = []
         self._previous = None
@@ -223,6 +227,8 @@ class AttentionMass:
             per_query = probs.sum(1, dtype=torch.float32)  # (B, Tq, Tk), summed over heads
             mass = scale @ per_query  # (B, Tk): sum_i (i + 1) A[i, t]
             self.total = mass if self.total is None else self.total + mass.to(self.total.device)
+            if self.per_query:
+                self.by_query = per_query if self.by_query is None else self.by_query + per_query.to(self.by_query.device)
             self.terms += probs.shape[1]
 
         return reduce

@@ -27,16 +27,28 @@ S is chosen under a budget of ``budget * (n-1)`` tokens by one signal available 
                  CacheBlend-style signal of where the map is worst;
 - ``random``:    random spans, the control for the signal.
 
-Scores are (i+1)-scaled attention (1 = uniform, :class:`kvhub.core.capture.AttentionMass`).  Tokens are
-grouped into spans (sentences / lines, at most ``max_span`` tokens) and whole spans are taken in
-order of their best token: a fact sentence is recomputed whole, not its most-attended digit alone.
+The attention selectors score token t from P[i, t], query i's attention on t averaged over layers
+and heads (:class:`kvhub.core.capture.AttentionMass`), with ``score=``:
+
+- ``max`` (default): max over the queries of P[i, t] / sum_{s eligible} P[i, s], i.e. the share of
+  its selectable attention that the query most drawn to t gives it.  A fact that one query looks up
+  ranks high even when the other queries (a question being echoed, chat-template tokens) spread
+  their attention over the nearby text;
+- ``sum``: sum_i (i + 1) P[i, t] ((i+1)-scaled attention, 1 = uniform), which those spreading
+  queries dominate.  On passkey items at 1k tokens the answer's tokens fell inside an 8% selection
+  by the target's attention for 28/30 items with ``max`` and 26/30 with ``sum``; in chats, 16/16
+  against 13/16 (``benchmarks/selection_coverage.py``; docs/benchmarks.md, section 4).
+
+Tokens are grouped into spans (sentences / lines, at most ``max_span`` tokens) and whole spans are
+taken in order of their best token: a fact sentence is recomputed whole, not its most-attended digit
+alone.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -44,6 +56,10 @@ from kvhub.core.capture import AttentionMass, cache_kwargs, run_model
 from kvhub.errors import ConfigError
 
 SELECTORS = ("source", "target", "deviation", "random")
+SCORES = ("max", "sum")  # how the attention selectors reduce the queries (module docstring)
+# Bump when a selector would choose other tokens for the same spec: cached evaluation results of
+# selective variants are keyed with it (Recompute.cache_key), so they are scored again, never reused.
+SELECTION_REVISION = 2
 _SPAN_END = re.compile(r"(\n|[.!?;:]\s*$)")
 
 
@@ -53,7 +69,8 @@ class Recompute:
 
     exact_prefix / exact_suffix: the first p and the last r context tokens; budget: the fraction of
     the context chosen by ``select`` beyond them; spans: "sentence" (whole sentences / lines) or
-    "token"; queries: how many last context tokens score the context (source / target selectors).
+    "token"; queries: how many last context tokens score the context (source / target selectors);
+    score: how their attention is reduced to one score per token ("max" or "sum", module docstring).
     """
 
     exact_prefix: int = 0
@@ -63,6 +80,7 @@ class Recompute:
     spans: str = "sentence"
     queries: int = 16
     max_span: int = 48
+    score: str = "max"
 
     def __post_init__(self):
         if self.exact_prefix < 0 or self.exact_suffix < 0:
@@ -71,6 +89,8 @@ class Recompute:
             raise ConfigError(f"exact_budget is a fraction of the context in [0, 1], got {self.budget}")
         if self.select not in SELECTORS:
             raise ConfigError(f"unknown token selector {self.select!r}; use one of {', '.join(SELECTORS)}")
+        if self.score not in SCORES:
+            raise ConfigError(f"unknown attention score {self.score!r}; use one of {', '.join(SCORES)}")
         if self.spans not in ("sentence", "token"):
             raise ConfigError(f"spans must be 'sentence' or 'token', got {self.spans!r}")
         if self.queries < 1 or self.max_span < 1:
@@ -87,7 +107,7 @@ class Recompute:
         if self.selective:
             parts.append(f"exact_budget={self.budget:g}")
             defaults = Recompute()
-            for field in ("select", "spans", "queries", "max_span"):
+            for field in ("select", "spans", "queries", "max_span", "score"):
                 if field == "select" or getattr(self, field) != getattr(defaults, field):
                     parts.append(f"{field}={getattr(self, field)}")
         return ",".join(parts)
@@ -112,8 +132,12 @@ class Recompute:
     def capped(self, context: int) -> "Recompute":
         """This spec with the prefix and suffix capped to a context of ``context`` tokens."""
         prefix = min(self.exact_prefix, context)
-        suffix = min(self.exact_suffix, context - prefix)
-        return Recompute(prefix, suffix, self.budget, self.select, self.spans, self.queries, self.max_span)
+        return replace(self, exact_prefix=prefix, exact_suffix=min(self.exact_suffix, context - prefix))
+
+    def cache_key(self) -> str:
+        """The name under which evaluation results of this spec are cached: :meth:`name`, plus the
+        selection revision for a selective spec (a result of an older selection is never reused)."""
+        return f"{self.name()};selection=r{SELECTION_REVISION}" if self.selective else self.name()
 
 
 # ---- choosing the tokens ------------------------------------------------------------------------
@@ -151,17 +175,29 @@ def select_spans(scores: torch.Tensor, spans: torch.Tensor, budget_tokens: int, 
 
 
 @torch.no_grad()
-def attention_scores(model, context: torch.Tensor, cache, *, queries: int) -> torch.Tensor:
-    """(T,) attention of the last ``queries`` tokens of ``context`` (1, T) onto every context token,
-    from ``model`` continuing ``cache`` (which holds context[:, :T - queries]); the cache grows to T."""
+def query_attention(model, context: torch.Tensor, cache, *, queries: int) -> torch.Tensor:
+    """(Q, T) attention P[i, t] of each of the last Q = ``queries`` tokens of ``context`` (1, T) on every
+    context token, averaged over layers and heads, from ``model`` continuing ``cache`` (which holds
+    context[:, :T - Q]); the cache grows to T."""
     tokens = context.shape[1]
     start = tokens - queries
     device = next(model.parameters()).device
     positions = torch.arange(start, tokens, device=device).unsqueeze(0)
-    with AttentionMass(model) as mass:
+    with AttentionMass(model, per_query=True) as mass:
         model.base_model(input_ids=context[:, start:].to(device), position_ids=positions, use_cache=True,
                          **cache_kwargs(model.base_model, cache))
-    return (mass.total[0] / mass.terms).float().cpu()  # (T,)
+    return (mass.by_query[0] / mass.terms).float().cpu()  # (Q, T)
+
+
+def attention_scores(attention: torch.Tensor, eligible: torch.Tensor, *, score: str) -> torch.Tensor:
+    """(T,) score per token from the (Q, T) attention of the last Q tokens (:func:`query_attention`, whose
+    query i is token T - Q + i) and the (T,) bool tokens that may be selected (module docstring)."""
+    queries, tokens = attention.shape
+    if score == "sum":
+        scale = torch.arange(tokens - queries + 1, tokens + 1, dtype=torch.float32)  # i + 1
+        return scale @ attention.float()
+    selectable = attention.float() * eligible.float()[None, :]
+    return (selectable / selectable.sum(1, keepdim=True).clamp_min(1e-30)).amax(0)
 
 
 @torch.no_grad()
@@ -251,28 +287,30 @@ def recompute_set(spec: Recompute, *, context: torch.Tensor, mapped_cache, sourc
         if context.shape[0] != 1:
             raise ConfigError("selective recompute (exact_budget > 0) chooses tokens per sequence: pass one "
                               "sequence at a time (batch 1)")
-        scores = _scores(spec, context, mapped_cache, source_model, target_model, source_cache)
-        spans = (span_ids(_token_texts(tokenizer, context[0]), max_span=spec.max_span)
+        scores = _scores(spec, context, mapped_cache, source_model, target_model, source_cache, eligible)
+        spans = (span_ids(token_texts(tokenizer, context[0]), max_span=spec.max_span)
                  if spec.spans == "sentence" and tokenizer is not None
                  else torch.arange(tokens) // (1 if spec.spans == "token" else 16))
         selected = select_spans(scores, spans, budget_tokens, eligible=eligible)
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
-def _scores(spec: Recompute, context, mapped_cache, source_model, target_model, source_cache) -> torch.Tensor:
+def _scores(spec: Recompute, context, mapped_cache, source_model, target_model, source_cache,
+            eligible: torch.Tensor) -> torch.Tensor:
     tokens = context.shape[1]
     queries = max(1, min(spec.queries, tokens - 1))
-    if spec.select == "source":
-        return attention_scores(source_model, context, cropped(source_cache, tokens - queries), queries=queries)
-    if spec.select == "target":
-        return attention_scores(target_model, context, cropped(mapped_cache, tokens - queries), queries=queries)
+    if spec.select in ("source", "target"):
+        model, cache = (source_model, source_cache) if spec.select == "source" else (target_model, mapped_cache)
+        attention = query_attention(model, context, cropped(cache, tokens - queries), queries=queries)
+        return attention_scores(attention, eligible, score=spec.score)
     if spec.select == "deviation":
         return deviation_scores(mapped_cache, *first_layer_kv(target_model, context))
     generator = torch.Generator().manual_seed(int(context[0].sum()) * 1_000_003 + tokens)  # same context, same draw
     return torch.rand(tokens, generator=generator)
 
 
-def _token_texts(tokenizer, ids: torch.Tensor) -> list[str]:
+def token_texts(tokenizer, ids: torch.Tensor) -> list[str]:
+    """Each token of ``ids`` (T,) decoded on its own (what :func:`span_ids` reads)."""
     return tokenizer.batch_decode([[int(i)] for i in ids.tolist()])
 
 
