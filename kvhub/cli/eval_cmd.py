@@ -185,7 +185,8 @@ def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_sample
 
 def _variant_config(variant) -> dict:
     return {"name": variant.name(), "exact_prefix": variant.exact_prefix, "exact_suffix": variant.exact_suffix,
-            "exact_budget": variant.budget, "select": variant.select if variant.selective else None}
+            "exact_budget": variant.budget, "select": variant.select if variant.selective else None,
+            "score": variant.score if variant.selective else None}
 
 
 def _eval_task(version, mapper, source, target, tokenizer, task, items, variants, run):
