@@ -71,8 +71,9 @@ def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
                    "target's from its exact suffix, the mapped-vs-exact deviation at the first target layer, "
                    "or random spans (the control for the signal). Repeatable.")
 @click.option("--variant", "specs", multiple=True, metavar="SPEC",
-              help="An explicit recompute variant, e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.1,"
-                   "select=source'. Repeatable; added to the combinations above.")
+              help="An explicit recompute variant, e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.08,"
+                   "select=target,queries=4' (fields of kvhub.serving.recompute.Recompute). Repeatable; added "
+                   "to the combinations above.")
 @click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
               show_default=True, help="For facts / multiturn / code: context length in tokens. Repeatable.")
 @click.option("--ppl-text", default="lambada", show_default=True, type=click.Choice(sorted(TEXT_SETS)),
@@ -99,9 +100,10 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
                  log_samples):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
-    By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16`
-    measures what `kvhub.handoff` does by default, and `--exact-budget 0.1 --select source`
-    adds a selective recompute of 10% of the context.
+    By default every context token is mapped (the map alone); `--exact-prefix 4 --exact-suffix 16
+    --exact-budget 0.08 --select source` measures what `kvhub.handoff` does by default (the first 4 and
+    last 16 tokens and 8% of the context recomputed by the target); leave out --exact-budget for the
+    same without the selective recompute.
 
     The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
     stated early in a chat; code: next line after a long Python file prefix) score each answer exactly

@@ -11,11 +11,12 @@ the mapped rest (:mod:`kvhub.serving.recompute`):
   by a signal available at handoff time (by default the source's attention from the last tokens).
 
 With p + r >= n-1 the cache is exactly the target's own.  :func:`handoff` recomputes the first 4, the
-last 16 and 10% of the context chosen by the source's attention by default (DEFAULT_EXACT_PREFIX /
-DEFAULT_EXACT_SUFFIX / DEFAULT_EXACT_BUDGET / DEFAULT_SELECT): on passkey retrieval at 1k tokens the
-map with the first 4 + last 16 exact answered 0/15, with the selective 10% 15/15 (own 15/15), for a time
-to first token 5.6x below a full prefill at 4k tokens (docs/benchmarks.md, section 4).
-:func:`prepare_cache` maps everything unless asked.
+last 16 and 8% of the context chosen by the source's attention by default (DEFAULT_EXACT_PREFIX /
+DEFAULT_EXACT_SUFFIX / DEFAULT_EXACT_BUDGET / DEFAULT_SELECT), under 10% of a context of 1k tokens or
+more in all: the map with the first 4 + last 16 exact loses a fact stated once in the context, the
+selective recompute brings it back, at a time to first token several times below a full prefill
+(docs/benchmarks.md, section 4, has the figures and the commands).  :func:`prepare_cache` maps
+everything unless asked.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvhub.serving.recompute import Recompute, cropped, recompute_positions, rec
 
 DEFAULT_EXACT_PREFIX = 4  # attention sinks
 DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
-DEFAULT_EXACT_BUDGET = 0.1  # selective recompute: fraction of the context (kvhub.serving.recompute)
+DEFAULT_EXACT_BUDGET = 0.08  # selective recompute: fraction of the context (kvhub.serving.recompute)
 DEFAULT_SELECT = "source"  # ... chosen by the source's attention from the last tokens
 
 
