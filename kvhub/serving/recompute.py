@@ -36,8 +36,8 @@ and heads (:class:`kvhub.core.capture.AttentionMass`), with ``score=``:
   their attention over the nearby text;
 - ``sum``: sum_i (i + 1) P[i, t] ((i+1)-scaled attention, 1 = uniform), which those spreading
   queries dominate.  On passkey items at 1k tokens the answer's tokens fell inside an 8% selection
-  by the target's attention for 28/30 items with ``max`` and 26/30 with ``sum``; in chats, 16/16
-  against 13/16 (``benchmarks/selection_coverage.py``; docs/benchmarks.md, section 4).
+  by the target's attention (16 queries) for 28/30 items with ``max`` and 26/30 with ``sum``; in
+  chats, 30/30 against 26/30 (``benchmarks/selection_coverage.py``; docs/benchmarks.md, section 4).
 
 Tokens are grouped into spans (sentences / lines, at most ``max_span`` tokens) and whole spans are
 taken in order of their best token: a fact sentence is recomputed whole, not its most-attended digit
