@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvhub.core.capture import run_model
+from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.serving.handoff import prepare_cache
@@ -186,6 +186,25 @@ def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_target
                   max_new_tokens=8, do_sample=False)
     want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert torch.equal(out, want)
+
+
+def test_handoff_takes_a_whole_recompute_spec(family):
+    """handoff(recompute=spec) generates from exactly the cache prepare_cache builds for that spec (here over the
+    control map, where the choice of tokens changes the cache), not from its keyword defaults."""
+    from kvhub.serving.handoff import handoff
+
+    source, target, control = family
+    ids = _ids(1, 48, 12)
+    spec = Recompute.parse("exact_prefix=2,exact_suffix=3,exact_budget=0.25,select=target,queries=4,spans=token")
+    cache = prepare_cache(control, source, target, ids, recompute=spec)
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(target, cache), max_new_tokens=6,
+                           do_sample=False, min_new_tokens=6)
+    got = handoff(control, source, target, ids, recompute=spec, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(got, want)
+    default = prepare_cache(control, source, target, ids, exact_prefix=4, exact_suffix=16, exact_budget=0.08)
+    from_default = target.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(target, default),
+                                   max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert not torch.equal(from_default, want)  # so the spec, not the defaults, made ``got``
 
 
 def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_selection():

@@ -149,8 +149,8 @@ def _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec: R
 @torch.no_grad()
 def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
             exact_prefix: int = DEFAULT_EXACT_PREFIX, exact_suffix: int = DEFAULT_EXACT_SUFFIX,
-            exact_budget: float | None = None, select: str = DEFAULT_SELECT, tokenizer=None,
-            **generate_kwargs) -> torch.Tensor:
+            exact_budget: float | None = None, select: str = DEFAULT_SELECT, recompute: Recompute | None = None,
+            tokenizer=None, **generate_kwargs) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
     input_ids: (B, n), no padding.  generate_kwargs go to ``generate`` (e.g. max_new_tokens,
@@ -160,12 +160,14 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
     exact_prefix / exact_suffix / exact_budget / select: see the module docstring and
     :mod:`kvhub.serving.recompute`; capped to the context, so a short prompt is simply prefilled by the target
     (pass 0, 0 and 0.0 to map every token).  exact_budget=None: DEFAULT_EXACT_BUDGET, or 0 for a
-    target with sliding-window layers.  Selection is per sequence: rows of a batch are prepared one
-    by one and their caches stacked.
+    target with sliding-window layers.  ``recompute``: a full :class:`~kvhub.serving.recompute.Recompute`
+    spec instead of those four, e.g. ``Recompute.parse("exact_prefix=4,exact_suffix=16,exact_budget=0.08,
+    select=target,queries=4")``.  Selection is per sequence: rows of a batch are prepared one by one and
+    their caches stacked.
     """
     if exact_budget is None:  # the default; a target with sliding-window layers cannot address positions
         exact_budget = 0.0 if mapper.windowed_target() else DEFAULT_EXACT_BUDGET
-    spec = Recompute(exact_prefix, exact_suffix, exact_budget, select).capped(input_ids.shape[1] - 1)
+    spec = (recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)).capped(input_ids.shape[1] - 1)
     rows = [input_ids[i:i + 1] for i in range(input_ids.shape[0])] if spec.selective else [input_ids]
     caches = [prepare_cache(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer)
               for row in rows]
