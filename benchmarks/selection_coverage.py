@@ -6,7 +6,8 @@ answer lies inside the spans the selector chooses; a miss means the recompute ca
 (docs/benchmarks.md, section 4: retrieval follows coverage item by item).  Compared: the source's
 and the target's attention (over the mapped cache), each reduced with ``score=max`` and ``score=sum``
 (kvhub.serving.recompute), at several query counts and budgets, with the first 4 and last 16 context
-tokens exact as in the default handoff.  Only the scoring passes run (no recompute, no generation), so
+tokens exact as in the default handoff; beside them the no-information control, random spans of the
+same budget (what coverage the budget alone buys).  Only the scoring passes run (no recompute, no generation), so
 this is quick: about 3 minutes per 30 items at 1k tokens on 2 CPU cores.
 
     python benchmarks/selection_coverage.py [REF] --task facts --limit 30 --context-tokens 1024 \
@@ -57,6 +58,7 @@ def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
     for task in tasks:
         items = build_items(task, tokenizer, context_tokens=context_tokens, n=limit, seed=0)
         covered = {key: 0 for key in itertools.product(("source", "target"), SCORES, query_counts, budgets)}
+        covered.update({("random", "-", 0, budget): 0 for budget in budgets})
         counted = 0
         for item in items:
             prompt = item.prompt_ids[:-1]
@@ -72,6 +74,10 @@ def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
             eligible = torch.ones(tokens, dtype=torch.bool)
             eligible[:PREFIX] = eligible[tokens - SUFFIX:] = False
             needed = torch.arange(start, start + len(item.answer_ids))
+            draw = torch.rand(tokens, generator=torch.Generator().manual_seed(counted))  # control: no signal
+            for budget in budgets:
+                chosen = select_spans(draw, spans, round(budget * tokens), eligible=eligible)
+                covered[("random", "-", 0, budget)] += bool(torch.isin(needed, chosen).all())
             for who, queries in itertools.product(("source", "target"), query_counts):
                 model, cache = (source, source_cache) if who == "source" else (target, mapped)
                 attention = query_attention(model, context, cropped(cache, tokens - queries), queries=queries)
