@@ -12,12 +12,15 @@ Two engine processes run one after the other (vLLM spawns its engine, so each is
 1. producer, the small model with the connector as kv_producer: prefills each prompt once (1 token), which
    stores its KV; its time is reported but is not part of the large model's TTFT (in a cascade the small
    model has already read the conversation);
-2. consumer, the large model with the connector as kv_consumer: for each length, in this order, TTFT
-   (wall time of a 1-token request, median of --repeats) of plain prefill (a tenant with no stored KV, so
-   the connector falls back) and of the connector (the producer's tenant), alternating; then greedy
-   generation of --new-tokens both ways for agreement.  ``connector_decisions`` says what the connector
-   did for each timed request (``mapped N`` tokens, or the fallback's reason).  Each prompt uses its own cache_salt, so vLLM's prefix cache never serves
-   one measurement from another; a short warm-up request goes first.
+2. consumer, the large model with the connector as kv_consumer (and kvhub's worker class, so the
+   recompute runs): for each length, TTFT (wall time of a 1-token request, median of --repeats) of plain
+   prefill (a tenant with no stored KV, so the connector falls back), of the connector mapping only (the
+   request's own spec "exact_prefix=0,exact_budget=0": vLLM computes the suffix) and of the connector's
+   default (map + the first 4 + 8% selected by the large model's attention, recomputed), alternating;
+   then greedy generation of --new-tokens each way for agreement with the large model's own.  ``load``
+   is what the connector reported for the request (response kv_transfer_params["kvhub"]: mapped,
+   recomputed and prefilled token counts).  Each prompt uses its own cache_salt, so vLLM's prefix cache
+   never serves one measurement from another; a short warm-up request goes first.
 
 Prompts are --text tokenized with the source tokenizer (repeated to length), else seeded random ids.
 """
@@ -56,7 +59,8 @@ def _transfer(args, role: str) -> dict:
 
     configs = transfer_configs(store_dir=args.store_dir, source_model=args.source_model, mapper=args.mapper,
                                mapper_path=None if args.mapper else args.mapper_path, db=args.db,
-                               exact_tail=args.exact_tail, store_max_bytes=args.store_max_bytes,
+                               exact_suffix=args.exact_suffix, exact_budget=args.exact_budget,
+                               store_max_bytes=args.store_max_bytes,
                                events_path=str(Path(args.store_dir) / "events.jsonl"))
     return configs[role]
 
@@ -71,6 +75,10 @@ def run_engine(args, role: str) -> dict:
     options = dict(model=model, dtype=args.dtype, max_model_len=max(args.lengths) + args.new_tokens + 16,
                    enforce_eager=True, enable_prefix_caching=True, max_num_batched_tokens=max(args.lengths) + 64,
                    kv_transfer_config=KVTransferConfig(**_transfer(args, role)))
+    if role == "consumer":
+        from kvhub.serving.launch import WORKER_CLASS
+
+        options["worker_cls"] = WORKER_CLASS  # the model reaches the connector's recompute
     if args.block_size:
         options["block_size"] = args.block_size
     if args.tiny:
@@ -79,11 +87,13 @@ def run_engine(args, role: str) -> dict:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = _prompts(args, vocab)
 
-    def generate(ids, salt, tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    def generate(ids, salt, tokens, recompute=None):
+        extra = {"kv_transfer_params": {"kvhub_recompute": recompute}} if recompute else None
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False, extra_args=extra)
         started = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt=salt)], params, use_tqdm=False)
-        return time.perf_counter() - started, list(out[0].outputs[0].token_ids)
+        report = (out[0].kv_transfer_params or {}).get("kvhub") or {}
+        return time.perf_counter() - started, list(out[0].outputs[0].token_ids), report
 
     generate(prompts[min(args.lengths)][:32], "warmup", 1)
     results = {}
@@ -91,31 +101,28 @@ def run_engine(args, role: str) -> dict:
         if role == "producer":
             results[n] = {"producer_prefill_s": generate(ids, f"bench-{n}", 1)[0]}
             continue
-        prefill_s, connector_s, decisions = [], [], []
+        times = {"prefill": [], "map_only": [], "recompute": []}
+        reports = {}
         for repeat in range(args.repeats):  # mapped blocks never enter the prefix cache, so each repeat maps again
-            prefill_s.append(generate(ids, f"prefill-ttft-{n}-{repeat}", 1)[0])
-            connector_s.append(generate(ids, f"bench-{n}", 1)[0])
-            decisions.append(_last_decision(args))
-        _, own = generate(ids, f"prefill-gen-{n}", args.new_tokens)
-        _, mapped = generate(ids, f"bench-{n}", args.new_tokens)
-        agree = next((i for i, (a, b) in enumerate(zip(own, mapped)) if a != b), len(own))
-        prefill, connector = statistics.median(prefill_s), statistics.median(connector_s)
-        results[n] = {"prefill_ttft_s": prefill, "connector_ttft_s": connector, "speedup": prefill / connector,
-                      "prefill_ttft_all_s": prefill_s, "connector_ttft_all_s": connector_s,
-                      "connector_decisions": decisions, "greedy_identical": own == mapped,
-                      "greedy_agree_prefix": agree, "new_tokens": args.new_tokens}
+            times["prefill"].append(generate(ids, f"prefill-ttft-{n}-{repeat}", 1)[0])
+            for mode, spec in (("map_only", MAP_ONLY), ("recompute", None)):
+                seconds, _, reports[mode] = generate(ids, f"bench-{n}", 1, spec)
+                times[mode].append(seconds)
+        _, own, _ = generate(ids, f"prefill-gen-{n}", args.new_tokens)
+        row = {"new_tokens": args.new_tokens, "prefill_ttft_s": statistics.median(times["prefill"]),
+               "prefill_ttft_all_s": times["prefill"]}
+        for mode, spec in (("map_only", MAP_ONLY), ("recompute", None)):
+            _, escalated, _ = generate(ids, f"bench-{n}", args.new_tokens, spec)
+            median = statistics.median(times[mode])
+            row[mode] = {"ttft_s": median, "ttft_all_s": times[mode], "speedup": row["prefill_ttft_s"] / median,
+                         "load": reports[mode], "greedy_identical": own == escalated,
+                         "greedy_agree_prefix": next((i for i, (a, b) in enumerate(zip(own, escalated)) if a != b),
+                                                     len(own))}
+        results[n] = row
     return results
 
 
-def _last_decision(args) -> str:
-    """The consumer's last hit/fallback, from the connector's events: 'mapped N' or 'fallback: why'."""
-    lines = (Path(args.store_dir) / "events.jsonl").read_text().splitlines()
-    for event in map(json.loads, reversed(lines)):
-        if event["role"] == "consumer" and event["event"] == "hit":
-            return f"mapped {event['end'] - event['start']}"
-        if event["role"] == "consumer" and event["event"] == "fallback":
-            return f"fallback: {event['reason']}"
-    return "no decision recorded"
+MAP_ONLY = "exact_prefix=0,exact_budget=0"  # a request's own recompute spec: map only (vLLM computes the suffix)
 
 
 def _spawn(args, role: str) -> dict:
@@ -160,7 +167,9 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="TTFT measurements per length and mode (median)")
-    parser.add_argument("--exact-tail", type=int, default=16)
+    parser.add_argument("--exact-suffix", type=int, default=16, help="prompt tokens vLLM always computes itself")
+    parser.add_argument("--exact-budget", type=float, default=None,
+                        help="the consumer's recompute budget (default: the connector's, 0.08)")
     parser.add_argument("--block-size", type=int, help="vLLM block size (default: vLLM's)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--text", help="a text file for the prompts (default: seeded random token ids)")
@@ -183,7 +192,8 @@ def main(argv=None) -> None:
     producer = _spawn(args, "producer")
     consumer = _spawn(args, "consumer")
     report = {"src": args.src_path, "dst": args.dst_path, "mapper": args.mapper or args.mapper_path,
-              "dtype": args.dtype, "exact_tail": args.exact_tail, "cpu_threads": os.cpu_count(),
+              "dtype": args.dtype, "exact_suffix": args.exact_suffix,
+              "exact_budget": args.exact_budget, "cpu_threads": os.cpu_count(),
               "lengths": {str(n): {**producer[str(n)], **consumer[str(n)]} for n in args.lengths}}
     text = json.dumps(report, indent=2)
     print(text)

@@ -42,18 +42,18 @@ def _assert_caches_equal(got, want, tolerance, positions=None):
 
 
 def test_spec_names_round_trip_and_bad_specs_are_refused():
-    spec = Recompute(exact_prefix=4, exact_suffix=16, budget=0.1, select="deviation", spans="token")
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.1, select="deviation", spans="token")
     assert spec.name() == "exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=deviation,spans=token"
     assert Recompute.parse(spec.name()) == spec
     assert Recompute(exact_prefix=4).name() == "exact_prefix=4" and Recompute().name() == ""
-    scored = Recompute(exact_prefix=4, budget=0.05, select="target", queries=4, score="sum")
+    scored = Recompute(exact_prefix=4, exact_budget=0.05, select="target", queries=4, score="sum")
     assert scored.name() == "exact_prefix=4,exact_budget=0.05,select=target,queries=4,score=sum"
     assert Recompute.parse(scored.name()) == scored
     # cached results: a plain spec keeps its name, a selective one carries the selection revision
     assert Recompute(exact_prefix=4).cache_key() == "exact_prefix=4"
     assert scored.cache_key() == f"{scored.name()};selection=r{SELECTION_REVISION}"
-    assert scored.capped(3) == Recompute(exact_prefix=3, budget=0.05, select="target", queries=4, score="sum")
-    for bad in (dict(budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words"), dict(score="mean")):
+    assert scored.capped(3) == Recompute(exact_prefix=3, exact_budget=0.05, select="target", queries=4, score="sum")
+    for bad in (dict(exact_budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words"), dict(score="mean")):
         with pytest.raises(ConfigError):
             Recompute(**bad)
     for text in ("exact_budget=lots", "depth=3", "select"):
@@ -142,7 +142,7 @@ def test_untouched_positions_keep_the_mapped_values(family):
     source, target, control = family
     ids = _ids(1, 40, 6)
     plain = prepare_cache(control, source, target, ids)
-    spec = Recompute(exact_prefix=2, exact_suffix=3, budget=0.2, select="source", spans="token")
+    spec = Recompute(exact_prefix=2, exact_suffix=3, exact_budget=0.2, select="source", spans="token")
     cache = prepare_cache(control, source, target, ids, recompute=spec)
     changed = ~torch.isclose(cache.layers[-1].keys, plain.layers[-1].keys).all(-1).all(1)[0]  # (T,)
     source_cache = run_model(source, ids[:, :-1])
@@ -158,7 +158,7 @@ def test_every_selector_respects_the_budget_and_spares_prefix_and_suffix(family,
     ids = _ids(1, 60, 8)
     context = ids[:, :-1]
     source_cache = run_model(source, context)
-    spec = Recompute(exact_prefix=4, exact_suffix=5, budget=0.25, select=select, spans="token")
+    spec = Recompute(exact_prefix=4, exact_suffix=5, exact_budget=0.25, select=select, spans="token")
     chosen = recompute_set(spec, context=context, mapped_cache=control.transfer(source_cache), source_model=source,
                            target_model=target, source_cache=source_cache)
     middle = [t for t in chosen.tolist() if 4 <= t < 54]

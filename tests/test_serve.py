@@ -159,7 +159,7 @@ def _server_pids(tmp_path: Path, ports) -> list[int]:
 # ---- the connector configuration ----------------------------------------------------------------------
 def test_transfer_configs_give_each_role_its_keys(tmp_path):
     configs = launch.transfer_configs(store_dir=tmp_path / "kv", source_model="org/small", mapper="s:d:c@v2",
-                                      db="sqlite:///x.db", exact_tail=8, store_max_bytes=1 << 20,
+                                      db="sqlite:///x.db", exact_suffix=8, exact_budget=0.1, store_max_bytes=1 << 20,
                                       events_path="/tmp/e.jsonl", chunk_tokens=None)
     shared = {"kv_connector": "KVHubConnector", "kv_connector_module_path": "kvhub.serving.vllm_connector",
               "kv_load_failure_policy": "recompute"}
@@ -167,7 +167,7 @@ def test_transfer_configs_give_each_role_its_keys(tmp_path):
               "events_path": "/tmp/e.jsonl"}
     assert configs["producer"] == {**shared, "kv_role": "kv_producer", "kv_connector_extra_config": common}
     assert configs["consumer"] == {**shared, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-        **common, "mapper": "s:d:c@v2", "db": "sqlite:///x.db", "exact_tail": 8}}
+        **common, "mapper": "s:d:c@v2", "db": "sqlite:///x.db", "exact_suffix": 8, "exact_budget": 0.1}}
     assert json.loads(json.dumps(configs)) == configs  # what `vllm serve --kv-transfer-config` receives
 
 
@@ -176,6 +176,12 @@ def test_transfer_configs_refuse_bad_options(tmp_path):
         launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", mapper_ref="s:d")
     with pytest.raises(ConfigError, match="exactly one of mapper"):
         launch.transfer_configs(store_dir=tmp_path, source_model="s")
+    with pytest.raises(ConfigError, match="'exact_tail' is now 'exact_suffix'"):
+        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", exact_tail=8)
+    with pytest.raises(ConfigError, match="unknown token selector 'oracle'"):
+        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", select="oracle")
+    with pytest.raises(ConfigError, match="exact_budget is a fraction"):
+        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", exact_budget=2)
     with pytest.raises(ConfigError, match="exactly one of mapper"):
         launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", mapper_path=tmp_path)
 
@@ -192,7 +198,8 @@ def test_the_contract_names_the_connector_class():
 
 # ---- dry run and bad input ----------------------------------------------------------------------------
 def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--exact-tail", "8", "--dry-run",
+    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--exact-suffix", "8", "--dry-run",
+                                  "--kv-cache-gib", "3",
                                   "--", "--dtype", "float32", "--max-model-len", "256"))
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -200,9 +207,14 @@ def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
     assert shlex.split(lines[1]) == ["mkdir", "-p", "-m", "700", str(tmp_path / "kv")]
     small, large = shlex.split(lines[3]), shlex.split(lines[5])
     configs = launch.transfer_configs(store_dir=tmp_path / "kv", source_model=SRC_ID, mapper=f"{SRC_ID}:{DST_ID}"
-                                      ":legal-docs@v1", db=mapper_db, exact_tail=8)
+                                      ":legal-docs@v1", db=mapper_db, exact_suffix=8)
     for argv, model, port, role in ((small, SRC_ID, "8001", "producer"), (large, DST_ID, "8002", "consumer")):
+        assert argv[0] == "VLLM_CPU_KVCACHE_SPACE=3"  # each engine's KV cache, so that both fit the host
+        argv = argv[1:]
         assert argv[:3] == [str(fake_vllm), "serve", model]
+        assert ("--worker-cls" in argv) == (role == "consumer")  # the model reaches the consumer's recompute
+        if role == "consumer":
+            assert argv[argv.index("--worker-cls") + 1] == launch.WORKER_CLASS
         assert argv[argv.index("--port") + 1] == port and argv[argv.index("--host") + 1] == "127.0.0.1"
         assert argv[argv.index("--served-model-name") + 1] == model
         assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == configs[role]
@@ -243,7 +255,7 @@ def test_missing_vllm_executable_names_the_setup_script(mapper_db, tmp_path, mon
     assert not (tmp_path / "kv").exists()
 
     dry = _invoke(*_serve_args(mapper_db, tmp_path, None, [8001, 8002], "--dry-run"))  # still shows the commands
-    assert dry.exit_code == 0 and shlex.split(dry.stdout.splitlines()[3])[:2] == ["vllm", "serve"]
+    assert dry.exit_code == 0 and shlex.split(dry.stdout.splitlines()[3])[1:3] == ["vllm", "serve"]
 
     monkeypatch.setenv("KVHUB_VLLM", str(tmp_path / "kvhub.db"))  # a file, not an executable
     result = _invoke(*_serve_args(mapper_db, tmp_path, None, [8001, 8002]))

@@ -121,11 +121,11 @@ def test_short_prompts_are_not_stored(tmp_path):
 ])
 def test_load_plan(prompt, computed, stored, expected):
     assert load_plan(prompt_tokens=prompt, computed_tokens=computed, stored_tokens=stored, block_size=32,
-                     exact_tail=16) == expected
+                     exact_suffix=16) == expected
 
 
 def test_load_plan_always_leaves_one_token_to_compute():
-    assert load_plan(prompt_tokens=64, computed_tokens=0, stored_tokens=64, block_size=32, exact_tail=0) == (0, 32)
+    assert load_plan(prompt_tokens=64, computed_tokens=0, stored_tokens=64, block_size=32, exact_suffix=0) == (0, 32)
 
 
 # ---- paged layout ----------------------------------------------------------------------------------

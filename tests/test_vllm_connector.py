@@ -30,6 +30,9 @@ BLOCK = 32
 PROMPT_A = [(7 * i + 3) % 120 + 1 for i in range(100)]
 PROMPT_B = [(11 * i + 5) % 120 + 1 for i in range(90)]
 PROMPT_C = [(13 * i + 2) % 120 + 1 for i in range(100)]
+PROMPT_D = [(17 * i + 9) % 120 + 1 for i in range(90)]
+PROMPT_E = [(19 * i + 4) % 120 + 1 for i in range(100)]
+MAP_ONLY_PARAMS = {"kvhub_recompute": "exact_prefix=0,exact_budget=0"}
 NEW_TOKENS = 12
 
 
@@ -73,8 +76,9 @@ def make_family(directory: Path) -> dict:
 def _transfer_config(paths: dict, role: str) -> dict:
     from kvhub.serving.launch import transfer_configs
 
+    # the engines run without a tokenizer (skip_tokenizer_init): selected spans are single tokens
     return transfer_configs(store_dir=paths["store"], source_model="tiny/src", mapper="src:dst:tiny-calib@latest",
-                            db=paths["db"], events_path=paths["events"], store_max_bytes=64 << 20)[role]
+                            db=paths["db"], events_path=paths["events"], store_max_bytes=64 << 20, spans="token")[role]
 
 
 def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) -> list[list[int]]:
@@ -83,23 +87,31 @@ def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) ->
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    from kvhub.serving.launch import WORKER_CLASS
+
     # the producer prefills in 64-token chunks: its prompt KV is saved from blocks filled over two steps
     chunk = {"max_num_batched_tokens": 64} if role == "producer" else {}
+    worker = {"worker_cls": WORKER_CLASS} if role == "consumer" else {}
     llm = LLM(model=paths["source" if role == "producer" else "target"], skip_tokenizer_init=True,
               dtype="float32", block_size=BLOCK, max_model_len=256, max_num_seqs=4, enforce_eager=True,
               enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(**_transfer_config(paths, role)),
-              **chunk)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+              **chunk, **worker)
     outputs = []
-    for prompt, salt in requests:
-        result = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params, use_tqdm=False)
-        outputs.append(list(result[0].outputs[0].token_ids))
+    for batch in requests:  # a batch: [(prompt ids, cache_salt, kv_transfer_params or None), ...], one generate call
+        prompts = [TokensPrompt(prompt_token_ids=prompt, cache_salt=salt) for prompt, salt, _ in batch]
+        params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
+                                 extra_args={"kv_transfer_params": extra} if extra else None) for _, _, extra in batch]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        outputs.append([{"ids": list(r.outputs[0].token_ids), "kvhub": (r.kv_transfer_params or {}).get("kvhub")}
+                        for r in results])
+    if os.environ.get("KVHUB_TEST_COMPARE_PASS"):
+        outputs.append(llm.collective_rpc(compare_engine_pass, args=(paths["target"],)))
     return outputs
 
 
-def _spawn(role: str, paths: dict, requests, timeout: int = 900) -> list[list[int]]:
+def _spawn(role: str, paths: dict, requests, timeout: int = 900, env: dict | None = None) -> list:
     out = Path(paths["events"]).with_name(f"{role}-outputs.json")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     done = subprocess.run([sys.executable, __file__, role, json.dumps(paths), json.dumps(requests), str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -111,46 +123,140 @@ def _events(paths: dict) -> list[dict]:
     return [json.loads(line) for line in Path(paths["events"]).read_text().splitlines()]
 
 
+needs_vllm = pytest.mark.skipif(not _engine_available(), reason="vLLM is not installed (scripts/setup-vllm.sh)")
+ALL_EXACT = "exact_prefix=0,exact_budget=1.0,select=random,spans=token"  # every mapped token recomputed
+MAP_ONLY = "exact_prefix=0,exact_budget=0"
+
+
+def _outputs(results) -> list[list[int]]:
+    return [[r["ids"] for r in batch] for batch in results]
+
+
 @pytest.mark.vllm
-@pytest.mark.skipif(not _engine_available(), reason="vLLM is not installed (scripts/setup-vllm.sh)")
-def test_consumer_maps_producer_kv_into_vllm_blocks(tmp_path):
+@needs_vllm
+def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
+    """The default recompute (first 4 + 8% selected + the exact suffix) over the mapped blocks, by the large
+    model itself: with an exact map the escalated output is the large model's own; over the no-information
+    control map, recomputing every mapped token is a prefill (own again) while mapping only is not."""
     paths = make_family(tmp_path)
-    produced = _spawn("producer", paths, [(PROMPT_A, "alice")])
-    assert len(produced[0]) == NEW_TOKENS
+    produced = _spawn("producer", paths, [[(PROMPT_A, "alice", None)], [(PROMPT_D, "alice", None)]])
+    assert len(produced[0][0]["ids"]) == NEW_TOKENS
     saved = [e for e in _events(paths) if e["event"] == "saved"]
-    assert [e["tokens"] for e in saved] == [len(PROMPT_A)]
+    assert [e["tokens"] for e in saved] == [len(PROMPT_A), len(PROMPT_D)]
 
     _store_random_kv(paths, PROMPT_C, tenant="alice")
+    _store_random_kv(paths, PROMPT_E, tenant="alice", scale=float("nan"))  # a damaged entry: never written
 
-    own, mapped, again, unseen, own_c, random_c = _spawn("consumer", paths, [
-        (PROMPT_A, "other"), (PROMPT_A, "alice"), (PROMPT_A, "alice"), (PROMPT_B, "alice"),
-        (PROMPT_C, "other"), (PROMPT_C, "alice")])
+    results = _spawn("consumer", paths, [
+        [(PROMPT_A, "other", None)], [(PROMPT_A, "alice", None)], [(PROMPT_A, "alice", None)],
+        [(PROMPT_B, "alice", None)], [(PROMPT_C, "other", None)], [(PROMPT_C, "alice", MAP_ONLY_PARAMS)],
+        [(PROMPT_A, "alice", {"kvhub_control": True, "kvhub_recompute": ALL_EXACT})],
+        [(PROMPT_A, "alice", {"kvhub_control": True, "kvhub_recompute": MAP_ONLY})],
+        # two requests in one engine step, each with its own selection
+        [(PROMPT_A, "alice", {"kvhub_recompute": "exact_budget=0.3,select=target,spans=token"}),
+         (PROMPT_D, "alice", {"kvhub_recompute": "exact_budget=0.1,select=random,spans=token"})],
+        [(PROMPT_D, "other", None)], [(PROMPT_E, "other", None)], [(PROMPT_E, "alice", None)]])
+    (own,), (mapped,), (again,), (unseen,), (own_c,), (random_c,), (control_all,), (control_map,), \
+        (pair_a, pair_d), (own_d,), (own_e,), (damaged_e,) = results
     events = [e for e in _events(paths) if e["role"] == "consumer"]
     decisions = [e for e in events if e["event"] in ("hit", "fallback")]
-    assert [e["event"] for e in decisions] == ["fallback", "hit", "hit", "fallback", "fallback", "hit"], decisions
+    assert [e["event"] for e in decisions][:4] == ["fallback", "hit", "hit", "fallback"], decisions
     other, first, second, b = decisions[:4]
     assert other["reason"] == "no stored source KV for this prompt"  # tenant isolation
-    # 100 prompt tokens, exact tail 16 -> the stored 80-token prefix, block-aligned to 64 tokens
+    # 100 prompt tokens, exact suffix 16 -> the stored 80-token prefix, block-aligned to 64 tokens
     assert (first["start"], first["end"]) == (0, 64)
     assert second["local_hit_tokens"] == 0  # the mapped blocks never became vLLM prefix-cache entries
     assert b["reason"] == "no stored source KV for this prompt"
-    assert [e["event"] for e in events].count("mapped") == 3
-    assert [e["layers"] for e in events if e["event"] == "written"] == [4, 4, 4]  # every target layer, each load
-    assert mapped == own, "greedy output from the mapped cache differs from the target's own"
-    assert again == own
-    assert random_c != own_c, "the output ignores the mapped KV"
+    assert mapped["ids"] == own["ids"], "greedy output from the mapped + recomputed cache differs from the target's own"
+    assert again["ids"] == own["ids"]
+    # what the load did comes back with the response; the default spec recomputed the first 4 and 8 selected
+    report = mapped["kvhub"]
+    assert report["mapped_tokens"] == 64 and report["prefill_tokens"] == 36, report
+    assert report["exact_prefix_tokens"] == 4 and report["recomputed_tokens"] == 4 + report["selected_tokens"]
+    assert 0 < report["selected_tokens"] <= round(0.08 * 99)
+    assert random_c["ids"] != own_c["ids"], "the output ignores the mapped KV"
+    # the masked pass alone reproduces a prefill: the control map, every mapped token recomputed
+    assert control_all["kvhub"]["recomputed_tokens"] == 64 and control_all["ids"] == own["ids"]
+    assert control_map["kvhub"]["recomputed_tokens"] == 0 and control_map["ids"] != own["ids"]
+    # one step, two selections
+    assert pair_a["kvhub"]["selected_tokens"] == round(0.3 * 99) and pair_d["kvhub"]["selected_tokens"] == round(0.1 * 89)
+    assert pair_a["ids"] == own["ids"] and pair_d["ids"] == own_d["ids"]
+    # a damaged entry (NaN) is never written: the load falls back, visibly, and vLLM prefills
+    assert damaged_e["kvhub"]["fallback"].startswith("IncompatibleError: the mapped KV holds Inf/NaN")
+    assert damaged_e["ids"] == own_e["ids"]
+    assert any(e["event"] == "fallback" and "Inf/NaN" in e.get("reason", "") for e in events)
 
 
-def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str) -> None:
+@pytest.mark.vllm
+@needs_vllm
+def test_a_failed_recompute_falls_back_to_prefill_and_the_pass_matches_transformers(tmp_path):
+    """A recompute that raises inside the engine: vLLM prefills the request (its output is own) and the
+    events say why.  Then the connector's pass over the engine's model against kvhub.serving.recompute's
+    in transformers, on the same cache and positions (fp32)."""
+    paths = make_family(tmp_path)
+    _spawn("producer", paths, [[(PROMPT_A, "alice", None)]])
+    results = _spawn("consumer", paths, [[(PROMPT_A, "other", None)], [(PROMPT_A, "alice", None)]],
+                     env={"KVHUB_TEST_FAIL_RECOMPUTE": "1", "KVHUB_TEST_COMPARE_PASS": "1",
+                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    (own,), (failed,), differences = results
+    assert failed["kvhub"]["fallback"] == "RuntimeError: planted recompute failure", failed
+    assert failed["ids"] == own["ids"]
+    reasons = [e["reason"] for e in _events(paths) if e["role"] == "consumer" and e["event"] == "fallback"]
+    assert "load failed: RuntimeError: planted recompute failure" in reasons
+    worst = max(differences)
+    assert worst < 1e-4, f"engine pass and transformers' recompute differ by {worst}"
+
+
+def compare_engine_pass(worker, target_path: str) -> float:
+    """On the engine's worker: max |K/V difference| between the engine pass and recompute_positions (module
+    docstring of kvhub.serving.engine_pass) over a random cache of 40 tokens, recomputing 9 of them."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvhub.serving.engine_pass import EnginePass
+    from kvhub.serving.recompute import recompute_positions
+
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    config = target.config
+    heads, dim, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 121, (1, 40), generator=generator)
+    cached = [(torch.randn(heads, 40, dim, generator=generator), torch.randn(heads, 40, dim, generator=generator))
+              for _ in range(layers)]
+    cache = DynamicCache()
+    for index, (k, v) in enumerate(cached):
+        cache.update(k[None].clone(), v[None].clone(), index)
+    positions = torch.tensor([0, 1, 2, 3, 11, 12, 20, 30, 31])
+    recompute_positions(target, cache, ids, positions)
+    engine = EnginePass(worker.get_model())
+    fresh = engine.run(ids[0, positions], positions, lambda i: cached[i]).fresh
+    return max(max(float((k - layer.keys[0, :, positions].transpose(0, 1)).abs().max()),
+                   float((v - layer.values[0, :, positions].transpose(0, 1)).abs().max()))
+               for (k, v), layer in zip(fresh, cache.layers))
+
+
+def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str, scale: float = 3.0) -> None:
     import torch
 
     from kvhub.serving import KVStore
 
     store = KVStore(paths["store"], max_bytes=64 << 20)
-    noise = [torch.randn(2, len(prompt), 32) * 3 for _ in range(2 * 3)]  # the source's 3 layers x (H=2, T, D=32)
+    noise = [torch.randn(2, len(prompt), 32) * scale for _ in range(2 * 3)]  # the source's 3 layers x (H=2, T, D=32)
     store.put(isolation_key=tenant, source_model="tiny/src", token_ids=prompt, keys=noise[:3], values=noise[3:])
+
+
+def _plant_recompute_failure() -> None:
+    """Every recompute raises (the engine runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from kvhub.serving import engine_pass
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted recompute failure")
+
+    engine_pass.recompute_request = fail
 
 
 if __name__ == "__main__":
     role, paths, requests, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
-    Path(out).write_text(json.dumps(run_engine(role, paths, [(p, s) for p, s in requests])))
+    if os.environ.get("KVHUB_TEST_FAIL_RECOMPUTE"):
+        _plant_recompute_failure()
+    Path(out).write_text(json.dumps(run_engine(role, paths, requests)))

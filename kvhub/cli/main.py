@@ -59,7 +59,7 @@ def main(verbose: bool) -> None:
 
 def _attach() -> None:
     """Attach each command family; every module defines ``attach(group)``."""
-    from kvhub.cli import calib_cmd, eval_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
+    from kvhub.cli import calib_cmd, eval_cmd, eval_serve_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
 
     main.add_command(fit_cmd.fit)
     main.add_command(plan_cmd.plan)
@@ -67,6 +67,7 @@ def _attach() -> None:
     store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db
     hub_cmd.attach(main)  # push, pull, search
     eval_cmd.attach(main)  # eval, bench, report
+    eval_serve_cmd.attach(main)  # eval-serve
     main.add_command(fetch_cmd.fetch)  # fetch models, evals
     from kvhub.cli import serve_cmd  # its own import line: the one above is shared with other command families
     serve_cmd.attach(main)  # serve

@@ -55,8 +55,21 @@ class _ServeCommand(click.Command):
               help="The vllm executable (default: $KVHUB_VLLM, else `vllm` on PATH, else .venv-vllm/bin/vllm).")
 @db_option
 @click.option("--hub-repo", default=None, metavar="OWNER/NAME", help="Hub repository to fall back to (kvhub.load).")
-@click.option("--exact-tail", type=click.IntRange(min=1), default=None,
-              help="Prompt tokens the large model always computes (16).")
+@click.option("--exact-prefix", type=click.IntRange(min=0), default=None,
+              help="First prompt tokens the large model recomputes over the mapped cache (4).")
+@click.option("--exact-suffix", type=click.IntRange(min=1), default=None,
+              help="Last prompt tokens the large model always computes itself (16; more to reach a block bound).")
+@click.option("--exact-budget", type=click.FloatRange(0, 1), default=None,
+              help="Fraction of the prompt, in whole sentences / lines, the large model recomputes over the mapped "
+                   "cache (0.08; 0 maps only).")
+@click.option("--select", type=click.Choice(("target", "random")), default=None,
+              help="How --exact-budget chooses: the large model's attention from the prompt's last tokens over the "
+                   "mapped cache (target), or random spans, the no-information control for the signal.")
+@click.option("--queries", type=click.IntRange(min=1), default=None,
+              help="Last prompt tokens whose attention scores the context for --select target (16).")
+@click.option("--kv-cache-gib", type=click.IntRange(min=1), default=None,
+              help="KV cache of each vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE; default: sized so both engines "
+                   "fit this host's memory, or $VLLM_CPU_KVCACHE_SPACE when set).")
 @click.option("--store-max-bytes", type=click.IntRange(min=1), default=None,
               help="Size cap of the KV store, LRU eviction (1 GiB).")
 @click.option("--require-isolation-key", is_flag=True,
@@ -71,8 +84,8 @@ class _ServeCommand(click.Command):
 @click.option("--json", "as_json", is_flag=True, help="When both are ready, print one JSON line on stdout.")
 @click.pass_context
 def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, small_model, large_model,
-          vllm_executable, db, hub_repo, exact_tail, store_max_bytes, require_isolation_key, events_path, log_dir,
-          timeout, dry_run, as_json):
+          vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, kv_cache_gib,
+          store_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, as_json):
     """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
 
     \b
@@ -82,8 +95,10 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     REF (or --src/--dst/--calib) names the mapper; it is resolved first (store, then Hub), and the
     large server loads exactly that version.  Both servers run until Ctrl-C or SIGTERM, which is
     passed on to both; if one exits, the other is stopped.  Send a conversation to the small server;
-    to escalate it, send the same messages with the same cache_salt to the large one, which then
-    prefills only the tail the small server's KV does not cover (docs/serving.md).
+    to escalate it, send the same messages with the same cache_salt to the large one, which maps the
+    small server's KV, recomputes the first 4 tokens and 8% of the prompt chosen by its own attention
+    over the mapped cache (a fact stated once comes back), and prefills only the last tokens itself
+    (--exact-prefix/--exact-budget/--select/--exact-suffix; docs/serving.md).
 
     Arguments after -- go to both `vllm serve` commands.  vLLM runs from its own environment
     (scripts/setup-vllm.sh makes .venv-vllm).  --dry-run prints the commands without starting them.
@@ -96,7 +111,8 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     launcher = _launcher(vllm_executable, dry_run=dry_run)
     configs = launch.transfer_configs(
         store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db,
-        hub_repo=hub_repo, exact_tail=exact_tail, store_max_bytes=store_max_bytes,
+        hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix, exact_budget=exact_budget,
+        select=select, queries=queries, store_max_bytes=store_max_bytes,
         require_isolation_key=require_isolation_key or None,
         events_path=None if events_path is None else os.path.abspath(events_path))
     extra = ctx.meta.get("vllm_args", ())
@@ -110,8 +126,9 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
                                             host=host, port=p["port"], transfer_config=configs[p["role"]],
                                             extra_args=extra)
                 for name, p in plan.items()}
+    env = _engine_env(kv_cache_gib, models=[p["model"] for p in plan.values()])
     if dry_run:
-        _print_dry_run(commands, launcher=launcher,
+        _print_dry_run(commands, launcher=launcher, env=env,
                        store_dir=configs["producer"]["kv_connector_extra_config"]["store_dir"], mapper_ref=mapper_ref)
         return
     launch.check_port_free(host, port_small, option="--port-small")
@@ -120,7 +137,7 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     logs = _log_dir(log_dir)
     servers = [launch.Server(name, commands[name], launch.base_url(host, p["port"]), p["served_model_name"],
                              logs / f"{name}.log") for name, p in plan.items()]
-    _run(launch.ServerPair(servers), models=[p["model"] for p in plan.values()], timeout=timeout,
+    _run(launch.ServerPair(servers, env={**os.environ, **env}), models=[p["model"] for p in plan.values()], timeout=timeout,
          mapper_ref=mapper_ref, as_json=as_json)
 
 
@@ -172,13 +189,31 @@ def _model_path(model_id: str) -> str:
     return str(resolve_model_path(model_id))
 
 
-def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], store_dir: str, mapper_ref: str) -> None:
+def _engine_env(kv_cache_gib: int | None, *, models: list[str]) -> dict[str, str]:
+    """The environment both engines get on top of this one: each CPU engine's KV cache size, so that two fit
+    one host (vLLM's default reserves most of its memory for one); said on stderr."""
+    from kvhub.serving import launch
+
+    if kv_cache_gib is None and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        say(f"each CPU engine's KV cache: {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB ($VLLM_CPU_KVCACHE_SPACE)")
+        return {}
+    if kv_cache_gib is None:
+        total = launch.host_memory_gib()
+        kv_cache_gib = launch.cpu_kv_cache_gib(total_gib=total, weights_gib=[launch.weights_gib(m) for m in models])
+        say(f"each CPU engine's KV cache: {kv_cache_gib} GiB, so both engines fit this host's {total:.0f} GiB "
+            "(--kv-cache-gib to change; ignored by GPU engines, which take --gpu-memory-utilization after --)")
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+
+
+def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], env: dict[str, str], store_dir: str,
+                   mapper_ref: str) -> None:
     click.echo(f"# kvhub serve, mapper {mapper_ref}: run each server in its own terminal")
     click.echo(shlex.join(["mkdir", "-p", "-m", "700", store_dir]))
     for name, role in ((_SMALL, "kv_producer: stores each prompt's KV"), (_LARGE, "kv_consumer: maps it")):
         command = commands[name]
         click.echo(f"# {name} model, {role}")
-        click.echo(shlex.join([*map(_shown, command[:len(launcher)]), *command[len(launcher):]]))
+        assignments = [f"{key}={value}" for key, value in env.items()]
+        click.echo(shlex.join([*assignments, *map(_shown, command[:len(launcher)]), *command[len(launcher):]]))
 
 
 def _make_store_dir(path: Path) -> None:

@@ -305,7 +305,7 @@ def score_recall_item(item: RecallItem, *, mapper, control, source, target, toke
 
 def _recomputed(spec, context: int) -> int:
     spec = spec.capped(context)
-    return spec.exact_prefix + spec.exact_suffix + round(spec.budget * context)
+    return spec.exact_prefix + spec.exact_suffix + round(spec.exact_budget * context)
 
 
 def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int = 1000) -> dict:

@@ -27,11 +27,9 @@ from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.models.fingerprint import kv_geometry
 from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
+from kvhub.serving.spec import (DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX,  # noqa: F401
+                               DEFAULT_SELECT)
 
-DEFAULT_EXACT_PREFIX = 4  # attention sinks
-DEFAULT_EXACT_SUFFIX = 16  # the tokens nearest to the generation
-DEFAULT_EXACT_BUDGET = 0.08  # selective recompute: fraction of the context (kvhub.serving.recompute)
-DEFAULT_SELECT = "source"  # ... chosen by the source's attention from the last tokens
 
 
 # Config fields whose change changes a model's KV cache (or the context it encodes): check_models compares

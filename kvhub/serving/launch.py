@@ -32,11 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvhub.errors import ConfigError, NotFoundError, ServeError
+from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
+from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
+from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
 
 CONNECTOR_CLASS = "KVHubConnector"
 CONNECTOR_MODULE = "kvhub.serving.vllm_connector"
+# The consumer's worker class: the platform's own plus handing the model to the connector, which the
+# selective recompute runs (kvhub.serving.vllm_worker); without it the consumer maps only.
+WORKER_CLASS = "kvhub.serving.vllm_worker.KVHubWorker"
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}  # kvhub's name -> vLLM's kv_role
 LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead of failing the request
 EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
@@ -50,9 +56,15 @@ EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
     "mapper_path": ("consumer",),
     "db": ("consumer",),
     "hub_repo": ("consumer",),
-    "exact_tail": ("consumer",),
+    # the recompute spec, in kvhub.handoff's words (kvhub.serving.spec.Recompute's fields)
+    **{name: ("consumer",) for name in RECOMPUTE_FIELDS},
 }
-EXTRA_DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "exact_tail": 16, "require_isolation_key": False}
+EXTRA_DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "require_isolation_key": False,
+                  **SERVING_RECOMPUTE.options()}
+RENAMED_KEYS = {"exact_tail": "exact_suffix"}  # old key -> its name now (refused with that name)
+# Request-level kv_transfer_params the consumer reads: an isolation key, the no-information control map
+# (kvhub.eval.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,...").
+REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute")
 SETUP_COMMAND = "bash scripts/setup-vllm.sh"
 LOG_TAIL_LINES = 40
 
@@ -66,9 +78,8 @@ def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper:
     The consumer needs ``mapper`` (a reference) or ``mapper_path`` (an artifact directory).
     ``KVTransferConfig(**config)`` takes a result as is; ``vllm serve`` takes it as JSON.
     """
-    unknown = sorted(set(options) - set(EXTRA_KEYS))
-    if unknown:
-        raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
+    check_extra_keys(options)
+    Recompute.from_options(options, base=SERVING_RECOMPUTE, origin="the recompute options")  # ConfigError now, not at load
     if (mapper is None) == (mapper_path is None):
         raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
                           "(an artifact directory)")
@@ -83,13 +94,55 @@ def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper:
     return configs
 
 
+def check_extra_keys(extra) -> None:
+    """ConfigError for a renamed or unknown ``kv_connector_extra_config`` key, naming the right one."""
+    for old, new in RENAMED_KEYS.items():
+        if old in extra:
+            raise ConfigError(f"kv_connector_extra_config key {old!r} is now {new!r} (the same word as kvhub.handoff's); "
+                              "rename it")
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
+
+
 def server_command(launcher: list[str], *, model: str, served_model_name: str, host: str, port: int,
                    transfer_config: dict, extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
     """The argv of one OpenAI-compatible server with the connector: ``launcher`` (:func:`vllm_launcher`)
-    ``serve MODEL ...``; ``extra_args`` go last."""
+    ``serve MODEL ...``; the consumer also gets :data:`WORKER_CLASS`; ``extra_args`` go last."""
+    worker = ["--worker-cls", WORKER_CLASS] if transfer_config.get("kv_role") == ROLES["consumer"] else []
     return [*launcher, "serve", model, "--host", host, "--port", str(port), "--served-model-name", served_model_name,
             "--enable-prefix-caching", "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":")),
-            *extra_args]
+            *worker, *extra_args]
+
+
+# vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB of KV cache per engine, by default a share of the
+# host's memory that leaves no room for a second engine.  kvhub serve runs two: each gets this share of the
+# memory left after both models' weights (and a reserve for the processes themselves), within bounds.
+KV_CACHE_SHARE = 0.25
+KV_CACHE_MIN_GIB, KV_CACHE_MAX_GIB = 1, 16
+PROCESS_RESERVE_GIB = 3.0  # per engine: Python, torch, vLLM's own buffers
+
+
+def cpu_kv_cache_gib(*, total_gib: float, weights_gib: list[float]) -> int:
+    """GiB of KV cache for each of ``len(weights_gib)`` CPU engines on a host of ``total_gib``."""
+    free = total_gib - sum(weights_gib) - PROCESS_RESERVE_GIB * len(weights_gib)
+    return int(max(KV_CACHE_MIN_GIB, min(KV_CACHE_MAX_GIB, free * KV_CACHE_SHARE)))
+
+
+def host_memory_gib() -> float:
+    """Total memory of this host in GiB (os.sysconf; 16 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 16.0
+
+
+def weights_gib(model_path: str | os.PathLike) -> float:
+    """Size of a local model's weight files in GiB (0 for a Hub id vLLM will download)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return 0.0
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file()) / 2**30
 
 
 def vllm_launcher(vllm: str) -> list[str]:

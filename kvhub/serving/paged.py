@@ -1,7 +1,7 @@
 """Engine-independent pieces of the connector: the load plan and reading K/V out of paged blocks.
 
 Load plan (consumer), for a prompt of n tokens of which vLLM already holds ``computed`` (its own exact
-prefix cache), a stored source prefix of s tokens, block size b and exact tail r >= 1:
+prefix cache), a stored source prefix of s tokens, block size b and exact suffix r >= 1:
 
     end = floor(min(s, n - r) / b) * b        mapped tokens are [computed, end)
     load = end - computed if end > computed else 0
@@ -25,9 +25,9 @@ from kvhub.errors import UnsupportedModelError
 
 
 def load_plan(*, prompt_tokens: int, computed_tokens: int, stored_tokens: int, block_size: int,
-              exact_tail: int) -> tuple[int, int]:
+              exact_suffix: int) -> tuple[int, int]:
     """(start, end) of the tokens to map (module docstring); start == end means nothing to load."""
-    end = min(stored_tokens, prompt_tokens - max(exact_tail, 1)) // block_size * block_size
+    end = min(stored_tokens, prompt_tokens - max(exact_suffix, 1)) // block_size * block_size
     start = computed_tokens
     return (start, end) if end > start else (start, start)
 

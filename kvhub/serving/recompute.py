@@ -48,96 +48,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields, replace
 
 import torch
 
 from kvhub.core.capture import AttentionMass, cache_kwargs, run_model
 from kvhub.errors import ConfigError
+from kvhub.serving.spec import SCORES, SELECTION_REVISION, SELECTORS, Recompute  # noqa: F401 - re-exported
 
-SELECTORS = ("source", "target", "deviation", "random")
-SCORES = ("max", "sum")  # how the attention selectors reduce the queries (module docstring)
-# Bump when a selector would choose other tokens for the same spec: cached evaluation results of
-# selective variants are keyed with it (Recompute.cache_key), so they are scored again, never reused.
-SELECTION_REVISION = 2
 _SPAN_END = re.compile(r"(\n|[.!?;:]\s*$)")
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Which context tokens the target recomputes at handoff (see the module docstring).
-
-    exact_prefix / exact_suffix: the first p and the last r context tokens; budget: the fraction of
-    the context chosen by ``select`` beyond them; spans: "sentence" (whole sentences / lines) or
-    "token"; queries: how many last context tokens score the context (source / target selectors);
-    score: how their attention is reduced to one score per token ("max" or "sum", module docstring).
-    """
-
-    exact_prefix: int = 0
-    exact_suffix: int = 0
-    budget: float = 0.0
-    select: str = "source"
-    spans: str = "sentence"
-    queries: int = 16
-    max_span: int = 48
-    score: str = "max"
-
-    def __post_init__(self):
-        if self.exact_prefix < 0 or self.exact_suffix < 0:
-            raise ConfigError("exact_prefix and exact_suffix count tokens: use numbers >= 0")
-        if not 0.0 <= self.budget <= 1.0:
-            raise ConfigError(f"exact_budget is a fraction of the context in [0, 1], got {self.budget}")
-        if self.select not in SELECTORS:
-            raise ConfigError(f"unknown token selector {self.select!r}; use one of {', '.join(SELECTORS)}")
-        if self.score not in SCORES:
-            raise ConfigError(f"unknown attention score {self.score!r}; use one of {', '.join(SCORES)}")
-        if self.spans not in ("sentence", "token"):
-            raise ConfigError(f"spans must be 'sentence' or 'token', got {self.spans!r}")
-        if self.queries < 1 or self.max_span < 1:
-            raise ConfigError("queries and max_span must be >= 1")
-
-    @property
-    def selective(self) -> bool:
-        return self.budget > 0
-
-    def name(self) -> str:
-        """'' for the plain map, else e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=source'."""
-        parts = [f"exact_prefix={self.exact_prefix}"] * bool(self.exact_prefix)
-        parts += [f"exact_suffix={self.exact_suffix}"] * bool(self.exact_suffix)
-        if self.selective:
-            parts.append(f"exact_budget={self.budget:g}")
-            defaults = Recompute()
-            for field in ("select", "spans", "queries", "max_span", "score"):
-                if field == "select" or getattr(self, field) != getattr(defaults, field):
-                    parts.append(f"{field}={getattr(self, field)}")
-        return ",".join(parts)
-
-    @classmethod
-    def parse(cls, text: str) -> "Recompute":
-        """Inverse of :meth:`name`: 'exact_prefix=4,exact_budget=0.1,select=deviation' -> Recompute."""
-        kinds = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            key = {"exact_budget": "budget"}.get(key.strip(), key.strip())
-            if key not in kinds or not value:
-                raise ConfigError(f"cannot read {part!r} in the recompute spec {text!r}; use e.g. "
-                                  "'exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=source'")
-            try:
-                values[key] = float(value) if key == "budget" else int(value) if kinds[key] == "int" else value.strip()
-            except ValueError as exc:
-                raise ConfigError(f"{key} in {text!r} must be a number, got {value!r}") from exc
-        return cls(**values)
-
-    def capped(self, context: int) -> "Recompute":
-        """This spec with the prefix and suffix capped to a context of ``context`` tokens."""
-        prefix = min(self.exact_prefix, context)
-        return replace(self, exact_prefix=prefix, exact_suffix=min(self.exact_suffix, context - prefix))
-
-    def cache_key(self) -> str:
-        """The name under which evaluation results of this spec are cached: :meth:`name`, plus the
-        selection revision for a selective spec (a result of an older selection is never reused)."""
-        return f"{self.name()};selection=r{SELECTION_REVISION}" if self.selective else self.name()
 
 
 # ---- choosing the tokens ------------------------------------------------------------------------
@@ -282,16 +200,13 @@ def recompute_set(spec: Recompute, *, context: torch.Tensor, mapped_cache, sourc
     selected = torch.empty(0, dtype=torch.long)
     eligible = torch.ones(tokens, dtype=torch.bool)
     eligible[prefix], eligible[suffix] = False, False
-    budget_tokens = round(spec.budget * tokens)
+    budget_tokens = round(spec.exact_budget * tokens)
     if budget_tokens > 0 and bool(eligible.any()):
         if context.shape[0] != 1:
             raise ConfigError("selective recompute (exact_budget > 0) chooses tokens per sequence: pass one "
                               "sequence at a time (batch 1)")
         scores = _scores(spec, context, mapped_cache, source_model, target_model, source_cache, eligible)
-        spans = (span_ids(token_texts(tokenizer, context[0]), max_span=spec.max_span)
-                 if spec.spans == "sentence" and tokenizer is not None
-                 else torch.arange(tokens) // (1 if spec.spans == "token" else 16))
-        selected = select_spans(scores, spans, budget_tokens, eligible=eligible)
+        selected = select_spans(scores, spans_of(spec, context[0], tokenizer), budget_tokens, eligible=eligible)
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
@@ -305,8 +220,21 @@ def _scores(spec: Recompute, context, mapped_cache, source_model, target_model, 
         return attention_scores(attention, eligible, score=spec.score)
     if spec.select == "deviation":
         return deviation_scores(mapped_cache, *first_layer_kv(target_model, context))
-    generator = torch.Generator().manual_seed(int(context[0].sum()) * 1_000_003 + tokens)  # same context, same draw
-    return torch.rand(tokens, generator=generator)
+    return random_scores(context[0])
+
+
+def random_scores(ids: torch.Tensor) -> torch.Tensor:
+    """(T,) uniform scores drawn from a generator seeded by the token ids (T,): same context, same draw."""
+    generator = torch.Generator().manual_seed(int(ids.sum()) * 1_000_003 + ids.numel())
+    return torch.rand(ids.numel(), generator=generator)
+
+
+def spans_of(spec: Recompute, ids: torch.Tensor, tokenizer=None) -> torch.Tensor:
+    """(T,) span index of each token of ``ids`` (T,): sentences / lines when ``spec.spans`` is "sentence" and
+    a tokenizer is given (:func:`span_ids`), else 16-token windows ("sentence" without one) or single tokens."""
+    if spec.spans == "sentence" and tokenizer is not None:
+        return span_ids(token_texts(tokenizer, ids), max_span=spec.max_span)
+    return torch.arange(ids.numel()) // (1 if spec.spans == "token" else 16)
 
 
 def token_texts(tokenizer, ids: torch.Tensor) -> list[str]:

@@ -12,19 +12,28 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
   read from the paged blocks) goes into the :class:`~kvhub.serving.kvstore.KVStore` under
   (isolation key, source model, token-id prefix hashes).
 * consumer (large model's engine): ``get_num_new_matched_tokens`` reports the longest stored prefix,
-  block-aligned, minus ``exact_tail`` tokens that vLLM computes itself (:func:`~kvhub.serving.paged.load_plan`);
-  ``start_load_kv`` reads those source rows and maps them with :meth:`kvhub.core.mapper.Mapper.map_layers` at their
-  absolute positions (RoPE stripped and re-applied); ``wait_for_layer_load`` writes each layer into its
-  allocated blocks with the attention backend's own writer, just before that layer runs.
-* Mapped blocks are approximate: right after vLLM allocates (and prefix-caches) them, the consumer evicts
-  their hashes from vLLM's prefix cache, so no later request reuses them as exact.  The request's later
-  blocks chain from those hashes and so can never be a prefix-cache hit either.
+  block-aligned, minus ``exact_suffix`` tokens that vLLM computes itself (:func:`~kvhub.serving.paged.load_plan`);
+  ``start_load_kv`` reads those source rows, maps them with :meth:`kvhub.core.mapper.Mapper.map_layers` at
+  their absolute positions (RoPE stripped and re-applied), writes every layer into the allocated blocks
+  with the attention backend's own writer, and then the large model itself recomputes the spec's tokens
+  over them (the first ``exact_prefix`` and ``exact_budget`` of the prompt in whole sentences chosen by
+  its own attention from the prompt's last tokens: :mod:`kvhub.serving.engine_pass`, the masked pass of
+  :mod:`kvhub.serving.recompute`), all before vLLM's forward pass computes the rest.  The model comes
+  from :class:`kvhub.serving.vllm_worker.KVHubWorker` (``--worker-cls``); without it the consumer maps
+  only and says so on every load.
+* The recompute spec is :class:`kvhub.serving.spec.Recompute`'s fields in ``kv_connector_extra_config``;
+  a request may carry its own in ``kv_transfer_params["kvhub_recompute"]`` ("exact_budget=0.2,select=random"),
+  and ``kv_transfer_params["kvhub_control"]`` maps it with the no-information control map (evaluation).
+  The response's ``kv_transfer_params["kvhub"]`` says what was mapped and recomputed.
+* Mapped blocks are approximate, recomputed or not: right after vLLM allocates (and prefix-caches) them,
+  the consumer evicts their hashes from vLLM's prefix cache, so no later request reuses them as exact.
+  The request's later blocks chain from those hashes and so can never be a prefix-cache hit either.
 * Isolation key: the request's ``kv_transfer_params["kvhub_tenant"]`` if given, else its ``cache_salt``,
   else "" (one shared namespace; ``require_isolation_key`` turns that off).
-* Fallback is never silent: no stored prefix, an incompatible mapper, a failed pin or a failed map/write
-  is a log line, a counter in ``self.counters`` and, with ``events_path``, a JSON line; a failed load
-  reports its blocks through ``get_block_ids_with_load_errors`` so vLLM recomputes them (with
-  ``kv_load_failure_policy="recompute"``).
+* Fallback is never silent: no stored prefix, an incompatible mapper, a failed pin, a failed or non-finite
+  map, write or recompute is a log line, a counter in ``self.counters`` and, with ``events_path``, a JSON
+  line; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM prefills
+  them (with ``kv_load_failure_policy="recompute"``).
 """
 
 from __future__ import annotations
@@ -45,12 +54,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
 from kvhub.serving.kvstore import KVStore
-from kvhub.serving.launch import EXTRA_DEFAULTS, EXTRA_KEYS, LOAD_FAILURE_POLICY, ROLES
+from kvhub.serving.launch import EXTRA_DEFAULTS, LOAD_FAILURE_POLICY, ROLES, WORKER_CLASS, check_extra_keys
 from kvhub.serving.paged import PagedLayout, load_plan, probe_layout
+from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
 
@@ -70,17 +81,29 @@ class SaveJob:
 class LoadJob:
     request_id: str
     pin: str
-    token_ids: list[int]
+    prompt_ids: list[int]  # the whole prompt: the recompute's selection pass reads its tail
     start: int
     end: int
-    slots: list[int]  # of tokens [start, end)
-    block_ids: list[int]  # the blocks those slots are in (reported back on a failed load)
+    slots: list[int]  # of tokens [0, end): the mapped ones are [start, end)
+    block_ids: list[int]  # the blocks of [start, end) (reported back on a failed load)
+    recompute: Recompute
+    control: bool = False  # map with the no-information control map (kvhub.eval.control) instead
 
 
 @dataclass
 class KVHubConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+
+
+@dataclass
+class KVHubWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per engine step: what each load did ({request id: {"recomputed_tokens": ...}})."""
+
+    loads: dict[str, dict] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVHubWorkerMetadata") -> "KVHubWorkerMetadata":
+        return KVHubWorkerMetadata({**self.loads, **other.loads})
 
 
 @dataclass
@@ -101,17 +124,15 @@ class KVHubConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
-        if unknown:
-            log.warning("kvhub connector: ignoring unknown kv_connector_extra_config keys %s (known: %s)", unknown,
-                        sorted(EXTRA_KEYS))
+        check_extra_keys(extra)
         if "store_dir" not in extra:
             raise ConfigError("kv_connector_extra_config needs 'store_dir': a directory both engines can reach")
         self.is_producer = transfer.kv_role == ROLES["producer"]
         if transfer.kv_role not in ROLES.values():
             raise ConfigError(f"KVHubConnector runs as {' or '.join(ROLES.values())}, not {transfer.kv_role!r}")
         self.block_size = vllm_config.cache_config.block_size
-        self.exact_tail = max(int(extra["exact_tail"]), 1)
+        self.recompute = Recompute.from_options(extra, origin="kv_connector_extra_config")
+        self.exact_suffix = max(self.recompute.exact_suffix, 1)
         self.require_isolation_key = bool(extra["require_isolation_key"])
         self.store = KVStore(extra["store_dir"], max_bytes=int(extra["store_max_bytes"]),
                              chunk_tokens=int(extra["chunk_tokens"]))
@@ -120,7 +141,12 @@ class KVHubConnector(KVConnectorBase_V1):
         self._role_name = "producer" if self.is_producer else "consumer"
         self._lock = threading.Lock()
         self.mapper = None
+        self._control = None  # the control map, made on the first request that asks for it
         self.refusal: str | None = None
+        self.engine = None  # the recompute's pass over the engine's model (attach_model)
+        self.tokenizer_name = None if vllm_config.model_config.skip_tokenizer_init else \
+            vllm_config.model_config.tokenizer
+        self._tokenizer: Any = False  # False: not loaded yet; None: none (16-token spans)
         if self.is_producer:
             self.source_model = extra.get("source_model") or vllm_config.model_config.model
         else:
@@ -130,14 +156,13 @@ class KVHubConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[Any, int, int]] = {}  # request id -> (stored prefix, start, end)
         self._loads: list[LoadJob] = []
+        self._load_reports: dict[str, dict] = {}  # request id -> what its load did (returned at its end)
         # worker side
         self._layouts: dict[tuple, PagedLayout] = {}
         self._collected: dict[str, dict] = {}  # request id -> {layer: (K, V)} or {"error": why}
-        self._pending_writes: dict[int, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self._written: Counter[str] = Counter()  # request id -> layers written this step
-        self._job_blocks: dict[str, list[int]] = {}  # request id -> blocks of its load this step
         self._layers: dict[str, Any] = {}
         self._load_errors: set[int] = set()
+        self._step_reports: dict[str, dict] = {}  # request id -> its load's report, sent with this step's output
 
     # ---- configuration ---------------------------------------------------------------------------
     def _init_consumer(self, vllm_config, extra: dict) -> None:
@@ -150,9 +175,29 @@ class KVHubConnector(KVConnectorBase_V1):
             self.refusal = f"{type(exc).__name__}: {exc}"
             self.source_model = extra.get("source_model", "")
             log.error("kvhub consumer disabled, every request falls back to prefill: %s", self.refusal)
+        _check_serving_spec(self.recompute, origin="kv_connector_extra_config")
         if vllm_config.kv_transfer_config.kv_load_failure_policy != LOAD_FAILURE_POLICY:
             log.warning("kvhub consumer: set kv_load_failure_policy=%r so a failed map falls back to prefill instead "
                         "of failing the request", LOAD_FAILURE_POLICY)
+
+    def attach_model(self, model) -> None:
+        """Called by :class:`kvhub.serving.vllm_worker.KVHubWorker` once the model is loaded: the recompute
+        runs its decoder layers.  A model the pass cannot run leaves the consumer mapping only, visibly."""
+        if self.is_producer:
+            return
+        from kvhub.serving.engine_pass import EnginePass
+
+        try:
+            self.engine = EnginePass(model)
+        except UnsupportedModelError as exc:
+            log.error("kvhub consumer: no selective recompute for this model, requests are mapped only: %s", exc)
+
+    def _control_mapper(self):
+        if self._control is None:
+            from kvhub.eval.control import control_mapper
+
+            self._control = control_mapper(self.mapper)
+        return self._control
 
     def _event(self, event: str, request_id: str, **fields) -> None:
         self.counters[event] += 1
@@ -194,15 +239,29 @@ class KVHubConnector(KVConnectorBase_V1):
         if key is None:
             return "no isolation key (require_isolation_key is set)", None
         tokens = list(request.prompt_token_ids or [])
+        suffix = max(self._request_spec(request).exact_suffix, 1)
         prefix = self.store.longest_prefix(isolation_key=key, source_model=self.source_model, token_ids=tokens,
-                                           max_tokens=len(tokens) - self.exact_tail)
+                                           max_tokens=len(tokens) - suffix)
         if prefix is None:
             return "no stored source KV for this prompt", None
         start, end = load_plan(prompt_tokens=len(tokens), computed_tokens=computed, stored_tokens=prefix.tokens,
-                               block_size=self.block_size, exact_tail=self.exact_tail)
+                               block_size=self.block_size, exact_suffix=suffix)
         if end <= start:
             return f"stored prefix of {prefix.tokens} tokens adds nothing past {computed} computed", None
         return None, (prefix, start, end)
+
+    def _request_spec(self, request) -> Recompute:
+        """The engine's recompute spec, or the request's own (kv_transfer_params "kvhub_recompute", in
+        Recompute.name's words, over the engine's); ConfigError for a bad one (the request is prefilled)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        text = params.get("kvhub_recompute")
+        if not text:
+            return self.recompute
+        if not isinstance(text, str):
+            raise ConfigError("kv_transfer_params kvhub_recompute is a spec like 'exact_budget=0.2,select=random'")
+        spec = Recompute.parse(text, base=self.recompute)
+        _check_serving_spec(spec, origin="kv_transfer_params kvhub_recompute")
+        return spec
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.is_producer:
@@ -218,11 +277,15 @@ class KVHubConnector(KVConnectorBase_V1):
         pin = self.store.pin(prefix)
         if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
             self._event("fallback", request.request_id, reason="stored KV evicted before the load")
-        slots = [block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(start, end)]
-        self._loads.append(LoadJob(request.request_id, str(pin) if pin else "", list(request.prompt_token_ids[:end]),
-                                   start, end, slots, mapped_blocks))
+        slots = [block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(end)]
+        params = getattr(request, "kv_transfer_params", None) or {}
+        prompt = list(request.prompt_token_ids)
+        self._loads.append(LoadJob(request.request_id, str(pin) if pin else "", prompt, start, end, slots,
+                                   mapped_blocks, self._request_spec(request), control=bool(params.get("kvhub_control"))))
+        self._load_reports[request.request_id] = {"mapped_tokens": end - start, "prefill_tokens": len(prompt) - end,
+                                                  "prompt_tokens": len(prompt), "control": bool(params.get("kvhub_control"))}
         self._event("hit", request.request_id, start=start, end=end, local_hit_tokens=start,
-                    prompt_tokens=len(request.prompt_token_ids), stored_tokens=prefix.tokens)
+                    prompt_tokens=len(prompt), stored_tokens=prefix.tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVHubConnectorMetadata(loads=self._loads)
@@ -271,61 +334,131 @@ class KVHubConnector(KVConnectorBase_V1):
         if self.is_producer:
             self._requests[request.request_id] = request
 
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVHubWorkerMetadata):
+            for request_id, report in meta.loads.items():
+                if request_id in self._load_reports:
+                    self._load_reports[request_id].update(report)
+
     def request_finished(self, request, block_ids):
+        """The load's report goes back to the client as the response's kv_transfer_params["kvhub"]."""
         self._matched.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
-        return False, None
+        report = self._load_reports.pop(request.request_id, None)
+        return False, (None if report is None else {"kvhub": report})
 
     # ---- worker side -----------------------------------------------------------------------------
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Per load: map [start, end), write every layer into the request's blocks, then let the model
+        recompute the spec's tokens over them (:mod:`kvhub.serving.engine_pass`), all before vLLM's forward
+        pass, which computes [end, n).  Any failure: the blocks are reported for vLLM to prefill, visibly."""
         meta = self._get_connector_metadata()
-        self._layers = forward_context.no_compile_layers
-        self._job_blocks = {job.request_id: job.block_ids for job in meta.loads}
+        self._layers = {_layer_number(name): layer for name, layer in forward_context.no_compile_layers.items()
+                        if hasattr(layer, "kv_cache") and _LAYER_NUMBER.search(name)}
         for job in meta.loads:
             try:
-                self._map_job(job)
+                report = self._load_job(job)
             except Exception as exc:  # noqa: BLE001 - a failed load is recomputed by vLLM, visibly
                 self._load_errors.update(job.block_ids)
+                report = {"fallback": f"{type(exc).__name__}: {exc}"}
                 self._event("fallback", job.request_id, reason=f"load failed: {type(exc).__name__}: {exc}")
-                log.warning("kvhub: mapping request %s failed, vLLM recomputes its blocks: %s", job.request_id, exc)
+                log.warning("kvhub: loading request %s failed, vLLM prefills its blocks: %s", job.request_id, exc)
             finally:
                 if job.pin:
                     self.store.release(job.pin)
+            self._step_reports[job.request_id] = report
 
-    def _map_job(self, job: LoadJob) -> None:
+    def _load_job(self, job: LoadJob) -> dict:
         if not job.pin:
             raise IncompatibleError("the stored source KV was evicted before it could be pinned")
-        device = self.mapper.device
-        keys, values = self.store.read(job.pin, token_ids=job.token_ids, start=job.start, end=job.end, device=device)
-        source = self.mapper.source
+        mapper = self._control_mapper() if job.control else self.mapper
+        device = mapper.device
+        keys, values = self.store.read(job.pin, token_ids=job.prompt_ids[:job.end], start=job.start, end=job.end,
+                                       device=device)
+        source = mapper.source
         if len(keys) != source["num_layers"] or keys[0].shape[1:] != (source["num_kv_heads"], job.end - job.start,
                                                                        source["head_dim"]):
             raise IncompatibleError(f"stored KV of shape {len(keys)} x {tuple(keys[0].shape)} is not "
                                     f"{source['model_id']}'s; check source_model on both engines")
         positions = torch.arange(job.start, job.end, device=device).unsqueeze(0)  # (1, T): absolute positions
-        dtype = next(layer.kv_cache.dtype for layer in self._layers.values() if hasattr(layer, "kv_cache"))
-        mapped = self.mapper.map_layers(keys, values, positions, dtype=dtype)
-        slots = torch.tensor(job.slots, dtype=torch.long)
-        for m, (k, v) in enumerate(mapped):
-            self._pending_writes.setdefault(m, []).append((job.request_id, k[0].transpose(0, 1).contiguous(),
-                                                           v[0].transpose(0, 1).contiguous(), slots))
-        self._event("mapped", job.request_id, tokens=job.end - job.start)
+        dtype = next(iter(self._layers.values())).kv_cache.dtype
+        mapped = mapper.map_layers(keys, values, positions, dtype=dtype)
+        if not all(bool(torch.isfinite(k).all() and torch.isfinite(v).all()) for k, v in mapped):
+            raise IncompatibleError("the mapped KV holds Inf/NaN (damaged stored KV or mapper); not written")
+        slots = torch.tensor(job.slots[job.start:], dtype=torch.long)
+        for m, (k, v) in enumerate(mapped):  # k, v: (1, H, T, D)
+            self._write(m, k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
+        self._event("mapped", job.request_id, tokens=job.end - job.start, control=job.control)
+        self._event("written", job.request_id, layers=len(mapped))
+        report = {"mapped_tokens": job.end - job.start, "recomputed_tokens": 0}
+        spec = job.recompute.capped(len(job.prompt_ids) - 1)
+        if not (spec.exact_prefix > job.start or spec.selective):
+            return report
+        if self.engine is None:
+            self._event("recompute_skipped", job.request_id,
+                        reason=f"no model attached: run the engine with --worker-cls {WORKER_CLASS}")
+            return {**report, "recompute_skipped": "no model attached"}
+        return {**report, **self._recompute_job(job, spec)}
+
+    def _write(self, number: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write (N, H, D) keys and values of layer ``number`` at ``slots`` (N,) with the backend's writer."""
+        layer = self._layers[number]
+        device = layer.kv_cache.device
+        layer.impl.do_kv_cache_update(layer, keys.to(device, layer.kv_cache.dtype).contiguous(),
+                                      values.to(device, layer.kv_cache.dtype).contiguous(), layer.kv_cache,
+                                      slots.to(device))
+
+    def _recompute_job(self, job: LoadJob, spec: Recompute) -> dict:
+        from kvhub.serving.engine_pass import recompute_request
+
+        started = time.perf_counter()
+        context_slots = torch.tensor(job.slots, dtype=torch.long)
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def cached(number: int) -> tuple[torch.Tensor, torch.Tensor]:  # (H, end, D) each, read once per load
+            if number not in cache:
+                layer = self._layers[number]
+                slots = context_slots.to(layer.kv_cache.device)
+                cache[number] = self._layout(layer, layer.kv_cache).gather(layer.kv_cache, slots)
+            return cache[number]
+
+        done = recompute_request(self.engine, spec, prompt_ids=job.prompt_ids, start=job.start, end=job.end,
+                                 cached=cached, tokenizer=self._span_tokenizer())
+        slots = context_slots[done.positions]
+        for number, (keys, values) in enumerate(done.fresh):
+            if not bool(torch.isfinite(keys).all() and torch.isfinite(values).all()):
+                raise IncompatibleError(f"the recomputed KV of layer {number} holds Inf/NaN; not written")
+            self._write(number, keys, values, slots)
+        tokens = len(job.prompt_ids)
+        report = {"recomputed_tokens": int(done.positions.numel()), "exact_prefix_tokens": done.prefix,
+                  "selected_tokens": done.selected, "prefill_tokens": tokens - job.end,
+                  "exact_fraction": (done.positions.numel() + tokens - job.end) / tokens,
+                  "recompute_s": round(time.perf_counter() - started, 4), "recompute": spec.name()}
+        self._event("recomputed", job.request_id, **report)
+        return report
+
+    def _span_tokenizer(self):
+        """The served model's tokenizer (sentence spans), loaded once; None without one (16-token spans)."""
+        if self._tokenizer is False:
+            self._tokenizer = None
+            if self.tokenizer_name:
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
+                except Exception as exc:  # noqa: BLE001 - spans fall back to fixed windows, said once
+                    log.warning("kvhub consumer: no tokenizer from %s (%s); recompute spans are 16-token windows",
+                                self.tokenizer_name, exc)
+        return self._tokenizer
+
+    def build_connector_worker_meta(self):
+        reports, self._step_reports = self._step_reports, {}
+        return KVHubWorkerMetadata(reports) if reports else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        writes = self._pending_writes.pop(_layer_number(layer_name), None)
-        if not writes:
-            return
-        layer = self._layers[layer_name]
-        device = layer.kv_cache.device
-        for request_id, keys, values, slots in writes:  # keys, values: (N, H, D)
-            try:
-                layer.impl.do_kv_cache_update(layer, keys.to(device), values.to(device), layer.kv_cache,
-                                              slots.to(device))
-                self._written[request_id] += 1
-            except Exception as exc:  # noqa: BLE001 - never take the engine down; vLLM recomputes the blocks
-                self._load_errors.update(self._job_blocks.get(request_id, ()))
-                self._event("fallback", request_id, reason=f"write failed: {type(exc).__name__}: {exc}")
+        """Nothing to wait for: start_load_kv wrote every layer (the recompute needs them all first)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         if not self.is_producer:
@@ -366,13 +499,6 @@ class KVHubConnector(KVConnectorBase_V1):
         return self._layouts[key]
 
     def wait_for_save(self) -> None:
-        for request_id, layers in self._written.items():
-            self._event("written", request_id, layers=layers)
-        self._written.clear()
-        if self._pending_writes:
-            log.error("kvhub: mapped KV for layers %s was never written (wait_for_layer_load not called)",
-                      sorted(self._pending_writes))
-            self._pending_writes.clear()
         if not self.is_producer:
             return
         meta = self._get_connector_metadata()
@@ -392,6 +518,13 @@ class KVHubConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def _check_serving_spec(spec: Recompute, *, origin: str) -> None:
+    """Inside vLLM the consumer has only the mapped cache and its own model: select="target" or "random"."""
+    if spec.selective and spec.select not in ("target", "random"):
+        raise ConfigError(f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own "
+                          "attention over the mapped cache (select=target) or at random (select=random, the control)")
 
 
 def _layer_number(layer_name: str) -> int:

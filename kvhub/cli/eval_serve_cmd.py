@@ -1,0 +1,148 @@
+"""``kvhub eval-serve``: score a running ``kvhub serve`` pair over HTTP on the long-context tasks
+(:mod:`kvhub.eval.served`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvhub.cli.console import say
+from kvhub.cli.eval_cmd import LONG_TASKS
+from kvhub.errors import ConfigError
+
+_COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "source", "floor",
+            "retention [95% CI]", "map - control [95% CI]", "median agreement mapped / control")
+
+
+@click.command("eval-serve")
+@click.option("--small", "small_url", required=True, metavar="URL",
+              help="The small (producer) server's OpenAI base URL, e.g. http://127.0.0.1:8001/v1 (`kvhub serve "
+                   "--json` prints it).")
+@click.option("--large", "large_url", required=True, metavar="URL",
+              help="The large (consumer) server's OpenAI base URL, e.g. http://127.0.0.1:8002/v1.")
+@click.option("--small-model", default=None, metavar="NAME",
+              help="The small server's model name (default: the first id its /models lists).")
+@click.option("--large-model", default=None, metavar="NAME",
+              help="The large server's model name (default: the first id its /models lists).")
+@click.option("--tokenizer", "tokenizer_spec", default=None, metavar="PATH_OR_ID",
+              help="Tokenizer that builds the prompts' token ids: a model directory, .gguf file, tokenizer.json or "
+                   "model id (default: the small model's name; a model `kvhub fetch models` fetched is read from "
+                   "its local copy).")
+@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(LONG_TASKS),
+              help="Long-context task (repeatable): facts, multiturn or code, as in `kvhub eval`.")
+@click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
+              show_default=True, help="Context length in tokens. Repeatable.")
+@click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True,
+              help="Items per task and length (seeded).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--agreement-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Greedy tokens of own, mapped and control compared for the agreement column.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
+              help="Seconds to wait for each completion.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results document to stdout instead of the table.")
+@click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
+              help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
+                   "<small>:<large>/results_<date>.json (as `kvhub eval` writes).")
+@click.option("--log-samples", is_flag=True,
+              help="With --output-path: write every item's record (id, gold, each condition's generated answer, "
+                   "scores, agreement) to samples_<task>_<date>.jsonl beside the results.")
+def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, tasks, context_tokens, limit, seed,
+               agreement_tokens, timeout, as_json, output_path, log_samples):
+    """Score a running `kvhub serve` pair over HTTP on the long-context tasks of `kvhub eval`.
+
+    \b
+    kvhub serve REF --store-dir /dev/shm/kvhub --json     # prints both URLs
+    kvhub eval-serve --small http://127.0.0.1:8001/v1 --large http://127.0.0.1:8002/v1 \\
+        --task facts --context-tokens 1024 --limit 30
+
+    Each item is sent, greedy and one request at a time, first to the small server under a fresh
+    cache_salt (`source`: its answer; the server stores the prompt's KV), then to the large one: under
+    another fresh salt (`own`: its own prefill), under the item's salt (`mapped`: the stored KV mapped,
+    the escalation), under the item's salt with kv_transfer_params {"kvhub_control": true} (`control`:
+    the no-information control map), and the last 32 prompt tokens alone under a fresh salt (`floor`).
+
+    An answer is exact when the first len(answer) generated tokens are the answer's.  `recomputed %` is
+    what the large server reports for the mapped requests; the agreement column is the median count of
+    leading greedy tokens (of --agreement-tokens) that mapped and control share with own.  Served scores
+    carry no log-likelihood.  `--json` prints `kvhub eval`'s results document (one entry per task and
+    length; config names both servers and models); docs/eval-serve.md lists its keys.
+    """
+    from kvhub.eval.results import document, now, write
+    from kvhub.eval.served import Endpoint, base_url
+
+    if log_samples and output_path is None:
+        raise ConfigError("--log-samples writes the items beside the results: add --output-path PATH")
+    urls = {"--small": base_url(small_url, option="--small"), "--large": base_url(large_url, option="--large")}
+    small = Endpoint.at(urls["--small"], model=small_model, timeout=timeout)
+    large = Endpoint.at(urls["--large"], model=large_model, timeout=timeout)
+    tokenizer = _tokenizer(tokenizer_spec, small.model)
+    run = {"limit": limit, "seed": seed, "agreement_tokens": agreement_tokens, "log_samples": log_samples}
+    results, datasets, samples = {}, {}, {}
+    for task in tasks:
+        for length in context_tokens:
+            name = f"{task}-{length}"
+            results[name], datasets[name], samples[name] = _evaluate(small, large, tokenizer, task, length, run)
+    config = {"model": "kvhub-serve", "mapper": None,  # the servers do not say which mapper version they run
+              "small": {"url": small.url, "model": small.model}, "large": {"url": large.url, "model": large.model},
+              "tokenizer": tokenizer_spec or small.model, "limit": limit, "seed": seed,
+              "agreement_tokens": agreement_tokens, "tasks": list(tasks), "context_tokens": list(context_tokens),
+              "datasets": datasets, "date": now()}
+    doc = document(f"{small.model}:{large.model}", results, config)
+    if output_path is not None:
+        for path in write(doc, samples if log_samples else None, output_path):
+            say(f"wrote {path}")
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        _print_served(f"{small.model} -> {large.model}: exact answers from long contexts, served", results)
+
+
+def _tokenizer(spec: str | None, small_model: str):
+    """``--tokenizer``, else the small server's model name, read as `kvhub calib build` reads a tokenizer."""
+    from kvhub.cli.calib_cmd import load_tokenizer
+
+    try:
+        return load_tokenizer(spec or small_model)
+    except ConfigError as exc:
+        if spec is not None:
+            raise
+        raise ConfigError(f"{exc}; or name the small server's tokenizer with --tokenizer") from exc
+
+
+def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tuple[dict, dict, list[dict]]:
+    """(summary, data set description, per-item records) of one task at one context length."""
+    from kvhub.cli.progress import progress_callback
+    from kvhub.eval.longctx import build_items
+    from kvhub.eval.results import items_sha256
+    from kvhub.eval.served import evaluate_served
+
+    items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
+    with progress_callback("items/s") as callback:
+        summary = evaluate_served(small, large, tokenizer, task=task, context_tokens=length, seed=run["seed"],
+                                  agreement_tokens=run["agreement_tokens"], log_samples=run["log_samples"],
+                                  items=items, progress=callback)
+    dataset = {"name": f"{task}-{length}", "source": f"built by kvhub.eval.longctx (seed {run['seed']})",
+               "context_tokens": length, "n": len(items), "sha256": items_sha256(items)}
+    return summary, dataset, summary.pop("samples", [])
+
+
+def _print_served(title: str, results: dict) -> None:
+    from kvhub.cli.output import print_table
+
+    rows = []
+    for task, r in results.items():
+        low, high = r["retention_ci"]
+        dlow, dhigh = r["map_minus_control_ci"]
+        rows.append([task, r["n"], f"{r['context_tokens']:.0f}", f"{100 * r['recomputed_fraction']:.1f}",
+                     *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
+                     f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
+                     f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
+                     f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}"])
+    print_table(list(_COLUMNS), rows, title=title, right=_COLUMNS[1:])
+
+
+def attach(group: click.Group) -> None:
+    """Register eval-serve on the ``kvhub`` group."""
+    group.add_command(eval_serve)

@@ -1,0 +1,302 @@
+"""Scoring a running ``kvhub serve`` pair over HTTP on the long-context tasks of :mod:`kvhub.eval.longctx`.
+
+Every item is five greedy completions (``POST {url}/completions`` with a token-id prompt, ``temperature``
+0, ``ignore_eos``, ``return_token_ids``), sent one at a time in this order so the engines never race and
+the small server has stored the prompt's KV before the large one looks for it:
+
+=========  ======  ========================================  ============================================
+condition  server  cache_salt                                what happens
+=========  ======  ========================================  ============================================
+source     small   the item's tenant                         the small model answers; its KV is stored
+own        large   a fresh one (nothing stored under it)     the large model's own prefill
+mapped     large   the item's tenant                         the stored KV is mapped (the escalation)
+control    large   the item's tenant, with                   mapped with the no-information control map
+                   ``kv_transfer_params.kvhub_control``
+floor      large   a fresh one                               own prefill of the last FLOOR_TOKENS tokens
+=========  ======  ========================================  ============================================
+
+Scores keep :class:`~kvhub.eval.longctx.RecallScore`'s shape: ``exact[c]`` is 1 iff the first len(answer)
+generated ids are the answer's, ``token_acc[c]`` the fraction of those positions that match, and
+``logp[c]`` is 0.0 for every condition: served scores carry no log-likelihood.  ``recomputed`` is
+``kv_transfer_params["kvhub"]["recomputed_tokens"]`` of the mapped response (0 when the large server
+reports none).  own, mapped and control generate max(len(answer), agreement_tokens) tokens;
+``agree_mapped`` / ``agree_control`` count the leading ones, of the first agreement_tokens, equal to own's.
+
+HTTP goes through the standard library and never through a proxy; every failure is a one-line
+:class:`~kvhub.errors.ServeError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import statistics
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvhub.errors import ConfigError, ServeError
+from kvhub.progress import Progress, report
+
+if TYPE_CHECKING:
+    from kvhub.eval.longctx import RecallItem, RecallScore
+
+log = logging.getLogger("kvhub.eval.served")
+
+AGREEMENT_TOKENS = 32
+TIMEOUT_S = 600.0
+TENANT_PREFIX = "kvhub-eval-"
+CONTROL_PARAMS = {"kvhub_control": True}  # kv_transfer_params asking the connector for the control map
+_DETAIL_CHARS = 300
+# $http_proxy is for the internet; the pair runs on this machine or its cluster, where a proxy only gets in the way
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# ---- talking to one server ---------------------------------------------------------------------------
+def base_url(url: str, *, option: str = "URL") -> str:
+    """``url`` without a trailing slash, refused (ConfigError) unless it is an http(s) base URL ending in /v1."""
+    trimmed = url.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(trimmed)
+    if parts.scheme not in ("http", "https") or not parts.netloc or not parts.path.endswith("/v1"):
+        raise ConfigError(f"{option} {url!r} is not an OpenAI base URL like http://127.0.0.1:8001/v1; "
+                          "`kvhub serve --json` prints both servers' URLs")
+    return trimmed
+
+
+def served_models(url: str, *, timeout: float = TIMEOUT_S) -> list[str]:
+    """The model ids ``GET {url}/models`` lists (at least one, else ServeError)."""
+    answer = _request(f"{url}/models", timeout=timeout)
+    data = answer.get("data") if isinstance(answer, dict) else None
+    ids = [entry["id"] for entry in data or [] if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
+    if not ids:
+        raise ServeError(f"{url}/models lists no model; is {url} an OpenAI-compatible server (`kvhub serve`)?")
+    return ids
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion: the generated ids (None when the server did not return them), their text, and the
+    response's ``kv_transfer_params`` (what the KV connector reports; {} when absent)."""
+
+    token_ids: list[int] | None
+    text: str
+    kv_transfer_params: dict
+
+    def ids(self, tokenizer) -> list[int]:
+        """The generated ids; re-tokenised from the text only when the server sent none."""
+        if self.token_ids is not None:
+            return self.token_ids
+        return tokenizer(self.text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def recomputed_tokens(self) -> int | None:
+        """``kv_transfer_params["kvhub"]["recomputed_tokens"]``, or None when the connector reported no transfer."""
+        transfer = self.kv_transfer_params.get("kvhub")
+        value = transfer.get("recomputed_tokens") if isinstance(transfer, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One OpenAI-compatible server: ``url`` its base URL (``http://HOST:PORT/v1``), ``model`` the name it
+    serves, ``timeout`` seconds allowed per request."""
+
+    url: str
+    model: str
+    timeout: float = TIMEOUT_S
+
+    @classmethod
+    def at(cls, url: str, *, model: str | None = None, timeout: float = TIMEOUT_S, option: str = "URL") -> Endpoint:
+        """The server at ``url`` (checked by :func:`base_url`); ``model`` defaults to the first id it lists."""
+        url = base_url(url, option=option)
+        return cls(url, model or served_models(url, timeout=timeout)[0], timeout)
+
+    def complete(self, prompt_ids: list[int], *, max_tokens: int, cache_salt: str,
+                 kv_transfer_params: dict | None = None) -> Completion:
+        """Greedy ``max_tokens`` tokens after ``prompt_ids`` (EOS ignored), in the namespace ``cache_salt``."""
+        body = {"model": self.model, "prompt": [int(i) for i in prompt_ids], "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True, "cache_salt": cache_salt}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        url = f"{self.url}/completions"
+        answer = _request(url, body, timeout=self.timeout)
+        try:
+            choice = answer["choices"][0]
+            token_ids, text = choice.get("token_ids"), choice.get("text") or ""
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ServeError(f"{url} answered without choices[0]: {_detail(json.dumps(answer).encode())}") from exc
+        params = answer.get("kv_transfer_params")
+        return Completion(None if token_ids is None else [int(i) for i in token_ids], text,
+                          params if isinstance(params, dict) else {})
+
+
+def _request(url: str, body: dict | None = None, *, timeout: float):
+    """The JSON answer to GET ``url`` (``body`` None) or to POST ``body``; any failure is a one-line ServeError."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        raise ServeError(f"{url} answered HTTP {exc.code}: {_detail(_read_error(exc))}") from exc
+    except urllib.error.URLError as exc:
+        raise _unreachable(url, exc.reason, timeout) from exc
+    except (OSError, http.client.HTTPException) as exc:  # a timeout or a connection dropped mid-answer
+        raise _unreachable(url, exc, timeout) from exc
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ServeError(f"{url} answered something that is not JSON: {_detail(raw)}") from exc
+
+
+def _read_error(error: urllib.error.HTTPError) -> bytes:
+    try:
+        return error.read()
+    except OSError:
+        return b""
+
+
+def _detail(raw: bytes) -> str:
+    """The start of an answer's body on one line: an OpenAI error's message when there is one."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        message = error.get("message") if isinstance(error, dict) else data.get("message")
+        text = message if isinstance(message, str) else text
+    text = " ".join(text.split()) or "(empty body)"
+    return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + "..."
+
+
+def _unreachable(url: str, reason, timeout: float) -> ServeError:
+    if isinstance(reason, ConnectionRefusedError):
+        return ServeError(f"nothing answers at {url}: the server is not running; start the pair with "
+                          "`kvhub serve` (its --json line prints both URLs)")
+    if isinstance(reason, TimeoutError):
+        return ServeError(f"{url} did not answer within {timeout:g} s; is the server busy or stuck? "
+                          "A longer --timeout waits more")
+    return ServeError(f"cannot reach {url}: {' '.join(str(reason).split())}; check the URL and that "
+                      "`kvhub serve` is running there")
+
+
+# ---- scoring -----------------------------------------------------------------------------------------
+@dataclass
+class ServedScore:
+    """One item scored on the servers: ``recall`` in longctx's shape (logp 0.0: no log-likelihood over HTTP);
+    ``agree_mapped`` / ``agree_control``: leading generated tokens equal to own's, of agreement_tokens;
+    ``transfer_reported``: the large server reported a kvhub transfer for the mapped request."""
+
+    recall: RecallScore
+    agree_mapped: int
+    agree_control: int
+    transfer_reported: bool
+
+
+def new_tenant() -> str:
+    """A cache_salt no request used before: a namespace of its own in both servers and the KV store."""
+    return f"{TENANT_PREFIX}{uuid.uuid4().hex}"
+
+
+def token_accuracy(generated: list[int], answer: list[int]) -> float:
+    """Fraction of the answer's positions where ``generated`` has the answer's token."""
+    return sum(g == a for g, a in zip(generated, answer)) / max(1, len(answer))
+
+
+def leading_agreement(generated: list[int], reference: list[int]) -> int:
+    """How many leading tokens of ``generated`` equal ``reference``'s."""
+    count = 0
+    for g, r in zip(generated, reference):
+        if g != r:
+            break
+        count += 1
+    return count
+
+
+def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tokenizer,
+                      agreement_tokens: int = AGREEMENT_TOKENS) -> ServedScore:
+    """``item`` under the five conditions (module docstring), one request at a time."""
+    from kvhub.eval.longctx import CONDITIONS, FLOOR_TOKENS, RecallScore
+
+    prompt, answer = item.prompt_ids, item.answer_ids
+    longer = max(len(answer), agreement_tokens)
+    tenant = new_tenant()
+    completions = {}  # in this order: source stores the KV that mapped and control then load
+    completions["source"] = small.complete(prompt, max_tokens=len(answer), cache_salt=tenant)
+    completions["own"] = large.complete(prompt, max_tokens=longer, cache_salt=new_tenant())
+    completions["mapped"] = large.complete(prompt, max_tokens=longer, cache_salt=tenant)
+    completions["control"] = large.complete(prompt, max_tokens=longer, cache_salt=tenant,
+                                            kv_transfer_params=dict(CONTROL_PARAMS))
+    completions["floor"] = large.complete(prompt[-FLOOR_TOKENS:], max_tokens=len(answer), cache_salt=new_tenant())
+    ids = {c: completion.ids(tokenizer) for c, completion in completions.items()}
+    head = {c: ids[c][: len(answer)] for c in CONDITIONS}
+    recomputed = completions["mapped"].recomputed_tokens
+    recall = RecallScore(
+        id=item.id, exact={c: int(head[c] == answer) for c in CONDITIONS},
+        token_acc={c: token_accuracy(head[c], answer) for c in CONDITIONS}, logp={c: 0.0 for c in CONDITIONS},
+        recomputed=recomputed or 0, meta=item.meta, predicted={c: tokenizer.decode(head[c]) for c in CONDITIONS},
+        gold=item.answer)
+    own = ids["own"][:agreement_tokens]
+    return ServedScore(recall, agree_mapped=leading_agreement(ids["mapped"][:agreement_tokens], own),
+                       agree_control=leading_agreement(ids["control"][:agreement_tokens], own),
+                       transfer_reported=recomputed is not None)
+
+
+def summarize_served(scores: list[ServedScore], *, seed: int = 0) -> dict:
+    """:func:`~kvhub.eval.longctx.summarize_recall` of the scores, plus the median agreement of mapped and
+    control with own (NaN without items) and how many mapped requests reported a transfer."""
+    from kvhub.eval.longctx import summarize_recall
+
+    summary = summarize_recall([score.recall for score in scores], seed=seed)
+    for condition in ("mapped", "control"):
+        values = [getattr(score, f"agree_{condition}") for score in scores]
+        summary[f"median_agreement_{condition}"] = statistics.median(values) if values else math.nan
+    summary["transfers_reported"] = sum(score.transfer_reported for score in scores)
+    return summary
+
+
+def served_record(task: str, item: RecallItem, score: ServedScore) -> dict:
+    """``--log-samples``' record of one item: :func:`kvhub.eval.results.recall_record` plus the agreement."""
+    from kvhub.eval.results import recall_record
+
+    return {**recall_record(task, "served", item, score.recall),
+            "agreement": {"mapped": score.agree_mapped, "control": score.agree_control},
+            "transfer_reported": score.transfer_reported}
+
+
+def evaluate_served(small: Endpoint, large: Endpoint, tokenizer, *, task: str, context_tokens: int, limit: int = 30,
+                    seed: int = 0, agreement_tokens: int = AGREEMENT_TOKENS, log_samples: bool = False,
+                    items: list[RecallItem] | None = None, progress: Progress | None = None) -> dict:
+    """Score ``task`` at ``context_tokens`` on a running pair (``items``: these instead of ``limit`` built ones).
+
+    Returns :func:`summarize_served`'s summary (``kvhub eval``'s long-context keys: acc_own, acc_mapped,
+    ..., retention, map_minus_control with ``_ci`` intervals, token_acc_*, context_tokens = mean prompt
+    length, recomputed_fraction; plus median_agreement_mapped / _control, transfers_reported) with
+    ``task``, ``requested_context_tokens`` and ``agreement_tokens``; with ``log_samples``, ``samples``:
+    one :func:`served_record` per item.
+    """
+    from kvhub.eval.longctx import build_items
+
+    if items is None:
+        items = build_items(task, tokenizer, context_tokens=context_tokens, n=limit, seed=seed)
+    name = f"{task}-{context_tokens}"
+    scores = []
+    for index, item in enumerate(items):
+        report(progress, f"{name}: {item.id}", index, len(items))
+        scores.append(score_served_item(item, small=small, large=large, tokenizer=tokenizer,
+                                        agreement_tokens=agreement_tokens))
+        log.debug("%s: exact %s, agreement mapped %d control %d", item.id, scores[-1].recall.exact,
+                  scores[-1].agree_mapped, scores[-1].agree_control)
+    report(progress, f"{name}: done", len(items), len(items))
+    summary = summarize_served(scores, seed=seed)
+    summary.update(task=task, requested_context_tokens=context_tokens, agreement_tokens=agreement_tokens)
+    if log_samples:
+        summary["samples"] = [served_record(name, item, score) for item, score in zip(items, scores)]
+    return summary

@@ -1,0 +1,196 @@
+"""The selective exact recompute inside a serving engine, run with the engine's own model.
+
+:mod:`kvhub.serving.recompute` defines the pass in transformers: after the map, the target computes the
+K/V of a set R of context positions (exact prefix, selected spans) in ONE pass of the |R| tokens at their
+true positions, where
+
+    t attends to cached position j    iff  j < t and j not in R
+    t attends to recomputed t'        iff  t' <= t
+
+This module runs the same pass with a vLLM model: its decoder layers run unchanged (norms, qkv
+projection, q/k norms, rotary embedding, output projection, MLP), and only each layer's attention
+module is swapped, for the duration of the pass, with :func:`masked_attention` over a contiguous copy of
+that layer's cached K/V (read from the engine's paged blocks) into which the pass's own K/V are placed
+at their positions.  Placing them and then masking ``j <= t`` is the rule above: a recomputed j holds
+its fresh K/V, any other j < t the cached one.  Positions at or past the cache's length are appended
+(they must follow it without a gap): that is how the selection pass runs the prompt's tail after the
+mapped cache and reads its attention.
+
+Engine-independent (no vLLM import): the model is any module whose body has ``layers`` (each
+``layer(positions, hidden, residual) -> (hidden, residual)`` with ``layer.self_attn.attn(q, k, v)``,
+vLLM's convention for Llama, Qwen2/3, Mistral) and ``embed_input_ids`` or ``embed_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvhub.errors import UnsupportedModelError
+
+ContextKV = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer -> cached K, V: (H_kv, L, D) each
+
+
+@dataclass
+class PassResult:
+    """fresh[i] = (K, V) of layer i for the pass's tokens, (N, H_kv, D) each, as the engine writes them;
+    attention: (Q, L) attention of the last Q pass tokens on the L cached positions, averaged over
+    layers and heads (None unless asked)."""
+
+    fresh: list[tuple[torch.Tensor, torch.Tensor]]
+    attention: torch.Tensor | None
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                     cached_keys: torch.Tensor, cached_values: torch.Tensor, *, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the pass's N tokens over the cache with their own K/V placed at ``positions``.
+
+    query (N, H_q, D); key, value (N, H_kv, D); positions (N,) sorted, unique; cached_keys / cached_values
+    (H_kv, L, D).  Positions >= L extend the cache and must cover [L, max + 1).  Returns the output
+    (N, H_q, D) in fp32 and the probabilities (H_q, N, S) over the S = max(L, max + 1) positions.
+    """
+    heads_kv, length, dim = cached_keys.shape
+    total = max(length, int(positions.max()) + 1)
+    appended = positions[positions >= length]
+    if appended.numel() != total - length:
+        raise ValueError(f"positions past the cache's {length} must extend it without a gap")
+    keys = cached_keys.new_zeros((heads_kv, total, dim), dtype=torch.float32)
+    values = torch.zeros_like(keys)
+    keys[:, :length], values[:, :length] = cached_keys.float(), cached_values.float()
+    keys[:, positions], values[:, positions] = key.float().transpose(0, 1), value.float().transpose(0, 1)
+    group = query.shape[1] // heads_kv
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # (H_q, S, D)
+    scores = query.float().transpose(0, 1) @ keys.transpose(1, 2) * scale  # (H_q, N, S)
+    allowed = torch.arange(total, device=scores.device)[None, :] <= positions[:, None]  # (N, S)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (probs @ values).transpose(0, 1), probs  # (N, H_q, D)
+
+
+class EnginePass:
+    """Runs :func:`masked_attention` passes through an engine model's decoder layers (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module):
+        body = getattr(model, "model", model)
+        layers = getattr(body, "layers", None)
+        embed = getattr(body, "embed_input_ids", None) or getattr(body, "embed_tokens", None)
+        if layers is None or embed is None:
+            raise UnsupportedModelError(f"{type(model).__name__} has no decoder layers / token embedding where "
+                                        "kvhub looks (model.layers, model.embed_input_ids); the recompute cannot run it")
+        start, end = getattr(body, "start_layer", 0), getattr(body, "end_layer", len(layers))
+        if (start, end) != (0, len(layers)):
+            raise UnsupportedModelError("the recompute runs every decoder layer in one process: pipeline "
+                                        "parallelism is not supported")
+        self.layers = list(layers)
+        self.embed = embed
+        for index, layer in enumerate(self.layers):
+            attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+            if attn is None or not hasattr(attn, "num_heads"):
+                raise UnsupportedModelError(f"decoder layer {index} ({type(layer).__name__}) has no self_attn.attn; "
+                                            "the recompute supports Llama/Qwen2/Qwen3/Mistral-style layers")
+            impl = getattr(attn, "impl", None)
+            window = getattr(impl, "sliding_window", None)
+            if window not in (None, (-1, -1), -1) or getattr(impl, "logits_soft_cap", None) or \
+                    getattr(impl, "alibi_slopes", None) is not None:
+                raise UnsupportedModelError(f"attention layer {index} uses a sliding window, soft cap or ALiBi; the "
+                                            "recompute's masked pass is plain causal attention: use exact_budget=0")
+
+    @torch.no_grad()
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, cached: ContextKV, *,
+            attention_rows: int = 0) -> PassResult:
+        """One pass of ``token_ids`` (N,) at ``positions`` (N,, sorted) over ``cached(layer)``; with
+        ``attention_rows`` = Q > 0 also the attention of the last Q tokens on the cached positions."""
+        fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        attention = [None]
+
+        def attend(index: int, attn):
+            scale = float(getattr(getattr(attn, "impl", None), "scale", None) or attn.head_size ** -0.5)
+
+            def forward(query, key, value, *args, **kwargs):
+                n = query.shape[0]
+                q = query.view(n, attn.num_heads, attn.head_size)
+                k = key.view(n, attn.num_kv_heads, attn.head_size)
+                v = value.view(n, attn.num_kv_heads, attn.head_size)
+                keys, values = cached(index)
+                out, probs = masked_attention(q, k, v, positions, keys, values, scale=scale)
+                fresh.append((k.clone(), v.clone()))
+                if attention_rows:
+                    rows = probs[:, -attention_rows:, :keys.shape[1]].mean(0)  # (Q, L): heads averaged
+                    attention[0] = rows if attention[0] is None else attention[0] + rows
+                return out.reshape(n, -1).to(query.dtype)
+
+            return forward
+
+        hidden, residual = self.embed(token_ids), None
+        with ExitStack() as stack:
+            for index, layer in enumerate(self.layers):
+                stack.enter_context(_swapped_forward(layer.self_attn.attn, attend(index, layer.self_attn.attn)))
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
+        mean = None if attention[0] is None else attention[0] / len(self.layers)
+        return PassResult(fresh, mean)
+
+
+@contextmanager
+def _swapped_forward(module: torch.nn.Module, forward):
+    """``module.forward`` is ``forward`` inside the block (an instance attribute; the class is untouched)."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+@dataclass
+class Recomputed:
+    """What :func:`recompute_request` decided and computed: ``positions`` (R,) sorted, of which ``prefix``
+    exact-prefix and ``selected`` chosen tokens; fresh[i] = (K, V) of layer i at those positions."""
+
+    positions: torch.Tensor
+    prefix: int
+    selected: int
+    fresh: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start: int, end: int,
+                      cached: ContextKV, tokenizer=None) -> Recomputed:
+    """The recompute of one request whose cache holds [0, end) (mapped from ``start`` on, the engine's own
+    before it); the engine computes [end, n) itself afterwards.
+
+    R = the first ``exact_prefix`` positions in [start, end) plus whole spans chosen in [start, end) under
+    ``round(exact_budget * (n - 1))`` tokens: by ``select="target"``, the attention of the prompt's last
+    ``queries`` tokens, run after the mapped cache in a selection pass of [end, n) (the tail the engine
+    computes next; it is not written), or ``select="random"`` (the control for the signal).
+    """
+    from kvhub.serving.recompute import attention_scores, random_scores, select_spans, spans_of
+
+    tokens = len(prompt_ids)
+    ids = torch.tensor(prompt_ids, dtype=torch.long)
+    prefix = torch.arange(start, max(start, min(spec.exact_prefix, end)))
+    selected = torch.empty(0, dtype=torch.long)
+    eligible = torch.zeros(end, dtype=torch.bool)
+    eligible[start:end] = True
+    eligible[prefix] = False
+    budget_tokens = round(spec.exact_budget * (tokens - 1))
+    if budget_tokens > 0 and bool(eligible.any()):
+        if spec.select == "target":
+            device = cached(0)[0].device
+            queries = min(spec.queries, tokens - end)
+            tail = torch.arange(end, tokens, device=device)
+            attention = engine.run(ids[end:].to(device), tail, cached, attention_rows=queries).attention
+            scores = attention_scores(attention.float().cpu(), eligible, score=spec.score)
+        elif spec.select == "random":
+            scores = random_scores(ids[:end])
+        else:
+            raise UnsupportedModelError(f"select={spec.select!r} needs what only kvhub.handoff has; inside vLLM use "
+                                        "select=target (or random, the control)")
+        selected = select_spans(scores, spans_of(spec, ids[:end], tokenizer), budget_tokens, eligible=eligible)
+    positions = torch.unique(torch.cat([prefix, selected]))
+    fresh = []
+    if positions.numel():
+        device = cached(0)[0].device
+        fresh = engine.run(ids[positions].to(device), positions.to(device), cached).fresh
+    return Recomputed(positions, prefix=prefix.numel(), selected=positions.numel() - prefix.numel(), fresh=fresh)
