@@ -91,7 +91,10 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
                     compute_dtype=None) -> Mapper:
     """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
     text = os.fspath(name)
-    if Path(text).expanduser().is_dir():
+    if not text.strip():
+        raise ConfigError("the mapper name is empty; pass an artifact directory (\"./mapper\"), a store reference "
+                          "(SRC:DST:CALIB@v3) or a Hub repository (OWNER/NAME@v3)")
+    if _is_directory(text):
         mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype)
         mapper.ref = _registered_ref(mapper, db)
         return mapper
@@ -115,20 +118,29 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
     return mapper
 
 
+def _is_directory(text: str) -> bool:
+    """Whether ``text`` names a directory; a name the file system cannot even look up (too long, a NUL) is not one."""
+    try:
+        return Path(text).expanduser().is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def _parse_name(text: str) -> Ref | tuple[str, str | None]:
     """What a name that is not a directory designates: a store reference (it has a ':'), else a Hub
-    repository ``(repo_id, revision)``; ConfigError naming the three forms for anything else."""
-    from kvhub.hub import parse_repo_ref
-    from kvhub.store.refs import SYNTAX_HELP, Ref
+    repository ``(repo_id, revision)``; ConfigError naming the three forms for anything else (a URL too)."""
+    from kvhub.hub.client import is_repo_id, parse_repo_ref
+    from kvhub.store.refs import SYNTAX_HELP, Ref, check_not_url
 
+    check_not_url(text)
     if ":" in text:
         return Ref.parse(text)
-    try:
-        return parse_repo_ref(text)
-    except ConfigError:
-        raise ConfigError(f"{text!r} is neither an artifact directory, a store reference nor a Hub repository "
-                          f"(OWNER/NAME or OWNER/NAME@v3); for a reference, {SYNTAX_HELP}. Check the spelling, "
-                          "or list what exists with `kvhub list` / `kvhub search`") from None
+    if is_repo_id(text.strip().partition("@")[0]):
+        return parse_repo_ref(text)  # its own ConfigError for a revision left empty ("owner/name@")
+    shown = repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
+    raise ConfigError(f"{shown} is neither an artifact directory, a store reference nor a Hub repository "
+                      f"(OWNER/NAME or OWNER/NAME@v3); for a reference, {SYNTAX_HELP}. Check the spelling, "
+                      "or list what exists with `kvhub list` / `kvhub search`")
 
 
 def _registered_ref(mapper: Mapper, db) -> str | None:

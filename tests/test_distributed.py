@@ -161,7 +161,7 @@ def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    state = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", ONE_PASS)
+    state = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", ONE_PASS, layout=layout, steps=4)
     (checkpoint.parent / f"resumed.rank{rank}.json").write_text(json.dumps([state.batches_done, state.stats["train"].n]))
     os._exit(0)
 

@@ -395,3 +395,26 @@ def test_dry_run_without_a_mapper_store_is_refused(tmp_path, fake_vllm):
                      "--vllm", str(fake_vllm), "--dry-run")
     assert result.exit_code == 6, result.output
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_store_password_never_reaches_a_command_line(mapper_db, tmp_path, fake_vllm, monkeypatch):
+    """R13: a password-bearing --db goes to the servers as KVHUB_DB_URL, masked in --dry-run, not in argv."""
+    from kvhub.cli import serve_cmd
+
+    url = "postgresql+psycopg://postgres:S3cretPW@127.0.0.1:55437/servedb"
+    assert serve_cmd._db_channel(url) == (None, {"KVHUB_DB_URL": url})
+    assert serve_cmd._db_channel(mapper_db) == (mapper_db, {})
+    assert serve_cmd._masked({"KVHUB_DB_URL": url})["KVHUB_DB_URL"] == "postgresql+psycopg://postgres:***@127.0.0.1:55437/servedb"
+    monkeypatch.setattr(serve_cmd, "_resolve_mapper", lambda *a, **k: (f"{SRC_ID}:{DST_ID}:legal-docs@v1", SRC_ID, DST_ID))
+    result = _invoke("serve", f"{SRC_ID}:{DST_ID}:legal-docs", "--db", url, "--store-dir", str(tmp_path / "kv"),
+                     "--vllm", str(fake_vllm), "--dry-run", "--kv-cache-gib", "2")
+    assert result.exit_code == 0, result.output
+    assert "S3cretPW" not in result.stdout and "KVHUB_DB_URL=" in result.stdout
+
+
+def test_an_events_file_that_cannot_be_written_is_refused_before_any_server_starts(mapper_db, tmp_path, fake_vllm):
+    """R4: --events under a missing directory is a one-line error, not a crash inside vLLM's scheduler."""
+    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--events",
+                                  str(tmp_path / "missing" / "e.jsonl"), "--dry-run"))
+    assert result.exit_code != 0 and "cannot append to it" in result.output
+    assert "Traceback" not in result.output

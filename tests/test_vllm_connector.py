@@ -8,11 +8,18 @@ one for the producer and one for the consumer; the consumer's requests, in order
 
 1. prompt A as tenant "other" (cache_salt): no stored KV in that namespace -> fallback; this is the big
    model's own output for A (and shows another tenant gets no hit);
-2. prompt A as tenant "alice": the producer's KV, mapped -> must equal 1.;
+2. prompt A as tenant "alice": the producer's KV, mapped and the default recompute run by the large
+   model -> must equal 1.;
 3. prompt A as "alice" again: vLLM's own prefix cache must not hit the mapped blocks (local hit 0);
 4. prompt B as "alice": never produced -> fallback;
-5. prompt C as "other", then as "alice" after the test stored random KV for it: the engine really reads
-   what was mapped (the control: its output must differ from C's own).
+5. prompt C as "other", then as "alice" (map only) after the test stored random KV for it: the engine
+   really reads what was mapped (its output must differ from C's own);
+6. prompt A over the no-information control map: every mapped token recomputed -> own (the masked
+   pass is a prefill); mapped only -> not own;
+7. A and D in one engine step with different selections; a NaN store entry falls back to prefill.
+
+A second consumer run plants a failing recompute (falls back, visibly) and compares the engine pass
+with kvhub.serving.recompute in transformers.
 """
 
 from __future__ import annotations
@@ -182,9 +189,9 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert pair_a["kvhub"]["selected_tokens"] == round(0.3 * 99) and pair_d["kvhub"]["selected_tokens"] == round(0.1 * 89)
     assert pair_a["ids"] == own["ids"] and pair_d["ids"] == own_d["ids"]
     # a damaged entry (NaN) is never written: the load falls back, visibly, and vLLM prefills
-    assert damaged_e["kvhub"]["fallback"].startswith("IncompatibleError: the mapped KV holds Inf/NaN")
+    assert "NaN" in damaged_e["kvhub"]["fallback"], damaged_e
     assert damaged_e["ids"] == own_e["ids"]
-    assert any(e["event"] == "fallback" and "Inf/NaN" in e.get("reason", "") for e in events)
+    assert any(e["event"] == "fallback" and "NaN" in e.get("reason", "") for e in events)
 
 
 @pytest.mark.vllm

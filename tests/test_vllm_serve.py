@@ -4,7 +4,8 @@ answer OpenAI chat completions.  A cascade's escalation:
 
 1. a conversation goes to the small server as tenant "alice" (cache_salt): its prompt KV is stored;
 2. the same messages, same cache_salt, go to the large server: the stored prefix is mapped into its
-   blocks, and (the family is exact) its greedy output is the large model's own;
+   blocks, the large model recomputes the first 4 and ~8% of the prompt over them (its worker class hands
+   the model to the connector), and (the family is exact) its greedy output is the large model's own;
 3. the same messages as tenant "other": no stored KV there, so the large model prefills: its own output.
 
 Run with scripts/test-vllm.sh (needs .venv-vllm from scripts/setup-vllm.sh); about 3-5 minutes on 2 cores.
@@ -26,7 +27,7 @@ import pytest
 from tests.test_vllm_connector import _engine_available, make_family
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK, EXACT_TAIL, NEW_TOKENS = 32, 16, 12
+BLOCK, EXACT_TAIL, NEW_TOKENS, BUDGET = 32, 16, 12, 0.4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}a:{% endif %}")
 MESSAGES = [{"role": "system", "content": "You answer questions about the kvhub test suite, briefly."},
@@ -101,7 +102,7 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
                "--store-dir", paths["store"], "--small-model", paths["source"], "--large-model", paths["target"],
                "--vllm", str(Path(sys.executable).parent / "vllm"), "--events", paths["events"],
                "--port-small", str(ports[0]), "--port-large", str(ports[1]), "--log-dir", str(tmp_path / "logs"),
-               "--json", "--timeout", "600",
+               "--json", "--timeout", "600", "--exact-budget", str(BUDGET),  # room for a whole sentence of chars
                "--", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "256", "--max-num-seqs", "4",
                "--enforce-eager"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
@@ -130,9 +131,17 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         assert fallback["event"] == "fallback" and fallback["reason"] == "no stored source KV for this prompt"
         assert [e["tokens"] for e in consumer if e["event"] == "mapped"] == [end]
         assert [e["layers"] for e in consumer if e["event"] == "written"] == [4]  # every target layer
+        # the large model recomputed the first 4 and whole sentences/lines chosen by its attention (the char
+        # tokenizer reaches the connector), and says so in the response
+        report = mapped["kv_transfer_params"]["kvhub"]
+        recomputed = [e for e in consumer if e["event"] == "recomputed"]
+        assert len(recomputed) == 1 and recomputed[0]["recomputed_tokens"] == report["recomputed_tokens"]
+        assert report["exact_prefix_tokens"] == 4 and report["mapped_tokens"] == end
+        assert 0 < report["selected_tokens"] <= round(BUDGET * (len(prompt) - 1))
+        assert report["prefill_tokens"] == len(prompt) - end
         assert len(own["choices"][0]["token_ids"]) == NEW_TOKENS
         assert mapped["choices"][0]["token_ids"] == own["choices"][0]["token_ids"], \
-            "greedy output from the mapped cache differs from the large model's own"
+            "greedy output from the mapped + recomputed cache differs from the large model's own"
 
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=120) == 0, stderr_path.read_text()

@@ -158,14 +158,25 @@ def regular_files(directory: str | os.PathLike, *, recursive: bool = True) -> di
     return dict(sorted(files.items()))
 
 
-def copy_regular(source: str | os.PathLike, destination: Path) -> str:
-    """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes."""
+def copy_regular(source: str | os.PathLike, destination: Path, *, refuse_hard_links: bool = False) -> str:
+    """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes.
+
+    ``refuse_hard_links``: a source with more than one name (st_nlink > 1) is an ArtifactError: a hard
+    link to someone else's file (``ln ~/secret.txt DIR/leak.png``) is a regular file, and would be
+    stored and published like one.
+    """
     digest = hashlib.sha256()
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    with open_regular(source) as reader, open(destination, "wb") as writer:
-        while chunk := reader.read(_CHUNK):
-            digest.update(chunk)
-            writer.write(chunk)
-        writer.flush()
-        os.fsync(writer.fileno())
+    with open_regular(source) as reader:
+        links = os.fstat(reader.fileno()).st_nlink
+        if refuse_hard_links and links > 1:
+            raise ArtifactError(f"{source} has {links} hard links (other names for the same file elsewhere); kvhub "
+                                "stores only files that belong to the artifact alone. Replace it by a copy "
+                                "(`cp FILE FILE.new && mv FILE.new FILE`); nothing was stored")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        with open(destination, "wb") as writer:
+            while chunk := reader.read(_CHUNK):
+                digest.update(chunk)
+                writer.write(chunk)
+            writer.flush()
+            os.fsync(writer.fileno())
     return digest.hexdigest()

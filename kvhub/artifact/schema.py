@@ -24,6 +24,7 @@ METADATA_FILE = "mapper.json"
 DTYPES = ("float32", "bfloat16", "float16")  # fingerprint ``dtype``: the default dtype of transfer()
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # newline, tab, escape, ...: they would reach cards, tables and refs
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _FINGERPRINT_INTS = ("num_layers", "num_kv_heads", "head_dim")
 _LAYER_NUMBERS = ("lambda_k", "lambda_v", "r2_k", "r2_v", "train_r2_k", "train_r2_v")
@@ -88,11 +89,19 @@ class _Fields:
         value = self.get(key, (str, type(None)) if null else (str,), required=required, what="a string")
         if value is None:
             return None
-        if not value.strip() or len(value) > max_length or "\x00" in value:
+        if not value.strip() or len(value) > max_length:
             self.fail(self._name(key), f"must be a non-empty string of at most {max_length} characters")
+        self.no_control(key, value)
         if pattern is not None and not pattern.fullmatch(value):
             self.fail(self._name(key), f"has the wrong form: {_show(value)}")
         return value
+
+    def no_control(self, key: str, value: str, *, what: str = "") -> None:
+        """Refuse a control character (below 0x20, or 0x7f) in the text ``value`` of field ``key``."""
+        found = _CONTROL.search(value)
+        if found:
+            self.fail(self._name(key), f"{what or 'contains'} the control character {found.group()!r} at position "
+                                       f"{found.start()}; names and ids are one line of printable text")
 
     def child(self, key: str, *, required: bool = True) -> "_Fields | None":
         if key not in self.obj and not required:
@@ -127,7 +136,9 @@ def check_metadata(metadata, *, where: str) -> dict:
     target = _check_fingerprint(fields, "target")
     calibration = fields.child("calibration")
     calibration.text("name", required=False, max_length=256)  # the store requires it: its series key
-    calibration.get("version", (str, int, float, type(None)), required=False, what="a string or a number")
+    version = calibration.get("version", (str, int, float, type(None)), required=False, what="a string or a number")
+    if isinstance(version, str):
+        calibration.no_control("version", version)
     calibration.text("content_hash", required=False, null=True, max_length=128)
     calibration.integer("tokens", required=False, null=True, high=1 << 62)
     _check_choice_or_number(fields, "k", integer=True)
@@ -136,7 +147,9 @@ def check_metadata(metadata, *, where: str) -> dict:
     if structure is not None:
         structure.integer("head_groups", low=1, required=False)
         structure.integer("rank", low=1, required=False, null=True)
-    fields.get("metrics", (dict,), required=False, what="a JSON object")
+    metrics = fields.get("metrics", (dict,), required=False, what="a JSON object") or {}
+    for name in metrics:  # their names become store rows and table columns
+        fields.no_control("metrics", name, what=f"has a metric name {_show(name)} with")
     _check_layers(fields, source, target)
     tensors = fields.child("tensors")
     name = tensors.text("file", max_length=128)
@@ -160,8 +173,8 @@ def _check_fingerprint(fields: _Fields, role: str) -> dict:
     geometry = {key: fp.integer(key, low=1, high=1 << 20) for key in _FINGERPRINT_INTS}
     fp.get("rope", (dict,), required=False, what="a JSON object")
     layer_types = fp.get("layer_types", (list,), required=False, what="a list")
-    if layer_types and not all(isinstance(t, str) for t in layer_types):
-        fp.fail(f"{role}.layer_types", "must be a list of strings")
+    if layer_types and not all(isinstance(t, str) and not _CONTROL.search(t) for t in layer_types):
+        fp.fail(f"{role}.layer_types", "must be a list of strings without control characters")
     config = fp.get("config", (dict,), what="a JSON object")
     if json_sha256(config) != fp.obj["config_hash"]:
         fp.fail(f"{role}.config", "does not hash to its config_hash (the config was edited)")

@@ -76,7 +76,10 @@ def _entries(header, data_bytes: int, where: str) -> dict[str, tuple[int, tuple[
         _fail(where, "has a safetensors header that is not a JSON object")
     entries = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # safetensors itself refuses anything but {string: string} at load
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                _fail(where, "has a safetensors __metadata__ that is not an object of strings "
+                             f"({json.dumps(info)[:60]})")
             continue
         ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and \
             isinstance(info.get("data_offsets"), list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import click
@@ -51,7 +52,8 @@ def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
 @click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(TASKS),
               help="Task to evaluate (repeatable).  facts / multiturn / code are long-context tasks scored "
                    "exactly (see --context-tokens).")
-@click.option("--limit", type=int, default=200, show_default=True, help="Items per task (seeded subset).")
+@click.option("--limit", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Items per task (seeded subset).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--exact-prefix", "exact_prefixes", type=click.IntRange(min=0), multiple=True, default=(0,),
               show_default=True,
@@ -121,12 +123,12 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     set's name and sha256, kvhub version, date); `--output-path` writes it, `--log-samples` adds the items.
     Any lm-eval task: `kvhub-lm-eval --model kvhub` (docs/guide.md).
     """
-    from kvhub.eval.results import document, now, write
+    from kvhub.eval.results import document, now
     from kvhub.serving.recompute import Recompute
 
     variants = _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs)
     items = _check_before_loading(tasks, limit=limit, seed=seed, ppl_text=ppl_text, ppl_calib=ppl_calib,
-                                  log_samples=log_samples, output_path=output_path)
+                                  log_samples=log_samples, output_path=output_path, device=device, dtype=dtype)
     store, version, mapper, source, target, tokenizer = _load_version(ref, db, device=device, dtype=dtype)
     run = {"dtype": dtype, "device": str(next(target.parameters()).device), "seed": seed, "limit": limit,
            "log_samples": log_samples}
@@ -148,7 +150,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
                 name = f"{base}@{label}" if label else base
                 spec = Recompute.parse(label)
                 summary.update(variant=label, exact_prefix=spec.exact_prefix, exact_suffix=spec.exact_suffix,
-                               exact_budget=spec.budget, select=spec.select if spec.selective else None)
+                               exact_budget=spec.exact_budget, select=spec.select if spec.selective else None)
                 results[name] = summary
                 store.add_metrics(version, _as_metrics(name, summary, seed))
     config = {"source": version.source, "target": version.target, "calibration": version.calibration,
@@ -158,7 +160,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     reference = store.reference(version)  # as `kvhub fit` and `kvhub list` name it
     doc = document(reference, results, config)
     if output_path is not None:
-        for path in write(doc, samples if log_samples else None, output_path):
+        for path in _write_results(doc, samples if log_samples else None, output_path, reference):
             say(f"wrote {path}")
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -166,14 +168,21 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
         _print_results(reference, results)
 
 
-def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_samples, output_path) -> dict:
-    """Refuse what would fail only after the models are loaded (samples with nowhere to go, evaluation sets
-    not fetched, an unknown --ppl-calib); returns the items of each multiple-choice task, read here."""
+def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_samples, output_path, device=None,
+                          dtype=None) -> dict:
+    """Refuse what would fail only after the models are loaded (samples with nowhere to go, an output path that
+    cannot be written, an unknown device or dtype, evaluation sets not fetched, an unknown --ppl-calib); returns
+    the items of each multiple-choice task, read here."""
+    from kvhub.dtypes import canonical_name
     from kvhub.errors import ConfigError
     from kvhub.eval import tasks as task_data
 
     if log_samples and output_path is None:
         raise ConfigError("--log-samples writes the items beside the results: add --output-path DIR")
+    _check_device(device)
+    canonical_name(dtype or "bfloat16")
+    if output_path is not None:
+        _probe_output_path(output_path)
     if "ppl" in tasks and ppl_calib is None:
         from kvhub.eval.textsets import load_text_set
 
@@ -185,9 +194,62 @@ def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_sample
     return {task: task_data.load_task(task, limit=limit, seed=seed) for task in tasks if task in MC_TASKS}
 
 
+def _probe_output_path(output_path: Path) -> None:
+    """Create the directory ``--output-path`` writes into and write a probe file there, so a path that cannot
+    hold the results is refused before the evaluation runs, not after (ConfigError naming it)."""
+    import tempfile
+
+    from kvhub.errors import ConfigError
+
+    path = output_path.expanduser()
+    wants_file = path.suffix == ".json"
+    if wants_file and path.is_dir():
+        raise ConfigError(f"--output-path {path} is a directory, but a path ending in .json names the results file; "
+                          "give another file name, or a directory path without .json")
+    folder = path.parent if wants_file else path
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise ConfigError(f"--output-path: {folder} exists and is not a directory; the results go into a directory "
+                          "there (or give a path ending in .json for the file itself)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--output-path: cannot write into {folder} ({exc.strerror or exc}); choose a directory "
+                          "you can write to") from None
+
+
+def _write_results(doc: dict, samples, output_path: Path, reference: str) -> list[Path]:
+    """results.write, with a failure (disk full, the folder removed meanwhile) as a kvhub error."""
+    from kvhub.errors import ConfigError
+    from kvhub.eval.results import write
+
+    try:
+        return write(doc, samples, output_path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the results under {output_path} ({exc.strerror or exc}); the metrics are "
+                          f"stored (`kvhub show {reference}`), and --json prints the document") from None
+
+
+def _check_device(device: str | None) -> None:
+    """ConfigError for a --device torch does not know, or CUDA on a machine without it."""
+    import torch
+
+    from kvhub.errors import ConfigError
+
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
+
+
 def _variant_config(variant) -> dict:
     return {"name": variant.name(), "exact_prefix": variant.exact_prefix, "exact_suffix": variant.exact_suffix,
-            "exact_budget": variant.budget, "select": variant.select if variant.selective else None,
+            "exact_budget": variant.exact_budget, "select": variant.select if variant.selective else None,
             "score": variant.score if variant.selective else None}
 
 

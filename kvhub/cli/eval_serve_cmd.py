@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvhub.cli.console import say
+from kvhub.cli.console import plain, say
 from kvhub.cli.eval_cmd import LONG_TASKS
 from kvhub.errors import ConfigError
 
@@ -74,9 +74,9 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
 
     if log_samples and output_path is None:
         raise ConfigError("--log-samples writes the items beside the results: add --output-path PATH")
-    urls = {"--small": base_url(small_url, option="--small"), "--large": base_url(large_url, option="--large")}
-    small = Endpoint.at(urls["--small"], model=small_model, timeout=timeout)
-    large = Endpoint.at(urls["--large"], model=large_model, timeout=timeout)
+    small_url, large_url = base_url(small_url, option="--small"), base_url(large_url, option="--large")
+    small = Endpoint.at(small_url, model=small_model, timeout=timeout)
+    large = Endpoint.at(large_url, model=large_model, timeout=timeout)
     tokenizer = _tokenizer(tokenizer_spec, small.model)
     run = {"limit": limit, "seed": seed, "agreement_tokens": agreement_tokens, "log_samples": log_samples}
     results, datasets, samples = {}, {}, {}
@@ -140,7 +140,7 @@ def _print_served(title: str, results: dict) -> None:
                      f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
                      f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
                      f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}"])
-    print_table(list(_COLUMNS), rows, title=title, right=_COLUMNS[1:])
+    print_table(list(_COLUMNS), rows, title=plain(title), right=_COLUMNS[1:])  # model names: never markup
 
 
 def attach(group: click.Group) -> None:

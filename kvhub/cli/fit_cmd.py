@@ -173,9 +173,17 @@ def _say_statistics(plan) -> None:
 
 
 def _launch_torchrun(nproc: int) -> int:
-    """Run this same command line under torchrun on ``nproc`` local processes; returns its exit code."""
+    """Run this same command line under torchrun on ``nproc`` local processes; returns its exit code.
+
+    torchrun puts each rank in a session of its own, so a kill of this process reaches neither: torchrun
+    gets SIGTERM when this process dies (it then stops its ranks), and each rank when torchrun dies
+    (:func:`kvhub.fitting.distributed.die_with_launcher`)."""
+    import os
     import subprocess
     import sys
+
+    from kvhub.fitting.distributed import LAUNCHER
+    from kvhub.serving.launch import _die_with_parent
 
     args, skip = [], False
     for arg in sys.argv[1:]:
@@ -188,17 +196,18 @@ def _launch_torchrun(nproc: int) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "kvhub", *args]
     say("running " + " ".join(command[1:]))
-    return subprocess.call(command)
+    return subprocess.call(command, env={**os.environ, LAUNCHER: str(os.getpid())}, preexec_fn=_die_with_parent())
 
 
 def _fit_rank(request, *, ignore_plan: bool):
     """This process's part of a torchrun job; the Mapper on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    from kvhub.fitting.distributed import init_group
+    from kvhub.fitting.distributed import die_with_launcher, init_group
     from kvhub.fitting.job import check_plan, fit_by_names_distributed
     from kvhub.cli.progress import progress_callback
 
+    die_with_launcher()
     group = init_group(request.device)
     try:
         if not ignore_plan:  # CPU ranks share this machine's memory: the plan counts every rank

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import click
 
@@ -14,9 +15,19 @@ def _k_option(ctx, param, value: str):
     if value == "auto":
         return None
     try:
-        return int(value)
+        k = int(value)
     except ValueError:
-        raise click.BadParameter("use a positive integer or 'auto'") from None
+        k = 0
+    if k < 1:
+        raise click.BadParameter(f"{value!r}: use a positive integer or 'auto'")
+    return k
+
+
+def _finite(ctx, param, value: float | None):
+    """FloatRange lets nan and inf through; a memory size must be a finite number."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value}: give a finite number of GiB")
+    return value
 
 
 @click.command()
@@ -40,7 +51,7 @@ def _k_option(ctx, param, value: str):
                                       "(probe, then only candidate source layers) when they fit.")
 @click.option("--candidates", type=click.IntRange(min=1), default=None,
               help="Two passes: the source layers pass 2 keeps [default: the most that fit].")
-@click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
+@click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB", callback=_finite,
               help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
                    "machine's for cpu].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
@@ -60,6 +71,7 @@ def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, devi
     source, target = shape_of(src), shape_of(dst)
     workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
                             k=k, dtype=dtype)
+    _warn_past_positions(workload.seq_len, source, target)
     profile = device_profile(device or _default_device())
     if host_memory is not None:  # a CPU device is its own host
         field = "host_memory" if profile.gpu else "memory"
@@ -73,6 +85,15 @@ def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, devi
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
     _print_plan(result)
+
+
+def _warn_past_positions(seq_len: int, *shapes) -> None:
+    """A sequence longer than a model's max_position_embeddings: planned (RoPE scaling may allow it), with a warning."""
+    for shape in shapes:
+        if shape.max_positions is not None and seq_len > shape.max_positions:
+            say(f"--seq-len {seq_len} is longer than the {shape.max_positions} positions of {shape.model_id} "
+                "(max_position_embeddings); a fit that long runs the model past what it was trained on",
+                label="warning:", style="yellow")
 
 
 def _default_device() -> str:

@@ -109,8 +109,11 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
     mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)
     launcher = _launcher(vllm_executable, dry_run=dry_run)
+    if events_path is not None:
+        _check_events_path(events_path)
+    db_on_command_line, db_env = _db_channel(db)
     configs = launch.transfer_configs(
-        store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db,
+        store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db_on_command_line,
         hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix, exact_budget=exact_budget,
         select=select, queries=queries, store_max_bytes=store_max_bytes,
         require_isolation_key=require_isolation_key or None,
@@ -126,9 +129,9 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
                                             host=host, port=p["port"], transfer_config=configs[p["role"]],
                                             extra_args=extra)
                 for name, p in plan.items()}
-    env = _engine_env(kv_cache_gib, models=[p["model"] for p in plan.values()])
+    env = {**_engine_env(kv_cache_gib, models=[p["model"] for p in plan.values()]), **db_env}
     if dry_run:
-        _print_dry_run(commands, launcher=launcher, env=env,
+        _print_dry_run(commands, launcher=launcher, env=_masked(env),
                        store_dir=configs["producer"]["kv_connector_extra_config"]["store_dir"], mapper_ref=mapper_ref)
         return
     launch.check_port_free(host, port_small, option="--port-small")
@@ -187,6 +190,43 @@ def _model_path(model_id: str) -> str:
     from kvhub.models.resolve import resolve_model_path
 
     return str(resolve_model_path(model_id))
+
+
+def _db_channel(db: str | None) -> tuple[str | None, dict[str, str]]:
+    """(--db for the consumer's kv_transfer_config, environment for the servers): a store URL that holds a
+    password travels as KVHUB_DB_URL in the servers' environment, never on a command line (``ps`` shows those)."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(db).password if db and "://" in db else None
+    except ValueError:
+        password = None
+    if not password:
+        return db, {}
+    say("the store URL holds a password: it reaches the large server as KVHUB_DB_URL in its environment, not on "
+        "its command line")
+    return None, {"KVHUB_DB_URL": db}
+
+
+def _masked(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with a store URL's password shown as ***."""
+    from urllib.parse import urlsplit
+
+    if "KVHUB_DB_URL" not in env:
+        return env
+    url = env["KVHUB_DB_URL"]
+    password = urlsplit(url).password
+    return {**env, "KVHUB_DB_URL": url.replace(f":{password}@", ":***@", 1)}
+
+
+def _check_events_path(path: str) -> None:
+    """ConfigError now, before any server starts, for an --events file that cannot be appended to."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--events {path}: cannot append to it ({exc.strerror}); give a file in an existing, "
+                          "writable directory") from exc
 
 
 def _engine_env(kv_cache_gib: int | None, *, models: list[str]) -> dict[str, str]:

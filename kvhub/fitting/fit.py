@@ -210,8 +210,8 @@ def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mo
         run_pass(source_model, target_model, batches, state, rotaries, options=options, progress=progress,
                  label=label, save=save)
 
-    return run_passes(checkpoint.load(options.checkpoint, job, mode), layout, mode, top_k=options.top_k, run=run,
-                      save=save)
+    resumed = checkpoint.load(options.checkpoint, job, mode, layout=layout, batches=len(batches))
+    return run_passes(resumed, layout, mode, top_k=options.top_k, run=run, save=save)
 
 
 def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, options: FitOptions,

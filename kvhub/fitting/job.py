@@ -77,6 +77,7 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     """Load both models (checking they share a tokenizer) and the calibration set; build the options."""
     from kvhub.calib import resolve_calibration
     from kvhub.models.fingerprint import tokenizer_hash
+    from kvhub.fitting.checkpoint import sweep_temporaries
     from kvhub.fitting.fit import FitOptions, check_same_tokenizer
     from kvhub.models.resolve import load_model
 
@@ -100,6 +101,7 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
                          statistics=request.statistics, candidates=request.candidates,
                          checkpoint=checkpoint_path(source_id, target_id, meta, stride, request.batch_size,
                                                     request.weighting))
+    sweep_temporaries(options.checkpoint.parent)  # what fits killed mid-save left
     notify(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
            f"{calibration.train.shape[0]} train + {calibration.heldout.shape[0]} held-out sequences "
            f"x {calibration.train.shape[1]} tokens, stride {stride}")
@@ -150,17 +152,18 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
     An interrupted fit resumes from its checkpoint (``request.restart`` discards it); the checkpoint
     is deleted once the mapper is built.
     """
+    from kvhub.fitting.checkpoint import discard
     from kvhub.fitting.fit import fit
 
     job = prepare(request, notify=notify, progress=progress)
     if request.restart:
-        job.options.checkpoint.unlink(missing_ok=True)
+        discard(job.options.checkpoint)
     with (progress or _no_progress)("tok/s") as callback:
         mapper = fit(job.source, job.target, job.train, job.heldout, source_id=job.source_id,
                      target_id=job.target_id, source_tokenizer=job.source_tokenizer,
                      target_tokenizer=job.target_tokenizer, calibration=job.calibration, options=job.options,
                      progress=callback)
-    job.options.checkpoint.unlink(missing_ok=True)
+    discard(job.options.checkpoint)
     return mapper
 
 

@@ -48,6 +48,7 @@ totals keep more.  When none fits, the advice says what would (more ranks, anoth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -84,26 +85,36 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    max_positions: int | None = None  # max_position_embeddings, when the config says (a positive integer)
 
     @classmethod
     def from_config(cls, config: dict, *, model_id: str | None = None) -> "ModelShape":
-        config = config.get("text_config") or config
-        try:
-            heads = config["num_attention_heads"]
-            model_type = config.get("model_type", "")
-            return cls(
-                model_id=model_id or config.get("_name_or_path") or model_type,
-                model_type=model_type, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
-                heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                intermediate=config["intermediate_size"], vocab=config["vocab_size"],
-                tied=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type.startswith("qwen3"),
-            )
-        except KeyError as exc:
-            raise ConfigError(f"config of {model_id or 'the model'} has no {exc.args[0]!r}; "
-                              "kvhub plan reads decoder configs (transformers config.json)") from None
+        """The shape a transformers config (a dict) describes; ConfigError naming a missing or wrong field."""
+        name = model_id or (config.get("_name_or_path") if isinstance(config, dict) else None) or "the model"
+        if not isinstance(config, dict):
+            raise ConfigError(f"config of {name} is {type(config).__name__}, not a JSON object; kvhub plan reads "
+                              "decoder configs (transformers config.json)")
+        if config.get("text_config"):  # a multimodal config: the decoder's part
+            if not isinstance(config["text_config"], dict):
+                raise ConfigError(f"config of {name}: `text_config` must be a JSON object")
+            config = config["text_config"]
+        field = functools.partial(_geometry_field, config, name)
+        heads, hidden = field("num_attention_heads"), field("hidden_size")
+        head_dim = field("head_dim", required=False) or hidden // heads
+        if head_dim < 1:
+            raise ConfigError(f"config of {name}: hidden_size {hidden} is smaller than num_attention_heads {heads}; "
+                              "set head_dim or fix the config")
+        model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else ""
+        return cls(
+            model_id=model_id or config.get("_name_or_path") or model_type,
+            model_type=model_type, layers=field("num_hidden_layers"), hidden=hidden, heads=heads,
+            kv_heads=field("num_key_value_heads", required=False) or heads, head_dim=head_dim,
+            intermediate=field("intermediate_size"), vocab=field("vocab_size"),
+            tied=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type.startswith("qwen3"),
+            max_positions=_positive_or_none(config.get("max_position_embeddings")),
+        )
 
     @property
     def kv_width(self) -> int:
@@ -128,6 +139,24 @@ class ModelShape:
         """Matmul FLOPs of the model body over one sequence of ``tokens`` tokens (module docstring)."""
         return (2 * tokens * self.layers * self.matmul_parameters()
                 + 4 * self.layers * self.heads * self.head_dim * tokens * tokens)
+
+
+def _positive_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _geometry_field(config: dict, name: str, key: str, *, required: bool = True) -> int | None:
+    """``config[key]`` as a positive integer (None when absent or null and not ``required``)."""
+    value = config.get(key)
+    if value is None:
+        if required:
+            raise ConfigError(f"config of {name} has no {key!r}; kvhub plan reads decoder configs "
+                              "(transformers config.json)")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config of {name}: `{key}` is {json.dumps(value)[:40]}, not a positive integer; "
+                          "fix the config.json")
+    return value
 
 
 @dataclass(frozen=True)
@@ -218,11 +247,11 @@ def load_config(spec: str) -> tuple[dict, str]:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file() and path.suffix == ".json":
-        return json.loads(path.read_text()), str(spec)
+        return _read_config(path), str(spec)
     resolved = resolve_model_path(spec)
     known = find_known(spec)
     if isinstance(resolved, Path) and (resolved / "config.json").is_file():
-        return json.loads((resolved / "config.json").read_text()), known.hf_id if known else str(spec)
+        return _read_config(resolved / "config.json"), known.hf_id if known else str(spec)
     shipped = shipped_configs().get(str(spec).lower())
     if shipped is not None:
         return shipped, shipped.get("_name_or_path") or str(spec)
@@ -233,11 +262,23 @@ def load_config(spec: str) -> tuple[dict, str]:
     except Exception:  # not a repo id huggingface_hub accepts
         cached = None
     if isinstance(cached, str):
-        return json.loads(Path(cached).read_text()), str(spec)
+        return _read_config(Path(cached)), str(spec)
     shipped_ids = sorted({c["_name_or_path"] for c in shipped_configs().values() if c.get("_name_or_path")})
     raise ConfigError(f"no config for {spec!r}: pass a config.json path or model directory, a model kvhub ships a "
                       f"config for ({', '.join(shipped_ids)}), "
                       "or a Hub id whose config is in the Hugging Face cache")
+
+
+def _read_config(path: Path) -> dict:
+    """A config.json as a dict; ConfigError naming the file when it is unreadable, not JSON, or not an object."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a readable JSON config ({exc}); pass a transformers config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object; pass a transformers "
+                          "config.json")
+    return config
 
 
 def shape_of(spec: str) -> ModelShape:
@@ -299,6 +340,8 @@ def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_
     """A Workload; what is left None takes the calibration recipes' defaults (kvhub.calib.recipe)."""
     from kvhub.calib.recipe import Sequences, heldout_count
 
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ConfigError(f"k must be a positive integer or None ('auto'), not {k!r}")
     defaults = Sequences()
     samples = samples or defaults.samples
     return Workload(samples=samples,

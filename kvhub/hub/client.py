@@ -93,9 +93,13 @@ def is_repo_id(text: str) -> bool:
 
 def parse_repo_ref(text: str) -> tuple[str, str | None]:
     """'owner/name[@revision]' -> (repo_id, revision or None); ConfigError, with the syntax, otherwise."""
-    repo_id, _, revision = text.strip().partition("@")
+    repo_id, at, revision = text.strip().partition("@")
     if not is_repo_id(repo_id):
-        raise ConfigError(f"{text!r} is not a Hub repository; write it as OWNER/NAME or OWNER/NAME@REVISION")
+        shown = repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
+        raise ConfigError(f"{shown} is not a Hub repository; write it as OWNER/NAME or OWNER/NAME@REVISION")
+    if at and not revision.strip():  # "owner/name@" would otherwise pull main
+        raise ConfigError(f"{text!r} ends with '@' but names no revision; write OWNER/NAME (the head of main) or "
+                          "OWNER/NAME@REVISION (a tag such as v3, a branch or a commit)")
     return repo_id, revision or None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -77,8 +76,8 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             raise HubRepoNotFoundError(f"{repo_id}@{revision} has no {METADATA_FILE}: it is not a kvhub mapper "
                                        "repository", repo_id=repo_id, revision=revision)
         label = revision if settings.offline else _best_label(settings, repo_id, revision, commit, token)
-    with tempfile.TemporaryDirectory(prefix="kvhub-pull-") as tmp:
-        staged = Path(tmp) / "artifact"
+    with store.staging(prefix="pull-") as tmp:  # in the store's .tmp: gc removes what a kill leaves
+        staged = tmp / "artifact"
         try:  # what is verified is the copy that gets registered, not the cache it came from
             _stage(snapshot, staged)
             metadata = verify_artifact(staged, source=source, target=target)

@@ -3,9 +3,9 @@
 Layout under ``root`` (a local directory; under ``/dev/shm`` it is shared memory)::
 
     store.json                            {"format": 1, "chunk_tokens": C}
-    ns/<namespace>/entries/<entry>.safetensors
+    ns/<namespace>/entries/<entry>        <entry> = <h_J>-<T>.safetensors:
                                           token_ids (T,) int64, keys.{l}, values.{l} (H, T, D)
-    ns/<namespace>/index/<prefix hash>    text: the entry that holds that prefix
+    ns/<namespace>/index/<prefix hash>    text: the name of the entry (in the same namespace) that holds that prefix
     pins/<name>.safetensors               hard links that keep an entry readable while a load uses it
 
 namespace = sha256(isolation key, source model): one tenant's prompts live in a directory another
@@ -13,31 +13,59 @@ tenant's keys never name.  Prefix hashes chain over C-token chunks of the token 
 namespace, so the hash of the first j*C tokens is h_j = sha256(h_{j-1} || chunk_j), h_0 = namespace.
 Every chunk-aligned prefix of an entry is indexed, so a prompt that extends a stored one finds it.
 
-Bounds: after each write, entries are evicted, least recently used first (a read touches its entry),
-until their bytes fit ``max_bytes``.  An entry's index files go with it; a reader that still finds a
-stale one treats it as a miss.  Writes are atomic (temp file + rename), so a reader never sees half an
-entry.  Entries are whole prompts of one source model, in the source engine's cache dtype.
+Trust: the directory is shared, so nothing read from it is taken on faith.  An index file counts only
+if it is a regular file whose whole text is an entry name of the form above; it is resolved in the
+caller's own ``entries/`` and nowhere else.  Entries, pins and index files are opened without following
+symbolic links, and a namespace, ``entries/``, ``index/`` or ``pins/`` that is a link is not used.
+A bad index file is a miss (and is removed); a linked entry is a miss (and eviction removes the link).
+
+Bounds: after each write, entries are evicted, least recently used first (a pin touches its entry),
+until their bytes fit ``max_bytes``; the entry a put has just written is never that put's own victim,
+and an entry larger than ``max_bytes`` is refused (ConfigError) rather than written and dropped.  An
+entry's index files go with it; a reader that still finds a stale one treats it as a miss.  Eviction
+removes a damaged entry, or one another engine removed first, like any other.  Writes are atomic
+(temp file + rename), so a reader never sees half an entry; a failed write (disk full, read-only)
+raises StoreError and leaves nothing behind.  Entries are whole prompts of one source model, in the
+source engine's cache dtype.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import operator
 import os
+import re
+import stat
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.errors import ConfigError, IncompatibleError, StoreError
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 STALE_PIN_SECONDS = 600.0
+ENTRY_NAME = re.compile(r"[0-9a-f]{40}-[1-9][0-9]*\.safetensors")  # what put names an entry: <h_J>-<T>
+_NAMESPACE = re.compile(r"[0-9a-f]{40}")
+_PIN_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_FD_DIR = "/proc/self/fd"  # where an open descriptor has a path safetensors can open (Linux)
+_WRITE_HINTS = {
+    errno.ENOSPC: "free space on its file system or lower store_max_bytes",
+    errno.EDQUOT: "free space on its file system or lower store_max_bytes",
+    errno.EROFS: "mount it read-write or point store_dir at a writable directory",
+    errno.EACCES: "give the serving user write access to it",
+    errno.EPERM: "give the serving user write access to it",
+}
 
 
 @dataclass(frozen=True)
@@ -49,25 +77,46 @@ class StoredPrefix:
 
 
 class KVStore:
-    """See the module docstring.  ``chunk_tokens`` must be the same for every engine sharing ``root``."""
+    """See the module docstring.  ``chunk_tokens`` must be the same for every engine sharing ``root``.
+
+    Construction refuses (ConfigError, naming the directory and the fix) a ``root`` that is not a
+    writable directory or whose ``store.json`` is damaged.
+    """
 
     def __init__(self, root: str | os.PathLike, *, max_bytes: int, chunk_tokens: int = 16):
-        if max_bytes <= 0:
-            raise ConfigError(f"the KV store size cap must be positive, got {max_bytes} bytes")
-        if chunk_tokens < 1:
-            raise ConfigError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.max_bytes = _whole_number(max_bytes, "the KV store size cap (store_max_bytes)", minimum=1)
+        self.chunk_tokens = _whole_number(chunk_tokens, "chunk_tokens", minimum=1)
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            raise ConfigError(f"the KV store directory must be a non-empty path, got {root!r}")
         self.root = Path(root)
-        self.max_bytes = int(max_bytes)
-        self.chunk_tokens = int(chunk_tokens)
-        (self.root / "pins").mkdir(parents=True, exist_ok=True)
-        self._check_format()
+        try:
+            (self.root / "pins").mkdir(parents=True, exist_ok=True)
+            self._check_format()
+            _probe_writable(self.root)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise ConfigError(
+                f"the KV store directory {self.root} is not a directory ({exc.filename} is in the way); "
+                "point store_dir at a directory, or move that file away"
+            ) from exc
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the KV store directory {self.root}: {exc.strerror or exc}; both engines write "
+                "there (entries, index files, pins), so give the serving user write access to it or point "
+                "store_dir at a writable directory"
+            ) from exc
 
     def _check_format(self) -> None:
         path = self.root / "store.json"
         wanted = {"format": FORMAT, "chunk_tokens": self.chunk_tokens}
-        if not path.exists():
+        if not os.path.lexists(path):
             _atomic_write_bytes(path, json.dumps(wanted).encode())
-        found = json.loads(path.read_text())
+        try:
+            found = json.loads(_read_regular_file(path, limit=4096))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"the KV store's {path} is damaged ({exc}); remove it (the next engine writes a fresh one) "
+                "or point store_dir at another directory"
+            ) from exc
         if found != wanted:
             raise ConfigError(
                 f"the KV store at {self.root} was created with {found}, this engine asks for {wanted}; "
@@ -78,72 +127,118 @@ class KVStore:
     @staticmethod
     def namespace(isolation_key: str, source_model: str) -> str:
         """sha256 of (isolation key, source model): the directory of one tenant's prompts for one model."""
+        for name, value in (("isolation_key", isolation_key), ("source_model", source_model)):
+            if not isinstance(value, str):
+                raise ConfigError(f"{name} must be a string, got {type(value).__name__} {value!r}")
         text = json.dumps([isolation_key, source_model])
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
     def prefix_hashes(self, namespace: str, token_ids: list[int]) -> list[str]:
         """h_1..h_J of the J whole chunks of ``token_ids`` (module docstring)."""
+        data = _token_tensor(token_ids).numpy().tobytes()  # (T,) int64, native byte order
+        step = 8 * self.chunk_tokens
         state = hashlib.sha256(namespace.encode()).digest()
         hashes = []
-        for start in range(0, len(token_ids) - self.chunk_tokens + 1, self.chunk_tokens):
-            chunk = torch.tensor(token_ids[start:start + self.chunk_tokens], dtype=torch.int64)
-            state = hashlib.sha256(state + chunk.numpy().tobytes()).digest()
+        for start in range(0, len(data) - step + 1, step):
+            state = hashlib.sha256(state + data[start:start + step]).digest()
             hashes.append(state.hex()[:40])
         return hashes
 
     def _dir(self, namespace: str) -> Path:
         return self.root / "ns" / namespace
 
+    def _namespace_dirs(self, namespace: str) -> tuple[Path, Path] | None:
+        """(entries/, index/) of a namespace if both are real directories; None if missing or a link."""
+        directory = self._dir(namespace)
+        paths = (self.root / "ns", directory, directory / "entries", directory / "index")
+        if all(_is_real_dir(path) for path in paths):
+            return paths[2], paths[3]
+        if any(os.path.islink(path) for path in paths):
+            log.warning("KV store %s: a directory of namespace %s is a symbolic link; not used", self.root, namespace)
+        return None
+
     # ---- writing -------------------------------------------------------------------------------
     def put(self, *, isolation_key: str, source_model: str, token_ids: list[int],
             keys: list[torch.Tensor], values: list[torch.Tensor]) -> Path | None:
-        """Store one prompt's KV: keys[l], values[l] (H, T, D) for T = len(token_ids).
+        """Store one prompt's KV: keys[l], values[l] (H, T, D) for T = len(token_ids), one pair per layer.
 
         Returns the entry, or None when the prompt is shorter than one chunk (nothing to index).
+        IncompatibleError for keys and values that do not pair up; ConfigError for an entry larger than
+        ``max_bytes`` (nothing stored: raise store_max_bytes); StoreError when the write fails (disk
+        full, read-only; nothing stored).  Another engine's put may evict the entry any time after.
         """
-        from safetensors.torch import save_file
-
         namespace = self.namespace(isolation_key, source_model)
         hashes = self.prefix_hashes(namespace, token_ids)
         if not hashes:
             return None
-        for index, (k, v) in enumerate(zip(keys, values)):
-            if k.dim() != 3 or k.shape != v.shape or k.shape[1] != len(token_ids):
-                raise IncompatibleError(
-                    f"layer {index}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not cover "
-                    f"{len(token_ids)} tokens as (heads, tokens, head_dim)"
-                )
+        _check_layers(keys, values, len(token_ids))
         directory = self._dir(namespace)
-        (directory / "entries").mkdir(parents=True, exist_ok=True)
-        (directory / "index").mkdir(parents=True, exist_ok=True)
-        entry = directory / "entries" / f"{hashes[-1]}-{len(token_ids)}.safetensors"
-        tensors = {"token_ids": torch.tensor(token_ids, dtype=torch.int64)}
-        for index, (k, v) in enumerate(zip(keys, values)):
-            tensors[f"keys.{index}"] = k.detach().to("cpu").contiguous()
-            tensors[f"values.{index}"] = v.detach().to("cpu").contiguous()
-        tmp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}.tmp")
-        save_file(tensors, str(tmp), metadata={"source_model": source_model, "layers": str(len(keys))})
-        os.replace(tmp, entry)
-        for prefix in hashes:
-            _atomic_write_bytes(directory / "index" / prefix, entry.name.encode())
-        self.evict()
+        try:
+            (directory / "entries").mkdir(parents=True, exist_ok=True)
+            (directory / "index").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _write_error(self.root, exc, "creating a namespace directory") from exc
+        dirs = self._namespace_dirs(namespace)
+        if dirs is None:
+            raise StoreError(f"KV store {self.root}: {directory} or a directory in it is not a plain directory "
+                             "(a symbolic link?); nothing stored; remove it, the next put recreates it")
+        entry = dirs[0] / f"{hashes[-1]}-{len(token_ids)}.safetensors"
+        self._write_entry(entry, _entry_tensors(token_ids, keys, values),
+                          metadata={"source_model": source_model, "layers": str(len(keys))})
+        try:
+            for prefix in hashes:
+                _atomic_write_bytes(dirs[1] / prefix, entry.name.encode())
+        except OSError as exc:
+            self._remove_entry(entry, prefixes=hashes)
+            raise _write_error(self.root, exc, "writing an index file") from exc
+        try:
+            self._evict(keep=entry)
+        except OSError as exc:  # the entry is stored; eviction is retried by the next put
+            log.warning("KV store %s: eviction failed: %s", self.root, exc)
         return entry
+
+    def _write_entry(self, entry: Path, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str]) -> None:
+        """Write ``entry`` atomically, or raise and leave nothing behind."""
+        from safetensors.torch import save_file
+
+        tmp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            try:
+                save_file(tensors, str(tmp), metadata=metadata)
+                size = os.stat(tmp).st_size
+            except Exception as exc:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
+                raise _write_error(self.root, exc, "writing an entry") from exc
+            if size > self.max_bytes:
+                raise ConfigError(
+                    f"a KV store entry for {len(tensors['token_ids'])} tokens takes {size} bytes, more than the "
+                    f"size cap of {self.max_bytes} bytes of {self.root}; nothing stored; raise store_max_bytes"
+                )
+            try:
+                os.replace(tmp, entry)
+            except OSError as exc:
+                raise _write_error(self.root, exc, "writing an entry") from exc
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
 
     def evict(self) -> int:
         """Delete least recently used entries until the store fits ``max_bytes``; returns how many went."""
-        entries = []
-        for path in (self.root / "ns").glob("*/entries/*.safetensors"):
-            try:
-                stat = path.stat()
-            except FileNotFoundError:
-                continue
-            entries.append((stat.st_mtime, stat.st_size, path))
+        return self._evict(keep=None)
+
+    def _evict(self, *, keep: Path | None) -> int:
+        entries = [(st.st_mtime, st.st_size, path) for path, st in self._entries()]
         total = sum(size for _, size, _ in entries)
         evicted = 0
         for _, size, path in sorted(entries, key=lambda item: item[0]):
             if total <= self.max_bytes:
                 break
-            self._remove_entry(path)
+            if path == keep:
+                continue
+            try:
+                self._remove_entry(path)
+            except OSError as exc:
+                log.warning("KV store %s: cannot evict %s: %s", self.root, path, exc)
+                continue
             total -= size
             evicted += 1
         if evicted:
@@ -151,61 +246,145 @@ class KVStore:
         self._clean_pins()
         return evicted
 
-    def _remove_entry(self, path: Path) -> None:
-        namespace = path.parent.parent.name
-        try:
-            token_ids = _read_token_ids(path)
-        except (OSError, ValueError):
-            token_ids = []
-        path.unlink(missing_ok=True)
-        for prefix in self.prefix_hashes(namespace, token_ids):
-            index = path.parent.parent / "index" / prefix
+    def _entries(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """(path, lstat) of every entry: regular files named like one, in real namespace directories.
+
+        Symbolic links named like an entry are removed (put never makes one); temp files of puts that
+        died are removed once stale.  Nothing outside ``root`` is ever looked into.
+        """
+        stale = time.time() - STALE_PIN_SECONDS
+        for namespace in _scandir(self.root / "ns"):
+            if not (_NAMESPACE.fullmatch(namespace.name) and namespace.is_dir(follow_symlinks=False)):
+                continue
+            directory = Path(namespace.path) / "entries"
+            if not _is_real_dir(directory):
+                continue
+            for item in _scandir(directory):
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if ENTRY_NAME.fullmatch(item.name) and stat.S_ISREG(st.st_mode):
+                    yield Path(item.path), st
+                elif ENTRY_NAME.fullmatch(item.name) and stat.S_ISLNK(st.st_mode):
+                    log.warning("KV store %s: %s is a symbolic link, not an entry; removed", self.root, item.path)
+                    _unlink_quietly(Path(item.path))
+                elif item.name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and st.st_mtime < stale:
+                    _unlink_quietly(Path(item.path))
+
+    def _remove_entry(self, path: Path, *, prefixes: list[str] | None = None) -> None:
+        """Unlink an entry and the index files that name it.  A damaged entry goes all the same; one
+        that is already gone was removed, index files included, by whoever removed it."""
+        index_dir = path.parent.parent / "index"
+        if prefixes is None:
             try:
-                if index.read_text() == path.name:
-                    index.unlink(missing_ok=True)
+                prefixes = self.prefix_hashes(path.parent.parent.name, _read_token_ids(path))
             except FileNotFoundError:
-                pass
+                return
+            except Exception as exc:  # noqa: BLE001 - a damaged entry must not stop eviction
+                log.warning("KV store %s: removing unreadable entry %s (%s)", self.root, path, exc)
+                prefixes = [item.name for item in _scandir(index_dir) if not item.name.endswith(".tmp")]
+        path.unlink(missing_ok=True)
+        for prefix in prefixes:
+            index = index_dir / prefix
+            if _read_index(index) == path.name:
+                _unlink_quietly(index)
 
     def _clean_pins(self) -> None:
+        if not _is_real_dir(self.root / "pins"):
+            return
         cutoff = time.time() - STALE_PIN_SECONDS
-        for pin in (self.root / "pins").glob("*.safetensors"):
+        for pin in _scandir(self.root / "pins"):
             try:
-                if pin.stat().st_mtime < cutoff:
-                    pin.unlink(missing_ok=True)
+                if _PIN_NAME.fullmatch(pin.name) and pin.stat(follow_symlinks=False).st_mtime < cutoff:
+                    _unlink_quietly(Path(pin.path))
             except FileNotFoundError:
                 pass
 
     # ---- reading -------------------------------------------------------------------------------
     def longest_prefix(self, *, isolation_key: str, source_model: str, token_ids: list[int],
                        max_tokens: int | None = None) -> StoredPrefix | None:
-        """The longest chunk-aligned prefix of ``token_ids`` (at most ``max_tokens``) that is stored."""
+        """The longest chunk-aligned prefix of ``token_ids`` (at most ``max_tokens``) that is stored.
+
+        Only entries of this (isolation key, source model) namespace are ever returned; a bad index
+        file (one that names anything but an entry of this namespace) is a miss and is removed.
+        """
         namespace = self.namespace(isolation_key, source_model)
-        directory = self._dir(namespace)
-        hashes = self.prefix_hashes(namespace, token_ids[:max_tokens] if max_tokens is not None else token_ids)
+        if max_tokens is not None:
+            token_ids = token_ids[:max(0, operator.index(max_tokens))]
+        hashes = self.prefix_hashes(namespace, token_ids)
+        dirs = self._namespace_dirs(namespace) if hashes else None
+        if dirs is None:
+            return None
+        entries, index_dir = dirs
         for count in range(len(hashes), 0, -1):
-            index = directory / "index" / hashes[count - 1]
-            try:
-                entry = directory / "entries" / index.read_text()
-            except FileNotFoundError:
+            index = index_dir / hashes[count - 1]
+            name = _read_index(index)
+            if name is None:
                 continue
-            if entry.exists():
-                return StoredPrefix(entry, count * self.chunk_tokens)
-            index.unlink(missing_ok=True)  # its entry was evicted
+            if not _names_entry_of(name, count * self.chunk_tokens):
+                log.warning("KV store %s: index file %s names %r, not an entry of its namespace; removed",
+                            self.root, index, name[:100])
+                _unlink_quietly(index)
+                continue
+            try:
+                mode = os.lstat(entries / name).st_mode
+            except FileNotFoundError:
+                mode = None  # its entry was evicted
+            if mode is not None and stat.S_ISREG(mode):
+                return StoredPrefix(entries / name, count * self.chunk_tokens)
+            if mode is not None:
+                log.warning("KV store %s: entry %s is not a regular file; not used", self.root, entries / name)
+            _unlink_quietly(index)
         return None
 
     def pin(self, prefix: StoredPrefix) -> Path | None:
-        """A hard link to the entry that eviction cannot take away; None if the entry is already gone."""
+        """A hard link to the entry that eviction cannot take away, and a use of the entry (LRU).
+
+        None if the entry is already gone, or is not a regular file inside this store's namespaces
+        (nothing is linked then), or the link cannot be made (logged).
+        """
+        entry = Path(prefix.entry)
+        if not self._is_entry_path(entry):
+            log.warning("KV store %s: refusing to pin %s: not an entry of this store", self.root, entry)
+            return None
         pin = self.root / "pins" / f"{uuid.uuid4().hex}.safetensors"
         try:
-            os.link(prefix.entry, pin)
-            os.utime(prefix.entry)  # a use: least recently used goes first
+            if not stat.S_ISREG(os.lstat(entry).st_mode):
+                return None
+            os.link(entry, pin, follow_symlinks=False)
+            fd = os.open(pin, os.O_RDONLY | _NOFOLLOW)  # the entry may have been swapped since the lstat
         except FileNotFoundError:
+            _unlink_quietly(pin)
             return None
+        except OSError as exc:
+            log.warning("KV store %s: cannot pin %s: %s", self.root, entry, exc)
+            _unlink_quietly(pin)
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                _unlink_quietly(pin)
+                return None
+            os.utime(fd)  # a use: least recently used goes first
+        finally:
+            os.close(fd)
         return pin
+
+    def _is_entry_path(self, entry: Path) -> bool:
+        """``entry`` is root/ns/<namespace>/entries/<entry name> with every directory a real one."""
+        namespace = entry.parent.parent
+        return (bool(ENTRY_NAME.fullmatch(entry.name)) and entry.parent.name == "entries"
+                and bool(_NAMESPACE.fullmatch(namespace.name)) and namespace.parent == self.root / "ns"
+                and self._namespace_dirs(namespace.name) is not None and _is_real_dir(self.root / "pins"))
 
     @staticmethod
     def release(pin: str | os.PathLike) -> None:
-        Path(pin).unlink(missing_ok=True)
+        """Remove a pin made by :meth:`pin`; anything that is not a pin file is left alone (logged)."""
+        path = Path(pin)
+        if not (_PIN_NAME.fullmatch(path.name) and path.parent.name == "pins"):
+            log.warning("KV store: not releasing %s: not a pin", path)
+            return
+        path.unlink(missing_ok=True)
 
     @staticmethod
     def read(entry: str | os.PathLike, *, token_ids: list[int], start: int, end: int,
@@ -213,31 +392,194 @@ class KVStore:
         """Rows [start, end) of every layer: keys[l], values[l] (1, H, end - start, D) on ``device``.
 
         ``token_ids`` are the prompt's first ``end`` (or more) tokens; the entry must hold exactly them
-        (IncompatibleError otherwise: a hash collision or a store written by something else).
+        (IncompatibleError otherwise: a hash collision or a store written by something else).  A
+        symbolic link or a damaged entry is refused with IncompatibleError; a missing one raises
+        FileNotFoundError.
         """
-        from safetensors import safe_open
-
-        with safe_open(str(entry), framework="pt") as f:
-            stored = f.get_tensor("token_ids")
-            if stored.shape[0] < end or stored[:end].tolist() != list(token_ids[:end]):
-                raise IncompatibleError(f"KV store entry {entry} does not hold the first {end} tokens of this prompt")
-            layers = int(f.metadata()["layers"])
-            keys = [f.get_slice(f"keys.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
-            values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
+        start, end = operator.index(start), operator.index(end)
+        if not 0 <= start <= end:
+            raise ConfigError(f"rows [{start}, {end}) of a KV store entry: need 0 <= start <= end")
+        try:
+            with _open_entry(entry) as f:
+                stored = f.get_tensor("token_ids")
+                if stored.shape[0] < end or stored[:end].tolist() != list(token_ids[:end]):
+                    raise IncompatibleError(f"KV store entry {entry} does not hold the first {end} tokens of "
+                                            "this prompt")
+                layers = _entry_layers(f)
+                keys = [f.get_slice(f"keys.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
+                values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device)
+                          for l in range(layers)]
+        except (IncompatibleError, FileNotFoundError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors, int() and torch errors of a foreign file
+            raise IncompatibleError(f"KV store entry {entry} is damaged or not a kvhub entry "
+                                    f"({type(exc).__name__}: {exc}); delete it, the store is only a cache") from exc
         return keys, values
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in (self.root / "ns").glob("*/entries/*.safetensors"))
+        return sum(st.st_size for _, st in self._entries())
+
+
+# ---- checks on what callers pass ---------------------------------------------------------------------
+def _whole_number(value, name: str, *, minimum: int) -> int:
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise ConfigError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return number
+
+
+def _token_tensor(token_ids) -> torch.Tensor:
+    """(T,) int64 of token ids that are integers in int64 range (ConfigError otherwise)."""
+    try:
+        return torch.tensor([operator.index(t) for t in token_ids], dtype=torch.int64)
+    except (TypeError, RuntimeError, OverflowError) as exc:
+        raise ConfigError(f"token ids must be a list of integers in int64 range ({exc})") from exc
+
+
+def _check_layers(keys, values, tokens: int) -> None:
+    """One (keys, values) pair per layer, each (H, T, D) with T = ``tokens`` and keys.shape == values.shape."""
+    if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)):
+        raise IncompatibleError("keys and values must be lists of tensors, one per layer")
+    if len(keys) != len(values) or not keys:
+        raise IncompatibleError(f"{len(keys)} layers of keys but {len(values)} layers of values; pass one "
+                                "(keys, values) pair per layer, at least one")
+    for index, (k, v) in enumerate(zip(keys, values)):
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            raise IncompatibleError(f"layer {index}: keys and values must be tensors, got "
+                                    f"{type(k).__name__} / {type(v).__name__}")
+        if k.dim() != 3 or k.shape != v.shape or k.shape[1] != tokens:
+            raise IncompatibleError(
+                f"layer {index}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not cover "
+                f"{tokens} tokens as (heads, tokens, head_dim)"
+            )
+
+
+def _entry_tensors(token_ids, keys, values) -> dict[str, torch.Tensor]:
+    """The tensors of one entry, on the CPU; a tensor passed twice is copied (safetensors refuses shared memory)."""
+    tensors = {"token_ids": _token_tensor(token_ids)}
+    seen = set()
+    for index, (k, v) in enumerate(zip(keys, values)):
+        for name, tensor in ((f"keys.{index}", k), (f"values.{index}", v)):
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in seen:
+                tensor = tensor.clone()
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor
+    return tensors
+
+
+# ---- files -------------------------------------------------------------------------------------------
+def _names_entry_of(name: str, tokens: int) -> bool:
+    """``name`` is an entry name (nothing else: no directory, no link target) of at least ``tokens`` tokens."""
+    match = ENTRY_NAME.fullmatch(name)
+    return match is not None and int(name.split("-")[1].split(".")[0]) >= tokens
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _scandir(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as items:
+            return list(items)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _read_regular_file(path: Path, *, limit: int) -> bytes:
+    """The first ``limit`` bytes of a regular file, opened without following a link (no FIFO hangs)."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def _read_index(path: Path) -> str | None:
+    """The text of an index file; None if there is none; "" if it is not a regular text file."""
+    try:
+        return _read_regular_file(path, limit=256).decode("ascii")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # a link (ELOOP), a FIFO, a directory, non-ASCII bytes
+        return ""
+
+
+@contextmanager
+def _open_entry(path: str | os.PathLike):
+    """safe_open of an entry opened without following a link; IncompatibleError for a link or non-file."""
+    from safetensors import safe_open
+
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise IncompatibleError(f"KV store entry {path} is a symbolic link; refused") from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IncompatibleError(f"KV store entry {path} is not a regular file; refused")
+        # through the descriptor, so a link swapped in after the check is never followed
+        by_fd = f"{_FD_DIR}/{fd}" if os.path.isdir(_FD_DIR) else os.fspath(path)
+        with safe_open(by_fd, framework="pt") as f:
+            yield f
+    finally:
+        os.close(fd)
+
+
+def _entry_layers(f) -> int:
+    """The layer count of an open entry, checked against the tensors it holds."""
+    layers = int((f.metadata() or {})["layers"])
+    wanted = {"token_ids"} | {f"{kind}.{l}" for kind in ("keys", "values") for l in range(layers)}
+    if layers < 1 or set(f.keys()) != wanted:
+        raise ValueError(f"metadata says {layers} layers, tensors are {sorted(f.keys())[:8]}")
+    return layers
 
 
 def _read_token_ids(path: Path) -> list[int]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
+    with _open_entry(path) as f:
         return f.get_tensor("token_ids").tolist()
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _probe_writable(root: Path) -> None:
+    """OSError unless a file can be created in ``root`` (a read-only store fails here, not at the first put)."""
+    probe = root / f".probe-{uuid.uuid4().hex}.tmp"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    probe.unlink()
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("KV store: cannot remove %s: %s", path, exc)
+
+
+def _write_error(root: Path, exc: Exception, doing: str) -> StoreError:
+    """StoreError for a failed write, with the fix its errno suggests (safetensors puts it in the text)."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code is None:
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else None
+    reason = os.strerror(code) if code else f"{type(exc).__name__}: {exc}"
+    hint = _WRITE_HINTS.get(code, "check the store directory")
+    return StoreError(f"KV store {root}: {doing} failed ({reason}); nothing stored; {hint}")

@@ -133,10 +133,10 @@ class KVHubConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.recompute = Recompute.from_options(extra, origin="kv_connector_extra_config")
         self.exact_suffix = max(self.recompute.exact_suffix, 1)
-        self.require_isolation_key = bool(extra["require_isolation_key"])
-        self.store = KVStore(extra["store_dir"], max_bytes=int(extra["store_max_bytes"]),
-                             chunk_tokens=int(extra["chunk_tokens"]))
-        self.events_path = extra.get("events_path")
+        self.require_isolation_key = _config_flag(extra, "require_isolation_key")
+        self.store = KVStore(extra["store_dir"], max_bytes=_config_count(extra, "store_max_bytes"),
+                             chunk_tokens=_config_count(extra, "chunk_tokens"))
+        self.events_path = _events_file(extra.get("events_path"))
         self.counters: Counter[str] = Counter()
         self._role_name = "producer" if self.is_producer else "consumer"
         self._lock = threading.Lock()
@@ -207,8 +207,14 @@ class KVHubConnector(KVConnectorBase_V1):
         if self.events_path:
             line = json.dumps({"time": time.time(), "role": self._role_name, "event": event,
                                "request_id": request_id, **fields})
-            with self._lock, open(self.events_path, "a") as f:
-                f.write(line + "\n")
+            try:
+                with self._lock, open(self.events_path, "a") as f:
+                    f.write(line + "\n")
+            except OSError as exc:  # the events file is a log: losing a line never touches the request
+                if not self.counters["events_lost"]:
+                    log.warning("kvhub %s: cannot append to events_path %s (%s); events are lost until it is "
+                                "writable again", self._role_name, self.events_path, exc)
+                self.counters["events_lost"] += 1
 
     def _isolation_key(self, request) -> str | None:
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -518,6 +524,38 @@ class KVHubConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def _config_count(extra: dict, key: str) -> int:
+    """A positive integer option of kv_connector_extra_config (JSON number or digits), else ConfigError."""
+    value = extra[key]
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
+            or int(value) < 1:
+        raise ConfigError(f"kv_connector_extra_config {key} must be a positive whole number, got {value!r}")
+    return int(value)
+
+
+def _config_flag(extra: dict, key: str) -> bool:
+    """A boolean option (JSON true/false, or the strings "true"/"false"), else ConfigError."""
+    value = extra[key]
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config {key} must be true or false, got {value!r}")
+    return value
+
+
+def _events_file(path) -> str | None:
+    """``events_path``, checked writable now (ConfigError at engine start, not at the first request)."""
+    if not path:
+        return None
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"kv_connector_extra_config events_path {path!r} cannot be appended to ({exc.strerror}); "
+                          "point it at a file in an existing, writable directory") from exc
+    return str(path)
 
 
 def _check_serving_spec(spec: Recompute, *, origin: str) -> None:

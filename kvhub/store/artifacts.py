@@ -21,6 +21,7 @@ without a row is unreferenced.  Locks are POSIX ``flock`` locks (local disks, NF
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -65,14 +66,23 @@ def artifact_files(directory: Path) -> dict[str, Path]:
     return regular_files(directory)
 
 
-def copy_hashing(source: Path, destination: Path) -> str:
-    """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes."""
-    return copy_regular(source, destination)
+def copy_hashing(source: Path, destination: Path, *, refuse_hard_links: bool = False) -> str:
+    """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes.
+    ``refuse_hard_links``: a file with other names (st_nlink > 1) is an ArtifactError (see :meth:`ArtifactStore.put`)."""
+    return copy_regular(source, destination, refuse_hard_links=refuse_hard_links)
 
 
 def _make_read_only(directory: Path) -> None:
     for path in artifact_files(directory).values():
         path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _link_refused(path: Path, what: str) -> StoreError:
+    return StoreError(f"{path} is {what}; the artifact store holds only real directories and files. Nothing was "
+                      f"read or deleted; remove it (`rm {path}`) and run the command again")
 
 
 def _remove_tree(path: Path) -> None:
@@ -138,12 +148,36 @@ class ArtifactStore:
         return sorted(location for location in found if _LOCATION.fullmatch(location))
 
     def temporaries(self) -> list[Path]:
-        """Everything under ``.tmp`` (debris of killed writers, when no write is in flight)."""
+        """Everything under ``.tmp`` (debris of killed writers, when no write is in flight).
+
+        ``.tmp`` itself must be a real directory: a symbolic link there (which would make gc empty
+        whatever it points to) is a StoreError, raised before anything is read or deleted."""
+        tmp = self._tmp_dir(create=False)
+        return sorted(tmp.iterdir()) if tmp is not None else []
+
+    def _tmp_dir(self, *, create: bool = True) -> Path | None:
+        """``<root>/.tmp``, checked with lstat: a real directory (created when ``create``), never a link
+        or a file; None when it does not exist and ``create`` is False."""
         tmp = self.root / TMP_DIR
-        return sorted(tmp.iterdir()) if tmp.is_dir() else []
+        try:
+            mode = os.lstat(tmp).st_mode
+        except FileNotFoundError:
+            if not create:
+                return None
+            self.root.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(tmp)
+            mode = os.lstat(tmp).st_mode
+        if stat.S_ISLNK(mode):
+            raise _link_refused(tmp, "a symbolic link")
+        if not stat.S_ISDIR(mode):
+            raise _link_refused(tmp, "not a directory")
+        return tmp
 
     def size(self, path: Path) -> int:
-        """Total bytes of the regular files below ``path``."""
+        """Total bytes of the regular files below ``path`` (a link counts 0: it is never followed)."""
+        if path.is_symlink():
+            return 0
         if path.is_file():
             return path.stat().st_size
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
@@ -168,7 +202,17 @@ class ArtifactStore:
         except ImportError as exc:  # Windows
             raise StoreError("the artifact store needs POSIX file locks (fcntl); use Linux or macOS") from exc
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        lock = self.root / LOCK_FILE
+        try:  # O_NOFOLLOW: a link planted at .lock would make every writer create or open its target
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        except OSError as exc:
+            if os.path.islink(lock):
+                raise _link_refused(lock, "a symbolic link") from None
+            raise StoreError(f"cannot open the store's lock file {lock} ({exc.strerror}); check that the store "
+                             "directory is writable") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _link_refused(lock, "not a regular file")
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             self._acquire(fd, mode, timeout_s)
@@ -211,19 +255,36 @@ class ArtifactStore:
             raise ArtifactError(
                 f"{source} is not an artifact directory (no files); pass the directory `kvhub fit --out` wrote"
             )
-        tmp = self.root / TMP_DIR / uuid.uuid4().hex
+        tmp = self._tmp_dir() / uuid.uuid4().hex
         try:
-            hashes = {name: copy_hashing(path, tmp / name) for name, path in files.items()}
+            hashes = {name: copy_hashing(path, tmp / name, refuse_hard_links=True) for name, path in files.items()}
             if check is not None:
                 check(tmp, hashes)
             digest = manifest_sha256(hashes)
             size = sum((tmp / name).stat().st_size for name in hashes)
             stored = StoredArtifact(digest, self.location_of(digest), size, hashes)
             self._install(tmp, stored)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            raise StoreError(f"no space left on {self.root}; nothing was stored. Free some space (`kvhub gc` "
+                             "removes unreferenced artifacts) and import again") from exc
         finally:
-            if tmp.exists():
+            if os.path.lexists(tmp):
                 _remove_tree(tmp)
         return stored
+
+    @contextlib.contextmanager
+    def staging(self, *, prefix: str) -> Iterator[Path]:
+        """A new empty directory under ``.tmp``, removed on exit, with the shared lock held meanwhile:
+        gc never deletes it while in use, and removes it if the process is killed (``kvhub pull``)."""
+        with self.writing():
+            path = self._tmp_dir() / f"{prefix}{uuid.uuid4().hex}"
+            path.mkdir()
+            try:
+                yield path
+            finally:
+                _remove_tree(path)
 
     def _install(self, tmp: Path, stored: StoredArtifact) -> None:
         final = self.path(stored.location)
@@ -253,8 +314,7 @@ class ArtifactStore:
             return
         if not path.exists():
             return
-        trash = self.root / TMP_DIR / f"{uuid.uuid4().hex}.removing"
-        trash.parent.mkdir(parents=True, exist_ok=True)
+        trash = self._tmp_dir() / f"{uuid.uuid4().hex}.removing"
         os.rename(path, trash)
         _remove_tree(trash)
 

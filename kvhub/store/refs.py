@@ -24,6 +24,7 @@ LATEST = "latest"
 PRODUCTION = "production"
 ALIAS_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
 _VERSION_PATTERN = re.compile(r"[vV]?(\d+)")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 SYNTAX_HELP = (
     "write SRC:DST:CALIB@SELECTOR, e.g. qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@v3 "
@@ -44,6 +45,7 @@ class Ref:
     @classmethod
     def parse(cls, text: str) -> "Ref":
         """Parse ``SRC:DST[:CALIB][@SELECTOR]``; ConfigError with the syntax on anything else."""
+        check_not_url(text)
         base, selector = _split_selector(text.strip())
         parts = base.split(":")
         if len(parts) not in (2, 3) or not all(p.strip() for p in parts):
@@ -79,6 +81,17 @@ class Ref:
         elif self.alias is not None:
             text += f"@{self.alias}"
         return text
+
+
+def check_not_url(text: str) -> None:
+    """ConfigError for a URL (``https://...``, ``hf://owner/name``): its ``:`` would otherwise read as a
+    reference to a model named ``https``."""
+    match = _URL.match(text.strip())
+    if match:
+        rest = text.strip()[match.end():]
+        example = repr(rest[:80]) if match.group().lower() == "hf://" else "OWNER/NAME@v3"
+        raise ConfigError(f"{text[:120]!r} is a URL, not a mapper reference; a Hub repository is written without a "
+                          f"scheme ({example}), and for a reference, {SYNTAX_HELP}")
 
 
 def _split_selector(text: str) -> tuple[str, str | None]:

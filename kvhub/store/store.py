@@ -199,6 +199,11 @@ class Store:
         log.info("registered %s (artifact %s)", version.ref, stored.sha256[:12])
         return version
 
+    def staging(self, *, prefix: str = "staging-"):
+        """Context manager: a new empty directory inside the store's ``.tmp``, removed on exit; what a
+        killed process leaves there is removed by ``kvhub gc``, never left in /tmp (``kvhub pull``)."""
+        return self._artifacts.staging(prefix=prefix)
+
     def add_metrics(self, version: VersionLike, metrics: list[dict]) -> int:
         """Record measurements {name, value, split?, task?, layer?, n?, seed?}; returns how many."""
 
@@ -431,10 +436,12 @@ class Store:
         """Remove artifact directories no version references and debris of killed writers.
 
         Holds the artifact store's exclusive lock, so no registration is between writing its
-        artifact and committing its row: a directory without a row is provably unreferenced.
+        artifact and committing its row: a directory without a row is provably unreferenced.  A link at
+        ``.tmp`` or ``.lock`` is a StoreError raised before anything is deleted.
         """
         report = GcReport(dry_run=dry_run)
         with self._artifacts.collecting():
+            debris = self._artifacts.temporaries()  # checks .tmp before anything is deleted
             referenced = set(self._read(lambda s: s.scalars(select(VersionRow.artifact_location)).all()))
             stored = set(self._artifacts.locations())
             report.missing = sorted(referenced - stored)
@@ -442,7 +449,7 @@ class Store:
                 report.artifacts.append((location, self._artifacts.size(self._artifacts.path(location))))
                 if not dry_run:
                     self._artifacts.remove(location)
-            for path in self._artifacts.temporaries():
+            for path in debris:
                 report.temporaries.append((path.name, self._artifacts.size(path)))
                 if not dry_run:
                     self._artifacts.remove_temporary(path)
