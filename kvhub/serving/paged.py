@@ -97,3 +97,20 @@ def probe_layout(writer: Writer, block: torch.Tensor, *, block_size: int, heads:
         found.append(index)
     block.zero_()
     return PagedLayout(key_index=found[0], value_index=found[1])
+
+
+def layer_layout(layer, kv_layer: torch.Tensor, *, block_size: int) -> PagedLayout:
+    """The layout of a vLLM attention ``layer``'s paged cache ``kv_layer``, probed with its backend's own
+    ``do_kv_cache_update``; UnsupportedModelError for a cache that is not laid out blocks first."""
+    heads, head_dim = layer.num_kv_heads, layer.head_size
+    if kv_layer[0].numel() != 2 * block_size * heads * head_dim:
+        raise UnsupportedModelError(
+            f"the paged KV cache {tuple(kv_layer.shape)} is not laid out blocks first (one block = "
+            f"K and V of {block_size} tokens); kvhub cannot read this attention backend"
+        )
+
+    def writer(k, v, cache, slots):
+        layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+    scratch = kv_layer.new_zeros((1, *kv_layer.shape[1:]))
+    return probe_layout(writer, scratch, block_size=block_size, heads=heads, head_dim=head_dim)

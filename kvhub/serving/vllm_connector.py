@@ -25,28 +25,24 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
   a request may carry its own in ``kv_transfer_params["kvhub_recompute"]`` ("exact_budget=0.2,select=random"),
   and ``kv_transfer_params["kvhub_control"]`` maps it with the no-information control map (evaluation).
   The response's ``kv_transfer_params["kvhub"]`` says what was mapped and recomputed.
-* Mapped blocks are approximate, recomputed or not: right after vLLM allocates (and prefix-caches) them,
-  the consumer evicts their hashes from vLLM's prefix cache, so no later request reuses them as exact.
-  The request's later blocks chain from those hashes and so can never be a prefix-cache hit either.
+* Mapped blocks, recomputed or not, are evicted from vLLM's prefix cache right after allocation: no later
+  request reuses them (or the blocks chained after them) as exact.
 * Isolation key: the request's ``kv_transfer_params["kvhub_tenant"]`` if given, else its ``cache_salt``,
   else "" (one shared namespace; ``require_isolation_key`` turns that off).
-* Fallback is never silent: no stored prefix, an incompatible mapper, a failed pin, a failed or non-finite
-  map, write or recompute is a log line, a counter in ``self.counters`` and, with ``events_path``, a JSON
-  line; a failed load reports its blocks through ``get_block_ids_with_load_errors`` so vLLM prefills
-  them (with ``kv_load_failure_policy="recompute"``).
+* Fallback is never silent (a log line, ``self.counters``, an ``events_path`` JSON line): a failed or
+  non-finite map, write or recompute reports its blocks through ``get_block_ids_with_load_errors``, and
+  vLLM prefills them (``kv_load_failure_policy="recompute"``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,9 +54,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
+from kvhub.serving.connector_config import (check_serving_spec, check_target, config_count, config_flag, events_file,
+                                            load_mapper, request_spec, span_tokenizer, worker_device)
 from kvhub.serving.kvstore import KVStore
 from kvhub.serving.launch import EXTRA_DEFAULTS, LOAD_FAILURE_POLICY, ROLES, WORKER_CLASS, check_extra_keys
-from kvhub.serving.paged import PagedLayout, load_plan, probe_layout
+from kvhub.serving.paged import PagedLayout, layer_layout, load_plan
 from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
@@ -133,10 +131,10 @@ class KVHubConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.recompute = Recompute.from_options(extra, origin="kv_connector_extra_config")
         self.exact_suffix = max(self.recompute.exact_suffix, 1)
-        self.require_isolation_key = _config_flag(extra, "require_isolation_key")
-        self.store = KVStore(extra["store_dir"], max_bytes=_config_count(extra, "store_max_bytes"),
-                             chunk_tokens=_config_count(extra, "chunk_tokens"))
-        self.events_path = _events_file(extra.get("events_path"))
+        self.require_isolation_key = config_flag(extra, "require_isolation_key")
+        self.store = KVStore(extra["store_dir"], max_bytes=config_count(extra, "store_max_bytes"),
+                             chunk_tokens=config_count(extra, "chunk_tokens"))
+        self.events_path = events_file(extra.get("events_path"))
         self.counters: Counter[str] = Counter()
         self._role_name = "producer" if self.is_producer else "consumer"
         self._lock = threading.Lock()
@@ -166,16 +164,16 @@ class KVHubConnector(KVConnectorBase_V1):
 
     # ---- configuration ---------------------------------------------------------------------------
     def _init_consumer(self, vllm_config, extra: dict) -> None:
-        device = "cpu" if self.role == KVConnectorRole.SCHEDULER else _worker_device(vllm_config)
+        device = "cpu" if self.role == KVConnectorRole.SCHEDULER else worker_device(vllm_config)
         try:
-            self.mapper = _load_mapper(extra, device=device)
+            self.mapper = load_mapper(extra, device=device)
             self.source_model = extra.get("source_model") or self.mapper.source["model_id"]
-            _check_target(self.mapper, vllm_config)
+            check_target(self.mapper, vllm_config)
         except Exception as exc:  # noqa: BLE001 - any failure to get a usable mapper means: prefill, visibly
             self.refusal = f"{type(exc).__name__}: {exc}"
             self.source_model = extra.get("source_model", "")
             log.error("kvhub consumer disabled, every request falls back to prefill: %s", self.refusal)
-        _check_serving_spec(self.recompute, origin="kv_connector_extra_config")
+        check_serving_spec(self.recompute, origin="kv_connector_extra_config")
         if vllm_config.kv_transfer_config.kv_load_failure_policy != LOAD_FAILURE_POLICY:
             log.warning("kvhub consumer: set kv_load_failure_policy=%r so a failed map falls back to prefill instead "
                         "of failing the request", LOAD_FAILURE_POLICY)
@@ -227,6 +225,8 @@ class KVHubConnector(KVConnectorBase_V1):
             return 0, False
         try:
             reason, plan = self._plan(request, num_computed_tokens)
+        except ConfigError as exc:  # the request's own kvhub_recompute spec
+            reason, plan = f"bad kv_transfer_params: {exc}", None
         except Exception as exc:  # noqa: BLE001 - an unreadable store is a miss, never a dead scheduler
             reason, plan = f"store lookup failed: {type(exc).__name__}: {exc}", None
         if plan is None:
@@ -257,17 +257,7 @@ class KVHubConnector(KVConnectorBase_V1):
         return None, (prefix, start, end)
 
     def _request_spec(self, request) -> Recompute:
-        """The engine's recompute spec, or the request's own (kv_transfer_params "kvhub_recompute", in
-        Recompute.name's words, over the engine's); ConfigError for a bad one (the request is prefilled)."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        text = params.get("kvhub_recompute")
-        if not text:
-            return self.recompute
-        if not isinstance(text, str):
-            raise ConfigError("kv_transfer_params kvhub_recompute is a spec like 'exact_budget=0.2,select=random'")
-        spec = Recompute.parse(text, base=self.recompute)
-        _check_serving_spec(spec, origin="kv_transfer_params kvhub_recompute")
-        return spec
+        return request_spec(getattr(request, "kv_transfer_params", None) or {}, base=self.recompute)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.is_producer:
@@ -446,17 +436,8 @@ class KVHubConnector(KVConnectorBase_V1):
         return report
 
     def _span_tokenizer(self):
-        """The served model's tokenizer (sentence spans), loaded once; None without one (16-token spans)."""
-        if self._tokenizer is False:
-            self._tokenizer = None
-            if self.tokenizer_name:
-                try:
-                    from transformers import AutoTokenizer
-
-                    self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
-                except Exception as exc:  # noqa: BLE001 - spans fall back to fixed windows, said once
-                    log.warning("kvhub consumer: no tokenizer from %s (%s); recompute spans are 16-token windows",
-                                self.tokenizer_name, exc)
+        if self._tokenizer is False:  # not loaded yet
+            self._tokenizer = span_tokenizer(self.tokenizer_name)
         return self._tokenizer
 
     def build_connector_worker_meta(self):
@@ -489,19 +470,7 @@ class KVHubConnector(KVConnectorBase_V1):
     def _layout(self, layer, kv_layer: torch.Tensor) -> PagedLayout:
         key = (type(layer.impl), getattr(layer, "isa", None), kv_layer.dtype, tuple(kv_layer.shape[1:]))
         if key not in self._layouts:
-            heads, head_dim = layer.num_kv_heads, layer.head_size
-            if kv_layer[0].numel() != 2 * self.block_size * heads * head_dim:
-                raise UnsupportedModelError(
-                    f"the paged KV cache {tuple(kv_layer.shape)} is not laid out blocks first (one block = "
-                    f"K and V of {self.block_size} tokens); the producer cannot read this attention backend"
-                )
-
-            def writer(k, v, cache, slots):
-                layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
-
-            scratch = kv_layer.new_zeros((1, *kv_layer.shape[1:]))
-            self._layouts[key] = probe_layout(writer, scratch, block_size=self.block_size, heads=heads,
-                                              head_dim=head_dim)
+            self._layouts[key] = layer_layout(layer, kv_layer, block_size=self.block_size)
         return self._layouts[key]
 
     def wait_for_save(self) -> None:
@@ -526,83 +495,8 @@ class KVHubConnector(KVConnectorBase_V1):
         return errors
 
 
-def _config_count(extra: dict, key: str) -> int:
-    """A positive integer option of kv_connector_extra_config (JSON number or digits), else ConfigError."""
-    value = extra[key]
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
-            or int(value) < 1:
-        raise ConfigError(f"kv_connector_extra_config {key} must be a positive whole number, got {value!r}")
-    return int(value)
-
-
-def _config_flag(extra: dict, key: str) -> bool:
-    """A boolean option (JSON true/false, or the strings "true"/"false"), else ConfigError."""
-    value = extra[key]
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if not isinstance(value, bool):
-        raise ConfigError(f"kv_connector_extra_config {key} must be true or false, got {value!r}")
-    return value
-
-
-def _events_file(path) -> str | None:
-    """``events_path``, checked writable now (ConfigError at engine start, not at the first request)."""
-    if not path:
-        return None
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"kv_connector_extra_config events_path {path!r} cannot be appended to ({exc.strerror}); "
-                          "point it at a file in an existing, writable directory") from exc
-    return str(path)
-
-
-def _check_serving_spec(spec: Recompute, *, origin: str) -> None:
-    """Inside vLLM the consumer has only the mapped cache and its own model: select="target" or "random"."""
-    if spec.selective and spec.select not in ("target", "random"):
-        raise ConfigError(f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own "
-                          "attention over the mapped cache (select=target) or at random (select=random, the control)")
-
-
 def _layer_number(layer_name: str) -> int:
     match = _LAYER_NUMBER.search(layer_name)
     if match is None:
         raise IncompatibleError(f"cannot tell the layer number of attention layer {layer_name!r}")
     return int(match.group(1))
-
-
-def _worker_device(vllm_config) -> str:
-    device = getattr(vllm_config.device_config, "device", None)
-    return str(device) if device is not None else "cpu"
-
-
-def _load_mapper(extra: dict, *, device):
-    """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory)."""
-    from kvhub.core.mapper import Mapper
-
-    if extra.get("mapper_path"):
-        return Mapper.load(Path(extra["mapper_path"]), device=device)
-    if not extra.get("mapper"):
-        raise ConfigError("the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in "
-                          "kv_connector_extra_config")
-    from kvhub.api import load
-    from kvhub.store.refs import Ref
-
-    ref = Ref.parse(extra["mapper"])
-    if extra.get("db"):
-        os.environ.setdefault("KVHUB_DB_URL", str(extra["db"]))
-    return load(ref.source, ref.target, calib=ref.calibration, version=ref.version, alias=ref.alias,
-                hub_repo=extra.get("hub_repo"), db=extra.get("db"), device=device)
-
-
-def _check_target(mapper, vllm_config) -> None:
-    """The engine's model must have the KV geometry the mapper writes (IncompatibleError otherwise)."""
-    model = vllm_config.model_config
-    engine = {"num_layers": model.hf_config.num_hidden_layers,
-              "num_kv_heads": model.get_num_kv_heads(vllm_config.parallel_config),
-              "head_dim": model.get_head_size()}
-    wanted = {name: mapper.target[name] for name in engine}
-    if engine != wanted:
-        raise IncompatibleError(f"this engine's model has KV geometry {engine}, the mapper writes {wanted} "
-                                f"({mapper.target['model_id']}); serve that model or pick its mapper")

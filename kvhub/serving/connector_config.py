@@ -1,0 +1,116 @@
+"""The kvhub connector's configuration, read at engine start: every value of ``kv_connector_extra_config``
+checked (a ConfigError names the key), the mapper resolved and matched to the served model.  No vLLM
+import: the checks are tested without an engine (the contract itself lives in kvhub.serving.launch)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.serving.spec import Recompute
+
+log = logging.getLogger("kvhub.serving")
+
+
+def config_count(extra: dict, key: str) -> int:
+    """A positive integer option of kv_connector_extra_config (JSON number or digits), else ConfigError."""
+    value = extra[key]
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
+            or int(value) < 1:
+        raise ConfigError(f"kv_connector_extra_config {key} must be a positive whole number, got {value!r}")
+    return int(value)
+
+
+def config_flag(extra: dict, key: str) -> bool:
+    """A boolean option (JSON true/false, or the strings "true"/"false"), else ConfigError."""
+    value = extra[key]
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config {key} must be true or false, got {value!r}")
+    return value
+
+
+def events_file(path) -> str | None:
+    """``events_path``, checked writable now (ConfigError at engine start, not at the first request)."""
+    if not path:
+        return None
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"kv_connector_extra_config events_path {path!r} cannot be appended to ({exc.strerror}); "
+                          "point it at a file in an existing, writable directory") from exc
+    return str(path)
+
+
+def check_serving_spec(spec: Recompute, *, origin: str) -> None:
+    """Inside vLLM the consumer has only the mapped cache and its own model: select="target" or "random"."""
+    if spec.selective and spec.select not in ("target", "random"):
+        raise ConfigError(f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own "
+                          "attention over the mapped cache (select=target) or at random (select=random, the control)")
+
+
+def worker_device(vllm_config) -> str:
+    device = getattr(vllm_config.device_config, "device", None)
+    return str(device) if device is not None else "cpu"
+
+
+def load_mapper(extra: dict, *, device):
+    """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory)."""
+    from kvhub.core.mapper import Mapper
+
+    if extra.get("mapper_path"):
+        return Mapper.load(Path(extra["mapper_path"]), device=device)
+    if not extra.get("mapper"):
+        raise ConfigError("the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in "
+                          "kv_connector_extra_config")
+    from kvhub.api import load
+    from kvhub.store.refs import Ref
+
+    ref = Ref.parse(extra["mapper"])
+    if extra.get("db"):
+        os.environ.setdefault("KVHUB_DB_URL", str(extra["db"]))
+    return load(ref.source, ref.target, calib=ref.calibration, version=ref.version, alias=ref.alias,
+                hub_repo=extra.get("hub_repo"), db=extra.get("db"), device=device)
+
+
+def check_target(mapper, vllm_config) -> None:
+    """The engine's model must have the KV geometry the mapper writes (IncompatibleError otherwise)."""
+    model = vllm_config.model_config
+    engine = {"num_layers": model.hf_config.num_hidden_layers,
+              "num_kv_heads": model.get_num_kv_heads(vllm_config.parallel_config),
+              "head_dim": model.get_head_size()}
+    wanted = {name: mapper.target[name] for name in engine}
+    if engine != wanted:
+        raise IncompatibleError(f"this engine's model has KV geometry {engine}, the mapper writes {wanted} "
+                                f"({mapper.target['model_id']}); serve that model or pick its mapper")
+
+
+def span_tokenizer(name: str | None):
+    """The served model's tokenizer, for recomputing whole sentences / lines; None (16-token spans) when the
+    engine has none or it does not load (said once)."""
+    if not name:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - spans fall back to fixed windows
+        log.warning("kvhub consumer: no tokenizer from %s (%s); recompute spans are 16-token windows", name, exc)
+        return None
+
+
+def request_spec(params: dict, *, base: Recompute) -> Recompute:
+    """The engine's spec ``base``, or a request's own: ``kv_transfer_params["kvhub_recompute"]`` in
+    :meth:`Recompute.name`'s words, over ``base``; ConfigError for a bad one (the request is then prefilled)."""
+    text = params.get("kvhub_recompute")
+    if not text:
+        return base
+    if not isinstance(text, str):
+        raise ConfigError("kv_transfer_params kvhub_recompute is a spec like 'exact_budget=0.2,select=random'")
+    spec = Recompute.parse(text, base=base)
+    check_serving_spec(spec, origin="kv_transfer_params kvhub_recompute")
+    return spec
