@@ -3,13 +3,16 @@
 No vLLM needed; tests/test_vllm_connector.py drives them inside the real engine.
 """
 
+import errno
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
-from kvhub.serving.kvstore import KVStore
+from kvhub.errors import ConfigError, IncompatibleError, StoreError, UnsupportedModelError
+from kvhub.serving import kvstore
+from kvhub.serving.kvstore import KVStore, StoredPrefix
 from kvhub.serving.paged import load_plan, probe_layout
 
 LAYERS, HEADS, DIM = 3, 2, 8
@@ -110,6 +113,186 @@ def test_short_prompts_are_not_stored(tmp_path):
     store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=16)
     keys, values = _kv(10)
     assert store.put(isolation_key="a", source_model="s", token_ids=list(range(10)), keys=keys, values=values) is None
+
+
+# ---- a store directory written by someone else (reliability-2 R2, R3, R11, R19) ----------------------
+def _bob_index(store, ids, count=-1):
+    """Bob's index file of the prefix of ``ids`` (his namespace's directories made as a put would)."""
+    namespace = KVStore.namespace("bob", "src")
+    directory = store.root / "ns" / namespace
+    for sub in ("entries", "index"):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    return directory / "index" / store.prefix_hashes(namespace, ids)[count]
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["dot-dot-path", "absolute-path"])
+def test_an_index_naming_another_tenants_entry_is_a_miss_and_is_removed(tmp_path, relative):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 13))
+    _put(store, ids, tenant="alice")
+    alice = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids).entry
+    os.utime(alice, (1e9, 1e9))
+    index = _bob_index(store, ids)
+    escape = f"../../{alice.parent.parent.name}/entries/{alice.name}"
+    index.write_text(escape if relative else str(alice))
+    assert store.longest_prefix(isolation_key="bob", source_model="src", token_ids=ids) is None
+    assert not index.exists()
+    assert store.pin(StoredPrefix(index.parent.parent / "entries" / escape, 12)) is None
+    assert list((tmp_path / "pins").iterdir()) == [] and alice.stat().st_mtime == 1e9
+
+
+def test_a_symlinked_entry_is_refused_never_read_and_its_target_untouched(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 13))
+    _put(store, ids, tenant="alice")
+    alice = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids).entry
+    os.utime(alice, (1e9, 1e9))
+    index = _bob_index(store, ids)
+    link = index.parent.parent / "entries" / alice.name
+    link.symlink_to(alice)
+    index.write_text(alice.name)
+    assert store.longest_prefix(isolation_key="bob", source_model="src", token_ids=ids) is None
+    assert store.pin(StoredPrefix(link, 12)) is None
+    with pytest.raises(IncompatibleError, match="symbolic link"):
+        KVStore.read(link, token_ids=ids, start=0, end=12)
+    assert list((tmp_path / "pins").iterdir()) == []
+    assert store.total_bytes() == alice.stat().st_size  # counted once; the link is swept away
+    assert not os.path.lexists(link) and alice.stat().st_mtime == 1e9
+
+
+def test_pin_never_links_a_file_outside_the_store(tmp_path):
+    store = KVStore(tmp_path / "store", max_bytes=1 << 20, chunk_tokens=4)
+    outside = tmp_path / "secret" / "entries" / f"{'a' * 40}-16.safetensors"  # named like an entry
+    outside.parent.mkdir(parents=True)
+    outside.write_bytes(b"secret")
+    os.utime(outside, (1e9, 1e9))
+    assert store.pin(StoredPrefix(outside, 16)) is None
+    assert list((tmp_path / "store" / "pins").iterdir()) == [] and outside.stat().st_mtime == 1e9
+
+
+def test_a_namespace_linked_out_of_the_store_is_neither_read_nor_evicted_from(tmp_path):
+    store = KVStore(tmp_path / "store", max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 13))
+    _put(store, ids, tenant="alice")
+    alice = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids).entry
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "entries").mkdir(parents=True)
+    (elsewhere / "index").mkdir()
+    (elsewhere / "entries" / alice.name).write_bytes(alice.read_bytes())
+    bob = KVStore.namespace("bob", "src")
+    (elsewhere / "index" / store.prefix_hashes(bob, ids)[-1]).write_text(alice.name)
+    (tmp_path / "store" / "ns" / bob).symlink_to(elsewhere, target_is_directory=True)
+    assert store.longest_prefix(isolation_key="bob", source_model="src", token_ids=ids) is None
+    KVStore(tmp_path / "store", max_bytes=1, chunk_tokens=4).evict()  # a cap nothing fits
+    assert not alice.exists() and (elsewhere / "entries" / alice.name).exists()
+
+
+@pytest.mark.parametrize("damage", [b"", b"garbage" * 10, None], ids=["empty", "garbage", "truncated"])
+def test_eviction_removes_a_damaged_entry_and_later_puts_succeed(tmp_path, damage):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = [list(range(100 * n + 1, 100 * n + 17)) for n in range(3)]
+    _put(store, ids[0])
+    damaged = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids[0]).entry
+    size = damaged.stat().st_size
+    damaged.write_bytes(damaged.read_bytes()[:size // 2] if damage is None else damage)
+    os.utime(damaged, (1e9, 1e9))
+    store = KVStore(tmp_path, max_bytes=int(1.5 * size), chunk_tokens=4)
+    for prompt in ids[1:]:
+        _put(store, prompt)
+        assert store.longest_prefix(isolation_key="alice", source_model="src", token_ids=prompt) is not None
+    assert not damaged.exists() and store.total_bytes() <= store.max_bytes
+    index = damaged.parent.parent / "index"
+    assert all(path.read_text() != damaged.name for path in index.iterdir())
+
+
+def test_eviction_treats_an_entry_another_engine_removed_as_gone(tmp_path, monkeypatch):
+    probe = KVStore(tmp_path / "probe", max_bytes=1 << 30, chunk_tokens=4)
+    _put(probe, list(range(1, 17)))
+    store = KVStore(tmp_path / "store", max_bytes=int(1.5 * probe.total_bytes()), chunk_tokens=4)
+    _put(store, list(range(1, 17)))
+
+    def removed_meanwhile(path):  # torch reopens the file by name after safetensors read its header
+        path.unlink()
+        raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (2)")
+
+    monkeypatch.setattr(kvstore, "_read_token_ids", removed_meanwhile)
+    ids = list(range(101, 117))
+    keys, _ = _put(store, ids, seed=1)
+    found = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids)
+    assert torch.equal(KVStore.read(found.entry, token_ids=ids, start=0, end=16)[0][0][0], keys[0])
+    assert store.total_bytes() <= store.max_bytes
+
+
+def test_a_cap_below_one_entry_refuses_the_put_and_stores_nothing(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1000, chunk_tokens=4)
+    with pytest.raises(ConfigError, match="raise store_max_bytes"):
+        _put(store, list(range(1, 17)))
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "store.json"] == []
+
+
+def test_the_entry_a_put_returns_is_not_its_own_eviction_victim(tmp_path):
+    probe = KVStore(tmp_path / "probe", max_bytes=1 << 30, chunk_tokens=4)
+    _put(probe, list(range(1, 17)))
+    store = KVStore(tmp_path / "store", max_bytes=int(1.5 * probe.total_bytes()), chunk_tokens=4)
+    _put(store, list(range(1, 17)))
+    newer = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=list(range(1, 17))).entry
+    os.utime(newer, (4e9, 4e9))  # another engine's clock runs ahead
+    keys, values = _kv(16)
+    entry = store.put(isolation_key="alice", source_model="src", token_ids=list(range(101, 117)), keys=keys,
+                      values=values)
+    assert entry.exists() and not newer.exists()
+
+
+@pytest.mark.parametrize("where", ["entry", "index"])
+def test_disk_full_during_put_is_a_store_error_and_leaves_nothing(tmp_path, monkeypatch, where):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    save_file, write_bytes = safetensors.torch.save_file, Path.write_bytes
+    writes = []
+
+    def full_entry(tensors, filename, metadata=None):
+        save_file(tensors, filename, metadata=metadata)
+        os.truncate(filename, 100)  # what was written before the disk filled up
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def full_index(path, data):
+        writes.append(path)
+        if len(writes) == 3:
+            write_bytes(path, data[:5])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_bytes(path, data)
+
+    if where == "entry":
+        monkeypatch.setattr(safetensors.torch, "save_file", full_entry)
+    else:
+        monkeypatch.setattr(Path, "write_bytes", full_index)
+    with pytest.raises(StoreError, match="No space left on device.*nothing stored.*free space"):
+        _put(store, list(range(1, 17)))
+    assert [p for p in (tmp_path / "ns").rglob("*") if not p.is_dir()] == []
+
+
+def test_a_read_only_store_directory_is_refused_at_start(tmp_path, monkeypatch):
+    KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def read_only_mkdir(path, *args, **kwargs):
+        if not os.path.isdir(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(os, "mkdir", read_only_mkdir)
+    with pytest.raises(ConfigError, match=f"cannot write the KV store directory {tmp_path}: Read-only.*write access"):
+        KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    with pytest.raises(ConfigError, match="Read-only file system"):
+        KVStore(tmp_path / "new", max_bytes=1 << 20, chunk_tokens=4)
 
 
 @pytest.mark.parametrize("prompt, computed, stored, expected", [

@@ -64,7 +64,7 @@ def _register_and_crash(url, artifacts, artifact, point, stderr_path) -> None:
 
     _stderr_to(stderr_path)
     if point == "mid-copy":  # half of the tensor file written under .tmp
-        def copy(source, destination):
+        def copy(source, destination, **options):
             destination.parent.mkdir(parents=True, exist_ok=True)
             data = source.read_bytes()
             destination.write_bytes(data[: len(data) // 2])

@@ -96,8 +96,10 @@ def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) ->
 
     from kvhub.serving.launch import WORKER_CLASS
 
-    # the producer prefills in 64-token chunks: its prompt KV is saved from blocks filled over two steps
-    chunk = {"max_num_batched_tokens": 64} if role == "producer" else {}
+    # the producer prefills in 64-token chunks: its prompt KV is saved from blocks filled over two steps;
+    # KVHUB_TEST_MAX_BATCHED chunks the consumer's prefill too (the tail after a load and recompute)
+    batched = 64 if role == "producer" else os.environ.get("KVHUB_TEST_MAX_BATCHED")
+    chunk = {"max_num_batched_tokens": int(batched)} if batched else {}
     worker = {"worker_cls": WORKER_CLASS} if role == "consumer" else {}
     llm = LLM(model=paths["source" if role == "producer" else "target"], skip_tokenizer_init=True,
               dtype="float32", block_size=BLOCK, max_model_len=256, max_num_seqs=4, enforce_eager=True,
@@ -198,16 +200,23 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
 @needs_vllm
 def test_a_failed_recompute_falls_back_to_prefill_and_the_pass_matches_transformers(tmp_path):
     """A recompute that raises inside the engine: vLLM prefills the request (its output is own) and the
-    events say why.  Then the connector's pass over the engine's model against kvhub.serving.recompute's
-    in transformers, on the same cache and positions (fp32)."""
+    events say why.  A load and recompute followed by a chunked prefill of the tail.  Then the
+    connector's pass over the engine's model against kvhub.serving.recompute's in transformers, on the
+    same cache and positions (fp32)."""
     paths = make_family(tmp_path)
-    _spawn("producer", paths, [[(PROMPT_A, "alice", None)]])
-    results = _spawn("consumer", paths, [[(PROMPT_A, "other", None)], [(PROMPT_A, "alice", None)]],
-                     env={"KVHUB_TEST_FAIL_RECOMPUTE": "1", "KVHUB_TEST_COMPARE_PASS": "1",
-                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    (own,), (failed,), differences = results
+    _store_random_kv(paths, PROMPT_A, tenant="alice")  # any stored KV: the load fails in its recompute
+    _store_random_kv(paths, PROMPT_D, tenant="alice")
+    results = _spawn("consumer", paths, [
+        [(PROMPT_A, "other", None)], [(PROMPT_A, "alice", None)], [(PROMPT_D, "other", None)],
+        [(PROMPT_D, "alice", {"kvhub_control": True, "kvhub_recompute": ALL_EXACT})]],
+        env={"KVHUB_TEST_FAIL_RECOMPUTE": str(len(PROMPT_A)), "KVHUB_TEST_COMPARE_PASS": "1",
+             "KVHUB_TEST_MAX_BATCHED": "16", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    (own,), (failed,), (own_d,), (chunked_d,), differences = results
     assert failed["kvhub"]["fallback"] == "RuntimeError: planted recompute failure", failed
     assert failed["ids"] == own["ids"]
+    # chunked prefill (16 tokens a step): the 26-token tail after a load and a full recompute is a prefill
+    assert chunked_d["kvhub"]["recomputed_tokens"] == 64 and chunked_d["kvhub"]["prefill_tokens"] == 26
+    assert chunked_d["ids"] == own_d["ids"]
     reasons = [e["reason"] for e in _events(paths) if e["role"] == "consumer" and e["event"] == "fallback"]
     assert "load failed: RuntimeError: planted recompute failure" in reasons
     worst = max(differences)
@@ -252,18 +261,23 @@ def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str, scale: floa
     store.put(isolation_key=tenant, source_model="tiny/src", token_ids=prompt, keys=noise[:3], values=noise[3:])
 
 
-def _plant_recompute_failure() -> None:
-    """Every recompute raises (the engine runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+def _plant_recompute_failure(prompt_tokens: int) -> None:
+    """The recompute of every prompt of ``prompt_tokens`` tokens raises (the engine runs in this process:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     from kvhub.serving import engine_pass
 
-    def fail(*args, **kwargs):
-        raise RuntimeError("planted recompute failure")
+    real = engine_pass.recompute_request
 
-    engine_pass.recompute_request = fail
+    def planted(engine, spec, *, prompt_ids, **kwargs):
+        if len(prompt_ids) == prompt_tokens:
+            raise RuntimeError("planted recompute failure")
+        return real(engine, spec, prompt_ids=prompt_ids, **kwargs)
+
+    engine_pass.recompute_request = planted
 
 
 if __name__ == "__main__":
     role, paths, requests, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
     if os.environ.get("KVHUB_TEST_FAIL_RECOMPUTE"):
-        _plant_recompute_failure()
+        _plant_recompute_failure(int(os.environ["KVHUB_TEST_FAIL_RECOMPUTE"]))
     Path(out).write_text(json.dumps(run_engine(role, paths, requests)))

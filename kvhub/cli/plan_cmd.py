@@ -51,7 +51,8 @@ def _finite(ctx, param, value: float | None):
                                       "(probe, then only candidate source layers) when they fit.")
 @click.option("--candidates", type=click.IntRange(min=1), default=None,
               help="Two passes: the source layers pass 2 keeps [default: the most that fit].")
-@click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB", callback=_finite,
+@click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
+              callback=_finite,
               help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
                    "machine's for cpu].")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")

@@ -270,3 +270,25 @@ def _checked_tensor(key: str, tensor: torch.Tensor, like: torch.Tensor) -> torch
     if key.endswith((".n", ".weight_sum")) and float(tensor) < 0:
         raise _Damaged(f"has {key} {tensor.item()}, below 0")
     return tensor
+
+
+def sweep_temporaries(directory: Path, *, older_than_s: float = 3600.0) -> list[Path]:
+    """Delete the ``.<name>.safetensors.tmp-*`` files that fits killed mid-save left in ``directory``
+    (atomic_write_bytes' temporaries), once untouched for ``older_than_s``; returns what was deleted.
+    A save in progress keeps writing its temporary, so an hour-old one has no writer."""
+    import stat
+    import time
+
+    cutoff = time.time() - older_than_s
+    swept = []
+    for path in sorted(Path(directory).glob(".*.safetensors.tmp-*")):
+        try:
+            info = path.lstat()
+            if info.st_mtime < cutoff and not stat.S_ISDIR(info.st_mode):
+                path.unlink()
+                swept.append(path)
+        except FileNotFoundError:  # another fit swept it first
+            continue
+    if swept:
+        log.info("removed %d stale checkpoint temporaries from %s", len(swept), directory)
+    return swept

@@ -54,10 +54,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 STALE_PIN_SECONDS = 600.0
-ENTRY_NAME = re.compile(r"[0-9a-f]{40}-[1-9][0-9]*\.safetensors")  # what put names an entry: <h_J>-<T>
+ENTRY_NAME = re.compile(r"[0-9a-f]{40}-([1-9][0-9]*)\.safetensors")  # what put names an entry: <h_J>-<T>
 _NAMESPACE = re.compile(r"[0-9a-f]{40}")
 _PIN_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO planted in the store must not hang
 _FD_DIR = "/proc/self/fd"  # where an open descriptor has a path safetensors can open (Linux)
 _WRITE_HINTS = {
     errno.ENOSPC: "free space on its file system or lower store_max_bytes",
@@ -93,6 +94,8 @@ class KVStore:
             (self.root / "pins").mkdir(parents=True, exist_ok=True)
             self._check_format()
             _probe_writable(self.root)
+            if not _is_real_dir(self.root / "pins"):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root / "pins"))
         except (FileExistsError, NotADirectoryError) as exc:
             raise ConfigError(
                 f"the KV store directory {self.root} is not a directory ({exc.filename} is in the way); "
@@ -110,18 +113,27 @@ class KVStore:
         wanted = {"format": FORMAT, "chunk_tokens": self.chunk_tokens}
         if not os.path.lexists(path):
             _atomic_write_bytes(path, json.dumps(wanted).encode())
-        try:
-            found = json.loads(_read_regular_file(path, limit=4096))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                f"the KV store's {path} is damaged ({exc}); remove it (the next engine writes a fresh one) "
-                "or point store_dir at another directory"
-            ) from exc
+        found = self._read_format(path)
         if found != wanted:
             raise ConfigError(
                 f"the KV store at {self.root} was created with {found}, this engine asks for {wanted}; "
                 "give every engine the same chunk_tokens, or point this one at another store_dir"
             )
+
+    def _read_format(self, path: Path) -> object:
+        """The JSON in store.json; ConfigError if it is not a regular file of JSON text."""
+        try:
+            return json.loads(_read_regular_file(path, limit=4096))
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EMLINK):
+                raise
+            reason, cause = "a symbolic link", exc
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, not a regular file
+            reason, cause = str(exc), exc
+        raise ConfigError(
+            f"the KV store's {path} is damaged ({reason}); remove it (the next engine writes a fresh one) "
+            "or point store_dir at another directory"
+        ) from cause
 
     # ---- keys ----------------------------------------------------------------------------------
     @staticmethod
@@ -169,9 +181,9 @@ class KVStore:
         """
         namespace = self.namespace(isolation_key, source_model)
         hashes = self.prefix_hashes(namespace, token_ids)
+        _check_layers(keys, values, len(token_ids))
         if not hashes:
             return None
-        _check_layers(keys, values, len(token_ids))
         directory = self._dir(namespace)
         try:
             (directory / "entries").mkdir(parents=True, exist_ok=True)
@@ -189,7 +201,10 @@ class KVStore:
             for prefix in hashes:
                 _atomic_write_bytes(dirs[1] / prefix, entry.name.encode())
         except OSError as exc:
-            self._remove_entry(entry, prefixes=hashes)
+            try:
+                self._remove_entry(entry, prefixes=hashes)
+            except OSError as cleanup:
+                log.warning("KV store %s: cannot remove %s after a failed put: %s", self.root, entry, cleanup)
             raise _write_error(self.root, exc, "writing an index file") from exc
         try:
             self._evict(keep=entry)
@@ -311,7 +326,7 @@ class KVStore:
         """
         namespace = self.namespace(isolation_key, source_model)
         if max_tokens is not None:
-            token_ids = token_ids[:max(0, operator.index(max_tokens))]
+            token_ids = token_ids[:max(0, _integer(max_tokens, "max_tokens"))]
         hashes = self.prefix_hashes(namespace, token_ids)
         dirs = self._namespace_dirs(namespace) if hashes else None
         if dirs is None:
@@ -353,7 +368,7 @@ class KVStore:
             if not stat.S_ISREG(os.lstat(entry).st_mode):
                 return None
             os.link(entry, pin, follow_symlinks=False)
-            fd = os.open(pin, os.O_RDONLY | _NOFOLLOW)  # the entry may have been swapped since the lstat
+            fd = os.open(pin, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)  # the entry may have been swapped since
         except FileNotFoundError:
             _unlink_quietly(pin)
             return None
@@ -396,7 +411,7 @@ class KVStore:
         symbolic link or a damaged entry is refused with IncompatibleError; a missing one raises
         FileNotFoundError.
         """
-        start, end = operator.index(start), operator.index(end)
+        start, end = _integer(start, "start"), _integer(end, "end")
         if not 0 <= start <= end:
             raise ConfigError(f"rows [{start}, {end}) of a KV store entry: need 0 <= start <= end")
         try:
@@ -431,11 +446,18 @@ def _whole_number(value, name: str, *, minimum: int) -> int:
     return number
 
 
+def _integer(value, name: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError as exc:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from exc
+
+
 def _token_tensor(token_ids) -> torch.Tensor:
     """(T,) int64 of token ids that are integers in int64 range (ConfigError otherwise)."""
     try:
         return torch.tensor([operator.index(t) for t in token_ids], dtype=torch.int64)
-    except (TypeError, RuntimeError, OverflowError) as exc:
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise ConfigError(f"token ids must be a list of integers in int64 range ({exc})") from exc
 
 
@@ -475,7 +497,7 @@ def _entry_tensors(token_ids, keys, values) -> dict[str, torch.Tensor]:
 def _names_entry_of(name: str, tokens: int) -> bool:
     """``name`` is an entry name (nothing else: no directory, no link target) of at least ``tokens`` tokens."""
     match = ENTRY_NAME.fullmatch(name)
-    return match is not None and int(name.split("-")[1].split(".")[0]) >= tokens
+    return match is not None and int(match.group(1)) >= tokens
 
 
 def _is_real_dir(path: Path) -> bool:
@@ -494,8 +516,8 @@ def _scandir(path: Path) -> list[os.DirEntry]:
 
 
 def _read_regular_file(path: Path, *, limit: int) -> bytes:
-    """The first ``limit`` bytes of a regular file, opened without following a link (no FIFO hangs)."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    """The first ``limit`` bytes of a regular file, opened without following a link."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{path} is not a regular file")
@@ -520,7 +542,7 @@ def _open_entry(path: str | os.PathLike):
     from safetensors import safe_open
 
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             raise IncompatibleError(f"KV store entry {path} is a symbolic link; refused") from exc
@@ -570,8 +592,9 @@ def _probe_writable(root: Path) -> None:
 def _unlink_quietly(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("KV store: cannot remove %s: %s", path, exc)
+    except OSError as exc:  # a read-only file system says so even for a file that is not there
+        if os.path.lexists(path):
+            log.warning("KV store: cannot remove %s: %s", path, exc)
 
 
 def _write_error(root: Path, exc: Exception, doing: str) -> StoreError:

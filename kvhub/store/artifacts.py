@@ -8,8 +8,12 @@ hashed like any file, so two artifacts with the same tensors but other metadata 
 Layout under the root::
 
     sha256/<2 hex>/<64 hex>/   stored artifacts, files read-only
-    .tmp/                      copies in progress and removals in progress
+    .tmp/                      copies, pull stagings and removals in progress
     .lock                      writers hold it shared, gc holds it exclusive
+
+``.tmp`` and ``.lock`` are checked with lstat (``.lock`` opened with O_NOFOLLOW): a symbolic link at
+either is refused before anything is read or deleted, so a planted link never makes gc empty, or a
+writer write into, a directory outside the store.
 
 A copy is written under ``.tmp``, fsynced, then renamed into place, so a stored directory is always
 complete; a killed writer leaves only ``.tmp`` debris.  Writers hold the shared lock from the start of
@@ -68,7 +72,7 @@ def artifact_files(directory: Path) -> dict[str, Path]:
 
 def copy_hashing(source: Path, destination: Path, *, refuse_hard_links: bool = False) -> str:
     """Copy one regular file (never through a symbolic link), fsync it; returns the sha256 of the bytes.
-    ``refuse_hard_links``: a file with other names (st_nlink > 1) is an ArtifactError (see :meth:`ArtifactStore.put`)."""
+    ``refuse_hard_links``: a file with other names (st_nlink > 1) is an ArtifactError (:meth:`ArtifactStore.put`)."""
     return copy_regular(source, destination, refuse_hard_links=refuse_hard_links)
 
 
@@ -80,7 +84,7 @@ def _make_read_only(directory: Path) -> None:
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _link_refused(path: Path, what: str) -> StoreError:
+def _refused_entry(path: Path, what: str) -> StoreError:
     return StoreError(f"{path} is {what}; the artifact store holds only real directories and files. Nothing was "
                       f"read or deleted; remove it (`rm {path}`) and run the command again")
 
@@ -169,9 +173,9 @@ class ArtifactStore:
                 os.mkdir(tmp)
             mode = os.lstat(tmp).st_mode
         if stat.S_ISLNK(mode):
-            raise _link_refused(tmp, "a symbolic link")
+            raise _refused_entry(tmp, "a symbolic link")
         if not stat.S_ISDIR(mode):
-            raise _link_refused(tmp, "not a directory")
+            raise _refused_entry(tmp, "not a directory")
         return tmp
 
     def size(self, path: Path) -> int:
@@ -207,12 +211,12 @@ class ArtifactStore:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
         except OSError as exc:
             if os.path.islink(lock):
-                raise _link_refused(lock, "a symbolic link") from None
+                raise _refused_entry(lock, "a symbolic link") from None
             raise StoreError(f"cannot open the store's lock file {lock} ({exc.strerror}); check that the store "
                              "directory is writable") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise _link_refused(lock, "not a regular file")
+            raise _refused_entry(lock, "not a regular file")
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             self._acquire(fd, mode, timeout_s)

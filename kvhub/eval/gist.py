@@ -1,0 +1,195 @@
+"""The gist: does the large model answer about the WHOLE context after a handoff, or almost as if it had none?
+
+Facts (kvhub.eval.longctx) test one stated detail.  Here each item is a long context and a request about
+all of it (summarize a chat or a document, continue a code file); the target's own greedy answer A
+(``answer_tokens`` tokens, from its own prefill) is scored teacher-forced, as mean negative
+log-likelihood per token, under each cache:
+
+- ``own``:     the target's own cache of the prompt (the reference, lowest NLL by construction);
+- ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.serving.recompute`);
+- ``control``: the same recompute over the no-information control map (:mod:`kvhub.eval.control`);
+- ``floor``:   the context dropped: the target given only the last ``FLOOR_TOKENS`` prompt tokens
+               (the request itself), the no-context floor.
+
+    gap closed = (NLL_floor - NLL_variant) / (NLL_floor - NLL_own)
+
+is 1 for a cache as informative as the target's own and 0 for one that tells the target no more than
+the request alone (negative: worse than no context).  The aggregate is the ratio of the mean NLLs over
+items, with a bootstrap 95% interval over items.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.errors import ConfigError
+
+KINDS = ("chat", "document", "code")
+CONDITIONS = ("own", "mapped", "control", "floor")
+FLOOR_TOKENS = 32
+ANSWER_TOKENS = 48
+
+
+@dataclass
+class GistItem:
+    """A prompt (token ids: a context and a request about all of it) and its kind."""
+
+    id: str
+    prompt_ids: list[int]
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class GistScore:
+    """Per item and recompute variant: nll[c] mean NLL per answer token under each condition, the answer."""
+
+    id: str
+    nll: dict
+    answer: list[int]
+    meta: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- items -----------------------------------------------------------------------------------------
+def gist_items(kind: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
+               filler: list[str] | None = None) -> list[GistItem]:
+    """``n`` items of ``kind``: a chat of ~``context_tokens`` tokens then "summarize what we discussed"; a
+    document then "summarize the text above"; a code file prefix to be continued."""
+    if kind not in KINDS:
+        raise ConfigError(f"unknown gist kind {kind!r}; use one of {', '.join(KINDS)}")
+    if context_tokens < 64:
+        raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
+    from kvhub.eval import longctx
+
+    if kind == "code":
+        return [GistItem(f"gist-code-{context_tokens}-{i}", item.prompt_ids, {**item.meta, "kind": kind})
+                for i, item in enumerate(longctx.code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed))]
+    filler = filler if filler is not None else longctx.filler_paragraphs(seed=seed)
+    rng = random.Random(f"gist-{kind}-{seed}-{context_tokens}")
+    build = _chat if kind == "chat" else _document
+    items = []
+    for i in range(n):
+        prompt = build(tokenizer, filler, rng, context_tokens)
+        items.append(GistItem(f"gist-{kind}-{context_tokens}-{i}", prompt, {"kind": kind, "context_tokens": len(prompt)}))
+    return items
+
+
+def _chat(tokenizer, filler, rng, context_tokens) -> list[int]:
+    messages, used = [], 0
+    while used < context_tokens:
+        paragraph = rng.choice(filler)
+        messages += [{"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat do you make of it?"},
+                     {"role": "assistant", "content": paragraph.split(". ")[0].strip().rstrip(".") + "."}]
+        used += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"]) + 40  # + the reply and template
+    messages.append({"role": "user", "content": "Summarize what we discussed in this conversation, briefly."})
+    return _templated(tokenizer, messages)
+
+
+def _document(tokenizer, filler, rng, context_tokens) -> list[int]:
+    paragraphs, used = [], 0
+    while used < context_tokens:
+        paragraph = rng.choice(filler)
+        paragraphs.append(paragraph)
+        used += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"]) + 1
+    request = "\n\n".join(paragraphs) + "\n\nSummarize the text above in a few sentences."
+    return _templated(tokenizer, [{"role": "user", "content": request}])
+
+
+def _templated(tokenizer, messages) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the gist's chat and document items need a tokenizer with a chat template (an instruct model)")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---- scoring ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def own_answer(target, prompt_ids: list[int], *, answer_tokens: int = ANSWER_TOKENS) -> list[int]:
+    """The target's greedy answer from its own prefill of the prompt (``answer_tokens`` tokens, eos kept)."""
+    device = next(target.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_tokens, do_sample=False,
+                          min_new_tokens=answer_tokens, pad_token_id=target.config.eos_token_id or 0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def answer_nll(model, cache, tail_ids: list[int], answers: int) -> float:
+    """Mean NLL per token of the last ``answers`` of ``tail_ids`` continuing ``cache`` (which holds everything
+    before tail_ids[0]); the cache grows."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([tail_ids], device=device)
+    past = cache.get_seq_length()
+    positions = torch.arange(past, past + ids.shape[1], device=device).unsqueeze(0)
+    logits = model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
+    return float(F.cross_entropy(logits[-answers - 1:-1], ids[0, -answers:]))
+
+
+@torch.no_grad()
+def score_gist_item(item: GistItem, *, mapper, control, source, target, tokenizer, variants,
+                    answer_tokens: int = ANSWER_TOKENS) -> list[GistScore]:
+    """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared)."""
+    from kvhub.serving.handoff import prepare_cache
+
+    prompt = item.prompt_ids
+    answer = own_answer(target, prompt, answer_tokens=answer_tokens)
+    tail = [prompt[-1]] + answer
+    device = next(target.parameters()).device
+    context = torch.tensor([prompt[:-1]], device=device)
+    shared = {"own": answer_nll(target, run_model(target, context), tail, len(answer)),
+              "floor": answer_nll(target, run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)),
+                                  tail, len(answer))}
+    source_cache = run_model(source, context)
+    ids = torch.tensor([prompt], device=device)
+    scores = []
+    for spec in variants:
+        spec = spec.capped(len(prompt) - 1)
+        nll = dict(shared)
+        for name, which in (("mapped", mapper), ("control", control)):
+            cache = prepare_cache(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
+                                  source_cache=source_cache)
+            nll[name] = answer_nll(target, cache, tail, len(answer))
+        scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}))
+    return scores
+
+
+def gap_closed(nll: dict, condition: str) -> float:
+    """(floor - condition) / (floor - own) from per-condition NLLs; nan when own is no better than the floor."""
+    span = nll["floor"] - nll["own"]
+    return (nll["floor"] - nll[condition]) / span if span > 0 else math.nan
+
+
+def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
+    """Mean NLL per condition, gap closed by ``mapped`` and ``control`` (ratio of the means) with bootstrap
+    95% intervals over items, and their paired difference."""
+    if not scores:
+        return {"n": 0}
+    rng = random.Random(seed)
+    n = len(scores)
+
+    def stats(index) -> dict:
+        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in CONDITIONS}
+        out = {f"nll_{c}": mean[c] for c in CONDITIONS}
+        out["gap_closed_mapped"] = gap_closed(mean, "mapped")
+        out["gap_closed_control"] = gap_closed(mean, "control")
+        out["gap_closed_map_minus_control"] = out["gap_closed_mapped"] - out["gap_closed_control"]
+        return out
+
+    point = stats(range(n))
+    boot = [stats([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
+    out = {"n": n}
+    for key, value in point.items():
+        values = sorted(b[key] for b in boot if not math.isnan(b[key]))
+        out[key] = value
+        out[f"{key}_ci"] = ([values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
+                            if values else [math.nan, math.nan])
+    out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
+    return out
