@@ -184,3 +184,18 @@ def test_output_folder_named_from_a_ref_stays_inside_output_path(tmp_path, ref):
     results, folder = output_files(tmp_path, ref, "2026-01-01T00-00-00.000000")
     assert folder.parent == tmp_path and results.parent == folder
     assert folder.name not in ("", ".", "..") and not folder.name.startswith(".") and "/" not in folder.name
+
+
+def test_the_gist_task_reports_the_gap_closed_beside_the_control_and_stores_it(env):
+    result = _eval(env, "--task", "gist-code", "--context-tokens", "64", "--limit", "1", "--exact-prefix", "2", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    (name, summary), = doc["results"].items()
+    assert name == "gist-code-64@exact_prefix=2" and summary["n"] == 1
+    for key in ("nll_own", "nll_mapped", "nll_control", "nll_floor", "gap_closed_mapped", "gap_closed_control"):
+        assert key in summary
+    assert summary["gap_closed_mapped"] == pytest.approx(
+        (summary["nll_floor"] - summary["nll_mapped"]) / (summary["nll_floor"] - summary["nll_own"]))
+    assert doc["config"]["datasets"]["gist-code-64"]["n"] == 1
+    shown = CliRunner().invoke(main, ["show", env["ref"], "--db", env["db"], "--json"])
+    assert "gap_closed_mapped" in shown.stdout  # stored as metrics of the version

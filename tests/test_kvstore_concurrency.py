@@ -31,8 +31,8 @@ def _tenant(n: int) -> str:
 
 def _prompt(rng: random.Random) -> list[int]:
     """One of PROMPTS shared openings (3 chunks), then a random tail of 0..MAX_TAIL tokens."""
-    opening = [1000 + 40 * rng.randrange(PROMPTS) + t for t in range(BASE_TOKENS)]
-    return opening + [rng.randrange(1, 999) for _ in range(rng.randrange(MAX_TAIL + 1))]
+    first = 1000 + 40 * rng.randrange(PROMPTS)
+    return list(range(first, first + BASE_TOKENS)) + [rng.randrange(1, 999) for _ in range(rng.randrange(MAX_TAIL + 1))]
 
 
 def _stamp(tenant: int, token_ids):

@@ -15,7 +15,8 @@ from kvhub.eval.textsets import TEXT_SETS
 
 MC_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "lambada")
 LONG_TASKS = ("facts", "multiturn", "code")  # kvhub.eval.longctx
-TASKS = MC_TASKS + ("ppl",) + LONG_TASKS
+GIST_TASKS = ("gist-chat", "gist-document", "gist-code")  # kvhub.eval.gist.TASKS (not imported: it needs torch)
+TASKS = MC_TASKS + ("ppl",) + LONG_TASKS + GIST_TASKS
 
 
 def _load_version(ref: str, db: str | None, *, device=None, dtype=None):
@@ -51,7 +52,8 @@ def _variants(exact_prefixes, exact_suffixes, exact_budgets, selects, specs):
 @click.argument("ref")
 @click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(TASKS),
               help="Task to evaluate (repeatable).  facts / multiturn / code are long-context tasks scored "
-                   "exactly (see --context-tokens).")
+                   "exactly; gist-chat / gist-document / gist-code score the target's own answer about the whole "
+                   "context (see --context-tokens).")
 @click.option("--limit", type=click.IntRange(min=1), default=200, show_default=True,
               help="Items per task (seeded subset).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -112,6 +114,12 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     and add two conditions: `control`, the same recompute over a map with no information about the
     context (the mapper's calibration-mean K/V), and `floor`, the target given only the question.
 
+    The gist tasks (gist-chat: summarize a long chat; gist-document: summarize a long text; gist-code:
+    continue a long Python file) score the target's own 48-token greedy answer teacher-forced (mean NLL
+    per token) under its own cache, each mapped variant, the control and the floor (the context
+    dropped), and report the gap closed, (floor - mapped) / (floor - own): 1 is as informed as own, 0
+    is no better than no context.
+
     `ppl` scores perplexity on a fixed text set (--ppl-text, default the LAMBADA test passages), cut into
     the same windows for every mapper of a pair, so figures compare across mappers whatever their
     calibration data.
@@ -138,6 +146,10 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
             outcome = _eval_ppl(mapper, source, target, tokenizer, [v for v in variants if not v.selective], run,
                                 text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib)
             named = {_ppl_name(outcome[1]): outcome}
+        elif task in GIST_TASKS:
+            named = {f"{task}-{length}": _eval_gist(version, mapper, source, target, tokenizer, task, length, variants,
+                                                    run)
+                     for length in context_tokens}
         elif task in LONG_TASKS:
             named = {f"{task}-{length}": _eval_recall(version, mapper, source, target, tokenizer, task, length,
                                                       variants, run)
@@ -309,6 +321,15 @@ def _eval_recall(version, mapper, source, target, tokenizer, task, length, varia
             dataset, records)
 
 
+def _eval_gist(version, mapper, source, target, tokenizer, task, length, variants, run):
+    from kvhub.cli.progress import progress_callback
+    from kvhub.eval.gist import evaluate_gist
+
+    with progress_callback("items/s") as callback:
+        return evaluate_gist(task, tensors_sha256=version.tensors_sha256, mapper=mapper, source=source, target=target,
+                             tokenizer=tokenizer, context_tokens=length, variants=variants, run=run, progress=callback)
+
+
 def _eval_ppl(mapper, source, target, tokenizer, variants, run, *, text, seq_len, calib=None):
     """({variant: summary}, data set description, per-window records) of perplexity: on the fixed text set
     ``text`` cut into ``seq_len``-token windows, or (``calib``) on a calibration set's held-out split."""
@@ -379,8 +400,9 @@ def _print_results(ref: str, results: dict) -> None:
     for column in ("task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"):
         table.add_column(column, justify="right")
     recall = {task: r for task, r in results.items() if "acc_control" in r}
+    gist = {task: r for task, r in results.items() if "gap_closed_mapped" in r}
     for task, r in results.items():
-        if task in recall:
+        if task in recall or task in gist:
             continue
         if task.startswith("ppl"):
             table.add_row(task, str(r["n"]), f"ppl {r['ppl_own']:.2f}", f"ppl {r['ppl_mapped']:.2f}",
@@ -394,6 +416,25 @@ def _print_results(ref: str, results: dict) -> None:
         console.print(table)
     if recall:
         _print_recall(ref, recall)
+    if gist:
+        _print_gist(ref, gist)
+
+
+def _print_gist(ref: str, results: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{ref}: the target's own answer about the whole context, mean NLL per token")
+    for column in ("task", "n", "tokens", "own", "mapped", "control", "floor", "gap closed [95% CI]",
+                   "control closes [95% CI]"):
+        table.add_column(column, justify="right")
+    for task, r in results.items():
+        low, high = r["gap_closed_mapped_ci"]
+        clow, chigh = r["gap_closed_control_ci"]
+        table.add_row(task, str(r["n"]), f"{r['context_tokens']:.0f}",
+                      *(f"{r[f'nll_{c}']:.3f}" for c in ("own", "mapped", "control", "floor")),
+                      f"{r['gap_closed_mapped']:+.2f} [{low:+.2f}, {high:+.2f}]",
+                      f"{r['gap_closed_control']:+.2f} [{clow:+.2f}, {chigh:+.2f}]")
+    console.print(table)
 
 
 def _print_recall(ref: str, results: dict) -> None:

@@ -193,3 +193,35 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
                             if values else [math.nan, math.nan])
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
     return out
+
+
+TASKS = tuple(f"gist-{kind}" for kind in KINDS)  # kvhub eval --task names
+
+
+def evaluate_gist(task: str, *, tensors_sha256: str, mapper, source, target, tokenizer, context_tokens: int,
+                  variants, run: dict, progress=None) -> tuple[dict, dict, list]:
+    """({variant name: summary}, data set description, per-item records) of ``task`` (one of :data:`TASKS`)
+    at one context length; ``run`` holds limit, seed, dtype, device, log_samples.  Per-item results are
+    cached (kvhub.eval.cache) per mapper, task, seed, variant, dtype and device."""
+    from kvhub.eval.cache import results_file, score_items
+    from kvhub.eval.control import control_mapper
+    from kvhub.eval.results import items_sha256
+
+    kind = task.removeprefix("gist-")
+    name = f"{task}-{context_tokens}"
+    items = gist_items(kind, tokenizer, context_tokens=context_tokens, n=run["limit"], seed=run["seed"])
+    control = control_mapper(mapper)
+    paths = [results_file(tensors_sha256, name, seed=run["seed"], variant=v.cache_key(), dtype=run["dtype"],
+                          device=run["device"]) for v in variants]
+    scores = score_items(
+        items, paths,
+        lambda item, indices: score_gist_item(item, mapper=mapper, control=control, source=source, target=target,
+                                              tokenizer=tokenizer, variants=[variants[i] for i in indices]),
+        from_dict=lambda record: GistScore(**record), progress=progress)
+    dataset = {"name": name, "source": f"built by kvhub.eval.gist (seed {run['seed']})",
+               "context_tokens": context_tokens, "n": len(items), "sha256": items_sha256(items)}
+    records = ([{"task": name, "variant": v.name(), "doc_id": item.id, "nll": row[i].nll, "answer": row[i].answer,
+                 "gap_closed": {c: gap_closed(row[i].nll, c) for c in ("mapped", "control")}, "meta": item.meta}
+                for i, v in enumerate(variants) for item, row in zip(items, scores)] if run["log_samples"] else [])
+    return ({v.name(): summarize_gist([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)},
+            dataset, records)
