@@ -7,7 +7,9 @@
 # no-information control map, same recompute) and the last 32 tokens only (floor).
 #   bash benchmarks/serve_facts.sh [REF] [extra kvhub serve options...]
 # Needs .venv-vllm (scripts/setup-vllm.sh) and the demo mapper (scripts/demo.sh).  Writes
-# docs/results/serve_facts.json (override with OUT=...).  About 30 minutes on 2 CPU cores.
+# docs/results/serve_facts.json (override with OUT=..., LIMIT=items per task and length, LENGTHS="1024 2048",
+# DTYPE=float32: on a CPU without AVX-512 bf16 matmuls are emulated and several times slower than fp32).
+# On 2 AVX2 cores the 1.5B prefills 1k tokens in about a minute: LIMIT=4 at 1k takes about 20 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF=${1:-Qwen/Qwen2.5-Coder-0.5B-Instruct:Qwen/Qwen2.5-Coder-1.5B-Instruct:legal-docs@latest}
@@ -18,7 +20,7 @@ LIMIT=${LIMIT:-12}
 WORK=$(mktemp -d)
 "$KVHUB" serve "$REF" --store-dir "$WORK/kv" --events "$WORK/events.jsonl" --log-dir "$WORK/logs" --json \
   --port-small "${PORT_SMALL:-8101}" --port-large "${PORT_LARGE:-8102}" "$@" \
-  -- --dtype bfloat16 --max-model-len 4096 --block-size 16 --max-num-seqs 4 --enforce-eager \
+  -- --dtype "${DTYPE:-float32}" --max-model-len 4096 --block-size 16 --max-num-seqs 4 --enforce-eager \
   > "$WORK/ready.json" 2> "$WORK/serve.stderr" &
 SERVE=$!
 trap 'kill -INT $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT
@@ -28,7 +30,9 @@ until [ -s "$WORK/ready.json" ]; do
 done
 small=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['small']['url'])" "$WORK/ready.json")
 large=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['large']['url'])" "$WORK/ready.json")
-"$KVHUB" eval-serve --small "$small" --large "$large" --task facts --task multiturn \
-  --context-tokens 1024 --context-tokens 2048 --limit "$LIMIT" --output-path "$OUT"
+lengths=()
+for n in ${LENGTHS:-1024 2048}; do lengths+=(--context-tokens "$n"); done
+"$KVHUB" eval-serve --small "$small" --large "$large" --task facts --task multiturn "${lengths[@]}" \
+  --limit "$LIMIT" --agreement-tokens "${AGREEMENT:-32}" --timeout 1800 --output-path "$OUT"
 cp "$WORK/events.jsonl" "${OUT%.json}.events.jsonl"
 echo "results: $OUT; connector events: ${OUT%.json}.events.jsonl; server logs: $WORK/logs" >&2
