@@ -131,6 +131,22 @@ def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
     assert single.metadata["chosen_by"] == "held-out R^2"
 
 
+def test_a_truncated_latest_rank_checkpoint_falls_back_to_the_previous_generation(tmp_path):
+    """Rank 1's latest generation cut short (its previous one kept): both ranks resume one step earlier,
+    from their previous generations, to the single-process mapper."""
+    family = _family()
+    codes = _run_ranks(tmp_path, family, _options(), die_at=["capture", DIE_AT_STEP])
+    assert codes[1] == 3 and codes[0] != 0
+    latest = tmp_path / "checkpoint.rank1-of-2.safetensors"
+    assert (tmp_path / "checkpoint.rank1-of-2.prev.safetensors").is_file()
+    latest.write_bytes(latest.read_bytes()[:100])
+    assert _run_ranks(tmp_path, family, _options()) == [0, 0]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [
+            ["capture", DIE_AT_STEP - 1], ["capture", DIE_AT_STEP], ["capture", DIE_AT_STEP + 1]]
+    _assert_same_mapper(tmp_path, _single(family, _options()))
+
+
 def test_two_pass_on_two_ranks_equals_one_process_also_after_a_rank_dies_in_pass_two(tmp_path):
     """Each rank probes its own target layers and keeps their best source layer; the single process keeps
     every target's: the same layers per target, the same sums, the same mapper."""

@@ -133,32 +133,32 @@ def saved_mode(path: Path | None, job: str) -> StatisticsMode | None:
         return None
 
 
-def read_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout,
-                batches: int) -> Header | None:
+def read_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int,
+                then: str = "starting over") -> Header | None:
     """The checked header of the checkpoint at ``path`` if a fit of ``job`` in ``mode`` can resume it.
 
     ``layout``: the statistics of pass 1 (every source layer; the fit's, or a rank's, target layers);
     ``batches``: the batches (distributed: steps) of one pass.  None: no file, another job's or mode's,
-    or a damaged one (a warning says what is wrong)."""
+    or a damaged one (a warning says what is wrong, then what the fit does: ``then``)."""
     try:
         return _checked_header(path, job, mode, layout=layout, batches=batches)
     except _Damaged as exc:
-        log.warning("checkpoint %s %s; starting over", path, exc)
+        log.warning("checkpoint %s %s; %s", path, exc, then)
         return None
 
 
 def load(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int,
-         device: torch.device | str = "cpu") -> FitState | None:
+         device: torch.device | str = "cpu", then: str = "starting over") -> FitState | None:
     """The state the checkpoint at ``path`` holds if a fit of ``job`` in ``mode`` can resume it (``layout``,
-    ``batches``: as for :func:`read_header`), its tensors on ``device``; None: nothing to resume (a
-    warning says why when there was a checkpoint of this fit)."""
+    ``batches``, ``then``: as for :func:`read_header`), its tensors on ``device``; None: nothing to resume
+    (a warning says why when there was a checkpoint of this fit)."""
     try:
         header = _checked_header(path, job, mode, layout=layout, batches=batches)
         if header is None:
             return None
         return _read_state(Path(path), header, mode, layout, device)
     except _Damaged as exc:
-        log.warning("checkpoint %s %s; starting over", path, exc)
+        log.warning("checkpoint %s %s; %s", path, exc, then)
         return None
 
 
@@ -225,31 +225,40 @@ def _candidates(header: dict, pass_index: int, mode: StatisticsMode, src_layers:
         raise _Damaged(f"has candidates {text!r}, not comma-separated source layers")
     chosen = [int(c) for c in layers]
     if chosen != sorted(set(chosen)) or chosen[-1] >= src_layers or len(chosen) > budget:
-        raise _Damaged(f"has candidates {text!r}, not at most {budget} ascending source layers of 0..{src_layers - 1}")
+        raise _Damaged(f"has candidates {text!r}, not at most {budget} ascending source layers of "
+                       f"0..{src_layers - 1}")
     return chosen
 
 
-def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout, device) -> FitState:
-    """The checkpoint's tensors, each checked against the statistics the header and ``layout`` imply."""
-    from safetensors import SafetensorError, safe_open
-
+def _expected(header: Header, mode: StatisticsMode, layout: Layout) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint with ``header`` holds, as meta tensors of their shape and dtype: the
+    state_dict of empty statistics of the pass's layout (pass 2: the candidates' source layers), and in
+    pass 2 the probe grids (Ls, target layers)."""
     if header.pass_index == 1:
-        stats_layout, gram = layout, "diagonal" if mode.passes == 2 else "full"
+        kept, gram = layout, "diagonal" if mode.passes == 2 else "full"
     else:
-        stats_layout, gram = Layout(len(header.candidates), layout.src_width, layout.dst_layers, layout.dst_width), "full"
-    # the state_dict of empty statistics of that layout on the meta device: every key, shape and dtype, no memory
-    template = KVStats(stats_layout, device="meta", dtype=mode.torch_dtype, gram=gram).state_dict()
+        kept, gram = Layout(len(header.candidates), layout.src_width, layout.dst_layers, layout.dst_width), "full"
+    template = KVStats(kept, device="meta", dtype=mode.torch_dtype, gram=gram).state_dict()
     expected = {f"{name}.{key}": t for name in SPLITS for key, t in template.items()}
     if header.pass_index == 2:
         grid = torch.empty(layout.src_layers, layout.dst_layers, dtype=torch.float64, device="meta")
         expected.update({"probe.k": grid, "probe.v": grid})
+    return expected
+
+
+def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout, device) -> FitState:
+    """The checkpoint's tensors, each checked against :func:`_expected`."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = _expected(header, mode, layout)
     try:
         with safe_open(str(path), framework="pt") as handle:
             missing = sorted(set(expected) - set(handle.keys()))
             if missing:
-                raise _Damaged(f"lacks tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                raise _Damaged(f"lacks tensor {missing[0]}{more}")
             state = {key: _checked_tensor(key, handle.get_tensor(key), like) for key, like in expected.items()}
-    except SafetensorError as exc:
+    except (SafetensorError, OSError) as exc:
         raise _Damaged(f"does not read as safetensors ({exc})") from exc
     state = {key: t.to(device) for key, t in state.items()}
     stats = {name: KVStats.from_state_dict({k[len(name) + 1:]: v for k, v in state.items()

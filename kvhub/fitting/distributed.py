@@ -297,16 +297,18 @@ def _resume(group: Group, checkpoint: Path | None, job: str, mode: StatisticsMod
     warning says what), every rank drops it and the generations after it, and the ranks agree again."""
     if checkpoint is None:
         return None
-    found = {}
+    found, then = {}, "resuming from an older generation every rank reads, if any"
     for path in _rank_paths(group, checkpoint):
-        header = checkpoints.read_header(path, job, mode, layout=layout, batches=steps)
+        header = checkpoints.read_header(path, job, mode, layout=layout, batches=steps, then=then)
         if header is not None:
             found.setdefault(header.position, path)
     while True:
         agreed = _smallest(group, max(found, default=0))
         if agreed == 0:
             return None
-        state = checkpoints.load(found[agreed], job, mode, layout=layout, batches=steps) if agreed in found else None
+        state = None
+        if agreed in found:
+            state = checkpoints.load(found[agreed], job, mode, layout=layout, batches=steps, then=then)
         if _smallest(group, int(state is not None)):
             log.info("rank %d resumes in pass %d after step %d", group.rank, state.pass_index, state.batches_done)
             return state
