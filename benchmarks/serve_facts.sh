@@ -12,7 +12,7 @@
 # On 2 AVX2 cores the 1.5B prefills 1k tokens in about a minute: LIMIT=4 at 1k takes about 20 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REF=${1:-Qwen/Qwen2.5-Coder-0.5B-Instruct:Qwen/Qwen2.5-Coder-1.5B-Instruct:legal-docs@latest}
+REF=${1:-Qwen2.5-Coder-0.5B-Instruct:Qwen2.5-Coder-1.5B-Instruct:legal-docs@latest}
 shift || true
 KVHUB=${KVHUB:-.venv/bin/kvhub}
 OUT=${OUT:-docs/results/serve_facts.json}

@@ -143,6 +143,10 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     results, datasets, samples = {}, {}, {}
     for task in tasks:
         if task == "ppl":
+            dropped = [v.name() for v in variants if v.selective]
+            if dropped:  # perplexity scores batches of windows: no per-sequence selection (never silently)
+                say(f"--task ppl does not score selective variants (exact_budget > 0): {', '.join(dropped)}",
+                    label="note:")
             outcome = _eval_ppl(mapper, source, target, tokenizer, [v for v in variants if not v.selective], run,
                                 text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib)
             named = {_ppl_name(outcome[1]): outcome}
