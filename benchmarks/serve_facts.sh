@@ -20,7 +20,7 @@ LIMIT=${LIMIT:-12}
 WORK=$(mktemp -d)
 "$KVHUB" serve "$REF" --store-dir "$WORK/kv" --events "$WORK/events.jsonl" --log-dir "$WORK/logs" --json \
   --port-small "${PORT_SMALL:-8101}" --port-large "${PORT_LARGE:-8102}" "$@" \
-  -- --dtype "${DTYPE:-float32}" --max-model-len 4096 --block-size 16 --max-num-seqs 4 --enforce-eager \
+  -- --dtype "${DTYPE:-float32}" --max-model-len 4096 --block-size 32 --max-num-seqs 4 --enforce-eager \
   > "$WORK/ready.json" 2> "$WORK/serve.stderr" &
 SERVE=$!
 trap 'kill -INT $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT

@@ -418,3 +418,14 @@ def test_an_events_file_that_cannot_be_written_is_refused_before_any_server_star
                                   str(tmp_path / "missing" / "e.jsonl"), "--dry-run"))
     assert result.exit_code != 0 and "cannot append to it" in result.output
     assert "Traceback" not in result.output
+
+
+def test_each_cpu_engines_kv_cache_is_sized_so_that_both_fit_the_host(tmp_path):
+    """Measured: the real pair in float32 on 24 GiB fits with 1 GiB each and not with 3 (docs/serving.md)."""
+    assert launch.cpu_kv_cache_gib(total_gib=24, weights_gib=[0.99, 3.09]) == 1
+    assert launch.cpu_kv_cache_gib(total_gib=64, weights_gib=[1.0, 3.0]) == int((64 - 8 - 8) * 0.2)
+    assert launch.cpu_kv_cache_gib(total_gib=8, weights_gib=[1.0, 3.0]) == 1  # never below one GiB
+    assert launch.cpu_kv_cache_gib(total_gib=1024, weights_gib=[1.0, 3.0]) == 16  # nor above 16
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    (tmp_path / "config.json").write_text("{}")
+    assert launch.weights_gib(tmp_path) == pytest.approx(1 / 1024) and launch.weights_gib("org/hub-id") == 0.0

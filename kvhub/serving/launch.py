@@ -117,15 +117,20 @@ def server_command(launcher: list[str], *, model: str, served_model_name: str, h
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB of KV cache per engine, by default a share of the
 # host's memory that leaves no room for a second engine.  kvhub serve runs two: each gets this share of the
-# memory left after both models' weights (and a reserve for the processes themselves), within bounds.
-KV_CACHE_SHARE = 0.25
+# memory left after both models' weights and a reserve per engine, within bounds.  Measured on the
+# Qwen2.5-Coder 0.5B + 1.5B pair served in float32 (16-bit checkpoints, so twice the files' size in
+# memory) on a 24 GiB host: each engine (API server, engine core, worker) took about 4 GiB beyond its
+# weights and KV cache; 3 GiB of KV each ran the host out of memory, 1 GiB each fits.
+KV_CACHE_SHARE = 0.2
 KV_CACHE_MIN_GIB, KV_CACHE_MAX_GIB = 1, 16
-PROCESS_RESERVE_GIB = 3.0  # per engine: Python, torch, vLLM's own buffers
+PROCESS_RESERVE_GIB = 4.0  # per engine: API server, engine core and worker processes, vLLM's own buffers
+WEIGHTS_IN_MEMORY = 2.0  # a 16-bit checkpoint served in float32 (CPUs without AVX-512) takes twice its size
 
 
 def cpu_kv_cache_gib(*, total_gib: float, weights_gib: list[float]) -> int:
-    """GiB of KV cache for each of ``len(weights_gib)`` CPU engines on a host of ``total_gib``."""
-    free = total_gib - sum(weights_gib) - PROCESS_RESERVE_GIB * len(weights_gib)
+    """GiB of KV cache for each of ``len(weights_gib)`` CPU engines on a host of ``total_gib`` (weights_gib:
+    the checkpoints' sizes on disk)."""
+    free = total_gib - WEIGHTS_IN_MEMORY * sum(weights_gib) - PROCESS_RESERVE_GIB * len(weights_gib)
     return int(max(KV_CACHE_MIN_GIB, min(KV_CACHE_MAX_GIB, free * KV_CACHE_SHARE)))
 
 
