@@ -68,7 +68,7 @@ def test_a_request_recomputes_its_prefix_and_the_spans_its_last_tokens_attend_to
     attention = torch.full((12, 48), 0.01)
     attention[-1, 30] = 5.0  # the last query looks one token up
     engine = _Recorder(attention)
-    spec = Recompute(exact_prefix=4, exact_budget=0.1, select="target", spans="token", queries=4)
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.1, select="target", spans="token", queries=4)
     done = recompute_request(engine, spec, prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
     assert engine.calls[0] == (list(range(48, 60)), 4)  # the selection pass: the tail, its last 4 rows scored
     assert 30 in done.positions.tolist() and done.positions[:4].tolist() == [0, 1, 2, 3]
@@ -82,11 +82,21 @@ def test_a_request_recomputes_its_prefix_and_the_spans_its_last_tokens_attend_to
 
 def test_the_random_control_spends_the_same_budget_and_source_is_refused():
     prompt, end = list(range(1, 101)), 80
-    done = recompute_request(_Recorder(torch.zeros(1, 80)), Recompute(exact_budget=0.2, select="random", spans="token"),
-                             prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    spec = Recompute(exact_suffix=20, exact_budget=0.2, select="random", spans="token")
+    done = recompute_request(_Recorder(torch.zeros(1, 80)), spec, prompt_ids=prompt, start=0, end=end,
+                             cached=lambda i: (torch.zeros(2, end, 8),) * 2)
     assert done.selected == round(0.2 * 99) and done.prefix == 0
     from kvhub.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="select=target"):
         recompute_request(_Recorder(torch.zeros(1, 80)), Recompute(exact_budget=0.2, select="source"),
                           prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+
+
+def test_block_rounding_of_the_tail_comes_out_of_the_budget():
+    """n = 100, exact suffix 16, but the engine computes [64, 100) = 36 tokens: 20 more than asked, taken
+    from round(0.3 * 99) = 30, so 10 are selected; prefix + selected + tail = 4 + 10 + 36 = 50 = 4 + 30 + 16."""
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.3, select="random", spans="token")
+    done = recompute_request(_Recorder(torch.zeros(1, 64)), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
+                             cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
+    assert done.selected == 10 and done.prefix == 4

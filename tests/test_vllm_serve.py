@@ -27,7 +27,7 @@ import pytest
 from tests.test_vllm_connector import _engine_available, make_family
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK, EXACT_TAIL, NEW_TOKENS, BUDGET = 32, 16, 12, 0.4
+BLOCK, EXACT_TAIL, NEW_TOKENS, BUDGET = 32, 16, 12, 0.6
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}a:{% endif %}")
 MESSAGES = [{"role": "system", "content": "You answer questions about the kvhub test suite, briefly."},
@@ -137,7 +137,8 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         recomputed = [e for e in consumer if e["event"] == "recomputed"]
         assert len(recomputed) == 1 and recomputed[0]["recomputed_tokens"] == report["recomputed_tokens"]
         assert report["exact_prefix_tokens"] == 4 and report["mapped_tokens"] == end
-        assert 0 < report["selected_tokens"] <= round(BUDGET * (len(prompt) - 1))
+        rounding = len(prompt) - end - EXACT_TAIL  # the tail beyond the suffix comes out of the budget
+        assert 0 < report["selected_tokens"] <= round(BUDGET * (len(prompt) - 1)) - rounding
         assert report["prefill_tokens"] == len(prompt) - end
         assert len(own["choices"][0]["token_ids"]) == NEW_TOKENS
         assert mapped["choices"][0]["token_ids"] == own["choices"][0]["token_ids"], \

@@ -161,7 +161,8 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
     before it); the engine computes [end, n) itself afterwards.
 
     R = the first ``exact_prefix`` positions in [start, end) plus whole spans chosen in [start, end) under
-    ``round(exact_budget * (n - 1))`` tokens: by ``select="target"``, the attention of the prompt's last
+    ``round(exact_budget * (n - 1))`` tokens, less what the block rounding of ``end`` added to the tail the
+    engine computes beyond ``exact_suffix``: by ``select="target"``, the attention of the prompt's last
     ``queries`` tokens, run after the mapped cache in a selection pass of [end, n) (the tail the engine
     computes next; it is not written), or ``select="random"`` (the control for the signal).
     """
@@ -174,7 +175,10 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
     eligible = torch.zeros(end, dtype=torch.bool)
     eligible[start:end] = True
     eligible[prefix] = False
-    budget_tokens = round(spec.exact_budget * (tokens - 1))
+    # the engine computes [end, n): what block rounding adds beyond exact_suffix comes out of the budget, so
+    # that prefix + budget + suffix bound what the large model computes, as in kvhub.handoff
+    rounding = max(0, tokens - end - max(spec.exact_suffix, 1))
+    budget_tokens = max(0, round(spec.exact_budget * (tokens - 1)) - rounding)
     if budget_tokens > 0 and bool(eligible.any()):
         if spec.select == "target":
             device = cached(0)[0].device

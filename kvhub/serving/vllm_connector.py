@@ -155,6 +155,7 @@ class KVHubConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[Any, int, int]] = {}  # request id -> (stored prefix, start, end)
         self._loads: list[LoadJob] = []
         self._load_reports: dict[str, dict] = {}  # request id -> what its load did (returned at its end)
+        self._finishing: dict[str, dict] = {}  # reports of requests finished this step (update_connector_output)
         # worker side
         self._layouts: dict[tuple, PagedLayout] = {}
         self._collected: dict[str, dict] = {}  # request id -> {layer: (K, V)} or {"error": why}
@@ -331,11 +332,16 @@ class KVHubConnector(KVConnectorBase_V1):
             self._requests[request.request_id] = request
 
     def update_connector_output(self, connector_output) -> None:
+        """Merge what each load did on the worker into its report.  vLLM calls this after it has freed the
+        step's finished requests (a 1-token request finishes in its load step), but before their outputs
+        leave the engine: their reports, handed out by request_finished, are updated in place."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVHubWorkerMetadata):
             for request_id, report in meta.loads.items():
-                if request_id in self._load_reports:
-                    self._load_reports[request_id].update(report)
+                target = self._load_reports.get(request_id) or self._finishing.get(request_id)
+                if target is not None:
+                    target.update(report)
+        self._finishing.clear()
 
     def request_finished(self, request, block_ids):
         """The load's report goes back to the client as the response's kv_transfer_params["kvhub"]."""
@@ -343,7 +349,10 @@ class KVHubConnector(KVConnectorBase_V1):
         self._tracked.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         report = self._load_reports.pop(request.request_id, None)
-        return False, (None if report is None else {"kvhub": report})
+        if report is None:
+            return False, None
+        self._finishing[request.request_id] = report
+        return False, {"kvhub": report}
 
     # ---- worker side -----------------------------------------------------------------------------
     def start_load_kv(self, forward_context, **kwargs) -> None:
