@@ -290,3 +290,20 @@ def test_handoff_refuses_another_tokenizer():
     handoff(mapper, model, model, ids, tokenizer=fitted_with, max_new_tokens=2, do_sample=False)
     with pytest.raises(IncompatibleError, match="a/src"):
         handoff(mapper, model, model, ids, tokenizer=other, max_new_tokens=2)
+
+
+def test_a_map_whose_output_overflows_is_refused_not_returned(qwen_family):
+    """R5: a finite source cache, a finite but huge weight, float16 output: Inf would reach the target's cache."""
+    import torch
+
+    from kvhub.core.mapper import Mapper
+
+    source, _, _, mapper = qwen_family
+    tensors = {name: t.clone() for name, t in mapper.tensors.items()}
+    name = next(n for n in tensors if n.startswith("k.") and n.endswith(".weight"))
+    tensors[name] = tensors[name] * 1e30
+    damaged = Mapper(tensors, mapper.metadata, dtype=mapper.dtype, compute_dtype=torch.float32)
+    cache = run_model(source, _ids(1, 8, 1))
+    mapper.transfer(cache, dtype=torch.float16)  # the real map fits float16
+    with pytest.raises(NonFiniteError, match=f"target layer {name.split('.')[1]} hold NaN or Inf"):
+        damaged.transfer(cache, dtype=torch.float16)

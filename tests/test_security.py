@@ -217,3 +217,28 @@ def test_the_cli_starts_without_torch(tmp_path):
     code = ("import sys\nimport kvhub.cli.main\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     assert _python(code, tmp_path) == "[]"
+
+
+def test_a_token_logged_by_any_library_is_masked(monkeypatch, capsys):
+    """R14: huggingface_hub (or a server it quotes) logging a token: the stderr line is masked."""
+    import logging
+    import sys
+    import warnings
+
+    from kvhub.hub.client import SecretFilter, install_secret_filter
+
+    token = "hf_" + "A1b2C3d4" * 4
+    monkeypatch.setenv("HF_TOKEN", token)
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(handler)
+    try:
+        install_secret_filter()
+        assert any(isinstance(f, SecretFilter) for f in handler.filters)
+        logging.getLogger("huggingface_hub.file_download").warning("server said: invalid token Bearer %s", token)
+        warnings.warn(f"retrying with {token}")
+        err = capsys.readouterr().err
+        assert token not in err and "***" in err
+        assert "server said" in err and "retrying" in err
+    finally:
+        logging.getLogger().removeHandler(handler)
+        logging.captureWarnings(False)

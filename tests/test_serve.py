@@ -429,3 +429,9 @@ def test_each_cpu_engines_kv_cache_is_sized_so_that_both_fit_the_host(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\0" * (1 << 20))
     (tmp_path / "config.json").write_text("{}")
     assert launch.weights_gib(tmp_path) == pytest.approx(1 / 1024) and launch.weights_gib("org/hub-id") == 0.0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_timeout_that_is_not_a_number_is_refused(mapper_db, tmp_path, fake_vllm, value):
+    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--timeout", value, "--dry-run"))
+    assert result.exit_code != 0 and "--timeout must be a finite number" in result.output

@@ -51,6 +51,9 @@ def main(verbose: bool) -> None:
     # -v is kvhub's own debug log only: other libraries' DEBUG output (httpcore logs raw HTTP headers,
     # which can echo a token) stays off.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from kvhub.hub.client import install_secret_filter
+
+    install_secret_filter()  # a token a server echoes back never reaches stderr, whichever library logs it
     logging.getLogger("kvhub").setLevel(logging.DEBUG if verbose else logging.NOTSET)
     from kvhub.cli.progress import quiet_other_bars
 

@@ -8,6 +8,7 @@ server maps it with the mapper (kv_consumer).  The configuration and command lin
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -105,6 +106,8 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     """
     from kvhub.serving import launch
 
+    if not math.isfinite(timeout):  # click's FloatRange lets nan and inf through
+        raise ConfigError(f"--timeout must be a finite number of seconds, got {timeout}")
     if port_small == port_large:
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
     mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)

@@ -230,8 +230,9 @@ class Mapper:
         dtype (``dtype`` must then be None or theirs), and ``out`` is returned.  On NonFiniteError the
         contents of ``out`` are unspecified.
 
-        Host synchronisation: one, the finiteness check of the source layers at the end (the rotary
-        modules of dynamic/longrope RoPE in transformers add their own).
+        Host synchronisation: the finiteness checks of the source layers and of the mapped output at the
+        end (NonFiniteError for either; the rotary modules of dynamic/longrope RoPE in transformers add
+        their own).
         """
         batch, _, tokens, _ = source_keys[0].shape
         if out is not None:
@@ -242,13 +243,22 @@ class Mapper:
                                                             self.compute_dtype or dtype)
         kept = [tokens] * len(self.layers) if out is None else [keys.shape[-2] for keys, _ in out]
         result = self._target_layers(rows_k, rows_v, position_ids, kept, dtype, out)
-        if not bool(finite.all()):  # the one host synchronisation
+        mapped = result if out is None else out
+        mapped_finite = torch.cat([_finite(k.reshape(1, -1)) & _finite(v.reshape(1, -1)) for k, v in mapped])
+        if not bool(finite.all()):  # the host synchronisation
             bad = min(checked[i] for i in (~finite).nonzero().flatten().tolist())
             raise NonFiniteError(
                 f"source cache layer {bad} contains NaN or Inf; the source model's forward pass is broken "
                 "(try float32 or bfloat16 instead of float16)"
             )
-        return result if out is None else out
+        if not bool(mapped_finite.all()):
+            bad = self.layers[int((~mapped_finite).nonzero()[0])]["target"]
+            raise NonFiniteError(
+                f"the mapped K/V of target layer {bad} hold NaN or Inf although the source cache is finite: the "
+                f"map's output overflows {dtype} (a damaged mapper, or values too large for it); map to float32 "
+                "or bfloat16, or check the mapper with `kvhub show --verify`"
+            )
+        return mapped
 
     def _source_rows(self, source_keys, source_values, position_ids, compute: torch.dtype):
         """The rows every map reads: {l: (B, T, Hs*Ds)} of RoPE-stripped keys and of values in ``compute``,

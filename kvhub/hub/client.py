@@ -85,6 +85,30 @@ def _redact(text: str, token: str | None) -> str:
     return re.sub(r"hf_[A-Za-z0-9]{20,}", "hf_***", text)
 
 
+class SecretFilter:
+    """A logging filter that masks Hub tokens (the one in use, and anything shaped like one) in every record
+    it sees, whoever logged it (a server echoing a token back reaches huggingface_hub's own warnings)."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        masked = _redact(message, None) if ("hf_" in message or _current_token(None)) else message
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
+def install_secret_filter() -> None:
+    """Mask tokens on every handler of the root logger and of huggingface_hub's logger, and route Python
+    warnings through logging so that they are masked too."""
+    import logging
+
+    logging.captureWarnings(True)
+    for name in ("", "huggingface_hub", "py.warnings"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, SecretFilter) for f in handler.filters):
+                handler.addFilter(SecretFilter())
+
+
 def is_repo_id(text: str) -> bool:
     """``owner/name`` as the Hub spells repository ids: each part a letter or digit, then at most 95
     letters, digits, '_', '.' or '-', and no '..' (so a local path such as ``./x`` or ``../x`` never is one)."""
