@@ -104,9 +104,9 @@ def family():
     return source, target
 
 
-def _fit(source, target, **options):
+def _fit(source, target, top_k="auto", **options):
     return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-               options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8, **options))
+               options=FitOptions(top_k=top_k, ridge_lambda=1e-9, stride=1, batch_size=8, **options))
 
 
 def _greedy(model, ids, cache=None):
@@ -119,8 +119,10 @@ def test_compressed_maps_stay_exact_on_an_exact_family_and_round_trip(family, op
     """The exact family's target KV head pair 2i, 2i+1 copies source head i (head-local), and each
     target layer is a copy of one source layer of width 32 (rank <= 32; 16 per head group)."""
     source, target = family
-    dense = _fit(source, target)
-    mapper = _fit(source, target, **options)
+    # two source layers each (a superset of the one the exact family copies): "auto" may pick more layers in
+    # one fit than in the other where floating-point ties differ by CPU; then sizes would not compare like for like
+    dense = _fit(source, target, top_k=2)
+    mapper = _fit(source, target, top_k=2, **options)
     assert mapper.num_parameters() < dense.num_parameters()
     for layer in mapper.layers:
         assert abs(1 - layer["r2_k"]) < R2_TOL and abs(1 - layer["r2_v"]) < R2_TOL
