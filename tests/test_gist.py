@@ -4,25 +4,11 @@ under own / mapped / control / no-context floor, and the gap a handoff closes.""
 import math
 
 import pytest
-import torch
 
 from kvhub.eval.control import control_mapper
 from kvhub.eval.gist import CONDITIONS, GistScore, gap_closed, gist_items, score_gist_item, summarize_gist
-from kvhub.fitting.fit import FitOptions, fit
 from kvhub.serving.spec import Recompute
-from tests.fixtures_calib import train_tokenizer
-from tests.tinymodels import exact_family_target, make_model
-
-FILLER = [f"Paragraph {i} tells how the {w} crossed the river and rested near the old mill." for i, w in
-          enumerate(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 3)]
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(vocab_size=600, chat_template=CHAT)
-
+from tests.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures
 
 def test_gap_closed_is_one_for_own_zero_for_the_floor_and_negative_below_it():
     nll = {"own": 1.0, "floor": 3.0, "mapped": 1.5, "control": 3.5}
@@ -49,16 +35,6 @@ def test_items_ask_about_the_whole_context(tokenizer):
     assert tokenizer.decode(document.prompt_ids).rstrip().endswith("<s>assistant")
     assert chat.meta["context_tokens"] >= 200 and document.meta["context_tokens"] >= 200
     assert gist_items("chat", tokenizer, context_tokens=200, n=2, seed=1, filler=FILLER)[0].prompt_ids == chat.prompt_ids
-
-
-@pytest.fixture(scope="module")
-def family():
-    source = make_model("qwen2", num_hidden_layers=3, vocab_size=600, seed=3)
-    target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    ids = torch.randint(0, 600, (24, 48), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:20], ids[20:], source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
-    return source, target, mapper
 
 
 def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokenizer, family):

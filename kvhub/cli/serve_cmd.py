@@ -113,7 +113,9 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)
     launcher = _launcher(vllm_executable, dry_run=dry_run)
     if events_path is not None:
-        _check_events_path(events_path)
+        from kvhub.serving.connector_config import events_file
+
+        events_file(events_path, option="--events")  # before any server starts
     db_on_command_line, db_env = _db_channel(db)
     configs = launch.transfer_configs(
         store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db_on_command_line,
@@ -220,16 +222,6 @@ def _masked(env: dict[str, str]) -> dict[str, str]:
     url = env["KVHUB_DB_URL"]
     password = urlsplit(url).password
     return {**env, "KVHUB_DB_URL": url.replace(f":{password}@", ":***@", 1)}
-
-
-def _check_events_path(path: str) -> None:
-    """ConfigError now, before any server starts, for an --events file that cannot be appended to."""
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"--events {path}: cannot append to it ({exc.strerror}); give a file in an existing, "
-                          "writable directory") from exc
 
 
 def _engine_env(kv_cache_gib: int | None, *, models: list[str]) -> dict[str, str]:

@@ -25,9 +25,8 @@ import random
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
 
 KINDS = ("chat", "document", "code")
@@ -121,16 +120,12 @@ def own_answer(target, prompt_ids: list[int], *, answer_tokens: int = ANSWER_TOK
     return out[0, ids.shape[1]:].tolist()
 
 
-@torch.no_grad()
 def answer_nll(model, cache, tail_ids: list[int], answers: int) -> float:
     """Mean NLL per token of the last ``answers`` of ``tail_ids`` continuing ``cache`` (which holds everything
-    before tail_ids[0]); the cache grows."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([tail_ids], device=device)
-    past = cache.get_seq_length()
-    positions = torch.arange(past, past + ids.shape[1], device=device).unsqueeze(0)
-    logits = model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
-    return float(F.cross_entropy(logits[-answers - 1:-1], ids[0, -answers:]))
+    before tail_ids[0]; it grows): longctx's teacher-forced score, its log-likelihood per token negated."""
+    from kvhub.eval.longctx import answer_score
+
+    return -answer_score(model, cache, tail_ids, answers)[2] / answers
 
 
 @torch.no_grad()

@@ -86,14 +86,17 @@ def _redact(text: str, token: str | None) -> str:
 
 
 class SecretFilter:
-    """A logging filter that masks Hub tokens (the one in use, and anything shaped like one) in every record
-    it sees, whoever logged it (a server echoing a token back reaches huggingface_hub's own warnings)."""
+    """A logging filter that masks Hub tokens (``token``, the one in use when it was made, and anything
+    shaped like one) in every record it sees, whoever logged it (a server echoing a token back reaches
+    huggingface_hub's own warnings).  The token is looked up once, not per record."""
+
+    def __init__(self, token: str | None = None):
+        self.token = token
 
     def filter(self, record) -> bool:
         message = record.getMessage()
-        masked = _redact(message, None) if ("hf_" in message or _current_token(None)) else message
-        if masked != message:
-            record.msg, record.args = masked, None
+        if "hf_" in message or (self.token and self.token in message):
+            record.msg, record.args = _redact(message, self.token), None
         return True
 
 
@@ -103,10 +106,11 @@ def install_secret_filter() -> None:
     import logging
 
     logging.captureWarnings(True)
+    token = os.environ.get("HF_TOKEN") or None  # the login file is read only if a record needs it: _redact
     for name in ("", "huggingface_hub", "py.warnings"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, SecretFilter) for f in handler.filters):
-                handler.addFilter(SecretFilter())
+                handler.addFilter(SecretFilter(token))
 
 
 def is_repo_id(text: str) -> bool:

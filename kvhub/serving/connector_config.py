@@ -33,16 +33,17 @@ def config_flag(extra: dict, key: str) -> bool:
     return value
 
 
-def events_file(path) -> str | None:
-    """``events_path``, checked writable now (ConfigError at engine start, not at the first request)."""
+def events_file(path, *, option: str = "kv_connector_extra_config events_path") -> str | None:
+    """``path`` (an events file), checked writable now: a ConfigError naming ``option`` at start, not a
+    failure at the first request."""
     if not path:
         return None
     try:
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise ConfigError(f"kv_connector_extra_config events_path {path!r} cannot be appended to ({exc.strerror}); "
-                          "point it at a file in an existing, writable directory") from exc
+        raise ConfigError(f"{option} {str(path)!r} cannot be appended to ({exc.strerror}); point it at a file in an "
+                          "existing, writable directory") from exc
     return str(path)
 
 
