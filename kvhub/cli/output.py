@@ -88,3 +88,19 @@ def print_table(columns: list[str] | None, rows: list[list], *, output_format: s
     for row in rows:
         table.add_row(*(plain(_cell(cell)) for cell in row))
     console.print(table)
+
+
+def format_number(value, *, exact: bool = False) -> str:
+    """The one way a number is shown: integers bare (256, never 256.0), others with three decimals
+    (0.986, 1.000), nonzero magnitudes below 0.001 in e-notation (5.00e-04); ``exact`` (tsv, read by
+    scripts) keeps every digit of a non-integer.  None is an empty cell."""
+    if value is None:
+        return ""
+    number = float(value)
+    if isinstance(value, int) or (number.is_integer() and abs(number) >= 2):
+        return str(int(number))
+    if exact:
+        return repr(number)
+    if number != 0 and abs(number) < 1e-3:
+        return f"{number:.2e}"
+    return f"{number:.3f}"

@@ -1,4 +1,4 @@
-"""Store commands: list, show, tag, untag, rm, gc, export, import, db upgrade|current.
+"""Store commands: list, show, diff, tag, untag, rm, gc, export, import, db upgrade|current.
 
 References everywhere read ``SRC:DST[:CALIB][@SELECTOR]`` (see ``kvhub show --help``); every command
 takes ``--db URL`` (a SQLAlchemy URL or a SQLite path).  Data goes to stdout as a table for people or
@@ -18,7 +18,7 @@ import click
 
 from kvhub.cli.console import err_console, plain, say
 from kvhub.cli.options import db_option, open_db
-from kvhub.cli.output import echo_json, format_option, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, print_table
 
 _REF_HELP = """\b
 REF is SRC:DST[:CALIB][@SELECTOR]:
@@ -51,8 +51,8 @@ def _when(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%d %H:%M")
 
 
-def _number(value) -> str:
-    return "" if value is None else f"{value:.4g}"
+def _number(value, output_format: str = "table") -> str:
+    return format_number(value, exact=output_format == "tsv")
 
 
 # ---- list / show ---------------------------------------------------------------------------------
@@ -72,8 +72,8 @@ def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
         except ValueError:
             number = math.nan
         if not name.strip() or not math.isfinite(number):
-            raise ConfigError(f"--min-metric {pair!r}: write NAME=VALUE with a finite number, "
-                              "e.g. heldout_r2_k_mean=0.9")
+            raise ConfigError(f"--min-metric {pair!r}: write NAME=VALUE or NAME@TASK=VALUE with a finite number, "
+                              "e.g. heldout_r2_k_mean=0.9 or retention@hellaswag=0.9")
         thresholds[name.strip()] = number
     return thresholds
 
@@ -83,8 +83,9 @@ def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
 @click.option("--dst", default=None, help="Target model: full id or short name.")
 @click.option("--calib", default=None, help="Calibration-set name.")
 @click.option("--family", default=None, help="Model family of the source (qwen2, llama, ...).")
-@click.option("--min-metric", "min_metrics", multiple=True, metavar="NAME=VALUE",
-              help="Keep versions with a measurement NAME >= VALUE (repeatable).")
+@click.option("--min-metric", "min_metrics", multiple=True, metavar="NAME[@TASK]=VALUE",
+              help="Keep versions with a measurement NAME >= VALUE, on TASK only when given "
+                   "(retention@hellaswag=0.9; repeatable).")
 @db_option
 @format_option
 def list_versions(src, dst, calib, family, min_metrics, db, output_format):
@@ -93,15 +94,16 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     \b
     kvhub list
     kvhub list --src qwen2.5-coder-0.5b-instruct --min-metric heldout_r2_k_mean=0.9 --json
+    kvhub list --min-metric retention@hellaswag=0.9
     kvhub list --format tsv | cut -f1
 
     The table's REF column holds short references where they are unambiguous; --format json and tsv
-    always give full ones.  JSON: one object per version with its whole-mapper metrics.
+    always give full ones.  TEXT is the start of the calibration text's sha256 (one text per series).
+    JSON: one object per version with its whole-mapper metrics.  Before the first fit (no store at
+    the default location yet) the listing is empty.
     """
-    with open_db(db, create=False) as store:
-        versions = store.versions(source=src, target=dst, calibration=calib, family=family,
-                                  min_metrics=_parse_thresholds(min_metrics))
-        metrics = store.mapper_metrics(versions)
+    versions, metrics = _listed(db, source=src, target=dst, calibration=calib, family=family,
+                                min_metrics=_parse_thresholds(min_metrics))
     if output_format == "json":
         echo_json([version_json(v, metrics.get(v.id, [])) for v in versions])
         return
@@ -113,13 +115,35 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     rows = []
     for v in versions:
         headline = {m["name"]: m["value"] for m in metrics.get(v.id, []) if m["task"] is None}
+        text = v.calibration_text_sha256 or ""
         rows.append([v.short_ref if short else v.ref, ",".join(v.aliases), _when(v.created_at),
-                     "auto" if v.k is None else v.k, "auto" if v.ridge_lambda is None else _number(v.ridge_lambda),
-                     _number(headline.get(_HEADLINE[0])), _number(headline.get(_HEADLINE[1])),
+                     "auto" if v.k is None else v.k,
+                     "auto" if v.ridge_lambda is None else _number(v.ridge_lambda, output_format),
+                     _number(headline.get(_HEADLINE[0]), output_format),
+                     _number(headline.get(_HEADLINE[1]), output_format),
+                     text[:8] if output_format == "table" else text,
                      _size(v.artifact_bytes) if output_format == "table" else v.artifact_bytes])
-    columns = ["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V",
+    columns = ["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V", "TEXT",
                "SIZE" if output_format == "table" else "BYTES"]
     print_table(columns, rows, output_format=output_format, right=("K", "LAMBDA", "R2 K", "R2 V", "SIZE"))
+
+
+def _listed(db, **filters) -> tuple[list, dict]:
+    """(versions matching ``filters``, their whole-mapper metrics); nothing when the default store was
+    never created (a fresh install), while a --db or KVHUB_DB_URL naming no store stays a NotFoundError."""
+    import os
+
+    from kvhub.errors import NotFoundError
+
+    try:
+        store = open_db(db, create=False)
+    except NotFoundError:
+        if db is not None or os.environ.get("KVHUB_DB_URL"):
+            raise
+        return [], {}
+    with store:
+        versions = store.versions(**filters)
+        return versions, store.mapper_metrics(versions)
 
 
 @click.command(epilog=_REF_HELP)
@@ -127,21 +151,26 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
 @click.option("--layers", "per_layer", is_flag=True,
               help="Also show every target layer: its source layers, lambdas, held-out R2 and per-layer metrics.")
 @click.option("--verify", is_flag=True, help="Also hash every file of the artifact.")
+@click.option("--history", is_flag=True,
+              help="Every measurement, oldest first, instead of the newest per metric, task (and variant), split "
+                   "and layer.")
 @db_option
 @format_option
-def show(ref, per_layer, verify, db, output_format):
+def show(ref, per_layer, verify, history, db, output_format):
     """Show one mapper version: models, calibration set, fit, whole-mapper metrics, lineage, aliases
     and Hub publications (per-layer rows with --layers).
 
     \b
     kvhub show qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@v3
     kvhub show ...@v3 --layers
+    kvhub show ...@v3 --history         (every rerun of an evaluation, not just the newest)
     kvhub show ...@v3 --format tsv      (FIELD<TAB>VALUE lines; metrics as metric.NAME[.TASK][.layerN])
 
-    JSON holds everything (selected_layers, every metric) whatever --layers says.
+    A metric measured again (an evaluation rerun) shows its newest value; --history shows them all.
+    JSON holds selected_layers and the per-layer metrics whatever --layers says.
     """
     with open_db(db, create=False) as store:
-        data = store.describe(ref)
+        data = store.describe(ref, history=history)
         if verify:
             store.verify(data["ref"])
     if output_format == "json":
@@ -160,7 +189,7 @@ def _print_description(data: dict, *, per_layer: bool, output_format: str) -> No
     shown = [m for m in metrics if per_layer or m["layer"] is None]
     if output_format == "tsv":
         rows = [list(row) for row in _overview_rows(data)]
-        rows += [[_metric_key(m), m["value"]] for m in shown]
+        rows += [[_metric_key(m), _number(m["value"], "tsv")] for m in shown]
         print_table(None, rows, output_format="tsv")
         return
     print_table(None, [list(row) for row in _overview_rows(data)])
@@ -210,6 +239,43 @@ def _overview_rows(data: dict) -> list[tuple[str, str]]:
     rows += [("published", f"{p['repo_id']}@{p['revision']} (commit {str(p['commit_sha'])[:12]}, "
                            f"{p['published_at'][:16]})") for p in data["publications"]]
     return rows
+
+
+@click.command("diff", epilog=_REF_HELP)
+@click.argument("ref_a", metavar="REF1")
+@click.argument("ref_b", metavar="REF2")
+@click.option("--layers", "per_layer", is_flag=True, help="Also compare every target layer: source layers and held-out R2.")
+@db_option
+@format_option
+def diff(ref_a, ref_b, per_layer, db, output_format):
+    """Compare two mapper versions side by side: calibration, fit options, whole-mapper metrics (the
+    newest of each), and with --layers every target layer.
+
+    \b
+    kvhub diff qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@v1 ...:legal-docs@v2
+    kvhub diff REF1 REF2 --layers --format tsv
+
+    DELTA is REF2 minus REF1 where both are numbers; CHANGED marks rows that differ.  JSON: {"refs":
+    [REF1, REF2], "rows": [{"field", "a", "b", "delta", "changed"}]} with the values unformatted.
+    """
+    from kvhub.store.compare import compare_versions
+
+    with open_db(db, create=False) as store:
+        first, second = (store.describe(ref, history=False) for ref in (ref_a, ref_b))
+    rows = compare_versions(first, second, per_layer=per_layer)
+    if output_format == "json":
+        echo_json({"refs": [first["ref"], second["ref"]], "rows": rows})
+        return
+    table = [[row["field"], _shown(row["a"], output_format), _shown(row["b"], output_format),
+              _number(row["delta"], output_format), "*" if row["changed"] else ""] for row in rows]
+    print_table(["FIELD", "REF1", "REF2", "DELTA", "CHANGED"], table, output_format=output_format,
+                right=("DELTA",))
+
+
+def _shown(value, output_format: str) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _number(value, output_format)
+    return "" if value is None else str(value)
 
 
 # ---- aliases and removal -------------------------------------------------------------------------
@@ -399,5 +465,5 @@ def current(db, as_json):
 
 def attach(group: click.Group) -> None:
     """Add the store commands to the ``kvhub`` group."""
-    for command in (list_versions, show, tag, untag, rm, gc, export_version, import_artifact, db):
+    for command in (list_versions, show, diff, tag, untag, rm, gc, export_version, import_artifact, db):
         group.add_command(command)

@@ -5,12 +5,20 @@ SQLite: foreign keys on, WAL journal, a 60 s busy timeout, and write transaction
 locked" without waiting; an immediate one queues for the lock up front).  Write sessions ask for that
 with the ``kvhub_write`` execution option, see :func:`write_engine`.
 
+A SQLite store kvhub may not write (a read-only mount, a file or folder without write permission) is
+opened read-only (``mode=ro``; ``immutable=1`` when its folder is read-only too, since SQLite could
+not create the WAL index there): reads work, and a write is refused with one line that says so.
+
 PostgreSQL: plain ``READ COMMITTED``; concurrent writers serialise on the row locks the store takes.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sqlite3
+from pathlib import Path
+from urllib.parse import quote
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
@@ -50,6 +58,30 @@ def connection_error(url: str, exc: DBAPIError) -> StoreError:
     )
 
 
+def is_read_only(engine: Engine) -> bool:
+    """Whether ``engine`` opened a SQLite store read-only (see the module docstring)."""
+    return bool(engine.get_execution_options().get("kvhub_read_only", False))
+
+
+def read_only_error(url: str) -> StoreError:
+    return StoreError(f"the store at {display_url(url)} is read-only (no write permission, or a read-only mount): "
+                      "list, show and load work, this command writes; run it where the store is writable")
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write the database file and create its journal files beside it."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _read_only_uri(path: Path) -> str:
+    """``mode=ro``, plus ``immutable=1`` when the folder is read-only and no write-ahead log is pending
+    (an immutable reader would not see what a log holds)."""
+    wal = path.with_name(path.name + "-wal")
+    pending = wal.exists() and wal.stat().st_size > 0
+    immutable = not os.access(path.parent, os.W_OK) and not pending
+    return f"file:{quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
 def write_engine(engine: Engine) -> Engine:
     """The same engine, marked so SQLite transactions begin IMMEDIATE (no-op elsewhere)."""
     return engine.execution_options(kvhub_write=True)
@@ -57,14 +89,20 @@ def write_engine(engine: Engine) -> Engine:
 
 def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
     path = sqlite_path(url)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(
-                f"cannot create {path.parent} for the store ({exc}); pass --db with a writable path"
-            ) from exc
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+    read_only = path is not None and path.is_file() and not _writable(path)
+    if read_only:
+        uri = _read_only_uri(path)
+        engine = create_engine(url, creator=lambda: sqlite3.connect(
+            uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False))
+    else:
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot create {path.parent} for the store ({exc}); pass --db with a writable path"
+                ) from exc
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record) -> None:
@@ -72,7 +110,7 @@ def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
-        if path is not None:
+        if path is not None and not read_only:
             cursor.execute("PRAGMA journal_mode=WAL")
         cursor.close()
 
@@ -81,4 +119,4 @@ def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
         immediate = connection.get_execution_options().get("kvhub_write", False)
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
-    return engine
+    return engine.execution_options(kvhub_read_only=True) if read_only else engine

@@ -19,7 +19,9 @@ from kvhub.artifact import (  # noqa: F401
 )
 from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
 from kvhub.store.artifacts import StoredArtifact
+from kvhub.store.records import corpus_hash
 from kvhub.store.refs import LATEST
+from kvhub.store.resolve import newest_version
 from kvhub.store.schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
 
 log = logging.getLogger(__name__)
@@ -161,14 +163,22 @@ def lock_series(session: Session, series_id: int) -> None:
 
 
 def next_version(session: Session, series: SeriesRow, preferred: int | None = None) -> int:
-    """Advance the series counter (call with the series locked); returns the new version number:
-    ``preferred`` when it is above every number the series has used (numbers between are skipped,
-    never reused), else the next one."""
+    """Take a version number (call with the series locked): ``preferred`` when it is above every number
+    the series has used (the numbers between are skipped) or when no version of the series holds it (a
+    pull of an older Hub tag fills the gap its number left), else the next one.  The counter only
+    grows, so fit and import never hand out a number again."""
     table = SeriesRow.__table__
     last = session.execute(select(table.c.last_version).where(table.c.id == series.id)).scalar_one()
+    if preferred is not None and preferred <= last and not _holds(session, series.id, preferred):
+        return preferred
     number = preferred if preferred is not None and preferred > last else last + 1
     session.execute(update(table).where(table.c.id == series.id).values(last_version=number))
     return number
+
+
+def _holds(session: Session, series_id: int, number: int) -> bool:
+    query = select(VersionRow.id).where(VersionRow.series_id == series_id, VersionRow.version == number)
+    return session.scalar(query) is not None
 
 
 def set_alias(session: Session, series_id: int, name: str, version_id: int) -> None:
@@ -185,9 +195,11 @@ def set_alias(session: Session, series_id: int, name: str, version_id: int) -> N
 def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None,
                    preferred_version: int | None = None) -> int:
     """Insert the next version of the artifact's triple (numbered ``preferred_version`` when that is
-    free, see :func:`next_version`), its metrics, and move ``latest``; returns its id.
+    free, see :func:`next_version`) and its metrics, and point ``latest`` at the highest version; returns
+    its id.
 
     Idempotent: an artifact whose tensors a version of its triple holds returns that version's id.
+    ConfigError when the triple's versions were fitted on another calibration text (:func:`check_same_text`).
     """
     source = model_row(session, metadata["source"])
     target = model_row(session, metadata["target"])
@@ -197,6 +209,7 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     existing = find_same_tensors(session, metadata)
     if existing is not None:
         return existing.id
+    check_same_text(session, metadata)
     number = next_version(session, series, preferred_version)
     row = VersionRow(
         series_id=series.id,
@@ -219,8 +232,31 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     session.flush()
     measured_by = metadata.get("kvhub_version") or __version__
     session.add_all(metric_row(row.id, m, kvhub_version=measured_by) for m in metadata_metrics(metadata))
-    set_alias(session, series.id, LATEST, row.id)
+    set_alias(session, series.id, LATEST, newest_version(session, series.id).id)
     return row.id
+
+
+def check_same_text(session: Session, metadata: dict) -> None:
+    """ConfigError when the artifact's triple holds versions fitted on another calibration text: a series
+    is one text, so the same name over other text is refused, never merged (it needs its own name)."""
+    new = corpus_hash(metadata["calibration"])
+    if new is None:
+        return
+    key = (SeriesRow.source_name == metadata["source"]["model_id"],
+           SeriesRow.target_name == metadata["target"]["model_id"],
+           SeriesRow.calibration_name == metadata["calibration"]["name"])
+    query = (select(VersionRow.version, CalibrationSetRow.recipe).join(VersionRow.series)
+             .join(VersionRow.calibration_set).where(*key).order_by(VersionRow.version))
+    for number, recipe in session.execute(query).all():
+        old = corpus_hash(recipe)
+        if old is not None and old != new:
+            name = metadata["calibration"]["name"]
+            triple = f"{metadata['source']['model_id']}:{metadata['target']['model_id']}:{name}"
+            raise ConfigError(
+                f"{triple} holds versions fitted on another text than this mapper's (v{number}: corpus "
+                f"{old[:12]}, this one: {new[:12]}); a series holds one calibration text, so give this one its "
+                f"own name: `kvhub fit ... --name {name}-2` (any new name)"
+            )
 
 
 def find_same_tensors(session: Session, metadata: dict) -> VersionRow | None:

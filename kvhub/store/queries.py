@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from kvhub.errors import ConfigError
 from kvhub.store import resolve as rs
 from kvhub.store.records import MapperVersion, as_utc, version_record
 from kvhub.store.refs import match_calibration_names, match_model_names
@@ -28,13 +29,50 @@ def list_versions(session: Session, *, source: str | None, target: str | None, c
         query = query.where(SeriesRow.calibration_name.in_(names))
     if family is not None:
         query = query.where(VersionRow.source_model.has(func.lower(ModelRow.family) == family.lower()))
-    for name, threshold in min_metrics.items():
+    for key, threshold in min_metrics.items():
+        name, task = check_metric_key(session, key)
         passing = select(MetricRow.version_id).where(MetricRow.name == name, MetricRow.value >= float(threshold))
+        if task is not None:
+            passing = passing.where(MetricRow.task == task)
         query = query.where(VersionRow.id.in_(passing))
     query = query.order_by(SeriesRow.source_name, SeriesRow.target_name, SeriesRow.calibration_name, VersionRow.version)
     rows = session.scalars(query).all()
     aliases = rs.aliases_by_version(session, [row.id for row in rows])
     return [version_record(row, aliases.get(row.id, [])) for row in rows]
+
+
+def check_metric_key(session: Session, key: str) -> tuple[str, str | None]:
+    """``NAME`` or ``NAME@TASK`` (the task may hold a variant: ``retention@hellaswag@exact_prefix4``) ->
+    (name, task or None); ConfigError naming what the store measured when it never measured that."""
+    name, _, task = key.partition("@")
+    known = sorted(session.scalars(select(MetricRow.name).distinct()).all())
+    if name not in known:
+        raise ConfigError(f"--min-metric {key!r}: no version has a metric {name!r} ({_shown('metrics', known)}); "
+                          "`kvhub show REF` lists a version's metrics")
+    if not task:
+        return name, None
+    tasks = sorted(t for t in session.scalars(select(MetricRow.task).where(MetricRow.name == name).distinct()) if t)
+    if task not in tasks:
+        raise ConfigError(f"--min-metric {key!r}: {name!r} was never measured on task {task!r} "
+                          f"({_shown('tasks', tasks)}); write NAME@TASK=VALUE with one of those")
+    return name, task
+
+
+def _shown(what: str, names: list[str]) -> str:
+    if not names:
+        return f"the store has no {what} yet"
+    return f"{what} in the store: " + ", ".join(names[:30]) + (", ..." if len(names) > 30 else "")
+
+
+def newest_per_key(metrics: list[dict]) -> list[dict]:
+    """The newest measurement of each (name, split, task, layer) in ``metrics`` (oldest first in, and
+    out): a rerun of an evaluation replaces its earlier values in the view, not in the store."""
+    newest: dict[tuple, dict] = {}
+    for metric in metrics:
+        key = (metric["name"], metric["split"], metric["task"], metric["layer"])
+        newest.pop(key, None)  # re-insert: the dict stays in measurement order
+        newest[key] = metric
+    return list(newest.values())
 
 
 def metrics_of(session: Session, version_id: int, names: list[str] | None) -> list[dict]:

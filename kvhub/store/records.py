@@ -16,6 +16,15 @@ def as_utc(moment: datetime | None) -> datetime | None:
     return moment.replace(tzinfo=timezone.utc)
 
 
+def corpus_hash(calibration: dict) -> str | None:
+    """The sha256 of a calibration set's text (its kept documents), None for artifacts that predate it.
+
+    Not ``content_hash``: that one changes with the sample count, length and seed, which versions of
+    one series may differ in."""
+    value = calibration.get("corpus_hash") if isinstance(calibration, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
 @dataclass(frozen=True, eq=True)
 class MapperVersion:
     """One registered mapper version.
@@ -23,7 +32,9 @@ class MapperVersion:
     ``source``/``target`` are model ids as fitted, ``calibration`` the calibration-set name; together
     they are the triple whose versions are numbered 1, 2, 3, ...  ``artifact_sha256`` is the content
     address of the artifact directory (see kvhub.store.artifacts), ``tensors_sha256`` the sha256 of its
-    tensor file; ``aliases`` are the aliases pointing at this version when it was read.
+    tensor file; ``aliases`` are the aliases pointing at this version when it was read;
+    ``calibration_text_sha256`` is the sha256 of the calibration text (None for artifacts that predate
+    it): one per series, see kvhub.store.ingest.check_same_text.
     """
 
     id: int
@@ -45,6 +56,7 @@ class MapperVersion:
     kvhub_version: str | None
     lineage: dict | None = field(hash=False)
     aliases: tuple[str, ...] = ()
+    calibration_text_sha256: str | None = None
 
     @property
     def ref(self) -> str:
@@ -89,4 +101,5 @@ def version_record(row: VersionRow, aliases: list[str] | tuple[str, ...] = ()) -
         kvhub_version=row.kvhub_version,
         lineage=row.lineage,
         aliases=tuple(sorted(aliases)),
+        calibration_text_sha256=corpus_hash(row.calibration_set.recipe),
     )

@@ -139,6 +139,18 @@ def check_alias_name(name: str) -> str:
     return name
 
 
+CALIBRATION_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_calibration_name(name: str) -> str:
+    """Return ``name`` if it can name a series' calibration set (``kvhub fit --name``): a letter or digit,
+    then letters, digits, '.', '_', '-' (a reference's ':' and '@' would split it)."""
+    if not isinstance(name, str) or not CALIBRATION_NAME_PATTERN.fullmatch(name):
+        raise ConfigError(f"{str(name)[:80]!r} cannot name a calibration set: use a letter or digit followed by "
+                          "letters, digits, '.', '_' or '-' (at most 128 characters), e.g. --name legal-2025")
+    return name
+
+
 def short_name(model_name: str) -> str:
     """The last path component of a model id or path: 'Qwen/Qwen2.5-0.5B' -> 'Qwen2.5-0.5B'."""
     return re.split(r"[\\/]", model_name.rstrip("/\\"))[-1]

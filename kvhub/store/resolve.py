@@ -16,9 +16,15 @@ from kvhub.store.schema import AliasRow, SeriesRow, VersionRow
 _NEXT_STEP = "fit one with `kvhub fit`, import one with `kvhub import DIR`, or see what exists with `kvhub list`"
 
 
+def live_series(session: Session) -> list[SeriesRow]:
+    """Every triple that holds a version: one whose versions were all removed names nothing."""
+    holds = select(VersionRow.id).where(VersionRow.series_id == SeriesRow.id).exists()
+    return list(session.scalars(select(SeriesRow).where(holds)).all())
+
+
 def find_series(session: Session, ref: Ref) -> SeriesRow:
     """The one triple ``ref`` names (its selector is ignored here)."""
-    series = session.scalars(select(SeriesRow)).all()
+    series = live_series(session)
     series, sources = _narrow(series, "source_name", match_model_names(ref.source, [s.source_name for s in series]),
                               miss=f"no mapper from model {ref.source!r} in the store", what="sources")
     series, targets = _narrow(series, "target_name", match_model_names(ref.target, [s.target_name for s in series]),
@@ -45,10 +51,11 @@ def _narrow(series: list[SeriesRow], column: str, matches: list[str], *, miss: s
 def _ambiguity(ref: Ref, series: list[SeriesRow]) -> AmbiguousError:
     pairs = {(s.source_name, s.target_name) for s in series}
     if len(pairs) == 1 and ref.calibration is None:
-        names = ", ".join(sorted(s.calibration_name for s in series))
+        names = sorted(s.calibration_name for s in series)
+        first, names = names[0], ", ".join(names)
         return AmbiguousError(
-            f"{ref.source}:{ref.target} has mappers for several calibration sets ({names}); name one, "
-            f"e.g. {ref.source}:{ref.target}:{series[0].calibration_name} or calib={series[0].calibration_name!r}"
+            f"{ref.source}:{ref.target} has mappers for several calibration sets ({names}); name one, e.g. "
+            f"{ref.source}:{ref.target}:{first} (or --calib {first})"
         )
     triples = "\n  ".join(sorted(f"{s.source_name}:{s.target_name}:{s.calibration_name}" for s in series))
     return AmbiguousError(f"{str(ref)!r} matches several mappers; use full model ids:\n  {triples}")
@@ -72,7 +79,7 @@ def select_version(session: Session, series: SeriesRow, *, version: int | None, 
         row = session.scalar(versions_query().where(VersionRow.series_id == series.id, VersionRow.version == version))
         if row is None:
             raise NotFoundError(f"{where} has no version v{version} ({_version_listing(session, series)}); "
-                                f"name one of those, or leave the version out for the newest (`kvhub list` shows them)")
+                                f"name one of those, or @latest for the newest (`kvhub list` shows them)")
         return row
     for name in [alias] if alias is not None else [PRODUCTION, LATEST]:
         row = session.scalar(
@@ -95,8 +102,9 @@ def _version_listing(session: Session, series: SeriesRow) -> str:
 
 
 def versions_query():
-    """SELECT of version rows with their series and source model loaded."""
-    return select(VersionRow).options(joinedload(VersionRow.series), joinedload(VersionRow.source_model))
+    """SELECT of version rows with their series, source model and calibration set loaded."""
+    return select(VersionRow).options(joinedload(VersionRow.series), joinedload(VersionRow.source_model),
+                                      joinedload(VersionRow.calibration_set))
 
 
 def resolve_row(session: Session, ref: Ref) -> VersionRow:

@@ -37,9 +37,10 @@ from kvhub.errors import IntegrityError as ArtifactIntegrityError
 from kvhub.store import queries
 from kvhub.store import resolve as rs
 from kvhub.store.artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
-from kvhub.store.engine import connection_error, make_engine, write_engine
+from kvhub.store.engine import connection_error, is_read_only, make_engine, read_only_error, write_engine
 from kvhub.store.ingest import (
-    METADATA_FILE, check_storable, find_same_tensors, insert_version, lock_series, metric_row, read_checked_metadata, set_alias,
+    METADATA_FILE, check_same_text, check_storable, find_same_tensors, insert_version, lock_series, metric_row,
+    read_checked_metadata, set_alias,
 )
 from kvhub.store.location import default_artifacts_dir, display_url, require_existing, resolve_db_url
 from kvhub.store.migrate import ensure_schema
@@ -142,8 +143,18 @@ class Store:
         except DBAPIError as exc:
             raise connection_error(self.url, exc) from exc
 
+    @property
+    def read_only(self) -> bool:
+        """True for a SQLite store this process may not write (opened read-only, see kvhub.store.engine)."""
+        return is_read_only(self._engine)
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise read_only_error(self.url)
+
     def _write(self, work: Callable[[Session], T]) -> T:
         """Run ``work`` in a write transaction and commit; retry the whole of it on a lost race."""
+        self._check_writable()
         for attempt in range(_RETRIES):
             with self._writer() as session:
                 try:
@@ -172,14 +183,19 @@ class Store:
         """Copy an artifact directory into the store and register it as the next version of its triple.
 
         Creates model and calibration-set rows from mapper.json as needed, records its metrics, and
-        moves ``latest``.  ``lineage``: any JSON dict (fit options, parent version, command line).
-        An artifact whose tensors (sha256) a version of its triple already holds returns that version
-        and changes nothing (see :meth:`registered_as`).  ``preferred_version``: the number to take
-        when it is above every number the triple has used (a pull keeps the Hub's ``vN``), else the next.
-        Raises ArtifactError / IntegrityError for a malformed or corrupt artifact (nothing is stored).
+        keeps ``latest`` on the highest version number.  ``lineage``: any JSON dict (fit options, parent
+        version, command line).  An artifact whose tensors (sha256) a version of its triple already holds
+        returns that version and changes nothing (see :meth:`registered_as`).  ``preferred_version``: the
+        number to take when it is above every number the triple has used or no version holds it (a pull
+        keeps the Hub's ``vN``, so an older tag pulled later never becomes ``latest``), else the next.
+        Raises ArtifactError / IntegrityError for a malformed or corrupt artifact, ConfigError when the
+        triple's versions were fitted on another calibration text (nothing is stored either way).
         """
         _check_json("lineage", lineage)
-        check_storable(read_metadata(artifact_dir))  # before copying: a refusal leaves nothing behind
+        metadata = read_metadata(artifact_dir)
+        check_storable(metadata)  # before copying: a refusal leaves nothing behind
+        self._check_writable()
+        self._read(lambda s: find_same_tensors(s, metadata) or check_same_text(s, metadata))
         checked: dict = {}
 
         def check(copy: Path, hashes: dict[str, str]) -> None:
@@ -202,6 +218,7 @@ class Store:
     def staging(self, *, prefix: str = "staging-"):
         """Context manager: a new empty directory inside the store's ``.tmp``, removed on exit; what a
         killed process leaves there is removed by ``kvhub gc``, never left in /tmp (``kvhub pull``)."""
+        self._check_writable()
         return self._artifacts.staging(prefix=prefix)
 
     def add_metrics(self, version: VersionLike, metrics: list[dict]) -> int:
@@ -260,16 +277,19 @@ class Store:
         """Every version matching all filters, ordered by triple then version number.
 
         source/target match like references (full id or short name, case-insensitive); ``family``
-        is the source model's family; ``min_metrics`` {name: threshold} keeps versions with some
-        measurement of ``name`` >= threshold.
+        is the source model's family; ``min_metrics`` {key: threshold} keeps versions with some
+        measurement >= threshold of the metric the key names: ``NAME``, or ``NAME@TASK`` for that task
+        only.  ConfigError for a name (or task) the store never measured, listing those it has.
         """
         filters = dict(source=source, target=target, calibration=calibration, family=family,
                        min_metrics=min_metrics or {})
         return self._read(lambda s: queries.list_versions(s, **filters))
 
-    def metrics(self, version: VersionLike, *, names: list[str] | None = None) -> list[dict]:
-        """Measurements of a version {name, value, split, task, layer, n, seed, measured_at, kvhub_version}."""
-        return self._read(lambda s: queries.metrics_of(s, self._row(s, version).id, names))
+    def metrics(self, version: VersionLike, *, names: list[str] | None = None, history: bool = True) -> list[dict]:
+        """Measurements of a version {name, value, split, task, layer, n, seed, measured_at, kvhub_version},
+        oldest first; ``history=False`` keeps the newest of each (name, split, task, layer)."""
+        found = self._read(lambda s: queries.metrics_of(s, self._row(s, version).id, names))
+        return found if history else queries.newest_per_key(found)
 
     def mapper_metrics(self, versions: list[MapperVersion]) -> dict[int, list[dict]]:
         """{version id: measurements of the whole mapper (no layer)}, oldest first, as :meth:`metrics`."""
@@ -284,6 +304,14 @@ class Store:
         check_storable(metadata)  # the series key must exist before it can be looked up
         return self._read(lambda s: self._same_tensors(s, metadata))
 
+    def check_calibration_text(self, *, source: str, target: str, calibration: str, text_sha256: str | None) -> None:
+        """ConfigError (naming ``kvhub fit --name``) when the triple holds versions fitted on another
+        calibration text than ``text_sha256`` (a calibration set's ``corpus_hash``): what :meth:`register`
+        would refuse, asked before a fit spends its forward passes."""
+        metadata = {"source": {"model_id": source}, "target": {"model_id": target},
+                    "calibration": {"name": calibration, "corpus_hash": text_sha256}}
+        self._read(lambda s: check_same_text(s, metadata))
+
     def _same_tensors(self, session: Session, metadata: dict) -> MapperVersion | None:
         row = find_same_tensors(session, metadata)
         return None if row is None else self._record(session, row)
@@ -296,11 +324,14 @@ class Store:
         """Hub publications of a version {repo_id, revision, commit_sha, published_at}, oldest first."""
         return self._read(lambda s: queries.publications_of(s, self._row(s, version).id))
 
-    def describe(self, version: VersionLike) -> dict:
+    def describe(self, version: VersionLike, *, history: bool = True) -> dict:
         """Everything about a version (JSON-ready): the record, both model fingerprints, the calibration
-        set, metrics, publications and the artifact path."""
+        set, metrics (``history=False``: the newest of each, see :meth:`metrics`), publications and the
+        artifact path."""
         data = self._read(lambda s: queries.describe_row(s, self._row(s, version)))
         data["artifact_path"] = str(self._artifacts.path(data["artifact_location"]))
+        if not history:
+            data["metrics"] = queries.newest_per_key(data["metrics"])
         return data
 
     # ---- artifacts -------------------------------------------------------------------------------
@@ -440,6 +471,7 @@ class Store:
         ``.tmp`` or ``.lock`` is a StoreError raised before anything is deleted.
         """
         report = GcReport(dry_run=dry_run)
+        self._check_writable()
         with self._artifacts.collecting():
             debris = self._artifacts.temporaries()  # checks .tmp before anything is deleted
             referenced = set(self._read(lambda s: s.scalars(select(VersionRow.artifact_location)).all()))
