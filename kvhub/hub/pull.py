@@ -15,6 +15,7 @@ from kvhub.artifact import (
 )
 from kvhub.errors import (
     ArtifactError,
+    ConfigError,
     FormatVersionError,
     HubRepoNotFoundError,
     HubRevisionNotFoundError,
@@ -51,19 +52,23 @@ class PullResult:
 
 
 def pull(store, repo: str, *, revision: str | None = None, token: str | None = None, source: str | None = None,
-         target: str | None = None, calibration: str | None = None) -> PullResult:
+         target: str | None = None, calibration: str | None = None, cache_dir: str | os.PathLike | None = None,
+         local_files_only: bool = False) -> PullResult:
     """Download ``repo`` ('owner/name[@revision]'), verify it, and register it with its provenance.
 
     Verification (format version, sha256, fingerprints; and when given, the source/target model and
     calibration set) happens before anything reaches the store; a download with bad bytes is also
     dropped from the Hugging Face cache so the next pull fetches it anew.  Pulling the same weights
-    again returns the version already registered.
+    again returns the version already registered.  ``cache_dir``: the Hugging Face cache to use;
+    ``local_files_only``: use that cache only (as HF_HUB_OFFLINE=1 does).
     """
     from huggingface_hub.errors import RevisionNotFoundError
 
     repo_id, in_ref = parse_repo_ref(repo)
+    if revision and in_ref and revision != in_ref:
+        raise ConfigError(f"{repo!r} names revision {in_ref!r} and revision {revision!r} was also given; give one")
     revision = revision or in_ref or "main"
-    settings = hub_settings()
+    settings = hub_settings(cache_dir=cache_dir, local_files_only=local_files_only)
     with hub_errors("pull", repo_id=repo_id, revision=revision, token=token, settings=settings):
         try:
             snapshot = Path(_snapshot(settings, repo_id, revision, token))
@@ -76,6 +81,7 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             raise HubRepoNotFoundError(f"{repo_id}@{revision} has no {METADATA_FILE}: it is not a kvhub mapper "
                                        "repository", repo_id=repo_id, revision=revision)
         label = revision if settings.offline else _best_label(settings, repo_id, revision, commit, token)
+        _remember_tag(snapshot, label, commit)
     with store.staging(prefix="pull-") as tmp:  # in the store's .tmp: gc removes what a kill leaves
         staged = tmp / "artifact"
         try:  # what is verified is the copy that gets registered, not the cache it came from
@@ -98,6 +104,7 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
 
 
 def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | None) -> str:
+    """The local snapshot folder of ``repo_id`` at ``revision`` (downloaded unless offline)."""
     from huggingface_hub import snapshot_download
 
     return snapshot_download(
@@ -125,6 +132,21 @@ def _best_label(settings: HubSettings, repo_id: str, revision: str, commit: str,
     tags = sorted((r.name for r in refs.tags if r.target_commit == commit and tag_number(r.name) is not None),
                   key=tag_number)
     return tags[-1] if tags else revision
+
+
+def _remember_tag(snapshot: Path, label: str, commit: str) -> None:
+    """Record in the Hugging Face cache that tag ``label`` is ``commit`` (refs/LABEL, as huggingface_hub
+    writes for a revision it downloads), so that an offline pull of OWNER/NAME@v1 finds the commit a pull
+    of main brought in when v1 pointed there."""
+    refs = snapshot.parent.parent / "refs"
+    if tag_number(label) is None or not refs.is_dir():
+        return
+    ref = refs / label
+    try:
+        if not ref.is_file() or ref.read_text().strip() != commit:
+            ref.write_text(commit)
+    except OSError as exc:  # a read-only cache: the pull itself succeeded
+        logger.debug("could not record %s -> %s in the Hugging Face cache: %s", label, commit[:12], exc)
 
 
 def _purge_cached_snapshot(snapshot: Path) -> None:
@@ -192,32 +214,34 @@ def configured_namespaces() -> list[str]:
 
 
 def load_from_hub(store, source: str, target: str, *, calibration: str | None = None, version: int | None = None,
-                  hub_repo: str | None = None, token: str | None = None) -> PullResult:
+                  hub_repo: str | None = None, token: str | None = None, revision: str | None = None,
+                  cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> PullResult:
     """Find a mapper for (source, target[, calibration]) on the Hub, pull it, register it.
 
     Where it looks: ``hub_repo`` ('owner/name[@revision]') if given, else every namespace in
     KVHUB_HUB_NAMESPACES (searched by card metadata; offline: the repositories of those namespaces
-    already in the Hugging Face cache).  ``version=N`` asks for tag ``vN``; otherwise the head of main.
-    Raises NotFoundError (naming what was searched) when nothing matches.
+    already in the Hugging Face cache).  ``revision`` (a tag, branch or commit) or ``version=N`` (tag
+    ``vN``) picks the revision; otherwise the head of main.  ``cache_dir``, ``local_files_only``: as
+    :func:`pull`.  Raises NotFoundError (naming what was searched) when nothing matches.
     """
-    wanted_rev = f"v{version}" if version is not None else None
+    wanted_rev = revision or (f"v{version}" if version is not None else None)
+    fetch = dict(token=token, source=source, target=target, calibration=calibration, cache_dir=cache_dir,
+                 local_files_only=local_files_only)
     if hub_repo is not None:
-        repo_id, revision = parse_repo_ref(hub_repo)
-        return pull(store, repo_id, revision=revision or wanted_rev, token=token, source=source, target=target,
-                    calibration=calibration)
+        repo_id, in_ref = parse_repo_ref(hub_repo)
+        return pull(store, repo_id, revision=in_ref or wanted_rev, **fetch)
     namespaces = configured_namespaces()
     if not namespaces:
         raise NotFoundError(f"no mapper for {source} -> {target} in the store, and no Hub source to try: pass "
                             f"hub_repo='owner/name' or set {NAMESPACES_ENV}=owner1,owner2")
-    settings = hub_settings()
+    settings = hub_settings(cache_dir=cache_dir, local_files_only=local_files_only)
     candidates = (_cached_candidates(settings, namespaces, source, target, calibration, wanted_rev) if settings.offline
                   else [m.repo_id for ns in namespaces
                         for m in search(source=source, target=target, calibration=calibration, author=ns,
                                         token=token)])
     for repo_id in candidates:
         try:
-            return pull(store, repo_id, revision=wanted_rev, token=token, source=source, target=target,
-                        calibration=calibration)
+            return pull(store, repo_id, revision=wanted_rev, **fetch)
         except (HubRevisionNotFoundError, IncompatibleError) as exc:
             logger.info("skipping %s: %s", repo_id, exc)
     where = "the local Hugging Face cache" if settings.offline else "the Hub"

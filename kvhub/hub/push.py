@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvhub import __version__
-from kvhub.artifact import CARD_FILE, METADATA_FILE, copy_regular, is_figure_name, publishable_files
-from kvhub.hub.card import base_models, card_is_pristine, model_card
+from kvhub.artifact import (
+    CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, copy_regular, is_figure_name, publishable_files,
+)
+from kvhub.hub.card import CardLicense, card_is_pristine, model_card
+from kvhub.hub.identity import base_models, published_metadata
 from kvhub.errors import ConfigError, HubConflictError, HubOfflineError
 from kvhub.hub.client import _api, hub_errors, hub_settings, parse_repo_ref
 from kvhub.hub.verify import series_key, verify_artifact
@@ -37,7 +41,8 @@ def _publication(store, version, repo_id: str, tag: str):
 
 @dataclass
 class PushResult:
-    """What :func:`push` did.  ``card``: written / replaced / unchanged / kept (edited on the Hub)."""
+    """What :func:`push` did.  ``card``: written / replaced / unchanged / kept (edited on the Hub).
+    ``pull_request``: the URL of the pull request opened instead of a commit (``create_pr``)."""
 
     repo_id: str
     tag: str
@@ -47,6 +52,7 @@ class PushResult:
     already_published: bool = False
     card: str = "unchanged"
     notes: list[str] = field(default_factory=list)
+    pull_request: str | None = None
 
 
 @dataclass
@@ -56,70 +62,192 @@ class _Remote:
     private: bool
     head_metadata: dict | None = None
     head_card: str | None = None
+    head_files: list[str] = field(default_factory=list)
 
 
-def push(store, ref: str, repo_id: str, *, private: bool = False, branch: str | None = None, card: str = "auto",
-         token: str | None = None, base_model: tuple[str, str] | None = None) -> PushResult:
-    """Publish the version ``ref`` names to ``repo_id``: one commit on ``branch``, tagged ``v{version}``.
+@dataclass
+class _Push:
+    """One push being made: the version, what is published of it (mapper.json naming the Hub ids, the
+    card's inputs, figures) and where it goes."""
+
+    store: object
+    version: object
+    repo_id: str
+    tag: str
+    branch: str
+    metadata: dict  # mapper.json as published (kvhub.hub.identity.published_metadata)
+    local_metadata: dict  # mapper.json as stored: the same tensors, local names
+    bases: tuple[str, str]
+    license: CardLicense | None
+    figures: dict[str, Path]  # file name -> where it is read from: the artifact's and ``added``
+    added: dict[str, Path]  # the figures given with this push (``figures=``), which a card refresh uploads
+    commit_message: str | None
+    url: str
+
+    def card(self, images) -> str:
+        return model_card(self.metadata, repo_id=self.repo_id, version_tag=self.tag, images=images,
+                          base_model=self.bases, measurements=self.store.metrics(self.version), license=self.license)
+
+
+def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str | None = None,
+         branch: str | None = None, card: str = "auto", token: str | None = None,
+         base_model: tuple[str, str] | None = None, license: CardLicense | None = None,
+         figures: str | os.PathLike | None = None, commit_message: str | None = None,
+         create_pr: bool = False) -> PushResult:
+    """Publish the version ``ref`` names to ``repo_id``: one commit on branch ``revision`` (default main;
+    ``branch`` is its older name), tagged ``v{version}``.
 
     Idempotent: a version already published there (per the store, or per the tag on the Hub) is not
-    pushed again.  ``card``: "auto" replaces README.md only if kvhub wrote it and nobody edited it since,
-    "keep" never touches an existing README.md, "replace" always writes the generated card.
-    ``base_model``: Hub ids (source, target) for the card when the mapper names local models that
-    kvhub cannot map to Hub ids (kvhub.hub.card.base_models).
+    pushed again; with ``card="replace"`` or ``figures``, its card (and figures) are refreshed on the
+    branch instead, when the branch holds its weights.  ``card``: "auto" replaces README.md only if
+    kvhub wrote it and nobody edited it since, "keep" never touches an existing README.md, "replace"
+    always writes the generated card.  ``base_model``: Hub ids (source, target) that name the models in
+    everything published (kvhub.hub.identity).  ``license``: kvhub.hub.card.card_license.  ``figures``:
+    a directory whose figures (.png, .jpg, .jpeg, .svg) join the commit and the card.  ``create_pr``:
+    open a pull request instead of committing; nothing is tagged or recorded until it is merged and
+    pushed again.
     """
     repo_id, _ = parse_repo_ref(repo_id)
     if card not in CARD_MODES:
         raise ConfigError(f"card must be one of {', '.join(CARD_MODES)}, not {card!r}")
-    branch = branch or "main"
-    version = store.resolve(ref)
-    artifact = Path(store.artifact_path(version))
-    metadata = verify_artifact(artifact)
-    bases = base_models(metadata, base_model)  # refuses a local path before any Hub traffic
-    tag = version_tag(version)
+    job = _prepare(store, ref, repo_id, revision=_one_branch(revision, branch), base_model=base_model,
+                   license=license, figures=figures, commit_message=commit_message)
+    refresh = card == "replace" or bool(job.added)
+    if (pub := _publication(store, job.version, repo_id, job.tag)) is not None and not refresh:
+        label = pub["revision"] or job.tag
+        return PushResult(repo_id, label, pub["commit_sha"] or "", job.branch,
+                          job.url.replace(f"/tree/{job.tag}", f"/tree/{label}"), already_published=True)
     settings = hub_settings()
-    url = f"{settings.endpoint}/{repo_id}/tree/{tag}"
-    if (pub := _publication(store, version, repo_id, tag)) is not None:
-        label = pub["revision"] or tag
-        return PushResult(repo_id, label, pub["commit_sha"] or "", branch,
-                          f"{settings.endpoint}/{repo_id}/tree/{label}", already_published=True)
     if settings.offline:
         raise HubOfflineError(f"push to {repo_id}: HF_HUB_OFFLINE=1 forbids publishing; unset it and retry",
                               repo_id=repo_id)
     api = _api(settings, token)
     aftermath = f"{ref} is not recorded as published; re-run the same `kvhub push` to retry"
-    with hub_errors("push to", repo_id=repo_id, revision=branch, token=token, settings=settings,
+    with hub_errors("push to", repo_id=repo_id, revision=job.branch, token=token, settings=settings,
                     aftermath=aftermath):
         api.create_repo(repo_id, private=private, exist_ok=True)
-        remote = _remote_state(api, repo_id, branch)
+        remote = _remote_state(api, repo_id, job.branch)
         if private and not remote.private:
-            raise HubConflictError(f"{repo_id} exists and is public; --private cannot hide it. Make it private on "
-                                   "the Hub first or push to another repository", repo_id=repo_id)
-        _check_same_series(repo_id, remote.head_metadata, metadata)
-        if tag in remote.tags:
-            commit = _existing_tag(api, repo_id, tag, remote.tags[tag], metadata)
-            store.add_publication(version, repo_id, tag, commit)
-            return PushResult(repo_id, tag, commit, branch, url, already_published=True,
-                              notes=[f"{repo_id} already had {tag} with these weights; recorded it"])
-        files = publishable_files(artifact, metadata)  # the format's files and figures: nothing else leaves
-        images = [name for name in files if is_figure_name(name)]
-        text, card_action, notes = _card_for_push(metadata, remote.head_card, card, repo_id=repo_id, tag=tag,
-                                                  images=images, base_model=bases,
-                                                  measurements=store.metrics(version))
-        with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
-            for name in files:
-                copy_regular(artifact / name, Path(tmp) / name)
-            if text is not None:
-                (Path(tmp) / CARD_FILE).write_text(text, encoding="utf-8")
-            if branch not in remote.branches:
-                api.create_branch(repo_id, branch=branch, exist_ok=True)
-            info = api.upload_folder(
-                repo_id=repo_id, folder_path=tmp, revision=branch, commit_message=_commit_title(metadata, tag),
-                commit_description=f"tensors sha256 {metadata['tensors']['sha256']}; kvhub {__version__}",
-            )
-        api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=_commit_title(metadata, tag))
-    store.add_publication(version, repo_id, tag, info.oid)
-    return PushResult(repo_id, tag, info.oid, branch, url, card=card_action, notes=notes)
+            raise HubConflictError(f"{repo_id} exists and is public, so it cannot be made private by a push. Make "
+                                   "it private on the Hub first or push to another repository", repo_id=repo_id)
+        _check_same_series(repo_id, remote.head_metadata, job)
+        if job.tag in remote.tags and not create_pr:
+            commit = _existing_tag(api, repo_id, job.tag, remote.tags[job.tag], job)
+            if pub is None:
+                store.add_publication(job.version, repo_id, job.tag, commit)
+            if refresh:
+                return _refresh_card(api, job, remote, commit)
+            return PushResult(repo_id, job.tag, commit, job.branch, job.url, already_published=True,
+                              notes=[f"{repo_id} already had {job.tag} with these weights; recorded it"])
+        return _publish(api, job, remote, card, create_pr=create_pr)
+
+
+def _one_branch(revision: str | None, branch: str | None) -> str:
+    if revision and branch and revision != branch:
+        raise ConfigError(f"revision {revision!r} and branch {branch!r} name two branches; give one (revision)")
+    return revision or branch or "main"
+
+
+def _prepare(store, ref: str, repo_id: str, *, revision: str, base_model, license, figures,
+             commit_message) -> _Push:
+    """Everything a push decides before any Hub traffic (a local path without Hub ids, a bad figures
+    directory are refused here)."""
+    version = store.resolve(ref)
+    artifact = Path(store.artifact_path(version))
+    metadata = verify_artifact(artifact)
+    bases = base_models(metadata, base_model)
+    added = _figures_in(figures)
+    found = {name: artifact / name for name in publishable_files(artifact, metadata) if is_figure_name(name)}
+    tag = version_tag(version)
+    return _Push(store, version, repo_id, tag, revision, published_metadata(metadata, bases), metadata, bases,
+                 license, {**found, **added}, added, commit_message, f"{hub_settings().endpoint}/{repo_id}/tree/{tag}")
+
+
+def _figures_in(directory: str | os.PathLike | None) -> dict[str, Path]:
+    """{name: path} of the figures directly in ``directory`` (regular files, links skipped)."""
+    if directory is None:
+        return {}
+    folder = Path(directory).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"figures directory {folder} does not exist; pass the folder `kvhub report` wrote")
+    found = {p.name: p for p in sorted(folder.iterdir()) if is_figure_name(p.name) and p.is_file()
+             and not p.is_symlink()}
+    if not found:
+        raise ConfigError(f"{folder} holds no figures ({', '.join(FIGURE_SUFFIXES)}); pass the folder "
+                          "`kvhub report` wrote")
+    return found
+
+
+def _publish(api, job: _Push, remote: _Remote, mode: str, *, create_pr: bool) -> PushResult:
+    """One commit (or pull request) with mapper.json as published, the tensors, figures and card; the tag."""
+    artifact = Path(job.store.artifact_path(job.version))
+    text, card_action, notes = _card_for_push(job, remote.head_card, mode)
+    with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
+        folder = Path(tmp)
+        tensors = job.local_metadata["tensors"]["file"]
+        copy_regular(artifact / tensors, folder / tensors)
+        (folder / METADATA_FILE).write_text(json.dumps(job.metadata, indent=2, sort_keys=True) + "\n",
+                                            encoding="utf-8")
+        for name, path in job.figures.items():
+            copy_regular(path, folder / name, refuse_hard_links=True)
+        if text is not None:
+            (folder / CARD_FILE).write_text(text, encoding="utf-8")
+        verify_artifact(folder)  # what leaves is a valid artifact: the renamed mapper.json included
+        if job.branch not in remote.branches:
+            api.create_branch(job.repo_id, branch=job.branch, exist_ok=True)
+        commit = dict(repo_id=job.repo_id, revision=job.branch,
+                      commit_message=job.commit_message or _commit_title(job.metadata, job.tag),
+                      commit_description=f"tensors sha256 {job.metadata['tensors']['sha256']}; kvhub {__version__}")
+        info = (_pull_request(api, folder, **commit) if create_pr else api.upload_folder(folder_path=tmp, **commit))
+    if create_pr:
+        return PushResult(job.repo_id, job.tag, info.oid, job.branch, info.pr_url, card=card_action, notes=notes + [
+            f"opened a pull request; once it is merged, push {job.version.ref} again to tag it {job.tag}"],
+            pull_request=info.pr_url)
+    api.create_tag(job.repo_id, tag=job.tag, revision=info.oid, tag_message=_commit_title(job.metadata, job.tag))
+    job.store.add_publication(job.version, job.repo_id, job.tag, info.oid)
+    if job.version.version > 1 and not any(tag_number(tag) is not None for tag in remote.tags):
+        notes.append(f"{job.repo_id} starts at {job.tag}: a tag is the store's version number ({job.version.ref}), "
+                     "so every store and repository names this version alike")
+    return PushResult(job.repo_id, job.tag, info.oid, job.branch, job.url, card=card_action, notes=notes)
+
+
+def _pull_request(api, folder: Path, **commit):
+    """One commit of the folder's files proposed as a pull request against ``revision`` (upload_folder
+    opens pull requests against main only)."""
+    from huggingface_hub import CommitOperationAdd
+
+    operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path))
+                  for path in sorted(folder.iterdir())]
+    return api.create_commit(operations=operations, create_pr=True, **commit)
+
+
+def _refresh_card(api, job: _Push, remote: _Remote, tag_commit: str) -> PushResult:
+    """Rewrite README.md (and add figures) on the branch for a version published there already: the card
+    at the head of a branch describes the weights there, so the head must hold this version's tensors
+    (a branch that does not exist yet starts at the version's tag).  The tag keeps its commit."""
+    if job.branch not in remote.branches:
+        api.create_branch(job.repo_id, branch=job.branch, revision=tag_commit, exist_ok=True)
+        remote = _remote_state(api, job.repo_id, job.branch)
+    head = remote.branches[job.branch]
+    theirs = (remote.head_metadata or {}).get("tensors", {}).get("sha256")
+    if theirs != job.metadata["tensors"]["sha256"]:
+        raise HubConflictError(
+            f"{job.repo_id}@{job.branch} holds other weights (tensors sha256 {str(theirs)[:12]}) than "
+            f"{job.version.ref}, and a branch's card describes the weights at its head: refresh the card of the "
+            f"version there, or give {job.tag} a branch of its own (a new branch name starts at its tag)",
+            repo_id=job.repo_id, revision=job.branch)
+    images = sorted({name for name in remote.head_files if is_figure_name(name)} | set(job.added))
+    text = job.card(images)
+    if text == remote.head_card and not job.added:
+        return PushResult(job.repo_id, job.tag, head, job.branch, job.url, already_published=True,
+                          notes=[f"the card of {job.tag} on {job.repo_id}@{job.branch} is up to date"])
+    with tempfile.TemporaryDirectory(prefix="kvhub-card-") as tmp:
+        (Path(tmp) / CARD_FILE).write_text(text, encoding="utf-8")
+        for name, path in job.added.items():
+            copy_regular(path, Path(tmp) / name, refuse_hard_links=True)
+        info = api.upload_folder(repo_id=job.repo_id, folder_path=tmp, revision=job.branch, parent_commit=head,
+                                 commit_message=job.commit_message or f"kvhub {job.tag}: refresh the model card")
+    return PushResult(job.repo_id, job.tag, info.oid, job.branch, job.url, already_published=True, card="replaced")
 
 
 def _commit_title(metadata: dict, tag: str) -> str:
@@ -147,6 +275,7 @@ def _remote_state(api, repo_id: str, branch: str) -> _Remote:
     with tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
         raw = _remote_file(api, repo_id, head, METADATA_FILE, tmp)
         card = _remote_file(api, repo_id, head, CARD_FILE, tmp)
+    remote.head_files = api.list_repo_files(repo_id, revision=head)
     remote.head_metadata = _json_object(raw)
     remote.head_card = card.decode("utf-8", errors="replace") if card is not None else None
     return remote
@@ -161,13 +290,13 @@ def _json_object(raw: bytes | None) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _existing_tag(api, repo_id: str, tag: str, commit: str, metadata: dict) -> str:
+def _existing_tag(api, repo_id: str, tag: str, commit: str, job: _Push) -> str:
     """The tag's commit if it holds these very weights; HubConflictError otherwise."""
     with tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
         raw = _remote_file(api, repo_id, commit, METADATA_FILE, tmp)
     remote = _json_object(raw) or {}
     theirs = remote.get("tensors").get("sha256") if isinstance(remote.get("tensors"), dict) else None
-    if theirs == metadata["tensors"]["sha256"] and series_key(remote) == series_key(metadata):
+    if theirs == job.metadata["tensors"]["sha256"] and _same_series(remote, job):
         return commit
     raise HubConflictError(
         f"{repo_id} already has a tag {tag} holding other weights (tensors sha256 {theirs}); tags never move. "
@@ -175,23 +304,26 @@ def _existing_tag(api, repo_id: str, tag: str, commit: str, metadata: dict) -> s
         repo_id=repo_id, revision=tag)
 
 
-def _check_same_series(repo_id: str, remote: dict | None, metadata: dict) -> None:
+def _same_series(remote: dict, job: _Push) -> bool:
+    """The remote mapper.json is of this series: named by the Hub ids, or (pushed by an older kvhub) by
+    the local names."""
+    return series_key(remote) in (series_key(job.metadata), series_key(job.local_metadata))
+
+
+def _check_same_series(repo_id: str, remote: dict | None, job: _Push) -> None:
     """One repository holds one (source, target, calibration) series, so tags v1, v2, ... stay unambiguous."""
     if remote is None or "source" not in remote:
         return
-    if series_key(remote) != series_key(metadata):
-        theirs, ours = ("{} -> {} ({})".format(*series_key(m)) for m in (remote, metadata))
+    if not _same_series(remote, job):
+        theirs, ours = ("{} -> {} ({})".format(*series_key(m)) for m in (remote, job.metadata))
         raise HubConflictError(f"{repo_id} holds mappers for {theirs}; this one is {ours}. Push it to a repository "
                                "of its own (one repository per source, target and calibration set)",
                                repo_id=repo_id)
 
 
-def _card_for_push(metadata: dict, remote_card: str | None, mode: str, *, repo_id: str, tag: str,
-                   images: list[str], base_model: tuple[str, str],
-                   measurements: list[dict]) -> tuple[str | None, str, list[str]]:
+def _card_for_push(job: _Push, remote_card: str | None, mode: str) -> tuple[str | None, str, list[str]]:
     """(README text to upload or None, what happens to the card, notes for the user)."""
-    text = model_card(metadata, repo_id=repo_id, version_tag=tag, images=images, base_model=base_model,
-                      measurements=measurements)
+    text = job.card(sorted(job.figures))
     if remote_card is None:
         return text, "written", []
     if remote_card == text:
@@ -199,10 +331,8 @@ def _card_for_push(metadata: dict, remote_card: str | None, mode: str, *, repo_i
     if mode == "replace" or (mode == "auto" and card_is_pristine(remote_card)):
         return text, "replaced", []
     if mode == "keep":
-        return None, "kept", [f"README.md on {repo_id} left as it is (--card keep)"]
+        return None, "kept", [f"README.md on {job.repo_id} left as it is (card mode keep)"]
     return None, "kept", [
-        f"README.md on {repo_id} was edited on the Hub, so it was kept: {tag} carries the edited card. "
-        "Re-push with --card replace to overwrite it with the generated card."
+        f"README.md on {job.repo_id} was edited on the Hub, so it was kept: {job.tag} carries the edited card. "
+        "Push again with card mode replace to overwrite it with the generated card."
     ]
-
-
