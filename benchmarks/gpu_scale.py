@@ -89,7 +89,7 @@ class Timer:
 def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
     """A Mapper of the fitted kind (k sources per target layer, fp32 maps) with random weights."""
     from kvhub.dtypes import dtype_name
-    from kvhub.models.fingerprint import model_fingerprint
+    from kvhub.core.fingerprint import model_fingerprint
     from kvhub.fitting.fit import FitOptions, build_mapper, layout_for
     from kvhub.core.solve import LayerSolution, LinearMap, Solution
     from kvhub.core.stats import KVStats, Moments

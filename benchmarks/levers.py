@@ -67,6 +67,7 @@ def main() -> None:
     from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
     from kvhub.calib.corpus import cache_root
     from kvhub.fitting.fit import FitOptions, build_mapper, pair_fingerprints
+    from kvhub.artifact import TENSORS_FILE
     from kvhub.core.mapper import Mapper
     from kvhub.models.resolve import load_model
     from kvhub.core.solve import solve
@@ -99,7 +100,7 @@ def main() -> None:
         mapper = build_mapper(solution, *fps, calibration.to_metadata(), train, heldout, options)
         with tempfile.TemporaryDirectory() as tmp:
             path = mapper.save(Path(tmp) / "m")
-            size_mb = (path / "mapper.safetensors").stat().st_size / 1e6
+            size_mb = (path / TENSORS_FILE).stat().st_size / 1e6
             mapper = Mapper.load(path, dtype=torch.bfloat16)
             if name == "dense" and args.save_dense:
                 mapper.save(args.save_dense, overwrite=True)

@@ -33,7 +33,7 @@ def store_fingerprint(model_id: str, geometry_of: str | None = None) -> dict:
     """Fingerprint of a tiny Qwen2 config; ``geometry_of`` borrows another id's geometry."""
     from transformers import Qwen2Config
 
-    from kvhub.models.fingerprint import model_fingerprint
+    from kvhub.core.fingerprint import model_fingerprint
 
     config = Qwen2Config(intermediate_size=64, vocab_size=100, **_GEOMETRY[geometry_of or model_id])
     return model_fingerprint(config, model_id=model_id, revision="0123abc")

@@ -7,7 +7,7 @@ import torch
 
 from kvhub.eval.continuation import continuation_metrics
 from kvhub.fitting.fit import FitOptions, fit
-from kvhub.eval.control import control_mapper
+from kvhub.core.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 

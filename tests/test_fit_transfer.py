@@ -8,7 +8,7 @@ from kvhub.errors import ConfigError, IncompatibleError, IntegrityError, FormatV
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.serving.handoff import handoff
 from kvhub.core.mapper import Mapper
-from kvhub.eval.control import control_mapper
+from kvhub.core.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, rtol
 
@@ -277,7 +277,7 @@ def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
 
 
 def test_handoff_refuses_another_tokenizer():
-    from kvhub.models.fingerprint import tokenizer_hash
+    from kvhub.core.fingerprint import tokenizer_hash
     from tests.fixtures_calib import train_tokenizer
 
     model = make_model("qwen2", num_hidden_layers=1, vocab_size=640)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvhub.eval.control import control_mapper
+from kvhub.core.control import control_mapper
 from kvhub.eval.gist import CONDITIONS, GistScore, gap_closed, gist_items, score_gist_item, summarize_gist
 from kvhub.serving.spec import Recompute
 from tests.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from kvhub.eval.control import control_mapper
+from kvhub.core.control import control_mapper
 from kvhub.errors import ConfigError
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.eval.longctx import (

@@ -347,7 +347,7 @@ def test_benchmark_script_is_a_wrapper_of_kvhub_fetch(tmp_path):
 
 @pytest.mark.realmodel
 def test_fetched_qwen_pair_resolves_and_shares_a_tokenizer():
-    from kvhub.models.fingerprint import tokenizer_hash
+    from kvhub.core.fingerprint import tokenizer_hash
 
     if any(models.verify_converted(m) for m in models.known_models().values()):
         pytest.skip("run `kvhub fetch models` first")

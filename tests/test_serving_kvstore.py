@@ -215,7 +215,7 @@ def test_eviction_treats_an_entry_another_engine_removed_as_gone(tmp_path, monke
         path.unlink()
         raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (2)")
 
-    monkeypatch.setattr(kvstore, "_read_token_ids", removed_meanwhile)
+    monkeypatch.setattr(kvstore, "read_token_ids", removed_meanwhile)
     ids = list(range(101, 117))
     keys, _ = _put(store, ids, seed=1)
     found = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids)

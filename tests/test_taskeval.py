@@ -9,7 +9,7 @@ import torch
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.serving.recompute import Recompute
 from kvhub.eval.taskeval import ItemScore, _AttnRecorder, score_item, summarize
-from kvhub.eval.control import control_mapper
+from kvhub.core.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import kvhub.core.mapper as mapper_module
 from kvhub.errors import IncompatibleError, NonFiniteError
-from kvhub.models.fingerprint import model_fingerprint
+from kvhub.core.fingerprint import model_fingerprint
 from kvhub.core.mapper import Mapper
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
 from tests.tinymodels import make_config

@@ -18,7 +18,7 @@ import math
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvhub.eval.control import control_mapper  # noqa: F401  (the no-information control; tests import it from here too)
+from kvhub.core.control import control_mapper  # noqa: F401  (the no-information control; tests import it from here too)
 
 BASE = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=128,

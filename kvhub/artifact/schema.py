@@ -187,7 +187,7 @@ def _check_fingerprint(fields: _Fields, role: str) -> dict:
 
 def config_geometry(config: dict) -> tuple[int | None, int | None, int | None]:
     """(layers, KV heads, head dim) a reduced config implies, None where it does not say (as
-    kvhub.models.fingerprint.kv_geometry computes them from a transformers config)."""
+    kvhub.core.fingerprint.kv_geometry computes them from a transformers config)."""
     config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     heads = _int_or_none(config.get("num_attention_heads"))
     kv_heads = _int_or_none(config.get("num_key_value_heads")) or heads

@@ -142,7 +142,7 @@ def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
 
 
 def has_target_means(shapes: dict[str, tuple[int, ...]]) -> bool:
-    """True when some map stores its ``target_mean`` (the control of evaluations, kvhub.eval.control)."""
+    """True when some map stores its ``target_mean`` (the control of evaluations, kvhub.core.control)."""
     return any(name.endswith(".target_mean") for name in shapes)
 
 

@@ -111,7 +111,7 @@ def tokenizer_digest(tokenizer, *, with_chat_template: bool = False) -> str:
     if backend is not None:
         parts["definition"] = hashlib.sha256(backend.to_str().encode()).hexdigest()
     else:
-        from kvhub.models.fingerprint import tokenizer_hash
+        from kvhub.core.fingerprint import tokenizer_hash
 
         parts["vocab"] = tokenizer_hash(tokenizer)
     return json_sha256(parts)

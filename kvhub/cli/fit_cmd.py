@@ -183,7 +183,7 @@ def _launch_torchrun(nproc: int) -> int:
     import sys
 
     from kvhub.fitting.distributed import LAUNCHER
-    from kvhub.serving.launch import _die_with_parent
+    from kvhub.env import die_with_parent
 
     args, skip = [], False
     for arg in sys.argv[1:]:
@@ -196,7 +196,7 @@ def _launch_torchrun(nproc: int) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "kvhub", *args]
     say("running " + " ".join(command[1:]))
-    return subprocess.call(command, env={**os.environ, LAUNCHER: str(os.getpid())}, preexec_fn=_die_with_parent())
+    return subprocess.call(command, env={**os.environ, LAUNCHER: str(os.getpid())}, preexec_fn=die_with_parent())
 
 
 def _fit_rank(request, *, ignore_plan: bool):

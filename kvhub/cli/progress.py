@@ -24,7 +24,7 @@ from rich.progress import Progress as RichProgress
 from rich.text import Text
 
 from kvhub.cli.console import err_console, say
-from kvhub.hub.client import env_flag
+from kvhub.env import env_flag
 from kvhub.progress import Progress
 
 INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"

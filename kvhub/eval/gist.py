@@ -7,7 +7,7 @@ log-likelihood per token, under each cache:
 
 - ``own``:     the target's own cache of the prompt (the reference, lowest NLL by construction);
 - ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.serving.recompute`);
-- ``control``: the same recompute over the no-information control map (:mod:`kvhub.eval.control`);
+- ``control``: the same recompute over the no-information control map (:mod:`kvhub.core.control`);
 - ``floor``:   the context dropped: the target given only the last ``FLOOR_TOKENS`` prompt tokens
                (the request itself), the no-context floor.
 
@@ -199,7 +199,7 @@ def evaluate_gist(task: str, *, tensors_sha256: str, mapper, source, target, tok
     at one context length; ``run`` holds limit, seed, dtype, device, log_samples.  Per-item results are
     cached (kvhub.eval.cache) per mapper, task, seed, variant, dtype and device."""
     from kvhub.eval.cache import results_file, score_items
-    from kvhub.eval.control import control_mapper
+    from kvhub.core.control import control_mapper
     from kvhub.eval.results import items_sha256
 
     kind = task.removeprefix("gist-")

@@ -14,7 +14,7 @@ model_args (comma-separated ``key=value``):
   Hub repository (``owner/name@v3``), resolved by :func:`kvhub.api.from_pretrained`;
 - ``condition``: ``mapped`` (default: the source prefills the context, the map turns its cache into the
   target's, the target continues: the handoff), ``own`` (the target alone, the ceiling), ``source``
-  (the source alone), ``control`` (the same handoff through :func:`kvhub.eval.control.control_mapper`,
+  (the source alone), ``control`` (the same handoff through :func:`kvhub.core.control.control_mapper`,
   a map with no information about the context);
 - ``exact_prefix``, ``exact_suffix``, ``exact_budget``, ``select``: the context tokens the target
   recomputes itself (:mod:`kvhub.serving.recompute`); 0, 0, 0.0 (map every token), as ``kvhub eval``;
@@ -146,7 +146,7 @@ class KVHubLM(TemplateLM or object):
         check_models(self.mapper, self.source, self.target, tokenizer=self.tokenizer)
         self.ref = self.mapper.ref or ref
         if self.condition == "control":
-            from kvhub.eval.control import control_mapper
+            from kvhub.core.control import control_mapper
 
             self.mapper = control_mapper(self.mapper)
 

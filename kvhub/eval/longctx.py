@@ -19,7 +19,7 @@ Conditions per item (one ItemScore per recompute variant; own/source/floor share
 
 - ``own``:     the target from its own cache of the prompt;
 - ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.serving.recompute`);
-- ``control``: the same recompute over the no-information control map (:mod:`kvhub.eval.control`);
+- ``control``: the same recompute over the no-information control map (:mod:`kvhub.core.control`);
 - ``source``:  the source model alone;
 - ``floor``:   the target given only the last ``FLOOR_TOKENS`` prompt tokens (the question).
 """

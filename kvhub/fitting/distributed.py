@@ -71,9 +71,9 @@ def die_with_launcher() -> None:
     """Have the kernel SIGTERM this rank when its parent (torchrun) dies, even by SIGKILL (Linux; nothing
     elsewhere).  ``kvhub fit --distributed`` ties torchrun to itself the same way and names itself in
     ``$KVHUB_FIT_LAUNCHER``: a rank whose torchrun or launcher died before this call exits at once."""
-    from kvhub.serving.launch import _die_with_parent
+    from kvhub.env import die_with_parent
 
-    hook = _die_with_parent()
+    hook = die_with_parent()
     if hook is None:
         return
     hook()

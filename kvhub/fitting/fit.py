@@ -36,7 +36,7 @@ from kvhub.fitting import checkpoint
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.modes import MODES, ONE_PASS, StatisticsMode
 from kvhub.fitting.two_pass import run_passes, solve_candidates
-from kvhub.models.fingerprint import kv_geometry, model_fingerprint
+from kvhub.core.fingerprint import kv_geometry, model_fingerprint
 from kvhub.progress import Progress, report
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ def _attention_weighted(options: FitOptions) -> bool:
 def target_means(train: KVStats) -> dict[str, torch.Tensor]:
     """``{k,v}.{m}.target_mean`` (Ht*Dt,) fp32: the calibration mean of target layer m's RoPE-stripped
     keys and of its values.  A cache of these constants is the no-information control of an evaluation
-    (:mod:`kvhub.eval.control`): what a handoff scores above it is what the mapped context contributes."""
+    (:mod:`kvhub.core.control`): what a handoff scores above it is what the mapped context contributes."""
     out = {}
     for kind, moments in (("k", train.k), ("v", train.v)):
         for m in range(train.layout.dst_layers):
@@ -304,8 +304,8 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
     (recorded under ``fit``, which kvhub does not read back)."""
     tensors = {}
     for layer in solution.layers:
-        tensors.update(layer.k_map.tensors(f"k.{layer.target}"))
-        tensors.update(layer.v_map.tensors(f"v.{layer.target}"))
+        tensors.update(layer.k_map.tensors(map_prefix("k", layer.target)))
+        tensors.update(layer.v_map.tensors(map_prefix("v", layer.target)))
     tensors.update(target_means(train))
     r2_k, r2_v = solution.mean_r2()
     metrics = {"train_tokens": train.n, "heldout_tokens": heldout.n}

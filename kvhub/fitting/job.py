@@ -76,7 +76,7 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
             progress: ProgressFactory | None = None) -> PreparedFit:
     """Load both models (checking they share a tokenizer) and the calibration set; build the options."""
     from kvhub.calib import resolve_calibration
-    from kvhub.models.fingerprint import tokenizer_hash
+    from kvhub.core.fingerprint import tokenizer_hash
     from kvhub.fitting.checkpoint import sweep_temporaries
     from kvhub.fitting.fit import FitOptions, check_same_tokenizer
     from kvhub.models.resolve import load_model

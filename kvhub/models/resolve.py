@@ -8,7 +8,7 @@ A *spec* is one of:
   has converted it;
 - any other Hub id, which transformers loads from its own cache (or the Hub when online).
 
-The cache root is :func:`kvhub.calib.corpus.cache_root` (``$KVHUB_CACHE``, ...).  Fetching and converting
+The cache root is :func:`kvhub.env.cache_root` (``$KVHUB_CACHE``, ...).  Fetching and converting
 the known models is :mod:`kvhub.models.fetch`.
 """
 
@@ -80,7 +80,7 @@ def find_known(spec: str) -> KnownModel | None:
 def models_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """``<cache_dir>/models``; ``cache_dir`` defaults to kvhub's cache root (``$KVHUB_CACHE``)."""
     if cache_dir is None:
-        from kvhub.calib.corpus import cache_root
+        from kvhub.env import cache_root
 
         cache_dir = cache_root()
     return Path(cache_dir).expanduser() / "models"
@@ -219,7 +219,7 @@ def _load_hub(model_id: str, *, dtype):
     """Load ``model_id`` through transformers; known-but-unfetched models fail fast when offline."""
     if _looks_like_path(model_id):
         raise ModelUnavailableError(f"{model_id} does not exist; check the path", model_id=model_id)
-    from kvhub.hub.client import hub_offline
+    from kvhub.env import hub_offline
 
     known = find_known(model_id)
     if known is not None and hub_offline():

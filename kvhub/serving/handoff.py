@@ -25,7 +25,7 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError
-from kvhub.models.fingerprint import kv_geometry
+from kvhub.core.fingerprint import kv_geometry
 from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
 from kvhub.serving.spec import (DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX,  # noqa: F401
                                DEFAULT_SELECT)
@@ -45,7 +45,7 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
     """Refuse models whose KV geometry, model type or a config field of :data:`COMPATIBILITY_FIELDS` (or,
     when given, tokenizer) differs from what the mapper was fitted for; the error names the field."""
     if tokenizer is not None:
-        from kvhub.models.fingerprint import tokenizer_hash
+        from kvhub.core.fingerprint import tokenizer_hash
 
         given, fitted = tokenizer_hash(tokenizer), mapper.source.get("tokenizer_hash")
         if fitted is not None and given != fitted:
@@ -69,7 +69,7 @@ def check_models(mapper, source_model, target_model, *, tokenizer=None) -> None:
 def _check_config(side: str, fingerprint: dict, config) -> None:
     import json
 
-    from kvhub.models.fingerprint import reduced_config
+    from kvhub.core.fingerprint import reduced_config
 
     def normal(value):  # tuples and lists, ints and floats compare as mapper.json stores them
         return json.loads(json.dumps(value, sort_keys=True, default=str))

@@ -26,7 +26,8 @@ entry's index files go with it; a reader that still finds a stale one treats it 
 removes a damaged entry, or one another engine removed first, like any other.  Writes are atomic
 (temp file + rename), so a reader never sees half an entry; a failed write (disk full, read-only)
 raises StoreError and leaves nothing behind.  Entries are whole prompts of one source model, in the
-source engine's cache dtype.
+source engine's cache dtype.  Reading and writing the files themselves, without trusting them, is
+:mod:`kvhub.serving.kvstore_files`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import re
 import stat
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -49,24 +49,18 @@ from typing import Iterator
 import torch
 
 from kvhub.errors import ConfigError, IncompatibleError, StoreError
+from kvhub.serving.kvstore_files import (
+    ENTRY_NAME, READ_NO_FOLLOW, atomic_write_bytes, check_layers, entry_layers, entry_tensors, is_real_dir,
+    names_entry_of, open_entry, probe_writable, read_index, read_regular_file, read_token_ids, scandir, token_tensor,
+    unlink_quietly, write_error,
+)
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 STALE_PIN_SECONDS = 600.0
-ENTRY_NAME = re.compile(r"[0-9a-f]{40}-([1-9][0-9]*)\.safetensors")  # what put names an entry: <h_J>-<T>
 _NAMESPACE = re.compile(r"[0-9a-f]{40}")
 _PIN_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO planted in the store must not hang
-_FD_DIR = "/proc/self/fd"  # where an open descriptor has a path safetensors can open (Linux)
-_WRITE_HINTS = {
-    errno.ENOSPC: "free space on its file system or lower store_max_bytes",
-    errno.EDQUOT: "free space on its file system or lower store_max_bytes",
-    errno.EROFS: "mount it read-write or point store_dir at a writable directory",
-    errno.EACCES: "give the serving user write access to it",
-    errno.EPERM: "give the serving user write access to it",
-}
 
 
 @dataclass(frozen=True)
@@ -93,8 +87,8 @@ class KVStore:
         try:
             (self.root / "pins").mkdir(parents=True, exist_ok=True)
             self._check_format()
-            _probe_writable(self.root)
-            if not _is_real_dir(self.root / "pins"):
+            probe_writable(self.root)
+            if not is_real_dir(self.root / "pins"):
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root / "pins"))
         except (FileExistsError, NotADirectoryError) as exc:
             raise ConfigError(
@@ -112,7 +106,7 @@ class KVStore:
         path = self.root / "store.json"
         wanted = {"format": FORMAT, "chunk_tokens": self.chunk_tokens}
         if not os.path.lexists(path):
-            _atomic_write_bytes(path, json.dumps(wanted).encode())
+            atomic_write_bytes(path, json.dumps(wanted).encode())
         found = self._read_format(path)
         if found != wanted:
             raise ConfigError(
@@ -123,7 +117,7 @@ class KVStore:
     def _read_format(self, path: Path) -> object:
         """The JSON in store.json; ConfigError if it is not a regular file of JSON text."""
         try:
-            return json.loads(_read_regular_file(path, limit=4096))
+            return json.loads(read_regular_file(path, limit=4096))
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.EMLINK):
                 raise
@@ -147,7 +141,7 @@ class KVStore:
 
     def prefix_hashes(self, namespace: str, token_ids: list[int]) -> list[str]:
         """h_1..h_J of the J whole chunks of ``token_ids`` (module docstring)."""
-        data = _token_tensor(token_ids).numpy().tobytes()  # (T,) int64, native byte order
+        data = token_tensor(token_ids).numpy().tobytes()  # (T,) int64, native byte order
         step = 8 * self.chunk_tokens
         state = hashlib.sha256(namespace.encode()).digest()
         hashes = []
@@ -163,7 +157,7 @@ class KVStore:
         """(entries/, index/) of a namespace if both are real directories; None if missing or a link."""
         directory = self._dir(namespace)
         paths = (self.root / "ns", directory, directory / "entries", directory / "index")
-        if all(_is_real_dir(path) for path in paths):
+        if all(is_real_dir(path) for path in paths):
             return paths[2], paths[3]
         if any(os.path.islink(path) for path in paths):
             log.warning("KV store %s: a directory of namespace %s is a symbolic link; not used", self.root, namespace)
@@ -181,7 +175,7 @@ class KVStore:
         """
         namespace = self.namespace(isolation_key, source_model)
         hashes = self.prefix_hashes(namespace, token_ids)
-        _check_layers(keys, values, len(token_ids))
+        check_layers(keys, values, len(token_ids))
         if not hashes:
             return None
         directory = self._dir(namespace)
@@ -189,23 +183,23 @@ class KVStore:
             (directory / "entries").mkdir(parents=True, exist_ok=True)
             (directory / "index").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise _write_error(self.root, exc, "creating a namespace directory") from exc
+            raise write_error(self.root, exc, "creating a namespace directory") from exc
         dirs = self._namespace_dirs(namespace)
         if dirs is None:
             raise StoreError(f"KV store {self.root}: {directory} or a directory in it is not a plain directory "
                              "(a symbolic link?); nothing stored; remove it, the next put recreates it")
         entry = dirs[0] / f"{hashes[-1]}-{len(token_ids)}.safetensors"
-        self._write_entry(entry, _entry_tensors(token_ids, keys, values),
+        self._write_entry(entry, entry_tensors(token_ids, keys, values),
                           metadata={"source_model": source_model, "layers": str(len(keys))})
         try:
             for prefix in hashes:
-                _atomic_write_bytes(dirs[1] / prefix, entry.name.encode())
+                atomic_write_bytes(dirs[1] / prefix, entry.name.encode())
         except OSError as exc:
             try:
                 self._remove_entry(entry, prefixes=hashes)
             except OSError as cleanup:
                 log.warning("KV store %s: cannot remove %s after a failed put: %s", self.root, entry, cleanup)
-            raise _write_error(self.root, exc, "writing an index file") from exc
+            raise write_error(self.root, exc, "writing an index file") from exc
         try:
             self._evict(keep=entry)
         except OSError as exc:  # the entry is stored; eviction is retried by the next put
@@ -222,7 +216,7 @@ class KVStore:
                 save_file(tensors, str(tmp), metadata=metadata)
                 size = os.stat(tmp).st_size
             except Exception as exc:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
-                raise _write_error(self.root, exc, "writing an entry") from exc
+                raise write_error(self.root, exc, "writing an entry") from exc
             if size > self.max_bytes:
                 raise ConfigError(
                     f"a KV store entry for {len(tensors['token_ids'])} tokens takes {size} bytes, more than the "
@@ -231,9 +225,9 @@ class KVStore:
             try:
                 os.replace(tmp, entry)
             except OSError as exc:
-                raise _write_error(self.root, exc, "writing an entry") from exc
+                raise write_error(self.root, exc, "writing an entry") from exc
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
 
     def evict(self) -> int:
@@ -268,13 +262,13 @@ class KVStore:
         died are removed once stale.  Nothing outside ``root`` is ever looked into.
         """
         stale = time.time() - STALE_PIN_SECONDS
-        for namespace in _scandir(self.root / "ns"):
+        for namespace in scandir(self.root / "ns"):
             if not (_NAMESPACE.fullmatch(namespace.name) and namespace.is_dir(follow_symlinks=False)):
                 continue
             directory = Path(namespace.path) / "entries"
-            if not _is_real_dir(directory):
+            if not is_real_dir(directory):
                 continue
-            for item in _scandir(directory):
+            for item in scandir(directory):
                 try:
                     st = item.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -283,9 +277,9 @@ class KVStore:
                     yield Path(item.path), st
                 elif ENTRY_NAME.fullmatch(item.name) and stat.S_ISLNK(st.st_mode):
                     log.warning("KV store %s: %s is a symbolic link, not an entry; removed", self.root, item.path)
-                    _unlink_quietly(Path(item.path))
+                    unlink_quietly(Path(item.path))
                 elif item.name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and st.st_mtime < stale:
-                    _unlink_quietly(Path(item.path))
+                    unlink_quietly(Path(item.path))
 
     def _remove_entry(self, path: Path, *, prefixes: list[str] | None = None) -> None:
         """Unlink an entry and the index files that name it.  A damaged entry goes all the same; one
@@ -293,26 +287,26 @@ class KVStore:
         index_dir = path.parent.parent / "index"
         if prefixes is None:
             try:
-                prefixes = self.prefix_hashes(path.parent.parent.name, _read_token_ids(path))
+                prefixes = self.prefix_hashes(path.parent.parent.name, read_token_ids(path))
             except FileNotFoundError:
                 return
             except Exception as exc:  # noqa: BLE001 - a damaged entry must not stop eviction
                 log.warning("KV store %s: removing unreadable entry %s (%s)", self.root, path, exc)
-                prefixes = [item.name for item in _scandir(index_dir) if not item.name.endswith(".tmp")]
+                prefixes = [item.name for item in scandir(index_dir) if not item.name.endswith(".tmp")]
         path.unlink(missing_ok=True)
         for prefix in prefixes:
             index = index_dir / prefix
-            if _read_index(index) == path.name:
-                _unlink_quietly(index)
+            if read_index(index) == path.name:
+                unlink_quietly(index)
 
     def _clean_pins(self) -> None:
-        if not _is_real_dir(self.root / "pins"):
+        if not is_real_dir(self.root / "pins"):
             return
         cutoff = time.time() - STALE_PIN_SECONDS
-        for pin in _scandir(self.root / "pins"):
+        for pin in scandir(self.root / "pins"):
             try:
                 if _PIN_NAME.fullmatch(pin.name) and pin.stat(follow_symlinks=False).st_mtime < cutoff:
-                    _unlink_quietly(Path(pin.path))
+                    unlink_quietly(Path(pin.path))
             except FileNotFoundError:
                 pass
 
@@ -334,13 +328,13 @@ class KVStore:
         entries, index_dir = dirs
         for count in range(len(hashes), 0, -1):
             index = index_dir / hashes[count - 1]
-            name = _read_index(index)
+            name = read_index(index)
             if name is None:
                 continue
-            if not _names_entry_of(name, count * self.chunk_tokens):
+            if not names_entry_of(name, count * self.chunk_tokens):
                 log.warning("KV store %s: index file %s names %r, not an entry of its namespace; removed",
                             self.root, index, name[:100])
-                _unlink_quietly(index)
+                unlink_quietly(index)
                 continue
             try:
                 mode = os.lstat(entries / name).st_mode
@@ -350,7 +344,7 @@ class KVStore:
                 return StoredPrefix(entries / name, count * self.chunk_tokens)
             if mode is not None:
                 log.warning("KV store %s: entry %s is not a regular file; not used", self.root, entries / name)
-            _unlink_quietly(index)
+            unlink_quietly(index)
         return None
 
     def pin(self, prefix: StoredPrefix) -> Path | None:
@@ -368,17 +362,17 @@ class KVStore:
             if not stat.S_ISREG(os.lstat(entry).st_mode):
                 return None
             os.link(entry, pin, follow_symlinks=False)
-            fd = os.open(pin, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)  # the entry may have been swapped since
+            fd = os.open(pin, READ_NO_FOLLOW)  # the entry may have been swapped since
         except FileNotFoundError:
-            _unlink_quietly(pin)
+            unlink_quietly(pin)
             return None
         except OSError as exc:
             log.warning("KV store %s: cannot pin %s: %s", self.root, entry, exc)
-            _unlink_quietly(pin)
+            unlink_quietly(pin)
             return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                _unlink_quietly(pin)
+                unlink_quietly(pin)
                 return None
             os.utime(fd)  # a use: least recently used goes first
         finally:
@@ -390,7 +384,7 @@ class KVStore:
         namespace = entry.parent.parent
         return (bool(ENTRY_NAME.fullmatch(entry.name)) and entry.parent.name == "entries"
                 and bool(_NAMESPACE.fullmatch(namespace.name)) and namespace.parent == self.root / "ns"
-                and self._namespace_dirs(namespace.name) is not None and _is_real_dir(self.root / "pins"))
+                and self._namespace_dirs(namespace.name) is not None and is_real_dir(self.root / "pins"))
 
     @staticmethod
     def release(pin: str | os.PathLike) -> None:
@@ -415,12 +409,12 @@ class KVStore:
         if not 0 <= start <= end:
             raise ConfigError(f"rows [{start}, {end}) of a KV store entry: need 0 <= start <= end")
         try:
-            with _open_entry(entry) as f:
+            with open_entry(entry) as f:
                 stored = f.get_tensor("token_ids")
                 if stored.shape[0] < end or stored[:end].tolist() != list(token_ids[:end]):
                     raise IncompatibleError(f"KV store entry {entry} does not hold the first {end} tokens of "
                                             "this prompt")
-                layers = _entry_layers(f)
+                layers = entry_layers(f)
                 keys = [f.get_slice(f"keys.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
                 values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device)
                           for l in range(layers)]
@@ -451,158 +445,3 @@ def _integer(value, name: str) -> int:
         return operator.index(value)
     except TypeError as exc:
         raise ConfigError(f"{name} must be an integer, got {value!r}") from exc
-
-
-def _token_tensor(token_ids) -> torch.Tensor:
-    """(T,) int64 of token ids that are integers in int64 range (ConfigError otherwise)."""
-    try:
-        return torch.tensor([operator.index(t) for t in token_ids], dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise ConfigError(f"token ids must be a list of integers in int64 range ({exc})") from exc
-
-
-def _check_layers(keys, values, tokens: int) -> None:
-    """One (keys, values) pair per layer, each (H, T, D) with T = ``tokens`` and keys.shape == values.shape."""
-    if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)):
-        raise IncompatibleError("keys and values must be lists of tensors, one per layer")
-    if len(keys) != len(values) or not keys:
-        raise IncompatibleError(f"{len(keys)} layers of keys but {len(values)} layers of values; pass one "
-                                "(keys, values) pair per layer, at least one")
-    for index, (k, v) in enumerate(zip(keys, values)):
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            raise IncompatibleError(f"layer {index}: keys and values must be tensors, got "
-                                    f"{type(k).__name__} / {type(v).__name__}")
-        if k.dim() != 3 or k.shape != v.shape or k.shape[1] != tokens:
-            raise IncompatibleError(
-                f"layer {index}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not cover "
-                f"{tokens} tokens as (heads, tokens, head_dim)"
-            )
-
-
-def _entry_tensors(token_ids, keys, values) -> dict[str, torch.Tensor]:
-    """The tensors of one entry, on the CPU; a tensor passed twice is copied (safetensors refuses shared memory)."""
-    tensors = {"token_ids": _token_tensor(token_ids)}
-    seen = set()
-    for index, (k, v) in enumerate(zip(keys, values)):
-        for name, tensor in ((f"keys.{index}", k), (f"values.{index}", v)):
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in seen:
-                tensor = tensor.clone()
-            seen.add(tensor.data_ptr())
-            tensors[name] = tensor
-    return tensors
-
-
-# ---- files -------------------------------------------------------------------------------------------
-def _names_entry_of(name: str, tokens: int) -> bool:
-    """``name`` is an entry name (nothing else: no directory, no link target) of at least ``tokens`` tokens."""
-    match = ENTRY_NAME.fullmatch(name)
-    return match is not None and int(match.group(1)) >= tokens
-
-
-def _is_real_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _scandir(path: Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as items:
-            return list(items)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _read_regular_file(path: Path, *, limit: int) -> bytes:
-    """The first ``limit`` bytes of a regular file, opened without following a link."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def _read_index(path: Path) -> str | None:
-    """The text of an index file; None if there is none; "" if it is not a regular text file."""
-    try:
-        return _read_regular_file(path, limit=256).decode("ascii")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):  # a link (ELOOP), a FIFO, a directory, non-ASCII bytes
-        return ""
-
-
-@contextmanager
-def _open_entry(path: str | os.PathLike):
-    """safe_open of an entry opened without following a link; IncompatibleError for a link or non-file."""
-    from safetensors import safe_open
-
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):
-            raise IncompatibleError(f"KV store entry {path} is a symbolic link; refused") from exc
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IncompatibleError(f"KV store entry {path} is not a regular file; refused")
-        # through the descriptor, so a link swapped in after the check is never followed
-        by_fd = f"{_FD_DIR}/{fd}" if os.path.isdir(_FD_DIR) else os.fspath(path)
-        with safe_open(by_fd, framework="pt") as f:
-            yield f
-    finally:
-        os.close(fd)
-
-
-def _entry_layers(f) -> int:
-    """The layer count of an open entry, checked against the tensors it holds."""
-    layers = int((f.metadata() or {})["layers"])
-    wanted = {"token_ids"} | {f"{kind}.{l}" for kind in ("keys", "values") for l in range(layers)}
-    if layers < 1 or set(f.keys()) != wanted:
-        raise ValueError(f"metadata says {layers} layers, tensors are {sorted(f.keys())[:8]}")
-    return layers
-
-
-def _read_token_ids(path: Path) -> list[int]:
-    with _open_entry(path) as f:
-        return f.get_tensor("token_ids").tolist()
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-
-
-def _probe_writable(root: Path) -> None:
-    """OSError unless a file can be created in ``root`` (a read-only store fails here, not at the first put)."""
-    probe = root / f".probe-{uuid.uuid4().hex}.tmp"
-    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    probe.unlink()
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:  # a read-only file system says so even for a file that is not there
-        if os.path.lexists(path):
-            log.warning("KV store: cannot remove %s: %s", path, exc)
-
-
-def _write_error(root: Path, exc: Exception, doing: str) -> StoreError:
-    """StoreError for a failed write, with the fix its errno suggests (safetensors puts it in the text)."""
-    code = exc.errno if isinstance(exc, OSError) else None
-    if code is None:
-        found = re.search(r"os error (\d+)", str(exc))
-        code = int(found.group(1)) if found else None
-    reason = os.strerror(code) if code else f"{type(exc).__name__}: {exc}"
-    hint = _WRITE_HINTS.get(code, "check the store directory")
-    return StoreError(f"KV store {root}: {doing} failed ({reason}); nothing stored; {hint}")

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvhub.env import die_with_parent
 from kvhub.errors import ConfigError, NotFoundError, ServeError
 from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
@@ -63,7 +64,7 @@ EXTRA_DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "require_isola
                   **SERVING_RECOMPUTE.options()}
 RENAMED_KEYS = {"exact_tail": "exact_suffix"}  # old key -> its name now (refused with that name)
 # Request-level kv_transfer_params the consumer reads: an isolation key, the no-information control map
-# (kvhub.eval.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,...").
+# (kvhub.core.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,...").
 REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute")
 SETUP_COMMAND = "bash scripts/setup-vllm.sh"
 LOG_TAIL_LINES = 40
@@ -308,7 +309,7 @@ class ServerPair:
             with open(server.log_path, "ab") as log_file:
                 server.process = subprocess.Popen(server.command, stdin=subprocess.DEVNULL, stdout=log_file,
                                                   stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                                  preexec_fn=_die_with_parent())
+                                                  preexec_fn=die_with_parent())
             log.info("started the %s server (pid %d): %s", server.name, server.process.pid, server.command)
 
     def request_stop(self, signum: int, _frame=None) -> None:
@@ -388,17 +389,6 @@ def _signal_group(process: subprocess.Popen, signum: int) -> None:
         os.killpg(process.pid, signum)  # start_new_session: the group id is the child's pid
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _die_with_parent():
-    """A pre-exec hook that has the kernel SIGTERM the child when kvhub serve dies, even by SIGKILL (Linux;
-    None elsewhere).  libc is loaded here, in the parent: the hook itself only makes the system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 if __name__ == "__main__":

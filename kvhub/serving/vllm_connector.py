@@ -32,6 +32,9 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
 * Fallback is never silent (a log line, ``self.counters``, an ``events_path`` JSON line): a failed or
   non-finite map, write or recompute reports its blocks through ``get_block_ids_with_load_errors``, and
   vLLM prefills them (``kv_load_failure_policy="recompute"``).
+
+The scheduler side decides each step's saves and loads once, into :mod:`kvhub.serving.connector_meta`'s
+typed jobs; the worker side executes only those.  Configuration checks: :mod:`kvhub.serving.connector_config`.
 """
 
 from __future__ import annotations
@@ -42,20 +45,16 @@ import re
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
 from kvhub.serving.connector_config import (check_serving_spec, check_target, config_count, config_flag, events_file,
                                             load_mapper, request_spec, span_tokenizer, worker_device)
+from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
 from kvhub.serving.kvstore import KVStore
 from kvhub.serving.launch import EXTRA_DEFAULTS, LOAD_FAILURE_POLICY, ROLES, WORKER_CLASS, check_extra_keys
 from kvhub.serving.paged import PagedLayout, layer_layout, load_plan
@@ -65,43 +64,6 @@ log = logging.getLogger("kvhub.serving")
 
 _LAYER_NUMBER = re.compile(r"layers\.(\d+)\.")
 DEFAULTS = EXTRA_DEFAULTS  # the configuration contract (class, module, roles, keys) is kvhub.serving.launch's
-
-
-@dataclass
-class SaveJob:
-    request_id: str
-    isolation_key: str
-    token_ids: list[int]
-    slots: list[int]
-
-
-@dataclass
-class LoadJob:
-    request_id: str
-    pin: str
-    prompt_ids: list[int]  # the whole prompt: the recompute's selection pass reads its tail
-    start: int
-    end: int
-    slots: list[int]  # of tokens [0, end): the mapped ones are [start, end)
-    block_ids: list[int]  # the blocks of [start, end) (reported back on a failed load)
-    recompute: Recompute
-    control: bool = False  # map with the no-information control map (kvhub.eval.control) instead
-
-
-@dataclass
-class KVHubConnectorMetadata(KVConnectorMetadata):
-    saves: list[SaveJob] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-
-
-@dataclass
-class KVHubWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, per engine step: what each load did ({request id: {"recomputed_tokens": ...}})."""
-
-    loads: dict[str, dict] = field(default_factory=dict)
-
-    def aggregate(self, other: "KVHubWorkerMetadata") -> "KVHubWorkerMetadata":
-        return KVHubWorkerMetadata({**self.loads, **other.loads})
 
 
 @dataclass
@@ -193,7 +155,7 @@ class KVHubConnector(KVConnectorBase_V1):
 
     def _control_mapper(self):
         if self._control is None:
-            from kvhub.eval.control import control_mapper
+            from kvhub.core.control import control_mapper
 
             self._control = control_mapper(self.mapper)
         return self._control
