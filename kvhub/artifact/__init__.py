@@ -4,7 +4,7 @@
     metadata = read_metadata(directory)      # mapper.json only
     write_artifact(directory, tensors, metadata)
 
-Modules: ``schema`` (mapper.json: format versions, fields, their types and ranges), ``tensors`` (names
+Modules: ``metadata`` (mapper.json: format versions, fields, their types and ranges), ``tensors`` (names
 and shapes of every map structure, the safetensors header, NaN/Inf scan), ``directory`` (reading,
 writing, which files an artifact holds), ``files`` (atomic writes, copies that never follow symbolic
 links).  Importing this package loads neither torch nor transformers.
@@ -17,7 +17,7 @@ from kvhub.artifact.directory import (
 from kvhub.artifact.files import (
     AtomicDirectory, atomic_write_bytes, copy_regular, fsync_dir, fsync_tree, open_regular, regular_files, sha256_file,
 )
-from kvhub.artifact.schema import (
+from kvhub.artifact.metadata import (
     FORMAT_VERSION, METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, TENSORS_FILE, check_format_version, check_metadata,
     config_geometry, is_plain_file_name, json_sha256,
 )

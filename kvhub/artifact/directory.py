@@ -1,6 +1,6 @@
 """An artifact directory: reading it (every check of the format), writing it, and which files it holds.
 
-    mapper.json          metadata (kvhub.artifact.schema)
+    mapper.json          metadata (kvhub.artifact.metadata)
     mapper.safetensors   the tensors (kvhub.artifact.tensors); mapper.json's ``tensors.file``
     README.md            a model card (optional; written by push)
     *.png *.jpg *.jpeg *.svg   figures (optional; shown on the card)
@@ -17,7 +17,7 @@ from pathlib import Path
 from kvhub import __version__
 from kvhub.errors import ArtifactError, IntegrityError, InvalidArtifactError, NonFiniteError
 from kvhub.artifact.files import AtomicDirectory, open_regular, sha256_file
-from kvhub.artifact.schema import METADATA_FILE, TENSORS_FILE, check_metadata, is_plain_file_name
+from kvhub.artifact.metadata import METADATA_FILE, TENSORS_FILE, check_metadata, is_plain_file_name
 from kvhub.artifact.tensors import TensorFile, check_tensors, format_version_of, read_tensor_file
 
 CARD_FILE = "README.md"
@@ -31,7 +31,7 @@ def is_figure_name(name: str) -> bool:
 
 
 def parse_metadata_bytes(data: bytes, *, where: str) -> dict:
-    """mapper.json bytes -> checked metadata (UTF-8, JSON, kvhub.artifact.schema.check_metadata)."""
+    """mapper.json bytes -> checked metadata (UTF-8, JSON, kvhub.artifact.metadata.check_metadata)."""
     try:
         metadata = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -156,7 +156,7 @@ def format_version_of(shapes: dict[str, tuple[int, ...]]) -> int:
 
 def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: str) -> None:
     """Raise InvalidArtifactError unless the tensors are exactly those ``metadata`` (checked by
-    kvhub.artifact.schema) implies, with the shapes of one of the structures in the module doc."""
+    kvhub.artifact.metadata) implies, with the shapes of one of the structures in the module doc."""
     src, dst = metadata["source"], metadata["target"]
     expected: set[str] = set()
     for layer in metadata["layers"]:

@@ -94,7 +94,7 @@ class KVHubConnector(KVConnectorBase_V1):
         self.recompute = Recompute.from_options(extra, origin="kv_connector_extra_config")
         self.exact_suffix = max(self.recompute.exact_suffix, 1)
         self.require_isolation_key = config_flag(extra, "require_isolation_key")
-        self.store = KVStore(extra["store_dir"], max_bytes=config_count(extra, "store_max_bytes"),
+        self.kvstore = KVStore(extra["store_dir"], max_bytes=config_count(extra, "store_max_bytes"),
                              chunk_tokens=config_count(extra, "chunk_tokens"))
         self.events_path = events_file(extra.get("events_path"))
         self.counters: Counter[str] = Counter()
@@ -190,8 +190,8 @@ class KVHubConnector(KVConnectorBase_V1):
             reason, plan = self._plan(request, num_computed_tokens)
         except ConfigError as exc:  # the request's own kvhub_recompute spec
             reason, plan = f"bad kv_transfer_params: {exc}", None
-        except Exception as exc:  # noqa: BLE001 - an unreadable store is a miss, never a dead scheduler
-            reason, plan = f"store lookup failed: {type(exc).__name__}: {exc}", None
+        except Exception as exc:  # noqa: BLE001 - an unreadable KV store is a miss, never a dead scheduler
+            reason, plan = f"KV store lookup failed: {type(exc).__name__}: {exc}", None
         if plan is None:
             self._event("fallback", request.request_id, reason=reason, local_hit_tokens=num_computed_tokens,
                         prompt_tokens=len(request.prompt_token_ids or []))
@@ -209,7 +209,7 @@ class KVHubConnector(KVConnectorBase_V1):
             return "no isolation key (require_isolation_key is set)", None
         tokens = list(request.prompt_token_ids or [])
         suffix = max(self._request_spec(request).exact_suffix, 1)
-        prefix = self.store.longest_prefix(isolation_key=key, source_model=self.source_model, token_ids=tokens,
+        prefix = self.kvstore.longest_prefix(isolation_key=key, source_model=self.source_model, token_ids=tokens,
                                            max_tokens=len(tokens) - suffix)
         if prefix is None:
             return "no stored source KV for this prompt", None
@@ -233,7 +233,7 @@ class KVHubConnector(KVConnectorBase_V1):
         mapped_blocks = block_ids[start // self.block_size:end // self.block_size]
         # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them
         self._kv_cache_manager.block_pool.evict_blocks(set(mapped_blocks))
-        pin = self.store.pin(prefix)
+        pin = self.kvstore.pin(prefix)
         if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
             self._event("fallback", request.request_id, reason="stored KV evicted before the load")
         slots = [block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(end)]
@@ -276,7 +276,7 @@ class KVHubConnector(KVConnectorBase_V1):
         for req_id, tracked in self._tracked.items():
             done = tracked.computed + out.num_scheduled_tokens.get(req_id, 0)
             n = len(tracked.token_ids)
-            if tracked.saved or done < n or n < self.store.chunk_tokens:
+            if tracked.saved or done < n or n < self.kvstore.chunk_tokens:
                 continue
             tracked.saved = True
             if len(tracked.block_ids) * self.block_size < n:  # never index past them inside the scheduler
@@ -334,7 +334,7 @@ class KVHubConnector(KVConnectorBase_V1):
                 log.warning("kvhub: loading request %s failed, vLLM prefills its blocks: %s", job.request_id, exc)
             finally:
                 if job.pin:
-                    self.store.release(job.pin)
+                    self.kvstore.release(job.pin)
             self._step_reports[job.request_id] = report
 
     def _load_job(self, job: LoadJob) -> dict:
@@ -342,7 +342,7 @@ class KVHubConnector(KVConnectorBase_V1):
             raise IncompatibleError("the stored source KV was evicted before it could be pinned")
         mapper = self._control_mapper() if job.control else self.mapper
         device = mapper.device
-        keys, values = self.store.read(job.pin, token_ids=job.prompt_ids[:job.end], start=job.start, end=job.end,
+        keys, values = self.kvstore.read(job.pin, token_ids=job.prompt_ids[:job.end], start=job.start, end=job.end,
                                        device=device)
         source = mapper.source
         if len(keys) != source["num_layers"] or keys[0].shape[1:] != (source["num_kv_heads"], job.end - job.start,
@@ -454,7 +454,7 @@ class KVHubConnector(KVConnectorBase_V1):
                 if "error" in layers:
                     raise UnsupportedModelError(layers["error"])
                 ordered = [layers[l] for l in range(len(layers))]
-                self.store.put(isolation_key=job.isolation_key, source_model=self.source_model,
+                self.kvstore.put(isolation_key=job.isolation_key, source_model=self.source_model,
                                token_ids=job.token_ids, keys=[k for k, _ in ordered], values=[v for _, v in ordered])
                 self._event("saved", job.request_id, tokens=len(job.token_ids))
             except Exception as exc:  # noqa: BLE001 - a failed save only costs a later cache miss
