@@ -134,3 +134,20 @@ def write_artifact(directory: str | os.PathLike, tensors: dict, metadata: dict, 
         (tmp / METADATA_FILE).write_text(text, encoding="utf-8")
     return metadata
 
+
+
+def replaceable_artifact_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``Mapper.save_pretrained`` may replace ``directory``: True for a kvhub artifact directory
+    (mapper.json and nothing but artifact files: tensors, card, figures) or an empty one, False when it
+    does not exist; ArtifactError for anything else, which is never overwritten."""
+    path = Path(directory).expanduser()
+    if not os.path.lexists(path):
+        return False
+    names = sorted(p.name for p in path.iterdir()) if path.is_dir() and not path.is_symlink() else None
+    foreign = None if names is None else [n for n in names if not (
+        n in (METADATA_FILE, CARD_FILE) or n.endswith(".safetensors") or is_figure_name(n))]
+    if names is None or foreign or (names and METADATA_FILE not in names):
+        what = "is not a directory" if names is None else f"holds {(foreign or names)[0]!r}, which no kvhub artifact has"
+        raise ArtifactError(f"{path} exists and {what}; save_pretrained replaces only a kvhub artifact directory "
+                            "(or an empty one): choose a new directory")
+    return True

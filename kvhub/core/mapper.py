@@ -25,6 +25,7 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
     verify_tensors, write_artifact,
 )
 from kvhub.artifact import map_prefix, tensor_name
+from kvhub.artifact.directory import replaceable_artifact_dir
 from kvhub.dtypes import parse_dtype  # noqa: F401  (re-exported: kvhub.core.mapper.parse_dtype)
 from kvhub.errors import ConfigError, IncompatibleError, NonFiniteError
 from kvhub.core.fingerprint import config_from_fingerprint
@@ -440,11 +441,9 @@ class Mapper:
         * a Hub repository (``"acme/kvmap-qwen-legal"``, ``@v3`` or ``revision="v3"`` optional): pulled,
           verified and registered in the store (``kvhub pull``), then loaded from there.
 
-        revision: the selector of a store reference or the Hub revision (tag, branch, commit), when
-        ``name`` has none.  token: Hub token (default: huggingface_hub's).  cache_dir: the Hugging Face
-        cache; local_files_only: that cache only, no download.  db: store URL or SQLite path.
-        torch_dtype: another name for dtype.  See __init__ for dtypes.
-        """
+        revision: a store selector or Hub revision when ``name`` has none.  token, cache_dir,
+        local_files_only: as huggingface_hub's.  db: store URL or SQLite path.  torch_dtype: dtype's other
+        name (see __init__ for dtypes)."""
         from kvhub.api import from_pretrained  # resolution needs the store and the Hub; the math core does not
 
         return from_pretrained(name, revision=revision, token=token, cache_dir=cache_dir,
@@ -461,7 +460,7 @@ class Mapper:
             raise ConfigError("save_pretrained(push_to_hub=True) needs the Hub repository: repo_id='owner/name'")
         if not push_to_hub and hub_options:
             raise ConfigError(f"{', '.join(sorted(hub_options))} only apply with push_to_hub=True")
-        path = self.save(directory, overwrite=_replaceable(directory))
+        path = self.save(directory, overwrite=replaceable_artifact_dir(directory))
         if push_to_hub:
             self.push_to_hub(repo_id, **hub_options)
         return path
@@ -471,16 +470,10 @@ class Mapper:
                     base_model: tuple[str, str] | None = None, card: str = "auto", commit_message: str | None = None,
                     create_pr: bool = False, license: str | None = None, license_name: str | None = None,
                     license_link: str | None = None, figures: str | os.PathLike | None = None):
-        """Publish this mapper to the Hub repository ``repo_id``: registered in the store first (as the
-        version holding its tensors if there is one), then one commit with its model card on branch
-        ``revision`` (default main; ``branch`` is its older name), tagged ``vN`` (``kvhub push``).
-
-        base_model: the Hub ids (source, target) that name the models in everything published, when
-        they were local paths.  card: "auto", "keep" or "replace" (which also refreshes the card of a
-        version published already).  commit_message: the commit's title.  create_pr: open a pull request
-        instead of committing (tagged when it is merged and pushed again).  license (a Hub licence id;
-        "other" with license_name and license_link): the card's licence.  figures: a directory whose
-        figures join the commit and the card.  Returns a kvhub.hub.PushResult (tag, commit, url)."""
+        """Publish this mapper to the Hub repository ``repo_id`` as ``kvhub push`` does (docs/hub.md):
+        registered in the store first, then one commit with its card on branch ``revision`` (``branch``:
+        its older name), tagged ``vN``.  base_model: the models' Hub ids when they were local paths;
+        card="replace" also refreshes a published version's card.  Returns a kvhub.hub.PushResult."""
         from kvhub.api import push_to_hub
 
         return push_to_hub(self, repo_id, private=private, revision=revision, branch=branch, token=token, db=db,
@@ -504,22 +497,3 @@ class Mapper:
         tensors = load_file(str(tensor_path(directory, metadata)), device=str(device) if device is not None else "cpu")
         return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype))
 
-
-def _replaceable(directory: str | os.PathLike) -> bool:
-    """Whether save_pretrained replaces ``directory``: True for a kvhub artifact directory (mapper.json
-    and nothing but artifact files: tensors, card, figures) or an empty one, False when it does not
-    exist; ArtifactError for anything else, which is never overwritten."""
-    from kvhub.artifact import CARD_FILE, is_figure_name
-    from kvhub.errors import ArtifactError
-
-    path = Path(directory).expanduser()
-    if not os.path.lexists(path):
-        return False
-    names = sorted(p.name for p in path.iterdir()) if path.is_dir() and not path.is_symlink() else None
-    foreign = None if names is None else [n for n in names if not (
-        n in (METADATA_FILE, CARD_FILE) or n.endswith(".safetensors") or is_figure_name(n))]
-    if names is None or foreign or (names and METADATA_FILE not in names):
-        what = "is not a directory" if names is None else f"holds {(foreign or names)[0]!r}, which no kvhub artifact has"
-        raise ArtifactError(f"{path} exists and {what}; save_pretrained replaces only a kvhub artifact directory "
-                            "(or an empty one): choose a new directory")
-    return True
