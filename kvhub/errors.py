@@ -39,7 +39,7 @@ class NonFiniteError(KVHubError, ValueError):
 
 
 class FitError(KVHubError, ValueError):
-    """The fit cannot be solved as asked (e.g. fewer observations than features)."""
+    """The fit cannot be solved as asked: fewer observations than features, more memory than there is."""
 
     exit_code = 4
 
@@ -189,3 +189,41 @@ class ModelUnavailableError(NotFoundError):
         super().__init__(message)
         self.model_id = model_id
         self.command = command
+
+
+# ---- interrupts and the exit-code table -------------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped the command; rerunning it resumes where a checkpoint allows.
+
+    A KeyboardInterrupt, not a KVHubError: ``except Exception`` must never swallow an interrupt."""
+
+    exit_code = 130
+
+
+class FitInterrupted(Interrupted):
+    """A fit stopped during batch ``batch`` of ``batches`` of pass ``pass_index``; a rerun of the same fit
+    resumes after batch ``resume_from`` of that pass (None: there is no checkpoint, it starts over)."""
+
+    def __init__(self, message: str, *, batch: int, batches: int, pass_index: int = 1, resume_from: int | None):
+        super().__init__(message)
+        self.batch = batch
+        self.batches = batches
+        self.pass_index = pass_index
+        self.resume_from = resume_from
+
+
+def exit_codes() -> list[tuple[int, str, str]]:
+    """(exit status, what raises it, meaning) of every status the CLI exits with, by status: the one
+    table users read (``kvhub --help``, docs/cli.md), built from the ``exit_code`` of the classes above."""
+    rows = [(0, "-", "Success"), (1, "-", "An unexpected error (a bug: please report it)"),
+            (2, "click", "A usage error: unknown option, missing argument")]
+    classes, seen = [KVHubError, Interrupted], set()
+    while classes:
+        cls = classes.pop(0)
+        if cls in seen:  # reached twice through multiple inheritance
+            continue
+        seen.add(cls)
+        classes.extend(cls.__subclasses__())
+        if "exit_code" in vars(cls) and cls is not KVHubError:
+            rows.append((cls.exit_code, cls.__name__, (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")))
+    return sorted(rows, key=lambda row: row[0])

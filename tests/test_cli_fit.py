@@ -87,7 +87,8 @@ def test_interrupted_fit_leaves_nothing_and_resumes(tiny_model_dirs, env, monkey
 
     monkeypatch.setattr(fit_module, "_accumulate_batch", dies_after_six)
     result = runner.invoke(main, _fit_args(tiny_model_dirs, env, out))
-    assert result.exit_code != 0
+    assert result.exit_code == 130  # SIGINT's status, not click's "Aborted!" (1)
+    assert "Interrupted at batch 7/15; run the same command to resume (--restart to start over)" in result.stderr
     assert not out.exists()
     listed = runner.invoke(main, ["list", "--db", env["db"], "--json"])  # nothing registered: not even a store
     assert listed.exit_code == 6 and "no kvhub store" in listed.output
@@ -98,6 +99,7 @@ def test_interrupted_fit_leaves_nothing_and_resumes(tiny_model_dirs, env, monkey
     monkeypatch.setattr(fit_module, "_accumulate_batch", lambda *a, **k: (calls.append(1), real(*a, **k)))
     result = runner.invoke(main, _fit_args(tiny_model_dirs, env, out))
     assert result.exit_code == 0, result.output
+    assert "resuming from checkpoint (4/15 batches done)" in result.stderr
     assert len(calls) == 15 - 4  # 12 train + 3 held-out batches, 4 of them restored from the checkpoint
     assert out.is_dir() and not checkpoints[0].exists()
 

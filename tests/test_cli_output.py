@@ -114,7 +114,7 @@ def test_identical_tensors_are_one_version(cli, artifact_factory, tmp_path):
     assert [p.name for p in (tmp_path / "store" / "artifacts").rglob("heatmap.png")] == []  # duplicate copy dropped
 
 
-def test_fit_summary_prints_names_verbatim():
+def test_fit_summary_prints_names_verbatim(capsys):
     from types import SimpleNamespace
 
     from kvhub.cli import fit_cmd
@@ -123,9 +123,9 @@ def test_fit_summary_prints_names_verbatim():
                              source={"model_id": "/m/[red]src"}, target={"model_id": "/m/[/]dst"},
                              num_parameters=lambda: 10)
     reference = "/m/[red]src:/m/[/]dst:calib@v1"
-    with fit_cmd.console.capture() as captured:
-        fit_cmd._print_summary(mapper, reference=reference, out=None, as_json=False)
-    assert f"registered {reference}" in captured.get() and "/m/[red]src -> /m/[/]dst" in captured.get()
+    fit_cmd._print_summary(mapper, reference=reference, full_ref=reference, out=None, output_format="table")
+    printed = capsys.readouterr().out
+    assert f"registered {reference}" in printed and "/m/[red]src -> /m/[/]dst" in printed
 
 
 def test_a_closed_pipe_ends_quietly(cli, two_versions, tmp_path):

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from kvhub.cli import progress
 from kvhub.cli.main import main
-from kvhub.errors import ConfigError, UnknownCalibrationError
+from kvhub.errors import ConfigError, FitError, UnknownCalibrationError
 
 
 def test_plain_lines_are_periodic_and_say_how_far(monkeypatch):
@@ -76,6 +76,6 @@ def test_fit_checks_arguments_before_loading_models(no_model_loads, tmp_path):
     too_deep = runner.invoke(main, [*base, "--k", "9"])
     assert too_deep.exit_code == ConfigError.exit_code and "--k 1..2 or --k auto" in too_deep.stderr
     too_wide = runner.invoke(main, [*base, "--k", "2", "--samples", "1", "--seq-len", "16", "--stride", "4"])
-    assert too_wide.exit_code == ConfigError.exit_code and "training observations" in too_wide.stderr
+    assert too_wide.exit_code == FitError.exit_code and "training observations" in too_wide.stderr
     missing = runner.invoke(main, [*base, "--calib", str(tmp_path / "notes.jsonl")])
     assert missing.exit_code == ConfigError.exit_code and "does not exist" in missing.stderr

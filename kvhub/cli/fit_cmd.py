@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 import click
 
-from kvhub.cli.console import console, plain, say
+from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
+from kvhub.cli.output import echo_json, format_option, json_ref, print_table
 
 
 def _auto_or(convert, hint: str):
@@ -32,6 +32,9 @@ def _auto_or(convert, hint: str):
 @click.option("--calib", default="legal-docs", show_default=True,
               help="Calibration set: a built-in name (kvhub calib list), a .txt/.jsonl file, a directory, "
                    "a recipe .toml, or hf:DATASET[:CONFIG]:SPLIT:FIELD.")
+@click.option("--name", default=None,
+              help="Name of the calibration set in the store, the CALIB of SRC:DST:CALIB [default: the --calib "
+                   "name or file stem]. A series holds one text: other text under a used name is refused.")
 @click.option("--out", type=click.Path(path_type=Path), help="Also export the artifact directory here.")
 @click.option("--samples", type=int, help="Training sequences (overrides the recipe).")
 @click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
@@ -49,7 +52,8 @@ def _auto_or(convert, hint: str):
                    "(gcd of the KV head counts groups; that many times fewer weights).")
 @click.option("--rank", type=click.IntRange(min=1), default=None,
               help="Compressed maps: reduced-rank ridge of this rank per target layer (and head group).")
-@click.option("--device", default=None, help="torch device for the forward passes (default: cuda if available, else cpu).")
+@click.option("--device", default=None,
+              help="torch device for the forward passes: cpu, cuda or cuda:N [default: cuda if available, else cpu].")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
 @click.option("--batch-size", type=int, default=4, show_default=True, help="Sequences per forward pass.")
 @click.option("--seed", type=int, help="Seed of the calibration sampling (overrides the recipe).")
@@ -71,18 +75,18 @@ def _auto_or(convert, hint: str):
                    "the plan fits].")
 @click.option("--ignore-plan", is_flag=True,
               help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
-        batch_size, seed, restart, db, no_register, nproc, statistics, candidates, ignore_plan, as_json):
+@format_option
+def fit(src, dst, calib, name, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
+        batch_size, seed, restart, db, no_register, nproc, statistics, candidates, ignore_plan, output_format):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
     kvhub fit --src Qwen/Qwen2.5-Coder-0.5B-Instruct --dst Qwen/Qwen2.5-Coder-1.5B-Instruct --calib legal-docs
 
-    An interrupted fit continues from its last checkpoint when run again with the same arguments
-    (statistics are checkpointed every few batches, and when a two-pass fit's first pass ends);
-    --restart starts over.  A distributed fit keeps one checkpoint per rank and resumes when restarted
-    with the same number of processes.
+    An interrupted fit (Ctrl-C: exit 130, with the batch it stopped at) continues from its last
+    checkpoint when run again with the same arguments (statistics are checkpointed every few batches,
+    and when a two-pass fit's first pass ends); --restart starts over.  A distributed fit keeps one
+    checkpoint per rank and resumes when restarted with the same number of processes.
 
     When the full statistics do not fit the memory free now, --stats auto (the default) keeps their
     totals in fp32, or failing that accumulates them in two passes (see kvhub plan): the mapper then
@@ -94,8 +98,8 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
         raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
-    from kvhub.fitting.job import FitRequest, check_plan, fit_by_names
-    from kvhub.cli.progress import progress_callback, quiet_other_bars
+    from kvhub.fitting.job import FitRequest, check_plan
+    from kvhub.cli.progress import quiet_other_bars
 
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
 
@@ -104,6 +108,10 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
                          restart=restart, weighting=weighting, head_local=head_local, rank=rank,
                          statistics=statistics, candidates=candidates)
     check_before_loading(request)
+    if name is not None:
+        from kvhub.store.refs import check_calibration_name
+
+        check_calibration_name(name)
     if nproc:
         raise SystemExit(_launch_torchrun(nproc))
     from kvhub.fitting.distributed import launched
@@ -115,27 +123,50 @@ def fit(src, dst, calib, out, samples, seq_len, stride, k, lambda_, weighting, h
     else:
         if not ignore_plan:
             _say_statistics(check_plan(request))
-        mapper = fit_by_names(request, notify=say, progress=progress_callback)
-    reference = None
+        mapper = _fit_here(request)
+    reference = full_ref = None
+    if name is not None:  # the series name travels in mapper.json (export, push and pull keep it)
+        mapper.metadata["calibration"]["name"] = name
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
         if not no_register:
-            reference = _register(artifact, db)
+            reference, full_ref = _register(artifact, db)
         if out is not None:
             mapper.save(out)
-    _print_summary(mapper, reference=reference, out=out, as_json=as_json)
+    _print_summary(mapper, reference=reference, full_ref=full_ref, out=out, output_format=output_format)
+
+
+def _fit_here(request):
+    """The fit in this process; Ctrl-C ends it with exit 130 and a line saying how to go on."""
+    from kvhub.cli.progress import progress_callback
+    from kvhub.errors import FitInterrupted
+    from kvhub.fitting.job import fit_by_names
+
+    try:
+        return fit_by_names(request, notify=say, progress=progress_callback)
+    except FitInterrupted as exc:
+        of_pass = f" of pass {exc.pass_index}" if exc.pass_index > 1 else ""
+        if exc.resume_from is None:
+            then = "nothing was checkpointed yet; run the same command to start again"
+        else:
+            then = "run the same command to resume (--restart to start over)"
+        say(f"Interrupted at batch {exc.batch}/{exc.batches}{of_pass}; {then}", style="bold")
+        raise SystemExit(exc.exit_code) from None
 
 
 def check_before_loading(request) -> None:
-    """Refuse, before any model loads, what the arguments alone show will fail: an unknown calibration
-    set (with the closest built-in name), and a fixed k above the source's layer count or with more
-    features than the calibration set can have observations (read from the config, no weights)."""
+    """Refuse, before any model loads, what the arguments alone show will fail: a --device torch cannot
+    use, an unknown calibration set (with the closest built-in name), a fixed k above the source's layer
+    count, and fewer observations than features (read from the config, no weights: the solve would
+    refuse them only after every forward pass)."""
     import difflib
-    import math
 
     from kvhub.calib.recipe import recipe_from_spec
-    from kvhub.errors import ConfigError, UnknownCalibrationError
-    from kvhub.fitting.plan import shape_of
+    from kvhub.errors import ConfigError, FitError, UnknownCalibrationError
+    from kvhub.fitting.job import check_device
+    from kvhub.fitting.plan import Workload, shape_of, too_few_observations
+
+    check_device(request.device)
 
     try:
         sequences = recipe_from_spec(request.calib).with_sequences(
@@ -148,22 +179,21 @@ def check_before_loading(request) -> None:
                                       f"({exc})", name=exc.name, known=exc.known) from None
     if request.candidates is not None and request.statistics == "one-pass":
         raise ConfigError("--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats two-pass")
-    if not isinstance(request.top_k, int):
-        return
-    if request.top_k < 1:
+    fixed_k = request.top_k if isinstance(request.top_k, int) else None
+    if fixed_k is not None and fixed_k < 1:
         raise ConfigError(f"--k {request.top_k}: use a positive number of source layers per target layer, or 'auto'")
     try:
         source = shape_of(request.src)
-    except ConfigError:  # no config without downloading: the fit checks k once the model is there
+    except ConfigError:  # no config without downloading: the fit checks these once the model is there
         return
-    if request.top_k > source.layers:
+    if fixed_k is not None and fixed_k > source.layers:
         raise ConfigError(f"--k {request.top_k} is more source layers than {request.src} has ({source.layers}); use "
                           f"--k 1..{source.layers} or --k auto")
-    rows = sequences.samples * math.ceil(sequences.seq_len / (request.stride or sequences.stride))
-    if request.top_k * source.kv_width >= rows:
-        raise ConfigError(f"--k {request.top_k} gives {request.top_k * source.kv_width} features per target layer, but "
-                          f"the calibration set has at most {rows} training observations; use a smaller --k, "
-                          "--k auto, more --samples or a smaller --stride")
+    workload = Workload(samples=sequences.samples, seq_len=sequences.seq_len,
+                        stride=request.stride or sequences.stride, k=fixed_k)
+    problem = too_few_observations(source, workload)
+    if problem is not None:
+        raise FitError(f"{request.src} -> {request.dst}: {problem}")
 
 
 def _say_statistics(plan) -> None:
@@ -220,14 +250,15 @@ def _fit_rank(request, *, ignore_plan: bool):
         dist.destroy_process_group()
 
 
-def _register(artifact: Path, db: str | None) -> str:
+def _register(artifact: Path, db: str | None) -> tuple[str, str]:
+    """(the short reference people read, the full one JSON carries) of the registered version."""
     with open_db(db) as store:
         existing = store.registered_as(artifact)  # identical tensors are one version
         version = existing or store.register(artifact, lineage={"created_by": "kvhub fit"})
         if existing is not None:
             say(f"the store already holds these exact weights as {store.reference(existing)}; no new version",
                 label="note:")
-        return store.reference(version)
+        return store.reference(version), json_ref(version)
 
 
 def _auto(value):
@@ -235,38 +266,44 @@ def _auto(value):
     return "auto" if value is None else value
 
 
-def _print_summary(mapper, *, reference, out, as_json: bool) -> None:
-    from rich.table import Table
+LAYER_COLUMNS = ["target layer", "source layers", "k", "lambda K/V", "held-out R2 K", "held-out R2 V"]
 
-    metrics = mapper.metadata["metrics"]
-    if as_json:
-        click.echo(json.dumps({"ref": reference, "out": str(out) if out else None, "metrics": metrics,
-                               "k": _auto(mapper.metadata.get("k")), "lambda": _auto(mapper.metadata.get("lambda")),
-                               "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"],
-                               "statistics": mapper.metadata["fit"].get("statistics")}, indent=2,
-                              sort_keys=True))
-        return
-    table = Table(title=plain(f"{mapper.source['model_id']} -> {mapper.target['model_id']}"))
-    for column in ("target layer", "source layers", "k", "lambda K/V", "held-out R2 K", "held-out R2 V"):
-        table.add_column(column, justify="right")
+
+def _layer_rows(mapper) -> list[list[str]]:
+    rows = []
     for layer in mapper.layers:
         r2 = [f"{layer[n]:.3f}" if layer[n] is not None else "-" for n in ("r2_k", "r2_v")]
-        table.add_row(str(layer["target"]), ",".join(map(str, layer["sources"])), str(len(layer["sources"])),
-                      f"{layer['lambda_k']:g}/{layer['lambda_v']:g}", *r2)
-    console.print(table)
+        rows.append([str(layer["target"]), ",".join(map(str, layer["sources"])), str(len(layer["sources"])),
+                     f"{layer['lambda_k']:g}/{layer['lambda_v']:g}", *r2])
+    return rows
+
+
+def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> None:
+    """The fit's summary on stdout: JSON (``ref`` the full reference, as every command's JSON), the layer
+    table as TSV (the rest on stderr), or the table and the summary lines."""
+    metrics = mapper.metadata["metrics"]
+    if output_format == "json":
+        echo_json({"ref": full_ref, "out": str(out) if out else None, "metrics": metrics,
+                   "k": _auto(mapper.metadata.get("k")), "lambda": _auto(mapper.metadata.get("lambda")),
+                   "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"],
+                   "statistics": mapper.metadata["fit"].get("statistics")})
+        return
+    print_table(LAYER_COLUMNS, _layer_rows(mapper), output_format=output_format, right=tuple(LAYER_COLUMNS),
+                title=f"{mapper.source['model_id']} -> {mapper.target['model_id']}")
+    to = console if output_format == "table" else None  # TSV keeps stdout to its rows
     if "heldout_r2_k_mean" in metrics:
-        console.print(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
-                      f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})")
+        say(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
+            f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})", to=to)
     from kvhub.hub.card import describe_structure
 
-    console.print(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.num_parameters():,} parameters; "
-                  f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}")
+    say(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.num_parameters():,} parameters; "
+        f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}", to=to)
     timings = mapper.metadata["fit"]["timings"]
-    console.print(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
-                  f"solve {timings.get('solve_s', 0):.1f} s")
+    say(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
+        f"solve {timings.get('solve_s', 0):.1f} s", to=to)
     for note in mapper.metadata.get("notes", []):
         say(note, label="note:")
     if reference:
-        say(reference, label="registered", style="bold", to=console)
+        say(reference, label="registered", style="bold", to=to)
     if out:
-        say(f"exported to {out}", to=console)
+        say(f"exported to {out}", to=to)

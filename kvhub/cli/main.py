@@ -8,23 +8,29 @@ import sys
 import click
 
 from kvhub import __version__
-from kvhub.errors import KVHubError
+from kvhub.errors import Interrupted, KVHubError, exit_codes
+
+HELP_OPTIONS = ["-h", "--help"]
 
 
 class KVHubGroup(click.Group):
-    """Maps KVHubError to a one-line message on stderr and the error's exit code; a reader that
-    closes the pipe early (``| head``) ends the command quietly."""
+    """Maps KVHubError to a one-line message on stderr and the error's exit code, Ctrl-C to exit 130
+    (click's own handler says "Aborted!" and exits 1); a reader that closes the pipe early (``| head``)
+    ends the command quietly."""
 
     def invoke(self, ctx):
+        from kvhub.cli.console import say
+
         try:
             result = super().invoke(ctx)
             sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
             return result
         except KVHubError as exc:
-            from kvhub.cli.console import say
-
             say(str(exc), label="error:", style="bold red")  # verbatim: never read as Rich markup
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:  # a command with more to say (fit: where to resume) said it already
+            say("interrupted", label="error:", style="bold red")
+            sys.exit(Interrupted.exit_code)
         except BrokenPipeError:
             # `kvhub show REF | head -2`: the reader has what it wanted; not an error.  Point stdout at
             # /dev/null so the interpreter's final flush does not raise again.
@@ -34,7 +40,13 @@ class KVHubGroup(click.Group):
             sys.exit(0)
 
 
-@click.group(cls=KVHubGroup)
+def _exit_code_table() -> str:
+    """The exit statuses of kvhub.errors as a help epilog (\b: click keeps its lines as they are)."""
+    lines = [f"{code:>6}  {name:<24} {meaning}" for code, name, meaning in exit_codes()]
+    return "\b\nExit codes (also in docs/cli.md):\n" + "\n".join([f"{'status':>6}  {'raised as':<24} meaning", *lines])
+
+
+@click.group(cls=KVHubGroup, context_settings={"help_option_names": HELP_OPTIONS}, epilog=_exit_code_table())
 @click.version_option(__version__, prog_name="kvhub")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages to stderr.")
 def main(verbose: bool) -> None:
@@ -46,7 +58,8 @@ def main(verbose: bool) -> None:
     Data goes to stdout (tables never wrap or cut when piped; --format json|tsv for scripts), messages
     and progress to stderr: bars on a terminal, else a plain line per step every
     $KVHUB_PROGRESS_INTERVAL seconds (30) and when it completes; HF_HUB_DISABLE_PROGRESS_BARS=1 turns
-    the bars into those lines too.
+    the bars into those lines too.  Ctrl-C exits with 130; every exit status is listed below.
+    `kvhub COMMAND -h` shows a command's options.
     """
     # -v is kvhub's own debug log only: other libraries' DEBUG output (httpcore logs raw HTTP headers,
     # which can echo a token) stays off.

@@ -34,6 +34,12 @@ def format_option(command):
     return wrapper
 
 
+def json_ref(version) -> str:
+    """How every command's JSON names a mapper version: the full reference (``MapperVersion.ref``), never the
+    short form tables show, so a script can hand it to any command against any store."""
+    return version.ref
+
+
 def echo_json(data) -> None:
     """``data`` as indented JSON with sorted keys on stdout."""
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import click
 
 from kvhub.cli.console import console, say
+from kvhub.cli.output import echo_json, format_option, print_table
 
 
 def _k_option(ctx, param, value: str):
@@ -55,19 +55,23 @@ def _finite(ctx, param, value: float | None):
               callback=_finite,
               help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
                    "machine's for cpu].")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
+@format_option
 def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, device, dtype, statistics, candidates,
-         host_memory, as_json):
+         host_memory, output_format):
     """Plan a fit of SRC -> DST: memory per rank, artifact size, FLOPs, time, mode and rank count.
 
     \b
     kvhub plan --src Qwen/Qwen3-14B --dst Qwen/Qwen3-32B --samples 256 --seq-len 2048 --device h100 --ranks 8
 
-    Reads only the configs.  Times are estimates from nominal device rates; kvhub fit makes the same
-    plan against the memory free when it starts: it takes the statistics mode planned here, and
-    refuses a fit that does not fit the machine, with this command's advice.
+    Reads only the configs.  The first line is the verdict; the exit status is 4 when the fit does not
+    fit (on --ranks, or on any of 1, 2, 4, 8 ranks) or has fewer training observations than features,
+    which kvhub fit would refuse.  Times (h:mm:ss) are estimates from nominal device rates; kvhub fit
+    makes the same plan against the memory free when it starts: it takes the statistics mode planned
+    here, and refuses a fit that does not fit the machine, with this command's advice.
     """
-    from kvhub.fitting.plan import GIB, device_profile, plan_fit, recommend, shape_of, workload_for
+    from kvhub.errors import FitError
+    from kvhub.fitting.plan import (GIB, device_profile, plan_fit, recommend, shape_of, too_few_observations,
+                                    workload_for)
 
     source, target = shape_of(src), shape_of(dst)
     workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
@@ -82,10 +86,15 @@ def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, devi
                           candidates=candidates)
     else:
         result = recommend(source, target, workload, profile, statistics=statistics)
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    _print_plan(result)
+    problem = too_few_observations(source, workload)
+    if output_format == "json":
+        echo_json({**result.to_dict(), "observations_problem": problem})
+    elif output_format == "tsv":
+        print_table(MEMORY_COLUMNS, _memory_rows(result, grouped=False), output_format="tsv")
+    else:
+        _print_plan(result, problem=problem, searched=not (ranks or candidates))
+    if problem is not None or not result.fits:
+        raise SystemExit(FitError.exit_code)
 
 
 def _warn_past_positions(seq_len: int, *shapes) -> None:
@@ -103,32 +112,66 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _print_plan(result) -> None:
-    from rich.table import Table
+MEMORY_COLUMNS = ["where", "part", "GiB", "limit GiB"]
 
+
+def _memory_rows(result, *, grouped: bool = True) -> list[list[str]]:
+    """Memory per rank by where it lives: on a GPU the device's parts, then the host's; on a CPU one pool
+    (RAM).  Each pool ends with its peak per rank and what all the ranks sharing it need, against its size.
+    GiB with two decimals (``grouped``: and thousands separators, for people)."""
+    from kvhub.fitting.plan import GIB
+
+    memory, device = result.memory, result.device
+    gib = lambda nbytes: f"{nbytes / GIB:{',' if grouped else ''}.2f}"  # noqa: E731
+    statistics = [("statistics", "statistics")]
+    if result.statistics.passes == 2:
+        statistics += [("statistics, pass 1", "statistics_pass1"), ("statistics, pass 2", "statistics_pass2")]
+    parts = {"weights": "model weights", "activations": "activations", "exchange": "exchange buffers"}
+    host_parts = [*statistics, ("statistics update", "update"), ("solve", "solve")]
+    if not device.gpu:
+        rows = [["RAM", name, gib(memory[key]), ""] for key, name in parts.items()]
+        rows += [["RAM", name, gib(memory[key]), ""] for name, key in host_parts]
+        return rows + [["RAM", "peak per rank", gib(memory["peak"]), ""],
+                       ["RAM", f"all {result.ranks} rank(s)", gib(memory["peak"] * result.ranks), gib(device.memory)]]
+    on_host = min(result.ranks, device.devices_per_host)
+    rows = [["device", name, gib(memory[key]), ""] for key, name in parts.items()]
+    rows.append(["device", "peak per rank", gib(memory["device_peak"]), gib(device.memory)])
+    rows += [["host", name, gib(memory[key]), ""] for name, key in host_parts]
+    shared = ["host", f"{on_host} rank(s) on a host", gib(memory["host_peak"] * on_host), gib(device.host_memory)]
+    return rows + [["host", "peak per rank", gib(memory["host_peak"]), ""], shared]
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _verdict(result, *, problem: str | None, searched: bool) -> str:
+    if problem is not None:
+        return f"kvhub fit would refuse: {problem}"
+    if result.fits:
+        return f"fits on {result.ranks} rank(s) of {result.device.name} ({result.statistics.describe()})"
+    tried = f"on 1 to {result.ranks} ranks" if searched else f"on {result.ranks} rank(s)"
+    return f"does not fit {tried} of {result.device.name}; the last line says what would"
+
+
+def _print_plan(result, *, problem: str | None, searched: bool) -> None:
+    """The verdict, the workload, the memory table, cost and time, and the plan's advice."""
     from kvhub.fitting.plan import GIB
 
     w = result.workload
-    say(f"{result.source.model_id} -> {result.target.model_id} on {result.ranks} x {result.device.name}: "
-        f"{w.samples} + {w.heldout} sequences x {w.seq_len} tokens, stride {w.stride}, batch {w.batch_size}, "
-        f"k {result.k}{' (auto: largest)' if w.k is None else ''}, {w.dtype}", to=console)
-    table = Table(title="memory per rank (GiB)")
-    table.add_column("where")
-    table.add_column("part")
-    table.add_column("GiB", justify="right")
-    device = "device" if result.device.gpu else "RAM"
-    host = "host" if result.device.gpu else "RAM"
-    parts = [(device, "weights"), (device, "activations"), (device, "exchange"), (host, "statistics"),
-             (host, "update"), (host, "solve"), (device, "device_peak"), (host, "host_peak")]
-    if result.statistics.passes == 2:
-        parts[4:4] = [(host, "statistics_pass1"), (host, "statistics_pass2")]
-    for where, part in parts:
-        table.add_row(where, part.replace("_", " "), f"{result.memory[part] / GIB:,.2f}")
-    console.print(table)
-    console.print(f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
-                  f"(all ranks), statistics {result.flops['statistics']:.3g} and solve {result.flops['solve']:.3g} "
-                  f"FLOPs per rank; exchange {result.exchange_bytes / GIB:,.2f} GiB received per rank")
+    say(_verdict(result, problem=problem, searched=searched), label="verdict:", style="bold", to=console)
+    say(f"{result.source.model_id} -> {result.target.model_id}: {w.samples} + {w.heldout} sequences x {w.seq_len} "
+        f"tokens, stride {w.stride}, batch {w.batch_size}, k {result.k}{' (auto: largest)' if w.k is None else ''}, "
+        f"{w.dtype}", to=console)
+    print_table(MEMORY_COLUMNS, _memory_rows(result), title=f"memory per rank, {result.ranks} rank(s) of "
+                f"{result.device.name}", right=("GiB", "limit GiB"))
+    say(f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
+        f"(all ranks), statistics {result.flops['statistics']:.3g} and solve {result.flops['solve']:.3g} FLOPs per "
+        f"rank; exchange {result.exchange_bytes / GIB:,.2f} GiB received per rank", to=console)
     seconds = result.seconds
-    console.print("estimated time: " + ", ".join(f"{name} {seconds[name]:,.0f} s" for name in seconds))
-    console.print(f"statistics: {result.statistics.describe()}")
-    console.print(f"mode [bold]{result.mode}[/] on {result.ranks} rank(s): {result.advice}")
+    say("estimated time (h:mm:ss): " + ", ".join(f"{name} {_clock(seconds[name])}" for name in seconds), to=console)
+    say(f"statistics: {result.statistics.describe()}", to=console)
+    say(f"mode {result.mode} on {result.ranks} rank(s): {result.advice}", to=console)

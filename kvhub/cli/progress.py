@@ -4,7 +4,9 @@
 On a terminal: one Rich bar per step (the description up to its first ``:``).  Anywhere else (a CI
 log, a file, ``2>&1 | tee``), or with ``HF_HUB_DISABLE_PROGRESS_BARS`` set: plain lines on stderr,
 one per step every ``KVHUB_PROGRESS_INTERVAL`` seconds (default 30) and when a step completes, so a
-10-minute fit in a CI log says how far it is without carriage-return bars.
+10-minute fit in a CI log says how far it is without carriage-return bars.  Rates are ``<unit>/s``
+(:func:`kvhub.progress.unit_of`) and count only this run's work: a fit resumed from a checkpoint starts
+its step at the checkpointed count, which neither the rate nor the eta takes as done now.
 
 Other libraries' bars: transformers' (weight loading) are switched off while kvhub reports progress;
 huggingface_hub's download bars stay on a terminal and are switched off elsewhere, or wherever
@@ -25,14 +27,19 @@ from rich.text import Text
 
 from kvhub.cli.console import err_console, say
 from kvhub.env import env_flag
-from kvhub.progress import Progress
+from kvhub.progress import Progress, unit_of
 
 INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"
 _DEFAULT_INTERVAL_S = 30.0
 
 
+def per_second(unit: str) -> str:
+    """``tok`` -> ``tok/s`` (a unit given as ``tok/s`` stays)."""
+    return unit if unit.endswith("/s") else f"{unit}/s"
+
+
 class RateColumn(ProgressColumn):
-    """Units per second (tokens/s during capture)."""
+    """Units per second of this run (Rich's speed counts the increments after a task's first value)."""
 
     def __init__(self, unit: str = "tok/s"):
         super().__init__()
@@ -40,7 +47,8 @@ class RateColumn(ProgressColumn):
 
     def render(self, task) -> Text:
         speed = task.finished_speed or task.speed
-        return Text("" if speed is None else f"{speed:,.0f} {self.unit}", style="progress.data.speed")
+        unit = per_second(task.fields.get("unit", self.unit))
+        return Text("" if speed is None else f"{speed:,.0f} {unit}", style="progress.data.speed")
 
 
 class CountColumn(ProgressColumn):
@@ -87,7 +95,8 @@ def _clock(seconds: float) -> str:
 class LineProgress:
     """``callback(description, completed, total)`` writing a plain status line per step at most every
     ``interval`` seconds, and once when the step completes: ``capture: 120/480 (25%), 3,100 tok/s,
-    1:23 elapsed, eta 4:09``."""
+    1:23 elapsed, eta 4:09``.  A step's first count (a resumed fit's checkpointed tokens) is its
+    baseline: rate and eta count what this run did since."""
 
     def __init__(self, unit: str, *, interval: float, clock=time.monotonic, write=say):
         self.unit, self.interval, self.clock, self.write = unit, interval, clock, write
@@ -95,23 +104,26 @@ class LineProgress:
 
     def __call__(self, description: str, completed: int, total: int | None) -> None:
         now = self.clock()
-        step = self.steps.setdefault(description.split(":")[0], {"start": now, "shown": None, "finished": False})
+        step = self.steps.setdefault(description.split(":")[0], {"start": now, "shown": None, "finished": False,
+                                                                 "base": completed})
         finished = total is not None and completed >= total
         due = step["shown"] is None or now - step["shown"] >= self.interval
         if step["finished"] or not (due or finished):
             return
         step["shown"], step["finished"] = now, finished
-        self.write(self.line(description, completed, total, now - step["start"]))
+        self.write(self.line(description, completed, total, now - step["start"], base=step["base"]))
 
-    def line(self, description: str, completed: int, total: int | None, elapsed: float) -> str:
+    def line(self, description: str, completed: int, total: int | None, elapsed: float, *, base: int = 0) -> str:
+        """The status line; ``base``: the step's count when this run started it."""
         parts = [f"{description}: {completed:,}/{'?' if total is None else f'{total:,}'}"]
         if total:
             parts[0] += f" ({100 * completed / total:.0f}%)"
-        if elapsed > 0 and completed:
-            parts.append(f"{completed / elapsed:,.0f} {self.unit}")
+        done_now = completed - base
+        if elapsed > 0 and done_now > 0:
+            parts.append(f"{done_now / elapsed:,.0f} {per_second(unit_of(description, self.unit))}")
         parts.append(f"{_clock(elapsed)} elapsed")
-        if total and 0 < completed < total and elapsed > 0:
-            parts.append(f"eta {_clock(elapsed * (total - completed) / completed)}")
+        if total and completed < total and elapsed > 0 and done_now > 0:
+            parts.append(f"eta {_clock(elapsed * (total - completed) / done_now)}")
         return ", ".join(parts)
 
 
@@ -131,7 +143,8 @@ def progress_callback(unit: str = "tok/s") -> Iterator[Progress]:
         def callback(description: str, completed: int, total: int | None) -> None:
             key = description.split(":")[0]
             if key not in tasks:
-                tasks[key] = bar.add_task(description, total=total, completed=completed)
+                tasks[key] = bar.add_task(description, total=total, completed=completed,
+                                          unit=unit_of(description, unit))
             bar.update(tasks[key], description=description, completed=completed, total=total)
 
         yield callback

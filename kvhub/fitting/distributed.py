@@ -43,7 +43,7 @@ from kvhub.errors import ConfigError
 from kvhub.fitting import checkpoint as checkpoints
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.fit import (FitOptions, build_mapper, capture_pair, fit_batches, layout_for, pair_fingerprints,
-                               solve_statistics, statistics_mode, structure_for)
+                               resuming_line, solve_statistics, statistics_mode, structure_for)
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.two_pass import run_passes
 from kvhub.progress import Progress, report
@@ -129,16 +129,17 @@ def owned_layers(layers: int, rank: int, world: int) -> list[int]:
 def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout_ids: torch.Tensor | None, *,
                     group: Group, source_id: str, target_id: str, source_tokenizer=None, target_tokenizer=None,
                     calibration: dict | None = None, options: FitOptions | None = None,
-                    progress: Progress | None = None):
+                    progress: Progress | None = None, notify=None):
     """:func:`kvhub.fitting.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
-    token ids and options; returns the Mapper on rank 0 and None on the others."""
+    token ids and options; returns the Mapper on rank 0 and None on the others.  ``notify(line)``: rank 0's
+    status lines (resuming from a checkpoint); default: the log."""
     options = options or FitOptions()
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
                                              source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
     mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job)
     state, owned = accumulate_sharded(source_model, target_model, train_ids, heldout_ids, group=group,
-                                      options=options, progress=progress, job=job, mode=mode)
+                                      options=options, progress=progress, job=job, mode=mode, notify=notify)
     layout = layout_for(source_model.config, target_model.config)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     part = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
@@ -178,7 +179,7 @@ def _agreed_mode(group: Group, source_model, target_model, train_ids, heldout_id
 
 def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, group: Group, options: FitOptions,
                        progress: Progress | None, job: str,
-                       mode: StatisticsMode = ONE_PASS) -> tuple[FitState, list[int]]:
+                       mode: StatisticsMode = ONE_PASS, notify=None) -> tuple[FitState, list[int]]:
     """This rank's statistics over its owned target layers (after every pass of ``mode``), and those layers."""
     layout = layout_for(source_model.config, target_model.config)
     owned = owned_layers(layout.dst_layers, group.rank, group.world)
@@ -196,6 +197,8 @@ def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, gr
 
     steps = -(-len(batches) // group.world)
     resumed = _resume(group, options.checkpoint, job, mode, layout=local, steps=steps)
+    if resumed is not None and group.is_main:
+        (notify or log.info)(resuming_line(resumed, steps, mode).replace(" batches ", " steps "))
     state = run_passes(resumed, local, mode, top_k=options.top_k, run=run, save=save)
     return state, owned
 

@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -31,7 +32,7 @@ from kvhub.core.rope import Rotary
 from kvhub.core.solve import Solution, Structure, head_groups, solve
 from kvhub.core.stats import KVStats, Layout
 from kvhub.dtypes import dtype_name
-from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.errors import ConfigError, FitInterrupted, IncompatibleError
 from kvhub.fitting import checkpoint
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.modes import MODES, ONE_PASS, StatisticsMode
@@ -119,11 +120,14 @@ def fit(
     calibration: dict | None = None,
     options: FitOptions | None = None,
     progress: Progress | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> Mapper:
     """Fit a Mapper from ``source_model``'s cache to ``target_model``'s.
 
     train_ids (N, T) and heldout_ids (M, T): long token ids (no padding).  ``calibration`` is the
     calibration-set metadata stored in mapper.json.  Returns an unsaved Mapper (weights fp32).
+    ``notify(line)`` hears status lines (resuming from a checkpoint); default: the log.  Ctrl-C
+    raises :class:`kvhub.errors.FitInterrupted`, which says where the fit stopped and what resumes.
     """
     options = options or FitOptions()
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
@@ -132,7 +136,7 @@ def fit(
     mode = statistics_mode(source_model, target_model, train_ids, heldout_ids, options, job=job)
     layout = layout_for(source_model.config, target_model.config)
     state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
-                              layout, mode=mode, options=options, progress=progress, job=job)
+                              layout, mode=mode, options=options, progress=progress, job=job, notify=notify)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers)
     return build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
@@ -201,8 +205,10 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
 
 
 def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mode: StatisticsMode,
-                      options: FitOptions, progress: Progress | None, job: str) -> FitState:
-    """Every pass of ``mode`` over ``batches``, resuming from ``options.checkpoint``; the last pass's state."""
+                      options: FitOptions, progress: Progress | None, job: str,
+                      notify: Callable[[str], None] | None = None) -> FitState:
+    """Every pass of ``mode`` over ``batches``, resuming from ``options.checkpoint`` (and saying so to
+    ``notify``, default the log); the last pass's state."""
     save = (lambda s: checkpoint.save(options.checkpoint, job, mode, s)) if options.checkpoint else None
     rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
 
@@ -211,26 +217,48 @@ def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mo
                  label=label, save=save)
 
     resumed = checkpoint.load(options.checkpoint, job, mode, layout=layout, batches=len(batches))
+    if resumed is not None:
+        (notify or log.info)(resuming_line(resumed, len(batches), mode))
     return run_passes(resumed, layout, mode, top_k=options.top_k, run=run, save=save)
+
+
+def resuming_line(state: FitState, batches: int, mode: StatisticsMode) -> str:
+    """``resuming from checkpoint (40/188 batches done)``, naming the pass when there are two."""
+    of_pass = f" of pass {state.pass_index}" if mode.passes == 2 else ""
+    return f"resuming from checkpoint ({state.batches_done}/{batches} batches done{of_pass})"
 
 
 def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, options: FitOptions,
              progress: Progress | None, label: str, save) -> None:
     """Merge ``batches[state.batches_done:]`` into ``state`` (in pass 2, only the candidates' source
-    layers), calling ``save(state)`` every ``options.checkpoint_every`` batches."""
+    layers), calling ``save(state)`` every ``options.checkpoint_every`` batches.  Ctrl-C raises
+    :class:`FitInterrupted` naming the batch and what the checkpoint holds."""
     total = sum(int(b.numel()) for _, b in batches)
     completed = sum(int(b.numel()) for _, b in batches[: state.batches_done])
     options.timings.setdefault("forward_s", 0.0), options.timings.setdefault("stats_s", 0.0)
+    # a checkpoint exists once resumed (batches_done > 0) or at pass 2's start (saved when pass 1 ended)
+    saved = state.batches_done if save and (state.batches_done or state.pass_index == 2) else None
     for index in range(state.batches_done, len(batches)):
         name, ids = batches[index]
-        report(progress, f"{label}: {name} batch {index + 1}/{len(batches)}", completed, total)
-        _accumulate_batch(source_model, target_model, ids, state.stats[name], rotaries, options,
-                          sources=state.candidates)
+        try:
+            report(progress, f"{label}: {name} batch {index + 1}/{len(batches)}", completed, total)
+            _accumulate_batch(source_model, target_model, ids, state.stats[name], rotaries, options,
+                              sources=state.candidates)
+        except KeyboardInterrupt as exc:
+            raise _interrupted(label, index + 1, len(batches), state.pass_index, saved) from exc
         completed += int(ids.numel())
         state.batches_done = index + 1
         if save and state.batches_done % options.checkpoint_every == 0:
             save(state)
+            saved = state.batches_done
     report(progress, f"{label}: done", completed, total)
+
+
+def _interrupted(label: str, batch: int, batches: int, pass_index: int, saved: int | None) -> FitInterrupted:
+    kept = ("no checkpoint yet: a rerun starts over" if saved is None
+            else f"the checkpoint holds {saved} batches of pass {pass_index}")
+    return FitInterrupted(f"fit interrupted in {label}, batch {batch}/{batches}; {kept}", batch=batch,
+                          batches=batches, pass_index=pass_index, resume_from=saved)
 
 
 def solve_statistics(state: FitState, mode: StatisticsMode, *, options: FitOptions, structure: Structure,

@@ -68,6 +68,25 @@ class PreparedFit:
     options: object  # kvhub.fitting.fit.FitOptions
 
 
+def check_device(device: str | None) -> None:
+    """Refuse a device torch cannot run the forward passes on, before anything loads.  ``h100``, ``h200``
+    and ``a100`` are :func:`kvhub.fitting.plan.device_profile` names for ``kvhub plan``, not torch devices."""
+    from kvhub.errors import ConfigError
+
+    if device is None:
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N (h100, h200 and "
+                          "a100 are profiles of `kvhub plan --device`, not devices to run on)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+                          f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+
+
 def _no_progress(unit: str) -> ContextManager:
     return nullcontext(None)
 
@@ -162,7 +181,7 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
         mapper = fit(job.source, job.target, job.train, job.heldout, source_id=job.source_id,
                      target_id=job.target_id, source_tokenizer=job.source_tokenizer,
                      target_tokenizer=job.target_tokenizer, calibration=job.calibration, options=job.options,
-                     progress=callback)
+                     progress=callback, notify=notify)
     discard(job.options.checkpoint)
     return mapper
 
@@ -192,7 +211,8 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
         mapper = fit_distributed(job.source, job.target, job.train, job.heldout, group=group,
                                  source_id=job.source_id, target_id=job.target_id,
                                  source_tokenizer=job.source_tokenizer, target_tokenizer=job.target_tokenizer,
-                                 calibration=job.calibration, options=job.options, progress=callback)
+                                 calibration=job.calibration, options=job.options, progress=callback,
+                                 notify=notify)
     dist.barrier()
     remove_checkpoints(group, job.options.checkpoint)
     return mapper

@@ -361,6 +361,25 @@ def _k_for(source: ModelShape, workload: Workload) -> int:
     return max(feasible, default=1)
 
 
+def too_few_observations(source: ModelShape, workload: Workload) -> str | None:
+    """Why the solve would refuse this workload before any forward pass could change it, or None.
+
+    A ridge fit needs more training rows, samples * ceil(seq_len / stride), than features, k times the
+    source's KV width (under 'auto' the smallest k of the grid, 1); the same rule as
+    :func:`kvhub.core.solve.solve`, so a refusal here is one the fit would reach after its forward passes."""
+    per_sequence = math.ceil(workload.seq_len / workload.stride)
+    rows, k = workload.samples * per_sequence, workload.k or 1
+    features = k * source.kv_width
+    if features < rows:
+        return None
+    needed = features // per_sequence + 1
+    what = f"k {k} x {source.kv_width}" if workload.k else f"{source.kv_width}"
+    return (f"{workload.samples} sequences of {workload.seq_len} tokens at stride {workload.stride} give {rows} "
+            f"training observations, but a ridge fit needs more than its {features} features ({what}, the KV "
+            f"width of {source.model_id}); use --samples {needed} or more, a longer --seq-len or a smaller --stride"
+            + (", or a smaller --k" if workload.k and workload.k > 1 else ""))
+
+
 def _solve_costs(source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool,
                  solved_layers: int) -> tuple[int, float]:
     """(transient bytes, FLOPs) of one rank's solve, K and V: the probe (one ridge per source layer against

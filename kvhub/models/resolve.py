@@ -14,6 +14,7 @@ the known models is :mod:`kvhub.models.fetch`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -176,14 +177,30 @@ def load_model(spec: str | os.PathLike, *, device=None, dtype=None, cache_dir=No
     spec = str(spec)
     resolved = resolve_model_path(spec, cache_dir=cache_dir)
     torch_dtype = parse_dtype(dtype)
-    if isinstance(resolved, Path) and resolved.suffix == ".gguf":
-        model, tokenizer = _load_gguf(resolved, dtype=torch_dtype)
-    elif isinstance(resolved, Path):
-        model, tokenizer = _load_pretrained(resolved, dtype=torch_dtype, spec=spec)
-    else:
-        model, tokenizer = _load_hub(resolved, dtype=torch_dtype)
+    with _quiet_loading():
+        if isinstance(resolved, Path) and resolved.suffix == ".gguf":
+            model, tokenizer = _load_gguf(resolved, dtype=torch_dtype)
+        elif isinstance(resolved, Path):
+            model, tokenizer = _load_pretrained(resolved, dtype=torch_dtype, spec=spec)
+        else:
+            model, tokenizer = _load_hub(resolved, dtype=torch_dtype)
     model = model.to(_default_device(device)).eval()
     return model, tokenizer, _model_id(spec, resolved)
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' "Loading weights" bar off while kvhub loads a model (every command loads through
+    here; kvhub reports its own progress), and back to what it was after."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def _load_gguf(path: Path, *, dtype):
@@ -230,8 +247,10 @@ def _load_hub(model_id: str, *, dtype):
         model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except OSError as exc:
-        reason = "it is not in the local Hugging Face cache" + (" and HF_HUB_OFFLINE is set" if hub_offline()
-                                                                 else f" and the Hub failed ({exc})")
+        # "fam/srcx" reads as a Hub id, but is as often a mistyped local directory: say both
+        where = "it is not in the local Hugging Face cache" if known else \
+            "no such directory; as a Hub id it is not in the local Hugging Face cache"
+        reason = where + (" (offline: HF_HUB_OFFLINE is set)" if hub_offline() else f" and the Hub failed ({exc})")
         raise _unavailable(model_id, known, reason) from exc
     return model, tokenizer
 
