@@ -5,8 +5,9 @@
     search(source=SRC, target=DST)                              -> mappers published for a pair
     load_from_hub(store, SRC, DST, calibration=...)             -> the fallback of kvhub.load()
 
-Modules: ``client`` (settings, HfApi, error translation), ``verify`` (what an artifact must satisfy),
-``push``, ``pull`` (and the load fallback), ``search``.  The model card is kvhub.hub.card.
+Modules: ``client`` (settings, HfApi, error translation), ``identity`` (the models' Hub ids, mapper.json
+as published), ``verify`` (what an artifact must satisfy), ``push``, ``pull`` (and the load fallback),
+``search``.  The model card is kvhub.hub.card, with the store's measurements on it in kvhub.hub.evaluations.
 
 Settings are read when a function runs, not when a module is imported: ``HF_ENDPOINT``,
 ``HF_HUB_OFFLINE`` (either the variable or huggingface_hub's own flag switches kvhub to the local

