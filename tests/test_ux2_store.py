@@ -221,3 +221,17 @@ def test_a_chmod_read_only_store_lists_shows_and_loads(home, tmp_path):
     finally:
         for path in [db] + folders:
             path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_every_store_command_answers_in_json_with_the_full_ref(home, tmp_path):
+    """U15: --format json / --json on tag, untag, export, import, rm, gc and db current, each naming the
+    version by its full reference (planted bug: a command without the switch exits 2 'no such option')."""
+    make_store_artifact(tmp_path / "a")
+    imported = json.loads(cli("import", tmp_path / "a", "--format", "json").stdout)
+    ref = imported["ref"]
+    assert json.loads(cli("tag", ref, "production", "--json").stdout) == {"ref": ref, "alias": "production"}
+    assert json.loads(cli("untag", ref, "production", "--json").stdout)["ref"] == ref
+    assert json.loads(cli("export", ref, tmp_path / "out", "--json").stdout)["ref"] == ref
+    assert json.loads(cli("rm", ref, "--json").stdout)["ref"] == ref
+    assert "artifacts" in json.loads(cli("gc", "--dry-run", "--format", "json").stdout)
+    assert "head" in json.loads(cli("db", "current", "--json").stdout)

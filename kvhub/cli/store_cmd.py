@@ -18,7 +18,7 @@ import click
 
 from kvhub.cli.console import err_console, plain, say
 from kvhub.cli.options import db_option, open_db
-from kvhub.cli.output import echo_json, format_number, format_option, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
 
 _REF_HELP = """\b
 REF is SRC:DST[:CALIB][@SELECTOR]:
@@ -26,7 +26,6 @@ REF is SRC:DST[:CALIB][@SELECTOR]:
   CALIB     calibration set; optional when the pair has one
   SELECTOR  v3 (a version), latest, production, or any alias; default: production if set, else latest"""
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout instead of a table.")
 
 
 def version_json(version, metrics: list[dict] | None = None) -> dict:
@@ -283,7 +282,8 @@ def _shown(value, output_format: str) -> str:
 @click.argument("ref")
 @click.argument("alias")
 @db_option
-def tag(ref, alias, db):
+@format_option
+def tag(ref, alias, db, output_format):
     """Point ALIAS (production, staging, any name) of REF's model pair and calibration set at REF.
 
     \b
@@ -294,14 +294,19 @@ def tag(ref, alias, db):
     """
     with open_db(db, create=False) as store:
         version = store.tag(ref, alias)
-        say(f"{alias} -> {store.reference(version)}")
+        reference = store.reference(version)
+    if output_format == "json":
+        echo_json({"ref": json_ref(version), "alias": alias})
+    else:
+        say(f"{alias} -> {reference}")
 
 
 @click.command(epilog=_REF_HELP)
 @click.argument("ref")
 @click.argument("alias")
 @db_option
-def untag(ref, alias, db):
+@format_option
+def untag(ref, alias, db, output_format):
     """Remove ALIAS from REF's model pair and calibration set.
 
     \b
@@ -310,14 +315,19 @@ def untag(ref, alias, db):
     """
     with open_db(db, create=False) as store:
         version = store.untag(ref, alias)
-        say(f"removed {alias} (it pointed at {store.reference(version)})")
+        reference = store.reference(version)
+    if output_format == "json":
+        echo_json({"ref": json_ref(version), "removed_alias": alias})
+    else:
+        say(f"removed {alias} (it pointed at {reference})")
 
 
 @click.command(epilog=_REF_HELP)
 @click.argument("ref")
 @click.option("--force", is_flag=True, help="Remove even if an alias such as production points at it.")
 @db_option
-def rm(ref, force, db):
+@format_option
+def rm(ref, force, db, output_format):
     """Remove mapper version REF: its row, metrics, aliases, and its artifact unless shared.
 
     \b
@@ -338,14 +348,17 @@ def rm(ref, force, db):
                               f"`kvhub rm {ref}@v{latest.version}` (the latest; `kvhub list --src {parsed.source}` "
                               "shows them all)")
         version = store.remove(ref, force=force)
-    say(f"removed {version.ref} ({_size(version.artifact_bytes)})")
+    if output_format == "json":
+        echo_json({"ref": json_ref(version), "removed": True, "bytes": version.artifact_bytes})
+    else:
+        say(f"removed {version.ref} ({_size(version.artifact_bytes)})")
 
 
 @click.command()
 @click.option("--dry-run", is_flag=True, help="Only report what would be removed.")
 @db_option
-@json_option
-def gc(dry_run, db, as_json):
+@format_option
+def gc(dry_run, db, output_format):
     """Delete artifact directories no version references, and leftovers of interrupted writes.
 
     \b
@@ -356,7 +369,7 @@ def gc(dry_run, db, as_json):
     """
     with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
-    if as_json:
+    if output_format == "json":
         echo_json({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
                     "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
                     "missing": report.missing, "bytes": report.bytes})
@@ -375,22 +388,27 @@ def gc(dry_run, db, as_json):
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace DIRECTORY if it exists.")
 @db_option
-def export_version(ref, directory, force, db):
+@format_option
+def export_version(ref, directory, force, db, output_format):
     """Copy the artifact of REF to DIRECTORY (verified byte for byte).
 
     \b
     kvhub export qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production ./mapper
     """
     with open_db(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
+        version = store.resolve(ref)
         path = store.export(ref, directory, overwrite=force)
-    say(f"exported {ref} to {path}")
+    if output_format == "json":
+        echo_json({"ref": json_ref(version), "directory": str(path)})
+    else:
+        say(f"exported {ref} to {path}")
 
 
 @click.command("import")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @db_option
-@json_option
-def import_artifact(directory, db, as_json):
+@format_option
+def import_artifact(directory, db, output_format):
     """Register an artifact directory (mapper.json + mapper.safetensors) as a new version.
 
     \b
@@ -406,7 +424,7 @@ def import_artifact(directory, db, as_json):
         existing = store.registered_as(directory)
         version = existing or store.register(directory, lineage={"imported_from": str(Path(directory).resolve())})
         reference = store.reference(version)
-    if as_json:
+    if output_format == "json":
         echo_json(dict(version_json(version), already_registered=existing is not None))
     elif existing is not None:
         say(f"{directory} holds the tensors of {reference}; nothing to do")
@@ -441,8 +459,8 @@ def upgrade(db):
 
 @db.command()
 @db_option
-@json_option
-def current(db, as_json):
+@format_option
+def current(db, output_format):
     """Print the schema revision of the store and whether it is this kvhub's head."""
     from kvhub.store.location import display_url, resolve_db_url
     from kvhub.store.migrate import is_known_revision, schema_status
@@ -452,7 +470,7 @@ def current(db, as_json):
     url = resolve_db_url(db)
     require_existing(url)
     revision, head = schema_status(url)
-    if as_json:
+    if output_format == "json":
         echo_json({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
                     "newer_than_kvhub": not is_known_revision(revision)})
         return
