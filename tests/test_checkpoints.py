@@ -143,6 +143,7 @@ def _nan_at_first(tensor: torch.Tensor) -> torch.Tensor:
 
 DAMAGES = [  # id, mode, damage, what the warning says
     ("truncated", ONE_PASS, _cut, "does not read as safetensors"),
+    ("another-fit", ONE_PASS, _header("job", "another fit's identity"), "belongs to another fit"),  # R20: once
     ("garbage", ONE_PASS, _garbage, "does not read as safetensors"),
     ("empty", ONE_PASS, _empty, "does not read as safetensors"),
     ("directory", ONE_PASS, _directory, "is a directory"),

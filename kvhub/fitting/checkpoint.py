@@ -127,7 +127,7 @@ def saved_mode(path: Path | None, job: str) -> StatisticsMode | None:
     """The statistics mode a checkpoint of ``job`` was written in (None: no such checkpoint, or one whose
     header does not read: :func:`load` says what is wrong with it)."""
     try:
-        header = _own_header(path, job)
+        header = _own_header(path, job, quiet=True)  # load() reads it again and warns once
         return None if header is None else _mode(header)
     except _Damaged:
         return None
@@ -163,8 +163,9 @@ def load(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, b
 
 
 # ---- checking what was read back ------------------------------------------------------------------
-def _own_header(path: Path | None, job: str) -> dict | None:
-    """The header of ``path`` if it is a checkpoint of ``job`` (None: no file, or another job's)."""
+def _own_header(path: Path | None, job: str, *, quiet: bool = False) -> dict | None:
+    """The header of ``path`` if it is a checkpoint of ``job`` (None: no file, or another job's, which is
+    logged unless ``quiet``)."""
     from safetensors import SafetensorError, safe_open
 
     if path is None or not Path(path).exists():
@@ -177,7 +178,8 @@ def _own_header(path: Path | None, job: str) -> dict | None:
     except (SafetensorError, OSError) as exc:
         raise _Damaged(f"does not read as safetensors ({exc})") from exc
     if header.get("job") != job:
-        log.warning("checkpoint %s belongs to another fit; it will be overwritten", path)
+        if not quiet:
+            log.warning("checkpoint %s belongs to another fit; starting over (it will be overwritten)", path)
         return None
     return header
 
