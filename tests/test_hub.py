@@ -32,7 +32,7 @@ def commits(server, repo_id: str) -> int:
 def test_push_tags_records_and_second_push_is_a_noop(hub_env, db):
     server = hub_env.server
     v1 = register(db, hub_env.tmp / "a1", seed=1, images=True)
-    result = run("push", v1.ref, "--repo", "alice/kvmap", "--db", db, "--json")
+    result = run("push", v1.ref, "--repo", "alice/kvmap", "--db", db, "--format", "json")  # U15: one switch
     assert result.exit_code == 0, result.stderr
     out = json.loads(result.stdout)
     assert (out["tag"], out["card"], out["already_published"]) == ("v1", "written", False)
@@ -71,7 +71,7 @@ def test_pull_at_tag_and_main_registers_with_provenance_idempotently(hub_env, db
     v1, v2 = push_two_versions(hub_env, db)
     other = str(hub_env.tmp / "other.db")
 
-    first = run("pull", "alice/kvmap@v1", "--db", other, "--json")
+    first = run("pull", "alice/kvmap@v1", "--db", other, "--format", "json")  # U15: one switch
     assert first.exit_code == 0, first.stderr
     info = json.loads(first.stdout)
     repo = hub_env.server.repo("alice/kvmap")

@@ -41,9 +41,9 @@ def token_option(command):
               help="Open a pull request instead of committing; push again once it is merged to tag the version.")
 @token_option
 @db_option
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@format_option
 def push(ref, repo_id, private, branch, card, base_model, license_id, license_name, license_link, figures,
-         commit_message, create_pr, token, db, as_json):
+         commit_message, create_pr, token, db, output_format):
     """Publish the mapper version REF to the Hub: one commit, tagged vN.
 
     \b
@@ -71,7 +71,7 @@ def push(ref, repo_id, private, branch, card, base_model, license_id, license_na
         full_ref = store.resolve(ref).ref
     for note in result.notes:
         say(note, label="note:")
-    if as_json:
+    if output_format == "json":
         echo_json({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
                    "branch": result.branch, "url": result.url, "card": result.card,
                    "already_published": result.already_published, "pull_request": result.pull_request})
@@ -98,8 +98,8 @@ def _push_line(ref: str, result) -> str:
 @click.option("--revision", default=None, help="Branch, tag or commit (same as OWNER/NAME@REVISION; default main).")
 @token_option
 @db_option
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def pull(repo, revision, token, db, as_json):
+@format_option
+def pull(repo, revision, token, db, output_format):
     """Download a mapper from the Hub, verify it, and register it in the store.
 
     \b
@@ -118,7 +118,7 @@ def pull(repo, revision, token, db, as_json):
     with open_db(db) as store:
         result = pull_repo(store, repo, revision=revision, token=token)
         reference = store.reference(result.version)
-    if as_json:
+    if output_format == "json":
         echo_json({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
                    "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
                    "already_registered": result.already_registered})
