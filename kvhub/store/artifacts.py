@@ -33,7 +33,7 @@ import shutil
 import stat
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -44,6 +44,20 @@ OBJECTS_DIR = "sha256"
 TMP_DIR = ".tmp"
 LOCK_FILE = ".lock"
 _LOCATION = re.compile(rf"{OBJECTS_DIR}/([0-9a-f]{{2}})/(\1[0-9a-f]{{62}})")
+
+
+@dataclass
+class GcReport:
+    """What gc removed (or would remove, with ``dry_run``); ``missing``: referenced but absent artifacts."""
+
+    dry_run: bool
+    artifacts: list[tuple[str, int]] = field(default_factory=list)
+    temporaries: list[tuple[str, int]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.artifacts + self.temporaries)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -36,7 +35,7 @@ from kvhub.errors import AmbiguousError, ArtifactError, ConfigError, NotFoundErr
 from kvhub.errors import IntegrityError as ArtifactIntegrityError
 from kvhub.store import queries
 from kvhub.store import resolve as rs
-from kvhub.store.artifacts import ArtifactStore, artifact_files, copy_hashing, manifest_sha256
+from kvhub.store.artifacts import ArtifactStore, GcReport, artifact_files, copy_hashing, manifest_sha256
 from kvhub.store.engine import connection_error, is_read_only, make_engine, read_only_error, write_engine
 from kvhub.store.ingest import (
     METADATA_FILE, check_same_text, check_storable, find_same_tensors, insert_version, lock_series, metric_row,
@@ -55,20 +54,6 @@ VersionLike = MapperVersion | Ref | str
 _RETRIES = 12
 _COLLECT_WAIT_S = 2.0  # rm waits this long for registrations in flight, then leaves the artifact to gc
 _RETRY_SQLSTATES = {"40001", "40P01", "23505"}  # serialization failure, deadlock, unique violation
-
-
-@dataclass
-class GcReport:
-    """What gc removed (or would remove, with ``dry_run``); ``missing``: referenced but absent artifacts."""
-
-    dry_run: bool
-    artifacts: list[tuple[str, int]] = field(default_factory=list)
-    temporaries: list[tuple[str, int]] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-
-    @property
-    def bytes(self) -> int:
-        return sum(size for _, size in self.artifacts + self.temporaries)
 
 
 def _retryable(exc: DBAPIError) -> bool:
