@@ -71,6 +71,7 @@ def evaluate(args, artifact: Path) -> dict:
 
     from kvhub.calib import resolve_calibration
     from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
+    from kvhub.serving.spec import Recompute
     from kvhub.core.mapper import Mapper
     from kvhub.models.resolve import load_model
 
@@ -82,7 +83,8 @@ def evaluate(args, artifact: Path) -> dict:
     held = calibration.heldout[: args.eval_sequences]
     result = {"continuation": {}, "timing": None, "compute_dtype": str(args.compute_dtype or "bfloat16")}
     for exact in sorted({0, args.exact_prefix}):
-        metrics = continuation_metrics(mapper, source, target, held, context_len=args.context_len, exact_prefix=exact)
+        metrics = continuation_metrics(mapper, source, target, held, context_len=args.context_len,
+                                       recompute=Recompute(exact_prefix=exact))
         result["continuation"][f"exact_prefix={exact}"] = metrics.as_dict()
         print(f"continuation exact_prefix={exact}: {metrics}", flush=True)
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -47,11 +47,15 @@ def answer_start(prompt: list[int], answer: list[int]) -> int | None:
 @click.option("--db", default=None)
 @click.option("--json", "as_json", is_flag=True)
 def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
-    from kvhub.cli.eval_cmd import _load_version
     from kvhub.eval.longctx import build_items
+    from kvhub.eval.run import load_version
+    from kvhub.store import open_store
 
     torch.manual_seed(0)
-    _, version, mapper, source, target, tokenizer = _load_version(ref, db, device="cpu", dtype="bfloat16")
+    with open_store(db, create=False) as store:
+        loaded = load_version(store, ref, device="cpu", dtype="bfloat16")
+    version, mapper, source, target, tokenizer = (loaded.version, loaded.mapper, loaded.source, loaded.target,
+                                                  loaded.tokenizer)
     query_counts = [int(q) for q in query_counts.split(",")]
     budgets = [float(b) for b in budgets.split(",")]
     rows = []

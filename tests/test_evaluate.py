@@ -8,6 +8,7 @@ import torch
 from kvhub.eval.continuation import continuation_metrics
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.core.control import control_mapper
+from kvhub.serving.spec import Recompute
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 
@@ -73,8 +74,8 @@ def test_uniform_target_has_perplexity_vocab_size(family):
     uniform, _ = exact_family_target(source, insert_before=(1,))
     with torch.no_grad():
         uniform.lm_head.weight.zero_()
-    metrics = continuation_metrics(mapper, source, uniform, _ids(2, 9, 6), context_len=CONTEXT, exact_prefix=1,
-                                   exact_suffix=2)
+    metrics = continuation_metrics(mapper, source, uniform, _ids(2, 9, 6), context_len=CONTEXT,
+                                   recompute=Recompute(1, 2))
     vocab = uniform.config.vocab_size
     for value in (metrics.ppl_own, metrics.ppl_mapped, metrics.ppl_no_context):
         assert value == pytest.approx(vocab, rel=rtol(torch.float32, terms=vocab))

@@ -97,11 +97,11 @@ def _direct(model, context: list[int], continuation: list[int]) -> float:
     return float(logp[positions, ids[0, positions + 1]].sum())
 
 
-def _lm(pair, condition="own"):
+def _lm(pair, condition="own", **model_args):
     from kvhub.eval.lmeval import KVHubLM
 
     ref, db, _, _ = pair
-    return KVHubLM(mapper=ref, db=db, dtype="float32", device="cpu", condition=condition)
+    return KVHubLM(mapper=ref, db=db, dtype="float32", device="cpu", condition=condition, **model_args)
 
 
 def test_multiple_choice_own_is_the_target_mapped_equals_own_control_differs(pair, runs):
@@ -137,23 +137,30 @@ def test_rolling_loglikelihood_is_a_handoff_per_chunk(pair, runs):
         assert abs(c - o) > 10 * tolerance
 
 
-def test_selective_variant_and_an_empty_context(pair):
-    """A selective recompute (exact_budget) scores like own on the exact family; an empty context is scored after
-    the eos token (nothing to map), as lm-eval's other models do."""
+def test_selective_variant_from_model_args_over_the_control_map_and_an_empty_context(pair):
+    """exact_budget and select given in model_args reach the recompute, for scores and for generation: over the
+    no-information control map, exact_budget=1 (the target recomputes the whole context) scores and generates
+    as own, and exact_budget=0 does not.  Planted bugs caught: check_model_args dropping exact_budget (a
+    Recompute of the prefix and suffix only); _score or _generate ignoring the recompute.  An empty context is
+    scored after the eos token (nothing to map), as lm-eval's other models do."""
     from lm_eval.api.instance import Instance
 
     _, _, _, target = pair
-    own, selective = _lm(pair), _lm(pair, "mapped")
-    selective.recompute = type(selective.recompute)(1, 2, 0.3, "source")
+    own = _lm(pair)
+    recomputed = _lm(pair, "control", exact_budget="1.0", select="target")
+    mapped_only = _lm(pair, "control")
+    assert recomputed.recompute.exact_budget == 1.0 and recomputed.recompute.select == "target"
+    context = "Text wrapping and filling. The TextWrapper instance attributes are public"
     requests = [Instance("loglikelihood", {}, args, i) for i, args in enumerate([
-        ("Text wrapping and filling. The TextWrapper instance attributes are public", " width."),
-        ("Text wrapping and filling. The TextWrapper instance attributes are public", " height and more."),
-        ("", "import json")])]
-    expected, got = own.loglikelihood(requests), selective.loglikelihood(requests)
+        (context, " width."), (context, " height and more."), ("", "import json")])]
+    expected, got, control = (lm.loglikelihood(requests) for lm in (own, recomputed, mapped_only))
     for (o, _), (m, _) in zip(expected, got):
         assert m == pytest.approx(o, abs=_tolerance(target, o))
+    assert all(abs(c - o) > 10 * _tolerance(target, o) for (o, _), (c, _) in zip(expected[:2], control[:2]))
     tokens = own.tok_encode("import json")
     assert expected[2][0] == pytest.approx(_direct(target, [own.eot_token_id], tokens), abs=_tolerance(target, expected[2][0]))
+    ids = own.tok_encode(context)
+    assert recomputed._generate(ids, 6, []) == own._generate(ids, 6, []) != mapped_only._generate(ids, 6, [])
 
 
 def test_rolling_chunks_predict_every_token_once_within_max_length(pair):
@@ -215,8 +222,12 @@ def test_python_dash_m_runs_lm_evals_command_line(pair, tmp_path):
     assert len(results) == 1
     import json
 
+    from lm_eval.utils import sanitize_model_name
+
     written = json.loads(results[0].read_text())
     assert written["config"]["model"] == "kvhub" and "acc,none" in written["results"]["kvhub_tiny_mc"]
+    assert results[0].parent == tmp_path / "out" / sanitize_model_name(ref)  # named after the mapper, not at random
+    assert written["model_name"] == ref
     bad = subprocess.run(base + ["--model_args", f"mapper={ref},db={db},condition=best"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown condition 'best'" in bad.stderr and "Traceback" not in bad.stderr

@@ -106,3 +106,42 @@ def test_from_pretrained_parses_names_with_the_store_and_hub_parsers(tmp_path, n
     with pytest.raises(ConfigError, match=match):
         kvhub.Mapper.from_pretrained(name, db=str(tmp_path / "store.db"))
     assert not (tmp_path / "store.db").exists()
+
+
+# ---- kvhub.handoff takes what model.generate takes (U6) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def handoff_family(tmp_path_factory):
+    from kvhub.fitting.fit import FitOptions, fit
+    from tests.fixtures_calib import save_tiny_family
+
+    source, target, tokenizer = save_tiny_family(tmp_path_factory.mktemp("handoff"))
+    ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
+    mapper = fit(source, target, ids[:12], ids[12:], source_id="tiny/src", target_id="tiny/dst",
+                 source_tokenizer=tokenizer, target_tokenizer=tokenizer,
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+    return mapper, source, target, tokenizer
+
+
+def test_handoff_takes_the_tokenizers_output_as_generate_does(handoff_family):
+    """`handoff(m, src, dst, **tokenizer(text, return_tensors="pt"))` and an explicit all-ones attention_mask
+    generate what `target.generate(**inputs)` does (an exact family); it used to fail with "got multiple values
+    for keyword argument 'attention_mask'"."""
+    mapper, source, target, tokenizer = handoff_family
+    inputs = tokenizer("d001 d002 d003 d011 d012 d013 d020 d021", return_tensors="pt")
+    want = target.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(kvhub.handoff(mapper, source, target, **inputs, max_new_tokens=4, do_sample=False), want)
+    explicit = kvhub.handoff(mapper, source, target, inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                             max_new_tokens=4, do_sample=False)
+    assert torch.equal(explicit, want)
+
+
+def test_handoff_refuses_text_and_padding_naming_what_to_pass(handoff_family):
+    mapper, source, target, tokenizer = handoff_family
+    with pytest.raises(TypeError, match=r"token ids, got text.*\*\*tokenizer\(text, return_tensors='pt'\)"):
+        kvhub.handoff(mapper, source, target, "some text", max_new_tokens=2)
+    with pytest.raises(TypeError, match="got no input_ids"):
+        kvhub.handoff(mapper, source, target, max_new_tokens=2)
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]])
+    with pytest.raises(ConfigError, match="unpadded"):
+        kvhub.handoff(mapper, source, target, ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+                      max_new_tokens=2)

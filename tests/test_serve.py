@@ -222,6 +222,17 @@ def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
     assert not (tmp_path / "kv").exists() and not list((tmp_path / "record").iterdir())  # nothing done
 
 
+def test_dry_run_needs_no_store_dir_and_defaults_to_a_private_shared_memory_folder(mapper_db, tmp_path, fake_vllm):
+    """U34: --store-dir has a per-user default, so `kvhub serve REF --dry-run` works without it."""
+    from kvhub.cli.serve_cmd import default_store_dir
+
+    result = _invoke("serve", REF, "--db", mapper_db, "--vllm", str(fake_vllm), "--dry-run")
+    assert result.exit_code == 0, result.output
+    default = default_store_dir()
+    assert shlex.split(result.stdout.splitlines()[1]) == ["mkdir", "-p", "-m", "700", str(default)]
+    assert default.name.startswith("kvhub-") and default.name != "kvhub-"
+
+
 def test_src_dst_options_name_the_same_mapper_as_a_ref(mapper_db, tmp_path, fake_vllm):
     by_ref = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run"))
     by_options = _invoke("serve", "--src", SRC_ID, "--dst", DST_ID, "--calib", "legal-docs", "--db", mapper_db,

@@ -90,10 +90,23 @@ def test_summary_retention_gap_and_intervals():
     assert low <= 0.75 <= high and high - low > 0
 
 
-def test_choice_prefixes_are_conditioned_on_not_scored():
-    """WinoGrande-style items: each choice's prefix is tokenised apart from the shared context and the scored part."""
+def test_choice_prefixes_are_conditioned_on_not_scored(family):
+    """WinoGrande-style items: choice i's score is log p(continuation | context + prefix_i) summed over the
+    continuation only, against a direct forward of the target (own) and the source.  Planted bug caught: scoring
+    the prefix too (``starts = 1`` instead of ``1 + len(prefix)`` in score_item), which the exact-family
+    comparison cannot see (own and mapped would share the wrong span)."""
     from kvhub.eval.taskeval import _encode
 
+    source, target, mapper = family
     item = Item("a cat sat", [" on the mat"] * 2, 0, "w", choice_prefixes=[" down", " up"])
     ctx, pres, conts = _encode(CharTokenizer(), item)
     assert pres[0] != pres[1] and conts[0] == conts[1] and len(ctx) == len("a cat sat")
+    score, = score_item(item, mapper=mapper, source=source, target=target, tokenizer=CharTokenizer())
+    for condition, model in (("own", target), ("source", source)):
+        for i, (pre, cont) in enumerate(zip(pres, conts)):
+            ids = torch.tensor([ctx + pre + cont])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            start = len(ctx) + len(pre)
+            direct = float(sum(logp[t - 1, ids[0, t]] for t in range(start, ids.shape[1])))
+            assert score.logprobs[condition][i] == pytest.approx(direct, abs=1e-3 * max(1.0, abs(direct))), condition

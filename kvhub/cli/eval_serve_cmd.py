@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import plain, say
-from kvhub.cli.eval_cmd import LONG_TASKS
+from kvhub.eval.catalog import LONG_TASKS
 from kvhub.errors import ConfigError
 
 _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "source", "floor",

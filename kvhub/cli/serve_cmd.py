@@ -41,8 +41,9 @@ class _ServeCommand(click.Command):
 @click.option("--src", default=None, help="Source (small) model id, instead of REF.")
 @click.option("--dst", default=None, help="Target (large) model id, instead of REF.")
 @click.option("--calib", default=None, help="Calibration-set name, with --src/--dst (when the pair has several).")
-@click.option("--store-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="The shared KV store directory (created with mode 700; /dev/shm/... for shared memory).")
+@click.option("--store-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="The shared KV store directory, created with mode 700 (default: /dev/shm/kvhub-$USER, shared "
+                   "memory private to you; the temp dir where there is no /dev/shm).")
 @click.option("--port-small", type=click.IntRange(1, 65535), default=8001, show_default=True,
               help="Port of the small model's server.")
 @click.option("--port-large", type=click.IntRange(1, 65535), default=8002, show_default=True,
@@ -117,6 +118,7 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
 
         events_file(events_path, option="--events")  # before any server starts
     db_on_command_line, db_env = _db_channel(db)
+    store_dir = store_dir if store_dir is not None else default_store_dir()
     configs = launch.transfer_configs(
         store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db_on_command_line,
         hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix, exact_budget=exact_budget,
@@ -147,6 +149,20 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
                              logs / f"{name}.log") for name, p in plan.items()]
     _run(launch.ServerPair(servers, env={**os.environ, **env}), models=[p["model"] for p in plan.values()], timeout=timeout,
          mapper_ref=mapper_ref, as_json=as_json)
+
+
+def default_store_dir() -> Path:
+    """``/dev/shm/kvhub-<user>`` (the temp dir in place of /dev/shm where there is none): one per user, so two
+    users of a machine never share a store by default."""
+    import getpass
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container's bare uid)
+        user = str(os.getuid())
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return root / f"kvhub-{user}"
 
 
 def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo) -> tuple[str, str, str]:

@@ -8,8 +8,10 @@ id carries a hash of the item's content (:func:`item_key`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,10 +21,31 @@ from kvhub.progress import Progress
 
 def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str) -> Path:
     """Where the per-item results of one (mapper, task, seed, variant, dtype, device) live."""
-    from kvhub.calib.corpus import cache_root
+    from kvhub.env import cache_root
 
     key = json_sha256([variant, str(dtype), str(device)])[:12]
-    return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{task}-seed{seed}-{key}.jsonl"
+    stem = re.sub(r"[^A-Za-z0-9._@=-]+", "_", task)  # "ppl:lambada/256" is one file name
+    return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{stem}-seed{seed}-{key}.jsonl"
+
+
+def variant_key(spec) -> str:
+    """What a recompute variant's cached results are keyed on.
+
+    The plain map and the prefix / suffix recomputes: the variant's name (their positions follow from the
+    spec alone).  A selective variant: every field of the spec by value (a changed default never lets an old
+    result pass for the new spec) and the sha256 of the selector's code (:mod:`kvhub.serving.recompute`), so
+    a selector that would choose other tokens scores the items again, without a revision to bump.
+    """
+    if not spec.selective:
+        return spec.name()
+    return json_sha256({"spec": spec.options(), "selector": _selector_sha256()})
+
+
+@functools.lru_cache(maxsize=1)
+def _selector_sha256() -> str:
+    import kvhub.serving.recompute as recompute
+
+    return hashlib.sha256(Path(recompute.__file__).read_bytes()).hexdigest()
 
 
 def item_key(item) -> str:

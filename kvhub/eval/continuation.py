@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.serving.handoff import prepare_cache
+from kvhub.serving.spec import Recompute
 
 
 @dataclass
@@ -48,35 +49,48 @@ def _logits_after(target, cache, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, context_len: int,
-                         exact_prefix: int = 0, exact_suffix: int = 0) -> ContinuationMetrics:
-    """See the module docstring.  sequences: (N, T) ids with T > context_len >= 2."""
+def window_sample(mapper, source, target, ids: torch.Tensor, *, context_len: int, recompute: Recompute = Recompute(),
+                  tokenizer=None) -> dict:
+    """One sequence's figures: tokens scored, summed NLL per condition (own / mapped / no_context), the share of
+    next-token top-1 agreement and the mean KL(own || mapped).  ids: (1, T) with T > context_len >= 2; the
+    mapped cache recomputes ``recompute`` (capped to the context; ``tokenizer`` for sentence spans)."""
     device = next(target.parameters()).device
-    agree = kl = nll_own = nll_map = nll_none = 0.0
-    count = 0
-    samples = []
-    for index, row in enumerate(sequences):
-        ids = row[None].to(device)  # (1, T)
-        tail = ids[:, context_len - 1 :]  # token c-1 onwards: what the target consumes
-        labels = ids[:, context_len:]
-        own_logits = target(input_ids=ids).logits.float()[:, context_len - 1 : -1]
-        mapped_cache = prepare_cache(mapper, source, target, ids[:, :context_len], exact_prefix=exact_prefix,
-                                     exact_suffix=exact_suffix)
-        map_logits = _logits_after(target, mapped_cache, tail)[:, :-1]
-        none_logits = _logits_after(target, None, tail)[:, :-1]
-        own_logp, map_logp = F.log_softmax(own_logits, -1), F.log_softmax(map_logits, -1)
-        row_agree = float((own_logits.argmax(-1) == map_logits.argmax(-1)).sum())
-        row_kl = float((own_logp.exp() * (own_logp - map_logp)).sum())
-        row_nll = {name: float(F.cross_entropy(logits[0], labels[0], reduction="sum"))
-                   for name, logits in (("own", own_logits), ("mapped", map_logits), ("no_context", none_logits))}
-        tokens = labels.shape[1]
-        samples.append({"index": index, "tokens": tokens, **{f"nll_{k}": v for k, v in row_nll.items()},
-                        "agreement": row_agree / tokens, "kl": row_kl / tokens})
-        agree, kl, count = agree + row_agree, kl + row_kl, count + tokens
-        nll_own, nll_map, nll_none = nll_own + row_nll["own"], nll_map + row_nll["mapped"], nll_none + row_nll["no_context"]
-    exp = lambda total: float(torch.tensor(total / count).exp())  # noqa: E731
-    return ContinuationMetrics(len(sequences), count, agree / count, kl / count, exp(nll_own), exp(nll_map),
-                               exp(nll_none), samples=samples)
+    ids = ids.to(device)
+    tail = ids[:, context_len - 1:]  # token c-1 onwards: what the target consumes
+    labels = ids[:, context_len:]
+    own_logits = target(input_ids=ids).logits.float()[:, context_len - 1: -1]
+    spec = recompute.capped(context_len - 1)
+    mapped_cache = prepare_cache(mapper, source, target, ids[:, :context_len], recompute=spec,
+                                 tokenizer=tokenizer if spec.selective else None)
+    map_logits = _logits_after(target, mapped_cache, tail)[:, :-1]
+    none_logits = _logits_after(target, None, tail)[:, :-1]
+    own_logp, map_logp = F.log_softmax(own_logits, -1), F.log_softmax(map_logits, -1)
+    tokens = labels.shape[1]
+    nll = {name: float(F.cross_entropy(logits[0], labels[0], reduction="sum"))
+           for name, logits in (("own", own_logits), ("mapped", map_logits), ("no_context", none_logits))}
+    return {"tokens": tokens, **{f"nll_{k}": v for k, v in nll.items()},
+            "agreement": float((own_logits.argmax(-1) == map_logits.argmax(-1)).sum()) / tokens,
+            "kl": float((own_logp.exp() * (own_logp - map_logp)).sum()) / tokens}
+
+
+def aggregate(samples: list[dict]) -> ContinuationMetrics:
+    """Token-weighted agreement and KL, and exp(mean NLL) per condition, over per-window samples."""
+    count = sum(s["tokens"] for s in samples)
+    total = lambda key: sum(s[key] * (s["tokens"] if key in ("agreement", "kl") else 1) for s in samples)  # noqa: E731
+    exp = lambda key: float(torch.tensor(total(key) / count).exp())  # noqa: E731
+    return ContinuationMetrics(len(samples), count, total("agreement") / count, total("kl") / count, exp("nll_own"),
+                               exp("nll_mapped"), exp("nll_no_context"), samples=samples)
+
+
+@torch.no_grad()
+def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, context_len: int,
+                         recompute: Recompute = Recompute(), tokenizer=None) -> ContinuationMetrics:
+    """See the module docstring.  sequences: (N, T) ids with T > context_len >= 2; ``recompute``: the exact
+    recompute of each mapped cache (any :class:`~kvhub.serving.spec.Recompute`, selective ones included)."""
+    samples = [{"index": index, **window_sample(mapper, source, target, row[None], context_len=context_len,
+                                                 recompute=recompute, tokenizer=tokenizer)}
+               for index, row in enumerate(sequences)]
+    return aggregate(samples)
 
 
 def _sync(device: torch.device) -> None:
@@ -86,15 +100,15 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048), repeats: int = 5,
-                             vocab: int | None = None, seed: int = 0, exact_prefix: int = 0,
-                             exact_suffix: int = 0, exact_budget: float = 0.0, select: str = "source") -> list[dict]:
+                             vocab: int | None = None, seed: int = 0,
+                             recompute: Recompute = Recompute()) -> list[dict]:
     """Median/p90 seconds per context length of four operations, interleaved in one run:
 
     - ``transfer``: mapper.transfer of the source cache (which exists already when a stack escalates);
     - ``prefill``: the target body re-prefilling the same context (what transfer replaces);
-    - ``handoff_ttft``: the handoff cache (transfer, plus the exact_prefix / exact_suffix / selective
-      ``exact_budget`` recomputes when asked, token selection included) + the target consuming the last
-      token -> first logits;
+    - ``handoff_ttft``: the handoff cache (transfer, plus the ``recompute`` spec's exact prefix / suffix /
+      selective recomputes when asked, token selection included) + the target consuming the last token
+      -> first logits;
     - ``full_ttft``: the target (with LM head) over the whole prompt -> first logits.
     On CUDA, also the peak memory of each (torch.cuda.max_memory_allocated, MiB).
     """
@@ -107,9 +121,8 @@ def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048
         source_cache = run_model(source, ids[:, :-1])
 
         def handoff_step():
-            if exact_prefix or exact_suffix or exact_budget:
-                cache = prepare_cache(mapper, source, target, ids, exact_prefix=exact_prefix,
-                                      exact_suffix=exact_suffix, exact_budget=exact_budget, select=select,
+            if recompute.name():  # any recompute at all
+                cache = prepare_cache(mapper, source, target, ids, recompute=recompute.capped(length - 1),
                                       source_cache=source_cache)
             else:
                 cache = mapper.transfer(source_cache)
@@ -156,3 +169,14 @@ def _timed(fn, device: torch.device, peaks: dict, name: str) -> float:
 def _p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+
+
+_TIMING_METRICS = ("speedup", "ttft_speedup", "transfer_median_s", "prefill_median_s")
+
+
+def timing_metric_rows(rows: list[dict], *, device: str, dtype: str, variant: str, repeats: int) -> list[dict]:
+    """Store rows of :func:`time_transfer_vs_prefill`'s rows: task ``bench:<device>:<dtype>:<tokens>[@variant]``."""
+    return [{"name": name, "value": float(row[name]), "split": "bench", "n": repeats,
+             "task": f"bench:{device}:{dtype}:{row['tokens']}" + (f"@{variant}" if variant else "")}
+            for row in rows for name in _TIMING_METRICS]
+

@@ -28,8 +28,9 @@ import torch
 
 from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
+from kvhub.eval.catalog import GIST_KINDS as KINDS
+from kvhub.eval.catalog import GIST_TASKS as TASKS  # noqa: F401 - kvhub eval --task names
 
-KINDS = ("chat", "document", "code")
 CONDITIONS = ("own", "mapped", "control", "floor")
 FLOOR_TOKENS = 32
 ANSWER_TOKENS = 48
@@ -190,33 +191,37 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     return out
 
 
-TASKS = tuple(f"gist-{kind}" for kind in KINDS)  # kvhub eval --task names
+class GistTask:
+    """A gist task at one context length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
+    ``task`` is one of :data:`kvhub.eval.catalog.GIST_TASKS`."""
 
+    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
+        from kvhub.core.control import control_mapper
 
-def evaluate_gist(task: str, *, tensors_sha256: str, mapper, source, target, tokenizer, context_tokens: int,
-                  variants, run: dict, progress=None) -> tuple[dict, dict, list]:
-    """({variant name: summary}, data set description, per-item records) of ``task`` (one of :data:`TASKS`)
-    at one context length; ``run`` holds limit, seed, dtype, device, log_samples.  Per-item results are
-    cached (kvhub.eval.cache) per mapper, task, seed, variant, dtype and device."""
-    from kvhub.eval.cache import results_file, score_items
-    from kvhub.core.control import control_mapper
-    from kvhub.eval.results import items_sha256
+        self.kind, self.loaded, self.context_tokens, self.limit, self.seed = (task.removeprefix("gist-"), loaded,
+                                                                              context_tokens, limit, seed)
+        self.name = f"{task}-{context_tokens}"
+        self.control = control_mapper(loaded.mapper)
+        self.read_score = lambda record: GistScore(**record)
 
-    kind = task.removeprefix("gist-")
-    name = f"{task}-{context_tokens}"
-    items = gist_items(kind, tokenizer, context_tokens=context_tokens, n=run["limit"], seed=run["seed"])
-    control = control_mapper(mapper)
-    paths = [results_file(tensors_sha256, name, seed=run["seed"], variant=v.cache_key(), dtype=run["dtype"],
-                          device=run["device"]) for v in variants]
-    scores = score_items(
-        items, paths,
-        lambda item, indices: score_gist_item(item, mapper=mapper, control=control, source=source, target=target,
-                                              tokenizer=tokenizer, variants=[variants[i] for i in indices]),
-        from_dict=lambda record: GistScore(**record), progress=progress)
-    dataset = {"name": name, "source": f"built by kvhub.eval.gist (seed {run['seed']})",
-               "context_tokens": context_tokens, "n": len(items), "sha256": items_sha256(items)}
-    records = ([{"task": name, "variant": v.name(), "doc_id": item.id, "nll": row[i].nll, "answer": row[i].answer,
-                 "gap_closed": {c: gap_closed(row[i].nll, c) for c in ("mapped", "control")}, "meta": item.meta}
-                for i, v in enumerate(variants) for item, row in zip(items, scores)] if run["log_samples"] else [])
-    return ({v.name(): summarize_gist([row[i] for row in scores], seed=run["seed"]) for i, v in enumerate(variants)},
-            dataset, records)
+    def items(self) -> list[GistItem]:
+        return gist_items(self.kind, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
+                          seed=self.seed)
+
+    def score(self, item: GistItem, variants) -> list[GistScore]:
+        loaded = self.loaded
+        return score_gist_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
+                               target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+
+    def summarize(self, scores: list[GistScore]) -> dict:
+        return summarize_gist(scores, seed=self.seed)
+
+    def record(self, variant: str, item: GistItem, score: GistScore) -> dict:
+        return {"task": self.name, "variant": variant, "doc_id": item.id, "nll": score.nll, "answer": score.answer,
+                "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "control")}, "meta": item.meta}
+
+    def dataset(self, items) -> dict:
+        from kvhub.eval.results import items_sha256
+
+        return {"name": self.name, "source": f"built by kvhub.eval.gist (seed {self.seed})",
+                "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}

@@ -263,10 +263,8 @@ class KVHubLM(TemplateLM or object):
                       pad_token_id=self.eot_token_id,
                       stopping_criteria=StoppingCriteriaList([_StopStrings(self.tokenizer, until, len(ids))]))
         if self.condition in ("mapped", "control") and len(ids) >= 2:
-            r = self.recompute
-            output = handoff(self.mapper, self.source, self.target, prompt, exact_prefix=r.exact_prefix,
-                             exact_suffix=r.exact_suffix, exact_budget=r.exact_budget, select=r.select,
-                             tokenizer=self.tokenizer if r.selective else None, **kwargs)  # checked at load
+            output = handoff(self.mapper, self.source, self.target, prompt, recompute=self.recompute,
+                             tokenizer=self.tokenizer if self.recompute.selective else None, **kwargs)  # checked at load
         else:  # own, source, or a one-token prompt (nothing to map)
             model = self.source if self.condition == "source" else self.target
             output = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
@@ -298,7 +296,7 @@ class _StopStrings:
 
 
 def register() -> None:
-    """Make ``kvhub`` a model name of lm-eval in this process (idempotent).
+    """Make ``kvhub`` a model name of lm-eval in this process (idempotent), and name its runs after the mapper.
 
     The name points at ``kvhub.eval.lmeval:KVHubLM`` lazily, so running this file as ``__main__`` does
     not register a second copy of the class.
@@ -310,6 +308,38 @@ def register() -> None:
 
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target="kvhub.eval.lmeval:KVHubLM")
+    _name_runs_after_the_mapper()
+
+
+def _name_runs_after_the_mapper() -> None:
+    """lm-eval names a run (its ``--output_path`` folder, the results' ``model_name``) after ``pretrained=`` and
+    a few other keys, else a random word; a kvhub run names its mapper with ``mapper=``, so that key is read
+    first (the folder is then ``<output_path>/<mapper, sanitized>/``).  lm-eval has no hook for this: its
+    name reader is wrapped, once, and other models' arguments go through it unchanged."""
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+
+    original = GeneralConfigTracker._get_model_name
+    if getattr(original, "kvhub_mapper_aware", False):
+        return
+
+    def model_name(model_args):
+        mapper = _mapper_arg(model_args)
+        return mapper if mapper else original(model_args)
+
+    model_name.kvhub_mapper_aware = True
+    GeneralConfigTracker._get_model_name = staticmethod(model_name)
+
+
+def _mapper_arg(model_args) -> str | None:
+    """The ``mapper`` of model_args given as lm-eval passes them (a dict, or ``key=value,...`` text)."""
+    if isinstance(model_args, dict):
+        return str(model_args["mapper"]) if model_args.get("mapper") else None
+    if isinstance(model_args, str):
+        for part in model_args.split(","):
+            key, _, value = part.partition("=")
+            if key.strip() == "mapper" and value.strip():
+                return value.strip()
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

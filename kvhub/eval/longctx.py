@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
+from kvhub.eval.catalog import LONG_TASKS as TASKS
 
-TASKS = ("facts", "multiturn", "code")
 CONDITIONS = ("own", "mapped", "control", "source", "floor")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 FLOOR_TOKENS = 32
@@ -272,7 +272,7 @@ def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, 
 @torch.no_grad()
 def score_recall_item(item: RecallItem, *, mapper, control, source, target, tokenizer, variants) -> list[RecallScore]:
     """Score ``item`` under every condition; one RecallScore per :class:`~kvhub.serving.recompute.Recompute` variant."""
-    from kvhub.serving.handoff import prepare_cache
+    from kvhub.serving.handoff import prepare_cache_counted
 
     prompt, answer = item.prompt_ids, item.answer_ids
     device = next(target.parameters()).device
@@ -282,30 +282,27 @@ def score_recall_item(item: RecallItem, *, mapper, control, source, target, toke
     source_cache = run_model(source, context)
     floor = torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)
     shared["floor"] = answer_score(target, run_model(target, floor), tail, len(answer))
-    scores = []
+    scores, recomputed = [], []
     ids = torch.tensor([prompt], device=device)
     for spec in variants:
         spec = spec.capped(len(prompt) - 1)
         result = dict(shared)
         for name, which in (("mapped", mapper), ("control", control)):
-            cache = prepare_cache(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
-                                  source_cache=source_cache)
+            cache, positions = prepare_cache_counted(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
+                                                     source_cache=source_cache)
             result[name] = answer_score(target, cache, tail, len(answer))
+            if name == "mapped":  # the count of the mapped handoff (the control selects from another cache)
+                recomputed.append(int(positions.numel()))
         scores.append(result)
     result_source = answer_score(source, source_cache, tail, len(answer))  # last: it grows source_cache
     out = []
-    for spec, result in zip(variants, scores):
+    for result, count in zip(scores, recomputed):
         result["source"] = result_source
         out.append(RecallScore(
             id=item.id, exact={c: result[c][0] for c in CONDITIONS}, token_acc={c: result[c][1] for c in CONDITIONS},
-            logp={c: result[c][2] for c in CONDITIONS}, recomputed=_recomputed(spec, len(prompt) - 1),
+            logp={c: result[c][2] for c in CONDITIONS}, recomputed=count,
             meta=item.meta, predicted={c: tokenizer.decode(result[c][3]) for c in CONDITIONS}, gold=item.answer))
     return out
-
-
-def _recomputed(spec, context: int) -> int:
-    spec = spec.capped(context)
-    return spec.exact_prefix + spec.exact_suffix + round(spec.exact_budget * context)
 
 
 def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int = 1000) -> dict:
@@ -337,3 +334,39 @@ def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
     out["recomputed_fraction"] = sum(s.recomputed / max(1, s.meta.get("context_tokens", 1) - 1) for s in scores) / n
     return out
+
+
+class RecallTask:
+    """A long-context task at one length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
+    the control map is scored beside every variant, with the same recompute."""
+
+    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
+        from kvhub.core.control import control_mapper
+
+        self.task, self.loaded, self.context_tokens, self.limit, self.seed = task, loaded, context_tokens, limit, seed
+        self.name = f"{task}-{context_tokens}"
+        self.control = control_mapper(loaded.mapper)
+        self.read_score = RecallScore.from_record
+
+    def items(self) -> list[RecallItem]:
+        return build_items(self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
+                           seed=self.seed)
+
+    def score(self, item: RecallItem, variants) -> list[RecallScore]:
+        loaded = self.loaded
+        return score_recall_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
+                                 target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+
+    def summarize(self, scores: list[RecallScore]) -> dict:
+        return summarize_recall(scores, seed=self.seed)
+
+    def record(self, variant: str, item: RecallItem, score: RecallScore) -> dict:
+        from kvhub.eval.results import recall_record
+
+        return recall_record(self.name, variant, item, score)
+
+    def dataset(self, items) -> dict:
+        from kvhub.eval.results import items_sha256
+
+        return {"name": self.name, "source": f"built by kvhub.eval.longctx (seed {self.seed})",
+                "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}

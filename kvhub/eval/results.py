@@ -73,9 +73,11 @@ def output_files(output_path: str | Path, ref: str, date: str) -> tuple[Path, Pa
     return folder / f"results_{date}.json", folder
 
 
-def write(doc: dict, samples: dict[str, list[dict]] | None, output_path: str | Path) -> list[Path]:
-    """Write the document (and per-task samples, when given) under ``output_path``; returns the files."""
-    results_file, folder = output_files(output_path, doc["ref"], doc["config"]["date"])
+def write(doc: dict, samples: dict[str, list[dict]] | None, output_path: str | Path, *,
+          folder_name: str | None = None) -> list[Path]:
+    """Write the document (and per-task samples, when given) under ``output_path``; returns the files.
+    ``folder_name`` (default: the document's ref) names the folder under a directory ``output_path``."""
+    results_file, folder = output_files(output_path, folder_name or doc["ref"], doc["config"]["date"])
     results_file.parent.mkdir(parents=True, exist_ok=True)
     written = [results_file]
     results_file.write_text(json.dumps(doc, indent=2, default=str) + "\n")

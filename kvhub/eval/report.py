@@ -1,0 +1,61 @@
+"""``kvhub report``'s folder: the R² figures of a version's maps, the retention chart of its stored task
+results and a markdown summary (figures need matplotlib: pip install 'kvhub[plots]')."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_CONDITIONS = ("acc_own", "acc_mapped", "acc_source", "acc_control", "retention")
+
+
+def task_results(metrics: list[dict]) -> dict[str, dict]:
+    """Latest value per (task, name) of the stored accuracy metrics, with intervals, as retention_chart wants
+    (perplexity and timing rows left out)."""
+    tasks: dict[str, dict] = {}
+    for metric in metrics:
+        task = metric.get("task")
+        if not task or task.startswith("ppl") or task.startswith("bench:"):
+            continue
+        entry = tasks.setdefault(task, {"n": metric.get("n")})
+        entry[metric["name"]] = metric["value"]
+    for entry in tasks.values():
+        for name in _CONDITIONS:
+            if f"{name}_ci_low" in entry and f"{name}_ci_high" in entry:
+                entry[f"{name}_ci"] = [entry[f"{name}_ci_low"], entry[f"{name}_ci_high"]]
+    return {t: e for t, e in tasks.items() if "acc_own" in e and "acc_mapped" in e}
+
+
+def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: dict) -> Path:
+    """Write r2_heatmap.png, layer_r2.png, retention.png (when there are task results) and report.md to the
+    folder ``out`` (which exists); returns report.md."""
+    from kvhub.eval.plots import layer_r2, r2_heatmap, retention_chart, structure_label
+
+    r2_heatmap(metadata, out / "r2_heatmap.png")
+    layer_r2(metadata, out / "layer_r2.png")
+    metrics = metadata.get("metrics", {})
+    structure = structure_label(metadata)
+    lines = [f"# {reference}", "", f"- source: {version.source}", f"- target: {version.target}",
+             f"- calibration: {version.calibration}", f"- maps: {structure or 'dense, full rank'}", "",
+             f"Held-out R² of the stored maps (mean over target layers): K "
+             f"{metrics.get('heldout_r2_k_mean', float('nan')):.3f}, "
+             f"V {metrics.get('heldout_r2_v_mean', float('nan')):.3f}.",
+             "", "![per-layer R²](layer_r2.png)", "",
+             "The probe below (full-rank maps from one source layer) chose the source layers"
+             + (f"; it is not the R² of these {structure} maps." if structure else "."), "",
+             "![R² heatmap](r2_heatmap.png)", ""]
+    if tasks:
+        retention_chart(tasks, out / "retention.png")
+        lines += _task_table(tasks) + ["", "![retention](retention.png)"]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _task_table(tasks: dict) -> list[str]:
+    lines = ["| task | n | own | mapped | source | retention [95% CI] |", "| --- | --- | --- | --- | --- | --- |"]
+    for task, r in sorted(tasks.items()):
+        low, high = r.get("retention_ci", [float("nan")] * 2)
+        lines.append(f"| {task} | {r.get('n', '')} | {r['acc_own']:.3f} | {r['acc_mapped']:.3f} | "
+                     f"{r.get('acc_source', float('nan')):.3f} | {r.get('retention', float('nan')):.3f} "
+                     f"[{low:.2f}, {high:.2f}] |")
+    return lines

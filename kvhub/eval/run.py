@@ -1,0 +1,244 @@
+"""Evaluation of a registered mapper, as ``kvhub eval`` runs it: one loop over tasks of one small protocol.
+
+A task (:class:`Task`) says what its items are, how one item is scored under a list of recompute
+variants (one score per variant, each with ``as_dict()``), how the scores of one variant are summarized,
+and what ``--log-samples`` writes per item and variant.  :func:`run_task` is the loop: per-item scores
+are cached (:mod:`kvhub.eval.cache`, keyed by :func:`kvhub.eval.cache.variant_key`), so an interrupted
+run resumes and a new variant reuses the rest; :func:`evaluate` runs every task and returns results,
+data sets and samples; :func:`results_config` and :func:`metric_rows` shape them for the results
+document (:mod:`kvhub.eval.results`) and the store.  The task kinds live beside their scorers
+(:class:`kvhub.eval.taskeval.ChoiceTask`, :class:`kvhub.eval.longctx.RecallTask`,
+:class:`kvhub.eval.gist.GistTask`, :class:`kvhub.eval.perplexity.PerplexityTask`); :func:`build_tasks`
+makes them from the names the CLI takes (:mod:`kvhub.eval.catalog`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
+from kvhub.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedVersion:
+    """A registered version with its mapper, both models and the source's tokenizer, on one device."""
+
+    version: Any
+    mapper: Any
+    source: Any
+    target: Any
+    tokenizer: Any
+
+    @property
+    def device(self) -> str:
+        return str(next(self.target.parameters()).device)
+
+
+def load_version(store, ref: str, *, device: str | None = None, dtype: str | None = None) -> LoadedVersion:
+    """Resolve ``ref`` in ``store`` and load its mapper and the two models it was fitted for."""
+    from kvhub.core.mapper import Mapper
+    from kvhub.models.resolve import load_model
+
+    version = store.resolve(ref)
+    mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)
+    log.info("loading %s and %s", version.source, version.target)
+    source, tokenizer, _ = load_model(version.source, device=device, dtype=dtype or "bfloat16")
+    target, _, _ = load_model(version.target, device=device, dtype=dtype or "bfloat16")
+    return LoadedVersion(version, mapper, source, target, tokenizer)
+
+
+def variants(*, exact_prefixes=(0,), exact_suffixes=(0,), exact_budgets=(0.0,), selects=("source",), specs=()):
+    """Every (prefix, suffix, budget, selector) combination (the selector only where budget > 0), then the
+    explicit ``specs`` (:meth:`Recompute.parse` text); duplicates dropped, order kept."""
+    from kvhub.serving.spec import Recompute
+
+    found = [Recompute(p, s, b, select)
+             for p in exact_prefixes for s in exact_suffixes for b in exact_budgets
+             for select in (selects if b > 0 else selects[:1])]
+    found += [parse_variant(spec) for spec in specs]
+    unique = {}
+    for variant in found:
+        unique.setdefault(variant.name(), variant)
+    return list(unique.values())
+
+
+def parse_variant(text: str):
+    """A ``--variant`` text: ``handoff`` (:data:`kvhub.serving.spec.HANDOFF`, kvhub.handoff's defaults), or fields
+    as :meth:`Recompute.parse` reads them (``handoff,queries=4`` starts from those defaults)."""
+    from kvhub.serving.spec import HANDOFF, Recompute
+
+    head, _, rest = text.strip().partition(",")
+    if head.strip() == "handoff":
+        return Recompute.parse(rest, base=HANDOFF)
+    return Recompute.parse(text)
+
+
+def variant_config(variant) -> dict:
+    """A variant as the results document lists it (and as each of its summaries is labelled)."""
+    return {"name": variant.name(), "exact_prefix": variant.exact_prefix, "exact_suffix": variant.exact_suffix,
+            "exact_budget": variant.exact_budget, "select": variant.select if variant.selective else None,
+            "score": variant.score if variant.selective else None}
+
+
+# ---- the task protocol and its loop --------------------------------------------------------------------
+class Task(Protocol):
+    """One evaluation task at one setting (e.g. facts at 1024 tokens).
+
+    ``name`` names its results (``hellaswag``, ``facts-1024``, ``ppl:lambada/256``) and its cache files;
+    ``read_score`` turns a cached ``as_dict()`` back into a score (ValueError: score the item again).
+    """
+
+    name: str
+    read_score: Callable[[dict], Any]
+
+    def items(self) -> list: ...
+
+    def score(self, item, variants: list) -> list: ...
+
+    def summarize(self, scores: list) -> dict: ...
+
+    def record(self, variant: str, item, score) -> dict: ...
+
+    def dataset(self, items: list) -> dict: ...
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every task of one run shares; seed, dtype and device also key the per-item cache."""
+
+    tensors_sha256: str
+    seed: int = 0
+    limit: int = 200
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    log_samples: bool = False
+
+
+@dataclass
+class TaskOutcome:
+    summaries: dict[str, dict]  # variant name -> summary (labelled with the variant's fields)
+    dataset: dict
+    records: list[dict] = field(default_factory=list)
+
+
+def run_task(task: Task, variant_list: list, *, settings: RunSettings, progress: Progress | None = None) -> TaskOutcome:
+    """Score every item of ``task`` under every variant (cached per item), then summarize per variant."""
+    from kvhub.eval.cache import results_file, score_items, variant_key
+
+    items = task.items()
+    paths = [results_file(settings.tensors_sha256, task.name, seed=settings.seed, variant=variant_key(v),
+                          dtype=settings.dtype, device=settings.device) for v in variant_list]
+    scores = score_items(items, paths, lambda item, indices: task.score(item, [variant_list[i] for i in indices]),
+                         from_dict=task.read_score, progress=progress)
+    summaries = {}
+    for i, variant in enumerate(variant_list):
+        config = variant_config(variant)
+        labels = {k: config[k] for k in ("exact_prefix", "exact_suffix", "exact_budget", "select")}
+        summaries[variant.name()] = {**task.summarize([row[i] for row in scores]), "variant": config["name"], **labels}
+    records = ([task.record(v.name(), item, row[i]) for i, v in enumerate(variant_list)
+                for item, row in zip(items, scores)] if settings.log_samples else [])
+    return TaskOutcome(summaries, task.dataset(items), records)
+
+
+@dataclass
+class Evaluation:
+    """Results of a run: ``results`` by ``task@variant`` name, ``datasets`` and ``samples`` by task name."""
+
+    results: dict[str, dict] = field(default_factory=dict)
+    datasets: dict[str, dict] = field(default_factory=dict)
+    samples: dict[str, list] = field(default_factory=dict)
+
+
+def evaluate(tasks: list[Task], variant_list: list, *, settings: RunSettings,
+             progress: Callable[[], contextlib.AbstractContextManager] | None = None) -> Evaluation:
+    """:func:`run_task` for every task; ``progress()`` opens one progress callback per task."""
+    out = Evaluation()
+    for task in tasks:
+        with (progress or contextlib.nullcontext)() as callback:
+            outcome = run_task(task, variant_list, settings=settings, progress=callback)
+        out.datasets[task.name], out.samples[task.name] = outcome.dataset, outcome.records
+        for label, summary in outcome.summaries.items():
+            out.results[f"{task.name}@{label}" if label else task.name] = summary
+    return out
+
+
+def build_tasks(names, loaded: LoadedVersion, *, limit: int, seed: int, context_tokens=(1024,),
+                ppl_text: str = "lambada", ppl_seq_len: int = 256, ppl_calib: str | None = None,
+                items: dict | None = None) -> list[Task]:
+    """The tasks ``names`` (:mod:`kvhub.eval.catalog`) over ``loaded``: one per long-context / gist task and
+    context length.  ``items``: multiple-choice items already read (task -> items)."""
+    from kvhub.eval.gist import GistTask
+    from kvhub.eval.longctx import RecallTask
+    from kvhub.eval.perplexity import PerplexityTask
+    from kvhub.eval.taskeval import ChoiceTask
+
+    items = items or {}
+    tasks: list[Task] = []
+    for name in names:
+        if name == "ppl":
+            tasks.append(PerplexityTask(loaded, limit=limit, text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib))
+        elif name in GIST_TASKS or name in LONG_TASKS:
+            kind = GistTask if name in GIST_TASKS else RecallTask
+            tasks += [kind(name, loaded, context_tokens=length, limit=limit, seed=seed) for length in context_tokens]
+        elif name in MC_TASKS:
+            tasks.append(ChoiceTask(name, loaded, items=items.get(name), limit=limit, seed=seed))
+        else:
+            from kvhub.errors import ConfigError
+
+            raise ConfigError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+    return tasks
+
+
+def results_config(loaded: LoadedVersion, variant_list: list, *, settings: RunSettings, tasks, datasets: dict) -> dict:
+    """The ``config`` block of the results document (:mod:`kvhub.eval.results`)."""
+    from kvhub.eval.results import now
+
+    version = loaded.version
+    return {"source": version.source, "target": version.target, "calibration": version.calibration,
+            "tensors_sha256": version.tensors_sha256, "dtype": settings.dtype, "device": settings.device,
+            "seed": settings.seed, "limit": settings.limit, "variants": [variant_config(v) for v in variant_list],
+            "tasks": list(tasks), "datasets": datasets, "date": now()}
+
+
+_COUNTS = ("n", "exact_prefix", "exact_suffix", "exact_budget", "sequences")  # labels, not measurements
+
+
+def metric_rows(name: str, summary: dict, *, seed: int) -> list[dict]:
+    """Store rows for the finite numbers of a summary (gap closed is undefined when own == source), the
+    bounds of each ``*_ci`` interval as ``*_ci_low`` / ``*_ci_high``."""
+    base = {"task": name, "split": "eval", "n": summary.get("n"), "seed": seed}
+    rows = []
+    for key, value in summary.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _COUNTS:
+            if math.isfinite(value):
+                rows.append({"name": key, "value": float(value), **base})
+        elif key.endswith("_ci") and isinstance(value, list) and all(math.isfinite(v) for v in value):
+            rows += [{"name": f"{key}_low", "value": float(value[0]), **base},
+                     {"name": f"{key}_high", "value": float(value[1]), **base}]
+    return rows
+
+
+def check_context_length(metadata: dict, context_tokens) -> None:
+    """ConfigError when a long-context length exceeds a model's ``max_position_embeddings``, as mapper.json
+    (``metadata``) records the two configs: the items would run past the positions the models were trained on."""
+    from kvhub.errors import ConfigError
+
+    limits = {side: ((metadata.get(side) or {}).get("config") or {}).get("max_position_embeddings")
+              for side in ("source", "target")}
+    known = {side: limit for side, limit in limits.items() if isinstance(limit, int)}
+    if not known or not context_tokens:
+        return
+    side, limit = min(known.items(), key=lambda kv: kv[1])
+    longest = max(context_tokens)
+    if longest > limit:
+        raise ConfigError(f"--context-tokens {longest} exceeds the {side} model's context length ({limit} tokens, "
+                          f"max_position_embeddings of {metadata[side].get('model_id')}); use --context-tokens "
+                          f"{limit // 2} or another length up to {limit}")
