@@ -173,19 +173,27 @@ def test_selection_needs_one_sequence(family):
         prepare_cache(control, source, target, _ids(2, 20, 9), exact_budget=0.1)
 
 
-def test_batched_handoff_with_selection_prepares_each_row_and_matches_the_targets_generation():
-    """On an exact family the selective handoff of a batch of 2 generates what the target does alone."""
+def test_batched_handoff_with_selection_prepares_each_row(family):
+    """Over the control map (where the chosen tokens change the cache), each row of a selective handoff of a batch
+    of 2 generates what the target generates from that row's own prepare_cache with the same spec, and the
+    selection matters there.  Planted bugs caught: a batched handoff skipping the selection (for every row, or
+    for rows after the first), or selecting once for the whole batch."""
     from kvhub.serving.handoff import handoff
 
-    source = make_model("qwen2", num_hidden_layers=3)
-    target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+    source, target, control = family
     ids = _ids(2, 40, 11)
-    out = handoff(mapper, source, target, ids, exact_prefix=2, exact_suffix=3, exact_budget=0.2, select="source",
-                  max_new_tokens=8, do_sample=False)
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    assert torch.equal(out, want)
+    spec = Recompute(exact_prefix=2, exact_suffix=3, exact_budget=0.3, select="target", spans="token")
+    generate = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    out = handoff(control, source, target, ids, recompute=spec, **generate)
+
+    def from_cache(row, recompute):
+        cache = prepare_cache(control, source, target, row, recompute=recompute)
+        return target.generate(row, attention_mask=torch.ones_like(row), **cache_kwargs(target, cache), **generate)
+
+    for index in range(2):
+        row = ids[index:index + 1]
+        assert torch.equal(out[index:index + 1], from_cache(row, spec)), f"row {index}"
+        assert not torch.equal(from_cache(row, Recompute(2, 3)), from_cache(row, spec))  # the selection shows
 
 
 def test_handoff_takes_a_whole_recompute_spec(family):
@@ -209,13 +217,30 @@ def test_handoff_takes_a_whole_recompute_spec(family):
 
 def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_selection():
     """A windowed cache cannot address positions: prefix/suffix take the windowed path, the default handoff
-    drops its selective budget, and an explicit one is refused with the fix."""
+    drops its selective budget, and an explicit one is refused with the fix.
+
+    Known answers over the control map (a mean K/V at every mapped position), context inside the window: the
+    first p positions are the target's own K/V at every layer (the target computed them from the prefix alone),
+    the last r are its own at layer 0 (K/V there depend on the token and its position only), the mapped middle
+    is not.  Planted bugs caught: _windowed_prefix_suffix skipping the prefix overwrite, or the suffix prefill
+    (the cache would then be r positions short)."""
     from kvhub.serving.handoff import handoff
 
-    model = make_model("mistral", sliding_window=8, head_dim=16)
+    model = make_model("mistral", sliding_window=16, head_dim=16)
     mapper = fit(model, model, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/m", target_id="tiny/m",
                  options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8))
     assert mapper.windowed_target()
+    ids = _ids(1, 13, 4)  # a context of 12 tokens: every layer still holds every position
+    cache = prepare_cache(control_mapper(mapper), model, model, ids, exact_prefix=3, exact_suffix=4)
+    own = run_model(model, ids[:, :-1])
+    tolerance = _tol(model)
+    assert cache.get_seq_length() == 12
+    _assert_caches_equal(cache, own, tolerance, positions=[0, 1, 2])
+    first, own_first = cache.layers[0], own.layers[0]
+    for name in ("keys", "values"):
+        got, want = getattr(first, name), getattr(own_first, name)
+        assert torch.allclose(got[:, :, 8:], want[:, :, 8:], rtol=tolerance, atol=tolerance * float(want.abs().max()))
+        assert not torch.allclose(got[:, :, 3:8], want[:, :, 3:8], atol=1e-3)  # the mapped middle is the control's
     ids = _ids(1, 30, 4)
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(handoff(mapper, model, model, ids, max_new_tokens=6, do_sample=False), want)

@@ -124,7 +124,7 @@ def test_heatmap_and_retention_figures(compressed):
     import matplotlib.pyplot as plt
     from matplotlib.container import BarContainer
 
-    from kvhub.cli.eval_cmd import _task_results
+    from kvhub.eval.report import task_results as _task_results
     from kvhub.eval.plots import r2_heatmap_figure, retention_figure
 
     db, ref, mapper, *_ = compressed
