@@ -1,4 +1,4 @@
-"""Dtype names: the one parser from what a user writes (``bf16``, ``"bfloat16"``, ``"torch.bfloat16"``,
+"""Dtype names (and device names, :func:`check_device`): the one parser from what a user writes (``bf16``, ``"bfloat16"``, ``"torch.bfloat16"``,
 ``torch.bfloat16``) to a torch floating-point dtype.
 
 Models, mapped caches and the mapping matmuls all take their dtype through :func:`parse_dtype`, so
@@ -45,3 +45,23 @@ def canonical_name(dtype: str) -> str:
 def dtype_name(dtype) -> str:
     """The name :func:`parse_dtype` reads back (and fingerprints record): torch.bfloat16 -> ``"bfloat16"``."""
     return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def check_device(device, *, what: str = "device") -> None:
+    """ConfigError for a ``device`` torch does not know, or a CUDA device this machine does not have, before any
+    tensor is placed there (torch's own errors, e.g. pin_memory's, say neither).  ``what``: how the caller
+    names the setting in the message (``--device`` on the command line, ``device=`` in Python)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"{what} {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{what} {device}: CUDA is not available here; use "
+                          + ("--device cpu" if what.startswith("--") else "device='cpu'"))
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"{what} {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")

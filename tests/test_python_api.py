@@ -145,3 +145,13 @@ def test_handoff_refuses_text_and_padding_naming_what_to_pass(handoff_family):
     with pytest.raises(ConfigError, match="unpadded"):
         kvhub.handoff(mapper, source, target, ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
                       max_new_tokens=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device,says", [("cuda", "CUDA is not available here; use device='cpu'"),
+                                         ("h100", "'h100' is not a device")])
+def test_a_device_this_machine_lacks_is_one_clear_error(tmp_path, device, says):
+    """ux-2 U5: from_pretrained(..., device='cuda') on a CPU machine said only safetensors' pin_memory error."""
+    directory = make_artifact(tmp_path / "a", seed=1)
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        kvhub.Mapper.from_pretrained(directory, device=device, db=str(tmp_path / "store.db"))

@@ -218,23 +218,10 @@ def _write_results(doc: dict, samples, output_path: Path, reference: str) -> lis
 
 def _check_device_and_dtype(device: str | None, dtype: str | None) -> None:
     """ConfigError for a --device torch does not know, CUDA on a machine without it, or an unknown --dtype."""
-    import torch
-
-    from kvhub.dtypes import canonical_name
-    from kvhub.errors import ConfigError
+    from kvhub.dtypes import canonical_name, check_device
 
     canonical_name(dtype or "bfloat16")
-    if device is None:
-        return
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: CUDA is not available here; use --device cpu")
-    if kind == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
-                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    check_device(device, what="--device")
 
 
 # ---- tables --------------------------------------------------------------------------------------------

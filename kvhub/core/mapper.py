@@ -26,7 +26,7 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
 )
 from kvhub.artifact import map_prefix, tensor_name
 from kvhub.artifact.directory import replaceable_artifact_dir
-from kvhub.dtypes import parse_dtype  # noqa: F401  (re-exported: kvhub.core.mapper.parse_dtype)
+from kvhub.dtypes import check_device, parse_dtype  # noqa: F401  (parse_dtype re-exported)
 from kvhub.errors import ConfigError, IncompatibleError, NonFiniteError
 from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
@@ -494,6 +494,7 @@ class Mapper:
         from safetensors.torch import load_file
 
         metadata = read_artifact(directory)
+        check_device(device)  # before safetensors' own error for a missing CUDA (which names neither)
         tensors = load_file(str(tensor_path(directory, metadata)), device=str(device) if device is not None else "cpu")
         return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype))
 
