@@ -3,6 +3,8 @@ titles, integer layer ticks, K and V both visible, the stored (compressed) maps'
 
 from __future__ import annotations
 
+import json
+
 import sys
 
 import pytest
@@ -90,6 +92,9 @@ def test_report_writes_the_figures_and_summary(compressed, tmp_path):
         assert (out / name).stat().st_size > 0
     text = (out / "report.md").read_text()
     assert "rank 2" in text and "| hellaswag | 50 | 0.800 | 0.600 | 0.300 | 0.750 [0.50, 0.95] |" in text
+    as_json = CliRunner().invoke(main, ["report", ref, "--out", str(tmp_path / "again"), "--db", db, "--json"])
+    listed = json.loads(as_json.stdout)  # U15: one output switch, the full ref
+    assert listed["ref"].startswith(ref.split("@")[0]) and str(tmp_path / "again" / "report.md") in listed["files"]
     missing = CliRunner().invoke(main, ["report", ref, "--out", str(tmp_path / "typo"), "--db", db + ".typo"])
     assert missing.exit_code != 0 and not (tmp_path / "typo").exists()
 

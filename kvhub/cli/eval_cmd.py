@@ -13,7 +13,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
-from kvhub.cli.output import echo_json, format_option, print_table
+from kvhub.cli.output import echo_json, format_option, json_ref, print_table
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS
 
@@ -353,7 +353,8 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
 @click.argument("ref")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @db_option
-def report(ref, out, db):
+@format_option
+def report(ref, out, db, output_format):
     """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT.
 
     Needs matplotlib: pip install 'kvhub[plots]'.  layer_r2.png shows the held-out R^2 of the stored
@@ -381,7 +382,11 @@ def report(ref, out, db):
         if created:  # no half-written folder left behind
             shutil.rmtree(out, ignore_errors=True)
         raise
-    say(f"wrote {path}", to=console)
+    if output_format == "json":
+        echo_json({"ref": json_ref(version), "report": str(path),
+                   "files": sorted(str(p) for p in out.iterdir() if p.is_file())})
+    else:
+        say(f"wrote {path}", to=console)
 
 
 def attach(group: click.Group) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import plain, say
+from kvhub.cli.output import format_option
 from kvhub.eval.catalog import LONG_TASKS
 from kvhub.errors import ConfigError
 
@@ -41,7 +42,7 @@ _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "
               help="Greedy tokens of own, mapped and control compared for the agreement column.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
               help="Seconds to wait for each completion.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results document to stdout instead of the table.")
+@format_option
 @click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
               help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
                    "<small>:<large>/results_<date>.json (as `kvhub eval` writes).")
@@ -49,7 +50,7 @@ _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "
               help="With --output-path: write every item's record (id, gold, each condition's generated answer, "
                    "scores, agreement) to samples_<task>_<date>.jsonl beside the results.")
 def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, tasks, context_tokens, limit, seed,
-               agreement_tokens, timeout, as_json, output_path, log_samples):
+               agreement_tokens, timeout, output_format, output_path, log_samples):
     """Score a running `kvhub serve` pair over HTTP on the long-context tasks of `kvhub eval`.
 
     \b
@@ -93,10 +94,11 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
     if output_path is not None:
         for path in write(doc, samples if log_samples else None, output_path):
             say(f"wrote {path}")
-    if as_json:
+    if output_format == "json":
         click.echo(json.dumps(doc, indent=2))
     else:
-        _print_served(f"{small.model} -> {large.model}: exact answers from long contexts, served", results)
+        _print_served(f"{small.model} -> {large.model}: exact answers from long contexts, served", results,
+                      output_format=output_format)
 
 
 def _tokenizer(spec: str | None, small_model: str):
@@ -128,7 +130,7 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
     return summary, dataset, summary.pop("samples", [])
 
 
-def _print_served(title: str, results: dict) -> None:
+def _print_served(title: str, results: dict, *, output_format: str = "table") -> None:
     from kvhub.cli.output import print_table
 
     rows = []
@@ -140,7 +142,7 @@ def _print_served(title: str, results: dict) -> None:
                      f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
                      f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
                      f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}"])
-    print_table(list(_COLUMNS), rows, title=plain(title), right=_COLUMNS[1:])  # model names: never markup
+    print_table(list(_COLUMNS), rows, output_format=output_format, title=plain(title), right=_COLUMNS[1:])  # model names: never markup
 
 
 def attach(group: click.Group) -> None:

@@ -18,6 +18,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option
+from kvhub.cli.output import format_option
 from kvhub.errors import ConfigError
 
 _SMALL, _LARGE = "small", "large"
@@ -83,11 +84,11 @@ class _ServeCommand(click.Command):
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=900, show_default=True,
               help="Seconds to wait for both servers to answer /v1/models.")
 @click.option("--dry-run", is_flag=True, help="Print the commands (shell-quoted) and exit.")
-@click.option("--json", "as_json", is_flag=True, help="When both are ready, print one JSON line on stdout.")
+@format_option
 @click.pass_context
 def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, small_model, large_model,
           vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, kv_cache_gib,
-          store_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, as_json):
+          store_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, output_format):
     """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
 
     \b
@@ -148,7 +149,7 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     servers = [launch.Server(name, commands[name], launch.base_url(host, p["port"]), p["served_model_name"],
                              logs / f"{name}.log") for name, p in plan.items()]
     _run(launch.ServerPair(servers, env={**os.environ, **env}), models=[p["model"] for p in plan.values()], timeout=timeout,
-         mapper_ref=mapper_ref, as_json=as_json)
+         mapper_ref=mapper_ref, as_json=output_format == "json")
 
 
 def default_store_dir() -> Path:
