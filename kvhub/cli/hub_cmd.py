@@ -6,7 +6,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
-from kvhub.cli.output import echo_json, format_option, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, print_table
 
 
 def token_option(command):
@@ -163,7 +163,8 @@ def search(src, dst, calib, author, limit, token, output_format):
         r2 = [m.metrics.get(f"heldout_r2_{kind}_mean") for kind in ("k", "v")]
         rows.append([m.repo_id, "private" if m.private else "public", m.source, m.target, m.calibration or "-",
                      m.version or "-", m.k if m.k is not None else "-",
-                     *(f"{x:.3f}" if isinstance(x, (int, float)) else "-" for x in r2), (m.last_modified or "")[:10]])
+                     *(format_number(x, exact=output_format == "tsv") if isinstance(x, (int, float)) else "-"
+                       for x in r2), (m.last_modified or "")[:10]])
     print_table(["REPOSITORY", "VISIBILITY", "SOURCE", "TARGET", "CALIBRATION", "VERSION", "K", "R2 K", "R2 V",
                  "UPDATED"], rows, output_format=output_format, right=("K", "R2 K", "R2 V"))
 
