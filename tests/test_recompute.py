@@ -7,7 +7,7 @@ from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
 from kvhub.fitting.fit import FitOptions, fit
 from kvhub.serving.handoff import prepare_cache
-from kvhub.serving.recompute import (SELECTION_REVISION, Recompute, attention_scores, cropped, query_attention,
+from kvhub.serving.recompute import (Recompute, attention_scores, cropped, query_attention,
                                      recompute_positions, recompute_set, select_spans, span_ids)
 from tests.tinymodels import control_mapper, exact_family_target, make_model
 from tests.tolerances import rtol
@@ -49,9 +49,6 @@ def test_spec_names_round_trip_and_bad_specs_are_refused():
     scored = Recompute(exact_prefix=4, exact_budget=0.05, select="target", queries=4, score="sum")
     assert scored.name() == "exact_prefix=4,exact_budget=0.05,select=target,queries=4,score=sum"
     assert Recompute.parse(scored.name()) == scored
-    # cached results: a plain spec keeps its name, a selective one carries the selection revision
-    assert Recompute(exact_prefix=4).cache_key() == "exact_prefix=4"
-    assert scored.cache_key() == f"{scored.name()};selection=r{SELECTION_REVISION}"
     assert scored.capped(3) == Recompute(exact_prefix=3, exact_budget=0.05, select="target", queries=4, score="sum")
     for bad in (dict(exact_budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words"), dict(score="mean")):
         with pytest.raises(ConfigError):

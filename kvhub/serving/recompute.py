@@ -53,7 +53,7 @@ import torch
 
 from kvhub.core.capture import AttentionMass, cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.serving.spec import SCORES, SELECTION_REVISION, SELECTORS, Recompute  # noqa: F401 - re-exported
+from kvhub.serving.spec import SCORES, SELECTORS, Recompute  # noqa: F401 - re-exported
 
 _SPAN_END = re.compile(r"(\n|[.!?;:]\s*$)")
 

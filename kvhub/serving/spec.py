@@ -16,9 +16,6 @@ from kvhub.errors import ConfigError
 SELECTORS = ("source", "target", "deviation", "random")
 SCORES = ("max", "sum")  # how the attention selectors reduce the queries (kvhub.serving.recompute)
 SPANS = ("sentence", "token")
-# Bump when a selector would choose other tokens for the same spec: cached evaluation results of
-# selective variants are keyed with it (Recompute.cache_key), so they are scored again, never reused.
-SELECTION_REVISION = 2
 
 # kvhub.handoff's defaults: the first 4 (attention sinks), the last 16 and 8% of the context chosen by the
 # source's attention, under 10% of a context of 1k tokens or more (docs/benchmarks.md, section 4).
@@ -116,11 +113,6 @@ class Recompute:
         """This spec with the prefix and suffix capped to a context of ``context`` tokens."""
         prefix = min(self.exact_prefix, context)
         return replace(self, exact_prefix=prefix, exact_suffix=min(self.exact_suffix, context - prefix))
-
-    def cache_key(self) -> str:
-        """The name under which evaluation results of this spec are cached: :meth:`name`, plus the
-        selection revision for a selective spec (a result of an older selection is never reused)."""
-        return f"{self.name()};selection=r{SELECTION_REVISION}" if self.selective else self.name()
 
 
 FIELDS = {f.name: f.type for f in fields(Recompute)}  # name -> "int" / "float" / "str" (annotations are strings)
