@@ -117,11 +117,13 @@ def test_exact_prefix_recompute_keeps_exact_generation(qwen_family):
 def test_exact_prefix_positions_are_the_targets_own_and_the_mapped_ones_are_not(qwen_family):
     """Over a zero-information control map: a recompute that did nothing would leave the control's K/V."""
     from kvhub.serving.handoff import prepare_cache
+    from kvhub.serving.spec import Recompute
 
     source, target, _, mapper = qwen_family
     ids = _ids(1, 30, 21)
     own = run_model(target, ids[:, :-1])
-    cache = prepare_cache(control_mapper(mapper), source, target, ids, exact_prefix=4, exact_suffix=0)
+    cache = prepare_cache(control_mapper(mapper), source, target, ids,
+                          recompute=Recompute(exact_prefix=4, exact_suffix=0))
     for m, (got, want) in enumerate(zip(cache.layers, own.layers)):
         for name in ("keys", "values"):
             same = _same_positions(getattr(got, name), getattr(want, name), _forward_tol(target))
@@ -140,13 +142,14 @@ def test_exact_suffix_positions_are_recomputed_over_the_mapped_cache(qwen_family
     recomputed suffix equals the target's own; deeper, the suffix attends to the control middle, so it is
     neither the target's own nor what the control map alone put there."""
     from kvhub.serving.handoff import prepare_cache
+    from kvhub.serving.spec import Recompute
 
     source, target, _, mapper = qwen_family
     control = control_mapper(mapper)
     ids = _ids(1, 30, 22)
     own = run_model(target, ids[:, :-1])
-    mapped_only = prepare_cache(control, source, target, ids, exact_prefix=2, exact_suffix=0)
-    cache = prepare_cache(control, source, target, ids, exact_prefix=2, exact_suffix=5)
+    mapped_only = prepare_cache(control, source, target, ids, recompute=Recompute(exact_prefix=2, exact_suffix=0))
+    cache = prepare_cache(control, source, target, ids, recompute=Recompute(exact_prefix=2, exact_suffix=5))
     tolerance = _forward_tol(target)
     for m, (got, want, plain) in enumerate(zip(cache.layers, own.layers, mapped_only.layers)):
         for name in ("keys", "values"):
@@ -167,12 +170,13 @@ def test_handoff_defaults_cap_to_short_prompts(qwen_family):
 def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
     """With a useless map (zero weights) only the recomputed positions hold the target's own K/V."""
     from kvhub.serving.handoff import prepare_cache
+    from kvhub.serving.spec import Recompute
 
     source, target, _, mapper = qwen_family
     broken = Mapper({name: torch.zeros_like(t) for name, t in mapper.tensors.items()}, mapper.metadata)
     ids = _ids(1, 20, 23)
     own = run_model(target, ids[:, :-1])
-    cache = prepare_cache(broken, source, target, ids, exact_prefix=3, exact_suffix=4)
+    cache = prepare_cache(broken, source, target, ids, recompute=Recompute(exact_prefix=3, exact_suffix=4))
     assert cache.get_seq_length() == 19
     tolerance = _forward_tol(target)
     for got, want in zip(cache.layers, own.layers):
@@ -181,11 +185,11 @@ def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
         assert got.values[:, :, 3:15].abs().max() == 0  # the mapped middle: zero weights, zero bias
     first = cache.layers[0]  # the suffix attends to the mapped middle, so only layer 0 keys/values match own
     assert _same_positions(first.keys, own.layers[0].keys, tolerance)[15:].all()
-    full = prepare_cache(broken, source, target, ids, exact_prefix=10, exact_suffix=9)
+    full = prepare_cache(broken, source, target, ids, recompute=Recompute(exact_prefix=10, exact_suffix=9))
     for got, want in zip(full.layers, own.layers):  # nothing left to map: the target's own prefill
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     with pytest.raises(ConfigError, match="exact_suffix"):
-        prepare_cache(mapper, source, target, ids, exact_suffix=20)
+        prepare_cache(mapper, source, target, ids, recompute=Recompute(exact_suffix=20))
 
 
 def test_batch_transfer_and_position_ids(qwen_family):

@@ -108,7 +108,7 @@ def test_recomputing_every_token_is_the_targets_own_prefill(family):
     source, target, control = family
     ids = _ids(1, 24, 3)
     own = run_model(target, ids[:, :-1])
-    cache = prepare_cache(control, source, target, ids, exact_budget=1.0, select="random")
+    cache = prepare_cache(control, source, target, ids, recompute=Recompute(exact_budget=1.0, select="random"))
     _assert_caches_equal(cache, own, _tol(target))
 
 
@@ -167,7 +167,7 @@ def test_every_selector_respects_the_budget_and_spares_prefix_and_suffix(family,
 def test_selection_needs_one_sequence(family):
     source, target, control = family
     with pytest.raises(ConfigError, match="batch 1"):
-        prepare_cache(control, source, target, _ids(2, 20, 9), exact_budget=0.1)
+        prepare_cache(control, source, target, _ids(2, 20, 9), recompute=Recompute(exact_budget=0.1))
 
 
 def test_batched_handoff_with_selection_prepares_each_row(family):
@@ -206,7 +206,8 @@ def test_handoff_takes_a_whole_recompute_spec(family):
                            do_sample=False, min_new_tokens=6)
     got = handoff(control, source, target, ids, recompute=spec, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(got, want)
-    default = prepare_cache(control, source, target, ids, exact_prefix=4, exact_suffix=16, exact_budget=0.08)
+    default = prepare_cache(control, source, target, ids,
+                            recompute=Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.08))
     from_default = target.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(target, default),
                                    max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert not torch.equal(from_default, want)  # so the spec, not the defaults, made ``got``
@@ -228,7 +229,8 @@ def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_sel
                  options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8))
     assert mapper.windowed_target()
     ids = _ids(1, 13, 4)  # a context of 12 tokens: every layer still holds every position
-    cache = prepare_cache(control_mapper(mapper), model, model, ids, exact_prefix=3, exact_suffix=4)
+    cache = prepare_cache(control_mapper(mapper), model, model, ids,
+                          recompute=Recompute(exact_prefix=3, exact_suffix=4))
     own = run_model(model, ids[:, :-1])
     tolerance = _tol(model)
     assert cache.get_seq_length() == 12
@@ -242,4 +244,4 @@ def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_sel
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(handoff(mapper, model, model, ids, max_new_tokens=6, do_sample=False), want)
     with pytest.raises(ConfigError, match="sliding-window"):
-        prepare_cache(mapper, model, model, ids, exact_budget=0.1)
+        prepare_cache(mapper, model, model, ids, recompute=Recompute(exact_budget=0.1))

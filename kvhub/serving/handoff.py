@@ -85,23 +85,20 @@ def _check_config(side: str, fingerprint: dict, config) -> None:
 
 
 @torch.no_grad()
-def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, exact_prefix: int = 0,
-                  exact_suffix: int = 0, exact_budget: float = 0.0, select: str = "source",
-                  recompute: Recompute | None = None, tokenizer=None, source_cache=None):
-    """Target cache for input_ids[:, :-1]: mapped from the source, then the first ``exact_prefix``, the
-    last ``exact_suffix`` and (``exact_budget`` > 0) a selected ``exact_budget`` fraction of the context
-    tokens recomputed by the target itself over the mapped rest (:mod:`kvhub.serving.recompute`).
+def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, recompute: Recompute | None = None,
+                  tokenizer=None, source_cache=None):
+    """Target cache for input_ids[:, :-1]: mapped from the source, then the context tokens ``recompute``
+    (a :class:`~kvhub.serving.spec.Recompute`; None: map only) names recomputed by the target itself over
+    the mapped rest (:mod:`kvhub.serving.recompute`).
 
-    input_ids: (B, n) with n >= 2, no padding (B = 1 when exact_budget > 0).  ``recompute``: a full
-    :class:`~kvhub.serving.recompute.Recompute` spec instead of the four keywords.  ``tokenizer`` (optional)
+    input_ids: (B, n) with n >= 2, no padding (B = 1 for a selective spec).  ``tokenizer`` (optional)
     lets selected spans follow sentences and lines.  source_cache: the source model's cache of (at
     least) input_ids[:, :-1] when the caller has it (a serving stack does); else it is computed.
     Returns a target DynamicCache of n-1 positions (:func:`prepare_cache_counted` also says which
     positions the target recomputed).
     """
-    spec = recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)
-    return prepare_cache_counted(mapper, source_model, target_model, input_ids, recompute=spec, tokenizer=tokenizer,
-                                 source_cache=source_cache)[0]
+    return prepare_cache_counted(mapper, source_model, target_model, input_ids, recompute=recompute or Recompute(),
+                                 tokenizer=tokenizer, source_cache=source_cache)[0]
 
 
 @torch.no_grad()
