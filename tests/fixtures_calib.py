@@ -116,6 +116,44 @@ def save_tiny_family(root: Path):
     return source, target, tokenizer
 
 
+def config_only_model(directory: Path, monkeypatch) -> Path:
+    """``directory`` as a model directory with only a config (qwen2, 2 layers, KV width 2 x 16 = 32), and
+    model loading patched to fail the test: for the checks a command must make before any model loads."""
+    import json
+
+    import kvhub.models.resolve
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvhub.models.resolve, "load_model", refuse)
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}))
+    return directory
+
+
+def registered_tiny_family(root: Path):
+    """(ref, db, source, target): :func:`save_tiny_family` under ``root``, its exact mapper fitted on random ids
+    and registered in a fresh store at ``root/store.db`` (what the eval CLI and lm-eval tests score)."""
+    import torch
+
+    from kvhub.fitting.fit import FitOptions, fit
+    from kvhub.store import open_store
+
+    source, target, tokenizer = save_tiny_family(root)
+    ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
+    mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
+                 source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
+                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper.save(root / "mapper")
+    db = str(root / "store.db")
+    with open_store(db) as store:
+        ref = store.register(root / "mapper").ref
+    return ref, db, source, target
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(source dir, target dir) of :func:`save_tiny_family`, built once per test session."""

@@ -3,14 +3,13 @@ libraries' bars quieted; and kvhub fit refusing bad arguments before any model l
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from click.testing import CliRunner
 
 from kvhub.cli import progress
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError, FitError, UnknownCalibrationError
+from tests.fixtures_calib import config_only_model
 
 
 def test_plain_lines_are_periodic_and_say_how_far(monkeypatch):
@@ -52,19 +51,8 @@ def test_bars_only_on_a_terminal_and_unless_disabled(monkeypatch):
 @pytest.fixture
 def no_model_loads(monkeypatch, tmp_path):
     """A source model directory with only a config (2 layers); loading any model fails the test."""
-    import kvhub.models.resolve
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(kvhub.models.resolve, "load_model", refuse)
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
-    model = tmp_path / "src"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}))
-    return model
+    return config_only_model(tmp_path / "src", monkeypatch)
 
 
 def test_fit_checks_arguments_before_loading_models(no_model_loads, tmp_path):

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvhub.cli.main import main
 from kvhub.eval.tasks import Item
-from tests.fixtures_calib import save_tiny_family
+from tests.fixtures_calib import registered_tiny_family
 
 ITEMS = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"], label=i % 3,
               id=f"hellaswag/validation/{i}") for i in range(2)]
@@ -22,19 +22,7 @@ PASSAGES = tuple(f"d0{i % 40:02d} d011 d0{(7 * i) % 40:02d} d012 d020 d021 d0{(3
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(ref, db) of an exact tiny family's mapper fitted on random ids, registered in a fresh store."""
-    from kvhub.fitting.fit import FitOptions, fit
-    from kvhub.store import open_store
-
-    root = tmp_path_factory.mktemp("evalcli")
-    source, target, tokenizer = save_tiny_family(root)
-    ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
-                 source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
-    mapper.save(root / "mapper")
-    db = str(root / "store.db")
-    with open_store(db) as store:
-        ref = store.register(root / "mapper").ref
+    ref, db, *_ = registered_tiny_family(tmp_path_factory.mktemp("evalcli"))
     return ref, db
 
 

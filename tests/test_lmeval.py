@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed: pip install 'kvhub[lmeval]' (part of the dev extra)")
 
-from tests.fixtures_calib import save_tiny_family  # noqa: E402
+from tests.fixtures_calib import registered_tiny_family  # noqa: E402
 from tests.tolerances import rtol  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,20 +29,7 @@ TASKS = ["kvhub_tiny_mc", "kvhub_tiny_ppl", "kvhub_tiny_gen"]
 def pair(tmp_path_factory):
     """(mapper ref, db, source, target): an exact family saved as model dirs, its mapper fitted on random ids
     and registered in a fresh store."""
-    from kvhub.fitting.fit import FitOptions, fit
-    from kvhub.store import open_store
-
-    root = tmp_path_factory.mktemp("lmeval")
-    source, target, tokenizer = save_tiny_family(root)
-    ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
-                 source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
-    mapper.save(root / "mapper")
-    db = str(root / "store.db")
-    with open_store(db) as store:
-        ref = store.register(root / "mapper").ref
-    return ref, db, source, target
+    return registered_tiny_family(tmp_path_factory.mktemp("lmeval"))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError, CorpusTooSmallError, FitError, ModelUnavailableError
+from tests.fixtures_calib import config_only_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,18 +29,7 @@ def env(tmp_path, monkeypatch):
 @pytest.fixture
 def config_only(monkeypatch, tmp_path):
     """A model directory with only a config (2 layers, KV width 2 x 16 = 32); loading any model fails."""
-    import kvhub.models.resolve
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(kvhub.models.resolve, "load_model", refuse)
-    model = tmp_path / "cfg"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}))
-    return model
+    return config_only_model(tmp_path / "cfg", monkeypatch)
 
 
 # ---- U1: one .txt file is a calibration set --------------------------------------------------------

