@@ -34,7 +34,7 @@ import torch
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.core.control import control_mapper
 from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, answer_nll, gap_closed, gist_items
-from kvhub.serving.recompute import cropped, recompute_positions, recompute_set
+from kvhub.serving.recompute import cropped, first_layers_kv, recompute_positions, recompute_set
 from kvhub.serving.spec import HANDOFF, Recompute
 
 
@@ -64,30 +64,6 @@ LEVERS = [
     Lever("map, exact 4 + 16, key_scale=1/sqrt(R2)", Recompute(4, 16), key_scale="r2"),
     Lever("4 + 16 + 20% source (over the 10% budget)", replace(HANDOFF, exact_budget=0.2)),
 ]
-
-
-@torch.no_grad()
-def exact_first_layers(model, context: torch.Tensor, layers: int):
-    """The target's exact K/V of its first ``layers`` layers over ``context`` (1, T): the body stopped there."""
-    from transformers import DynamicCache
-
-    class _Stop(Exception):
-        pass
-
-    def stop(module, args, output):
-        raise _Stop
-
-    cache = DynamicCache()
-    handle = model.base_model.layers[layers - 1].register_forward_hook(stop)
-    try:
-        positions = torch.arange(context.shape[1]).unsqueeze(0)
-        model.base_model(input_ids=context, position_ids=positions, use_cache=True,
-                         **cache_kwargs(model.base_model, cache))
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    return [(layer.keys, layer.values) for layer in cache.layers[:layers]]
 
 
 def key_scales(mapper, lever: Lever) -> dict[int, float]:
@@ -196,7 +172,7 @@ def main() -> None:
             context = torch.tensor([item.prompt_ids[:-1]])
             tail = [item.prompt_ids[-1]] + answer
             most = max(lever.exact_layers for lever in levers)
-            exact_kv = exact_first_layers(target, context, most) if most else []
+            exact_kv = first_layers_kv(target, context, most) if most else []
             for lever in levers:
                 row = {"own": nll_own, "floor": nll_floor}
                 for condition, which in (("mapped", mapper), ("control", control)):

@@ -119,8 +119,9 @@ def attention_scores(attention: torch.Tensor, eligible: torch.Tensor, *, score: 
 
 
 @torch.no_grad()
-def first_layer_kv(model, context: torch.Tensor):
-    """The target's exact layer-0 K/V of ``context`` (1, T): the model body stopped after its first layer."""
+def first_layers_kv(model, context: torch.Tensor, layers: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The target's exact (K, V) of its first ``layers`` layers over ``context`` (1, T): the model body stopped
+    after layer ``layers - 1`` (a forward hook ends the pass), so it costs layers / L of a prefill."""
     from transformers import DynamicCache
 
     class _Stop(Exception):
@@ -131,7 +132,7 @@ def first_layer_kv(model, context: torch.Tensor):
 
     cache = DynamicCache()
     device = next(model.parameters()).device
-    handle = model.base_model.layers[0].register_forward_hook(stop)
+    handle = model.base_model.layers[layers - 1].register_forward_hook(stop)
     try:
         positions = torch.arange(context.shape[1], device=device).unsqueeze(0)
         model.base_model(input_ids=context.to(device), position_ids=positions, use_cache=True,
@@ -140,7 +141,7 @@ def first_layer_kv(model, context: torch.Tensor):
         pass
     finally:
         handle.remove()
-    return cache.layers[0].keys, cache.layers[0].values
+    return [(layer.keys, layer.values) for layer in cache.layers[:layers]]
 
 
 def deviation_scores(mapped_cache, exact_keys: torch.Tensor, exact_values: torch.Tensor) -> torch.Tensor:
@@ -219,7 +220,7 @@ def _scores(spec: Recompute, context, mapped_cache, source_model, target_model, 
         attention = query_attention(model, context, cropped(cache, tokens - queries), queries=queries)
         return attention_scores(attention, eligible, score=spec.score)
     if spec.select == "deviation":
-        return deviation_scores(mapped_cache, *first_layer_kv(target_model, context))
+        return deviation_scores(mapped_cache, *first_layers_kv(target_model, context)[0])
     return random_scores(context[0])
 
 
