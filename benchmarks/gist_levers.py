@@ -143,12 +143,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from kvhub.core.mapper import Mapper
+    from kvhub.api import Mapper
     from kvhub.models.resolve import load_model
 
     torch.set_grad_enabled(False)
-    mapper = (Mapper.load(args.mapper, dtype=torch.float32) if Path(args.mapper).is_dir()
-              else Mapper.from_pretrained(args.mapper, dtype=torch.float32))
+    mapper = Mapper.from_pretrained(args.mapper, dtype=torch.float32)  # a directory, a store ref or a Hub repo
     control = control_mapper(mapper)
     source, tokenizer, _ = load_model(mapper.source["model_id"], dtype="float32")
     target, _, _ = load_model(mapper.target["model_id"], dtype="float32")

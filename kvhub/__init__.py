@@ -12,7 +12,7 @@ solve, Mapper) -> ``fitting`` -> ``artifact`` / ``store`` -> ``hub`` -> ``api`` 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Mapper": ("kvhub.core.mapper", "Mapper"),
+    "Mapper": ("kvhub.api", "Mapper"),
     "fit": ("kvhub.fitting.fit", "fit"),
     "load": ("kvhub.api", "load"),
     "handoff": ("kvhub.serving.handoff", "handoff"),

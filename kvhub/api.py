@@ -1,6 +1,7 @@
 """Loading and publishing Mappers: ``kvhub.load`` (by model names, the store first, then the Hub) and
-what ``Mapper.from_pretrained`` / ``Mapper.push_to_hub`` do (by one name of any kind; the Mapper's
-methods delegate here, so the math core imports neither the store nor the Hub).
+``kvhub.Mapper`` (:class:`Mapper`): the math core's mapper with the Hub-style face users know from PEFT
+(``from_pretrained`` by one name of any kind, ``save_pretrained``, ``push_to_hub``).  The face lives here,
+above the store and the Hub, so the math core (:mod:`kvhub.core.mapper`) imports neither.
 
 A mapper's *ref* is the store reference of the version it is (``SRC:DST:CALIB@v3``); a mapper read
 from a bare directory has none until it is registered.
@@ -12,8 +13,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvhub.artifact.directory import replaceable_artifact_dir
+from kvhub.core import mapper as core
 from kvhub.errors import ConfigError, NotFoundError
-from kvhub.core.mapper import Mapper
 
 if TYPE_CHECKING:  # the store (SQLAlchemy) and the Hub client are imported when a name is resolved
     from kvhub.store.refs import Ref
@@ -223,3 +225,44 @@ def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, revision
         return push(store, mapper.ref, repo_id, private=private, revision=revision, branch=branch, token=token,
                     base_model=base_model, card=card, commit_message=commit_message, create_pr=create_pr,
                     license=chosen, figures=figures)
+
+
+class Mapper(core.Mapper):
+    """A mapper (:class:`kvhub.core.mapper.Mapper`: transfer, save, load) with the Hub-style face.
+    Every mapper :func:`load` and :meth:`from_pretrained` return is one."""
+
+    @classmethod
+    def from_pretrained(cls, name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
+                        device=None, dtype=None, torch_dtype=None, compute_dtype=None) -> "Mapper":
+        """The mapper ``name`` designates, verified, with ``ref`` set:
+
+        * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
+          same tensors, if any);
+        * a store reference (``"SRC:DST:CALIB@production"``, any selector): that version;
+        * a Hub repository (``"acme/kvmap-qwen-legal"``, ``@v3`` or ``revision="v3"`` optional): pulled,
+          verified and registered in the store (``kvhub pull``), then loaded from there.
+
+        revision: a store selector or Hub revision when ``name`` has none.  token, cache_dir,
+        local_files_only: as huggingface_hub's.  db: store URL or SQLite path.  torch_dtype: dtype's other
+        name (see :class:`kvhub.core.mapper.Mapper` for dtypes)."""
+        return from_pretrained(name, revision=revision, token=token, cache_dir=cache_dir,
+                               local_files_only=local_files_only, db=db, device=device, dtype=dtype,
+                               torch_dtype=torch_dtype, compute_dtype=compute_dtype)
+
+    def save_pretrained(self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
+                        **hub_options) -> Path:
+        """Write the artifact directory (mapper.json + mapper.safetensors), readable by
+        :meth:`from_pretrained` and ``kvhub import``.  An existing kvhub artifact directory is replaced
+        (atomically); any other existing directory that is not empty is refused, never overwritten.
+        push_to_hub: then publish it to ``repo_id`` (:meth:`push_to_hub`, which takes ``hub_options``)."""
+        if push_to_hub and not repo_id:
+            raise ConfigError("save_pretrained(push_to_hub=True) needs the Hub repository: repo_id='owner/name'")
+        if not push_to_hub and hub_options:
+            raise ConfigError(f"{', '.join(sorted(hub_options))} only apply with push_to_hub=True")
+        path = self.save(directory, overwrite=replaceable_artifact_dir(directory))
+        if push_to_hub:
+            self.push_to_hub(repo_id, **hub_options)
+        return path
+
+    push_to_hub = push_to_hub  # mapper.push_to_hub(repo_id, ...): the function above, with self as its mapper

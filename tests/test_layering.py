@@ -3,7 +3,7 @@ is an edge, and each module belongs to one stage of the flow (docs/architecture.
 from its own stage or an earlier one, never from a later one; no import cycle; no module over 500 lines.
 
 Bugs it catches (each in the code when issue 23 was filed): ``core/mapper.py`` importing ``kvhub.api`` inside
-``from_pretrained`` (an upward arrow and a cycle); ``models/resolve.py`` reaching up to ``calib.corpus``
+``from_pretrained`` (an upward arrow and a cycle; the Hub-style face is now ``kvhub.api.Mapper``); ``models/resolve.py`` reaching up to ``calib.corpus``
 for the cache root; ``models/fetch.py`` importing ``kvhub.eval.tasks`` inside ``fetch_evals``; the vLLM
 connector importing ``kvhub.eval.control``; ``serving/kvstore.py`` at 608 lines.
 """
@@ -76,30 +76,11 @@ def edges(source: str, *, name: str, is_package: bool, known) -> set[str]:
     return found
 
 
-# The one arrow up, kept on purpose and named here so that no other can hide behind it: the Mapper's
-# Hub-style face (``Mapper.from_pretrained`` / ``push_to_hub``, the PEFT habit users bring) delegates to
-# kvhub.api inside the method, so the math core imports no store or Hub code when it loads
-# (aesthetics-2: "a documented delegation; keep it, or offer kvhub.from_pretrained as the face").
-DELEGATIONS = {("kvhub.core.mapper", "kvhub.api")}
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the kvhub modules it imports (the :data:`DELEGATIONS` left out)."""
+    """module -> the kvhub modules it imports."""
     known = modules()
-    graph = {name: edges(path.read_text(), name=name, is_package=path.name == "__init__.py", known=known)
-             for name, path in known.items()}
-    return {name: {t for t in targets if (name, t) not in DELEGATIONS} for name, targets in graph.items()}
-
-
-def test_each_delegation_is_still_there_and_inside_a_function():
-    """A delegation that is gone is removed from the list; one at module level would be a real cycle."""
-    known = modules()
-    for module, target in DELEGATIONS:
-        tree = ast.parse(known[module].read_text())
-        top = {t for node in tree.body for t in _targets(node, module, False)}
-        inner = {t for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for sub in ast.walk(node) for t in _targets(sub, module, False)}
-        assert target not in top and any(t == target or t.startswith(target + ".") for t in inner), (module, target)
+    return {name: edges(path.read_text(), name=name, is_package=path.name == "__init__.py", known=known)
+            for name, path in known.items()}
 
 
 def stage_of(module: str) -> int | None:

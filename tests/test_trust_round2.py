@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvhub.artifact import read_artifact
-from kvhub.core.mapper import Mapper
+from kvhub.api import Mapper
 from kvhub.errors import ConfigError, InvalidArtifactError, StoreError
 from kvhub.store import open_store
 from tests.fixtures_store import make_store_artifact

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 import kvhub
-from kvhub.core.mapper import Mapper
+from kvhub.api import Mapper
 from kvhub.errors import ArtifactError, ConfigError
 from kvhub.hub.card import read_front_matter
 from kvhub.store import open_store

@@ -25,9 +25,8 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
     verify_tensors, write_artifact,
 )
 from kvhub.artifact import map_prefix, tensor_name
-from kvhub.artifact.directory import replaceable_artifact_dir
 from kvhub.dtypes import check_device, parse_dtype  # noqa: F401  (parse_dtype re-exported)
-from kvhub.errors import ConfigError, IncompatibleError, NonFiniteError
+from kvhub.errors import IncompatibleError, NonFiniteError
 from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
 
@@ -102,9 +101,11 @@ def _summed(products) -> torch.Tensor:
 
 
 class Mapper:
-    """Weights + metadata.  Build with :func:`kvhub.fitting.fit`, :meth:`from_pretrained` or :meth:`load`; apply with
-    :meth:`transfer`; keep with :meth:`save_pretrained` / :meth:`push_to_hub`.  ``ref`` names the store
-    version it is (``SRC:DST:CALIB@v3``), None for a mapper no store holds."""
+    """Weights + metadata: the math of a mapper.  Build with :func:`kvhub.fitting.fit` or :meth:`load`; apply
+    with :meth:`transfer`; keep with :meth:`save`.  ``ref`` names the store version it is
+    (``SRC:DST:CALIB@v3``), None for a mapper no store holds.  The public ``kvhub.Mapper``
+    (:class:`kvhub.api.Mapper`) is this class with the Hub-style face: ``from_pretrained``,
+    ``save_pretrained`` and ``push_to_hub``, which need the store and the Hub, stages above this one."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict, *, dtype: torch.dtype | None = None,
                  compute_dtype: torch.dtype | None = None):
@@ -429,57 +430,6 @@ class Mapper:
         return [(layers[layer["target"]].keys, layers[layer["target"]].values) for layer in self.layers]
 
     # ---- persistence -------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
-                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
-                        device=None, dtype=None, torch_dtype=None, compute_dtype=None) -> "Mapper":
-        """The mapper ``name`` designates, verified, with ``ref`` set:
-
-        * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
-          same tensors, if any);
-        * a store reference (``"SRC:DST:CALIB@production"``, any selector): that version;
-        * a Hub repository (``"acme/kvmap-qwen-legal"``, ``@v3`` or ``revision="v3"`` optional): pulled,
-          verified and registered in the store (``kvhub pull``), then loaded from there.
-
-        revision: a store selector or Hub revision when ``name`` has none.  token, cache_dir,
-        local_files_only: as huggingface_hub's.  db: store URL or SQLite path.  torch_dtype: dtype's other
-        name (see __init__ for dtypes)."""
-        from kvhub.api import from_pretrained  # resolution needs the store and the Hub; the math core does not
-
-        return from_pretrained(name, revision=revision, token=token, cache_dir=cache_dir,
-                               local_files_only=local_files_only, db=db, device=device, dtype=dtype,
-                               torch_dtype=torch_dtype, compute_dtype=compute_dtype)
-
-    def save_pretrained(self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
-                        **hub_options) -> Path:
-        """Write the artifact directory (mapper.json + mapper.safetensors), readable by
-        :meth:`from_pretrained` and ``kvhub import``.  An existing kvhub artifact directory is replaced
-        (atomically); any other existing directory that is not empty is refused, never overwritten.
-        push_to_hub: then publish it to ``repo_id`` (:meth:`push_to_hub`, which takes ``hub_options``)."""
-        if push_to_hub and not repo_id:
-            raise ConfigError("save_pretrained(push_to_hub=True) needs the Hub repository: repo_id='owner/name'")
-        if not push_to_hub and hub_options:
-            raise ConfigError(f"{', '.join(sorted(hub_options))} only apply with push_to_hub=True")
-        path = self.save(directory, overwrite=replaceable_artifact_dir(directory))
-        if push_to_hub:
-            self.push_to_hub(repo_id, **hub_options)
-        return path
-
-    def push_to_hub(self, repo_id: str, *, private: bool = False, revision: str | None = None,
-                    branch: str | None = None, token: str | None = None, db=None,
-                    base_model: tuple[str, str] | None = None, card: str = "auto", commit_message: str | None = None,
-                    create_pr: bool = False, license: str | None = None, license_name: str | None = None,
-                    license_link: str | None = None, figures: str | os.PathLike | None = None):
-        """Publish this mapper to the Hub repository ``repo_id`` as ``kvhub push`` does (docs/hub.md):
-        registered in the store first, then one commit with its card on branch ``revision`` (``branch``:
-        its older name), tagged ``vN``.  base_model: the models' Hub ids when they were local paths;
-        card="replace" also refreshes a published version's card.  Returns a kvhub.hub.PushResult."""
-        from kvhub.api import push_to_hub
-
-        return push_to_hub(self, repo_id, private=private, revision=revision, branch=branch, token=token, db=db,
-                           base_model=base_model, card=card, commit_message=commit_message, create_pr=create_pr,
-                           license=license, license_name=license_name, license_link=license_link, figures=figures)
-
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the artifact directory atomically (kvhub.artifact.write_artifact); returns its path.
         Tensors are stored in fp32."""
