@@ -99,7 +99,7 @@ def test_log_samples_needs_an_output_path_and_is_refused_before_loading(env, mon
 
 
 def test_item_cache_is_keyed_on_dtype_and_device(env, monkeypatch):
-    from kvhub.eval.cache import results_file
+    from kvhub.eval.results_cache import results_file
 
     base = dict(seed=0, variant="", dtype="float32", device="cpu")
     path = results_file("ab" * 32, "hellaswag", **base)

@@ -3,7 +3,7 @@
 A task (:class:`Task`) says what its items are, how one item is scored under a list of recompute
 variants (one score per variant, each with ``as_dict()``), how the scores of one variant are summarized,
 and what ``--log-samples`` writes per item and variant.  :func:`run_task` is the loop: per-item scores
-are cached (:mod:`kvhub.eval.cache`, keyed by :func:`kvhub.eval.cache.variant_key`), so an interrupted
+are cached (:mod:`kvhub.eval.results_cache`, keyed by :func:`kvhub.eval.results_cache.variant_key`), so an interrupted
 run resumes and a new variant reuses the rest; :func:`evaluate` runs every task and returns results,
 data sets and samples; :func:`results_config` and :func:`metric_rows` shape them for the results
 document (:mod:`kvhub.eval.results`) and the store.  The task kinds live beside their scorers
@@ -131,7 +131,7 @@ class TaskOutcome:
 
 def run_task(task: Task, variant_list: list, *, settings: RunSettings, progress: Progress | None = None) -> TaskOutcome:
     """Score every item of ``task`` under every variant (cached per item), then summarize per variant."""
-    from kvhub.eval.cache import results_file, score_items, variant_key
+    from kvhub.eval.results_cache import results_file, score_items, variant_key
 
     items = task.items()
     paths = [results_file(settings.tensors_sha256, task.name, seed=settings.seed, variant=variant_key(v),

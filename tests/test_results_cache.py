@@ -2,7 +2,7 @@
 
 from dataclasses import asdict, dataclass
 
-from kvhub.eval.cache import score_items
+from kvhub.eval.results_cache import score_items
 
 
 @dataclass
