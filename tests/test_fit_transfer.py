@@ -193,10 +193,22 @@ def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
 
 
 def test_batch_transfer_and_position_ids(qwen_family):
-    source, target, _, mapper = qwen_family
-    ids = _ids(3, 20, 4)
-    mapped = mapper.transfer(run_model(source, ids))
-    assert mapped.layers[0].keys.shape == (3, 4, 20, 32)
+    """Each row of a batch transfer is placed at its own ``position_ids``.  The control map's key is its mean
+    key rotated by the target's RoPE at the token's position (its weights are zero, so the source cache does not
+    matter), so 10 tokens transferred at positions 40.. (row 0) and 7.. (row 1) must carry the keys that a
+    50-token transfer at the default positions holds there.  Planted bugs caught: transfer passing the default
+    range 0..T-1 to map_layers whatever position_ids it was given, or row 0's positions for every row."""
+    source, _, _, mapper = qwen_family
+    control = control_mapper(mapper)
+    ids = _ids(2, 50, 4)
+    full = control.transfer(run_model(source, ids))
+    positions = torch.stack([torch.arange(40, 50), torch.arange(7, 17)])
+    placed = control.transfer(run_model(source, ids[:, :10]), position_ids=positions)
+    assert placed.layers[0].keys.shape == (2, 4, 10, 32)
+    for got, want in zip(placed.layers, full.layers):
+        for row in range(2):
+            torch.testing.assert_close(got.keys[row], want.keys[row][:, positions[row]])
+            assert not torch.allclose(got.keys[row], want.keys[row][:, :10])  # the keys do rotate with position
     with pytest.raises(IncompatibleError, match="position_ids"):
         mapper.transfer(run_model(source, ids), position_ids=torch.arange(5)[None])
 
