@@ -6,7 +6,7 @@ import math
 import pytest
 
 from kvhub.core.control import control_mapper
-from kvhub.eval.gist import CONDITIONS, GistScore, gap_closed, gist_items, score_gist_item, summarize_gist
+from kvhub.eval.gist import GIST_CONDITIONS, GistScore, gap_closed, gist_items, score_gist_item, summarize_gist
 from kvhub.serving.spec import Recompute
 from tests.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures
 
@@ -49,4 +49,4 @@ def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokeniz
     assert gap_closed(plain.nll, "mapped") == pytest.approx(1.0, abs=1e-3)
     assert gap_closed(plain.nll, "control") <= 0.05, plain.nll
     assert gap_closed(everything.nll, "control") == pytest.approx(1.0, abs=1e-3)
-    assert set(plain.nll) == set(CONDITIONS) and len(plain.answer) == 12
+    assert set(plain.nll) == set(GIST_CONDITIONS) and len(plain.answer) == 12

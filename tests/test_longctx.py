@@ -8,9 +8,11 @@ import torch
 
 from kvhub.core.control import control_mapper
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.eval.longctx import (
-    CONDITIONS, RecallItem, RecallScore, code_items, fact_items, multiturn_items, score_recall_item, summarize_recall,
+    LONG_CONDITIONS, RecallScore, code_items, fact_items, multiturn_items, score_recall_item,
+    summarize_recall,
 )
 from kvhub.serving.recompute import Recompute
 from tests.fixtures_calib import train_tokenizer
@@ -66,7 +68,7 @@ def test_code_items_continue_a_long_file_prefix_with_its_next_line(tokenizer):
 def test_summary_counts_exact_answers_per_condition_with_intervals():
     def score(own, mapped, control):
         exact = dict(own=own, mapped=mapped, control=control, source=1, floor=0)
-        return RecallScore("x", exact, {c: float(v) for c, v in exact.items()}, {c: 0.0 for c in CONDITIONS},
+        return RecallScore("x", exact, {c: float(v) for c, v in exact.items()}, {c: 0.0 for c in LONG_CONDITIONS},
                            recomputed=10, meta={"context_tokens": 101})
 
     summary = summarize_recall([score(1, 1, 0), score(1, 0, 0), score(1, 1, 1), score(0, 0, 0)])
@@ -83,7 +85,7 @@ def family():
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     ids = torch.randint(0, 600, (24, 48), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:20], ids[20:], source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, mapper
 
 

@@ -1,13 +1,13 @@
 """The task names ``kvhub eval`` takes, without importing torch (the CLI reads them to build its options).
 
-Multiple choice: :data:`kvhub.eval.tasks.TASKS`; ``ppl``: perplexity on a fixed text set
+Multiple choice: :data:`kvhub.eval.tasks.MC_TASKS`; ``ppl``: perplexity on a fixed text set
 (:mod:`kvhub.eval.perplexity`); long context, scored exactly: :mod:`kvhub.eval.longctx`; the gist of a
 long context: :mod:`kvhub.eval.gist`.  Those modules take their lists from here.
 """
 
 from __future__ import annotations
 
-from kvhub.eval.tasks import TASKS as MC_TASKS
+from kvhub.eval.tasks import MC_TASKS
 
 LONG_TASKS = ("facts", "multiturn", "code")
 GIST_KINDS = ("chat", "document", "code")

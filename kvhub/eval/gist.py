@@ -28,10 +28,9 @@ import torch
 
 from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
-from kvhub.eval.catalog import GIST_KINDS as KINDS
-from kvhub.eval.catalog import GIST_TASKS as TASKS  # noqa: F401 - kvhub eval --task names
+from kvhub.eval.catalog import GIST_KINDS
 
-CONDITIONS = ("own", "mapped", "control", "floor")
+GIST_CONDITIONS = ("own", "mapped", "control", "floor")
 FLOOR_TOKENS = 32
 ANSWER_TOKENS = 48
 
@@ -63,8 +62,8 @@ def gist_items(kind: str, tokenizer, *, context_tokens: int, n: int, seed: int =
                filler: list[str] | None = None) -> list[GistItem]:
     """``n`` items of ``kind``: a chat of ~``context_tokens`` tokens then "summarize what we discussed"; a
     document then "summarize the text above"; a code file prefix to be continued."""
-    if kind not in KINDS:
-        raise ConfigError(f"unknown gist kind {kind!r}; use one of {', '.join(KINDS)}")
+    if kind not in GIST_KINDS:
+        raise ConfigError(f"unknown gist kind {kind!r}; use one of {', '.join(GIST_KINDS)}")
     if context_tokens < 64:
         raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
     from kvhub.eval import longctx
@@ -172,8 +171,8 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     n = len(scores)
 
     def stats(index) -> dict:
-        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in CONDITIONS}
-        out = {f"nll_{c}": mean[c] for c in CONDITIONS}
+        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in GIST_CONDITIONS}
+        out = {f"nll_{c}": mean[c] for c in GIST_CONDITIONS}
         out["gap_closed_mapped"] = gap_closed(mean, "mapped")
         out["gap_closed_control"] = gap_closed(mean, "control")
         out["gap_closed_map_minus_control"] = out["gap_closed_mapped"] - out["gap_closed_control"]

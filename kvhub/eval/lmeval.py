@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 MISSING = "kvhub's lm-evaluation-harness model needs lm_eval: pip install 'kvhub[lmeval]'"
 
 MODEL_NAME = "kvhub"
-CONDITIONS = ("mapped", "own", "source", "control")
+LMEVAL_CONDITIONS = ("mapped", "own", "source", "control")
 CHOICES_PER_PASS = 32  # continuations of one context run in one forward pass
 
 
@@ -79,8 +79,8 @@ def check_model_args(model_args: dict) -> dict:
     if not args["mapper"]:
         raise ConfigError("--model kvhub needs the mapper: --model_args mapper=SRC:DST:CALIB@v3 (a store "
                           "reference, an artifact directory or a Hub repository OWNER/NAME@v3)")
-    if args["condition"] not in CONDITIONS:
-        raise ConfigError(f"unknown condition {args['condition']!r}; use one of {', '.join(CONDITIONS)}")
+    if args["condition"] not in LMEVAL_CONDITIONS:
+        raise ConfigError(f"unknown condition {args['condition']!r}; use one of {', '.join(LMEVAL_CONDITIONS)}")
     for name in ("max_gen_toks", "rolling_chunk"):
         args[name] = _number(name, args[name], int, minimum=1)
     if args["max_length"] is not None:

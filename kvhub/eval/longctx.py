@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.eval.catalog import LONG_TASKS as TASKS
+from kvhub.eval.catalog import LONG_TASKS
 
-CONDITIONS = ("own", "mapped", "control", "source", "floor")
+LONG_CONDITIONS = ("own", "mapped", "control", "source", "floor")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 FLOOR_TOKENS = 32
 CODE_PACKAGES = ("click", "rich", "sqlalchemy")
@@ -215,8 +215,8 @@ def filler_paragraphs(*, limit: int = 2000, seed: int = 0) -> list[str]:
 
 def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
                 filler: list[str] | None = None) -> list[RecallItem]:
-    if task not in TASKS:
-        raise ConfigError(f"unknown long-context task {task!r}; use one of {', '.join(TASKS)}")
+    if task not in LONG_TASKS:
+        raise ConfigError(f"unknown long-context task {task!r}; use one of {', '.join(LONG_TASKS)}")
     if context_tokens < 64:
         raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
     if task == "code":
@@ -299,9 +299,10 @@ def score_recall_item(item: RecallItem, *, mapper, control, source, target, toke
     for result, count in zip(scores, recomputed):
         result["source"] = result_source
         out.append(RecallScore(
-            id=item.id, exact={c: result[c][0] for c in CONDITIONS}, token_acc={c: result[c][1] for c in CONDITIONS},
-            logp={c: result[c][2] for c in CONDITIONS}, recomputed=count,
-            meta=item.meta, predicted={c: tokenizer.decode(result[c][3]) for c in CONDITIONS}, gold=item.answer))
+            id=item.id, exact={c: result[c][0] for c in LONG_CONDITIONS},
+            token_acc={c: result[c][1] for c in LONG_CONDITIONS}, logp={c: result[c][2] for c in LONG_CONDITIONS},
+            recomputed=count,
+            meta=item.meta, predicted={c: tokenizer.decode(result[c][3]) for c in LONG_CONDITIONS}, gold=item.answer))
     return out
 
 
@@ -313,11 +314,11 @@ def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int
     rng = random.Random(seed)
     n = len(scores)
     draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
-    columns = {c: [s.exact[c] for s in scores] for c in CONDITIONS}
+    columns = {c: [s.exact[c] for s in scores] for c in LONG_CONDITIONS}
 
     def stats(index) -> dict:
-        acc = {c: sum(columns[c][i] for i in index) / len(index) for c in CONDITIONS}
-        out = {f"acc_{c}": acc[c] for c in CONDITIONS}
+        acc = {c: sum(columns[c][i] for i in index) / len(index) for c in LONG_CONDITIONS}
+        out = {f"acc_{c}": acc[c] for c in LONG_CONDITIONS}
         out["retention"] = acc["mapped"] / acc["own"] if acc["own"] else math.nan
         out["map_minus_control"] = acc["mapped"] - acc["control"]
         return out
@@ -329,7 +330,7 @@ def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int
         out[key] = value
         out[f"{key}_ci"] = ([values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
                             if values else [math.nan, math.nan])
-    for c in CONDITIONS:
+    for c in LONG_CONDITIONS:
         out[f"token_acc_{c}"] = sum(s.token_acc[c] for s in scores) / n
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
     out["recomputed_fraction"] = sum(s.recomputed / max(1, s.meta.get("context_tokens", 1) - 1) for s in scores) / n

@@ -34,7 +34,7 @@ from kvhub.serving.handoff import prepare_cache
 from kvhub.serving.recompute import Recompute
 
 
-CONDITIONS = ("own", "mapped", "source", "control")  # control: the mapped path with control_mapper(mapper)
+MC_CONDITIONS = ("own", "mapped", "source")  # the control is "mapped" with control_mapper(mapper)
 
 
 @dataclass
@@ -182,7 +182,7 @@ def condition_cache(condition: str, context: torch.Tensor, *, source, target, ma
     if condition != "mapped":
         from kvhub.errors import ConfigError
 
-        raise ConfigError(f"unknown condition {condition!r}; use own, mapped or source")
+        raise ConfigError(f"unknown condition {condition!r}; use one of {', '.join(MC_CONDITIONS)}")
     spec = recompute.capped(context.shape[1] - 1)
     return target, prepare_cache(mapper, source, target, context, recompute=spec,
                                  tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
@@ -298,7 +298,7 @@ def summarize(scores: list[ItemScore], *, seed: int = 0, resamples: int = 1000) 
     draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
     out = {"n": n}
     for suffix, prefix in (("", "correct_"), ("_norm", "correct_norm_")):
-        cols = {c: [getattr(s, f"{prefix}{c}") for s in scores] for c in ("own", "mapped", "source")}
+        cols = {c: [getattr(s, f"{prefix}{c}") for s in scores] for c in MC_CONDITIONS}
         stats = _ratios(cols, range(n))
         boot = [_ratios(cols, d) for d in draws]
         for key, value in stats.items():

@@ -262,13 +262,13 @@ _TASKS: dict[str, tuple[Callable[[_Reader, str], list[Item]], str, tuple[str, ..
     "winogrande": (_winogrande, "validation", ("validation",)),
     "lambada": (_lambada, "test", ("test",)),
 }
-TASKS = tuple(_TASKS)
+MC_TASKS = tuple(_TASKS)
 
 
 def default_split(name: str) -> str:
     """The split :func:`load_task` reads when none is given."""
     if name not in _TASKS:
-        raise ConfigError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+        raise ConfigError(f"unknown task {name!r}; known: {', '.join(MC_TASKS)}")
     return _TASKS[name][1]
 
 
@@ -295,7 +295,7 @@ def load_task(name: str, *, limit: int | None = None, seed: int = 0, split: str 
     :class:`CorpusUnavailableError` when the evaluation sets are not fetched.
     """
     if name not in _TASKS:
-        raise ConfigError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+        raise ConfigError(f"unknown task {name!r}; known: {', '.join(MC_TASKS)}")
     loader, default_split, splits = _TASKS[name]
     split = split or default_split
     if split not in splits:
