@@ -240,26 +240,26 @@ class KVHubLM(TemplateLM or object):
                 raise ConfigError("kvhub's lm-eval model decodes greedily; run the task with "
                                   "--gen_kwargs do_sample=False")
             until = handle_stop_sequences(kwargs.get("until"), eos=eos)
-            budget = int(kwargs["max_gen_toks"])
-            if budget >= self.max_length:
-                raise ConfigError(f"max_gen_toks={budget} leaves no room for a context within max_length="
+            max_new = int(kwargs["max_gen_toks"])
+            if max_new >= self.max_length:
+                raise ConfigError(f"max_gen_toks={max_new} leaves no room for a context within max_length="
                                   f"{self.max_length}")
-            ids = self.tok_encode(context)[-(self.max_length - budget):] or [self.prefix_token_id]
-            text = self.tok_decode(self._generate(ids, budget, until))
+            ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+            text = self.tok_decode(self._generate(ids, max_new, until))
             text = postprocess_generated_text(text, until, None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
         return out
 
     @torch.no_grad()
-    def _generate(self, ids: list[int], budget: int, until: list[str]) -> list[int]:
+    def _generate(self, ids: list[int], max_new: int, until: list[str]) -> list[int]:
         """Greedy continuation ids of ``ids`` under the condition, stopped once an ``until`` string appears."""
         from transformers import StoppingCriteriaList
 
         from kvhub.serving.handoff import handoff
 
         prompt = torch.tensor([ids], device=self.device)
-        kwargs = dict(max_new_tokens=budget, do_sample=False, eos_token_id=self.eot_token_id,
+        kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=self.eot_token_id,
                       pad_token_id=self.eot_token_id,
                       stopping_criteria=StoppingCriteriaList([_StopStrings(self.tokenizer, until, len(ids))]))
         if self.condition in ("mapped", "control") and len(ids) >= 2:
