@@ -34,10 +34,10 @@ def test_candidate_sources_take_every_targets_best_first():
     grid = torch.tensor([[0.7, 0.2, 0.9], [0.8, 0.1, 0.1], [0.1, 0.3, 0.8], [0.9, 0.9, 0.2], [0.0, 0.5, 0.3]])
     assert candidate_sources(grid, grid, range(3), depth=1) == [0, 3]  # best of each: 3, 3, 0
     assert candidate_sources(grid, grid, range(3), depth=2) == [0, 1, 2, 3, 4]  # seconds: 1, 4, 2
-    assert candidate_sources(grid, grid, range(3), depth=2, budget=3) == [0, 1, 3]  # 3, 0, then target 0's 1
+    assert candidate_sources(grid, grid, range(3), depth=2, max_layers=3) == [0, 1, 3]  # 3, 0, then target 0's 1
     assert candidate_sources(grid, grid, [1], depth=3) == [2, 3, 4]  # one rank's targets only
     assert candidate_sources(grid, grid, range(3), depth=9) == [0, 1, 2, 3, 4]  # depth past Ls: every layer
-    with pytest.raises(ConfigError, match="depth and budget"):
+    with pytest.raises(ConfigError, match="depth and max_layers"):
         candidate_sources(grid, grid, range(3), depth=0)
 
 

@@ -280,23 +280,23 @@ def rank_sources(probe_k: torch.Tensor, probe_v: torch.Tensor, target: int) -> l
 
 
 def candidate_sources(probe_k: torch.Tensor, probe_v: torch.Tensor, targets, *, depth: int,
-                      budget: int | None = None) -> list[int]:
+                      max_layers: int | None = None) -> list[int]:
     """The source layers a second statistics pass keeps for ``targets``, ascending.
 
     Every target's best source layer (by :func:`rank_sources`), then every target's second best, ...,
-    down to ``depth``, skipping repeats, until ``budget`` layers are chosen (None: no limit).  So every
-    target keeps its best d layers for the largest d the budget allows; with the budget unspent, each
+    down to ``depth``, skipping repeats, until ``max_layers`` layers are chosen (None: no limit).  So every
+    target keeps its best d layers for the largest d that ``max_layers`` allows; below that limit, each
     target's best ``depth`` layers are all kept, which is what a solve with top_k <= depth reads.
     """
-    if depth < 1 or (budget is not None and budget < 1):
-        raise ConfigError(f"candidate depth and budget must be >= 1, got {depth} and {budget}")
+    if depth < 1 or (max_layers is not None and max_layers < 1):
+        raise ConfigError(f"candidate depth and max_layers must be >= 1, got {depth} and {max_layers}")
     rankings = [rank_sources(probe_k, probe_v, m) for m in targets]
     chosen: list[int] = []
     for d in range(min(depth, probe_k.shape[0])):
         for ranking in rankings:
             if ranking[d] in chosen:
                 continue
-            if budget is not None and len(chosen) == budget:
+            if max_layers is not None and len(chosen) == max_layers:
                 return sorted(chosen)
             chosen.append(ranking[d])
     return sorted(chosen)

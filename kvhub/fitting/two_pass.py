@@ -61,7 +61,8 @@ def second_pass(state: FitState, mode: StatisticsMode, *, top_k: int | str) -> F
     layout = train.layout
     probe_k, probe_v = probe_r2(train, heldout if heldout.n > 0 else None)
     depth = mode.depth(top_k, TOP_K_GRID, layout.src_layers)
-    candidates = candidate_sources(probe_k, probe_v, range(layout.dst_layers), depth=depth, budget=mode.candidates)
+    candidates = candidate_sources(probe_k, probe_v, range(layout.dst_layers), depth=depth,
+                                   max_layers=mode.candidates)
     log.info("two-pass statistics: pass 2 keeps source layers %s of %d", candidates, layout.src_layers)
     state.stats.clear()
     del train, heldout
