@@ -4,9 +4,12 @@ Every weight is zero and every bias is the calibration mean of the target layer'
 / values (``{k,v}.{m}.target_mean``, written by :func:`kvhub.fitting.fit.build_mapper`), the best constant
 prediction (R^2 = 0).  Its cache holds the right shapes, norms and positions but no content, so
 whatever a handoff scores from it is what the exact recomputes and the target's priors give; what
-the real map scores above it is what the mapped context contributes.  Evaluations (:mod:`kvhub.eval`)
-score it beside the mapped variants with the same recompute, and the vLLM connector maps a request with
-it when the request asks (``kvhub_control``); it lives in the core so that both reach it downward.
+the real map scores above it is what the mapped context contributes.  ``kvhub eval``'s long-context
+and gist tasks (:mod:`kvhub.eval.longctx`, :mod:`kvhub.eval.gist`) score it beside every mapped variant
+with the same recompute; its multiple-choice and perplexity tasks do not (the lm-eval model's
+``condition=control`` scores it on any lm-eval task).  The vLLM connector maps a request with it when
+the request asks (``kvhub_control``, which ``kvhub eval-serve`` sends); it lives in the core so that
+eval and serving reach it downward.
 """
 
 from __future__ import annotations
