@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvhub.serving.engine_pass import PassResult, masked_attention, recompute_request
+from kvhub.serving.engine_pass import PassResult, exact_positions, load_counts, masked_attention, recompute_request
 from kvhub.serving.spec import Recompute
 
 
@@ -100,3 +100,23 @@ def test_block_rounding_of_the_tail_comes_out_of_the_budget():
     done = recompute_request(_Recorder(torch.zeros(1, 64)), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
                              cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
     assert done.selected == 10 and done.prefix == 4
+
+
+def test_a_load_counts_the_positions_it_computed_not_the_spec():
+    """n = 100, cache [0, 64): budget round(0.4 * 99) - 20 (rounding) = 20 tokens, but whole 16-token spans are
+    taken while they fit: the attended span [32, 48) and no other, so R = [0, 4) + [32, 48) and the large model
+    computes R and the tail [64, 99) = 55 context positions, not the spec's 4 + 20 + 36.  ``exact`` has the
+    type of prepare_cache_counted's positions (sorted, long, CPU); the connector's report counts them.  Planted
+    bugs caught: a count inferred from the budget, the tail left out of ``exact``, the last prompt token
+    counted in it, or a report counting the pass and the tail as |R| + n - end."""
+    attention = torch.full((12, 64), 0.01)
+    attention[-1, 40] = 5.0
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.4, select="target", spans="sentence", queries=4)
+    done = recompute_request(_Recorder(attention), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
+                             cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
+    assert done.positions.tolist() == [0, 1, 2, 3] + list(range(32, 48)) and done.selected == 16
+    assert done.exact.tolist() == [0, 1, 2, 3] + list(range(32, 48)) + list(range(64, 99))
+    assert done.exact.dtype == torch.long and done.exact.device.type == "cpu"
+    assert exact_positions(torch.empty(0, dtype=torch.long), end=64, tokens=100).tolist() == list(range(64, 99))
+    assert load_counts(done.positions, done.exact, tokens=100) == {
+        "recomputed_tokens": 20, "exact_tokens": 55, "exact_fraction": 55 / 99}

@@ -185,10 +185,14 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     # the 8% budget (8 tokens) is spent by the block rounding of the tail (36 tokens for a suffix of 16)
     assert report["exact_prefix_tokens"] == 4 and report["recomputed_tokens"] == 4 + report["selected_tokens"]
     assert report["selected_tokens"] == _budget(0.08, len(PROMPT_A), 64) == 0
+    # counted from the positions: the 4 recomputed and vLLM's tail [64, 99) (the last prompt token is not context)
+    assert report["exact_tokens"] == 39 and report["exact_fraction"] == 39 / 99
     assert random_c["ids"] != own_c["ids"], "the output ignores the mapped KV"
     # the masked pass alone reproduces a prefill: the control map, every mapped token recomputed
     assert control_all["kvhub"]["recomputed_tokens"] == 64 and control_all["ids"] == own["ids"]
+    assert control_all["kvhub"]["exact_tokens"] == 99
     assert control_map["kvhub"]["recomputed_tokens"] == 0 and control_map["ids"] != own["ids"]
+    assert control_map["kvhub"]["exact_tokens"] == 35
     # one step, two selections
     assert pair_a["kvhub"]["selected_tokens"] == _budget(0.3, len(PROMPT_A), 64) == 10
     assert pair_d["kvhub"]["selected_tokens"] == _budget(0.2, len(PROMPT_D), 64) == 8

@@ -147,12 +147,31 @@ def _swapped_forward(module: torch.nn.Module, forward):
 @dataclass
 class Recomputed:
     """What :func:`recompute_request` decided and computed: ``positions`` (R,) sorted, of which ``prefix``
-    exact-prefix and ``selected`` chosen tokens; fresh[i] = (K, V) of layer i at those positions."""
+    exact-prefix and ``selected`` chosen tokens; fresh[i] = (K, V) of layer i at those positions; ``exact``
+    the context positions the large model computes itself for this request (:func:`exact_positions`)."""
 
     positions: torch.Tensor
     prefix: int
     selected: int
     fresh: list[tuple[torch.Tensor, torch.Tensor]]
+    exact: torch.Tensor
+
+
+def exact_positions(recomputed: torch.Tensor, *, end: int, tokens: int) -> torch.Tensor:
+    """The context positions of an n-token prompt (``tokens`` = n) that the large model computes itself when
+    its cache holds [0, end): the ``recomputed`` ones (R,) and the tail [end, n - 1) the engine prefills (its
+    last prompt token is the model's next input, not context).  Sorted, long, on the CPU: the type and meaning
+    of :func:`kvhub.serving.handoff.prepare_cache_counted`'s positions, so a report counts what was computed on
+    either path.  [0, start), the engine's own cached prefix, is neither mapped nor computed here."""
+    return torch.unique(torch.cat([recomputed.cpu().long(), torch.arange(end, max(end, tokens - 1))]))
+
+
+def load_counts(recomputed: torch.Tensor, exact: torch.Tensor, *, tokens: int) -> dict:
+    """A load's report for an n-token prompt (``tokens`` = n), counted from the positions themselves:
+    ``recomputed_tokens`` by the masked pass (R), ``exact_tokens`` by the large model in all (:func:`exact_positions`)
+    and ``exact_fraction``, their share of the n - 1 context positions, as kvhub.handoff's reports count them."""
+    return {"recomputed_tokens": int(recomputed.numel()), "exact_tokens": int(exact.numel()),
+            "exact_fraction": exact.numel() / max(1, tokens - 1)}
 
 
 def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start: int, end: int,
@@ -164,7 +183,8 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
     ``round(exact_budget * (n - 1))`` tokens, less what the block rounding of ``end`` added to the tail the
     engine computes beyond ``exact_suffix``: by ``select="target"``, the attention of the prompt's last
     ``queries`` tokens, run after the mapped cache in a selection pass of [end, n) (the tail the engine
-    computes next; it is not written), or ``select="random"`` (the control for the signal).
+    computes next; it is not written), or ``select="random"`` (the control for the signal).  The result
+    says which positions were recomputed, and which the large model computes in all (``exact``), as counted.
     """
     from kvhub.serving.recompute import attention_scores, random_scores, select_spans, spans_of
 
@@ -197,4 +217,5 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
     if positions.numel():
         device = cached(0)[0].device
         fresh = engine.run(ids[positions].to(device), positions.to(device), cached).fresh
-    return Recomputed(positions, prefix=prefix.numel(), selected=positions.numel() - prefix.numel(), fresh=fresh)
+    return Recomputed(positions, prefix=prefix.numel(), selected=positions.numel() - prefix.numel(), fresh=fresh,
+                      exact=exact_positions(positions, end=end, tokens=tokens))

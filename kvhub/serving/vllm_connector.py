@@ -55,6 +55,7 @@ from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
 from kvhub.serving.connector_config import (check_serving_spec, check_target, config_count, config_flag, events_file,
                                             load_mapper, request_spec, span_tokenizer, worker_device)
 from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
+from kvhub.serving.engine_pass import exact_positions, load_counts
 from kvhub.serving.kvstore import KVStore
 from kvhub.serving.launch import EXTRA_DEFAULTS, LOAD_FAILURE_POLICY, ROLES, WORKER_CLASS, check_extra_keys
 from kvhub.serving.paged import PagedLayout, layer_layout, load_plan
@@ -359,8 +360,11 @@ class KVHubConnector(KVConnectorBase_V1):
             self._write(m, k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
         self._event("mapped", job.request_id, tokens=job.end - job.start, control=job.control)
         self._event("written", job.request_id, layers=len(mapped))
-        report = {"mapped_tokens": job.end - job.start, "recomputed_tokens": 0}
-        spec = job.recompute.capped(len(job.prompt_ids) - 1)
+        tokens = len(job.prompt_ids)
+        none = torch.empty(0, dtype=torch.long)  # mapped only: the engine computes the tail [end, n) alone
+        report = {"mapped_tokens": job.end - job.start,
+                  **load_counts(none, exact_positions(none, end=job.end, tokens=tokens), tokens=tokens)}
+        spec = job.recompute.capped(tokens - 1)
         if not (spec.exact_prefix > job.start or spec.selective):
             return report
         if self.engine is None:
@@ -399,9 +403,8 @@ class KVHubConnector(KVConnectorBase_V1):
                 raise IncompatibleError(f"the recomputed KV of layer {number} holds Inf/NaN; not written")
             self._write(number, keys, values, slots)
         tokens = len(job.prompt_ids)
-        report = {"recomputed_tokens": int(done.positions.numel()), "exact_prefix_tokens": done.prefix,
-                  "selected_tokens": done.selected, "prefill_tokens": tokens - job.end,
-                  "exact_fraction": (done.positions.numel() + tokens - job.end) / tokens,
+        report = {"exact_prefix_tokens": done.prefix, "selected_tokens": done.selected,
+                  "prefill_tokens": tokens - job.end, **load_counts(done.positions, done.exact, tokens=tokens),
                   "recompute_s": round(time.perf_counter() - started, 4), "recompute": spec.name()}
         self._event("recomputed", job.request_id, **report)
         return report
