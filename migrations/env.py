@@ -29,7 +29,7 @@ def _target_metadata():
     """Live metadata, for `alembic check` / autogenerate only; migration scripts never import it."""
     metadata = config.attributes.get("target_metadata")
     if metadata is None:
-        from kvhub.store.schema import Base
+        from kvhub.store.tables import Base
 
         metadata = Base.metadata
     return metadata

@@ -101,7 +101,7 @@ def test_store_reads_the_format_the_mapper_writes():
 def test_versions_are_immutable(store, artifact_factory):
     from sqlalchemy.orm import Session
 
-    from kvhub.store.schema import VersionRow
+    from kvhub.store.tables import VersionRow
 
     version = store.register(artifact_factory(seed=5))
     with Session(store._engine) as session:

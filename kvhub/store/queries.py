@@ -9,7 +9,7 @@ from kvhub.errors import ConfigError
 from kvhub.store import resolve as rs
 from kvhub.store.records import MapperVersion, as_utc, version_record
 from kvhub.store.refs import match_calibration_names, match_model_names
-from kvhub.store.schema import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
+from kvhub.store.tables import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
 
 _MODEL_FIELDS = ("name", "revision", "model_type", "family", "config_hash", "tokenizer_hash", "num_layers",
                  "num_kv_heads", "head_dim", "rope", "layer_types")

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
 from kvhub.store.refs import short_name
-from kvhub.store.schema import VersionRow
+from kvhub.store.tables import VersionRow
 
 
 def as_utc(moment: datetime | None) -> datetime | None:

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, joinedload
 
 from kvhub.errors import AmbiguousError, NotFoundError
 from kvhub.store.refs import LATEST, PRODUCTION, Ref, match_calibration_names, match_model_names
-from kvhub.store.schema import AliasRow, SeriesRow, VersionRow
+from kvhub.store.tables import AliasRow, SeriesRow, VersionRow
 
 _NEXT_STEP = "fit one with `kvhub fit`, import one with `kvhub import DIR`, or see what exists with `kvhub list`"
 

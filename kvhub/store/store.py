@@ -45,7 +45,7 @@ from kvhub.store.location import default_artifacts_dir, display_url, require_exi
 from kvhub.store.migrate import ensure_schema
 from kvhub.store.records import MapperVersion, version_record
 from kvhub.store.refs import LATEST, Ref, check_alias_name
-from kvhub.store.schema import AliasRow, PublicationRow, StorePropertyRow, VersionRow
+from kvhub.store.tables import AliasRow, PublicationRow, StorePropertyRow, VersionRow
 
 log = logging.getLogger(__name__)
 

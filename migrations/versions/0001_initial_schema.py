@@ -4,8 +4,8 @@ Revision ID: 0001_initial_schema
 Revises:
 Create Date: 2025-11-30
 
-Tables are written out here (never imported from kvhub.store.schema) so this script keeps meaning
-what it meant when it was written.  Constraint names follow kvhub.store.schema.NAMING_CONVENTION.
+Tables are written out here (never imported from kvhub.store.tables) so this script keeps meaning
+what it meant when it was written.  Constraint names follow kvhub.store.tables.NAMING_CONVENTION.
 """
 
 import uuid
