@@ -86,7 +86,7 @@ class FakePair:
 
     small: answers with the small model and stores (cache_salt, prompt), as the producer connector stores
     the prompt's KV.  large: a request whose (cache_salt, prompt) is stored is mapped: with an exact map it
-    answers as the large model itself and reports ``kv_transfer_params {"kvhub": {"recomputed_tokens": 16}}``;
+    answers as the large model itself and reports ``kv_transfer_params {"kvhub": {"exact_tokens": 16}}``;
     with ``kv_transfer_params.kvhub_control`` it answers with the damaged model (the control map carries no
     information about the context).  Any other request is the large model's own prefill, with no report.
     ``requests`` logs (server, cache_salt, control flag, prompt length) in arrival order.
@@ -112,7 +112,7 @@ class FakePair:
             if (salt, prompt) not in self.stored:
                 return greedy(self.models["large"], list(prompt), body["max_tokens"]), None
             model = self.models["control" if control else "large"]
-            report = {"kvhub": {"recomputed_tokens": min(EXACT_TAIL, len(prompt)), "control": control}}
+            report = {"kvhub": {"exact_tokens": min(EXACT_TAIL, len(prompt)), "control": control}}
             return greedy(model, list(prompt), body["max_tokens"]), report
 
     def close(self) -> None:
@@ -330,8 +330,10 @@ def test_planted_client_bugs_change_the_result(scored, pair, tokenizer, items, m
 def test_text_is_tokenised_only_when_the_server_sends_no_ids(tokenizer):
     assert Completion(None, "abc", {}).ids(tokenizer) == [97, 98, 99]
     assert Completion([1, 2], "abc", {}).ids(tokenizer) == [1, 2]
-    assert Completion([1], "", {"kvhub": {"recomputed_tokens": 16}}).recomputed_tokens == 16
-    assert Completion([1], "", {"kvhub": {"recomputed_tokens": True}}).recomputed_tokens is None
+    # the connector's count, not recomputed + prefill (which counts the last prompt token too)
+    report = {"recomputed_tokens": 4, "prefill_tokens": 36, "exact_tokens": 39}
+    assert Completion([1], "", {"kvhub": report}).recomputed_tokens == 39
+    assert Completion([1], "", {"kvhub": {"exact_tokens": True}}).recomputed_tokens is None
     assert Completion([1], "", {}).recomputed_tokens is None
 
 

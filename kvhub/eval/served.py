@@ -18,7 +18,7 @@ floor      large   a fresh one                               own prefill of the 
 Scores keep :class:`~kvhub.eval.longctx.RecallScore`'s shape: ``exact[c]`` is 1 iff the first len(answer)
 generated ids are the answer's, ``token_acc[c]`` the fraction of those positions that match, and
 ``logp[c]`` is 0.0 for every condition: served scores carry no log-likelihood.  ``recomputed`` is
-``kv_transfer_params["kvhub"]["recomputed_tokens"]`` of the mapped response (0 when the large server
+``kv_transfer_params["kvhub"]["exact_tokens"]`` of the mapped response (0 when the large server
 reports none).  own, mapped and control generate max(len(answer), agreement_tokens) tokens;
 ``agree_mapped`` / ``agree_control`` count the leading ones, of the first agreement_tokens, equal to own's.
 
@@ -95,16 +95,12 @@ class Completion:
 
     @property
     def recomputed_tokens(self) -> int | None:
-        """Prompt tokens the large model computed exactly after a load: the connector's ``recomputed_tokens``
-        (exact prefix + selected) plus its ``prefill_tokens`` (the suffix vLLM computes), as ``kvhub eval``
-        counts the exact suffix; None when the connector reported no transfer."""
+        """Context positions the large model computed exactly after a load, as the connector counted them
+        (``exact_tokens``: the recomputed ones and the tail vLLM prefills, its last prompt token excepted, as
+        ``kvhub eval`` counts prepare_cache_counted's positions); None when the connector reported no transfer."""
         transfer = self.kv_transfer_params.get("kvhub")
-        if not isinstance(transfer, dict):
-            return None
-        values = [transfer.get("recomputed_tokens"), transfer.get("prefill_tokens", 0)]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            return None
-        return sum(values)
+        count = transfer.get("exact_tokens") if isinstance(transfer, dict) else None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 @dataclass(frozen=True)
