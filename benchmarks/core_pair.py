@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvhub.fitting.options import auto_or
+
 SRC = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 DST = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 
@@ -26,7 +28,8 @@ def fit_once(args) -> dict:
     import torch
 
     from kvhub.calib import resolve_calibration
-    from kvhub.fitting.fit import FitOptions, fit
+    from kvhub.fitting.fit import fit
+    from kvhub.fitting.options import FitOptions
     from kvhub.models.resolve import load_model
 
     torch.manual_seed(0)
@@ -117,8 +120,7 @@ def main() -> None:
     parser.add_argument("--eval-only", action="store_true", help="reuse --artifact (or the default one); no fits")
     parser.add_argument("--compute-dtype", default=None, help="dtype of the mapping matmuls (default: bfloat16)")
     args = parser.parse_args()
-    args.k = args.k if args.k == "auto" else int(args.k)
-    args.lambda_ = args.lambda_ if args.lambda_ == "auto" else float(args.lambda_)
+    args.k, args.lambda_ = auto_or(args.k, int), auto_or(args.lambda_, float)
     if args.fit_only:
         fit_once(args)
         return

@@ -26,7 +26,8 @@ def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
     from safetensors.torch import load_file, save_file
 
     from kvhub.calib import resolve_calibration
-    from kvhub.fitting.fit import FitOptions, accumulate
+    from kvhub.fitting.fit import accumulate
+    from kvhub.fitting.options import FitOptions
     from kvhub.core.stats import KVStats
 
     calibration = resolve_calibration(domain, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
@@ -81,7 +82,8 @@ def main() -> None:
 
     from kvhub.eval.continuation import continuation_metrics
     from kvhub.calib.corpus import cache_root
-    from kvhub.fitting.fit import FitOptions, build_mapper, pair_fingerprints
+    from kvhub.fitting.fit import build_mapper, pair_fingerprints
+    from kvhub.fitting.options import FitOptions
     from kvhub.models.resolve import load_model
     from kvhub.core.solve import solve
 

@@ -90,7 +90,8 @@ def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
     """A Mapper of the fitted kind (k sources per target layer, fp32 maps) with random weights."""
     from kvhub.dtypes import dtype_name
     from kvhub.core.fingerprint import model_fingerprint
-    from kvhub.fitting.fit import FitOptions, build_mapper, layout_for
+    from kvhub.fitting.fit import build_mapper, layout_for
+    from kvhub.fitting.options import FitOptions
     from kvhub.core.solve import LayerSolution, LinearMap, Solution
     from kvhub.core.stats import KVStats, Moments
 
@@ -118,7 +119,8 @@ def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
 
 
 def measure_capture(source, target, *, batch: int, seq_len: int, stride: int, device, plan) -> dict:
-    from kvhub.fitting.fit import FitOptions, capture_pair
+    from kvhub.fitting.fit import capture_pair
+    from kvhub.fitting.options import FitOptions
     from kvhub.core.rope import Rotary
 
     ids = torch.randint(0, target.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(1))

@@ -66,7 +66,8 @@ def main() -> None:
 
     from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
     from kvhub.calib.corpus import cache_root
-    from kvhub.fitting.fit import FitOptions, build_mapper, pair_fingerprints
+    from kvhub.fitting.fit import build_mapper, pair_fingerprints
+    from kvhub.fitting.options import FitOptions
     from kvhub.artifact import TENSORS_FILE
     from kvhub.core.mapper import Mapper
     from kvhub.models.resolve import load_model

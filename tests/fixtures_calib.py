@@ -139,14 +139,15 @@ def registered_tiny_family(root: Path):
     and registered in a fresh store at ``root/store.db`` (what the eval CLI and lm-eval tests score)."""
     import torch
 
-    from kvhub.fitting.fit import FitOptions, fit
+    from kvhub.fitting.fit import fit
+    from kvhub.fitting.options import FitOptions
     from kvhub.store import open_store
 
     source, target, tokenizer = save_tiny_family(root)
     ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
                  source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     mapper.save(root / "mapper")
     db = str(root / "store.db")
     with open_store(db) as store:

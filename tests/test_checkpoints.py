@@ -21,7 +21,8 @@ import torch
 from kvhub.core.stats import KVStats, Layout
 from kvhub.fitting import checkpoint as checkpoints
 from kvhub.fitting.checkpoint import FitState
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from tests.tinymodels import make_model
 

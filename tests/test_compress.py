@@ -7,7 +7,8 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.core.mapper import Mapper
 from kvhub.core.solve import Structure, fit_map, group_rows, head_groups, map_r2, ridge, r2_score, solve
 from kvhub.core.stats import KVStats, Layout, Moments
@@ -104,7 +105,7 @@ def family():
     return source, target
 
 
-def _fit(source, target, top_k="auto", **options):
+def _fit(source, target, top_k=None, **options):
     return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
                options=FitOptions(top_k=top_k, ridge_lambda=1e-9, stride=1, batch_size=8, **options))
 

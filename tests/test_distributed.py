@@ -15,7 +15,8 @@ import torch
 from kvhub.fitting.distributed import owned_layers
 from kvhub.errors import ConfigError
 from kvhub.fitting.checkpoint import FitState
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model

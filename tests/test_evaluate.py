@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvhub.eval.continuation import continuation_metrics
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.core.control import control_mapper
 from kvhub.serving.spec import Recompute
 from tests.tinymodels import exact_family_target, make_model
@@ -24,7 +25,7 @@ def family():
     source = make_model("qwen2", num_hidden_layers=2, seed=11)
     target, _ = exact_family_target(source, insert_before=(1,))
     mapper = fit(source, target, _ids(12, 32, 0), _ids(4, 32, 1), source_id="s", target_id="t",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, mapper
 
 

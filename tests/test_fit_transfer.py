@@ -5,7 +5,8 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError, IntegrityError, FormatVersionError, NonFiniteError
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.serving.handoff import handoff
 from kvhub.core.mapper import Mapper
 from kvhub.core.control import control_mapper
@@ -21,7 +22,7 @@ def _ids(n, t, seed):
     return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _fit(source, target, *, k="auto", lam=1e-9, **options):
+def _fit(source, target, *, k=None, lam=1e-9, **options):
     return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
                options=FitOptions(top_k=k, ridge_lambda=lam, stride=1, batch_size=8, **options))
 

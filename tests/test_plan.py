@@ -13,6 +13,7 @@ from kvhub.cli.main import main
 from kvhub.errors import ConfigError
 from kvhub.fitting.job import FitRequest, check_plan, plan_for
 from kvhub.fitting.modes import StatisticsMode, statistics_bytes
+from kvhub.fitting.options import FitOptions
 from kvhub.fitting.plan import DeviceProfile, ModelShape, Workload, load_config, plan_fit, recommend, shape_of
 from kvhub.core.stats import KVStats, Layout
 from tests.tinymodels import make_model
@@ -132,7 +133,7 @@ def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
     assert lean.fits and lean.statistics == StatisticsMode(dtype="float32")
     two = check_plan(request, available=lean.memory["peak"] - 1)  # auto: two passes
     assert two.fits and two.statistics.passes == 2 and two.memory["peak"] < lean.memory["peak"]
-    one_pass = dataclasses.replace(request, statistics="one-pass")
+    one_pass = dataclasses.replace(request, options=FitOptions(statistics="one-pass"))
     with pytest.raises(ConfigError, match="does not fit.*two-pass statistics fit.*kvhub plan --src"):
         check_plan(one_pass, available=lean.memory["peak"] - 1)
     with pytest.raises(ConfigError, match="not even with two-pass statistics"):

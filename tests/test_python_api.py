@@ -111,14 +111,15 @@ def test_from_pretrained_parses_names_with_the_store_and_hub_parsers(tmp_path, n
 # ---- kvhub.handoff takes what model.generate takes (U6) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def handoff_family(tmp_path_factory):
-    from kvhub.fitting.fit import FitOptions, fit
+    from kvhub.fitting.fit import fit
+    from kvhub.fitting.options import FitOptions
     from tests.fixtures_calib import save_tiny_family
 
     source, target, tokenizer = save_tiny_family(tmp_path_factory.mktemp("handoff"))
     ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id="tiny/src", target_id="tiny/dst",
                  source_tokenizer=tokenizer, target_tokenizer=tokenizer,
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     return mapper, source, target, tokenizer
 
 

@@ -5,7 +5,8 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.serving.handoff import prepare_cache
 from kvhub.serving.recompute import (Recompute, attention_scores, cropped, query_attention,
                                      recompute_positions, recompute_set, select_spans, span_ids)
@@ -23,7 +24,7 @@ def family():
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, control_mapper(mapper)
 
 

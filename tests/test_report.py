@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from kvhub.cli.main import main
 from kvhub.core.capture import capture, run_model
 from kvhub.core.rope import Rotary, strip_rope
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.store import open_store
 from tests.tinymodels import exact_family_target, make_model
 

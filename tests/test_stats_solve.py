@@ -93,7 +93,7 @@ def test_planted_map_recovered_with_right_source_layers():
     for split, n, seed in ((train, 3000, 0), (held, 800, 1)):
         xs, ys, _ = _planted(n, layout, sources_of, noise=noise, seed=seed)
         split.update(xs, xs, ys, ys)
-    solution = solve(train, held, top_k="auto", ridge_lambda="auto")
+    solution = solve(train, held)  # k and lambda None: chosen per target layer
     for layer in solution.layers:
         assert set(sources_of[layer.target]) <= set(layer.sources)
         # unexplained: the planted noise's share of the variance, plus fp32 rounding of the moments

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.serving.recompute import Recompute
 from kvhub.eval.taskeval import ItemScore, _AttnRecorder, score_item, summarize
 from kvhub.core.control import control_mapper
@@ -40,7 +41,7 @@ def family():
     target, _ = exact_family_target(source, insert_before=(1,))
     ids = torch.randint(1, 128, (16, 32), generator=torch.Generator().manual_seed(0))
     mapper = fit(source, target, ids[:12], ids[12:], source_id="s", target_id="t",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     return source, target, mapper
 
 

@@ -13,7 +13,8 @@ from kvhub.core.stats import KVStats, Layout, Moments
 from kvhub.errors import ConfigError
 from kvhub.fitting import plan as planning
 from kvhub.fitting.checkpoint import FitState
-from kvhub.fitting.fit import FitOptions, accumulate_passes, fit, fit_batches, layout_for, solve_statistics
+from kvhub.fitting.fit import accumulate_passes, fit, fit_batches, layout_for, solve_statistics
+from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.plan import DeviceProfile, ModelShape, Workload, plan_fit
 from kvhub.fitting.two_pass import solve_candidates
@@ -91,7 +92,7 @@ def test_solve_on_candidates_equals_the_one_pass_solve():
     mode = StatisticsMode(passes=2, top_k_max=4)
     state = FitState(dict(zip(("train", "heldout"), _split_stats(LAYOUT, sources=candidates))), pass_index=2,
                      candidates=candidates, probe=(probe_k, probe_v))
-    two = solve_candidates(state, mode, top_k="auto", ridge_lambda="auto", structure=Structure(), src_layers=8)
+    two = solve_candidates(state, mode, top_k=None, ridge_lambda=None, structure=Structure(), src_layers=8)
     assert [l.sources for l in two.layers] == [l.sources for l in one.layers]
     assert any(len(l.sources) > 1 for l in one.layers)
     for a, b in zip(one.layers, two.layers):
@@ -133,7 +134,7 @@ def family():
 
 
 def _options(**changes) -> FitOptions:
-    options = FitOptions(top_k=2, ridge_lambda="auto", stride=1, batch_size=4, statistics=ONE_PASS)
+    options = FitOptions(top_k=2, stride=1, batch_size=4, statistics=ONE_PASS)
     return dataclasses.replace(options, **changes)
 
 
@@ -292,14 +293,13 @@ def test_two_pass_options_are_checked():
         StatisticsMode(dtype="bfloat16")
     with pytest.raises(ConfigError, match="more than the 2 source layers"):
         StatisticsMode(passes=2, top_k_max=2).depth(3, (1, 2, 4), 6)
-    assert StatisticsMode(passes=2, candidates=5).depth("auto", (1, 2, 3, 4, 6, 8), 6) == 4
+    assert StatisticsMode(passes=2, candidates=5).depth(None, (1, 2, 3, 4, 6, 8), 6) == 4
 
 
-def test_fit_refuses_candidates_without_two_passes(family):
-    source, target, train, heldout = family
+def test_fit_options_refuse_candidates_without_two_passes_and_an_unknown_mode():
+    """The options themselves refuse, so a fit never starts with them."""
     for statistics in ("one-pass", StatisticsMode(passes=2)):
-        with pytest.raises(ConfigError, match="candidates set what a two-pass fit"):
-            fit(source, target, train, heldout, source_id="a", target_id="b",
-                options=_options(statistics=statistics, candidates=2))
-    with pytest.raises(ConfigError, match="use one of auto, one-pass, two-pass"):
-        fit(source, target, train, heldout, source_id="a", target_id="b", options=_options(statistics="three-pass"))
+        with pytest.raises(ConfigError, match="--candidates sets what a two-pass fit"):
+            _options(statistics=statistics, candidates=2)
+    with pytest.raises(ConfigError, match="--stats 'three-pass': use one of auto, one-pass, two-pass"):
+        _options(statistics="three-pass")

@@ -55,7 +55,8 @@ def make_family(directory: Path) -> dict:
     """Save the tiny exact pair as HF checkpoints, fit the mapper, register it in a store; returns paths."""
     import torch
 
-    from kvhub.fitting.fit import FitOptions, fit
+    from kvhub.fitting.fit import fit
+    from kvhub.fitting.options import FitOptions
     from kvhub.store import open_store
     from tests.tinymodels import exact_family_target, make_model
 
@@ -73,7 +74,7 @@ def make_family(directory: Path) -> dict:
     mapper = fit(source, target, ids, heldout, source_id="tiny/src", target_id="tiny/dst",
                  calibration={"name": "tiny-calib", "version": "1", "content_hash": "0" * 64,
                               "tokens": int(ids.numel())},
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
     mapper.save(directory / "artifact")
     with open_store(str(paths["db"])) as store:
         store.register(directory / "artifact")

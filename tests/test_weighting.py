@@ -6,7 +6,8 @@ import torch
 from kvhub.core.capture import capture, run_model, token_attention_weights, token_mask
 from kvhub.errors import ConfigError
 from kvhub.fitting.checkpoint import job_identity
-from kvhub.fitting.fit import FitOptions, fit
+from kvhub.fitting.fit import fit
+from kvhub.fitting.options import FitOptions
 from kvhub.core.solve import r2_score, ridge
 from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
@@ -196,7 +197,7 @@ def test_attention_weighted_fit_keeps_an_exact_map_exact():
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(top_k="auto", ridge_lambda=1e-9, stride=1, batch_size=8, weighting="attention"))
+                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8, weighting="attention"))
     assert mapper.metadata["fit"]["weighting"] == "attention" and mapper.metadata["fit"]["weight_cap"] == 10.0
     r2_tol = rtol(torch.float32, terms=6 * 32)  # R^2 from fp32 moment products over the held-out tokens
     assert all(abs(1 - layer["r2_k"]) < r2_tol and abs(1 - layer["r2_v"]) < r2_tol for layer in mapper.layers)

@@ -202,9 +202,15 @@ def _int_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def shown(choice):
+    """``k`` or ``lambda`` as a table or JSON shows it: "auto" for null (chosen per target layer: each layer's
+    own is in ``layers``; older files hold the text "auto" itself), else the value."""
+    return "auto" if choice is None or choice == "auto" else choice
+
+
 def _check_choice_or_number(fields: _Fields, key: str, *, integer: bool) -> None:
     value = fields.obj.get(key)
-    if value is None or value == "auto":
+    if value is None or value == "auto":  # "auto": what older files hold for null
         return
     ok = isinstance(value, int) and value >= 1 if integer else isinstance(value, (int, float)) and \
         math.isfinite(value) and value >= 0

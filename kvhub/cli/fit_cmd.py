@@ -9,21 +9,9 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
+from kvhub.artifact.metadata import shown
+from kvhub.cli.fit_options import fit_options
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
-
-
-def _auto_or(convert, hint: str):
-    """click callback: 'auto' stays 'auto', anything else goes through ``convert``."""
-
-    def callback(ctx, param, value: str):
-        if value == "auto":
-            return value
-        try:
-            return convert(value)
-        except ValueError:
-            raise click.BadParameter(f"use {hint} or 'auto'") from None
-
-    return callback
 
 
 @click.command()
@@ -38,24 +26,11 @@ def _auto_or(convert, hint: str):
 @click.option("--out", type=click.Path(path_type=Path), help="Also export the artifact directory here.")
 @click.option("--samples", type=int, help="Training sequences (overrides the recipe).")
 @click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
-@click.option("--stride", type=int, help="Keep every s-th token for the statistics (recipe default, paper: 4).")
-@click.option("--k", "k", default="auto", show_default=True, callback=_auto_or(int, "a positive integer"),
-              help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).")
-@click.option("--lambda", "lambda_", default="auto", show_default=True, callback=_auto_or(float, "a non-negative number"),
-              help="Ridge strength relative to the mean Gram diagonal, or 'auto'.")
-@click.option("--weighting", type=click.Choice(["uniform", "attention"]), default="uniform", show_default=True,
-              help="How much each calibration token counts in the fit: 'uniform', or 'attention' = by the attention "
-                   "the target model pays it (capped at 10x uniform, against attention sinks). 'attention' runs the "
-                   "target's forward passes with eager attention, which is slower and needs more memory.")
-@click.option("--head-local", is_flag=True,
-              help="Compressed maps: each target KV head group reads only its source head group "
-                   "(gcd of the KV head counts groups; that many times fewer weights).")
-@click.option("--rank", type=click.IntRange(min=1), default=None,
-              help="Compressed maps: reduced-rank ridge of this rank per target layer (and head group).")
+@fit_options("stride", "top_k", "ridge_lambda", "weighting", "head_local", "rank")
 @click.option("--device", default=None,
               help="torch device for the forward passes: cpu, cuda or cuda:N [default: cuda if available, else cpu].")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
-@click.option("--batch-size", type=int, default=4, show_default=True, help="Sequences per forward pass.")
+@fit_options("batch_size")
 @click.option("--seed", type=int, help="Seed of the calibration sampling (overrides the recipe).")
 @click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
 @db_option
@@ -64,20 +39,12 @@ def _auto_or(convert, hint: str):
               help="Fit on N processes of this machine (one GPU each with CUDA, else gloo on CPU): runs "
                    "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
                    "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.")
-@click.option("--stats", "statistics", type=click.Choice(["auto", "one-pass", "two-pass"]), default="auto",
-              show_default=True,
-              help="How the statistics are accumulated: 'one-pass' (every source layer's full statistics), "
-                   "'two-pass' (a probe pass over per-layer blocks picks candidate source layers, a second pass "
-                   "keeps only those: for pairs whose full statistics do not fit), or 'auto' (what kvhub plan "
-                   "says fits the memory free now).")
-@click.option("--candidates", type=click.IntRange(min=1), default=None,
-              help="Two-pass statistics: the most source layers pass 2 keeps (per process) [default: as many as "
-                   "the plan fits].")
+@fit_options("statistics", "candidates")
 @click.option("--ignore-plan", is_flag=True,
               help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
 @format_option
-def fit(src, dst, calib, name, out, samples, seq_len, stride, k, lambda_, weighting, head_local, rank, device, dtype,
-        batch_size, seed, restart, db, no_register, nproc, statistics, candidates, ignore_plan, output_format):
+def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, restart, db, no_register, nproc, ignore_plan,
+        output_format, **knobs):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
@@ -99,14 +66,12 @@ def fit(src, dst, calib, name, out, samples, seq_len, stride, k, lambda_, weight
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
     from kvhub.fitting.job import FitRequest, check_plan
+    from kvhub.fitting.options import FitOptions
     from kvhub.cli.progress import quiet_other_bars
 
+    request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, seed=seed, device=device,
+                         dtype=dtype, restart=restart, options=FitOptions(**knobs))
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
-
-    request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, stride=stride, top_k=k,
-                         ridge_lambda=lambda_, device=device, dtype=dtype, batch_size=batch_size, seed=seed,
-                         restart=restart, weighting=weighting, head_local=head_local, rank=rank,
-                         statistics=statistics, candidates=candidates)
     check_before_loading(request)
     if name is not None:
         from kvhub.store.refs import check_calibration_name
@@ -177,20 +142,16 @@ def check_before_loading(request) -> None:
             raise
         raise UnknownCalibrationError(f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? "
                                       f"({exc})", name=exc.name, known=exc.known) from None
-    if request.candidates is not None and request.statistics == "one-pass":
-        raise ConfigError("--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats two-pass")
-    fixed_k = request.top_k if isinstance(request.top_k, int) else None
-    if fixed_k is not None and fixed_k < 1:
-        raise ConfigError(f"--k {request.top_k}: use a positive number of source layers per target layer, or 'auto'")
+    fixed_k = request.options.top_k  # FitOptions refused a k below 1 and --candidates beside one pass
     try:
         source = shape_of(request.src)
     except ConfigError:  # no config without downloading: the fit checks these once the model is there
         return
     if fixed_k is not None and fixed_k > source.layers:
-        raise ConfigError(f"--k {request.top_k} is more source layers than {request.src} has ({source.layers}); use "
+        raise ConfigError(f"--k {fixed_k} is more source layers than {request.src} has ({source.layers}); use "
                           f"--k 1..{source.layers} or --k auto")
     workload = Workload(samples=sequences.samples, seq_len=sequences.seq_len,
-                        stride=request.stride or sequences.stride, k=fixed_k)
+                        stride=request.options.stride or sequences.stride, k=fixed_k)
     problem = too_few_observations(source, workload)
     if problem is not None:
         raise FitError(f"{request.src} -> {request.dst}: {problem}")
@@ -261,11 +222,6 @@ def _register(artifact: Path, db: str | None) -> tuple[str, str]:
         return store.reference(version), json_ref(version)
 
 
-def _auto(value):
-    """A fit option as JSON shows it: "auto" when it was chosen per target layer (None)."""
-    return "auto" if value is None else value
-
-
 LAYER_COLUMNS = ["target layer", "source layers", "k", "lambda K/V", "held-out R2 K", "held-out R2 V"]
 
 
@@ -284,7 +240,7 @@ def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> N
     metrics = mapper.metadata["metrics"]
     if output_format == "json":
         echo_json({"ref": full_ref, "out": str(out) if out else None, "metrics": metrics,
-                   "k": _auto(mapper.metadata.get("k")), "lambda": _auto(mapper.metadata.get("lambda")),
+                   "k": shown(mapper.metadata.get("k")), "lambda": shown(mapper.metadata.get("lambda")),
                    "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"],
                    "statistics": mapper.metadata["fit"].get("statistics")})
         return

@@ -8,19 +8,8 @@ import math
 import click
 
 from kvhub.cli.console import console, say
+from kvhub.cli.fit_options import fit_option, fit_options
 from kvhub.cli.output import echo_json, format_option, print_table
-
-
-def _k_option(ctx, param, value: str):
-    if value == "auto":
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise click.BadParameter(f"{value!r}: use a positive integer or 'auto'")
-    return k
 
 
 def _finite(ctx, param, value: float | None):
@@ -37,26 +26,20 @@ def _finite(ctx, param, value: float | None):
 @click.option("--heldout", type=click.IntRange(min=0), default=None,
               help="Held-out sequences [default: a 20% share, as calibration recipes do].")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence [recipe default: 512].")
-@click.option("--stride", type=click.IntRange(min=1), default=None, help="Token stride [recipe default: 4].")
-@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="Sequences per forward pass.")
-@click.option("--k", "k", default="auto", show_default=True, callback=_k_option,
-              help="Source layers per target layer, or 'auto' (costed at the largest k of the grid).")
+@fit_options("stride", "batch_size")
+@fit_option("top_k", help="Source layers per target layer, or 'auto' (costed at the largest k of the grid).")
 @click.option("--ranks", type=click.IntRange(min=1), default=None,
               help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits in one pass, else in "
                    "two].")
 @click.option("--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present].")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
-@click.option("--stats", "statistics", type=click.Choice(["auto", "one-pass", "two-pass"]), default="auto",
-              show_default=True, help="Statistics mode to plan: 'auto' = one pass when it fits, else two passes "
-                                      "(probe, then only candidate source layers) when they fit.")
-@click.option("--candidates", type=click.IntRange(min=1), default=None,
-              help="Two passes: the source layers pass 2 keeps [default: the most that fit].")
+@fit_options("statistics", "candidates")
 @click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
               callback=_finite,
               help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
                    "machine's for cpu].")
 @format_option
-def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, device, dtype, statistics, candidates,
+def plan(src, dst, samples, heldout, seq_len, stride, batch_size, top_k, ranks, device, dtype, statistics, candidates,
          host_memory, output_format):
     """Plan a fit of SRC -> DST: memory per rank, artifact size, FLOPs, time, mode and rank count.
 
@@ -75,7 +58,7 @@ def plan(src, dst, samples, heldout, seq_len, stride, batch_size, k, ranks, devi
 
     source, target = shape_of(src), shape_of(dst)
     workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
-                            k=k, dtype=dtype)
+                            k=top_k, dtype=dtype)
     _warn_past_positions(workload.seq_len, source, target)
     profile = device_profile(device or _default_device())
     if host_memory is not None:  # a CPU device is its own host

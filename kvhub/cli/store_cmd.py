@@ -16,6 +16,7 @@ from datetime import datetime
 
 import click
 
+from kvhub.artifact.metadata import shown
 from kvhub.cli.console import err_console, plain, say
 from kvhub.cli.options import db_option, open_db
 from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
@@ -28,11 +29,15 @@ REF is SRC:DST[:CALIB][@SELECTOR]:
 
 
 
+def _lambda(value, output_format: str = "table"):
+    """lambda as a cell: "auto" (None), else the number as the output format writes numbers."""
+    return shown(value) if value is None else _number(value, output_format)
+
+
 def version_json(version, metrics: list[dict] | None = None) -> dict:
     """The JSON of one version in the shared vocabulary (module docstring)."""
     data = version.to_dict()
-    data["k"] = "auto" if data["k"] is None else data["k"]
-    data["ridge_lambda"] = "auto" if data["ridge_lambda"] is None else data["ridge_lambda"]
+    data["k"], data["ridge_lambda"] = shown(data["k"]), shown(data["ridge_lambda"])
     if metrics is not None:
         data["metrics"] = metrics
     return data
@@ -116,8 +121,7 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
         headline = {m["name"]: m["value"] for m in metrics.get(v.id, []) if m["task"] is None}
         text = v.calibration_text_sha256 or ""
         rows.append([v.short_ref if short else v.ref, ",".join(v.aliases), _when(v.created_at),
-                     "auto" if v.k is None else v.k,
-                     "auto" if v.ridge_lambda is None else _number(v.ridge_lambda, output_format),
+                     shown(v.k), _lambda(v.ridge_lambda, output_format),
                      _number(headline.get(_HEADLINE[0]), output_format),
                      _number(headline.get(_HEADLINE[1]), output_format),
                      text[:8] if output_format == "table" else text,
@@ -174,7 +178,7 @@ def show(ref, per_layer, verify, history, db, output_format):
             store.verify(data["ref"])
     if output_format == "json":
         for key in ("k", "ridge_lambda"):
-            data[key] = "auto" if data[key] is None else data[key]
+            data[key] = shown(data[key])
         echo_json(data)
     else:
         _print_description(data, per_layer=per_layer, output_format=output_format)
@@ -226,8 +230,8 @@ def _overview_rows(data: dict) -> list[tuple[str, str]]:
         ("target", f"{dst['name']} @ {dst['revision'] or '-'} ({dst['model_type']}, {geometry.format(**dst)})"),
         ("calibration", f"{calib['name']} v{calib['version']} ({calib['tokens']} tokens, "
                         f"content {str(calib['content_hash'])[:12]})"),
-        ("k / lambda", f"{'auto' if data['k'] is None else data['k']} / "
-                       f"{'auto' if data['ridge_lambda'] is None else _number(data['ridge_lambda'])}"
+        ("k / lambda", f"{shown(data['k'])} / "
+                       f"{_lambda(data['ridge_lambda'])}"
                        + (" (chosen per target layer: --layers)" if auto else "")),
         ("artifact", f"{data['artifact_path']} ({_size(data['artifact_bytes'])})"),
         ("sha256", data["artifact_sha256"]),

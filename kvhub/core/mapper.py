@@ -25,6 +25,7 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
     verify_tensors, write_artifact,
 )
 from kvhub.artifact import map_prefix, tensor_name
+from kvhub.artifact.metadata import shown
 from kvhub.dtypes import check_device, parse_dtype  # noqa: F401  (parse_dtype re-exported)
 from kvhub.errors import IncompatibleError, NonFiniteError
 from kvhub.core.fingerprint import config_from_fingerprint
@@ -146,8 +147,7 @@ class Mapper:
 
     def __repr__(self) -> str:
         name = self.ref or f"{self.source['model_id']} -> {self.target['model_id']}, not in a store"
-        k = self.metadata.get("k")
-        return (f"Mapper({name}, {len(self.layers)} target layers, k={'auto' if k is None else k}, "
+        return (f"Mapper({name}, {len(self.layers)} target layers, k={shown(self.metadata.get('k'))}, "
                 f"{self.num_parameters():,} params)")
 
     def num_parameters(self) -> int:

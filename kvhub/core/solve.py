@@ -155,8 +155,8 @@ class Solution:
     layers: list[LayerSolution]
     probe_r2_k: torch.Tensor  # (Ls, Lt)
     probe_r2_v: torch.Tensor
-    top_k: int | str  # as asked: a count, or 'auto' (chosen per layer)
-    ridge_lambda: float | str
+    top_k: int | None  # as asked: a count, or None ("auto": chosen per layer)
+    ridge_lambda: float | None
     chosen_by: str
     notes: list[str] = field(default_factory=list)
     structure: Structure = Structure()
@@ -332,8 +332,8 @@ def solve(
     train: KVStats,
     heldout: KVStats | None = None,
     *,
-    top_k: int | str = "auto",
-    ridge_lambda: float | str = "auto",
+    top_k: int | None = None,
+    ridge_lambda: float | None = None,
     top_k_grid: tuple[int, ...] = TOP_K_GRID,
     lambda_grid: tuple[float, ...] = LAMBDA_GRID,
     structure: Structure = Structure(),
@@ -344,10 +344,10 @@ def solve(
     both models' KV head counts (:func:`head_groups` gives the largest), and the caller passes the
     same structure to score them.
 
-    ``top_k``/``ridge_lambda`` are ints/floats or 'auto'.  'auto' picks, per target layer, the top_k
+    ``top_k``/``ridge_lambda`` are an int/float, or None ("auto"): then they are picked, per target layer, the top_k
     (shared by K and V) and a ridge_lambda for K and one for V that maximise held-out R^2 (mean of K
     and V for top_k), by the coordinate search of :func:`_solve_layer`.
-    Without held-out data 'auto' falls back to top_k=4, ridge_lambda=0.01 (the paper's) and says so in notes.
+    Without held-out data None falls back to top_k=4, ridge_lambda=0.01 (the paper's) and says so in notes.
     """
     layout = train.layout
     has_heldout = heldout is not None and heldout.n > 0
@@ -378,9 +378,9 @@ def head_groups(source_kv_heads: int, target_kv_heads: int) -> int:
 
 def _top_k_candidates(top_k, top_k_grid, src_layers: int, src_width: int, n_train: int,
                       notes: list[str]) -> list[int]:
-    if isinstance(top_k, str) and top_k != "auto":
-        raise ConfigError(f"k (source layers per target layer) must be a positive integer or 'auto', got {top_k!r}")
-    if isinstance(top_k, int):
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)):
+        raise ConfigError(f"k (source layers per target layer) must be a positive integer or None (auto), got {top_k!r}")
+    if top_k is not None:
         if not 1 <= top_k <= src_layers:
             raise ConfigError(f"k={top_k} is outside 1..{src_layers} (the source layers the statistics hold)")
         if top_k * src_width >= n_train:
@@ -404,11 +404,11 @@ def _top_k_candidates(top_k, top_k_grid, src_layers: int, src_width: int, n_trai
 
 
 def _lambda_candidates(ridge_lambda, lambda_grid) -> list[float]:
-    if ridge_lambda == "auto":
+    if ridge_lambda is None:
         return list(lambda_grid)
     if isinstance(ridge_lambda, (int, float)) and not isinstance(ridge_lambda, bool) and ridge_lambda >= 0:
         return [float(ridge_lambda)]
-    raise ConfigError(f"lambda must be a non-negative number or 'auto', got {ridge_lambda!r}")
+    raise ConfigError(f"lambda must be a non-negative number or None (auto), got {ridge_lambda!r}")
 
 
 def _best_lambda(train: Moments, heldout: Moments | None, cols, ycols, lambdas: list[float],

@@ -18,8 +18,6 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -35,7 +33,8 @@ from kvhub.dtypes import dtype_name
 from kvhub.errors import ConfigError, FitInterrupted, IncompatibleError
 from kvhub.fitting import checkpoint
 from kvhub.fitting.checkpoint import FitState, job_identity
-from kvhub.fitting.modes import MODES, ONE_PASS, StatisticsMode
+from kvhub.fitting.modes import ONE_PASS, StatisticsMode
+from kvhub.fitting.options import DEFAULT_STRIDE, FitOptions
 from kvhub.fitting.two_pass import run_passes, solve_candidates
 from kvhub.core.fingerprint import kv_geometry, model_fingerprint
 from kvhub.progress import Progress, report
@@ -43,29 +42,10 @@ from kvhub.progress import Progress, report
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class FitOptions:
-    """Knobs of a fit.  top_k / ridge_lambda: source layers per target layer and the ridge strength
-    (``kvhub fit --k/--lambda``; a number or 'auto').  stride: keep every s-th token (paper: 4);
-    skip_first: drop the first tokens.
-    head_local / rank: compressed maps (see :mod:`kvhub.core.solve`); they change only the solve.
-    statistics: "auto" (the plan's choice), "one-pass", "two-pass", or a StatisticsMode; candidates:
-    the most source layers a two-pass fit's pass 2 keeps (None: what the plan fits)."""
-
-    top_k: int | str = "auto"
-    ridge_lambda: float | str = "auto"
-    head_local: bool = False
-    rank: int | None = None
-    stride: int = 4
-    skip_first: int = 0
-    batch_size: int = 4
-    weighting: str = "uniform"  # "attention": weigh rows by the target's attention (kvhub.core.capture)
-    weight_cap: float = 10.0  # cap of the raw attention weight, against attention sinks
-    statistics: str | StatisticsMode = "auto"
-    candidates: int | None = None
-    checkpoint: Path | None = None
-    checkpoint_every: int = 4
-    timings: dict = field(default_factory=dict)
+def with_stride(options: FitOptions) -> FitOptions:
+    """``options`` with a stride: the paper's when none was given (:func:`kvhub.fitting.job.prepare` gives the
+    calibration recipe's)."""
+    return options if options.stride is not None else options.replace(stride=DEFAULT_STRIDE)
 
 
 def check_same_tokenizer(source_fp: dict, target_fp: dict) -> None:
@@ -129,7 +109,7 @@ def fit(
     ``notify(line)`` hears status lines (resuming from a checkpoint); default: the log.  Ctrl-C
     raises :class:`kvhub.errors.FitInterrupted`, which says where the fit stopped and what resumes.
     """
-    options = options or FitOptions()
+    options = with_stride(options or FitOptions())
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
                                              source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options)
@@ -148,12 +128,7 @@ def statistics_mode(source_model, target_model, train_ids, heldout_ids, options:
     """How this fit accumulates its statistics: the mode of its checkpoint when it resumes one the options
     allow; else the options' StatisticsMode; else the plan's choice for "auto", "one-pass" or "two-pass"
     (:func:`kvhub.fitting.plan.plan_fit` against the memory free now plus the loaded models)."""
-    requested = options.statistics
-    if not isinstance(requested, StatisticsMode) and requested not in MODES:
-        raise ConfigError(f"statistics {requested!r}: use one of {', '.join(MODES)}")
-    if options.candidates is not None and (requested == "one-pass" or isinstance(requested, StatisticsMode)):
-        raise ConfigError("candidates set what a two-pass fit's second pass keeps: give them with statistics "
-                          "'two-pass' or 'auto' (a StatisticsMode carries its own)")
+    requested = options.statistics  # FitOptions refused a mode that is none, and candidates beside one-pass
     saved = checkpoint.saved_mode(options.checkpoint, job)
     if saved is not None and _allows(requested, options.candidates, saved):
         return saved
@@ -184,7 +159,7 @@ def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: F
     dtype = dtype_name(source_model.dtype)
     workload = Workload(samples=train_ids.shape[0], heldout=0 if heldout_ids is None else heldout_ids.shape[0],
                         seq_len=train_ids.shape[1], stride=options.stride, batch_size=options.batch_size,
-                        k=options.top_k if isinstance(options.top_k, int) else None,
+                        k=options.top_k,
                         dtype=dtype if dtype in DTYPE_BYTES else "float32")
     device = str(next(source_model.parameters()).device)
     loaded = sum(p.numel() * p.element_size() for m in (source_model, target_model) for p in m.parameters())
@@ -198,6 +173,7 @@ def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: F
 def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: FitOptions,
                progress: Progress | None, job: str) -> tuple[KVStats, KVStats]:
     """One pass over both splits; returns the full (train, heldout) statistics.  Resumes from a checkpoint."""
+    options = with_stride(options)
     layout = layout_for(source_model.config, target_model.config)
     state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
                               layout, mode=ONE_PASS, options=options, progress=progress, job=job)
@@ -308,9 +284,7 @@ def capture_pair(source_model, target_model, ids, rotaries, options: FitOptions)
 
 
 def _attention_weighted(options: FitOptions) -> bool:
-    if options.weighting not in ("uniform", "attention"):
-        raise ConfigError(f"weighting must be 'uniform' or 'attention', got {options.weighting!r}")
-    return options.weighting == "attention"
+    return options.weighting == "attention"  # FitOptions refused any other than "uniform"
 
 
 # ---- the mapper -------------------------------------------------------------------------------
@@ -356,9 +330,7 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
         "layers": [layer.to_metadata() for layer in solution.layers],
         "probe_r2": {"k": solution.probe_r2_k.tolist(), "v": solution.probe_r2_v.tolist()},
         "calibration": calibration,
-        "fit": {"stride": options.stride, "skip_first": options.skip_first, "batch_size": options.batch_size,
-                "weighting": options.weighting, "weight_cap": options.weight_cap,
-                "statistics": dataclasses.asdict(statistics),
+        "fit": {**options.fit_block(), "statistics": dataclasses.asdict(statistics),
                 "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()}},
         "metrics": metrics,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -16,11 +16,13 @@ import hashlib
 import json
 import logging
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
+
+from kvhub.fitting.options import FitOptions
 
 log = logging.getLogger(__name__)
 
@@ -30,26 +32,19 @@ ProgressFactory = Callable[[str], ContextManager]
 
 @dataclass
 class FitRequest:
-    """The arguments of ``kvhub fit`` that decide the mapper (see ``kvhub fit --help`` for each)."""
+    """What ``kvhub fit`` asks for: the models, the calibration set, where the forward passes run, and the
+    fit's knobs (:class:`kvhub.fitting.options.FitOptions`; its stride None: the calibration recipe's)."""
 
     src: str
     dst: str
     calib: str = "legal-docs"
     samples: int | None = None
     seq_len: int | None = None
-    stride: int | None = None
-    top_k: int | str = "auto"
-    ridge_lambda: float | str = "auto"
+    seed: int | None = None
     device: str | None = None
     dtype: str = "bfloat16"
-    batch_size: int = 4
-    seed: int | None = None
     restart: bool = False
-    weighting: str = "uniform"
-    head_local: bool = False
-    rank: int | None = None
-    statistics: str = "auto"  # "auto" (the plan decides), "one-pass" or "two-pass"
-    candidates: int | None = None  # two-pass: the most source layers pass 2 keeps
+    options: FitOptions = field(default_factory=FitOptions)
 
 
 @dataclass
@@ -65,7 +60,7 @@ class PreparedFit:
     train: torch.Tensor  # (N, T) long
     heldout: torch.Tensor  # (M, T) long
     calibration: dict  # calibration metadata for mapper.json
-    options: object  # kvhub.fitting.fit.FitOptions
+    options: FitOptions  # the request's, with the stride and the checkpoint file set
 
 
 def check_device(device: str | None) -> None:
@@ -97,7 +92,7 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     from kvhub.calib import resolve_calibration
     from kvhub.core.fingerprint import tokenizer_hash
     from kvhub.fitting.checkpoint import sweep_temporaries
-    from kvhub.fitting.fit import FitOptions, check_same_tokenizer
+    from kvhub.fitting.fit import check_same_tokenizer
     from kvhub.models.resolve import load_model
 
     notify = notify or log.info
@@ -111,15 +106,11 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
         calibration = resolve_calibration(request.calib, tokenizer=source_tok, tokenizer_id=source_id,
                                           samples=request.samples, seq_len=request.seq_len, seed=request.seed,
                                           progress=callback)
-    stride = request.stride or calibration.stride
+    stride = request.options.stride or calibration.stride
     meta = calibration.to_metadata()
     meta["stride"] = stride
-    options = FitOptions(top_k=request.top_k, ridge_lambda=request.ridge_lambda, stride=stride,
-                         batch_size=request.batch_size, weighting=request.weighting,
-                         head_local=request.head_local, rank=request.rank,
-                         statistics=request.statistics, candidates=request.candidates,
-                         checkpoint=checkpoint_path(source_id, target_id, meta, stride, request.batch_size,
-                                                    request.weighting))
+    options = request.options.replace(stride=stride, checkpoint=checkpoint_path(
+        source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting))
     sweep_temporaries(options.checkpoint.parent)  # what fits killed mid-save left
     notify(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
            f"{calibration.train.shape[0]} train + {calibration.heldout.shape[0]} held-out sequences "
@@ -144,12 +135,13 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
     except ConfigError as exc:
         log.info("no plan before loading the models: %s", exc)
         return None
+    options = request.options
     workload = Workload(samples=sequences.samples, heldout=sequences.heldout_samples, seq_len=sequences.seq_len,
-                        stride=request.stride or sequences.stride, batch_size=request.batch_size,
-                        k=request.top_k if isinstance(request.top_k, int) else None, dtype=request.dtype)
+                        stride=options.stride or sequences.stride, batch_size=options.batch_size, k=options.top_k,
+                        dtype=request.dtype)
     device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan_fit(source, target, workload, machine_profile(device, available=available), ranks=ranks,
-                    statistics=request.statistics, candidates=request.candidates)
+                    statistics=options.statistics, candidates=options.candidates)
 
 
 def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = None):

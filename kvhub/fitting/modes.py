@@ -22,12 +22,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-import torch
-
 from kvhub.errors import ConfigError
 
 MODES = ("auto", "one-pass", "two-pass")  # what ``kvhub fit --stats`` and ``kvhub plan --stats`` accept
-ACCUMULATORS = {"float64": (torch.float64, 8), "float32": (torch.float32, 4)}
+ACCUMULATORS = {"float64": 8, "float32": 4}  # dtype of the totals -> bytes per entry (no torch: the CLI imports this)
 
 
 @dataclass(frozen=True)
@@ -58,10 +56,12 @@ class StatisticsMode:
                               f"solve k up to {self.top_k_max}; keep more candidates or lower --k")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return ACCUMULATORS[self.dtype][0]
+    def torch_dtype(self):
+        import torch
 
-    def depth(self, top_k: int | str, top_k_grid: tuple[int, ...], src_layers: int) -> int:
+        return getattr(torch, self.dtype)
+
+    def depth(self, top_k: int | None, top_k_grid: tuple[int, ...], src_layers: int) -> int:
         """Candidates per target layer in pass 2: ``top_k_max``, else a fixed top_k, else the largest
         grid value the candidates and the source layers allow."""
         if isinstance(top_k, int):
@@ -96,7 +96,7 @@ def statistics_bytes(p: int, q_owned: int, *, gram_entries: int | None = None, d
     """Bytes KVStats allocates for train + held-out: S(p, g, qr, b) of the module docstring (g = p^2
     unless ``gram_entries`` says how many Gram entries are stored)."""
     gram = p * p if gram_entries is None else gram_entries
-    return 2 * 2 * (8 * (p + 2 * q_owned) + ACCUMULATORS[dtype][1] * (gram + p * q_owned))
+    return 2 * 2 * (8 * (p + 2 * q_owned) + ACCUMULATORS[dtype] * (gram + p * q_owned))
 
 
 def pass_bytes(src_layers: int, src_width: int, q_owned: int, mode: StatisticsMode) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ to the model's layers and puts pass 1's probe grids (every source layer) in the 
 
 Memory: max(pass 1, pass 2) (:mod:`kvhub.fitting.modes`), since pass 1's statistics are dropped before
 pass 2 allocates its own.  When U holds every target layer's best ``top_k_max`` layers and the
-one-pass fit's k is at most ``top_k_max`` (with k 'auto': and ``top_k_max`` >= 4, where the coordinate
+one-pass fit's k is at most ``top_k_max`` (with k auto (None): and ``top_k_max`` >= 4, where the coordinate
 search of :func:`kvhub.core.solve.solve` starts), the solution is the one-pass solution: a layer's probe
 reads the same sums either way (up to how fp32 products round per Gram block: near-ties aside), so each
 target layer ranks U's layers as the one-pass fit ranks all of them, and every k the search tries takes
@@ -33,7 +33,7 @@ from kvhub.fitting.modes import StatisticsMode
 log = logging.getLogger(__name__)
 
 
-def run_passes(state: FitState | None, layout: Layout, mode: StatisticsMode, *, top_k: int | str,
+def run_passes(state: FitState | None, layout: Layout, mode: StatisticsMode, *, top_k: int | None,
                run: Callable[[FitState, str], None], save: Callable[[FitState], None] | None) -> FitState:
     """Every pass of ``mode`` from ``state`` (None: the start) over ``layout`` (a rank's target layers):
     ``run(state, label)`` merges a pass's remaining batches; ``save(state)`` checkpoints the start of
@@ -71,7 +71,7 @@ def second_pass(state: FitState, mode: StatisticsMode, *, top_k: int | str) -> F
     return FitState(stats, pass_index=2, candidates=candidates, probe=(probe_k, probe_v))
 
 
-def solve_candidates(state: FitState, mode: StatisticsMode, *, top_k: int | str, ridge_lambda: float | str,
+def solve_candidates(state: FitState, mode: StatisticsMode, *, top_k: int | None, ridge_lambda: float | None,
                      structure: Structure, src_layers: int, targets: list[int] | None = None) -> Solution:
     """The solve on pass 2's statistics, with source layers numbered as in the model (module docstring)."""
     candidates = state.candidates

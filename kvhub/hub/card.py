@@ -31,6 +31,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvhub.artifact.metadata import shown
 from kvhub.errors import ConfigError
 from kvhub.hub.evaluations import (
     _TASK_DATASETS, bench_section, calibration_dataset, evaluation_results, evaluations_table, fmt, hub_datasets,
@@ -199,8 +200,8 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model:
             "source": _fingerprint_summary(source),
             "target": _fingerprint_summary(target),
             "calibration": {k: calibration.get(k) for k in ("name", "version", "content_hash") if k in calibration},
-            "k": _auto(metadata.get("k")),
-            "lambda": _auto(metadata.get("lambda")),
+            "k": shown(metadata.get("k")),
+            "lambda": shown(metadata.get("lambda")),
             "structure": metadata.get("structure") or {"head_groups": 1, "rank": None},
             "weighting": (metadata.get("fit") or {}).get("weighting", "uniform"),
             "tensors_sha256": (metadata.get("tensors") or {}).get("sha256"),
@@ -213,11 +214,6 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model:
 def _fingerprint_summary(fingerprint: dict) -> dict:
     keys = ("model_id", "revision", "config_hash", "tokenizer_hash", "num_layers", "num_kv_heads", "head_dim")
     return {key: fingerprint.get(key) for key in keys}
-
-
-def _auto(value):
-    """A fit option as cards and JSON show it: "auto" when it was chosen per target layer (None)."""
-    return "auto" if value is None else value
 
 
 # ---- body --------------------------------------------------------------------------------------------
@@ -294,8 +290,8 @@ def _fit_section(metadata: dict) -> str:
     )
     return (
         "## Fit\n\n"
-        f"k = {_fmt(_auto(metadata.get('k')))} source layers per target layer, "
-        f"ridge lambda = {_fmt(_auto(metadata.get('lambda')))}; maps: {_structure(metadata)}; "
+        f"k = {_fmt(shown(metadata.get('k')))} source layers per target layer, "
+        f"ridge lambda = {_fmt(shown(metadata.get('lambda')))}; maps: {_structure(metadata)}; "
         f"token weighting: {(metadata.get('fit') or {}).get('weighting', 'uniform')}.{_counts(metadata)}\n\n"
         "| target layer | source layers | held-out R² (K) | held-out R² (V) |\n| --- | --- | --- | --- |\n"
         f"{rows}\n"

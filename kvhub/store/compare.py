@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvhub.artifact.metadata import shown
 from kvhub.store.records import corpus_hash
 
 
@@ -28,8 +29,7 @@ def _fields(data: dict, per_layer: bool) -> dict:
         "source": data["source_model"]["name"], "target": data["target_model"]["name"],
         "calibration": calibration["name"], "calibration text": corpus_hash(calibration.get("recipe")),
         "calibration content": calibration["content_hash"], "calibration tokens": calibration["tokens"],
-        "k": "auto" if data["k"] is None else data["k"],
-        "lambda": "auto" if data["ridge_lambda"] is None else data["ridge_lambda"],
+        "k": shown(data["k"]), "lambda": shown(data["ridge_lambda"]),
         "tensors sha256": data["tensors_sha256"], "written by": f"kvhub {data['kvhub_version']}",
     }
     for m in data["metrics"]:

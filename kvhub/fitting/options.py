@@ -1,0 +1,167 @@
+"""The knobs of a fit, declared once: :class:`FitOptions`.
+
+Each knob is a field with its command-line flag, help and rule.  ``kvhub fit`` and ``kvhub plan`` build
+their options from these fields (:mod:`kvhub.cli.fit_options`); mapper.json's ``fit`` block is
+:meth:`FitOptions.fit_block`; a value a rule refuses is refused when the options are made, before any
+model loads (``FitOptions(ridge_lambda=-1)`` raises ConfigError naming ``--lambda``).
+
+"auto": ``top_k`` and ``ridge_lambda`` None mean "chosen per target layer on held-out R^2"
+(:func:`kvhub.core.solve.solve`), in Python, in the store's columns and in mapper.json (null).  The word
+``"auto"`` is only text: what a user types (:func:`auto_or`) and what a table shows
+(:func:`kvhub.artifact.metadata.shown`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvhub.errors import ConfigError
+from kvhub.fitting.modes import MODES, StatisticsMode
+
+AUTO = "auto"  # the text for None in top_k / ridge_lambda
+DEFAULT_STRIDE = 4  # the paper's token stride, when neither the options nor a calibration recipe give one
+WEIGHTINGS = ("uniform", "attention")
+
+
+def auto_or(text, convert: Callable):
+    """``text`` as a knob value: None for "auto" (or None), else ``convert(text)``; ValueError when it is neither."""
+    if text is None or text == AUTO:
+        return None
+    if isinstance(text, str):
+        return convert(text.strip())
+    return text
+
+
+# ---- rules: each returns what a value must be, or None when it is one -----------------------------------
+def _positive_integer(value) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return None if ok else "a positive integer"
+
+
+def _non_negative_integer(value) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return None if ok else "a non-negative integer"
+
+
+def _non_negative_number(value) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return None if ok else "a finite non-negative number"
+
+
+def _positive_number(value) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return None if ok else "a finite positive number"
+
+
+def _flag(value) -> str | None:
+    return None if isinstance(value, bool) else "True or False"
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable:
+    def rule(value) -> str | None:
+        return None if value in choices else "one of " + ", ".join(choices)
+    return rule
+
+
+def _mode(value) -> str | None:
+    return None if isinstance(value, StatisticsMode) or value in MODES else "one of " + ", ".join(MODES)
+
+
+def knob(default, *, flag: str | None, help: str, rule: Callable, parse: Callable | None = None,
+         auto: bool = False, choices: tuple[str, ...] | None = None, in_fit_block: bool = False):
+    """A FitOptions field.  flag: its command-line option (None: Python only); parse: text -> value for the
+    command line; auto: None is spelled "auto"; choices: the values the command line offers; in_fit_block:
+    recorded in mapper.json's ``fit`` block."""
+    return field(default=default, metadata={"flag": flag, "help": help, "rule": rule, "parse": parse, "auto": auto,
+                                            "choices": choices, "in_fit_block": in_fit_block})
+
+
+@dataclass
+class FitOptions:
+    """The knobs of a fit (each field's metadata: flag, help, rule).  The last three fields are where one run
+    keeps its state, not knobs: the checkpoint file, how often it is written, and the timings."""
+
+    top_k: int | None = knob(
+        None, flag="--k", parse=int, auto=True, rule=_positive_integer,
+        help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).")
+    ridge_lambda: float | None = knob(
+        None, flag="--lambda", parse=float, auto=True, rule=_non_negative_number,
+        help="Ridge strength relative to the mean Gram diagonal, or 'auto' (chosen per layer on held-out R^2).")
+    stride: int | None = knob(
+        None, flag="--stride", parse=int, rule=_positive_integer, in_fit_block=True,
+        help="Keep every s-th token for the statistics [default: the calibration recipe's; paper: 4].")
+    batch_size: int = knob(4, flag="--batch-size", parse=int, rule=_positive_integer, in_fit_block=True,
+                           help="Sequences per forward pass.")
+    weighting: str = knob(
+        "uniform", flag="--weighting", choices=WEIGHTINGS, rule=_one_of(WEIGHTINGS), in_fit_block=True,
+        help="How much each calibration token counts in the fit: 'uniform', or 'attention' = by the attention the "
+             "target model pays it (capped at 10x uniform, against attention sinks). 'attention' runs the target's "
+             "forward passes with eager attention, which is slower and needs more memory.")
+    weight_cap: float = knob(10.0, flag=None, rule=_positive_number, in_fit_block=True,
+                             help="Cap of a token's attention weight, in multiples of uniform.")
+    head_local: bool = knob(
+        False, flag="--head-local", rule=_flag,
+        help="Compressed maps: each target KV head group reads only its source head group (gcd of the KV head "
+             "counts groups; that many times fewer weights).")
+    rank: int | None = knob(None, flag="--rank", parse=int, rule=_positive_integer,
+                            help="Compressed maps: reduced-rank ridge of this rank per target layer (and head group).")
+    skip_first: int = knob(0, flag=None, rule=_non_negative_integer, in_fit_block=True,
+                           help="Tokens at the start of each sequence left out of the statistics.")
+    statistics: str | StatisticsMode = knob(
+        "auto", flag="--stats", choices=MODES, rule=_mode,
+        help="How the statistics are accumulated: 'one-pass' (every source layer's full statistics), 'two-pass' "
+             "(a probe pass over per-layer blocks picks candidate source layers, a second pass keeps only those: "
+             "for pairs whose full statistics do not fit), or 'auto' (what kvhub plan says fits the memory free now).")
+    candidates: int | None = knob(
+        None, flag="--candidates", parse=int, rule=_positive_integer,
+        help="Two-pass statistics: the most source layers pass 2 keeps (per process) [default: as many as the "
+             "plan fits].")
+
+    checkpoint: Path | None = None
+    checkpoint_every: int = 4
+    timings: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for spec in knobs():
+            value = getattr(self, spec.name)
+            if spec.metadata["auto"] and value == AUTO:
+                setattr(self, spec.name, value := None)
+            problem = check(spec.name, value)
+            if problem:
+                raise ConfigError(problem)
+        if self.candidates is not None and (self.statistics == "one-pass" or isinstance(self.statistics, StatisticsMode)):
+            raise ConfigError("--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats "
+                              "two-pass (a StatisticsMode carries its own)")
+
+    def fit_block(self) -> dict:
+        """The knobs mapper.json records under ``fit`` (k and lambda are top-level; head_local and rank are
+        the ``structure`` block; the statistics mode is the one the fit ran)."""
+        return {spec.name: getattr(self, spec.name) for spec in knobs() if spec.metadata["in_fit_block"]}
+
+    def replace(self, **changes) -> "FitOptions":
+        return dataclasses.replace(self, **changes)
+
+
+def knobs() -> list[dataclasses.Field]:
+    """FitOptions' knob fields, in declaration order."""
+    return [spec for spec in dataclasses.fields(FitOptions) if "rule" in spec.metadata]
+
+
+def knob_field(name: str) -> dataclasses.Field:
+    return next(spec for spec in knobs() if spec.name == name)
+
+
+def check(name: str, value) -> str | None:
+    """Why ``value`` cannot be knob ``name`` (a sentence naming the flag and what to use), or None."""
+    spec = knob_field(name)
+    if value is None and (spec.default is None):
+        return None
+    must = spec.metadata["rule"](value)
+    if must is None:
+        return None
+    shown = f"{spec.metadata['flag']} {value!r}" if spec.metadata["flag"] else f"{name}={value!r}"
+    return f"{shown}: use {must}{' or ' + repr(AUTO) if spec.metadata['auto'] else ''}"
