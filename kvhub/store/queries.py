@@ -6,7 +6,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from kvhub.errors import ConfigError
-from kvhub.store import resolve as rs
+from kvhub.store import lookup
 from kvhub.store.records import MapperVersion, as_utc, version_record
 from kvhub.store.refs import match_calibration_names, match_model_names
 from kvhub.store.tables import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
@@ -18,7 +18,7 @@ _MODEL_FIELDS = ("name", "revision", "model_type", "family", "config_hash", "tok
 def list_versions(session: Session, *, source: str | None, target: str | None, calibration: str | None,
                   family: str | None, min_metrics: dict[str, float]) -> list[MapperVersion]:
     """Versions matching every filter (see Store.versions), by triple then version number."""
-    query = rs.versions_query().join(VersionRow.series)
+    query = lookup.versions_query().join(VersionRow.series)
     series = session.scalars(select(SeriesRow)).all()
     if source is not None:
         query = query.where(SeriesRow.source_name.in_(match_model_names(source, [s.source_name for s in series])))
@@ -37,7 +37,7 @@ def list_versions(session: Session, *, source: str | None, target: str | None, c
         query = query.where(VersionRow.id.in_(passing))
     query = query.order_by(SeriesRow.source_name, SeriesRow.target_name, SeriesRow.calibration_name, VersionRow.version)
     rows = session.scalars(query).all()
-    aliases = rs.aliases_by_version(session, [row.id for row in rows])
+    aliases = lookup.aliases_by_version(session, [row.id for row in rows])
     return [version_record(row, aliases.get(row.id, [])) for row in rows]
 
 
@@ -114,7 +114,7 @@ def publications_of(session: Session, version_id: int) -> list[dict]:
 
 def describe_row(session: Session, row: VersionRow) -> dict:
     """The version record plus models, calibration set, metrics and publications, JSON-ready."""
-    aliases = rs.aliases_by_version(session, [row.id]).get(row.id, [])
+    aliases = lookup.aliases_by_version(session, [row.id]).get(row.id, [])
     data = version_record(row, aliases).to_dict()
     data["source_model"] = {name: getattr(row.source_model, name) for name in _MODEL_FIELDS}
     data["target_model"] = {name: getattr(row.target_model, name) for name in _MODEL_FIELDS}

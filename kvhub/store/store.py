@@ -33,8 +33,7 @@ from kvhub import __version__
 from kvhub.artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
 from kvhub.errors import AmbiguousError, ArtifactError, ConfigError, NotFoundError, StoreError
 from kvhub.errors import IntegrityError as ArtifactIntegrityError
-from kvhub.store import queries
-from kvhub.store import resolve as rs
+from kvhub.store import lookup, queries
 from kvhub.store.artifacts import ArtifactStore, GcReport, artifact_files, copy_hashing, manifest_sha256
 from kvhub.store.engine import connection_error, is_read_only, make_engine, read_only_error, write_engine
 from kvhub.store.ingest import (
@@ -156,11 +155,11 @@ class Store:
 
     def _row(self, session: Session, version: VersionLike) -> VersionRow:
         if isinstance(version, MapperVersion):
-            return rs.version_by_id(session, version.id)
-        return rs.resolve_row(session, version if isinstance(version, Ref) else Ref.parse(version))
+            return lookup.version_by_id(session, version.id)
+        return lookup.resolve_row(session, version if isinstance(version, Ref) else Ref.parse(version))
 
     def _record(self, session: Session, row: VersionRow) -> MapperVersion:
-        return version_record(row, rs.aliases_by_version(session, [row.id]).get(row.id, []))
+        return version_record(row, lookup.aliases_by_version(session, [row.id]).get(row.id, []))
 
     # ---- registering -----------------------------------------------------------------------------
     def register(self, artifact_dir: str | os.PathLike, *, lineage: dict | None = None,
@@ -233,7 +232,7 @@ class Store:
     # ---- finding ---------------------------------------------------------------------------------
     def get(self, version_id: int) -> MapperVersion:
         """The version with database id ``version_id``."""
-        return self._read(lambda s: self._record(s, rs.version_by_id(s, version_id)))
+        return self._read(lambda s: self._record(s, lookup.version_by_id(s, version_id)))
 
     def resolve(self, ref: VersionLike) -> MapperVersion:
         """The version a reference names (NotFoundError / AmbiguousError otherwise)."""
@@ -395,9 +394,9 @@ class Store:
         return self._write(lambda s: self._untag(s, ref, alias))
 
     def _untag(self, session: Session, ref: Ref, alias: str) -> MapperVersion:
-        series = rs.find_series(session, ref)
+        series = lookup.find_series(session, ref)
         lock_series(session, series.id)
-        pointed = rs.select_version(session, series, version=None, alias=alias)
+        pointed = lookup.select_version(session, series, version=None, alias=alias)
         other_version = ref.version is not None and pointed.version != ref.version
         if other_version or ref.alias not in (None, alias):
             wanted = f"v{ref.version}" if ref.version is not None else ref.alias
@@ -442,7 +441,7 @@ class Store:
         series_id = row.series_id
         session.delete(row)
         session.flush()
-        newest = rs.newest_version(session, series_id)
+        newest = lookup.newest_version(session, series_id)
         if newest is not None:
             set_alias(session, series_id, LATEST, newest.id)
         return record
