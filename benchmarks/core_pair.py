@@ -30,7 +30,7 @@ def fit_once(args) -> dict:
     from kvhub.calib import resolve_calibration
     from kvhub.fitting.fit import fit
     from kvhub.fitting.options import FitOptions
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     torch.manual_seed(0)
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
@@ -76,7 +76,7 @@ def evaluate(args, artifact: Path) -> dict:
     from kvhub.eval.continuation import continuation_metrics, time_transfer_vs_prefill
     from kvhub.serving.spec import Recompute
     from kvhub.core.mapper import Mapper
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
     target, _, _ = load_model(args.dst, dtype="bfloat16")

@@ -84,7 +84,7 @@ def main() -> None:
     from kvhub.calib.corpus import cache_root
     from kvhub.fitting.fit import build_mapper, pair_fingerprints
     from kvhub.fitting.options import FitOptions
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
     from kvhub.core.solve import solve
 
     source, tok, source_id = load_model(SRC, dtype="bfloat16")

@@ -144,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvhub.api import Mapper
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     torch.set_grad_enabled(False)
     mapper = Mapper.from_pretrained(args.mapper, dtype=torch.float32)  # a directory, a store ref or a Hub repo

@@ -70,7 +70,7 @@ def main() -> None:
     from kvhub.fitting.options import FitOptions
     from kvhub.artifact import TENSORS_FILE
     from kvhub.core.mapper import Mapper
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
     from kvhub.core.solve import solve
 
     source, tok, source_id = load_model(SRC, dtype="bfloat16")

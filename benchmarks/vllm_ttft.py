@@ -150,7 +150,7 @@ def _tiny(args) -> None:
 def _resolve(args) -> None:
     if args.tiny:
         return _tiny(args)
-    from kvhub.models.resolve import resolve_model_path
+    from kvhub.models.loading import resolve_model_path
 
     args.src_path, args.dst_path = str(resolve_model_path(args.src)), str(resolve_model_path(args.dst))
     args.source_model = args.source_model or args.src

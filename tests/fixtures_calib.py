@@ -121,12 +121,12 @@ def config_only_model(directory: Path, monkeypatch) -> Path:
     model loading patched to fail the test: for the checks a command must make before any model loads."""
     import json
 
-    import kvhub.models.resolve
+    import kvhub.models.loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(kvhub.models.resolve, "load_model", refuse)
+    monkeypatch.setattr(kvhub.models.loading, "load_model", refuse)
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

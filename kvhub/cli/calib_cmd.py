@@ -119,7 +119,7 @@ def fetch_command(names: tuple[str, ...], output_format: str) -> None:
 
 def load_tokenizer(spec: str):
     """A tokenizer from a model directory, a .gguf file, a tokenizer.json, or a (cached/Hub) model id."""
-    from kvhub.models.resolve import find_known, resolve_model_path
+    from kvhub.models.loading import find_known, resolve_model_path
 
     path = Path(spec).expanduser()
     resolved = resolve_model_path(spec)

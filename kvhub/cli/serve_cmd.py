@@ -209,7 +209,7 @@ def _shown(word: str) -> str:
 
 def _model_path(model_id: str) -> str:
     """The local copy of a model `kvhub fetch models` fetched, else the id itself (vLLM resolves it)."""
-    from kvhub.models.resolve import resolve_model_path
+    from kvhub.models.loading import resolve_model_path
 
     return str(resolve_model_path(model_id))
 

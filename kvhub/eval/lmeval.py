@@ -129,7 +129,7 @@ class KVHubLM(TemplateLM or object):
 
     def _load(self, ref: str, *, dtype, device, db, source, target) -> None:
         from kvhub.api import from_pretrained
-        from kvhub.models.resolve import load_model
+        from kvhub.models.loading import load_model
         from kvhub.serving.handoff import check_models
 
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():

@@ -45,7 +45,7 @@ class LoadedVersion:
 def load_version(store, ref: str, *, device: str | None = None, dtype: str | None = None) -> LoadedVersion:
     """Resolve ``ref`` in ``store`` and load its mapper and the two models it was fitted for."""
     from kvhub.core.mapper import Mapper
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     version = store.resolve(ref)
     mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)

@@ -123,10 +123,10 @@ def shipped_configs() -> dict[str, dict]:
 def load_config(spec: str) -> tuple[dict, str]:
     """(config dict, model id) of a spec, reading no weights.
 
-    Tries, in order: a config.json file or a model directory; a fetched known model (kvhub.models.resolve);
+    Tries, in order: a config.json file or a model directory; a fetched known model (kvhub.models.loading);
     a config kvhub ships; the Hugging Face cache (offline).
     """
-    from kvhub.models.resolve import find_known, resolve_model_path
+    from kvhub.models.loading import find_known, resolve_model_path
 
     path = Path(spec).expanduser()
     if path.is_dir():

@@ -35,7 +35,7 @@ def is_hub_id(name: str) -> bool:
 
 def _known_hub_id(model_id: str) -> str | None:
     """The Hub id of a known model (registry/models.toml) a local path names by its directory or GGUF file."""
-    from kvhub.models.resolve import known_models
+    from kvhub.models.loading import known_models
     from kvhub.store.refs import short_name
 
     last = short_name(model_id)

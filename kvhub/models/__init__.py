@@ -1,2 +1,2 @@
-"""Models: specs to loaded models (``resolve``: known models, local dirs, .gguf, Hub ids), fetching
+"""Models: specs to loaded models (``loading``: known models, local dirs, .gguf, Hub ids), fetching
 and converting the known models (``fetch``), and what a mapper is valid for (``fingerprint``)."""

