@@ -3,7 +3,7 @@ is an edge, and each module belongs to one stage of the flow (docs/architecture.
 from its own stage or an earlier one, never from a later one; no import cycle; no module over 500 lines.
 
 Bugs it catches (each in the code when issue 23 was filed): ``core/mapper.py`` importing ``kvhub.api`` inside
-``from_pretrained`` (an upward arrow and a cycle; the Hub-style face is now ``kvhub.api.Mapper``); ``models/resolve.py`` reaching up to ``calib.corpus``
+``from_pretrained`` (an upward arrow and a cycle; the Hub-style face is now ``kvhub.api.Mapper``); ``models/resolve.py`` (now ``models/loading.py``) reaching up to ``calib.corpus``
 for the cache root; ``models/fetch.py`` importing ``kvhub.eval.tasks`` inside ``fetch_evals``; the vLLM
 connector importing ``kvhub.eval.control``; ``serving/kvstore.py`` at 608 lines.
 """

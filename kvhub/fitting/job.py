@@ -93,7 +93,7 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     from kvhub.core.fingerprint import tokenizer_hash
     from kvhub.fitting.checkpoint import sweep_temporaries
     from kvhub.fitting.fit import check_same_tokenizer
-    from kvhub.models.resolve import load_model
+    from kvhub.models.loading import load_model
 
     notify = notify or log.info
     progress = progress or _no_progress

@@ -21,8 +21,8 @@ from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArti
 from kvhub.store.artifacts import StoredArtifact
 from kvhub.store.records import corpus_hash
 from kvhub.store.refs import LATEST
-from kvhub.store.resolve import newest_version
-from kvhub.store.schema import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
+from kvhub.store.lookup import newest_version
+from kvhub.store.tables import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
 
 log = logging.getLogger(__name__)
 
