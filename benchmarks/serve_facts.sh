@@ -18,7 +18,7 @@ KVHUB=${KVHUB:-.venv/bin/kvhub}
 OUT=${OUT:-docs/results/serve_facts.json}
 LIMIT=${LIMIT:-12}
 WORK=$(mktemp -d)
-"$KVHUB" serve "$REF" --store-dir "$WORK/kv" --events "$WORK/events.jsonl" --log-dir "$WORK/logs" --json \
+"$KVHUB" serve "$REF" --kvstore-dir "$WORK/kv" --events "$WORK/events.jsonl" --log-dir "$WORK/logs" --json \
   --port-small "${PORT_SMALL:-8101}" --port-large "${PORT_LARGE:-8102}" "$@" \
   -- --dtype "${DTYPE:-float32}" --max-model-len 4096 --block-size 32 --max-num-seqs 4 --enforce-eager \
   > "$WORK/ready.json" 2> "$WORK/serve.stderr" &

@@ -57,11 +57,11 @@ def _prompts(args, vocab: int) -> dict[int, list[int]]:
 def _transfer(args, role: str) -> dict:
     from kvhub.serving.launch import transfer_configs
 
-    configs = transfer_configs(store_dir=args.store_dir, source_model=args.source_model, mapper=args.mapper,
+    configs = transfer_configs(kvstore_dir=args.kvstore_dir, source_model=args.source_model, mapper=args.mapper,
                                mapper_path=None if args.mapper else args.mapper_path, db=args.db,
                                exact_suffix=args.exact_suffix, exact_budget=args.exact_budget,
-                               store_max_bytes=args.store_max_bytes,
-                               events_path=str(Path(args.store_dir) / "events.jsonl"))
+                               kvstore_max_bytes=args.kvstore_max_bytes,
+                               events_path=str(Path(args.kvstore_dir) / "events.jsonl"))
     return configs[role]
 
 
@@ -126,9 +126,9 @@ MAP_ONLY = "exact_prefix=0,exact_budget=0"  # a request's own recompute spec: ma
 
 
 def _spawn(args, role: str) -> dict:
-    out = Path(args.store_dir) / f"{role}-result.json"
+    out = Path(args.kvstore_dir) / f"{role}-result.json"
     command = [sys.executable, __file__, *sys.argv[1:], "--engine", role, "--engine-out", str(out),
-               "--store-dir", args.store_dir]
+               "--kvstore-dir", args.kvstore_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}  # CPU backend: KV cache size, instead of a memory share
     subprocess.run(command, check=True, env=env)
@@ -174,8 +174,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--text", help="a text file for the prompts (default: seeded random token ids)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--store-dir", help="KV store directory (default: a fresh temp dir)")
-    parser.add_argument("--store-max-bytes", type=int, default=4 << 30)
+    parser.add_argument("--kvstore-dir", help="KV store directory (default: a fresh temp dir)")
+    parser.add_argument("--kvstore-max-bytes", type=int, default=4 << 30)
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM CPU KV cache size per engine (GiB)")
     parser.add_argument("--tiny", help="smoke test: build the tiny exact family in this directory and use it")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not (args.mapper or args.mapper_path or args.tiny):
         parser.error("give --mapper or --mapper-path (or --tiny)")
-    args.store_dir = args.store_dir or tempfile.mkdtemp(prefix="kvhub-ttft-")
+    args.kvstore_dir = args.kvstore_dir or tempfile.mkdtemp(prefix="kvhub-ttft-")
     _resolve(args)
     if args.engine:
         Path(args.engine_out).write_text(json.dumps(run_engine(args, args.engine)))

@@ -100,6 +100,17 @@ class ServeError(KVHubError, RuntimeError):
     exit_code = 16
 
 
+class KVStoreError(KVHubError, OSError):
+    """The serving KV store (``kvhub serve --kvstore-dir``) cannot write: free space, or make it writable.
+
+    Disk full, a read-only mount, no write permission, a namespace directory that is a symbolic link:
+    nothing is stored, and the message names the directory and the fix for that errno.  A stored entry
+    that cannot be read is an IncompatibleError (a miss), not this.  The SQL registry's refusals are
+    StoreError."""
+
+    exit_code = 17
+
+
 class HubError(KVHubError, OSError):
     """Talking to the Hugging Face Hub failed."""
 

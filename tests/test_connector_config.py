@@ -17,8 +17,19 @@ def test_counts_read(value, expected):
 
 @pytest.mark.parametrize("value", ["1GiB", "sixteen", 0, -5, True, 1.5, None], ids=str)
 def test_bad_counts_are_refused_by_name(value):
-    with pytest.raises(ConfigError, match="store_max_bytes must be a positive whole number"):
-        connector.config_count({"store_max_bytes": value}, "store_max_bytes")
+    with pytest.raises(ConfigError, match="kvstore_max_bytes must be a positive whole number"):
+        connector.config_count({"kvstore_max_bytes": value}, "kvstore_max_bytes")
+
+
+@pytest.mark.parametrize("old, new", [("store_dir", "kvstore_dir"), ("store_max_bytes", "kvstore_max_bytes"),
+                                      ("exact_tail", "exact_suffix")])
+def test_an_old_key_is_refused_with_its_new_name(old, new):
+    """A config written before a rename gets one line naming the new key, not "unknown keys [...]" or a
+    silently ignored size cap (the serving KV store's keys were store_dir and store_max_bytes)."""
+    from kvhub.serving.launch import EXTRA_DEFAULTS, check_extra_keys
+
+    with pytest.raises(ConfigError, match=f"key '{old}' is now '{new}'.*rename it"):
+        check_extra_keys({**EXTRA_DEFAULTS, "kvstore_dir": "/tmp/kv", old: 1})  # as the connector merges them
 
 
 @pytest.mark.parametrize("value, expected", [(True, True), (False, False), ("false", False), ("True", True)], ids=str)

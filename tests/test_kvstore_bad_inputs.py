@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.errors import ConfigError, IncompatibleError, KVStoreError
 from kvhub.serving.kvstore import KVStore, StoredPrefix
 
 CHUNK, HEADS, DIM, LAYERS = 4, 2, 3, 2
@@ -57,12 +57,12 @@ def _fifo(path: Path):
     os.mkfifo(path)
 
 
-def _store_dir_is_a_file(root: Path):
+def _kvstore_dir_is_a_file(root: Path):
     root.write_text("not a directory")
     _store(root)
 
 
-def _store_dir_under_a_file(root: Path):
+def _kvstore_dir_under_a_file(root: Path):
     root.write_text("not a directory")
     _store(root / "kv")
 
@@ -78,6 +78,13 @@ def _pins_is_a_link(root: Path):
     (root.parent / "elsewhere").mkdir()
     (root / "pins").symlink_to(root.parent / "elsewhere", target_is_directory=True)
     _store(root)
+
+
+def _namespaces_a_link(root: Path):
+    _store(root)
+    (root.parent / "elsewhere").mkdir()
+    (root / "ns").symlink_to(root.parent / "elsewhere", target_is_directory=True)
+    _put(root)
 
 
 def _damaged_entry(damage):
@@ -127,11 +134,11 @@ REFUSED = [
                  id="chunk_tokens-zero"),
     pytest.param(lambda root: KVStore(root, max_bytes=1 << 20, chunk_tokens="sixteen"), ConfigError, "chunk_tokens",
                  id="chunk_tokens-text"),
-    pytest.param(lambda root: KVStore("", max_bytes=1 << 20), ConfigError, "non-empty path", id="store_dir-empty"),
-    pytest.param(lambda root: KVStore(None, max_bytes=1 << 20), ConfigError, "non-empty path", id="store_dir-none"),
+    pytest.param(lambda root: KVStore("", max_bytes=1 << 20), ConfigError, "non-empty path", id="kvstore_dir-empty"),
+    pytest.param(lambda root: KVStore(None, max_bytes=1 << 20), ConfigError, "non-empty path", id="kvstore_dir-none"),
     # the constructor: the directory
-    pytest.param(_store_dir_is_a_file, ConfigError, "is not a directory.*point store_dir", id="store_dir-a-file"),
-    pytest.param(_store_dir_under_a_file, ConfigError, "is not a directory", id="store_dir-under-a-file"),
+    pytest.param(_kvstore_dir_is_a_file, ConfigError, "is not a directory.*point kvstore_dir", id="kvstore_dir-a-file"),
+    pytest.param(_kvstore_dir_under_a_file, ConfigError, "is not a directory", id="kvstore_dir-under-a-file"),
     pytest.param(_pins_is_a_file, ConfigError, "is not a directory", id="pins-a-file"),
     pytest.param(_pins_is_a_link, ConfigError, "is not a directory", id="pins-a-link"),
     pytest.param(_in_place_of_store_json(lambda p: p.write_text("{\"format\": ")), ConfigError,
@@ -180,8 +187,10 @@ REFUSED = [
     pytest.param(lambda root: _put(root, tenant=7), ConfigError, "isolation_key must be a string",
                  id="put-isolation-key-int"),
     # put: a cap below one entry (K20) stores nothing rather than a path to an evicted entry
-    pytest.param(lambda root: _put(root, max_bytes=100), ConfigError, "more than the size cap.*raise store_max_bytes",
+    pytest.param(lambda root: _put(root, max_bytes=100), ConfigError, "more than the size cap.*raise kvstore_max_bytes",
                  id="put-entry-larger-than-cap"),
+    # put: a planted link is the KV store's own error (exit 17), not the SQL registry's StoreError
+    pytest.param(_namespaces_a_link, KVStoreError, "not a plain directory.*nothing stored", id="put-ns-a-link"),
     # lookups
     pytest.param(lambda root: _lookup(root, ids=[0.5] * 16), ConfigError, "integers", id="lookup-float-token-ids"),
     pytest.param(lambda root: _lookup(root, tenant=None), ConfigError, "isolation_key", id="lookup-isolation-key-none"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -122,7 +123,7 @@ def _invoke(*args: str):
 
 
 def _serve_args(db: str, tmp_path: Path, vllm: Path | None, ports: list[int], *extra: str) -> list[str]:
-    args = ["serve", REF, "--db", db, "--store-dir", str(tmp_path / "kv"), "--log-dir", str(tmp_path / "logs"),
+    args = ["serve", REF, "--db", db, "--kvstore-dir", str(tmp_path / "kv"), "--log-dir", str(tmp_path / "logs"),
             "--port-small", str(ports[0]), "--port-large", str(ports[1])]
     return args + (["--vllm", str(vllm)] if vllm else []) + list(extra)
 
@@ -158,12 +159,12 @@ def _server_pids(tmp_path: Path, ports) -> list[int]:
 
 # ---- the connector configuration ----------------------------------------------------------------------
 def test_transfer_configs_give_each_role_its_keys(tmp_path):
-    configs = launch.transfer_configs(store_dir=tmp_path / "kv", source_model="org/small", mapper="s:d:c@v2",
-                                      db="sqlite:///x.db", exact_suffix=8, exact_budget=0.1, store_max_bytes=1 << 20,
+    configs = launch.transfer_configs(kvstore_dir=tmp_path / "kv", source_model="org/small", mapper="s:d:c@v2",
+                                      db="sqlite:///x.db", exact_suffix=8, exact_budget=0.1, kvstore_max_bytes=1 << 20,
                                       events_path="/tmp/e.jsonl", chunk_tokens=None)
     shared = {"kv_connector": "KVHubConnector", "kv_connector_module_path": "kvhub.serving.vllm_connector",
               "kv_load_failure_policy": "recompute"}
-    common = {"store_dir": str(tmp_path / "kv"), "source_model": "org/small", "store_max_bytes": 1 << 20,
+    common = {"kvstore_dir": str(tmp_path / "kv"), "source_model": "org/small", "kvstore_max_bytes": 1 << 20,
               "events_path": "/tmp/e.jsonl"}
     assert configs["producer"] == {**shared, "kv_role": "kv_producer", "kv_connector_extra_config": common}
     assert configs["consumer"] == {**shared, "kv_role": "kv_consumer", "kv_connector_extra_config": {
@@ -173,17 +174,17 @@ def test_transfer_configs_give_each_role_its_keys(tmp_path):
 
 def test_transfer_configs_refuse_bad_options(tmp_path):
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys \\['mapper_ref'\\]"):
-        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", mapper_ref="s:d")
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", mapper_ref="s:d")
     with pytest.raises(ConfigError, match="exactly one of mapper"):
-        launch.transfer_configs(store_dir=tmp_path, source_model="s")
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s")
     with pytest.raises(ConfigError, match="'exact_tail' is now 'exact_suffix'"):
-        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", exact_tail=8)
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", exact_tail=8)
     with pytest.raises(ConfigError, match="unknown token selector 'oracle'"):
-        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", select="oracle")
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", select="oracle")
     with pytest.raises(ConfigError, match="exact_budget is a fraction"):
-        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", exact_budget=2)
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", exact_budget=2)
     with pytest.raises(ConfigError, match="exactly one of mapper"):
-        launch.transfer_configs(store_dir=tmp_path, source_model="s", mapper="s:d", mapper_path=tmp_path)
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", mapper_path=tmp_path)
 
 
 def test_the_contract_names_the_connector_class():
@@ -206,7 +207,7 @@ def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
     assert lines[0].startswith(f"# kvhub serve, mapper {SRC_ID}:{DST_ID}:legal-docs@v1")
     assert shlex.split(lines[1]) == ["mkdir", "-p", "-m", "700", str(tmp_path / "kv")]
     small, large = shlex.split(lines[3]), shlex.split(lines[5])
-    configs = launch.transfer_configs(store_dir=tmp_path / "kv", source_model=SRC_ID, mapper=f"{SRC_ID}:{DST_ID}"
+    configs = launch.transfer_configs(kvstore_dir=tmp_path / "kv", source_model=SRC_ID, mapper=f"{SRC_ID}:{DST_ID}"
                                       ":legal-docs@v1", db=mapper_db, exact_suffix=8)
     for argv, model, port, role in ((small, SRC_ID, "8001", "producer"), (large, DST_ID, "8002", "consumer")):
         assert argv[0] == "VLLM_CPU_KVCACHE_SPACE=3"  # each engine's KV cache, so that both fit the host
@@ -222,21 +223,33 @@ def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
     assert not (tmp_path / "kv").exists() and not list((tmp_path / "record").iterdir())  # nothing done
 
 
-def test_dry_run_needs_no_store_dir_and_defaults_to_a_private_shared_memory_folder(mapper_db, tmp_path, fake_vllm):
-    """U34: --store-dir has a per-user default, so `kvhub serve REF --dry-run` works without it."""
-    from kvhub.cli.serve_cmd import default_store_dir
+def test_dry_run_needs_no_kvstore_dir_and_defaults_to_a_private_shared_memory_folder(mapper_db, tmp_path, fake_vllm):
+    """U34: --kvstore-dir has a per-user default, so `kvhub serve REF --dry-run` works without it."""
+    from kvhub.cli.serve_cmd import default_kvstore_dir
 
     result = _invoke("serve", REF, "--db", mapper_db, "--vllm", str(fake_vllm), "--dry-run")
     assert result.exit_code == 0, result.output
-    default = default_store_dir()
+    default = default_kvstore_dir()
     assert shlex.split(result.stdout.splitlines()[1]) == ["mkdir", "-p", "-m", "700", str(default)]
     assert default.name.startswith("kvhub-") and default.name != "kvhub-"
+
+
+@pytest.mark.parametrize("old, new, value", [("--store-dir", "--kvstore-dir", "{tmp}/kv"),
+                                             ("--store-max-bytes", "--kvstore-max-bytes", "1000")])
+def test_an_old_kvstore_option_suggests_its_new_name(mapper_db, tmp_path, fake_vllm, old, new, value):
+    """--store-dir and --store-max-bytes are now --kvstore-dir and --kvstore-max-bytes (no alias): the old
+    name is a usage error whose first suggestion is the new one, and nothing is created."""
+    result = _invoke("serve", REF, "--db", mapper_db, old, value.format(tmp=tmp_path), "--vllm", str(fake_vllm),
+                     "--dry-run")
+    assert result.exit_code == 2, result.output
+    assert re.search(f"Did you mean (one of: )?'{new}'", result.output), result.output
+    assert not (tmp_path / "kv").exists()
 
 
 def test_src_dst_options_name_the_same_mapper_as_a_ref(mapper_db, tmp_path, fake_vllm):
     by_ref = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run"))
     by_options = _invoke("serve", "--src", SRC_ID, "--dst", DST_ID, "--calib", "legal-docs", "--db", mapper_db,
-                         "--store-dir", str(tmp_path / "kv"), "--vllm", str(fake_vllm), "--dry-run")
+                         "--kvstore-dir", str(tmp_path / "kv"), "--vllm", str(fake_vllm), "--dry-run")
     assert by_ref.exit_code == by_options.exit_code == 0, by_ref.output + by_options.output
     assert by_ref.stdout == by_options.stdout
 
@@ -249,7 +262,7 @@ def test_src_dst_options_name_the_same_mapper_as_a_ref(mapper_db, tmp_path, fake
     ([REF, "--port-large", "8001"], 2, "--port-small and --port-large are both 8001"),
 ])
 def test_bad_input_is_a_clear_error(mapper_db, tmp_path, fake_vllm, args, code, message):
-    result = _invoke("serve", *args, "--db", mapper_db, "--store-dir", str(tmp_path / "kv"), "--vllm",
+    result = _invoke("serve", *args, "--db", mapper_db, "--kvstore-dir", str(tmp_path / "kv"), "--vllm",
                      str(fake_vllm))
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
@@ -402,7 +415,7 @@ def test_a_server_ignoring_the_stop_signal_is_killed(tmp_path, fake_vllm, monkey
 
 
 def test_dry_run_without_a_mapper_store_is_refused(tmp_path, fake_vllm):
-    result = _invoke("serve", REF, "--db", str(tmp_path / "missing.db"), "--store-dir", str(tmp_path / "kv"),
+    result = _invoke("serve", REF, "--db", str(tmp_path / "missing.db"), "--kvstore-dir", str(tmp_path / "kv"),
                      "--vllm", str(fake_vllm), "--dry-run")
     assert result.exit_code == 6, result.output
     assert not (tmp_path / "missing.db").exists()
@@ -417,7 +430,7 @@ def test_a_store_password_never_reaches_a_command_line(mapper_db, tmp_path, fake
     assert serve_cmd._db_channel(mapper_db) == (mapper_db, {})
     assert serve_cmd._masked({"KVHUB_DB_URL": url})["KVHUB_DB_URL"] == "postgresql+psycopg://postgres:***@127.0.0.1:55437/servedb"
     monkeypatch.setattr(serve_cmd, "_resolve_mapper", lambda *a, **k: (f"{SRC_ID}:{DST_ID}:legal-docs@v1", SRC_ID, DST_ID))
-    result = _invoke("serve", f"{SRC_ID}:{DST_ID}:legal-docs", "--db", url, "--store-dir", str(tmp_path / "kv"),
+    result = _invoke("serve", f"{SRC_ID}:{DST_ID}:legal-docs", "--db", url, "--kvstore-dir", str(tmp_path / "kv"),
                      "--vllm", str(fake_vllm), "--dry-run", "--kv-cache-gib", "2")
     assert result.exit_code == 0, result.output
     assert "S3cretPW" not in result.stdout and "KVHUB_DB_URL=" in result.stdout

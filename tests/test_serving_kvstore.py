@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError, StoreError, UnsupportedModelError
+from kvhub.errors import ConfigError, IncompatibleError, KVStoreError, UnsupportedModelError
 from kvhub.serving import kvstore
 from kvhub.serving.kvstore import KVStore, StoredPrefix
 from kvhub.serving.paged import load_plan, probe_layout
@@ -225,7 +225,7 @@ def test_eviction_treats_an_entry_another_engine_removed_as_gone(tmp_path, monke
 
 def test_a_cap_below_one_entry_refuses_the_put_and_stores_nothing(tmp_path):
     store = KVStore(tmp_path, max_bytes=1000, chunk_tokens=4)
-    with pytest.raises(ConfigError, match="raise store_max_bytes"):
+    with pytest.raises(ConfigError, match="raise kvstore_max_bytes"):
         _put(store, list(range(1, 17)))
     assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "store.json"] == []
 
@@ -244,7 +244,7 @@ def test_the_entry_a_put_returns_is_not_its_own_eviction_victim(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["entry", "index"])
-def test_disk_full_during_put_is_a_store_error_and_leaves_nothing(tmp_path, monkeypatch, where):
+def test_disk_full_during_put_is_a_kvstore_error_and_leaves_nothing(tmp_path, monkeypatch, where):
     import safetensors.torch
     from safetensors import SafetensorError
 
@@ -268,7 +268,7 @@ def test_disk_full_during_put_is_a_store_error_and_leaves_nothing(tmp_path, monk
         monkeypatch.setattr(safetensors.torch, "save_file", full_entry)
     else:
         monkeypatch.setattr(Path, "write_bytes", full_index)
-    with pytest.raises(StoreError, match="No space left on device.*nothing stored.*free space"):
+    with pytest.raises(KVStoreError, match="No space left on device.*nothing stored.*free space"):
         _put(store, list(range(1, 17)))
     assert [p for p in (tmp_path / "ns").rglob("*") if not p.is_dir()] == []
 

@@ -64,7 +64,7 @@ def make_family(directory: Path) -> dict:
                         num_hidden_layers=3)  # head_dim 32; the target's is 64: both CPU-backend sizes
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     paths = {"source": directory / "src", "target": directory / "dst", "db": directory / "kvhub.db",
-             "store": directory / "kvstore", "events": directory / "events.jsonl"}
+             "kvstore": directory / "kvstore", "events": directory / "events.jsonl"}
     for name in ("source", "target"):
         model = source if name == "source" else target
         model.config.eos_token_id = None
@@ -85,8 +85,9 @@ def _transfer_config(paths: dict, role: str) -> dict:
     from kvhub.serving.launch import transfer_configs
 
     # the engines run without a tokenizer (skip_tokenizer_init): selected spans are single tokens
-    return transfer_configs(store_dir=paths["store"], source_model="tiny/src", mapper="src:dst:tiny-calib@latest",
-                            db=paths["db"], events_path=paths["events"], store_max_bytes=64 << 20, spans="token")[role]
+    return transfer_configs(kvstore_dir=paths["kvstore"], source_model="tiny/src",
+                            mapper="src:dst:tiny-calib@latest", db=paths["db"], events_path=paths["events"],
+                            kvstore_max_bytes=64 << 20, spans="token")[role]
 
 
 def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) -> list[list[int]]:
@@ -264,7 +265,7 @@ def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str, scale: floa
 
     from kvhub.serving import KVStore
 
-    store = KVStore(paths["store"], max_bytes=64 << 20)
+    store = KVStore(paths["kvstore"], max_bytes=64 << 20)
     noise = [torch.randn(2, len(prompt), 32) * scale for _ in range(2 * 3)]  # the source's 3 layers x (H=2, T, D=32)
     store.put(isolation_key=tenant, source_model="tiny/src", token_ids=prompt, keys=noise[:3], values=noise[3:])
 

@@ -99,7 +99,7 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         save_char_tokenizer(paths[model])
     ports = _free_ports()
     command = [sys.executable, "-m", "kvhub", "serve", "src:dst:tiny-calib@latest", "--db", paths["db"],
-               "--store-dir", paths["store"], "--small-model", paths["source"], "--large-model", paths["target"],
+               "--kvstore-dir", paths["kvstore"], "--small-model", paths["source"], "--large-model", paths["target"],
                "--vllm", str(Path(sys.executable).parent / "vllm"), "--events", paths["events"],
                "--port-small", str(ports[0]), "--port-large", str(ports[1]), "--log-dir", str(tmp_path / "logs"),
                "--json", "--timeout", "600", "--exact-budget", str(BUDGET),  # room for a whole sentence of chars

@@ -54,7 +54,7 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
     """Score a running `kvhub serve` pair over HTTP on the long-context tasks of `kvhub eval`.
 
     \b
-    kvhub serve REF --store-dir /dev/shm/kvhub --json     # prints both URLs
+    kvhub serve REF --kvstore-dir /dev/shm/kvhub --json     # prints both URLs
     kvhub eval-serve --small http://127.0.0.1:8001/v1 --large http://127.0.0.1:8002/v1 \\
         --task facts --context-tokens 1024 --limit 30
 

@@ -42,7 +42,7 @@ class _ServeCommand(click.Command):
 @click.option("--src", default=None, help="Source (small) model id, instead of REF.")
 @click.option("--dst", default=None, help="Target (large) model id, instead of REF.")
 @click.option("--calib", default=None, help="Calibration-set name, with --src/--dst (when the pair has several).")
-@click.option("--store-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--kvstore-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="The shared KV store directory, created with mode 700 (default: /dev/shm/kvhub-$USER, shared "
                    "memory private to you; the temp dir where there is no /dev/shm).")
 @click.option("--port-small", type=click.IntRange(1, 65535), default=8001, show_default=True,
@@ -73,7 +73,7 @@ class _ServeCommand(click.Command):
 @click.option("--kv-cache-gib", type=click.IntRange(min=1), default=None,
               help="KV cache of each vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE; default: sized so both engines "
                    "fit this host's memory, or $VLLM_CPU_KVCACHE_SPACE when set).")
-@click.option("--store-max-bytes", type=click.IntRange(min=1), default=None,
+@click.option("--kvstore-max-bytes", type=click.IntRange(min=1), default=None,
               help="Size cap of the KV store, LRU eviction (1 GiB).")
 @click.option("--require-isolation-key", is_flag=True,
               help="Store and load only requests with a cache_salt (or kvhub_tenant).")
@@ -86,14 +86,14 @@ class _ServeCommand(click.Command):
 @click.option("--dry-run", is_flag=True, help="Print the commands (shell-quoted) and exit.")
 @format_option
 @click.pass_context
-def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, small_model, large_model,
+def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, small_model, large_model,
           vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, kv_cache_gib,
-          store_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, output_format):
+          kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, output_format):
     """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
 
     \b
     kvhub serve qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production \\
-        --store-dir /dev/shm/kvhub --port-small 8001 --port-large 8002 -- --max-model-len 4096
+        --kvstore-dir /dev/shm/kvhub --port-small 8001 --port-large 8002 -- --max-model-len 4096
 
     REF (or --src/--dst/--calib) names the mapper; it is resolved first (store, then Hub), and the
     large server loads exactly that version.  Both servers run until Ctrl-C or SIGTERM, which is
@@ -119,11 +119,11 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
 
         events_file(events_path, option="--events")  # before any server starts
     db_on_command_line, db_env = _db_channel(db)
-    store_dir = store_dir if store_dir is not None else default_store_dir()
+    kvstore_dir = kvstore_dir if kvstore_dir is not None else default_kvstore_dir()
     configs = launch.transfer_configs(
-        store_dir=store_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref, db=db_on_command_line,
-        hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix, exact_budget=exact_budget,
-        select=select, queries=queries, store_max_bytes=store_max_bytes,
+        kvstore_dir=kvstore_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref,
+        db=db_on_command_line, hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix,
+        exact_budget=exact_budget, select=select, queries=queries, kvstore_max_bytes=kvstore_max_bytes,
         require_isolation_key=require_isolation_key or None,
         events_path=None if events_path is None else os.path.abspath(events_path))
     extra = ctx.meta.get("vllm_args", ())
@@ -140,11 +140,12 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
     env = {**_engine_env(kv_cache_gib, models=[p["model"] for p in plan.values()]), **db_env}
     if dry_run:
         _print_dry_run(commands, launcher=launcher, env=_masked(env),
-                       store_dir=configs["producer"]["kv_connector_extra_config"]["store_dir"], mapper_ref=mapper_ref)
+                       kvstore_dir=configs["producer"]["kv_connector_extra_config"]["kvstore_dir"],
+                       mapper_ref=mapper_ref)
         return
     launch.check_port_free(host, port_small, option="--port-small")
     launch.check_port_free(host, port_large, option="--port-large")
-    _make_store_dir(store_dir.expanduser())
+    _make_kvstore_dir(kvstore_dir.expanduser())
     logs = _log_dir(log_dir)
     servers = [launch.Server(name, commands[name], launch.base_url(host, p["port"]), p["served_model_name"],
                              logs / f"{name}.log") for name, p in plan.items()]
@@ -152,9 +153,9 @@ def serve(ctx, ref, src, dst, calib, store_dir, port_small, port_large, host, sm
          mapper_ref=mapper_ref, as_json=output_format == "json")
 
 
-def default_store_dir() -> Path:
+def default_kvstore_dir() -> Path:
     """``/dev/shm/kvhub-<user>`` (the temp dir in place of /dev/shm where there is none): one per user, so two
-    users of a machine never share a store by default."""
+    users of a machine never share a KV store by default."""
     import getpass
     import tempfile
 
@@ -257,10 +258,10 @@ def _engine_env(kv_cache_gib: int | None, *, models: list[str]) -> dict[str, str
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
 
 
-def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], env: dict[str, str], store_dir: str,
+def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], env: dict[str, str], kvstore_dir: str,
                    mapper_ref: str) -> None:
     click.echo(f"# kvhub serve, mapper {mapper_ref}: run each server in its own terminal")
-    click.echo(shlex.join(["mkdir", "-p", "-m", "700", store_dir]))
+    click.echo(shlex.join(["mkdir", "-p", "-m", "700", kvstore_dir]))
     for name, role in ((_SMALL, "kv_producer: stores each prompt's KV"), (_LARGE, "kv_consumer: maps it")):
         command = commands[name]
         click.echo(f"# {name} model, {role}")
@@ -268,19 +269,19 @@ def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], env: 
         click.echo(shlex.join([*assignments, *map(_shown, command[:len(launcher)]), *command[len(launcher):]]))
 
 
-def _make_store_dir(path: Path) -> None:
-    """Create the store directory private to this user; warn when an existing one is open to others."""
+def _make_kvstore_dir(path: Path) -> None:
+    """Create the KV store directory private to this user; warn when an existing one is open to others."""
     if path.is_dir():
         mode = path.stat().st_mode & 0o777
         if mode & 0o077:
-            say(f"the store directory {path} is open to other users (mode {mode:o}); it holds every tenant's "
+            say(f"the KV store directory {path} is open to other users (mode {mode:o}); it holds every tenant's "
                 f"prompts' KV: `chmod 700 {shlex.quote(str(path))}`", label="warning:", style="yellow")
         return
     try:
         path.mkdir(mode=0o700, parents=True)
         path.chmod(0o700)  # mkdir's mode is filtered by the umask
     except OSError as exc:
-        raise ConfigError(f"cannot create the store directory {path}: {exc.strerror}; pick another --store-dir") \
+        raise ConfigError(f"cannot create the KV store directory {path}: {exc.strerror}; pick another --kvstore-dir") \
             from exc
 
 

@@ -25,7 +25,7 @@ and an entry larger than ``max_bytes`` is refused (ConfigError) rather than writ
 entry's index files go with it; a reader that still finds a stale one treats it as a miss.  Eviction
 removes a damaged entry, or one another engine removed first, like any other.  Writes are atomic
 (temp file + rename), so a reader never sees half an entry; a failed write (disk full, read-only)
-raises StoreError and leaves nothing behind.  Entries are whole prompts of one source model, in the
+raises KVStoreError and leaves nothing behind.  Entries are whole prompts of one source model, in the
 source engine's cache dtype.  Reading and writing the files themselves, without trusting them, is
 :mod:`kvhub.serving.kvstore_files`.
 """
@@ -48,7 +48,7 @@ from typing import Iterator
 
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError, StoreError
+from kvhub.errors import ConfigError, IncompatibleError, KVStoreError
 from kvhub.serving.kvstore_files import (
     ENTRY_NAME, READ_NO_FOLLOW, atomic_write_bytes, check_layers, entry_layers, entry_tensors, is_real_dir,
     names_entry_of, open_entry, probe_writable, read_index, read_regular_file, read_token_ids, scandir, token_tensor,
@@ -79,7 +79,7 @@ class KVStore:
     """
 
     def __init__(self, root: str | os.PathLike, *, max_bytes: int, chunk_tokens: int = 16):
-        self.max_bytes = _whole_number(max_bytes, "the KV store size cap (store_max_bytes)", minimum=1)
+        self.max_bytes = _whole_number(max_bytes, "the KV store size cap (kvstore_max_bytes)", minimum=1)
         self.chunk_tokens = _whole_number(chunk_tokens, "chunk_tokens", minimum=1)
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise ConfigError(f"the KV store directory must be a non-empty path, got {root!r}")
@@ -93,13 +93,13 @@ class KVStore:
         except (FileExistsError, NotADirectoryError) as exc:
             raise ConfigError(
                 f"the KV store directory {self.root} is not a directory ({exc.filename} is in the way); "
-                "point store_dir at a directory, or move that file away"
+                "point kvstore_dir at a directory, or move that file away"
             ) from exc
         except OSError as exc:
             raise ConfigError(
                 f"cannot write the KV store directory {self.root}: {exc.strerror or exc}; both engines write "
                 "there (entries, index files, pins), so give the serving user write access to it or point "
-                "store_dir at a writable directory"
+                "kvstore_dir at a writable directory"
             ) from exc
 
     def _check_format(self) -> None:
@@ -111,7 +111,7 @@ class KVStore:
         if found != wanted:
             raise ConfigError(
                 f"the KV store at {self.root} was created with {found}, this engine asks for {wanted}; "
-                "give every engine the same chunk_tokens, or point this one at another store_dir"
+                "give every engine the same chunk_tokens, or point this one at another kvstore_dir"
             )
 
     def _read_format(self, path: Path) -> object:
@@ -126,7 +126,7 @@ class KVStore:
             reason, cause = str(exc), exc
         raise ConfigError(
             f"the KV store's {path} is damaged ({reason}); remove it (the next engine writes a fresh one) "
-            "or point store_dir at another directory"
+            "or point kvstore_dir at another directory"
         ) from cause
 
     # ---- keys ----------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class KVStore:
 
         Returns the entry, or None when the prompt is shorter than one chunk (nothing to index).
         IncompatibleError for keys and values that do not pair up; ConfigError for an entry larger than
-        ``max_bytes`` (nothing stored: raise store_max_bytes); StoreError when the write fails (disk
+        ``max_bytes`` (nothing stored: raise kvstore_max_bytes); KVStoreError when the write fails (disk
         full, read-only; nothing stored).  Another engine's put may evict the entry any time after.
         """
         namespace = self.namespace(isolation_key, source_model)
@@ -186,8 +186,8 @@ class KVStore:
             raise write_error(self.root, exc, "creating a namespace directory") from exc
         dirs = self._namespace_dirs(namespace)
         if dirs is None:
-            raise StoreError(f"KV store {self.root}: {directory} or a directory in it is not a plain directory "
-                             "(a symbolic link?); nothing stored; remove it, the next put recreates it")
+            raise KVStoreError(f"KV store {self.root}: {directory} or a directory in it is not a plain directory "
+                               "(a symbolic link?); nothing stored; remove it, the next put recreates it")
         entry = dirs[0] / f"{hashes[-1]}-{len(token_ids)}.safetensors"
         self._write_entry(entry, entry_tensors(token_ids, keys, values),
                           metadata={"source_model": source_model, "layers": str(len(keys))})
@@ -220,7 +220,7 @@ class KVStore:
             if size > self.max_bytes:
                 raise ConfigError(
                     f"a KV store entry for {len(tensors['token_ids'])} tokens takes {size} bytes, more than the "
-                    f"size cap of {self.max_bytes} bytes of {self.root}; nothing stored; raise store_max_bytes"
+                    f"size cap of {self.max_bytes} bytes of {self.root}; nothing stored; raise kvstore_max_bytes"
                 )
             try:
                 os.replace(tmp, entry)

@@ -7,7 +7,7 @@ symbolic link and checked to be a regular file through the open descriptor:
   per layer, and the metadata ``layers`` (their count) and ``source_model``;
 - an index file: text that is the name of one entry;
 - every write goes to a temp file renamed into place, so a reader never sees half a file, and a failed
-  write becomes a StoreError with the fix its errno suggests.
+  write becomes a KVStoreError with the fix its errno suggests.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError, StoreError
+from kvhub.errors import ConfigError, IncompatibleError, KVStoreError
 
 log = logging.getLogger("kvhub.serving.kvstore")
 
@@ -34,9 +34,9 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO planted in the store 
 READ_NO_FOLLOW = os.O_RDONLY | _NOFOLLOW | _NONBLOCK  # every open for reading in the store
 _FD_DIR = "/proc/self/fd"  # where an open descriptor has a path safetensors can open (Linux)
 _WRITE_HINTS = {
-    errno.ENOSPC: "free space on its file system or lower store_max_bytes",
-    errno.EDQUOT: "free space on its file system or lower store_max_bytes",
-    errno.EROFS: "mount it read-write or point store_dir at a writable directory",
+    errno.ENOSPC: "free space on its file system or lower kvstore_max_bytes",
+    errno.EDQUOT: "free space on its file system or lower kvstore_max_bytes",
+    errno.EROFS: "mount it read-write or point kvstore_dir at a writable directory",
     errno.EACCES: "give the serving user write access to it",
     errno.EPERM: "give the serving user write access to it",
 }
@@ -187,12 +187,12 @@ def unlink_quietly(path: Path) -> None:
             log.warning("KV store: cannot remove %s: %s", path, exc)
 
 
-def write_error(root: Path, exc: Exception, doing: str) -> StoreError:
-    """StoreError for a failed write, with the fix its errno suggests (safetensors puts it in the text)."""
+def write_error(root: Path, exc: Exception, doing: str) -> KVStoreError:
+    """KVStoreError for a failed write, with the fix its errno suggests (safetensors puts it in the text)."""
     code = exc.errno if isinstance(exc, OSError) else None
     if code is None:
         found = re.search(r"os error (\d+)", str(exc))
         code = int(found.group(1)) if found else None
     reason = os.strerror(code) if code else f"{type(exc).__name__}: {exc}"
     hint = _WRITE_HINTS.get(code, "check the store directory")
-    return StoreError(f"KV store {root}: {doing} failed ({reason}); nothing stored; {hint}")
+    return KVStoreError(f"KV store {root}: {doing} failed ({reason}); nothing stored; {hint}")

@@ -7,7 +7,7 @@ vLLM and this one must not: ``kvhub serve`` runs in kvhub's own environment, whe
 installed, and starts vLLM's ``vllm serve`` executable from another one.
 
 * :func:`transfer_configs` builds both engines' ``kv_transfer_config`` from one set of options, so the
-  keys both roles must agree on (store, chunking, source model, isolation) cannot differ;
+  keys both roles must agree on (KV store, chunking, source model, isolation) cannot differ;
 * :func:`server_command` is one ``vllm serve`` command line; :func:`find_vllm` locates the executable and
   :func:`vllm_launcher` says how to run it (vLLM's CPU wheel needs :func:`run_vllm_cli`);
 * :class:`ServerPair` runs both servers as child processes: readiness on ``GET /v1/models``, the last
@@ -47,8 +47,8 @@ WORKER_CLASS = "kvhub.serving.vllm_worker.KVHubWorker"
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}  # kvhub's name -> vLLM's kv_role
 LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead of failing the request
 EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
-    "store_dir": ("producer", "consumer"),
-    "store_max_bytes": ("producer", "consumer"),
+    "kvstore_dir": ("producer", "consumer"),
+    "kvstore_max_bytes": ("producer", "consumer"),
     "chunk_tokens": ("producer", "consumer"),
     "source_model": ("producer", "consumer"),
     "require_isolation_key": ("producer", "consumer"),
@@ -60,9 +60,13 @@ EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
     # the recompute spec, in kvhub.handoff's words (kvhub.serving.spec.Recompute's fields)
     **{name: ("consumer",) for name in RECOMPUTE_FIELDS},
 }
-EXTRA_DEFAULTS = {"store_max_bytes": 1 << 30, "chunk_tokens": 16, "require_isolation_key": False,
+EXTRA_DEFAULTS = {"kvstore_max_bytes": 1 << 30, "chunk_tokens": 16, "require_isolation_key": False,
                   **SERVING_RECOMPUTE.options()}
-RENAMED_KEYS = {"exact_tail": "exact_suffix"}  # old key -> its name now (refused with that name)
+RENAMED_KEYS = {  # old key -> (its name now, why); an old key is refused with its new name
+    "exact_tail": ("exact_suffix", "the same word as kvhub.handoff's"),
+    "store_dir": ("kvstore_dir", "the serving KV store's, not the SQL registry's"),
+    "store_max_bytes": ("kvstore_max_bytes", "the serving KV store's, not the SQL registry's"),
+}
 # Request-level kv_transfer_params the consumer reads: an isolation key, the no-information control map
 # (kvhub.core.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,...").
 REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute")
@@ -70,11 +74,11 @@ SETUP_COMMAND = "bash scripts/setup-vllm.sh"
 LOG_TAIL_LINES = 40
 
 
-def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper: str | None = None,
+def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mapper: str | None = None,
                      mapper_path: str | os.PathLike | None = None, **options) -> dict[str, dict]:
     """``{"producer": config, "consumer": config}``: each engine's ``kv_transfer_config`` as a JSON-ready dict.
 
-    Both get the same store, ``source_model`` and shared options; each extra key goes only to the roles
+    Both get the same KV store, ``source_model`` and shared options; each extra key goes only to the roles
     that read it (:data:`EXTRA_KEYS`); options left None are left out (the connector's defaults apply).
     The consumer needs ``mapper`` (a reference) or ``mapper_path`` (an artifact directory).
     ``KVTransferConfig(**config)`` takes a result as is; ``vllm serve`` takes it as JSON.
@@ -84,7 +88,7 @@ def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper:
     if (mapper is None) == (mapper_path is None):
         raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
                           "(an artifact directory)")
-    values = {"store_dir": os.fspath(store_dir), "source_model": source_model, "mapper": mapper,
+    values = {"kvstore_dir": os.fspath(kvstore_dir), "source_model": source_model, "mapper": mapper,
               "mapper_path": None if mapper_path is None else os.fspath(mapper_path), **options}
     configs = {}
     for role, kv_role in ROLES.items():
@@ -97,10 +101,9 @@ def transfer_configs(*, store_dir: str | os.PathLike, source_model: str, mapper:
 
 def check_extra_keys(extra) -> None:
     """ConfigError for a renamed or unknown ``kv_connector_extra_config`` key, naming the right one."""
-    for old, new in RENAMED_KEYS.items():
+    for old, (new, why) in RENAMED_KEYS.items():
         if old in extra:
-            raise ConfigError(f"kv_connector_extra_config key {old!r} is now {new!r} (the same word as kvhub.handoff's); "
-                              "rename it")
+            raise ConfigError(f"kv_connector_extra_config key {old!r} is now {new!r} ({why}); rename it")
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
         raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")

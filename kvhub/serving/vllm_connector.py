@@ -5,7 +5,7 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
 
     KVTransferConfig(kv_connector="KVHubConnector", kv_connector_module_path="kvhub.serving.vllm_connector",
                      kv_role="kv_producer" | "kv_consumer", kv_load_failure_policy="recompute",
-                     kv_connector_extra_config={"store_dir": "/dev/shm/kvhub", "source_model": "...",
+                     kv_connector_extra_config={"kvstore_dir": "/dev/shm/kvhub", "source_model": "...",
                                                 "mapper": "SRC:DST:CALIB@production"})  # consumer only
 
 * producer (small model's engine): when a request's prompt is fully computed, its K/V (every layer,
@@ -86,8 +86,8 @@ class KVHubConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
         check_extra_keys(extra)
-        if "store_dir" not in extra:
-            raise ConfigError("kv_connector_extra_config needs 'store_dir': a directory both engines can reach")
+        if "kvstore_dir" not in extra:
+            raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
         self.is_producer = transfer.kv_role == ROLES["producer"]
         if transfer.kv_role not in ROLES.values():
             raise ConfigError(f"KVHubConnector runs as {' or '.join(ROLES.values())}, not {transfer.kv_role!r}")
@@ -95,8 +95,8 @@ class KVHubConnector(KVConnectorBase_V1):
         self.recompute = Recompute.from_options(extra, origin="kv_connector_extra_config")
         self.exact_suffix = max(self.recompute.exact_suffix, 1)
         self.require_isolation_key = config_flag(extra, "require_isolation_key")
-        self.kvstore = KVStore(extra["store_dir"], max_bytes=config_count(extra, "store_max_bytes"),
-                             chunk_tokens=config_count(extra, "chunk_tokens"))
+        self.kvstore = KVStore(extra["kvstore_dir"], max_bytes=config_count(extra, "kvstore_max_bytes"),
+                               chunk_tokens=config_count(extra, "chunk_tokens"))
         self.events_path = events_file(extra.get("events_path"))
         self.counters: Counter[str] = Counter()
         self._role_name = "producer" if self.is_producer else "consumer"
