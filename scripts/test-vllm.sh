@@ -14,4 +14,4 @@ pytest_group() {  # exit status 5 = a -k filter selected nothing in this group, 
   "$VENV/bin/python" -m pytest -q "$@" || [ $? -eq 5 ]
 }
 pytest_group tests/test_capture_compat.py tests/test_serving_kvstore.py "$@"
-pytest_group -m vllm tests/test_vllm_connector.py tests/test_vllm_serve.py "$@"
+pytest_group -m vllm tests/test_vllm_connector.py tests/test_vllm_serve.py tests/test_forced.py "$@"

@@ -49,26 +49,30 @@ def save_char_tokenizer(directory) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(directory)
 
 
-@torch.no_grad()
 def greedy(model, prompt: list[int], count: int) -> list[int]:
-    """``count`` greedy tokens after ``prompt``, on one CPU thread (tiny models gain nothing from more, and
-    a busy machine's thread barriers make two ~20x slower)."""
+    """``count`` greedy tokens after ``prompt``."""
+    return decode(model, prompt, count)[0]
+
+
+@torch.no_grad()
+def decode(model, prompt: list[int], count: int, forced: list[int] | None = None) -> tuple[list[int], list[float]]:
+    """``count`` tokens after ``prompt`` (greedy, or ``forced``'s while it lasts, as kvhub.serving.forced) and
+    the model's log-probability of each, on one CPU thread (tiny models gain nothing from more, and a busy
+    machine's thread barriers make two ~20x slower)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _greedy(model, prompt, count)
+        cache = DynamicCache()
+        logits = model(torch.tensor([prompt]), use_cache=True, **cache_kwargs(model, cache)).logits
+        tokens, logprobs = [], []
+        for index in range(count):
+            logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
+            tokens.append(forced[index] if forced is not None and index < len(forced) else int(logp.argmax()))
+            logprobs.append(float(logp[tokens[-1]]))
+            logits = model(torch.tensor([tokens[-1:]]), use_cache=True, **cache_kwargs(model, cache)).logits
+        return tokens, logprobs
     finally:
         torch.set_num_threads(threads)
-
-
-def _greedy(model, prompt: list[int], count: int) -> list[int]:
-    cache = DynamicCache()
-    logits = model(torch.tensor([prompt]), use_cache=True, **cache_kwargs(model, cache)).logits
-    tokens = []
-    for _ in range(count):
-        tokens.append(int(logits[0, -1].argmax()))
-        logits = model(torch.tensor([tokens[-1:]]), use_cache=True, **cache_kwargs(model, cache)).logits
-    return tokens
 
 
 def damaged(model, *, seed: int = 7):
@@ -89,6 +93,8 @@ class FakePair:
     answers as the large model itself and reports ``kv_transfer_params {"kvhub": {"exact_tokens": 16}}``;
     with ``kv_transfer_params.kvhub_control`` it answers with the damaged model (the control map carries no
     information about the context).  Any other request is the large model's own prefill, with no report.
+    ``vllm_xargs.kvhub_force`` forces the generated ids while ``forcing`` is on (kvhub serve's logits
+    processor); ``logprobs`` returns each generated token's log-probability.
     ``requests`` logs (server, cache_salt, control flag, prompt length) in arrival order.
     """
 
@@ -97,23 +103,27 @@ class FakePair:
         self.tokenizer, self.small_name = tokenizer, small_name
         self.stored: set[tuple[str | None, tuple[int, ...]]] = set()
         self.requests: list[tuple[str, str | None, bool, int]] = []
+        self.forcing = True
         self.lock = threading.Lock()
         self.servers = [_start(self, "small", small_name), _start(self, "large", LARGE_NAME)]
         self.small_url, self.large_url = (_url(server) for server in self.servers)
 
-    def answer(self, server: str, body: dict) -> tuple[list[int], dict | None]:
+    def answer(self, server: str, body: dict) -> tuple[list[int], list[float], dict | None]:
         salt, prompt = body.get("cache_salt"), tuple(body["prompt"])
         control = bool((body.get("kv_transfer_params") or {}).get("kvhub_control"))
+        forced = (body.get("vllm_xargs") or {}).get("kvhub_force") if self.forcing else None
         with self.lock:
             self.requests.append((server, salt, control, len(prompt)))
+            report = None
             if server == "small":
                 self.stored.add((salt, prompt))
-                return greedy(self.models["small"], list(prompt), body["max_tokens"]), None
-            if (salt, prompt) not in self.stored:
-                return greedy(self.models["large"], list(prompt), body["max_tokens"]), None
-            model = self.models["control" if control else "large"]
-            report = {"kvhub": {"exact_tokens": min(EXACT_TAIL, len(prompt)), "control": control}}
-            return greedy(model, list(prompt), body["max_tokens"]), report
+                model = self.models["small"]
+            elif (salt, prompt) not in self.stored:
+                model = self.models["large"]
+            else:
+                model = self.models["control" if control else "large"]
+                report = {"kvhub": {"exact_tokens": min(EXACT_TAIL, len(prompt)), "control": control}}
+            return (*decode(model, list(prompt), body["max_tokens"], forced), report)
 
     def close(self) -> None:
         for server in self.servers:
@@ -132,6 +142,8 @@ def _contract_problem(body: dict) -> str | None:
         return "this client must ask for greedy, ignore_eos and return_token_ids"
     if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
         return "max_tokens must be a positive integer"
+    if body.get("logprobs") not in (None, 1):
+        return "this client asks for logprobs=1 or none"
     return None
 
 
@@ -166,10 +178,12 @@ def _start(pair: FakePair, server: str, name: str) -> ThreadingHTTPServer:
             problem = _contract_problem(body)
             if problem:
                 return self.error(400, problem)
-            token_ids, report = pair.answer(server, body)
-            self.send(200, {"id": "cmpl-0", "object": "text_completion", "model": name,
-                            "choices": [{"index": 0, "text": pair.tokenizer.decode(token_ids), "token_ids": token_ids,
-                                         "finish_reason": "length"}],
+            token_ids, logprobs, report = pair.answer(server, body)
+            choice = {"index": 0, "text": pair.tokenizer.decode(token_ids), "token_ids": token_ids,
+                      "finish_reason": "length"}
+            if body.get("logprobs") is not None:
+                choice["logprobs"] = {"token_logprobs": logprobs, "tokens": [chr(t) for t in token_ids]}
+            self.send(200, {"id": "cmpl-0", "object": "text_completion", "model": name, "choices": [choice],
                             "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(token_ids)},
                             "kv_transfer_params": report})
 

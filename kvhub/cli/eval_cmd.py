@@ -246,10 +246,11 @@ def _print_results(ref: str, results: dict, *, output_format: str = "table") -> 
     if recall:
         _print_recall(ref, recall, output_format=output_format)
     if gist:
-        _print_gist(ref, gist, output_format=output_format)
+        print_gist(ref, gist, output_format=output_format)
 
 
-def _print_gist(ref: str, results: dict, *, output_format: str) -> None:
+def print_gist(ref: str, results: dict, *, output_format: str) -> None:
+    """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed."""
     columns = ["task", "n", "tokens", "own", "mapped", "control", "floor", "gap closed [95% CI]",
                "control closes [95% CI]"]
     rows = []

@@ -1,5 +1,5 @@
 """``kvhub eval-serve``: score a running ``kvhub serve`` pair over HTTP on the long-context tasks
-(:mod:`kvhub.eval.served`)."""
+(:mod:`kvhub.eval.served`) and the gist tasks (:mod:`kvhub.eval.served_gist`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import click
 
 from kvhub.cli.console import plain, say
 from kvhub.cli.output import format_option
-from kvhub.eval.catalog import LONG_TASKS
+from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS
 from kvhub.errors import ConfigError
 
 _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "source", "floor",
@@ -31,8 +31,10 @@ _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "
               help="Tokenizer that builds the prompts' token ids: a model directory, .gguf file, tokenizer.json or "
                    "model id (default: the small model's name; a model `kvhub fetch models` fetched is read from "
                    "its local copy).")
-@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(LONG_TASKS),
-              help="Long-context task (repeatable): facts, multiturn or code, as in `kvhub eval`.")
+@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(LONG_TASKS + GIST_TASKS),
+              help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
+                   "gist-document or gist-code (the large model's own answer about the whole context, scored "
+                   "teacher-forced).")
 @click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
               show_default=True, help="Context length in tokens. Repeatable.")
 @click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True,
@@ -58,7 +60,7 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
     kvhub eval-serve --small http://127.0.0.1:8001/v1 --large http://127.0.0.1:8002/v1 \\
         --task facts --context-tokens 1024 --limit 30
 
-    Each item is sent, greedy and one request at a time, first to the small server under a fresh
+    Facts: each item is sent, greedy and one request at a time, first to the small server under a fresh
     cache_salt (`source`: its answer; the server stores the prompt's KV), then to the large one: under
     another fresh salt (`own`: its own prefill), under the item's salt (`mapped`: the stored KV mapped,
     the escalation), under the item's salt with kv_transfer_params {"kvhub_control": true} (`control`:
@@ -67,7 +69,16 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
     An answer is exact when the first len(answer) generated tokens are the answer's.  `recomputed %` is
     what the large server reports for the mapped requests; the agreement column is the median count of
     leading greedy tokens (of --agreement-tokens) that mapped and control share with own.  Served scores
-    carry no log-likelihood.  `--json` prints `kvhub eval`'s results document (one entry per task and
+    carry no log-likelihood.
+
+    Gist: the small server stores the prompt's KV; the large one answers from its own prefill (`own`, 48
+    tokens, with their log-probabilities), then is made to generate that same answer under the item's
+    salt (`mapped`), with the control map (`control`) and after the last 32 prompt tokens (`floor`); its
+    log-probabilities of the forced tokens are the teacher-forced score (kvhub.serving.forced: the
+    servers `kvhub serve` starts force tokens; others refuse with a line saying so).  Gap closed =
+    (floor - mapped) / (floor - own) of the mean NLL per token.
+
+    `--json` prints `kvhub eval`'s results document (one entry per task and
     length; config names both servers and models); docs/eval-serve.md lists its keys.
     """
     from kvhub.eval.results import document, now, write
@@ -97,8 +108,15 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
     if output_format == "json":
         click.echo(json.dumps(doc, indent=2))
     else:
-        _print_served(f"{small.model} -> {large.model}: exact answers from long contexts, served", results,
-                      output_format=output_format)
+        from kvhub.cli.eval_cmd import print_gist
+
+        gist = {name: r for name, r in results.items() if "gap_closed_mapped" in r}
+        recall = {name: r for name, r in results.items() if name not in gist}
+        if recall:
+            _print_served(f"{small.model} -> {large.model}: exact answers from long contexts, served", recall,
+                          output_format=output_format)
+        if gist:
+            print_gist(f"{small.model} -> {large.model}, served", gist, output_format=output_format)
 
 
 def _tokenizer(spec: str | None, small_model: str):
@@ -116,16 +134,29 @@ def _tokenizer(spec: str | None, small_model: str):
 def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tuple[dict, dict, list[dict]]:
     """(summary, data set description, per-item records) of one task at one context length."""
     from kvhub.cli.progress import progress_callback
-    from kvhub.eval.longctx import build_items
     from kvhub.eval.results import items_sha256
-    from kvhub.eval.served import evaluate_served
 
-    items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
-    with progress_callback("items/s") as callback:
-        summary = evaluate_served(small, large, tokenizer, task=task, context_tokens=length, seed=run["seed"],
-                                  agreement_tokens=run["agreement_tokens"], log_samples=run["log_samples"],
-                                  items=items, progress=callback)
-    dataset = {"name": f"{task}-{length}", "source": f"built by kvhub.eval.longctx (seed {run['seed']})",
+    if task in GIST_TASKS:
+        from kvhub.eval.gist import gist_items
+        from kvhub.eval.served_gist import evaluate_served_gist
+
+        builder = "kvhub.eval.gist"
+        items = gist_items(task.removeprefix("gist-"), tokenizer, context_tokens=length, n=run["limit"],
+                           seed=run["seed"])
+        with progress_callback("items/s") as callback:
+            summary = evaluate_served_gist(small, large, task=task, context_tokens=length, items=items,
+                                           seed=run["seed"], log_samples=run["log_samples"], progress=callback)
+    else:
+        from kvhub.eval.longctx import build_items
+        from kvhub.eval.served import evaluate_served
+
+        builder = "kvhub.eval.longctx"
+        items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
+        with progress_callback("items/s") as callback:
+            summary = evaluate_served(small, large, tokenizer, task=task, context_tokens=length, seed=run["seed"],
+                                      agreement_tokens=run["agreement_tokens"], log_samples=run["log_samples"],
+                                      items=items, progress=callback)
+    dataset = {"name": f"{task}-{length}", "source": f"built by {builder} (seed {run['seed']})",
                "context_tokens": length, "n": len(items), "sha256": items_sha256(items)}
     return summary, dataset, summary.pop("samples", [])
 

@@ -86,6 +86,7 @@ class Completion:
     token_ids: list[int] | None
     text: str
     kv_transfer_params: dict
+    logprobs: list[float] | None = None  # of each generated token, when asked for (raw: before any processor)
 
     def ids(self, tokenizer) -> list[int]:
         """The generated ids; re-tokenised from the text only when the server sent none."""
@@ -119,12 +120,19 @@ class Endpoint:
         return cls(url, model or served_models(url, timeout=timeout)[0], timeout)
 
     def complete(self, prompt_ids: list[int], *, max_tokens: int, cache_salt: str,
-                 kv_transfer_params: dict | None = None) -> Completion:
-        """Greedy ``max_tokens`` tokens after ``prompt_ids`` (EOS ignored), in the namespace ``cache_salt``."""
+                 kv_transfer_params: dict | None = None, logprobs: bool = False,
+                 vllm_xargs: dict | None = None) -> Completion:
+        """Greedy ``max_tokens`` tokens after ``prompt_ids`` (EOS ignored), in the namespace ``cache_salt``;
+        ``logprobs``: with the log-probability of each generated token; ``vllm_xargs``: vLLM's extension
+        parameters (kvhub.serving.forced reads one)."""
         body = {"model": self.model, "prompt": [int(i) for i in prompt_ids], "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True, "cache_salt": cache_salt}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
+        if logprobs:
+            body["logprobs"] = 1
+        if vllm_xargs is not None:
+            body["vllm_xargs"] = vllm_xargs
         url = f"{self.url}/completions"
         answer = _request(url, body, timeout=self.timeout)
         try:
@@ -134,7 +142,17 @@ class Endpoint:
             raise ServeError(f"{url} answered without choices[0]: {_detail(json.dumps(answer).encode())}") from exc
         params = answer.get("kv_transfer_params")
         return Completion(None if token_ids is None else [int(i) for i in token_ids], text,
-                          params if isinstance(params, dict) else {})
+                          params if isinstance(params, dict) else {},
+                          _token_logprobs(url, choice) if logprobs else None)
+
+
+def _token_logprobs(url: str, choice: dict) -> list[float]:
+    """choices[0].logprobs.token_logprobs as floats; ServeError when the server sent none."""
+    values = (choice.get("logprobs") or {}).get("token_logprobs") if isinstance(choice, dict) else None
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ServeError(f"{url} answered without choices[0].logprobs.token_logprobs (asked with logprobs=1): "
+                         f"{_detail(json.dumps(choice).encode())}")
+    return [float(v) for v in values]
 
 
 def _request(url: str, body: dict | None = None, *, timeout: float):

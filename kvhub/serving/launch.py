@@ -44,6 +44,10 @@ CONNECTOR_MODULE = "kvhub.serving.vllm_connector"
 # The consumer's worker class: the platform's own plus handing the model to the connector, which the
 # selective recompute runs (kvhub.serving.vllm_worker); without it the consumer maps only.
 WORKER_CLASS = "kvhub.serving.vllm_worker.KVHubWorker"
+# The consumer's logits processor (kvhub.serving.forced): a request naming vllm_xargs[FORCE_KEY] generates those
+# ids, with the model's own logprobs of them, which is how the gist is scored over HTTP (kvhub.eval.served_gist).
+FORCED_PROCESSOR = "kvhub.serving.forced:ForcedTokens"
+FORCE_KEY = "kvhub_force"
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}  # kvhub's name -> vLLM's kv_role
 LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead of failing the request
 EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
@@ -112,8 +116,10 @@ def check_extra_keys(extra) -> None:
 def server_command(launcher: list[str], *, model: str, served_model_name: str, host: str, port: int,
                    transfer_config: dict, extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
     """The argv of one OpenAI-compatible server with the connector: ``launcher`` (:func:`vllm_launcher`)
-    ``serve MODEL ...``; the consumer also gets :data:`WORKER_CLASS`; ``extra_args`` go last."""
-    worker = ["--worker-cls", WORKER_CLASS] if transfer_config.get("kv_role") == ROLES["consumer"] else []
+    ``serve MODEL ...``; the consumer also gets :data:`WORKER_CLASS` and :data:`FORCED_PROCESSOR`; ``extra_args``
+    go last."""
+    worker = (["--worker-cls", WORKER_CLASS, "--logits-processors", FORCED_PROCESSOR]
+              if transfer_config.get("kv_role") == ROLES["consumer"] else [])
     return [*launcher, "serve", model, "--host", host, "--port", str(port), "--served-model-name", served_model_name,
             "--enable-prefix-caching", "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":")),
             *worker, *extra_args]
