@@ -6,8 +6,10 @@
 # request's tenant (mapped: the escalation), the same with kv_transfer_params kvhub_control (the
 # no-information control map, same recompute) and the last 32 tokens only (floor).
 #   bash benchmarks/serve_facts.sh [REF] [extra kvhub serve options...]
+# TASKS="gist-chat gist-document" scores the gist instead (the large model's own answer, teacher-forced
+# through kvhub serve's logits processor; docs/eval-serve.md).
 # Needs .venv-vllm (scripts/setup-vllm.sh) and the demo mapper (scripts/demo.sh).  Writes
-# docs/results/serve_facts.json (override with OUT=..., LIMIT=items per task and length, LENGTHS="1024 2048",
+# docs/results/serve_facts.json (override with OUT=..., TASKS="facts multiturn", LIMIT=items per task and length, LENGTHS="1024 2048",
 # DTYPE=float32: on a CPU without AVX-512 bf16 matmuls are emulated and several times slower than fp32).
 # On 2 AVX2 cores the 1.5B prefills 1k tokens in about a minute: LIMIT=4 at 1k takes about 20 minutes.
 set -euo pipefail
@@ -32,7 +34,9 @@ small=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['small']
 large=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['large']['url'])" "$WORK/ready.json")
 lengths=()
 for n in ${LENGTHS:-1024 2048}; do lengths+=(--context-tokens "$n"); done
-"$KVHUB" eval-serve --small "$small" --large "$large" --task facts --task multiturn "${lengths[@]}" \
+tasks=()
+for t in ${TASKS:-facts multiturn}; do tasks+=(--task "$t"); done
+"$KVHUB" eval-serve --small "$small" --large "$large" "${tasks[@]}" "${lengths[@]}" \
   --limit "$LIMIT" --agreement-tokens "${AGREEMENT:-32}" --timeout 1800 --output-path "$OUT"
 cp "$WORK/events.jsonl" "${OUT%.json}.events.jsonl"
 echo "results: $OUT; connector events: ${OUT%.json}.events.jsonl; server logs: $WORK/logs" >&2

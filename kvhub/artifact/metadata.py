@@ -202,6 +202,17 @@ def _int_or_none(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def describe_structure(structure: dict | None) -> str:
+    """'dense', 'head-local (2 groups)', 'rank 64', or both, from mapper.json's ``structure``: the one wording
+    of a map's structure (fit summary, model card, report and plots)."""
+    structure = structure or {}
+    groups, rank = structure.get("head_groups") or 1, structure.get("rank")
+    parts = [f"head-local ({groups} groups)"] if groups > 1 else []
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    return ", ".join(parts) or "dense"
+
+
 def shown(choice):
     """``k`` or ``lambda`` as a table or JSON shows it: "auto" for null (chosen per target layer: each layer's
     own is in ``layers``; older files hold the text "auto" itself), else the value."""

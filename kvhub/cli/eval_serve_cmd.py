@@ -156,7 +156,7 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
             summary = evaluate_served(small, large, tokenizer, task=task, context_tokens=length, seed=run["seed"],
                                       agreement_tokens=run["agreement_tokens"], log_samples=run["log_samples"],
                                       items=items, progress=callback)
-    dataset = {"name": f"{task}-{length}", "source": f"built by {builder} (seed {run['seed']})",
+    dataset = {"name": f"{task}-{length}", "origin": f"built by {builder} (seed {run['seed']})",
                "context_tokens": length, "n": len(items), "sha256": items_sha256(items)}
     return summary, dataset, summary.pop("samples", [])
 

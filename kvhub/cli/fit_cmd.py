@@ -9,7 +9,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
-from kvhub.artifact.metadata import shown
+from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.cli.fit_options import fit_options
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
 
@@ -250,8 +250,6 @@ def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> N
     if "heldout_r2_k_mean" in metrics:
         say(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
             f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})", to=to)
-    from kvhub.hub.card import describe_structure
-
     say(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.num_parameters():,} parameters; "
         f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}", to=to)
     timings = mapper.metadata["fit"]["timings"]

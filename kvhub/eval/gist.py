@@ -222,5 +222,5 @@ class GistTask:
     def dataset(self, items) -> dict:
         from kvhub.eval.results import items_sha256
 
-        return {"name": self.name, "source": f"built by kvhub.eval.gist (seed {self.seed})",
+        return {"name": self.name, "origin": f"built by kvhub.eval.gist (seed {self.seed})",
                 "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}

@@ -61,7 +61,7 @@ class PerplexityTask:
         built = resolve_calibration(self.calib, tokenizer=self.loaded.tokenizer, tokenizer_id=mapper.source["model_id"],
                                     samples=calibration.get("sequences"), seq_len=calibration.get("seq_len"))
         held = built.heldout[: max(1, min(self.limit, built.heldout.shape[0]))]
-        return held, {"name": f"calibration:{built.name}", "source": "held-out split of a calibration set",
+        return held, {"name": f"calibration:{built.name}", "origin": "held-out split of a calibration set",
                       "calibration_sha256": built.content_hash}
 
     def items(self) -> list[Window]:

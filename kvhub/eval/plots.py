@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from kvhub.artifact.metadata import describe_structure
 from kvhub.errors import ConfigError
 
 PLOTS_EXTRA = "pip install 'kvhub[plots]'"
@@ -50,12 +51,10 @@ def _integer_ticks(axis) -> None:
     axis.set_major_locator(MaxNLocator(integer=True))
 
 
-def structure_label(metadata: dict) -> str:
-    """'' for dense full-rank maps, else e.g. 'rank 8, 2 head groups'."""
-    structure = metadata.get("structure") or {}
-    parts = [f"rank {structure['rank']}"] * bool(structure.get("rank"))
-    parts += [f"{structure['head_groups']} head groups"] * (int(structure.get("head_groups") or 1) > 1)
-    return ", ".join(parts)
+def compressed_structure(metadata: dict) -> str:
+    """'' for dense full-rank maps, else their structure as every kvhub output words it ('rank 8')."""
+    structure = describe_structure(metadata.get("structure"))
+    return "" if structure == "dense" else structure
 
 
 # ---- data -------------------------------------------------------------------------------------------
@@ -105,7 +104,7 @@ def r2_heatmap_figure(metadata: dict):
         _integer_ticks(ax.xaxis)
         _integer_ticks(ax.yaxis)
         fig.colorbar(image, ax=ax, label="held-out R²")
-    structure = structure_label(metadata)
+    structure = compressed_structure(metadata)
     title = "Probe: held-out R² of a full-rank map from one source layer"
     if structure:
         title += f"\n(the stored maps are compressed, {structure}: their own R² is in layer_r2.png)"
@@ -116,7 +115,7 @@ def r2_heatmap_figure(metadata: dict):
 def layer_r2_figure(metadata: dict):
     plt = _pyplot()
     data = layer_series(metadata)
-    structure = structure_label(metadata)
+    structure = compressed_structure(metadata)
     fig, ax = plt.subplots(figsize=(8.5, 4), constrained_layout=True)
     xs = data["layers"]
     # V dashed with large hollow squares over K's solid line and filled dots: both visible when equal

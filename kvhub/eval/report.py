@@ -28,12 +28,12 @@ def task_results(metrics: list[dict]) -> dict[str, dict]:
 def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: dict) -> Path:
     """Write r2_heatmap.png, layer_r2.png, retention.png (when there are task results) and report.md to the
     folder ``out`` (which exists); returns report.md."""
-    from kvhub.eval.plots import layer_r2, r2_heatmap, retention_chart, structure_label
+    from kvhub.eval.plots import compressed_structure, layer_r2, r2_heatmap, retention_chart
 
     r2_heatmap(metadata, out / "r2_heatmap.png")
     layer_r2(metadata, out / "layer_r2.png")
     metrics = metadata.get("metrics", {})
-    structure = structure_label(metadata)
+    structure = compressed_structure(metadata)
     lines = [f"# {reference}", "", f"- source: {version.source}", f"- target: {version.target}",
              f"- calibration: {version.calibration}", f"- maps: {structure or 'dense, full rank'}", "",
              f"Held-out R² of the stored maps (mean over target layers): K "

@@ -6,7 +6,7 @@ The document (``--json`` on stdout, ``--output-path`` on disk)::
      "results": {"hellaswag": {"acc_own": ..., "retention": ..., ...}, "hellaswag@exact_prefix=4": {...}},
      "config": {"model": "kvhub", "mapper": ref, "source": ..., "target": ..., "tensors_sha256": ...,
                 "dtype": ..., "device": ..., "limit": ..., "seed": ..., "variants": [...], "tasks": [...],
-                "datasets": {"hellaswag": {"name": ..., "split": ..., "source": ..., "sha256": ..., "n": ...}},
+                "datasets": {"hellaswag": {"name": ..., "split": ..., "origin": ..., "sha256": ..., "n": ...}},
                 "kvhub_version": ..., "date": ...}}
 
 ``results`` keeps kvhub's metric names (acc_own, acc_mapped, acc_source, retention, gap_closed, ...;

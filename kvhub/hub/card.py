@@ -31,7 +31,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvhub.artifact.metadata import shown
+from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.errors import ConfigError
 from kvhub.hub.evaluations import (
     _TASK_DATASETS, bench_section, calibration_dataset, evaluation_results, evaluations_table, fmt, hub_datasets,
@@ -300,16 +300,6 @@ def _fit_section(metadata: dict) -> str:
 
 def _structure(metadata: dict) -> str:
     return describe_structure(metadata.get("structure"))
-
-
-def describe_structure(structure: dict | None) -> str:
-    """'dense', 'head-local (2 groups)', 'rank 64', or both, from mapper.json's ``structure``."""
-    structure = structure or {}
-    groups, rank = structure.get("head_groups") or 1, structure.get("rank")
-    parts = [f"head-local ({groups} groups)"] if groups > 1 else []
-    if rank is not None:
-        parts.append(f"rank {rank}")
-    return ", ".join(parts) or "dense"
 
 
 def _counts(metadata: dict) -> str:
