@@ -12,10 +12,8 @@ levers that need no refit, on the real mapper and on its no-information control 
   observation that early layers matter most); costs n/L of a prefill;
 - ``key_scale``: mapped keys multiplied by a (a softmax temperature over mapped positions, against the
   ridge map's shrinkage of keys toward their mean); "r2" = 1/sqrt(R^2_K) of each layer.
-- ``deshrink``: the map's own bias/scale (norm calibration without a refit).  A ridge prediction varies
-  R^2 times as much as its target around the calibration mean; the de-shrunk map predicts
-  mean + (prediction - mean) / sqrt(R^2) per layer (K and V: "kv", or V only: "v"), i.e. weights x s and
-  bias s b + (1 - s) mean, in the RoPE-stripped space, so the control map (the mean itself) is unchanged.
+- ``deshrink``: the map's own bias/scale (norm calibration without a refit, :meth:`kvhub.core.mapper.Mapper.deshrunk`):
+  mean + (prediction - mean) / sqrt(R^2) per layer, for K and V ("kv") or V only ("v").
 
 A fitted mapper directory (``--mapper DIR``, e.g. a ``--weighting attention`` fit exported with --out)
 is scored the same way, so refit levers compare in one table.  Own answers, own and floor NLLs are
@@ -72,26 +70,6 @@ LEVERS = [
     Lever("handoff, de-shrunk K and V", HANDOFF, deshrink="kv"),
     Lever("handoff, de-shrunk V", HANDOFF, deshrink="v"),
 ]
-
-
-def deshrunk(mapper, kinds: str):
-    """A copy of ``mapper`` predicting mean + (prediction - mean) / sqrt(R^2) per target layer for ``kinds``
-    ("kv" or "v"): weight x s, bias s b + (1 - s) mean (dense or low-rank maps: the last factor is scaled)."""
-    from kvhub.artifact import map_prefix, tensor_name
-
-    tensors = dict(mapper.tensors)
-    for layer in mapper.layers:
-        for kind in kinds:
-            s = 1 / math.sqrt(max(layer[f"r2_{kind}"], 0.25))
-            prefix = map_prefix(kind, layer["target"])
-            last = next(name for name in (tensor_name(prefix, "weight"), tensor_name(prefix, "weight_b"))
-                        if name in tensors)
-            mean, bias = tensors[tensor_name(prefix, "target_mean")], tensors[tensor_name(prefix, "bias")]
-            tensors[last] = tensors[last] * s
-            tensors[tensor_name(prefix, "bias")] = s * bias + (1 - s) * mean
-    copied = type(mapper)(tensors, mapper.metadata, dtype=mapper.dtype, compute_dtype=mapper.compute_dtype)
-    copied.ref = mapper.ref
-    return copied
 
 
 def key_scales(mapper, lever: Lever) -> dict[int, float]:
@@ -181,7 +159,7 @@ def main() -> None:
     target, _, _ = load_model(mapper.target["model_id"], dtype="float32")
     layers = target.config.num_hidden_layers
     levers = [LEVERS[int(i)] for i in args.only.split(",")] if args.only else LEVERS
-    deshrunk_maps = {lever.deshrink: deshrunk(mapper, lever.deshrink) for lever in levers if lever.deshrink}
+    deshrunk_maps = {lever.deshrink: mapper.deshrunk(lever.deshrink) for lever in levers if lever.deshrink}
     cache_dir = Path(args.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvhub.artifact import json_sha256
-from kvhub.progress import Progress
+from kvhub.progress import Progress, report
 
 
 def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str) -> Path:
@@ -68,7 +68,7 @@ def read_done(path: Path, from_dict: Callable[[dict], object]) -> dict:
 
 
 def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict], object],
-                progress: Progress) -> list[list]:
+                progress: Progress | None = None) -> list[list]:
     """Per item, one score per variant (``paths[i]`` caches variant i).
 
     ``scorer(item, indices)`` scores the variants an item still lacks (returns one score per index,
@@ -81,7 +81,7 @@ def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict],
     scores = []
     try:
         for index, item in enumerate(items):
-            progress(f"items: {item.id}", index, len(items))
+            report(progress, f"items: {item.id}", index, len(items))
             key = item_key(item)
             missing = [i for i in range(len(paths)) if key not in done[i]]
             if missing:
@@ -90,7 +90,7 @@ def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict],
                     handles[i].write(json.dumps({"id": key, "score": score.as_dict()}) + "\n")
                     handles[i].flush()
             scores.append([done[i][key] for i in range(len(paths))])
-        progress("items: done", len(items), len(items))
+        report(progress, "items: done", len(items), len(items))
     finally:
         for handle in handles:
             handle.close()

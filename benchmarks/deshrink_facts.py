@@ -1,0 +1,55 @@
+"""Do de-shrunk maps (Mapper.deshrunk, issue 24's gist lever) keep facts?  ``kvhub eval``'s facts task at one
+length, the same items and recompute variant, with the registered mapper as it is and de-shrunk.
+
+    python benchmarks/deshrink_facts.py --ref Qwen2.5-Coder-0.5B-Instruct:Qwen2.5-Coder-1.5B-Instruct:legal-docs@v1 \
+        --context-tokens 1024 --limit 6 --dtype float32 --out docs/results/deshrink_facts_1k.json
+
+Per-item results are cached as ``kvhub eval`` caches them; the de-shrunk run under a key of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from kvhub.eval import run
+from kvhub.store import open_store
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ref", required=True)
+    parser.add_argument("--task", default="facts")
+    parser.add_argument("--context-tokens", type=int, default=1024)
+    parser.add_argument("--limit", type=int, default=6)
+    parser.add_argument("--variant", default="handoff")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    variant_list = [run.parse_variant(args.variant)]
+    report = {"command": " ".join(sys.argv), "results": {}}
+    with open_store(None, create=False) as store:
+        loaded = run.load_version(store, args.ref, dtype=args.dtype)
+    plain = loaded.mapper
+    for label, mapper in (("as fitted", plain), ("de-shrunk K and V", plain.deshrunk("kv"))):
+        loaded.mapper = mapper
+        key = loaded.version.tensors_sha256
+        if mapper is not plain:  # its own per-item cache: the tensors differ
+            key = hashlib.sha256(f"{key}:deshrunk-kv".encode()).hexdigest()
+        settings = run.RunSettings(key, limit=args.limit, dtype=args.dtype, device=loaded.device)
+        tasks = run.build_tasks([args.task], loaded, limit=args.limit, seed=0, context_tokens=(args.context_tokens,))
+        outcome = run.evaluate(tasks, variant_list, settings=settings)
+        report["results"][label] = outcome.results
+        for name, summary in outcome.results.items():
+            print(f"{label:20s} {name}: own {summary['acc_own']:.2f} mapped {summary['acc_mapped']:.2f} "
+                  f"control {summary['acc_control']:.2f} floor {summary['acc_floor']:.2f} "
+                  f"recomputed {summary['recomputed_fraction']:.1%}", flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
