@@ -1,8 +1,11 @@
-"""Do de-shrunk maps (Mapper.deshrunk, issue 24's gist lever) keep facts?  ``kvhub eval``'s facts task at one
-length, the same items and recompute variant, with the registered mapper as it is and de-shrunk.
+"""Do de-shrunk maps (Mapper.deshrunk, issue 24's gist lever) keep facts and task accuracy?  One ``kvhub eval``
+task (facts at one length, or a multiple-choice task such as hellaswag), the same items and recompute
+variant, with the registered mapper as it is and de-shrunk.
 
     python benchmarks/deshrink_facts.py --ref Qwen2.5-Coder-0.5B-Instruct:Qwen2.5-Coder-1.5B-Instruct:legal-docs@v1 \
         --context-tokens 1024 --limit 6 --dtype float32 --out docs/results/deshrink_facts_1k.json
+    python benchmarks/deshrink_facts.py --ref ... --task hellaswag --variant "" --limit 100 --dtype float32 \
+        --out docs/results/deshrink_hellaswag.json     # "": the map alone, as kvhub eval scores by default
 
 Per-item results are cached as ``kvhub eval`` caches them; the de-shrunk run under a key of its own.
 """
@@ -45,9 +48,9 @@ def main() -> None:
         outcome = run.evaluate(tasks, variant_list, settings=settings)
         report["results"][label] = outcome.results
         for name, summary in outcome.results.items():
-            print(f"{label:20s} {name}: own {summary['acc_own']:.2f} mapped {summary['acc_mapped']:.2f} "
-                  f"control {summary['acc_control']:.2f} floor {summary['acc_floor']:.2f} "
-                  f"recomputed {summary['recomputed_fraction']:.1%}", flush=True)
+            shown = {k: v for k, v in summary.items() if k.startswith("acc_") and not k.endswith("_ci")
+                     or k in ("retention", "recomputed_fraction")}
+            print(f"{label:20s} {name}: " + " ".join(f"{k} {v:.3f}" for k, v in shown.items()), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
 
 
