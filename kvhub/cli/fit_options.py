@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from kvhub.fitting.options import AUTO, auto_or, check, knob_field
+from kvhub.fitting.options import AUTO, auto_or, knob_field, what_to_use
 
 
 def _callback(name: str):
@@ -20,9 +20,9 @@ def _callback(name: str):
                 value = auto_or(value, parse) if spec.metadata["auto"] else parse(value.strip())
             except ValueError:
                 pass  # still text: the rule refuses it below
-        problem = check(name, value)
-        if problem:
-            raise click.BadParameter(problem.split(": ", 1)[-1])
+        use = what_to_use(name, value)
+        if use:
+            raise click.BadParameter(use)
         return value
 
     return callback

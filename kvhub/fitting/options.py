@@ -155,13 +155,21 @@ def knob_field(name: str) -> dataclasses.Field:
     return next(spec for spec in knobs() if spec.name == name)
 
 
-def check(name: str, value) -> str | None:
-    """Why ``value`` cannot be knob ``name`` (a sentence naming the flag and what to use), or None."""
+def what_to_use(name: str, value) -> str | None:
+    """``use ...``: what knob ``name`` takes, when ``value`` is not one of those; None when it is."""
     spec = knob_field(name)
-    if value is None and (spec.default is None):
+    if value is None and spec.default is None:
         return None
     must = spec.metadata["rule"](value)
     if must is None:
         return None
-    shown = f"{spec.metadata['flag']} {value!r}" if spec.metadata["flag"] else f"{name}={value!r}"
-    return f"{shown}: use {must}{' or ' + repr(AUTO) if spec.metadata['auto'] else ''}"
+    return f"use {must}{' or ' + repr(AUTO) if spec.metadata['auto'] else ''}"
+
+
+def check(name: str, value) -> str | None:
+    """Why ``value`` cannot be knob ``name`` (a sentence naming the flag and what to use), or None."""
+    use = what_to_use(name, value)
+    if use is None:
+        return None
+    flag = knob_field(name).metadata["flag"]
+    return f"{f'{flag} {value!r}' if flag else f'{name}={value!r}'}: {use}"
