@@ -77,5 +77,20 @@ def test_forced_ids_are_generated_with_the_models_own_logprobs(tmp_path):
     assert all(value < -0.01 for value in result["forced"]["logprobs"])  # not the masked 0.0
 
 
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("bad", [[], ["7"], [-1], [True], "5,17", {"a": 1}])
+def test_a_malformed_force_list_from_a_request_is_refused(bad):
+    """vllm_xargs comes from any HTTP client: anything but a non-empty list of token ids is a ValueError,
+    which vLLM answers with HTTP 400 (not a crash of the engine); a request without the key is untouched."""
+    from vllm import SamplingParams
+
+    from kvhub.serving.forced import ForcedTokens
+
+    with pytest.raises(ValueError, match="kvhub_force must be a non-empty list of token ids"):
+        ForcedTokens.validate_params(SamplingParams(max_tokens=1, extra_args={"kvhub_force": bad}))
+    ForcedTokens.validate_params(SamplingParams(max_tokens=1))
+
+
 if __name__ == "__main__":
     Path(sys.argv[2]).write_text(json.dumps(run_engine(sys.argv[1])))
