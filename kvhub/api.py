@@ -37,6 +37,7 @@ def load(
     device=None,
     dtype=None,
     torch_dtype=None,
+    deshrink: str | None = None,
 ) -> Mapper:
     """Load the mapper from model ``src`` to model ``dst``.
 
@@ -45,7 +46,9 @@ def load(
     fitted on several.  version (``3``, ``"v3"``, or an alias name as in a reference's ``@SELECTOR``) or
     alias picks the version; by default the one aliased ``production`` if set, else ``latest``.  db:
     store URL or SQLite path (default: see kvhub.store.location).  device, dtype (or its alias
-    torch_dtype): where the weights go and the dtype of the caches ``transfer`` returns.
+    torch_dtype): where the weights go and the dtype of the caches ``transfer`` returns.  deshrink: how
+    transfer reads the maps ("kv", "v" or "off"; default "kv" where the artifact allows it, see
+    :data:`kvhub.core.mapper.DESHRINK`).
 
     The Hugging Face Hub (see docs/hub.md) is asked when the store has no match, or always when
     ``revision`` (a Hub tag such as ``"v3"``, a branch or a commit) is given: in ``hub_repo``
@@ -70,7 +73,7 @@ def load(
             directory, found = _resolve_local(ref, db=db)
         except NotFoundError as miss:
             directory, found = _resolve_hub(ref, miss=miss, db=db, **hub)
-    mapper = Mapper.load(directory, device=device, dtype=dtype)
+    mapper = Mapper.load(directory, device=device, dtype=dtype, deshrink=deshrink)
     mapper.ref = found
     return mapper
 
@@ -116,7 +119,7 @@ def _resolve_hub(ref: Ref, *, miss: NotFoundError | None, hub_repo=None, db=None
 
 def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
                     cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
-                    device=None, dtype=None, torch_dtype=None, compute_dtype=None) -> Mapper:
+                    device=None, dtype=None, torch_dtype=None, compute_dtype=None, deshrink: str | None = None) -> Mapper:
     """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
     text = os.fspath(name)
     dtype = _one_dtype(dtype, torch_dtype)
@@ -127,7 +130,8 @@ def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, tok
         if revision is not None:
             raise ConfigError(f"{text} is a directory, which has no revisions; leave revision out, or name a store "
                               "reference or a Hub repository")
-        mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype)
+        mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype,
+                             deshrink=deshrink)
         mapper.ref = _registered_ref(mapper, db)
         return mapper
     from kvhub.store import open_store
@@ -146,7 +150,7 @@ def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, tok
             version = pull(store, named[0], revision=named[1], token=token, cache_dir=cache_dir,
                            local_files_only=local_files_only).version
             directory = store.artifact_path(version)
-    mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype)
+    mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink)
     mapper.ref = version.ref
     return mapper
 
@@ -234,7 +238,8 @@ class Mapper(core.Mapper):
     @classmethod
     def from_pretrained(cls, name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
                         cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
-                        device=None, dtype=None, torch_dtype=None, compute_dtype=None) -> "Mapper":
+                        device=None, dtype=None, torch_dtype=None, compute_dtype=None,
+                        deshrink: str | None = None) -> "Mapper":
         """The mapper ``name`` designates, verified, with ``ref`` set:
 
         * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
@@ -245,10 +250,10 @@ class Mapper(core.Mapper):
 
         revision: a store selector or Hub revision when ``name`` has none.  token, cache_dir,
         local_files_only: as huggingface_hub's.  db: store URL or SQLite path.  torch_dtype: dtype's other
-        name (see :class:`kvhub.core.mapper.Mapper` for dtypes)."""
+        name (see :class:`kvhub.core.mapper.Mapper` for dtypes and ``deshrink``)."""
         return from_pretrained(name, revision=revision, token=token, cache_dir=cache_dir,
                                local_files_only=local_files_only, db=db, device=device, dtype=dtype,
-                               torch_dtype=torch_dtype, compute_dtype=compute_dtype)
+                               torch_dtype=torch_dtype, compute_dtype=compute_dtype, deshrink=deshrink)
 
     def save_pretrained(self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
                         **hub_options) -> Path:

@@ -1,5 +1,6 @@
-"""Mapper.deshrunk: mean + (prediction - mean) / sqrt(R^2) per target layer, checked against that formula
-on a fitted tiny pair whose R^2 is well below 1 (so every layer is really rescaled)."""
+"""De-shrunk transfer (Mapper.deshrink, kvhub.core.mapper.DESHRINK): mean + (prediction - mean) / sqrt(R^2) per
+target layer, checked against that formula on a fitted tiny pair whose R^2 is well below 1 (so every layer is
+really rescaled); the default, the stored tensors left as fitted, and the refusals."""
 
 import math
 
@@ -9,6 +10,7 @@ import torch
 from kvhub.artifact import map_prefix, tensor_name
 from kvhub.core.capture import run_model
 from kvhub.core.control import control_mapper
+from kvhub.core.mapper import DESHRINK_DEFAULT, Mapper
 from kvhub.errors import ConfigError
 from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
@@ -35,7 +37,8 @@ def _rows(tensor):  # (B, H, T, D) -> (B, T, H*D)
 def test_values_follow_the_formula_and_keys_only_when_asked(fitted, kinds):
     mapper, source = fitted
     x = _ids(2, 5)
-    plain, shrunk = mapper.transfer(run_model(source, x)), mapper.deshrunk(kinds).transfer(run_model(source, x))
+    plain = mapper.deshrunk("off").transfer(run_model(source, x))
+    shrunk = mapper.deshrunk(kinds).transfer(run_model(source, x))
     for layer in mapper.layers:
         m = layer["target"]
         assert layer["r2_v"] < 0.9  # a real rescale, not 1
@@ -47,21 +50,51 @@ def test_values_follow_the_formula_and_keys_only_when_asked(fitted, kinds):
         assert same_keys == (kinds == "v")
 
 
+def test_the_default_applies_to_fitted_and_loaded_mappers_and_saving_keeps_the_fitted_maps(fitted, tmp_path):
+    mapper, source = fitted
+    assert DESHRINK_DEFAULT == "kv" and mapper.deshrink == "kv"
+    loaded = Mapper.load(mapper.deshrunk("v").save(tmp_path / "m"))
+    assert loaded.deshrink == DESHRINK_DEFAULT  # a transfer setting, not part of the artifact
+    assert all(torch.equal(loaded.tensors[n], t) for n, t in mapper.tensors.items())
+    x = _ids(1, 7)
+    a, b = mapper.transfer(run_model(source, x)), loaded.transfer(run_model(source, x))
+    assert all(torch.equal(p.keys, q.keys) and torch.equal(p.values, q.values) for p, q in zip(a.layers, b.layers))
+    off = Mapper.load(tmp_path / "m", deshrink="off").transfer(run_model(source, x))
+    assert not torch.equal(off.layers[0].keys, a.layers[0].keys)
+
+
+def test_moving_the_mapper_keeps_the_setting(fitted):
+    mapper, source = fitted
+    moved = mapper.deshrunk("kv").to("cpu", torch.float64)
+    x = _ids(1, 8)
+    torch.testing.assert_close(moved.transfer(run_model(source, x)).layers[1].values.float(),
+                               mapper.transfer(run_model(source, x)).layers[1].values)
+
+
 def test_the_control_map_is_unchanged_and_the_original_untouched(fitted):
     mapper, source = fitted
     before = {name: t.clone() for name, t in mapper.tensors.items()}
     shrunk = mapper.deshrunk()
-    assert all(torch.equal(before[name], t) for name, t in mapper.tensors.items())
     x = _ids(1, 6)
-    a = control_mapper(mapper).transfer(run_model(source, x))
+    shrunk.transfer(run_model(source, x))
+    assert all(torch.equal(before[name], t) for name, t in mapper.tensors.items())
+    assert all(torch.equal(before[name], t) for name, t in shrunk.tensors.items())
+    a = control_mapper(mapper.deshrunk("off")).transfer(run_model(source, x))
     b = control_mapper(shrunk).transfer(run_model(source, x))
     assert all(torch.equal(p.keys, q.keys) and torch.equal(p.values, q.values) for p, q in zip(a.layers, b.layers))
+    # the control's own maps (zero weights, bias = mean) de-shrunk are the mean again
+    forced = control_mapper(mapper).deshrunk("kv").transfer(run_model(source, x))
+    assert all(torch.allclose(p.keys, q.keys, atol=1e-6) for p, q in zip(a.layers, forced.layers))
 
 
-def test_bad_kinds_and_a_mapper_without_means_are_refused(fitted):
+def test_bad_settings_and_a_mapper_without_means(fitted):
     mapper, _ = fitted
-    with pytest.raises(ConfigError, match="use 'kv'"):
+    with pytest.raises(ConfigError, match="use one of kv, v, off"):
         mapper.deshrunk("q")
-    meanless = type(mapper)({n: t for n, t in mapper.tensors.items() if not n.endswith("target_mean")}, mapper.metadata)
+    meanless_tensors = {n: t for n, t in mapper.tensors.items() if not n.endswith("target_mean")}
+    meanless = Mapper(meanless_tensors, mapper.metadata)
+    assert meanless.deshrink == "off"  # an older artifact maps as fitted by default
     with pytest.raises(ConfigError, match="target_mean"):
         meanless.deshrunk()
+    with pytest.raises(ConfigError, match="target_mean"):
+        Mapper(meanless_tensors, mapper.metadata, deshrink="v")

@@ -46,4 +46,4 @@ def control_mapper(mapper):
             tensors[tensor_name(prefix, "target_mean")] = mean.clone()
         layers.append({**layer, "sources": layer["sources"][:1], "r2_k": 0.0, "r2_v": 0.0})
     metadata = {**mapper.metadata, "layers": layers, "notes": ["control: zero weights, bias = mean target K/V"]}
-    return Mapper(tensors, metadata, dtype=mapper.dtype, compute_dtype=mapper.compute_dtype)
+    return Mapper(tensors, metadata, dtype=mapper.dtype, compute_dtype=mapper.compute_dtype, deshrink="off")

@@ -28,7 +28,8 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
 from kvhub.artifact import map_prefix, tensor_name
 from kvhub.artifact.metadata import shown
 from kvhub.dtypes import check_device, parse_dtype  # noqa: F401  (parse_dtype re-exported)
-from kvhub.errors import ConfigError, IncompatibleError, NonFiniteError
+from kvhub.errors import IncompatibleError, NonFiniteError
+from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT, deshrink_setting  # noqa: F401  (part of the Mapper's API)
 from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
 
@@ -110,11 +111,13 @@ class Mapper:
     ``save_pretrained`` and ``push_to_hub``, which need the store and the Hub, stages above this one."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict, *, dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, deshrink: str | None = None):
         """dtype: of the caches ``transfer`` returns (default: the target's at fit time).
         compute_dtype: of the mapping matmuls (default: the output dtype; bf16 GEMMs are ~2x faster than
         fp32 on CPUs with avx512_bf16 and far faster on GPUs, and the cache is stored in that dtype anyway).
         RoPE is always stripped and re-applied in fp32.
+        deshrink: how transfer reads the maps (:data:`DESHRINK`; None: :data:`DESHRINK_DEFAULT` where the
+        tensors allow it, see :func:`deshrink_setting`); ``self.deshrink`` is what applies.
         """
         self.tensors = tensors
         self.metadata = metadata
@@ -125,6 +128,8 @@ class Mapper:
         self._rotary: dict[str, Rotary] = {}
         self._configs: dict = {}
         self._windowed: bool | None = None
+        self.deshrink = deshrink_setting(deshrink, tensors, metadata.get("layers", []))
+        self._scaled: dict[str, torch.Tensor] | None = None  # the tensors deshrink rescales (_deshrunk_tensors)
 
     # ---- metadata views -------------------------------------------------------------------------
     @property
@@ -164,40 +169,38 @@ class Mapper:
         if device is not None:
             self.tensors = {name: t.to(device) for name, t in self.tensors.items()}
             self._cast.clear()
+            self._scaled = None
         if dtype is not None:
             self.dtype = dtype
         return self
 
     def deshrunk(self, kinds: str = "kv") -> "Mapper":
-        """A copy whose maps undo ridge shrinkage: mean + (prediction - mean) / sqrt(R^2) per target layer,
-        for keys and values (``kinds`` "kv") or values only ("v"); mean = the calibration mean of the target's
-        (RoPE-stripped) K/V.  A ridge prediction varies about R^2 times as much as its target around that
-        mean; restoring the spread gives the large model back the contrast between tokens that attention
-        reads (docs/benchmarks.md section 5: the gist's gap closed 0.26 -> 0.60 on chats, 0.39 -> 0.64 on
-        documents at 1k tokens).  Weights x s and bias s b + (1 - s) mean with s = 1/sqrt(max(R^2, 0.25));
-        a layer without held-out R^2 is kept; the no-information control map (the mean) is unchanged by
-        it.  Needs the ``target_mean`` tensors (format 3)."""
-        if not set(kinds) <= {"k", "v"} or not kinds:
-            raise ConfigError(f"deshrunk(kinds={kinds!r}): use 'kv' (keys and values) or 'v' (values only)")
-        tensors = dict(self.tensors)
-        for layer in self.layers:
-            for kind in kinds:
-                r2 = layer.get(f"r2_{kind}")
-                prefix = map_prefix(kind, layer["target"])
-                mean = tensors.get(tensor_name(prefix, "target_mean"))
-                if mean is None:
-                    raise ConfigError("deshrunk() needs the calibration mean of the target's K/V (target_mean "
-                                      "tensors, written by fits of artifact format 3); refit this mapper")
-                if r2 is None:
-                    continue
-                scale = 1 / math.sqrt(max(r2, 0.25))
-                last = tensor_name(prefix, "weight" if tensor_name(prefix, "weight") in tensors else "weight_b")
-                bias = tensor_name(prefix, "bias")
-                tensors[last] = tensors[last] * scale
-                tensors[bias] = scale * tensors[bias] + (1 - scale) * mean
-        copy = type(self)(tensors, self.metadata, dtype=self.dtype, compute_dtype=self.compute_dtype)
+        """A copy of this mapper (the same tensors) that transfers with ``deshrink=kinds``: "kv" (keys and
+        values), "v" (values only) or "off" (the maps as fitted).  See :data:`DESHRINK`."""
+        copy = type(self)(self.tensors, self.metadata, dtype=self.dtype, compute_dtype=self.compute_dtype,
+                          deshrink=kinds)
         copy.ref = self.ref
         return copy
+
+    def _deshrunk_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors ``deshrink`` rescales, by name: weights x s and bias s b + (1 - s) mean per target layer
+        and kind, s = 1/sqrt(max(R^2, 0.25)) (:data:`DESHRINK`); a layer without held-out R^2 is kept.
+        Computed once per device; the stored tensors are never changed (save writes the maps as fitted)."""
+        if self._scaled is None:
+            self._scaled = {}
+            for layer in self.layers:
+                for kind in self.deshrink if self.deshrink != "off" else "":
+                    r2 = layer.get(f"r2_{kind}")
+                    if r2 is None:
+                        continue
+                    prefix = map_prefix(kind, layer["target"])
+                    scale = 1 / math.sqrt(max(r2, 0.25))
+                    dense = tensor_name(prefix, "weight")
+                    last = dense if dense in self.tensors else tensor_name(prefix, "weight_b")
+                    bias, mean = tensor_name(prefix, "bias"), self.tensors[tensor_name(prefix, "target_mean")]
+                    self._scaled[last] = self.tensors[last] * scale
+                    self._scaled[bias] = scale * self.tensors[bias] + (1 - scale) * mean
+        return self._scaled
 
     # ---- transfer ----------------------------------------------------------------------------
     def windowed_target(self) -> bool:
@@ -406,7 +409,7 @@ class Mapper:
     def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         key = (name, dtype)
         if key not in self._cast:
-            self._cast[key] = self.tensors[name].to(dtype)
+            self._cast[key] = self._deshrunk_tensors().get(name, self.tensors[name]).to(dtype)
         return self._cast[key]
 
     @torch.no_grad()
@@ -470,13 +473,16 @@ class Mapper:
         return Path(directory)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, *, device=None, dtype=None, compute_dtype=None) -> "Mapper":
+    def load(cls, directory: str | os.PathLike, *, device=None, dtype=None, compute_dtype=None,
+             deshrink: str | None = None) -> "Mapper":
         """Load an artifact directory after every check of the format (kvhub.artifact.read_artifact:
-        mapper.json fields, tensor names and shapes, sha256, finite weights).  See __init__ for dtypes."""
+        mapper.json fields, tensor names and shapes, sha256, finite weights).  See __init__ for dtypes and
+        ``deshrink``."""
         from safetensors.torch import load_file
 
         metadata = read_artifact(directory)
         check_device(device)  # before safetensors' own error for a missing CUDA (which names neither)
         tensors = load_file(str(tensor_path(directory, metadata)), device=str(device) if device is not None else "cpu")
-        return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype))
+        return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype),
+                   deshrink=deshrink)
 
