@@ -1,19 +1,19 @@
-"""Do de-shrunk maps (Mapper.deshrunk, issue 24's gist lever) keep facts and task accuracy?  One ``kvhub eval``
+"""Do de-shrunk maps (kvhub.core.deshrink, issue 24's gist lever) keep facts and task accuracy?  One ``kvhub eval``
 task (facts at one length, or a multiple-choice task such as hellaswag), the same items and recompute
-variant, with the registered mapper as it is and de-shrunk.
+variant, with the registered mapper read as fitted and de-shrunk: ``kvhub eval --deshrink off`` and
+``--deshrink kv`` side by side, in one report.
 
     python benchmarks/deshrink_facts.py --ref Qwen2.5-Coder-0.5B-Instruct:Qwen2.5-Coder-1.5B-Instruct:legal-docs@v1 \
         --context-tokens 1024 --limit 6 --dtype float32 --out docs/results/deshrink_facts_1k.json
     python benchmarks/deshrink_facts.py --ref ... --task hellaswag --variant "" --limit 100 --dtype float32 \
         --out docs/results/deshrink_hellaswag.json     # "": the map alone, as kvhub eval scores by default
 
-Per-item results are cached as ``kvhub eval`` caches them; the de-shrunk run under a key of its own.
+Per-item results are cached as ``kvhub eval`` caches them (keyed on --deshrink too), so either command reuses them.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -38,12 +38,10 @@ def main() -> None:
     with open_store(None, create=False) as store:
         loaded = run.load_version(store, args.ref, dtype=args.dtype)
     plain = loaded.mapper
-    for label, mapper in (("as fitted", plain), ("de-shrunk K and V", plain.deshrunk("kv"))):
-        loaded.mapper = mapper
-        key = loaded.version.tensors_sha256
-        if mapper is not plain:  # its own per-item cache: the tensors differ
-            key = hashlib.sha256(f"{key}:deshrunk-kv".encode()).hexdigest()
-        settings = run.RunSettings(key, limit=args.limit, dtype=args.dtype, device=loaded.device)
+    for label, setting in (("as fitted", "off"), ("de-shrunk K and V", "kv")):
+        loaded.mapper = plain.deshrunk(setting)
+        settings = run.RunSettings(loaded.version.tensors_sha256, limit=args.limit, dtype=args.dtype,
+                                   device=loaded.device, deshrink=setting)
         tasks = run.build_tasks([args.task], loaded, limit=args.limit, seed=0, context_tokens=(args.context_tokens,))
         outcome = run.evaluate(tasks, variant_list, settings=settings)
         report["results"][label] = outcome.results

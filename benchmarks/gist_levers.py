@@ -12,8 +12,9 @@ levers that need no refit, on the real mapper and on its no-information control 
   observation that early layers matter most); costs n/L of a prefill;
 - ``key_scale``: mapped keys multiplied by a (a softmax temperature over mapped positions, against the
   ridge map's shrinkage of keys toward their mean); "r2" = 1/sqrt(R^2_K) of each layer.
-- ``deshrink``: the map's own bias/scale (norm calibration without a refit, :meth:`kvhub.core.mapper.Mapper.deshrunk`):
-  mean + (prediction - mean) / sqrt(R^2) per layer, for K and V ("kv") or V only ("v").
+- ``deshrink``: the map's own bias/scale (norm calibration without a refit, :mod:`kvhub.core.deshrink`):
+  mean + (prediction - mean) / sqrt(R^2) per layer, for K and V ("kv") or V only ("v").  Every other lever
+  reads the maps as fitted ("off"), as they were measured before de-shrinking became the default.
 
 A fitted mapper directory (``--mapper DIR``, e.g. a ``--weighting attention`` fit exported with --out)
 is scored the same way, so refit levers compare in one table.  Own answers, own and floor NLLs are
@@ -46,7 +47,7 @@ class Lever:
     spec: Recompute
     exact_layers: int = 0
     key_scale: float | str = 1.0
-    deshrink: str = ""  # "", "kv" or "v"
+    deshrink: str = "off"  # "kv", "v" or "off" (kvhub.core.deshrink)
 
     def cost(self, tokens: int, recomputed: int, layers: int) -> float:
         """Fraction of a full prefill's layer-token work: n/L exact layers + the rest over |R| tokens."""
@@ -153,13 +154,13 @@ def main() -> None:
     from kvhub.models.loading import load_model
 
     torch.set_grad_enabled(False)
-    mapper = Mapper.from_pretrained(args.mapper, dtype=torch.float32)  # a directory, a store ref or a Hub repo
+    mapper = Mapper.from_pretrained(args.mapper, dtype=torch.float32, deshrink="off")  # a directory, store ref or Hub repo
     control = control_mapper(mapper)
     source, tokenizer, _ = load_model(mapper.source["model_id"], dtype="float32")
     target, _, _ = load_model(mapper.target["model_id"], dtype="float32")
     layers = target.config.num_hidden_layers
     levers = [LEVERS[int(i)] for i in args.only.split(",")] if args.only else LEVERS
-    deshrunk_maps = {lever.deshrink: mapper.deshrunk(lever.deshrink) for lever in levers if lever.deshrink}
+    maps = {lever.deshrink: mapper.deshrunk(lever.deshrink) for lever in levers}
     cache_dir = Path(args.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out)
@@ -181,7 +182,7 @@ def main() -> None:
             exact_kv = first_layers_kv(target, context, most) if most else []
             for lever in levers:
                 row = {"own": nll_own, "floor": nll_floor}
-                real = deshrunk_maps[lever.deshrink] if lever.deshrink else mapper
+                real = maps[lever.deshrink]
                 for condition, which in (("mapped", real), ("control", control)):
                     cache, recomputed = lever_cache(lever, which, source=source, target=target, tokenizer=tokenizer,
                                                     context=context, source_cache=source_cache,

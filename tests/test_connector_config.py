@@ -65,3 +65,32 @@ def test_a_request_may_carry_its_own_spec_over_the_engines():
     for bad in ({"kvhub_recompute": 3}, {"kvhub_recompute": "select=source"}, {"kvhub_recompute": "depth=3"}):
         with pytest.raises(ConfigError):
             connector.request_spec(bad, base=base)
+
+
+@pytest.mark.parametrize("value", ["kv", "v", "off", None], ids=str)
+def test_deshrink_read(value):
+    assert connector.config_deshrink({} if value is None else {"deshrink": value}) == value
+
+
+@pytest.mark.parametrize("value", ["KV", "on", True, 1], ids=str)
+def test_a_bad_deshrink_is_refused_by_name(value):
+    with pytest.raises(ConfigError, match="deshrink must be one of kv, v, off"):
+        connector.config_deshrink({"deshrink": value})
+
+
+def test_the_mapper_is_loaded_with_the_configured_deshrink(tmp_path):
+    import torch
+
+    from kvhub.core.mapper import Mapper
+    from tests.fixtures_store import make_store_artifact
+
+    meanless = make_store_artifact(tmp_path / "old")  # no target_mean tensors: maps as fitted by default
+    plain = Mapper.load(meanless)
+    means = {name.replace(".bias", ".target_mean"): torch.ones_like(t) for name, t in plain.tensors.items()
+             if name.endswith(".bias")}
+    with_means = Mapper({**plain.tensors, **means}, plain.metadata).save(tmp_path / "new")
+    assert connector.load_mapper({"mapper_path": str(with_means)}, device="cpu").deshrink == "kv"
+    assert connector.load_mapper({"mapper_path": str(with_means), "deshrink": "off"}, device="cpu").deshrink == "off"
+    assert connector.load_mapper({"mapper_path": str(meanless)}, device="cpu").deshrink == "off"
+    with pytest.raises(ConfigError, match="target_mean"):
+        connector.load_mapper({"mapper_path": str(meanless), "deshrink": "kv"}, device="cpu")

@@ -119,6 +119,30 @@ def test_item_cache_is_keyed_on_dtype_and_device(env, monkeypatch):
                                       "--db", env["db"]])
     assert other.exit_code == 0, other.output
     assert len(calls) == 4  # a bfloat16 run never reuses float32 scores
+    assert path != results_file("ab" * 32, "hellaswag", **base, deshrink="kv")
+    assert path == results_file("ab" * 32, "hellaswag", **base, deshrink="off")  # as fitted: the key it always had
+
+
+def test_deshrink_names_the_results_and_keys_the_cache(env, monkeypatch):
+    import kvhub.eval.taskeval as taskeval
+
+    calls = []
+    real = taskeval.score_item
+    monkeypatch.setattr(taskeval, "score_item", lambda item, **kw: (calls.append(item.id), real(item, **kw))[1])
+    args = ("--task", "hellaswag", "--limit", "2", "--json")
+    docs = {}
+    for setting in (None, "off", "v"):
+        result = _eval(env, *args, *(("--deshrink", setting) if setting else ()))
+        assert result.exit_code == 0, result.output
+        docs[setting] = json.loads(result.stdout)
+    assert [docs[s]["config"]["deshrink"] for s in docs] == ["kv", "off", "v"]  # the default: kv
+    assert list(docs[None]["results"]) == ["hellaswag"]
+    assert list(docs["off"]["results"]) == ["hellaswag@deshrink=off"]
+    assert list(docs["v"]["results"]) == ["hellaswag@deshrink=v"]
+    assert len(calls) == 6  # each setting scores its own items
+    assert _eval(env, *args, "--deshrink", "off").exit_code == 0 and len(calls) == 6  # then from the cache
+    bad = _eval(env, "--task", "hellaswag", "--deshrink", "yes")
+    assert bad.exit_code == 2 and "kv" in bad.output and "off" in bad.output
 
 
 def test_ppl_scores_one_fixed_text_set_whatever_the_mappers_calibration(env, tiny_model_dirs):

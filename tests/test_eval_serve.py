@@ -122,7 +122,7 @@ class FakePair:
                 model = self.models["large"]
             else:
                 model = self.models["control" if control else "large"]
-                report = {"kvhub": {"exact_tokens": min(EXACT_TAIL, len(prompt)), "control": control}}
+                report = {"kvhub": {"exact_tokens": min(EXACT_TAIL, len(prompt)), "control": control, "deshrink": "kv"}}
             return (*decode(model, list(prompt), body["max_tokens"], forced), report)
 
     def close(self) -> None:
@@ -285,7 +285,7 @@ def test_each_condition_is_scored_from_its_own_request(scored, tokenizer, items,
     control_agreement = sorted(served.leading_agreement(row["control"], row["own"]) for row in expected)
     assert summary["median_agreement_mapped"] == AGREEMENT
     assert summary["median_agreement_control"] == control_agreement[1] < AGREEMENT
-    assert summary["transfers_reported"] == len(items)
+    assert summary["transfers_reported"] == len(items) and summary["deshrink"] == "kv"
     fraction = sum(EXACT_TAIL / (len(item.prompt_ids) - 1) for item in items) / len(items)
     assert summary["recomputed_fraction"] == pytest.approx(fraction)
     assert summary["context_tokens"] == sum(len(item.prompt_ids) for item in items) / len(items)
@@ -331,6 +331,7 @@ def test_planted_client_bugs_change_the_result(scored, pair, tokenizer, items, m
     unsalted = _evaluate(pair, tokenizer, items[:2])
     assert right["transfers_reported"] == len(items) and right["recomputed_fraction"] > 0
     assert unsalted["transfers_reported"] == 0 and unsalted["recomputed_fraction"] == 0
+    assert unsalted["deshrink"] is None  # no transfer, nothing read
 
     def unflagged_control(self, prompt_ids, *, max_tokens, cache_salt, kv_transfer_params=None):
         return complete(self, prompt_ids, max_tokens=max_tokens, cache_salt=cache_salt)
@@ -349,6 +350,10 @@ def test_text_is_tokenised_only_when_the_server_sends_no_ids(tokenizer):
     assert Completion([1], "", {"kvhub": report}).recomputed_tokens == 39
     assert Completion([1], "", {"kvhub": {"exact_tokens": True}}).recomputed_tokens is None
     assert Completion([1], "", {}).recomputed_tokens is None
+    assert Completion([1], "", {"kvhub": {"deshrink": "off"}}).deshrink == "off"
+    assert Completion([1], "", {"kvhub": {"deshrink": 1}}).deshrink is None
+    assert served.reported_deshrink(["kv", None, "kv"]) == "kv"
+    assert served.reported_deshrink(["kv", "off"]) == "mixed" and served.reported_deshrink([None]) is None
 
 
 # ---- errors ------------------------------------------------------------------------------------------

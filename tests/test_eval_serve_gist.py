@@ -55,6 +55,7 @@ def test_each_condition_scores_the_own_answer_teacher_forced(pair, items, models
     # the damaged model knows nothing of the context: it closes less of the gap than the exact map
     assert summary["gap_closed_mapped"] == pytest.approx(1.0) and summary["gap_closed_control"] < 1
     assert summary["n"] == len(items) and summary["transfers_reported"] == len(items)
+    assert summary["deshrink"] == "kv"  # as the large server reported it
     assert summary["recomputed_fraction"] == pytest.approx(
         EXACT_TAIL * len(items) / sum(len(item.prompt_ids) - 1 for item in items))
     assert (summary["task"], summary["answer_tokens"]) == ("gist-hand", ANSWER)

@@ -50,10 +50,11 @@ def compressed(tmp_path_factory):
 
 def _true_r2(mapper, source, target, held) -> dict[int, tuple[float, float]]:
     """Held-out R^2 of each stored map, computed from the models: map the source's cache, strip the target's
-    RoPE, compare with the target's own K/V (pooled over tokens and dims, centred per dim)."""
+    RoPE, compare with the target's own K/V (pooled over tokens and dims, centred per dim).  The maps as
+    stored (deshrink off): R^2 describes the ridge prediction, which de-shrinking rescales at transfer."""
     cache = run_model(source, held)
     positions = torch.arange(held.shape[1])[None]
-    mapped = mapper.map_layers([l.keys for l in cache.layers], [l.values for l in cache.layers], positions,
+    mapped = mapper.deshrunk("off").map_layers([l.keys for l in cache.layers], [l.values for l in cache.layers], positions,
                                dtype=torch.float32)
     own = capture(target, held)
     rotary = Rotary.from_model(target)

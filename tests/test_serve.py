@@ -161,14 +161,15 @@ def _server_pids(tmp_path: Path, ports) -> list[int]:
 def test_transfer_configs_give_each_role_its_keys(tmp_path):
     configs = launch.transfer_configs(kvstore_dir=tmp_path / "kv", source_model="org/small", mapper="s:d:c@v2",
                                       db="sqlite:///x.db", exact_suffix=8, exact_budget=0.1, kvstore_max_bytes=1 << 20,
-                                      events_path="/tmp/e.jsonl", chunk_tokens=None)
+                                      events_path="/tmp/e.jsonl", chunk_tokens=None, deshrink="off")
     shared = {"kv_connector": "KVHubConnector", "kv_connector_module_path": "kvhub.serving.vllm_connector",
               "kv_load_failure_policy": "recompute"}
     common = {"kvstore_dir": str(tmp_path / "kv"), "source_model": "org/small", "kvstore_max_bytes": 1 << 20,
               "events_path": "/tmp/e.jsonl"}
     assert configs["producer"] == {**shared, "kv_role": "kv_producer", "kv_connector_extra_config": common}
     assert configs["consumer"] == {**shared, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-        **common, "mapper": "s:d:c@v2", "db": "sqlite:///x.db", "exact_suffix": 8, "exact_budget": 0.1}}
+        **common, "mapper": "s:d:c@v2", "db": "sqlite:///x.db", "exact_suffix": 8, "exact_budget": 0.1,
+        "deshrink": "off"}}
     assert json.loads(json.dumps(configs)) == configs  # what `vllm serve --kv-transfer-config` receives
 
 
@@ -183,6 +184,8 @@ def test_transfer_configs_refuse_bad_options(tmp_path):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", select="oracle")
     with pytest.raises(ConfigError, match="exact_budget is a fraction"):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", exact_budget=2)
+    with pytest.raises(ConfigError, match="deshrink must be one of kv, v, off, got 'yes'"):
+        launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", deshrink="yes")
     with pytest.raises(ConfigError, match="exactly one of mapper"):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", mapper_path=tmp_path)
 

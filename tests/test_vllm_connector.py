@@ -189,6 +189,7 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert report["selected_tokens"] == _budget(0.08, len(PROMPT_A), 64) == 0
     # counted from the positions: the 4 recomputed and vLLM's tail [64, 99) (the last prompt token is not context)
     assert report["exact_tokens"] == 39 and report["exact_fraction"] == 39 / 99
+    assert report["deshrink"] == "kv"  # how the maps were read: the default
     assert random_c["ids"] != own_c["ids"], "the output ignores the mapped KV"
     # the masked pass alone reproduces a prefill: the control map, every mapped token recomputed
     assert control_all["kvhub"]["recomputed_tokens"] == 64 and control_all["ids"] == own["ids"]

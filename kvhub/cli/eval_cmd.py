@@ -14,6 +14,7 @@ import click
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
+from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS
 
@@ -21,7 +22,7 @@ from kvhub.eval.textsets import TEXT_SETS
 SELECTORS = ("source", "target", "deviation", "random")
 
 
-def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=()):
+def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=(), deshrink=None):
     """(open store, :class:`kvhub.eval.run.LoadedVersion`); long-context lengths beyond the models' context
     are refused before the models load.  The caller closes the store."""
     from kvhub.core.mapper import read_metadata
@@ -32,7 +33,7 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
         version = store.resolve(ref)
         check_context_length(read_metadata(store.artifact_path(version)), context_tokens)
         say(f"loading {version.source} and {version.target}")
-        return store, load_version(store, ref, device=device, dtype=dtype)
+        return store, load_version(store, ref, device=device, dtype=dtype, deshrink=deshrink)
     except BaseException:
         store.close()
         raise
@@ -81,6 +82,10 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
 @click.option("--ppl-calib", default=None, metavar="NAME",
               help="For --task ppl: score the held-out split of this calibration set instead of --ppl-text, packed "
                    "as the mapper's own (figures then depend on that packing).")
+@click.option("--deshrink", type=click.Choice(DESHRINK), default=None,
+              help=f"How the maps are read: de-shrunk keys and values (kv), values only (v), or as fitted (off) "
+                   f"(default {DESHRINK_DEFAULT} where the mapper stores its calibration means; kvhub.core.deshrink). "
+                   "Results of a non-default setting are named with it.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @db_option
@@ -92,8 +97,8 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
                    "scores) to samples_<task>_<date>.jsonl beside the results.")
 @format_option
 def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_budgets, selects, specs,
-                 context_tokens, ppl_text, ppl_seq_len, ppl_calib, device, dtype, db, output_path, log_samples,
-                 output_format):
+                 context_tokens, ppl_text, ppl_seq_len, ppl_calib, deshrink, device, dtype, db, output_path,
+                 log_samples, output_format):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--variant handoff` (the same as
@@ -117,8 +122,8 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     calibration data.
 
     Results (retention, 95% bootstrap intervals, ...) are stored as metrics of the version and shown by
-    `kvhub show`.  Per-item results are cached (per mapper, task, seed, variant, dtype and device), so an
-    interrupted evaluation resumes where it stopped.  `--json` prints lm-eval's shape: `results` (one
+    `kvhub show`.  Per-item results are cached (per mapper, task, seed, variant, dtype, device and
+    --deshrink), so an interrupted evaluation resumes where it stopped.  `--json` prints lm-eval's shape: `results` (one
     entry per task and variant) and `config` (mapper, dtype, device, limit, seed, variants, each data
     set's name and sha256, kvhub version, date); `--output-path` writes it, `--log-samples` adds the items.
     Any lm-eval task: `kvhub-lm-eval --model kvhub` (docs/guide.md).
@@ -132,10 +137,11 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     items = _check_before_loading(tasks, limit=limit, seed=seed, ppl_text=ppl_text, ppl_calib=ppl_calib,
                                   log_samples=log_samples, output_path=output_path, device=device, dtype=dtype)
     long_lengths = context_tokens if set(tasks) & set(LONG_TASKS + GIST_TASKS) else ()
-    store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths)
+    store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths,
+                                  deshrink=deshrink)
     with store:
         settings = run.RunSettings(loaded.version.tensors_sha256, seed=seed, limit=limit, dtype=dtype,
-                                   device=loaded.device, log_samples=log_samples)
+                                   device=loaded.device, log_samples=log_samples, deshrink=loaded.mapper.deshrink)
         task_list = run.build_tasks(tasks, loaded, limit=limit, seed=seed, context_tokens=context_tokens,
                                     ppl_text=ppl_text, ppl_seq_len=ppl_seq_len, ppl_calib=ppl_calib, items=items)
         outcome = run.evaluate(task_list, variant_list, settings=settings,

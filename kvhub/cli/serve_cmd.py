@@ -19,6 +19,7 @@ import click
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option
 from kvhub.cli.output import format_option
+from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.errors import ConfigError
 
 _SMALL, _LARGE = "small", "large"
@@ -70,6 +71,9 @@ class _ServeCommand(click.Command):
                    "mapped cache (target), or random spans, the no-information control for the signal.")
 @click.option("--queries", type=click.IntRange(min=1), default=None,
               help="Last prompt tokens whose attention scores the context for --select target (16).")
+@click.option("--deshrink", type=click.Choice(DESHRINK), default=None,
+              help=f"How the large server reads the maps: de-shrunk keys and values (kv), values only (v), or as "
+                   f"fitted (off) (default {DESHRINK_DEFAULT} where the mapper stores its calibration means).")
 @click.option("--kv-cache-gib", type=click.IntRange(min=1), default=None,
               help="KV cache of each vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE; default: sized so both engines "
                    "fit this host's memory, or $VLLM_CPU_KVCACHE_SPACE when set).")
@@ -87,8 +91,8 @@ class _ServeCommand(click.Command):
 @format_option
 @click.pass_context
 def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, small_model, large_model,
-          vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, kv_cache_gib,
-          kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, output_format):
+          vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, deshrink,
+          kv_cache_gib, kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, output_format):
     """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
 
     \b
@@ -123,7 +127,8 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
     configs = launch.transfer_configs(
         kvstore_dir=kvstore_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref,
         db=db_on_command_line, hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix,
-        exact_budget=exact_budget, select=select, queries=queries, kvstore_max_bytes=kvstore_max_bytes,
+        exact_budget=exact_budget, select=select, queries=queries, deshrink=deshrink,
+        kvstore_max_bytes=kvstore_max_bytes,
         require_isolation_key=require_isolation_key or None,
         events_path=None if events_path is None else os.path.abspath(events_path))
     extra = ctx.meta.get("vllm_args", ())

@@ -18,6 +18,7 @@ model_args (comma-separated ``key=value``):
   a map with no information about the context);
 - ``exact_prefix``, ``exact_suffix``, ``exact_budget``, ``select``: the context tokens the target
   recomputes itself (:mod:`kvhub.serving.recompute`); 0, 0, 0.0 (map every token), as ``kvhub eval``;
+- ``deshrink``: how the maps are read (``kv``, ``v`` or ``off``; :mod:`kvhub.core.deshrink`; its default);
 - ``dtype`` (bfloat16), ``device`` (lm-eval's ``--device`` otherwise; cuda if available), ``db`` (the
   store), ``source`` / ``target`` (model specs overriding the ids the mapper records), ``max_length``
   (default: the target's max_position_embeddings), ``max_gen_toks`` (256), ``rolling_chunk`` (64).
@@ -45,6 +46,7 @@ import logging
 
 import torch
 
+from kvhub.core.deshrink import DESHRINK
 from kvhub.errors import ConfigError
 
 try:
@@ -61,7 +63,7 @@ CHOICES_PER_PASS = 32  # continuations of one context run in one forward pass
 
 
 DEFAULTS = dict(mapper=None, condition="mapped", exact_prefix=0, exact_suffix=0, exact_budget=0.0, select="source",
-                dtype="bfloat16", device=None, db=None, source=None, target=None, max_length=None, max_gen_toks=256,
+                deshrink=None, dtype="bfloat16", device=None, db=None, source=None, target=None, max_length=None, max_gen_toks=256,
                 rolling_chunk=64, batch_size=None, max_batch_size=None)
 
 
@@ -90,6 +92,8 @@ def check_model_args(model_args: dict) -> dict:
                                   _number("exact_budget", args["exact_budget"], float), str(args["select"]))
     args["dtype"] = dtype_name(args["dtype"])
     args["mapper"] = str(args["mapper"])
+    if args["deshrink"] is not None and args["deshrink"] not in DESHRINK:
+        raise ConfigError(f"deshrink={args['deshrink']!r}; use one of {', '.join(DESHRINK)}")
     return args
 
 
@@ -104,7 +108,7 @@ class KVHubLM(TemplateLM or object):
         self.condition, self.recompute = args["condition"], args["recompute"]
         self.batch_size = args["batch_size"]  # accepted for lm-eval's sake: requests are batched by shared context
         self._load(args["mapper"], dtype=args["dtype"], device=args["device"], db=args["db"], source=args["source"],
-                   target=args["target"])
+                   target=args["target"], deshrink=args["deshrink"])
         self._max_length = args["max_length"] or int(getattr(self.target.config, "max_position_embeddings", 2048))
         self.max_gen_toks, self.rolling_chunk = args["max_gen_toks"], args["rolling_chunk"]
         if self.rolling_chunk >= self._max_length:
@@ -127,7 +131,7 @@ class KVHubLM(TemplateLM or object):
             extra["device"] = "cpu"
         return cls(**arg_dict, **extra)
 
-    def _load(self, ref: str, *, dtype, device, db, source, target) -> None:
+    def _load(self, ref: str, *, dtype, device, db, source, target, deshrink=None) -> None:
         from kvhub.api import from_pretrained
         from kvhub.models.loading import load_model
         from kvhub.serving.handoff import check_models
@@ -135,7 +139,7 @@ class KVHubLM(TemplateLM or object):
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device} but CUDA is not available here; use device=cpu")
         self.dtype_name = dtype
-        self.mapper = from_pretrained(ref, db=db, device=device, dtype=dtype)
+        self.mapper = from_pretrained(ref, db=db, device=device, dtype=dtype, deshrink=deshrink)
         self.source, self.tokenizer, _ = load_model(source or self.mapper.source["model_id"], device=device,
                                                     dtype=self.dtype_name)
         self.target, _, _ = load_model(target or self.mapper.target["model_id"], device=device, dtype=self.dtype_name)

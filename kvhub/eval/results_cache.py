@@ -1,6 +1,6 @@
 """Per-item evaluation results, cached so an interrupted evaluation resumes and a new variant reuses the rest.
 
-One JSONL file per (mapper tensors, task, seed, variant, dtype, device) under
+One JSONL file per (mapper tensors, task, seed, variant, dtype, device, deshrink) under
 ``<cache>/eval-cache/<tensors sha256[:24]>/``; each line is ``{"id": item id, "score": {...}}``,
 appended and flushed as soon as the item is scored (a line cut by a kill is ignored on reading); the
 id carries a hash of the item's content (:func:`item_key`).
@@ -19,11 +19,13 @@ from kvhub.artifact import json_sha256
 from kvhub.progress import Progress, report
 
 
-def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str) -> Path:
-    """Where the per-item results of one (mapper, task, seed, variant, dtype, device) live."""
+def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str,
+                 deshrink: str = "off") -> Path:
+    """Where the per-item results of one (mapper, task, seed, variant, dtype, device, deshrink) live (files
+    of maps as fitted keep the key they had before deshrink existed)."""
     from kvhub.env import cache_root
 
-    key = json_sha256([variant, str(dtype), str(device)])[:12]
+    key = json_sha256([variant, str(dtype), str(device)] + ([f"deshrink={deshrink}"] if deshrink != "off" else []))[:12]
     stem = re.sub(r"[^A-Za-z0-9._@=-]+", "_", task)  # "ppl:lambada/256" is one file name
     return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{stem}-seed{seed}-{key}.jsonl"
 

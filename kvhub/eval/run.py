@@ -42,13 +42,15 @@ class LoadedVersion:
         return str(next(self.target.parameters()).device)
 
 
-def load_version(store, ref: str, *, device: str | None = None, dtype: str | None = None) -> LoadedVersion:
-    """Resolve ``ref`` in ``store`` and load its mapper and the two models it was fitted for."""
+def load_version(store, ref: str, *, device: str | None = None, dtype: str | None = None,
+                 deshrink: str | None = None) -> LoadedVersion:
+    """Resolve ``ref`` in ``store`` and load its mapper (transferring with ``deshrink``, see
+    :mod:`kvhub.core.deshrink`) and the two models it was fitted for."""
     from kvhub.core.mapper import Mapper
     from kvhub.models.loading import load_model
 
     version = store.resolve(ref)
-    mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype)
+    mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype, deshrink=deshrink)
     log.info("loading %s and %s", version.source, version.target)
     source, tokenizer, _ = load_model(version.source, device=device, dtype=dtype or "bfloat16")
     target, _, _ = load_model(version.target, device=device, dtype=dtype or "bfloat16")
@@ -112,7 +114,8 @@ class Task(Protocol):
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What every task of one run shares; seed, dtype and device also key the per-item cache."""
+    """What every task of one run shares; seed, dtype, device and deshrink (how the mapper transfers,
+    :mod:`kvhub.core.deshrink`) also key the per-item cache."""
 
     tensors_sha256: str
     seed: int = 0
@@ -120,6 +123,15 @@ class RunSettings:
     dtype: str = "bfloat16"
     device: str = "cpu"
     log_samples: bool = False
+    deshrink: str = "off"
+
+    def label(self, variant: str) -> str:
+        """A variant's name in the results (``task@label``): with ``deshrink=...`` appended when the mapper
+        transfers otherwise than by default, so results of the two never share a name."""
+        from kvhub.core.deshrink import DESHRINK_DEFAULT
+
+        extra = "" if self.deshrink == DESHRINK_DEFAULT else f"deshrink={self.deshrink}"
+        return ",".join(part for part in (variant, extra) if part)
 
 
 @dataclass
@@ -135,15 +147,17 @@ def run_task(task: Task, variant_list: list, *, settings: RunSettings, progress:
 
     items = task.items()
     paths = [results_file(settings.tensors_sha256, task.name, seed=settings.seed, variant=variant_key(v),
-                          dtype=settings.dtype, device=settings.device) for v in variant_list]
+                          dtype=settings.dtype, device=settings.device, deshrink=settings.deshrink)
+             for v in variant_list]
     scores = score_items(items, paths, lambda item, indices: task.score(item, [variant_list[i] for i in indices]),
                          from_dict=task.read_score, progress=progress)
     summaries = {}
     for i, variant in enumerate(variant_list):
         config = variant_config(variant)
         labels = {k: config[k] for k in ("exact_prefix", "exact_suffix", "exact_budget", "select")}
-        summaries[variant.name()] = {**task.summarize([row[i] for row in scores]), "variant": config["name"], **labels}
-    records = ([task.record(v.name(), item, row[i]) for i, v in enumerate(variant_list)
+        summaries[settings.label(variant.name())] = {**task.summarize([row[i] for row in scores]),
+                                                     "variant": config["name"], "deshrink": settings.deshrink, **labels}
+    records = ([task.record(settings.label(v.name()), item, row[i]) for i, v in enumerate(variant_list)
                 for item, row in zip(items, scores)] if settings.log_samples else [])
     return TaskOutcome(summaries, task.dataset(items), records)
 
@@ -204,7 +218,8 @@ def results_config(loaded: LoadedVersion, variant_list: list, *, settings: RunSe
     version = loaded.version
     return {"source": version.source, "target": version.target, "calibration": version.calibration,
             "tensors_sha256": version.tensors_sha256, "dtype": settings.dtype, "device": settings.device,
-            "seed": settings.seed, "limit": settings.limit, "variants": [variant_config(v) for v in variant_list],
+            "seed": settings.seed, "limit": settings.limit, "deshrink": settings.deshrink,
+            "variants": [variant_config(v) for v in variant_list],
             "tasks": list(tasks), "datasets": datasets, "date": now()}
 
 

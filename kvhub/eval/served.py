@@ -103,6 +103,20 @@ class Completion:
         count = transfer.get("exact_tokens") if isinstance(transfer, dict) else None
         return count if isinstance(count, int) and not isinstance(count, bool) else None
 
+    @property
+    def deshrink(self) -> str | None:
+        """How the large server read the maps for this request (:mod:`kvhub.core.deshrink`), as the connector
+        reported it; None when it reported no transfer (or a connector too old to say)."""
+        transfer = self.kv_transfer_params.get("kvhub")
+        value = transfer.get("deshrink") if isinstance(transfer, dict) else None
+        return value if isinstance(value, str) else None
+
+
+def reported_deshrink(values) -> str | None:
+    """The ``deshrink`` the mapped requests of a run reported: one value, "mixed" for several, None for none."""
+    found = {value for value in values if value is not None}
+    return found.pop() if len(found) == 1 else ("mixed" if found else None)
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -212,12 +226,14 @@ def _unreachable(url: str, reason, timeout: float) -> ServeError:
 class ServedScore:
     """One item scored on the servers: ``recall`` in longctx's shape (logp 0.0: no log-likelihood over HTTP);
     ``agree_mapped`` / ``agree_control``: leading generated tokens equal to own's, of agreement_tokens;
-    ``transfer_reported``: the large server reported a kvhub transfer for the mapped request."""
+    ``transfer_reported``: the large server reported a kvhub transfer for the mapped request;
+    ``deshrink``: how it read the maps (:attr:`Completion.deshrink`)."""
 
     recall: RecallScore
     agree_mapped: int
     agree_control: int
     transfer_reported: bool
+    deshrink: str | None = None
 
 
 def new_tenant() -> str:
@@ -266,12 +282,13 @@ def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tok
     own = ids["own"][:agreement_tokens]
     return ServedScore(recall, agree_mapped=leading_agreement(ids["mapped"][:agreement_tokens], own),
                        agree_control=leading_agreement(ids["control"][:agreement_tokens], own),
-                       transfer_reported=recomputed is not None)
+                       transfer_reported=recomputed is not None, deshrink=completions["mapped"].deshrink)
 
 
 def summarize_served(scores: list[ServedScore], *, seed: int = 0) -> dict:
     """:func:`~kvhub.eval.longctx.summarize_recall` of the scores, plus the median agreement of mapped and
-    control with own (NaN without items) and how many mapped requests reported a transfer."""
+    control with own (NaN without items), how many mapped requests reported a transfer and how the large
+    server read the maps (:func:`reported_deshrink`)."""
     from kvhub.eval.longctx import summarize_recall
 
     summary = summarize_recall([score.recall for score in scores], seed=seed)
@@ -279,6 +296,7 @@ def summarize_served(scores: list[ServedScore], *, seed: int = 0) -> dict:
         values = [getattr(score, f"agree_{condition}") for score in scores]
         summary[f"median_agreement_{condition}"] = statistics.median(values) if values else math.nan
     summary["transfers_reported"] = sum(score.transfer_reported for score in scores)
+    summary["deshrink"] = reported_deshrink(score.deshrink for score in scores)
     return summary
 
 

@@ -32,7 +32,7 @@ import logging
 
 from kvhub.errors import ServeError
 from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, GistItem, GistScore, gap_closed, summarize_gist
-from kvhub.eval.served import CONTROL_PARAMS, Completion, Endpoint, new_tenant
+from kvhub.eval.served import CONTROL_PARAMS, Completion, Endpoint, new_tenant, reported_deshrink
 from kvhub.progress import Progress, report
 from kvhub.serving.launch import FORCE_KEY, FORCED_PROCESSOR
 
@@ -73,7 +73,7 @@ def score_served_gist_item(item: GistItem, *, small: Endpoint, large: Endpoint,
     nll = {"own": mean_nll(own), "mapped": mean_nll(mapped), "control": mean_nll(control), "floor": mean_nll(floor)}
     exact = mapped.recomputed_tokens
     return GistScore(item.id, nll, answer, {**item.meta, "variant": "served", "exact_tokens": exact,
-                                            "context_positions": len(prompt) - 1})
+                                            "context_positions": len(prompt) - 1, "deshrink": mapped.deshrink})
 
 
 def served_gist_record(task: str, item: GistItem, score: GistScore) -> dict:
@@ -87,8 +87,8 @@ def evaluate_served_gist(small: Endpoint, large: Endpoint, *, task: str, context
                          progress: Progress | None = None) -> dict:
     """:func:`~kvhub.eval.gist.summarize_gist` of ``items`` scored on a running pair, with ``task``,
     ``requested_context_tokens``, ``answer_tokens``, ``recomputed_fraction`` (the mapped requests' exact
-    positions over their context positions, summed; NaN when no transfer was reported) and
-    ``transfers_reported``; with ``log_samples``, ``samples``."""
+    positions over their context positions, summed; NaN when no transfer was reported),
+    ``transfers_reported`` and ``deshrink`` (:func:`~kvhub.eval.served.reported_deshrink`); with ``log_samples``, ``samples``."""
     name = f"{task}-{context_tokens}"
     scores = []
     for index, item in enumerate(items):
@@ -101,7 +101,7 @@ def evaluate_served_gist(small: Endpoint, large: Endpoint, *, task: str, context
     summary["recomputed_fraction"] = (sum(m["exact_tokens"] for m in reported)
                                       / sum(m["context_positions"] for m in reported) if reported else float("nan"))
     summary.update(task=task, requested_context_tokens=context_tokens, answer_tokens=answer_tokens,
-                   transfers_reported=len(reported))
+                   transfers_reported=len(reported), deshrink=reported_deshrink(s.meta["deshrink"] for s in scores))
     if log_samples:
         summary["samples"] = [served_gist_record(name, item, score) for item, score in zip(items, scores)]
     return summary

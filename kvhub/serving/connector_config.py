@@ -59,12 +59,25 @@ def worker_device(vllm_config) -> str:
     return str(device) if device is not None else "cpu"
 
 
+def config_deshrink(extra: dict) -> str | None:
+    """``deshrink`` (how the maps are read, :mod:`kvhub.core.deshrink`), None when absent (the mapper's default),
+    else ConfigError naming the choices."""
+    from kvhub.core.deshrink import DESHRINK
+
+    value = extra.get("deshrink")
+    if value is not None and value not in DESHRINK:
+        raise ConfigError(f"kv_connector_extra_config deshrink must be one of {', '.join(DESHRINK)}, got {value!r}")
+    return value
+
+
 def load_mapper(extra: dict, *, device):
-    """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory)."""
+    """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory),
+    transferring with ``deshrink`` (:func:`config_deshrink`)."""
     from kvhub.core.mapper import Mapper
 
+    deshrink = config_deshrink(extra)
     if extra.get("mapper_path"):
-        return Mapper.load(Path(extra["mapper_path"]), device=device)
+        return Mapper.load(Path(extra["mapper_path"]), device=device, deshrink=deshrink)
     if not extra.get("mapper"):
         raise ConfigError("the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in "
                           "kv_connector_extra_config")
@@ -75,7 +88,7 @@ def load_mapper(extra: dict, *, device):
     if extra.get("db"):
         os.environ.setdefault("KVHUB_DB_URL", str(extra["db"]))
     return load(ref.source, ref.target, calib=ref.calibration, version=ref.version, alias=ref.alias,
-                hub_repo=extra.get("hub_repo"), db=extra.get("db"), device=device)
+                hub_repo=extra.get("hub_repo"), db=extra.get("db"), device=device, deshrink=deshrink)
 
 
 def check_target(mapper, vllm_config) -> None:

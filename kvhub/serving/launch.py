@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kvhub.env import die_with_parent
 from kvhub.errors import ConfigError, NotFoundError, ServeError
+from kvhub.serving.connector_config import config_deshrink
 from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
 from kvhub.serving.spec import Recompute
@@ -61,6 +62,7 @@ EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
     "mapper_path": ("consumer",),
     "db": ("consumer",),
     "hub_repo": ("consumer",),
+    "deshrink": ("consumer",),  # how the maps are read (kvhub.core.deshrink); the mapper's default when absent
     # the recompute spec, in kvhub.handoff's words (kvhub.serving.spec.Recompute's fields)
     **{name: ("consumer",) for name in RECOMPUTE_FIELDS},
 }
@@ -89,6 +91,7 @@ def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mappe
     """
     check_extra_keys(options)
     Recompute.from_options(options, base=SERVING_RECOMPUTE, origin="the recompute options")  # ConfigError now, not at load
+    config_deshrink(options)
     if (mapper is None) == (mapper_path is None):
         raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
                           "(an artifact directory)")

@@ -52,8 +52,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
-from kvhub.serving.connector_config import (check_serving_spec, check_target, config_count, config_flag, events_file,
-                                            load_mapper, request_spec, span_tokenizer, worker_device)
+from kvhub.serving.connector_config import (check_serving_spec, check_target, config_count, config_deshrink,
+                                            config_flag, events_file, load_mapper, request_spec, span_tokenizer,
+                                            worker_device)
 from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
 from kvhub.serving.engine_pass import exact_positions, load_counts
 from kvhub.serving.kvstore import KVStore
@@ -129,6 +130,7 @@ class KVHubConnector(KVConnectorBase_V1):
     # ---- configuration ---------------------------------------------------------------------------
     def _init_consumer(self, vllm_config, extra: dict) -> None:
         device = "cpu" if self.role == KVConnectorRole.SCHEDULER else worker_device(vllm_config)
+        config_deshrink(extra)  # a bad value is a configuration error at start, not a disabled consumer
         try:
             self.mapper = load_mapper(extra, device=device)
             self.source_model = extra.get("source_model") or self.mapper.source["model_id"]
@@ -362,7 +364,7 @@ class KVHubConnector(KVConnectorBase_V1):
         self._event("written", job.request_id, layers=len(mapped))
         tokens = len(job.prompt_ids)
         none = torch.empty(0, dtype=torch.long)  # mapped only: the engine computes the tail [end, n) alone
-        report = {"mapped_tokens": job.end - job.start,
+        report = {"mapped_tokens": job.end - job.start, "deshrink": self.mapper.deshrink,
                   **load_counts(none, exact_positions(none, end=job.end, tokens=tokens), tokens=tokens)}
         spec = job.recompute.capped(tokens - 1)
         if not (spec.exact_prefix > job.start or spec.selective):
