@@ -6,6 +6,8 @@ environment (a notebook, a test) is honoured:
   ``$KVHUB_HOME`` moves the store, not the caches (:mod:`kvhub.store.location`);
 - :func:`env_flag`: a yes/no environment variable, read as huggingface_hub reads its own;
 - :func:`hub_offline`: whether kvhub must stay off the Hugging Face Hub;
+- :func:`deshrink_override`: ``$KVHUB_DESHRINK``, how transfer reads the maps when no caller says
+  (:mod:`kvhub.core.deshrink`);
 - :func:`die_with_parent`: the pre-exec hook that ties a child process's life to this one.
 
 Every stage reads these here, so none has to import a later stage for an environment fact.
@@ -31,6 +33,12 @@ def env_flag(name: str) -> bool:
     """True when the environment variable ``name`` says yes now (1, true, yes, on; any case), as
     huggingface_hub reads its own flags."""
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def deshrink_override() -> str | None:
+    """``$KVHUB_DESHRINK`` (``kv``, ``v`` or ``off``; checked by :func:`kvhub.core.deshrink.deshrink_setting`), None
+    when unset or empty."""
+    return os.environ.get("KVHUB_DESHRINK", "").strip() or None
 
 
 def hub_offline() -> bool:

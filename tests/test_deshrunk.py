@@ -98,3 +98,15 @@ def test_bad_settings_and_a_mapper_without_means(fitted):
         meanless.deshrunk()
     with pytest.raises(ConfigError, match="target_mean"):
         Mapper(meanless_tensors, mapper.metadata, deshrink="v")
+
+
+def test_kvhub_deshrink_sets_the_default_and_an_explicit_choice_wins(fitted, monkeypatch):
+    mapper, _ = fitted
+    monkeypatch.setenv("KVHUB_DESHRINK", "off")
+    assert Mapper(mapper.tensors, mapper.metadata).deshrink == "off"
+    assert Mapper(mapper.tensors, mapper.metadata, deshrink="v").deshrink == "v"
+    monkeypatch.setenv("KVHUB_DESHRINK", "yes")
+    with pytest.raises(ConfigError, match="KVHUB_DESHRINK='yes'"):
+        Mapper(mapper.tensors, mapper.metadata)
+    monkeypatch.setenv("KVHUB_DESHRINK", "")
+    assert Mapper(mapper.tensors, mapper.metadata).deshrink == DESHRINK_DEFAULT

@@ -84,7 +84,8 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
                    "as the mapper's own (figures then depend on that packing).")
 @click.option("--deshrink", type=click.Choice(DESHRINK), default=None,
               help=f"How the maps are read: de-shrunk keys and values (kv), values only (v), or as fitted (off) "
-                   f"(default {DESHRINK_DEFAULT} where the mapper stores its calibration means; kvhub.core.deshrink). "
+                   f"(default $KVHUB_DESHRINK, else {DESHRINK_DEFAULT}, where the mapper stores its calibration "
+                   "means; kvhub.core.deshrink). "
                    "Results of a non-default setting are named with it.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")

@@ -73,7 +73,8 @@ class _ServeCommand(click.Command):
               help="Last prompt tokens whose attention scores the context for --select target (16).")
 @click.option("--deshrink", type=click.Choice(DESHRINK), default=None,
               help=f"How the large server reads the maps: de-shrunk keys and values (kv), values only (v), or as "
-                   f"fitted (off) (default {DESHRINK_DEFAULT} where the mapper stores its calibration means).")
+                   f"fitted (off) (default $KVHUB_DESHRINK, else {DESHRINK_DEFAULT}, where the mapper stores its "
+                   "calibration means).")
 @click.option("--kv-cache-gib", type=click.IntRange(min=1), default=None,
               help="KV cache of each vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE; default: sized so both engines "
                    "fit this host's memory, or $VLLM_CPU_KVCACHE_SPACE when set).")

@@ -12,6 +12,7 @@ evidence for the default.
 from __future__ import annotations
 
 from kvhub.artifact import map_prefix, tensor_name
+from kvhub.env import deshrink_override
 from kvhub.errors import ConfigError
 
 DESHRINK = ("kv", "v", "off")
@@ -21,12 +22,17 @@ DESHRINK_DEFAULT = "kv"
 def deshrink_setting(value: str | None, tensors, layers: list[dict]) -> str:
     """The setting a mapper of these tensors (names suffice) transfers with: ``value`` checked (ConfigError for
     an unknown one, or for "kv"/"v" on a mapper without target_mean tensors), or for None the default where
-    the artifact allows it (DESHRINK_DEFAULT with target_mean tensors, else "off": older artifacts map as
-    fitted)."""
+    the artifact allows it: ``$KVHUB_DESHRINK`` when set (how benchmarks measured before this default
+    reproduce: ``KVHUB_DESHRINK=off``), else DESHRINK_DEFAULT, and "off" without target_mean tensors
+    (older artifacts map as fitted)."""
     has_means = all(tensor_name(map_prefix(kind, layer["target"]), "target_mean") in tensors
                     for layer in layers for kind in "kv")
     if value is None:
-        return DESHRINK_DEFAULT if has_means else "off"
+        chosen = deshrink_override()
+        if chosen is not None and chosen not in DESHRINK:
+            raise ConfigError(f"KVHUB_DESHRINK={chosen!r}: use one of {', '.join(DESHRINK)}, or unset it")
+        chosen = chosen or DESHRINK_DEFAULT
+        return chosen if has_means else "off"
     if value not in DESHRINK:
         raise ConfigError(f"deshrink={value!r}: use one of {', '.join(DESHRINK)} ('kv': keys and values, "
                           "'v': values only, 'off': the maps as fitted)")
