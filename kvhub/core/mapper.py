@@ -6,7 +6,8 @@ For target layer m with selected source layers S_m = (l_1..l_k):
     K~_m = X @ Wk_m + bk_m                   (B, T, Ht*Dt)     then target RoPE re-applied
     V_m  = [V_{l_1} | ... | V_{l_k}] @ Wv_m + bv_m
 
-Weights are stored as (in_features, out_features) so that y = x @ W + b.
+Weights are stored as (in_features, out_features) so that y = x @ W + b.  Transfer reads them de-shrunk by
+default (kvhub.core.deshrink): y = mean + (x @ W + b - mean) / sqrt(R^2_m), the stored tensors unchanged.
 
 Artifact directory (kvhub.artifact owns the format, see docs/artifact-format.md):
     mapper.safetensors   k.{m}.weight, k.{m}.bias, v.{m}.weight, v.{m}.bias  (fp32; or factors when compressed)
