@@ -25,13 +25,15 @@ def kvhub_lines_only(result, command: str) -> None:
         assert line.strip() and not FOREIGN.search(line), f"kvhub {command} printed {line!r}"
 
 
-def test_fit_eval_report_push_pull_load_handoff(tiny_model_dirs, text_corpus, hub_env, caplog, tmp_path):
+def test_fit_eval_report_push_pull_load_handoff(tiny_model_dirs, text_corpus, hub_env, caplog, tmp_path,
+                                                monkeypatch):
     import kvhub
     from kvhub.serving.handoff import handoff
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pytest.importorskip("matplotlib", reason="kvhub report needs matplotlib")
     caplog.set_level(logging.WARNING)
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))  # its evaluation results stay out of the user's cache
     src, dst = tiny_model_dirs
     db, fresh = str(tmp_path / "mine.db"), str(tmp_path / "fresh.db")
     fitted = run("fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--samples", "12",
