@@ -13,7 +13,8 @@ levers that need no refit, on the real mapper and on its no-information control 
 - ``key_scale``: mapped keys multiplied by a (a softmax temperature over mapped positions, against the
   ridge map's shrinkage of keys toward their mean); "r2" = 1/sqrt(R^2_K) of each layer.
 - ``deshrink``: the map's own bias/scale (norm calibration without a refit, :mod:`kvhub.core.deshrink`):
-  mean + (prediction - mean) / sqrt(R^2) per layer, for K and V ("kv") or V only ("v").  Every other lever
+  mean + (prediction - mean) / sqrt(R^2) per layer, for K and V ("kv") or V only ("v"); ``kv^1``: a stronger
+  one, mean + (prediction - mean) / R^2 (the same clamp at 2x), to see whether more spread helps further.  Every other lever
   reads the maps as fitted ("off"), as they were measured before de-shrinking became the default.
 
 A fitted mapper directory (``--mapper DIR``, e.g. a ``--weighting attention`` fit exported with --out)
@@ -47,7 +48,7 @@ class Lever:
     spec: Recompute
     exact_layers: int = 0
     key_scale: float | str = 1.0
-    deshrink: str = "off"  # "kv", "v" or "off" (kvhub.core.deshrink)
+    deshrink: str = "off"  # "kv", "v" or "off" (kvhub.core.deshrink); "kv^1": scale 1/R^2 instead of 1/sqrt(R^2)
 
     def cost(self, tokens: int, recomputed: int, layers: int) -> float:
         """Fraction of a full prefill's layer-token work: n/L exact layers + the rest over |R| tokens."""
@@ -70,7 +71,18 @@ LEVERS = [
     Lever("map only, de-shrunk K and V", Recompute(), deshrink="kv"),
     Lever("handoff, de-shrunk K and V", HANDOFF, deshrink="kv"),
     Lever("handoff, de-shrunk V", HANDOFF, deshrink="v"),
+    Lever("handoff, de-shrunk K and V by 1/R2", HANDOFF, deshrink="kv^1"),
 ]
+
+
+def deshrunk_map(mapper, setting: str):
+    """``mapper`` read with ``setting``; "kv^1" squares each layer's R^2 first, so that the 1/sqrt(R^2) of
+    kvhub.core.deshrink becomes 1/R^2."""
+    if setting != "kv^1":
+        return mapper.deshrunk(setting)
+    layers = [{**layer, "r2_k": max(layer["r2_k"], 0) ** 2, "r2_v": max(layer["r2_v"], 0) ** 2}
+              for layer in mapper.layers]
+    return type(mapper)(mapper.tensors, {**mapper.metadata, "layers": layers}, dtype=mapper.dtype, deshrink="kv")
 
 
 def key_scales(mapper, lever: Lever) -> dict[int, float]:
@@ -160,7 +172,7 @@ def main() -> None:
     target, _, _ = load_model(mapper.target["model_id"], dtype="float32")
     layers = target.config.num_hidden_layers
     levers = [LEVERS[int(i)] for i in args.only.split(",")] if args.only else LEVERS
-    maps = {lever.deshrink: mapper.deshrunk(lever.deshrink) for lever in levers}
+    maps = {lever.deshrink: deshrunk_map(mapper, lever.deshrink) for lever in levers}
     cache_dir = Path(args.cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out)
