@@ -14,8 +14,9 @@ levers that need no refit, on the real mapper and on its no-information control 
   ridge map's shrinkage of keys toward their mean); "r2" = 1/sqrt(R^2_K) of each layer.
 - ``deshrink``: the map's own bias/scale (norm calibration without a refit, :mod:`kvhub.core.deshrink`):
   mean + (prediction - mean) / sqrt(R^2) per layer, for K and V ("kv") or V only ("v"); ``kv^1``: a stronger
-  one, mean + (prediction - mean) / R^2 (the same clamp at 2x), to see whether more spread helps further.  Every other lever
-  reads the maps as fitted ("off"), as they were measured before de-shrinking became the default.
+  one, mean + (prediction - mean) / R^2 (the same clamp at 2x), to see whether more spread helps further.
+  Every other lever reads the maps as fitted ("off"), as they were measured before de-shrinking became the
+  default.
 
 A fitted mapper directory (``--mapper DIR``, e.g. a ``--weighting attention`` fit exported with --out)
 is scored the same way, so refit levers compare in one table.  Own answers, own and floor NLLs are
@@ -166,7 +167,8 @@ def main() -> None:
     from kvhub.models.loading import load_model
 
     torch.set_grad_enabled(False)
-    mapper = Mapper.from_pretrained(args.mapper, dtype=torch.float32, deshrink="off")  # a directory, store ref or Hub repo
+    # a directory, a store ref or a Hub repo, read as fitted: each lever picks its own deshrink
+    mapper = Mapper.from_pretrained(args.mapper, dtype=torch.float32, deshrink="off")
     control = control_mapper(mapper)
     source, tokenizer, _ = load_model(mapper.source["model_id"], dtype="float32")
     target, _, _ = load_model(mapper.target["model_id"], dtype="float32")

@@ -119,7 +119,8 @@ def _resolve_hub(ref: Ref, *, miss: NotFoundError | None, hub_repo=None, db=None
 
 def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
                     cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
-                    device=None, dtype=None, torch_dtype=None, compute_dtype=None, deshrink: str | None = None) -> Mapper:
+                    device=None, dtype=None, torch_dtype=None, compute_dtype=None,
+                    deshrink: str | None = None) -> Mapper:
     """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
     text = os.fspath(name)
     dtype = _one_dtype(dtype, torch_dtype)

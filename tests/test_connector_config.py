@@ -74,7 +74,7 @@ def test_deshrink_read(value):
 
 @pytest.mark.parametrize("value", ["KV", "on", True, 1], ids=str)
 def test_a_bad_deshrink_is_refused_by_name(value):
-    with pytest.raises(ConfigError, match="deshrink must be one of kv, v, off"):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config deshrink=.*: use one of kv, v, off"):
         connector.config_deshrink({"deshrink": value})
 
 

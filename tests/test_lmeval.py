@@ -188,7 +188,7 @@ def test_bad_model_args_are_kvhub_errors(pair):
                           (dict(exact_suffix=1.5), "exact_suffix"), (dict(temperature=1), "unknown model_args"),
                           (dict(mapper=None), "needs the mapper"), (dict(select="nope"), "token selector"),
                           (dict(dtype="int8"), "dtype"), (dict(rolling_chunk=4096), "rolling_chunk"),
-                          (dict(deshrink="on"), "deshrink=.on.; use one of kv, v, off")):
+                          (dict(deshrink="on"), "deshrink=.on.: use one of kv, v, off")):
         with pytest.raises(ConfigError, match=message):
             KVHubLM(**{"mapper": ref, "db": db, "device": "cpu", **args})
     with pytest.raises(NotFoundError):

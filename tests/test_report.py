@@ -54,8 +54,9 @@ def _true_r2(mapper, source, target, held) -> dict[int, tuple[float, float]]:
     stored (deshrink off): R^2 describes the ridge prediction, which de-shrinking rescales at transfer."""
     cache = run_model(source, held)
     positions = torch.arange(held.shape[1])[None]
-    mapped = mapper.deshrunk("off").map_layers([l.keys for l in cache.layers], [l.values for l in cache.layers], positions,
-                               dtype=torch.float32)
+    as_fitted = mapper.deshrunk("off")
+    mapped = as_fitted.map_layers([l.keys for l in cache.layers], [l.values for l in cache.layers], positions,
+                                  dtype=torch.float32)
     own = capture(target, held)
     rotary = Rotary.from_model(target)
 

@@ -184,7 +184,7 @@ def test_transfer_configs_refuse_bad_options(tmp_path):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", select="oracle")
     with pytest.raises(ConfigError, match="exact_budget is a fraction"):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", exact_budget=2)
-    with pytest.raises(ConfigError, match="deshrink must be one of kv, v, off, got 'yes'"):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config deshrink='yes': use one of kv, v, off"):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", deshrink="yes")
     with pytest.raises(ConfigError, match="exactly one of mapper"):
         launch.transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="s:d", mapper_path=tmp_path)

@@ -124,8 +124,8 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
 
     Results (retention, 95% bootstrap intervals, ...) are stored as metrics of the version and shown by
     `kvhub show`.  Per-item results are cached (per mapper, task, seed, variant, dtype, device and
-    --deshrink), so an interrupted evaluation resumes where it stopped.  `--json` prints lm-eval's shape: `results` (one
-    entry per task and variant) and `config` (mapper, dtype, device, limit, seed, variants, each data
+    --deshrink), so an interrupted evaluation resumes where it stopped.  `--json` prints lm-eval's shape:
+    `results` (one entry per task and variant) and `config` (mapper, dtype, device, limit, seed, variants, each data
     set's name and sha256, kvhub version, date); `--output-path` writes it, `--log-samples` adds the items.
     Any lm-eval task: `kvhub-lm-eval --model kvhub` (docs/guide.md).
     """
@@ -141,8 +141,8 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths,
                                   deshrink=deshrink)
     with store:
-        settings = run.RunSettings(loaded.version.tensors_sha256, seed=seed, limit=limit, dtype=dtype,
-                                   device=loaded.device, log_samples=log_samples, deshrink=loaded.mapper.deshrink)
+        settings = run.RunSettings(loaded.version.tensors_sha256, loaded.mapper.deshrink, seed=seed, limit=limit,
+                                   dtype=dtype, device=loaded.device, log_samples=log_samples)
         task_list = run.build_tasks(tasks, loaded, limit=limit, seed=seed, context_tokens=context_tokens,
                                     ppl_text=ppl_text, ppl_seq_len=ppl_seq_len, ppl_calib=ppl_calib, items=items)
         outcome = run.evaluate(task_list, variant_list, settings=settings,

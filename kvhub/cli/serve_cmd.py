@@ -93,7 +93,8 @@ class _ServeCommand(click.Command):
 @click.pass_context
 def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, small_model, large_model,
           vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, deshrink,
-          kv_cache_gib, kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run, output_format):
+          kv_cache_gib, kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run,
+          output_format):
     """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
 
     \b

@@ -19,6 +19,15 @@ DESHRINK = ("kv", "v", "off")
 DESHRINK_DEFAULT = "kv"
 
 
+def check_deshrink(value, *, what: str = "deshrink") -> str | None:
+    """``value`` when it is one of :data:`DESHRINK` or None, else ConfigError naming ``what`` (the option, key or
+    variable the value came from) and the choices."""
+    if value is not None and value not in DESHRINK:
+        raise ConfigError(f"{what}={value!r}: use one of {', '.join(DESHRINK)} ('kv': keys and values, 'v': values "
+                          "only, 'off': the maps as fitted)")
+    return value
+
+
 def deshrink_setting(value: str | None, tensors, layers: list[dict]) -> str:
     """The setting a mapper of these tensors (names suffice) transfers with: ``value`` checked (ConfigError for
     an unknown one, or for "kv"/"v" on a mapper without target_mean tensors), or for None the default where
@@ -28,14 +37,9 @@ def deshrink_setting(value: str | None, tensors, layers: list[dict]) -> str:
     has_means = all(tensor_name(map_prefix(kind, layer["target"]), "target_mean") in tensors
                     for layer in layers for kind in "kv")
     if value is None:
-        chosen = deshrink_override()
-        if chosen is not None and chosen not in DESHRINK:
-            raise ConfigError(f"KVHUB_DESHRINK={chosen!r}: use one of {', '.join(DESHRINK)}, or unset it")
-        chosen = chosen or DESHRINK_DEFAULT
+        chosen = check_deshrink(deshrink_override(), what="KVHUB_DESHRINK") or DESHRINK_DEFAULT
         return chosen if has_means else "off"
-    if value not in DESHRINK:
-        raise ConfigError(f"deshrink={value!r}: use one of {', '.join(DESHRINK)} ('kv': keys and values, "
-                          "'v': values only, 'off': the maps as fitted)")
+    check_deshrink(value)
     if value != "off" and not has_means:
         raise ConfigError(f"deshrink={value!r} needs the calibration mean of the target's K/V (target_mean "
                           "tensors, written by fits of artifact format 3); refit this mapper, or use deshrink='off'")

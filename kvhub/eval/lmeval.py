@@ -46,7 +46,7 @@ import logging
 
 import torch
 
-from kvhub.core.deshrink import DESHRINK
+from kvhub.core.deshrink import check_deshrink
 from kvhub.errors import ConfigError
 
 try:
@@ -63,8 +63,8 @@ CHOICES_PER_PASS = 32  # continuations of one context run in one forward pass
 
 
 DEFAULTS = dict(mapper=None, condition="mapped", exact_prefix=0, exact_suffix=0, exact_budget=0.0, select="source",
-                deshrink=None, dtype="bfloat16", device=None, db=None, source=None, target=None, max_length=None, max_gen_toks=256,
-                rolling_chunk=64, batch_size=None, max_batch_size=None)
+                deshrink=None, dtype="bfloat16", device=None, db=None, source=None, target=None, max_length=None,
+                max_gen_toks=256, rolling_chunk=64, batch_size=None, max_batch_size=None)
 
 
 def check_model_args(model_args: dict) -> dict:
@@ -92,8 +92,7 @@ def check_model_args(model_args: dict) -> dict:
                                   _number("exact_budget", args["exact_budget"], float), str(args["select"]))
     args["dtype"] = dtype_name(args["dtype"])
     args["mapper"] = str(args["mapper"])
-    if args["deshrink"] is not None and args["deshrink"] not in DESHRINK:
-        raise ConfigError(f"deshrink={args['deshrink']!r}; use one of {', '.join(DESHRINK)}")
+    check_deshrink(args["deshrink"])
     return args
 
 

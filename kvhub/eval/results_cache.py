@@ -25,7 +25,8 @@ def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dty
     of maps as fitted keep the key they had before deshrink existed)."""
     from kvhub.env import cache_root
 
-    key = json_sha256([variant, str(dtype), str(device)] + ([f"deshrink={deshrink}"] if deshrink != "off" else []))[:12]
+    fields = [variant, str(dtype), str(device)] + ([f"deshrink={deshrink}"] if deshrink != "off" else [])
+    key = json_sha256(fields)[:12]
     stem = re.sub(r"[^A-Za-z0-9._@=-]+", "_", task)  # "ppl:lambada/256" is one file name
     return cache_root() / "eval-cache" / tensors_sha256[:24] / f"{stem}-seed{seed}-{key}.jsonl"
 

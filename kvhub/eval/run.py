@@ -118,12 +118,12 @@ class RunSettings:
     :mod:`kvhub.core.deshrink`) also key the per-item cache."""
 
     tensors_sha256: str
+    deshrink: str  # the loaded mapper's (``mapper.deshrink``): no default that could disagree with it
     seed: int = 0
     limit: int = 200
     dtype: str = "bfloat16"
     device: str = "cpu"
     log_samples: bool = False
-    deshrink: str = "off"
 
     def label(self, variant: str) -> str:
         """A variant's name in the results (``task@label``): with ``deshrink=...`` appended when the mapper

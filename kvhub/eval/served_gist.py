@@ -88,7 +88,8 @@ def evaluate_served_gist(small: Endpoint, large: Endpoint, *, task: str, context
     """:func:`~kvhub.eval.gist.summarize_gist` of ``items`` scored on a running pair, with ``task``,
     ``requested_context_tokens``, ``answer_tokens``, ``recomputed_fraction`` (the mapped requests' exact
     positions over their context positions, summed; NaN when no transfer was reported),
-    ``transfers_reported`` and ``deshrink`` (:func:`~kvhub.eval.served.reported_deshrink`); with ``log_samples``, ``samples``."""
+    ``transfers_reported`` and ``deshrink`` (:func:`~kvhub.eval.served.reported_deshrink`); with ``log_samples``,
+    ``samples``."""
     name = f"{task}-{context_tokens}"
     scores = []
     for index, item in enumerate(items):

@@ -62,12 +62,9 @@ def worker_device(vllm_config) -> str:
 def config_deshrink(extra: dict) -> str | None:
     """``deshrink`` (how the maps are read, :mod:`kvhub.core.deshrink`), None when absent (the mapper's default),
     else ConfigError naming the choices."""
-    from kvhub.core.deshrink import DESHRINK
+    from kvhub.core.deshrink import check_deshrink
 
-    value = extra.get("deshrink")
-    if value is not None and value not in DESHRINK:
-        raise ConfigError(f"kv_connector_extra_config deshrink must be one of {', '.join(DESHRINK)}, got {value!r}")
-    return value
+    return check_deshrink(extra.get("deshrink"), what="kv_connector_extra_config deshrink")
 
 
 def load_mapper(extra: dict, *, device):
