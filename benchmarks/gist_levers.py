@@ -17,6 +17,10 @@ levers that need no refit, on the real mapper and on its no-information control 
   one, mean + (prediction - mean) / R^2 (the same clamp at 2x), to see whether more spread helps further.
   Every other lever reads the maps as fitted ("off"), as they were measured before de-shrinking became the
   default.
+- ``calibrate``: an in-context correction of the de-shrunk maps after the recompute, per (layer, head, dim),
+  estimated from the recomputed tokens (exact there, mapped before them): "affine" matches their mean and
+  spread, "shift" their mean, "affine-k" keys only; "oracle" takes the statistics from the target's own
+  cache over every token instead, the most any per-dimension mean/spread correction could do.
 
 A fitted mapper directory (``--mapper DIR``, e.g. a ``--weighting attention`` fit exported with --out)
 is scored the same way, so refit levers compare in one table.  Own answers, own and floor NLLs are
@@ -50,6 +54,7 @@ class Lever:
     exact_layers: int = 0
     key_scale: float | str = 1.0
     deshrink: str = "off"  # "kv", "v" or "off" (kvhub.core.deshrink); "kv^1": scale 1/R^2 instead of 1/sqrt(R^2)
+    calibrate: str = ""  # in-context calibration of the mapped K/V after the recompute (context_calibrate)
 
     def cost(self, tokens: int, recomputed: int, layers: int) -> float:
         """Fraction of a full prefill's layer-token work: n/L exact layers + the rest over |R| tokens."""
@@ -73,6 +78,10 @@ LEVERS = [
     Lever("handoff, de-shrunk K and V", HANDOFF, deshrink="kv"),
     Lever("handoff, de-shrunk V", HANDOFF, deshrink="v"),
     Lever("handoff, de-shrunk K and V by 1/R2", HANDOFF, deshrink="kv^1"),
+    Lever("handoff, de-shrunk, in-context affine K/V", HANDOFF, deshrink="kv", calibrate="affine"),
+    Lever("handoff, de-shrunk, in-context shift K/V", HANDOFF, deshrink="kv", calibrate="shift"),
+    Lever("handoff, de-shrunk, oracle affine K/V (own, all tokens)", HANDOFF, deshrink="kv", calibrate="oracle"),
+    Lever("handoff, de-shrunk, in-context affine K", HANDOFF, deshrink="kv", calibrate="affine-k"),
 ]
 
 
@@ -93,7 +102,8 @@ def key_scales(mapper, lever: Lever) -> dict[int, float]:
 
 
 @torch.no_grad()
-def lever_cache(lever: Lever, which, *, source, target, tokenizer, context, source_cache, exact_layers_kv, scales):
+def lever_cache(lever: Lever, which, *, source, target, tokenizer, context, source_cache, exact_layers_kv, scales,
+                own=None):
     """The handoff cache of ``context`` under ``lever`` with mapper ``which``; (cache, recomputed token count)."""
     tokens = context.shape[1]
     spec = lever.spec.capped(tokens)
@@ -105,8 +115,53 @@ def lever_cache(lever: Lever, which, *, source, target, tokenizer, context, sour
             layer.keys = layer.keys * scales[index]
     positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source, target_model=target,
                               source_cache=source_cache, tokenizer=tokenizer)
+    mapped = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers] if lever.calibrate else None
     recompute_positions(target, cache, context, positions)
+    if lever.calibrate:
+        context_calibrate(cache, mapped, positions, lever.calibrate, target=target, prefix=spec.exact_prefix,
+                          suffix=spec.exact_suffix, own=own)
     return cache, positions.numel()
+
+
+@torch.no_grad()
+def context_calibrate(cache, mapped, positions, how: str, *, target, prefix: int, suffix: int, own=None):
+    """Per (head, dim) affine correction of the mapped K/V at the positions not recomputed, estimated from
+    the recomputed ones (exact there, mapped before): x' = mean_e + (x - mean_m) * std_e / std_m (ratio
+    clamped to [0.5, 2]); "shift": x' = x + mean_e - mean_m.  Keys are corrected with RoPE stripped.
+    "oracle": the statistics of the target's own cache over every token (an upper bound)."""
+    from kvhub.core.rope import Rotary, apply_rope, strip_rope
+
+    tokens = cache.layers[0].keys.shape[2]
+    sample = positions[(positions >= prefix) & (positions < tokens - suffix)]
+    keep = torch.ones(tokens, dtype=torch.bool)
+    keep[positions] = False
+    rotary = Rotary.from_model(target)
+    cos, sin = rotary.cos_sin(torch.arange(tokens).unsqueeze(0))
+    for index, layer in enumerate(cache.layers):
+        for kind in ("keys", "values"):
+            if how == "affine-k" and kind == "values":
+                continue
+            before = mapped[index][0 if kind == "keys" else 1].float()
+            if how == "oracle":
+                exact = getattr(own.layers[index], kind).float()
+                sample_idx = torch.arange(prefix, tokens - suffix)
+            else:
+                exact = getattr(layer, kind).float()
+                sample_idx = sample
+            now = getattr(layer, kind).float()
+            if kind == "keys":
+                before, exact, now = (strip_rope(x, cos, sin) for x in (before, exact, now))
+            e, m = exact[:, :, sample_idx], before[:, :, sample_idx]
+            mean_e, mean_m = e.mean(2, keepdim=True), m.mean(2, keepdim=True)
+            if how == "shift":
+                fixed = now + (mean_e - mean_m)
+            else:
+                ratio = (e.std(2, keepdim=True) / m.std(2, keepdim=True).clamp_min(1e-6)).clamp(0.5, 2.0)
+                fixed = mean_e + (now - mean_m) * ratio
+            out = torch.where(keep[None, None, :, None], fixed, now)
+            if kind == "keys":
+                out = apply_rope(out, cos, sin)
+            setattr(layer, kind, out.to(getattr(layer, kind).dtype))
 
 
 @torch.no_grad()
@@ -194,13 +249,15 @@ def main() -> None:
             tail = [item.prompt_ids[-1]] + answer
             most = max(lever.exact_layers for lever in levers)
             exact_kv = first_layers_kv(target, context, most) if most else []
+            own_cache = run_model(target, context) if any(lv.calibrate == "oracle" for lv in levers) else None
             for lever in levers:
                 row = {"own": nll_own, "floor": nll_floor}
                 real = maps[lever.deshrink]
                 for condition, which in (("mapped", real), ("control", control)):
                     cache, recomputed = lever_cache(lever, which, source=source, target=target, tokenizer=tokenizer,
                                                     context=context, source_cache=source_cache,
-                                                    exact_layers_kv=exact_kv, scales=key_scales(mapper, lever))
+                                                    exact_layers_kv=exact_kv, scales=key_scales(mapper, lever),
+                                                    own=own_cache)
                     row[condition] = answer_nll(target, cache, tail, len(answer))
                 row["cost"] = lever.cost(context.shape[1], recomputed, layers)
                 rows[lever.name].append(row)
