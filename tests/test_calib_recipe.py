@@ -8,7 +8,7 @@ from kvhub.calib import heldout_count, list_calibration_sets, load_recipe, recip
 from kvhub.calib.recipe import builtin_names, catalog_dir
 from kvhub.errors import ConfigError, NotFoundError, RecipeError, UnknownCalibrationError
 
-BUILTINS = ("chat", "code", "docs", "general", "legal-docs", "medical")
+BUILTINS = ("chat", "code", "docs", "general", "legal-docs", "medical", "mixed")
 
 GOOD = """
 version = 1
@@ -36,6 +36,22 @@ def test_every_builtin_recipe_parses():
             assert source.licence, f"{name}: every source states its licence"
             if source.kind == "pypi":
                 assert len(source.sha256) == 64, f"{name}: PyPI corpora are pinned by sha256"
+
+
+def test_the_default_calibration_is_one_built_in_set_everywhere():
+    from kvhub.calib.recipe import DEFAULT_CALIBRATION
+    from kvhub.cli.fit_cmd import fit
+    from kvhub.fitting.job import FitRequest
+
+    assert DEFAULT_CALIBRATION in builtin_names()
+    assert FitRequest(src="a", dst="b").calib == DEFAULT_CALIBRATION
+    assert next(p for p in fit.params if p.name == "calib").default == DEFAULT_CALIBRATION
+
+
+def test_mixed_renders_conversations_with_the_chat_template_and_keeps_every_token():
+    recipe = load_recipe("mixed")
+    assert recipe.sequences.chat_template and recipe.sequences.stride == 1
+    assert [source.format for source in recipe.sources] == ["chitchat", "oe-eval-requests", "text"]
 
 
 def test_legal_docs_default_size_fits_ten_minutes_on_two_cores():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from kvhub.calib.recipe import DEFAULT_CALIBRATION
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
 from kvhub.artifact.metadata import describe_structure, shown
@@ -17,7 +18,7 @@ from kvhub.cli.output import echo_json, format_option, json_ref, print_table
 @click.command()
 @click.option("--src", required=True, help="Source (small) model: Hugging Face id, local model dir, or .gguf file.")
 @click.option("--dst", required=True, help="Target (large) model of the same family and tokenizer.")
-@click.option("--calib", default="legal-docs", show_default=True,
+@click.option("--calib", default=DEFAULT_CALIBRATION, show_default=True,
               help="Calibration set: a built-in name (kvhub calib list), a .txt/.jsonl file, a directory, "
                    "a recipe .toml, or hf:DATASET[:CONFIG]:SPLIT:FIELD.")
 @click.option("--name", default=None,

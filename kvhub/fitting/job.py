@@ -22,6 +22,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from kvhub.calib.recipe import DEFAULT_CALIBRATION
 from kvhub.fitting.options import FitOptions
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class FitRequest:
 
     src: str
     dst: str
-    calib: str = "legal-docs"
+    calib: str = DEFAULT_CALIBRATION
     samples: int | None = None
     seq_len: int | None = None
     seed: int | None = None
