@@ -52,9 +52,6 @@ from kvhub.errors import ConfigError, RecipeError, UnknownCalibrationError
 
 log = logging.getLogger(__name__)
 
-# What `kvhub fit` calibrates on when not told: the built-in set that closed the most of the gist gap
-# (conversations + prose + licence texts; docs/benchmarks.md, section 5, "Calibration domain and size").
-DEFAULT_CALIBRATION = "mixed"
 SOURCE_KINDS = ("pypi", "debian", "stdlib", "path", "hf")
 FORMATS = ("text", "paragraphs", "jsonl", "arrow", "chitchat", "oe-eval-requests", "auto")
 SEPARATORS = ("eos", "blank-line")

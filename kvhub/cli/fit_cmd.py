@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from kvhub.calib.recipe import DEFAULT_CALIBRATION
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
 from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.cli.fit_options import fit_options
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
+from kvhub.fitting.options import DEFAULT_CALIBRATION
 
 
 @click.command()

@@ -22,8 +22,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from kvhub.calib.recipe import DEFAULT_CALIBRATION
-from kvhub.fitting.options import FitOptions
+from kvhub.fitting.options import DEFAULT_CALIBRATION, FitOptions
 
 log = logging.getLogger(__name__)
 
