@@ -27,7 +27,7 @@ from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.core.fingerprint import kv_geometry
 from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
-from kvhub.serving.spec import (DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX,  # noqa: F401
+from kvhub.serving.spec import (DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX,
                                DEFAULT_SELECT)
 
 

@@ -51,7 +51,7 @@ import re
 
 import torch
 
-from kvhub.core.capture import AttentionMass, cache_kwargs, run_model
+from kvhub.core.capture import AttentionMass, cache_kwargs
 from kvhub.errors import ConfigError
 from kvhub.serving.spec import SCORES, SELECTORS, Recompute  # noqa: F401 - re-exported
 
