@@ -81,7 +81,7 @@ class _ServeCommand(click.Command):
 @click.option("--kvstore-max-bytes", type=click.IntRange(min=1), default=None,
               help="Size cap of the KV store, LRU eviction (1 GiB).")
 @click.option("--require-isolation-key", is_flag=True,
-              help="Store and load only requests with a cache_salt (or kvhub_tenant).")
+              help="Store and load only requests with a cache_salt (the tenant).")
 @click.option("--events", "events_path", default=None, type=click.Path(dir_okay=False),
               help="Append the connectors' decisions here, one JSON line each.")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False, path_type=Path),

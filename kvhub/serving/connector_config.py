@@ -33,6 +33,45 @@ def config_flag(extra: dict, key: str) -> bool:
     return value
 
 
+ISOLATION_SOURCES = ("cache_salt", "kvhub_tenant")
+
+
+def config_isolation_source(extra: dict) -> str:
+    """``isolation_key_source``: which request field names the tenant.  "cache_salt" (the default: the salt
+    vLLM hashes into its own prefix cache, set per tenant by the operator's gateway) or "kvhub_tenant"
+    (``kv_transfer_params["kvhub_tenant"]``, for a gateway that authenticates and sets that field)."""
+    value = extra["isolation_key_source"]
+    if value not in ISOLATION_SOURCES:
+        raise ConfigError(f"kv_connector_extra_config isolation_key_source must be one of {list(ISOLATION_SOURCES)}, "
+                          f"got {value!r}")
+    return value
+
+
+def isolation_key(request, *, source: str, required: bool) -> str | None:
+    """The request's isolation key, read from the one field the operator chose (``source``, see
+    :func:`config_isolation_source`); the other field never decides the namespace.  "" (the shared
+    namespace) when the field is absent, None when it is absent and ``required``.
+
+    ConfigError (the request is then neither stored nor loaded) when the request names a tenant through a
+    field this server does not take it from, or gives a key that is not a string: a client must not pick
+    another tenant's namespace, nor fall silently into the shared one."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if not isinstance(params, dict):
+        raise ConfigError("kv_transfer_params must be a JSON object")
+    if source == "cache_salt":
+        if "kvhub_tenant" in params:
+            raise ConfigError("kvhub_tenant is not taken from requests on this server (isolation_key_source is "
+                              "cache_salt); send the tenant as cache_salt")
+        key = getattr(request, "cache_salt", None)
+    else:
+        key = params.get("kvhub_tenant")
+    if key is None:
+        key = ""
+    if not isinstance(key, str):
+        raise ConfigError(f"the isolation key ({source}) must be a string, got {type(key).__name__}")
+    return None if (required and not key) else key
+
+
 def events_file(path, *, option: str = "kv_connector_extra_config events_path") -> str | None:
     """``path`` (an events file), checked writable now: a ConfigError naming ``option`` at start, not a
     failure at the first request."""
@@ -112,6 +151,15 @@ def span_tokenizer(name: str | None):
     except Exception as exc:  # noqa: BLE001 - spans fall back to fixed windows
         log.warning("kvhub consumer: no tokenizer from %s (%s); recompute spans are 16-token windows", name, exc)
         return None
+
+
+def request_control(params: dict) -> bool:
+    """``kv_transfer_params["kvhub_control"]``: a JSON boolean (absent: false); ConfigError for anything else,
+    so a client's "false" or 0-as-string never silently selects the control map."""
+    value = params.get("kvhub_control", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_transfer_params kvhub_control must be true or false (a JSON boolean), got {value!r}")
+    return value
 
 
 def request_spec(params: dict, *, base: Recompute) -> Recompute:

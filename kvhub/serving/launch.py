@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvhub.env import die_with_parent
 from kvhub.errors import ConfigError, NotFoundError, ServeError
-from kvhub.serving.connector_config import config_deshrink
+from kvhub.serving.connector_config import config_deshrink, config_isolation_source
 from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
 from kvhub.serving.spec import Recompute
@@ -57,6 +57,7 @@ EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
     "chunk_tokens": ("producer", "consumer"),
     "source_model": ("producer", "consumer"),
     "require_isolation_key": ("producer", "consumer"),
+    "isolation_key_source": ("producer", "consumer"),  # cache_salt or kv_transfer_params' kvhub_tenant
     "events_path": ("producer", "consumer"),
     "mapper": ("consumer",),
     "mapper_path": ("consumer",),
@@ -67,6 +68,7 @@ EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
     **{name: ("consumer",) for name in RECOMPUTE_FIELDS},
 }
 EXTRA_DEFAULTS = {"kvstore_max_bytes": 1 << 30, "chunk_tokens": 16, "require_isolation_key": False,
+                  "isolation_key_source": "cache_salt",
                   **SERVING_RECOMPUTE.options()}
 RENAMED_KEYS = {  # old key -> (its name now, why); an old key is refused with its new name
     "exact_tail": ("exact_suffix", "the same word as kvhub.handoff's"),
@@ -92,6 +94,8 @@ def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mappe
     check_extra_keys(options)
     Recompute.from_options(options, base=SERVING_RECOMPUTE, origin="the recompute options")  # ConfigError now, not at load
     config_deshrink(options)
+    if options.get("isolation_key_source") is not None:
+        config_isolation_source(options)
     if (mapper is None) == (mapper_path is None):
         raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
                           "(an artifact directory)")

@@ -27,8 +27,10 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
   The response's ``kv_transfer_params["kvhub"]`` says what was mapped and recomputed.
 * Mapped blocks, recomputed or not, are evicted from vLLM's prefix cache right after allocation: no later
   request reuses them (or the blocks chained after them) as exact.
-* Isolation key: the request's ``kv_transfer_params["kvhub_tenant"]`` if given, else its ``cache_salt``,
-  else "" (one shared namespace; ``require_isolation_key`` turns that off).
+* Isolation key: decided by the server's configuration, never by the client: the request's ``cache_salt``
+  (default), or ``kv_transfer_params["kvhub_tenant"]`` with ``isolation_key_source="kvhub_tenant"``; else ""
+  (one shared namespace; ``require_isolation_key`` turns that off).  A request naming its tenant through the
+  other field is neither stored nor loaded (:func:`~kvhub.serving.connector_config.isolation_key`).
 * Fallback is never silent (a log line, ``self.counters``, an ``events_path`` JSON line): a failed or
   non-finite map, write or recompute reports its blocks through ``get_block_ids_with_load_errors``, and
   vLLM prefills them (``kv_load_failure_policy="recompute"``).
@@ -53,8 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvhub.errors import ConfigError, IncompatibleError, UnsupportedModelError
 from kvhub.serving.connector_config import (check_serving_spec, check_target, config_count, config_deshrink,
-                                            config_flag, events_file, load_mapper, request_spec, span_tokenizer,
-                                            worker_device)
+                                            config_flag, config_isolation_source, events_file, isolation_key,
+                                            load_mapper, request_control, request_spec, span_tokenizer, worker_device)
 from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
 from kvhub.serving.engine_pass import exact_positions, load_counts
 from kvhub.serving.kvstore import KVStore
@@ -96,6 +98,7 @@ class KVHubConnector(KVConnectorBase_V1):
         self.recompute = Recompute.from_options(extra, origin="kv_connector_extra_config")
         self.exact_suffix = max(self.recompute.exact_suffix, 1)
         self.require_isolation_key = config_flag(extra, "require_isolation_key")
+        self.isolation_source = config_isolation_source(extra)
         self.kvstore = KVStore(extra["kvstore_dir"], max_bytes=config_count(extra, "kvstore_max_bytes"),
                                chunk_tokens=config_count(extra, "chunk_tokens"))
         self.events_path = events_file(extra.get("events_path"))
@@ -181,9 +184,8 @@ class KVHubConnector(KVConnectorBase_V1):
                 self.counters["events_lost"] += 1
 
     def _isolation_key(self, request) -> str | None:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        key = params.get("kvhub_tenant") or getattr(request, "cache_salt", None) or ""
-        return None if (self.require_isolation_key and not key) else key
+        """ConfigError for a request that names its tenant the wrong way (see connector_config.isolation_key)."""
+        return isolation_key(request, source=self.isolation_source, required=self.require_isolation_key)
 
     # ---- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -210,6 +212,7 @@ class KVHubConnector(KVConnectorBase_V1):
         key = self._isolation_key(request)
         if key is None:
             return "no isolation key (require_isolation_key is set)", None
+        request_control(getattr(request, "kv_transfer_params", None) or {})  # ConfigError now, not after allocation
         tokens = list(request.prompt_token_ids or [])
         suffix = max(self._request_spec(request).exact_suffix, 1)
         prefix = self.kvstore.longest_prefix(isolation_key=key, source_model=self.source_model, token_ids=tokens,
@@ -240,12 +243,12 @@ class KVHubConnector(KVConnectorBase_V1):
         if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
             self._event("fallback", request.request_id, reason="stored KV evicted before the load")
         slots = [block_ids[t // self.block_size] * self.block_size + t % self.block_size for t in range(end)]
-        params = getattr(request, "kv_transfer_params", None) or {}
+        control = request_control(getattr(request, "kv_transfer_params", None) or {})  # checked by _plan
         prompt = list(request.prompt_token_ids)
         self._loads.append(LoadJob(request.request_id, str(pin) if pin else "", prompt, start, end, slots,
-                                   mapped_blocks, self._request_spec(request), control=bool(params.get("kvhub_control"))))
+                                   mapped_blocks, self._request_spec(request), control=control))
         self._load_reports[request.request_id] = {"mapped_tokens": end - start, "prefill_tokens": len(prompt) - end,
-                                                  "prompt_tokens": len(prompt), "control": bool(params.get("kvhub_control"))}
+                                                  "prompt_tokens": len(prompt), "control": control}
         self._event("hit", request.request_id, start=start, end=end, local_hit_tokens=start,
                     prompt_tokens=len(prompt), stored_tokens=prefix.tokens)
 
@@ -259,7 +262,11 @@ class KVHubConnector(KVConnectorBase_V1):
     def _saves(self, out) -> list[SaveJob]:
         for new in out.scheduled_new_reqs:
             request = self._requests.get(new.req_id)
-            key = self._isolation_key(request) if request is not None else None
+            try:
+                key = self._isolation_key(request) if request is not None else None
+            except ConfigError as exc:
+                self._event("save_failed", new.req_id, reason=f"bad kv_transfer_params: {exc}")
+                continue
             if key is None:
                 continue
             self._tracked[new.req_id] = _Tracked(key, list(new.prompt_token_ids or []), list(new.block_ids[0]),
