@@ -158,6 +158,11 @@ def _model_id(spec: str, resolved: Path | str) -> str:
     return spec
 
 
+def registered_model_id(spec: str | os.PathLike) -> str:
+    """The id a fit from ``spec`` records (see :func:`_model_id`), so a lookup by the same spec finds it."""
+    return _model_id(str(spec), resolve_model_path(spec))
+
+
 def _default_device(device):
     import torch
 

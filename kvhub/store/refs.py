@@ -157,10 +157,14 @@ def short_name(model_name: str) -> str:
 
 
 def match_model_names(query: str, names) -> list[str]:
-    """Names that ``query`` designates: an exact full id alone, else case-insensitive full or short."""
+    """Names that ``query`` designates: an exact full id alone, else the id ``kvhub fit`` registers for a
+    local path (``./models/small`` -> its absolute path), else case-insensitive full or short."""
     names = sorted(set(names))
     if query in names:
         return [query]
+    registered = _registered_id(query)
+    if registered in names:
+        return [registered]
     folded = query.lower()
     return [n for n in names if n.lower() == folded or short_name(n).lower() == folded]
 
@@ -171,3 +175,18 @@ def match_calibration_names(query: str, names) -> list[str]:
     if query in names:
         return [query]
     return [n for n in names if n.lower() == query.lower()]
+
+
+def _registered_id(query: str) -> str | None:
+    """The model id a fit from the local path ``query`` registered (what kvhub.models.loading records:
+    the absolute path, or the Hub id of a fetched folder); None when ``query`` is no existing path."""
+    from pathlib import Path
+
+    try:
+        if not Path(query).expanduser().exists():
+            return None
+    except (OSError, ValueError):  # a name too long or with a NUL byte is no path
+        return None
+    from kvhub.models.loading import registered_model_id
+
+    return registered_model_id(query)

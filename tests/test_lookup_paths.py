@@ -1,0 +1,56 @@
+"""A mapper fitted from local model folders is found by the same paths, however they are written
+(ux-3 U3-3): `kvhub fit --src ./models/small` registers the absolute path, and every lookup (list,
+show, serve, kvhub.load) resolves a path the same way before matching."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures_hub import run
+from tests.fixtures_store import make_store_artifact
+
+
+@pytest.fixture
+def fitted_by_path(tmp_path, monkeypatch):
+    """A store holding a mapper registered under the absolute paths of fam/src and fam/dst, the working
+    directory set to tmp_path so that ./fam/src is the same folder."""
+    from kvhub.store import open_store
+
+    for name in ("src", "dst"):
+        (tmp_path / "fam" / name).mkdir(parents=True)
+    source, target = str((tmp_path / "fam" / "src").resolve()), str((tmp_path / "fam" / "dst").resolve())
+    db = str(tmp_path / "store.db")
+    with open_store(db) as store:
+        store.register(make_store_artifact(tmp_path / "art", source=source, target=target, calibration="notes"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
+    return db, source
+
+
+@pytest.mark.parametrize("spelling", ["./fam/src", "fam/src", "fam/../fam/src/"], ids=["U3_3_dot", "U3_3_bare", "U3_3_dotdot"])
+def test_U3_3_list_finds_the_relative_path(fitted_by_path, spelling):
+    db, source = fitted_by_path
+    result = run("list", "--src", spelling, "--db", db, "--format", "tsv")
+    assert result.exit_code == 0, result.stderr
+    assert source in result.stdout
+
+
+def test_U3_3_show_by_the_relative_ref(fitted_by_path):
+    db, source = fitted_by_path
+    result = run("show", "./fam/src:./fam/dst:notes", "--db", db, "--format", "tsv")
+    assert result.exit_code == 0, result.stderr
+    assert source in result.stdout
+
+
+def test_U3_3_load_by_the_relative_paths(fitted_by_path):
+    import kvhub
+
+    db, source = fitted_by_path
+    mapper = kvhub.load("./fam/src", "./fam/dst", calib="notes", db=db)
+    assert mapper.metadata["source"]["model_id"] == source
+
+
+def test_U3_3_a_name_that_is_no_path_still_matches_short_names(fitted_by_path):
+    db, source = fitted_by_path
+    result = run("list", "--src", "src", "--db", db, "--format", "tsv")
+    assert result.exit_code == 0 and source in result.stdout
