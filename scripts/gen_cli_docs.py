@@ -8,19 +8,21 @@ import click
 from kvhub.cli.main import main
 
 
-def walk(command: click.Command, path: list[str]):
-    yield path, command
+def walk(command: click.Command, path: list[str], parent: click.Context | None = None):
+    """(path, command, context) of every command; each context has its group's as parent, so the help
+    shows what ``kvhub COMMAND -h`` shows (the group's settings: ``-h, --help``)."""
+    ctx = click.Context(command, info_name=path[-1], parent=parent, **command.context_settings)
+    yield path, command, ctx
     if isinstance(command, click.Group):
         for name in sorted(command.commands):
-            yield from walk(command.commands[name], path + [name])
+            yield from walk(command.commands[name], path + [name], ctx)
 
 
 def render() -> str:
     lines = ["# kvhub command-line reference", "",
-             "Generated from the commands' help by `scripts/gen_cli_docs.py`; `kvhub COMMAND --help` shows the same.", ""]
-    for path, command in walk(main, ["kvhub"]):
-        with click.Context(command, info_name=" ".join(path)) as ctx:
-            lines += [f"## {' '.join(path)}", "", "```", command.get_help(ctx), "```", ""]
+             "Generated from the commands' help by `scripts/gen_cli_docs.py`; `kvhub COMMAND -h` shows the same.", ""]
+    for path, command, ctx in walk(main, ["kvhub"]):
+        lines += [f"## {' '.join(path)}", "", "```", command.get_help(ctx), "```", ""]
     return "\n".join(lines)
 
 

