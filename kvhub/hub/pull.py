@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,12 +162,23 @@ def _purge_cached_snapshot(snapshot: Path) -> None:
 
 
 def _stage(snapshot: Path, staged: Path) -> None:
-    """Copy the artifact's files (mapper.json, the tensor file, the card, figures) out of a cached
-    snapshot into ``staged``, following only the cache's own links to its blobs."""
+    """Copy the artifact's files (mapper.json, the tensor file, the card, the figures the card shows)
+    out of a cached snapshot into ``staged``, following only the cache's own links to its blobs."""
     staged.mkdir()
+    shown = _card_images(snapshot / CARD_FILE)
     for path in sorted(snapshot.iterdir()):
-        if path.name in (METADATA_FILE, CARD_FILE) or path.name.endswith(".safetensors") or is_figure_name(path.name):
+        if (path.name in (METADATA_FILE, CARD_FILE) or path.name.endswith(".safetensors")
+                or (is_figure_name(path.name) and path.name in shown)):
             copy_regular(_cached_blob(snapshot, path), staged / path.name)
+
+
+def _card_images(card: Path) -> set[str]:
+    """The file names a model card shows as images (``![...](name)``): another version's figures left on
+    a branch by an older push are no part of this version."""
+    if not card.is_file():
+        return set()
+    text = _cached_blob(card.parent, card).read_text(encoding="utf-8", errors="replace")
+    return set(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text))
 
 
 def hub_alias(revision: str) -> str | None:

@@ -131,6 +131,13 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str 
             raise HubConflictError(f"{repo_id} exists and is public, so it cannot be made private by a push. Make "
                                    "it private on the Hub first or push to another repository", repo_id=repo_id)
         _check_same_series(repo_id, remote.head_metadata, job)
+        if job.tag not in remote.tags and not create_pr and (same := _tag_with_same_tensors(api, job, remote)):
+            tag, commit = same
+            if pub is None:
+                store.add_publication(job.version, repo_id, tag, commit)
+            return PushResult(repo_id, tag, commit, job.branch, job.url.replace(f"/tree/{job.tag}", f"/tree/{tag}"),
+                              already_published=True, notes=[f"{repo_id}@{tag} holds these very tensors; a tag is "
+                                                             f"never added for weights published already"])
         if job.tag in remote.tags and not create_pr:
             commit = _existing_tag(api, repo_id, job.tag, remote.tags[job.tag], job)
             if pub is None:
@@ -195,10 +202,13 @@ def _publish(api, job: _Push, remote: _Remote, mode: str, *, create_pr: bool) ->
         verify_artifact(folder)  # what leaves is a valid artifact: the renamed mapper.json included
         if job.branch not in remote.branches:
             api.create_branch(job.repo_id, branch=job.branch, exist_ok=True)
+        # another version's figures on the branch would be tagged (and pulled) as this version's
+        stale = [name for name in remote.head_files if is_figure_name(name) and name not in job.figures]
         commit = dict(repo_id=job.repo_id, revision=job.branch,
                       commit_message=job.commit_message or _commit_title(job.metadata, job.tag),
                       commit_description=f"tensors sha256 {job.metadata['tensors']['sha256']}; kvhub {__version__}")
-        info = (_pull_request(api, folder, **commit) if create_pr else api.upload_folder(folder_path=tmp, **commit))
+        info = (_pull_request(api, folder, stale, **commit) if create_pr
+                else api.upload_folder(folder_path=tmp, delete_patterns=stale or None, **commit))
     if create_pr:
         return PushResult(job.repo_id, job.tag, info.oid, job.branch, info.pr_url, card=card_action, notes=notes + [
             f"opened a pull request; once it is merged, push {job.version.ref} again to tag it {job.tag}"],
@@ -211,13 +221,14 @@ def _publish(api, job: _Push, remote: _Remote, mode: str, *, create_pr: bool) ->
     return PushResult(job.repo_id, job.tag, info.oid, job.branch, job.url, card=card_action, notes=notes)
 
 
-def _pull_request(api, folder: Path, **commit):
-    """One commit of the folder's files proposed as a pull request against ``revision`` (upload_folder
-    opens pull requests against main only)."""
-    from huggingface_hub import CommitOperationAdd
+def _pull_request(api, folder: Path, stale: list[str], **commit):
+    """One commit of the folder's files (and the removal of ``stale`` ones) proposed as a pull request
+    against ``revision`` (upload_folder opens pull requests against main only)."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     operations = [CommitOperationAdd(path_in_repo=path.name, path_or_fileobj=str(path))
                   for path in sorted(folder.iterdir())]
+    operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
     return api.create_commit(operations=operations, create_pr=True, **commit)
 
 
@@ -302,6 +313,21 @@ def _existing_tag(api, repo_id: str, tag: str, commit: str, job: _Push) -> str:
         f"{repo_id} already has a tag {tag} holding other weights (tensors sha256 {theirs}); tags never move. "
         "Another store published its own version there: push to a repository of your own",
         repo_id=repo_id, revision=tag)
+
+
+def _tag_with_same_tensors(api, job: _Push, remote: _Remote) -> tuple[str, str] | None:
+    """(tag, commit) of a version tag in the repository whose mapper.json names these tensors, or None:
+    the same weights imported into another store carry another number, and tagging them again would
+    move the branch back to them."""
+    wanted = job.metadata["tensors"]["sha256"]
+    tags = sorted((t for t in remote.tags if tag_number(t) is not None), key=tag_number)
+    with tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
+        for tag in tags:
+            found = _json_object(_remote_file(api, job.repo_id, remote.tags[tag], METADATA_FILE, tmp)) or {}
+            tensors = found.get("tensors") if isinstance(found.get("tensors"), dict) else {}
+            if tensors.get("sha256") == wanted and _same_series(found, job):
+                return tag, remote.tags[tag]
+    return None
 
 
 def _same_series(remote: dict, job: _Push) -> bool:
