@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -13,6 +14,8 @@ from kvhub.cli.output import format_option
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS
 from kvhub.errors import ConfigError
 
+MAX_CONTEXT_TOKENS = 1 << 20  # longer prompts than any served model takes; 10^8 ran the client out of memory
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "source", "floor",
             "retention [95% CI]", "map - control [95% CI]", "median agreement mapped / control")
 
@@ -35,15 +38,17 @@ _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "
               help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
                    "gist-document or gist-code (the large model's own answer about the whole context, scored "
                    "teacher-forced).")
-@click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
+@click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64, max=MAX_CONTEXT_TOKENS), multiple=True,
+              default=(1024,),
               show_default=True, help="Context length in tokens. Repeatable.")
 @click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True,
               help="Items per task and length (seeded).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--agreement-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy tokens of own, mapped and control compared for the agreement column.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600, show_default=True,
-              help="Seconds to wait for each completion.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True, max=MAX_TIMEOUT_S), default=600,
+              show_default=True, callback=lambda ctx, param, value: _finite(value),
+              help="Seconds each request may take in all (connecting, waiting and reading the answer).")
 @format_option
 @click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
               help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
@@ -86,6 +91,10 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
 
     if log_samples and output_path is None:
         raise ConfigError("--log-samples writes the items beside the results: add --output-path PATH")
+    if output_path is not None:
+        from kvhub.cli.eval_cmd import _probe_output_path
+
+        _probe_output_path(output_path)  # before the run, not after it
     small_url, large_url = base_url(small_url, option="--small"), base_url(large_url, option="--large")
     small = Endpoint.at(small_url, model=small_model, timeout=timeout)
     large = Endpoint.at(large_url, model=large_model, timeout=timeout)
@@ -117,6 +126,27 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
                           output_format=output_format)
         if gist:
             print_gist(f"{small.model} -> {large.model}, served", gist, output_format=output_format)
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):  # FloatRange lets NaN through
+        raise click.BadParameter(f"{value} is not a number of seconds; give one like 600", param_hint="'--timeout'")
+    return value
+
+
+def _check_transfers(summary: dict, large_url: str, name: str) -> None:
+    """Refuse a run whose `mapped` requests all went unmapped (the column would be the large model's own
+    prefill under another name); say so when only some did."""
+    from kvhub.errors import ServeError
+
+    reported, items = summary["transfers_reported"], summary["n"]
+    if items and not reported:
+        raise ServeError(f"{large_url} reported no kvhub transfer for any of {name}'s {items} mapped requests, so "
+                         "`mapped` would be its own prefill: start the pair with `kvhub serve` (the large server needs "
+                         "kvhub's KV connector, and the small one must store the prompts)")
+    if reported < items:
+        say(f"{name}: {items - reported} of {items} mapped requests reported no kvhub transfer (fell back to "
+            "prefill); `mapped` mixes mapped and own answers", label="warning:", style="yellow")
 
 
 def _tokenizer(spec: str | None, small_model: str):
@@ -156,6 +186,7 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
             summary = evaluate_served(small, large, tokenizer, task=task, context_tokens=length, seed=run["seed"],
                                       agreement_tokens=run["agreement_tokens"], log_samples=run["log_samples"],
                                       items=items, progress=callback)
+    _check_transfers(summary, large.url, f"{task}-{length}")
     dataset = {"name": f"{task}-{length}", "origin": f"built by {builder} (seed {run['seed']})",
                "context_tokens": length, "n": len(items), "sha256": items_sha256(items)}
     return summary, dataset, summary.pop("samples", [])

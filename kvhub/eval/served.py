@@ -23,7 +23,11 @@ reports none).  own, mapped and control generate max(len(answer), agreement_toke
 ``agree_mapped`` / ``agree_control`` count the leading ones, of the first agreement_tokens, equal to own's.
 
 HTTP goes through the standard library and never through a proxy; every failure is a one-line
-:class:`~kvhub.errors.ServeError` naming the URL.
+:class:`~kvhub.errors.ServeError` naming the URL (without its user and password, and with a server's control
+characters shown escaped).  ``timeout`` is each request's whole deadline, not each read's, and an answer
+longer than :data:`MAX_BODY_BYTES` is refused.  An answer that cannot be a vLLM completion (ids that are not
+token ids, an ``exact_tokens`` outside the prompt, log-probabilities above 0 or not finite) is refused, not
+scored.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import logging
 import math
 import statistics
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -53,6 +58,9 @@ TIMEOUT_S = 600.0
 TENANT_PREFIX = "kvhub-eval-"
 CONTROL_PARAMS = {"kvhub_control": True}  # kv_transfer_params asking the connector for the control map
 _DETAIL_CHARS = 300
+MAX_BODY_BYTES = 64 << 20  # a completion with logprobs is kilobytes; /models a few
+MAX_TOKEN_ID = 2**31 - 1  # tokenizers hold ids in 32 bits; anything above is not a token id
+_READ_BYTES = 1 << 16
 # $http_proxy is for the internet; the pair runs on this machine or its cluster, where a proxy only gets in the way
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -63,9 +71,23 @@ def base_url(url: str, *, option: str = "URL") -> str:
     trimmed = url.strip().rstrip("/")
     parts = urllib.parse.urlsplit(trimmed)
     if parts.scheme not in ("http", "https") or not parts.netloc or not parts.path.endswith("/v1"):
-        raise ConfigError(f"{option} {url!r} is not an OpenAI base URL like http://127.0.0.1:8001/v1; "
+        raise ConfigError(f"{option} {redacted(url)!r} is not an OpenAI base URL like http://127.0.0.1:8001/v1; "
                           "`kvhub serve --json` prints both servers' URLs")
+    if "@" in parts.netloc:
+        raise ConfigError(f"{option} {redacted(url)!r} names a user (and password) in the URL, which kvhub eval-serve "
+                          "never sends; give the server's URL without them")
     return trimmed
+
+
+def redacted(url: str) -> str:
+    """``url`` with its user and password (``user:pw@``) replaced by ``***@``, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
 def served_models(url: str, *, timeout: float = TIMEOUT_S) -> list[str]:
@@ -155,27 +177,66 @@ class Endpoint:
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ServeError(f"{url} answered without choices[0]: {_detail(json.dumps(answer).encode())}") from exc
         params = answer.get("kv_transfer_params")
-        return Completion(None if token_ids is None else [int(i) for i in token_ids], text,
-                          params if isinstance(params, dict) else {},
-                          _token_logprobs(url, choice) if logprobs else None)
+        params = params if isinstance(params, dict) else {}
+        _check_exact_tokens(url, params, prompt_tokens=len(body["prompt"]))
+        if not isinstance(text, str):
+            raise ServeError(f"{url} answered a choices[0].text that is not a string: {_detail(json.dumps(text).encode())}")
+        return Completion(_token_ids(url, token_ids), text, params, _token_logprobs(url, choice) if logprobs else None)
+
+
+def _token_ids(url: str, value) -> list[int] | None:
+    """choices[0].token_ids as a list of token ids (None when absent); ServeError for anything else (text,
+    floats, booleans, negative or out-of-range numbers): nothing is truncated or guessed."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID
+                                              for i in value):
+        raise ServeError(f"{url} answered choices[0].token_ids that are not token ids (a list of integers from 0 to "
+                         f"{MAX_TOKEN_ID}): {_detail(_dumps(value))}; is it a vLLM server (`kvhub serve`)?")
+    return value
+
+
+def _check_exact_tokens(url: str, params: dict, *, prompt_tokens: int) -> None:
+    """ServeError when the connector's report counts ``exact_tokens`` that no prompt of ``prompt_tokens`` has."""
+    transfer = params.get("kvhub")
+    if not isinstance(transfer, dict) or "exact_tokens" not in transfer:
+        return
+    count = transfer["exact_tokens"]
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= prompt_tokens:
+        raise ServeError(f"{url} reported kv_transfer_params.kvhub.exact_tokens={_detail(_dumps(count))} for a prompt "
+                         f"of {prompt_tokens} tokens (it must be a whole number from 0 to {prompt_tokens}); the large "
+                         "server's connector is not kvhub's, or is broken")
 
 
 def _token_logprobs(url: str, choice: dict) -> list[float]:
-    """choices[0].logprobs.token_logprobs as floats; ServeError when the server sent none."""
+    """choices[0].logprobs.token_logprobs as floats; ServeError when the server sent none, or values that are
+    not log-probabilities (above 0, or not finite: +3.0 would score as a negative NLL, -inf as a null one)."""
     values = (choice.get("logprobs") or {}).get("token_logprobs") if isinstance(choice, dict) else None
     if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ServeError(f"{url} answered without choices[0].logprobs.token_logprobs (asked with logprobs=1): "
-                         f"{_detail(json.dumps(choice).encode())}")
+                         f"{_detail(_dumps(choice))}")
+    bad = [v for v in values if not (math.isfinite(v) and v <= 0.0)]
+    if bad:
+        raise ServeError(f"{url} answered token_logprobs that are not log-probabilities (finite and at most 0): "
+                         f"{_detail(_dumps(bad[:5]))}; the scores would be meaningless")
     return [float(v) for v in values]
 
 
+def _dumps(value) -> bytes:
+    return json.dumps(value, allow_nan=True).encode()
+
+
 def _request(url: str, body: dict | None = None, *, timeout: float):
-    """The JSON answer to GET ``url`` (``body`` None) or to POST ``body``; any failure is a one-line ServeError."""
+    """The JSON answer to GET ``url`` (``body`` None) or to POST ``body`` within ``timeout`` seconds in all;
+    any failure is a one-line ServeError."""
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"the request timeout must be a finite number of seconds above 0, got {timeout!r}")
+    deadline = time.monotonic() + timeout
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with _OPENER.open(request, timeout=timeout) as response:
-            raw = response.read()
+            raw = _read_body(url, response, deadline=deadline)
     except urllib.error.HTTPError as exc:
         raise ServeError(f"{url} answered HTTP {exc.code}: {_detail(_read_error(exc))}") from exc
     except urllib.error.URLError as exc:
@@ -184,29 +245,54 @@ def _request(url: str, body: dict | None = None, *, timeout: float):
         raise _unreachable(url, exc, timeout) from exc
     try:
         return json.loads(raw)
+    except RecursionError as exc:
+        raise ServeError(f"{url} answered JSON nested too deeply to read: {_detail(raw)}") from None
     except ValueError as exc:
         raise ServeError(f"{url} answered something that is not JSON: {_detail(raw)}") from exc
 
 
+def _read_body(url: str, response, *, deadline: float) -> bytes:
+    """The body, read in pieces until ``deadline`` (TimeoutError past it, however slowly the server sends) and
+    at most :data:`MAX_BODY_BYTES` (ServeError past that: a server streaming forever)."""
+    sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+    pieces, size = [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if sock is not None:
+            sock.settimeout(left)  # one read never outlasts the request's deadline
+        piece = response.read1(_READ_BYTES)
+        if not piece:
+            return b"".join(pieces)
+        size += len(piece)
+        if size > MAX_BODY_BYTES:
+            raise ServeError(f"{url} answered more than {MAX_BODY_BYTES >> 20} MiB, far more than a completion; "
+                             "is it an OpenAI-compatible server (`kvhub serve`)?")
+        pieces.append(piece)
+
+
 def _read_error(error: urllib.error.HTTPError) -> bytes:
     try:
-        return error.read()
+        return error.read(64 * _DETAIL_CHARS)  # only its start is shown
     except OSError:
         return b""
 
 
 def _detail(raw: bytes) -> str:
-    """The start of an answer's body on one line: an OpenAI error's message when there is one."""
-    text = raw.decode("utf-8", errors="replace")
+    """The start of an answer's body on one line, control characters shown escaped (``\\x1b``: a server's
+    bytes never drive the terminal): an OpenAI error's message when there is one."""
+    text = raw[:64 * _DETAIL_CHARS].decode("utf-8", errors="replace")
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     if isinstance(data, dict):
         error = data.get("error")
         message = error.get("message") if isinstance(error, dict) else data.get("message")
         text = message if isinstance(message, str) else text
     text = " ".join(text.split()) or "(empty body)"
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
     return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + "..."
 
 
@@ -214,6 +300,7 @@ def _unreachable(url: str, reason, timeout: float) -> ServeError:
     if isinstance(reason, ConnectionRefusedError):
         return ServeError(f"nothing answers at {url}: the server is not running; start the pair with "
                           "`kvhub serve` (its --json line prints both URLs)")
+    url = redacted(url)
     if isinstance(reason, TimeoutError):
         return ServeError(f"{url} did not answer within {timeout:g} s; is the server busy or stuck? "
                           "A longer --timeout waits more")
