@@ -1,7 +1,7 @@
 """Data on stdout in one of three formats, the same for every command that lists things.
 
-``--format table`` (the default) is for people: a Rich table on a terminal (cells fold, never
-ellipsised), and on anything else (a pipe, a file) plain columns separated by two spaces, one row a
+``--format table`` (the default) is for people: a Rich table on a terminal (cells never folded or
+ellipsised: a table wider than the terminal runs past its edge), and on anything else (a pipe, a file) plain columns separated by two spaces, one row a
 line, never wrapped or cut.  ``--format tsv`` is for ``cut``/``awk``: a header line, then one line a
 row, tabs between cells (tabs and newlines inside a cell become spaces).  ``--format json`` (alias
 ``--json``) is for programs: the command's documented JSON, sorted keys.
@@ -93,7 +93,25 @@ def print_table(columns: list[str] | None, rows: list[list], *, output_format: s
                          style="bold" if overview_label else None, no_wrap=overview_label)
     for row in rows:
         table.add_row(*(plain(_cell(cell)) for cell in row))
-    console.print(table)
+    _print_whole(table)
+
+
+def _print_whole(table) -> None:
+    """Print a Rich table whose cells are never folded: one that is wider than the terminal is laid out
+    at its natural width and its lines run past the edge (as ``hf`` and ``mlflow`` print long ids), so a
+    reference, a repository id or a task name is always one copyable string."""
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update(max_width=1_000_000), table).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    from rich.console import Console
+
+    # Console.print(width=) never exceeds the console's width: a console as wide as the table, same file
+    wide = Console(file=console.file, width=natural, force_terminal=True, color_system=console.color_system,
+                   no_color=console.no_color)
+    wide.print(table, crop=False)
 
 
 def format_number(value, *, exact: bool = False) -> str:
