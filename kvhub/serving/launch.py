@@ -160,11 +160,22 @@ def host_memory_gib() -> float:
 
 
 def weights_gib(model_path: str | os.PathLike) -> float:
-    """Size of a local model's weight files in GiB (0 for a Hub id vLLM will download)."""
+    """Size of a model's 16-bit weights in GiB: a local folder's weight files, else (a Hub id vLLM will
+    download) its parameter count from the config (kvhub.fitting.shapes: a config kvhub ships or the
+    Hugging Face cache holds, as ``kvhub plan`` reads), else 0 with a warning."""
     path = Path(model_path)
-    if not path.is_dir():
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.iterdir()
+                   if f.suffix in (".safetensors", ".bin") and f.is_file()) / 2**30
+    from kvhub.errors import ConfigError
+    from kvhub.fitting.shapes import shape_of
+
+    try:
+        return shape_of(str(model_path)).parameters() * 2 / 2**30
+    except ConfigError:
+        log.warning("the size of %s is unknown (no local folder, no config): the CPU KV cache is sized as if "
+                    "its weights took no memory; pass --kv-cache-gib", model_path)
         return 0.0
-    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file()) / 2**30
 
 
 def vllm_launcher(vllm: str) -> list[str]:
