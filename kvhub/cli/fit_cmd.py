@@ -75,9 +75,9 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
     check_before_loading(request)
     if name is not None:
-        from kvhub.store.refs import check_calibration_name
-
-        check_calibration_name(name)
+        check_series_name(name, calib=calib)
+    if not no_register and not launched_rank():
+        check_series_text(request, name=name, db=db)
     if nproc:
         raise SystemExit(_launch_torchrun(nproc))
     from kvhub.fitting.distributed import launched
@@ -95,10 +95,10 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
         mapper.metadata["calibration"]["name"] = name
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
+        if out is not None:  # first: a refused registration never loses the fit
+            mapper.save(out)
         if not no_register:
             reference, full_ref = _register(artifact, db)
-        if out is not None:
-            mapper.save(out)
     _print_summary(mapper, reference=reference, full_ref=full_ref, out=out, output_format=output_format)
 
 
@@ -118,6 +118,53 @@ def _fit_here(request):
             then = "run the same command to resume (--restart to start over)"
         say(f"Interrupted at batch {exc.batch}/{exc.batches}{of_pass}; {then}", style="bold")
         raise SystemExit(exc.exit_code) from None
+
+
+def launched_rank() -> bool:
+    """A rank torchrun started (rank 0 ran the checks before launching it)."""
+    from kvhub.fitting.distributed import launched
+
+    return launched()
+
+
+def check_series_name(name: str, *, calib: str) -> None:
+    """``--name``: a valid calibration name, and not a built-in set's name for another text (kvhub.load(...,
+    calib="legal-docs") would return this mapper, and a push would publish it as legal-docs)."""
+    from kvhub.calib.recipe import builtin_names, recipe_from_spec
+    from kvhub.errors import ConfigError
+    from kvhub.store.refs import check_calibration_name
+
+    check_calibration_name(name)
+    if name in builtin_names() and recipe_from_spec(calib).name != name:
+        raise ConfigError(f"--name {name} is the name of kvhub's built-in calibration set {name!r}, and --calib "
+                          f"{calib} is another text; give this one its own name, e.g. --name {name}-own")
+
+
+def check_series_text(request, *, name: str | None, db: str | None) -> None:
+    """Refuse, before any model loads, a fit the store would refuse to register after it: the series
+    (models, calibration name) already holds versions fitted on another text.  The text's sha256 needs the
+    documents only, read here once more, and only when the series exists."""
+    from kvhub.calib.calibration_set import read_documents
+    from kvhub.calib.packing import corpus_digest
+    from kvhub.calib.recipe import recipe_from_spec
+    from kvhub.errors import ConfigError, NotFoundError
+    from kvhub.models.loading import registered_model_id
+
+    recipe = recipe_from_spec(request.calib)
+    series = {"source": registered_model_id(request.src), "target": registered_model_id(request.dst),
+              "calibration": name or recipe.name}
+    try:
+        store = open_db(db, create=False)
+    except NotFoundError:  # no store yet: nothing to clash with
+        return
+    with store:
+        try:  # a hash no text has: refused iff the series holds versions with a known text
+            store.check_calibration_text(**series, text_sha256="-")
+            return
+        except ConfigError:
+            pass
+        documents, _ = read_documents(recipe)
+        store.check_calibration_text(**series, text_sha256=corpus_digest(documents))
 
 
 def check_before_loading(request) -> None:

@@ -113,11 +113,13 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
     (scripts/setup-vllm.sh makes .venv-vllm).  --dry-run prints the commands without starting them.
     """
     from kvhub.serving import launch
+    from kvhub.serving.engine_limits import check_parallel_args, check_served_model
 
     if not math.isfinite(timeout):  # click's FloatRange lets nan and inf through
         raise ConfigError(f"--timeout must be a finite number of seconds, got {timeout}")
     if port_small == port_large:
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
+    check_parallel_args(ctx.meta.get("vllm_args", ()))  # tensor / pipeline parallel: refused before anything starts
     mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)
     launcher = _launcher(vllm_executable, dry_run=dry_run)
     if events_path is not None:
@@ -140,6 +142,8 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
         _LARGE: dict(model=large_model or _model_path(target_id), served_model_name=target_id, port=port_large,
                      role="consumer"),
     }
+    for p in plan.values():
+        check_served_model(p["model"])  # hybrid (linear-attention, Mamba) layers: refused by their type
     commands = {name: launch.server_command(launcher, model=p["model"], served_model_name=p["served_model_name"],
                                             host=host, port=p["port"], transfer_config=configs[p["role"]],
                                             extra_args=extra)

@@ -33,6 +33,7 @@ from kvhub.errors import IncompatibleError, NonFiniteError
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT, deshrink_setting  # noqa: F401  (part of the Mapper's API)
 from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
+from kvhub.core.layer_kinds import check_cache_layers
 
 
 # Elements of one stacked block of layers (G, B, H, T, D): bounds the fp32 RoPE temporaries (a few of these
@@ -225,6 +226,7 @@ class Mapper:
         return self._rotary[key]
 
     def _check_cache(self, cache) -> tuple[int, int]:
+        check_cache_layers(cache)  # a hybrid model's state layers: refused by their type, never mapped around
         src = self.source
         layers = getattr(cache, "layers", None)
         if layers is None or len(layers) != src["num_layers"]:

@@ -22,6 +22,7 @@ import sys
 import torch
 from torch import nn
 
+from kvhub.core.layer_kinds import check_attention_layers
 from kvhub.errors import UnsupportedModelError
 
 # model_type -> family.  These cache post-RoPE keys of shape (B, H_kv, T, D) per layer.
@@ -31,12 +32,15 @@ SUPPORTED_MODEL_TYPES = {
     "llama": "llama",
     "mistral": "mistral",
     "gpt_neox": "gpt_neox",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
 }
 
 
 def check_supported(config) -> None:
-    """Raise UnsupportedModelError unless ``config.model_type`` is one kvhub can map."""
+    """Raise UnsupportedModelError unless ``config.model_type`` is one kvhub can map; a model with layers
+    that cache no per-token K/V (linear attention, Mamba, convolution) is refused naming that layer type."""
+    check_attention_layers(config, name=getattr(config, "_name_or_path", None) or None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))

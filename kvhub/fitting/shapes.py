@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvhub.core.layer_kinds import check_attention_layers
 from kvhub.errors import ConfigError
 
 
@@ -45,6 +46,7 @@ class ModelShape:
             if not isinstance(config["text_config"], dict):
                 raise ConfigError(f"config of {name}: `text_config` must be a JSON object")
             config = config["text_config"]
+        check_attention_layers(config, name=name)  # linear-attention / Mamba / conv layers: refused by type
         field = functools.partial(_geometry_field, config, name)
         heads, hidden = field("num_attention_heads"), field("hidden_size")
         head_dim = field("head_dim", required=False) or hidden // heads

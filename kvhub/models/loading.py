@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvhub.artifact import sha256_file
+from kvhub.core.layer_kinds import check_attention_layers
 from kvhub.dtypes import parse_dtype
 from kvhub.errors import ArtifactError, ModelUnavailableError
 
@@ -181,6 +182,7 @@ def load_model(spec: str | os.PathLike, *, device=None, dtype=None, cache_dir=No
     """
     spec = str(spec)
     resolved = resolve_model_path(spec, cache_dir=cache_dir)
+    _refuse_unmappable_layers(resolved, spec)  # before any weight is read
     torch_dtype = parse_dtype(dtype)
     with _quiet_loading():
         if isinstance(resolved, Path) and resolved.suffix == ".gguf":
@@ -189,8 +191,22 @@ def load_model(spec: str | os.PathLike, *, device=None, dtype=None, cache_dir=No
             model, tokenizer = _load_pretrained(resolved, dtype=torch_dtype, spec=spec)
         else:
             model, tokenizer = _load_hub(resolved, dtype=torch_dtype)
+    check_attention_layers(model.config, name=spec)
     model = model.to(_default_device(device)).eval()
     return model, tokenizer, _model_id(spec, resolved)
+
+
+def _refuse_unmappable_layers(resolved, spec: str) -> None:
+    """A local model whose config.json names linear-attention / state-space / convolution layers is refused
+    by layer type (:mod:`kvhub.core.layer_kinds`) before its weights load; a Hub id is checked once loaded."""
+    if not isinstance(resolved, Path) or not (resolved / "config.json").is_file():
+        return
+    try:
+        config = json.loads((resolved / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return  # transformers' own error, with the file's name, comes when it loads
+    if isinstance(config, dict):
+        check_attention_layers(config, name=spec)
 
 
 @contextlib.contextmanager

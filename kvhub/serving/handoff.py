@@ -26,6 +26,7 @@ import torch
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.core.fingerprint import kv_geometry
+from kvhub.core.layer_kinds import check_attention_layers
 from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
 from kvhub.serving.spec import (DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX,
                                DEFAULT_SELECT)
@@ -107,6 +108,8 @@ def prepare_cache_counted(mapper, source_model, target_model, input_ids: torch.T
     """(:func:`prepare_cache`'s cache, the context positions (sorted, long, on the CPU) the target recomputed
     exactly): what a report counts as recomputed, rather than what the spec asked for (whole spans are taken
     while they fit the budget, so a selection can hold fewer tokens)."""
+    for model in (source_model, target_model):  # hybrids (linear attention, Mamba): refused by layer type
+        check_attention_layers(model.config, name=getattr(model.config, "_name_or_path", None) or None)
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ConfigError("handoff needs (batch, n) input ids with n >= 2: the target consumes the last token")
     context = input_ids[:, :-1]

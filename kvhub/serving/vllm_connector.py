@@ -58,6 +58,7 @@ from kvhub.serving.connector_config import (check_serving_spec, check_target, co
                                             config_flag, config_isolation_source, events_file, isolation_key,
                                             load_mapper, request_control, request_spec, span_tokenizer, worker_device)
 from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
+from kvhub.serving.engine_limits import check_engine
 from kvhub.serving.engine_pass import exact_positions, load_counts
 from kvhub.serving.kvstore import KVStore
 from kvhub.serving.launch import EXTRA_DEFAULTS, LOAD_FAILURE_POLICY, ROLES, WORKER_CLASS, check_extra_keys
@@ -86,6 +87,7 @@ class KVHubConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_engine(vllm_config)  # one rank, attention-only model: refused at start (engine_limits), never half-served
         transfer = vllm_config.kv_transfer_config
         extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
         check_extra_keys(extra)

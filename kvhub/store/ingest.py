@@ -10,7 +10,9 @@ import logging
 import math
 from pathlib import Path
 
-from sqlalchemy import select, update
+from typing import cast
+
+from sqlalchemy import Table, select, update
 from sqlalchemy.orm import Session
 
 from kvhub import __version__
@@ -20,7 +22,7 @@ from kvhub.artifact import (  # noqa: F401
 from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
 from kvhub.store.artifacts import StoredArtifact
 from kvhub.store.records import corpus_hash
-from kvhub.store.refs import LATEST
+from kvhub.store.refs import LATEST, check_calibration_name
 from kvhub.store.lookup import newest_version
 from kvhub.store.tables import AliasRow, CalibrationSetRow, MetricRow, ModelRow, SeriesRow, VersionRow, utcnow
 
@@ -70,6 +72,11 @@ def check_storable(metadata: dict) -> None:
         raise InvalidArtifactError(f"{METADATA_FILE} names no calibration set (calibration.name); the store files "
                                    "versions under it: re-fit the mapper with a calibration set",
                                    field="calibration.name")
+    name = metadata["calibration"]["name"]
+    try:
+        check_calibration_name(name)
+    except ConfigError as exc:  # it would reach suggested commands (`kvhub fit ... --name NAME`) unquoted
+        raise InvalidArtifactError(f"{METADATA_FILE} calibration.name: {exc}", field="calibration.name") from None
     check_lengths(metadata)
 
 
@@ -167,7 +174,7 @@ def next_version(session: Session, series: SeriesRow, preferred: int | None = No
     the series has used (the numbers between are skipped) or when no version of the series holds it (a
     pull of an older Hub tag fills the gap its number left), else the next one.  The counter only
     grows, so fit and import never hand out a number again."""
-    table = SeriesRow.__table__
+    table = cast(Table, SeriesRow.__table__)
     last = session.execute(select(table.c.last_version).where(table.c.id == series.id)).scalar_one()
     if preferred is not None and preferred <= last and not _holds(session, series.id, preferred):
         return preferred
@@ -232,7 +239,8 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     session.flush()
     measured_by = metadata.get("kvhub_version") or __version__
     session.add_all(metric_row(row.id, m, kvhub_version=measured_by) for m in metadata_metrics(metadata))
-    set_alias(session, series.id, LATEST, newest_version(session, series.id).id)
+    newest = newest_version(session, series.id)
+    set_alias(session, series.id, LATEST, row.id if newest is None else newest.id)  # never None: row is there
     return row.id
 
 
@@ -301,9 +309,9 @@ def metric_row(version_id: int, metric: dict, *, kvhub_version: str) -> MetricRo
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise NonFiniteError(f"metric {metric['name']!r} has value {value!r}; only finite numbers are stored")
     for key, column in (("name", MetricRow.name), ("split", MetricRow.split), ("task", MetricRow.task)):
-        text = metric.get(key)
-        if text is not None and (not isinstance(text, str) or len(text) > _limit(column)):
-            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {_limit(column)} "
+        text, limit = metric.get(key), _limit(column)
+        if text is not None and (not isinstance(text, str) or (limit is not None and len(text) > limit)):
+            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {limit} "
                               "characters")
     for key in ("layer", "n", "seed"):
         number = metric.get(key)

@@ -1,0 +1,91 @@
+"""What a vLLM engine must be for the kvhub connector, checked at start-up: one rank holding every KV head
+of every layer, and a model whose layers all cache per-token attention K/V.
+
+Tensor parallelism (and pipeline or context parallelism) is refused, not half-served: each tensor-parallel
+worker holds only its shard of the KV heads, so a producer rank would store a fraction of the heads under a
+key the other ranks write too, and a consumer rank would get a map of all target heads (whose inputs are every
+source head, spread over the producer's ranks) for blocks that hold its shard only; the selection of the
+recompute reads all heads on one rank.  Serving under TP would need the producer to gather heads (or store
+one shard per rank) and each consumer rank to map and write its own slice: not built.  Data parallelism
+(several full replicas) keeps all heads on each engine and is not refused (untested).
+
+Hybrid models (linear-attention, Mamba or convolution layers) are refused by layer type:
+:mod:`kvhub.core.layer_kinds`.  No vLLM import: the checks read only the config objects vLLM hands over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvhub.core.layer_kinds import check_attention_layers
+from kvhub.errors import ConfigError
+
+# vllm serve's flags that split one engine's model (and so its KV cache) over several ranks
+PARALLEL_FLAGS = {
+    "--tensor-parallel-size": "tensor", "-tp": "tensor",
+    "--pipeline-parallel-size": "pipeline", "-pp": "pipeline",
+    "--decode-context-parallel-size": "decode context", "-dcp": "decode context",
+    "--prefill-context-parallel-size": "prefill context", "-pcp": "prefill context",
+}
+PARALLEL_FIELDS = {"tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline",
+                   "decode_context_parallel_size": "decode context",
+                   "prefill_context_parallel_size": "prefill context"}
+
+WHY_ONE_RANK = ("the kvhub connector needs each engine's KV cache on one rank: under tensor parallelism each "
+                "worker holds only its shard of the KV heads, and the connector neither gathers the source's "
+                "heads nor writes a per-rank slice of the mapped ones")
+
+
+def parallel_refusal(kind: str, size: int, *, origin: str) -> ConfigError:
+    return ConfigError(f"{origin}: {kind} parallel size {size} is not supported; {WHY_ONE_RANK}. Serve each model "
+                       "on one GPU (a model too large for one GPU cannot be a kvhub cascade's engine yet), or run "
+                       "several single-GPU replicas (data parallelism) instead")
+
+
+def check_parallel_args(args: Sequence[str]) -> None:
+    """Refuse ``vllm serve`` arguments (``kvhub serve``'s passthrough after ``--``) that split the model over
+    ranks: ``--tensor-parallel-size N`` / ``-tp N`` (and ``=N``, underscores), pipeline and context parallelism."""
+    args = list(args)
+    for index, arg in enumerate(args):
+        flag, _, inline = arg.partition("=")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag
+        kind = PARALLEL_FLAGS.get(flag)
+        if kind is None:
+            continue
+        value = inline if inline else (args[index + 1] if index + 1 < len(args) else "")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ConfigError(f"vllm argument {arg} needs a whole number after it, got {value!r}") from None
+        if size > 1:
+            raise parallel_refusal(kind, size, origin=f"the vllm argument {flag} {size}")
+
+
+def check_engine(vllm_config) -> None:
+    """The connector's start-up check of its engine (either role, scheduler or worker side): one rank per
+    model (:data:`PARALLEL_FIELDS` all 1) and an attention-only model; ConfigError / UnsupportedModelError."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for field, kind in PARALLEL_FIELDS.items():
+        size = getattr(parallel, field, 1)
+        if isinstance(size, int) and size > 1:
+            raise parallel_refusal(kind, size, origin=f"KVHubConnector ({field}={size})")
+    model_config = getattr(vllm_config, "model_config", None)
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is not None:
+        check_attention_layers(hf_config, name=getattr(model_config, "model", None))
+
+
+def check_served_model(model: str | os.PathLike) -> None:
+    """``kvhub serve``'s check of a model it is about to hand to vLLM: a local directory whose config.json
+    names linear-attention / Mamba / convolution layers is refused by layer type; anything else (a Hub id, a
+    config that does not read) is left to the engine, whose connector checks the same at start-up."""
+    path = Path(model).expanduser()
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(config, dict):
+        check_attention_layers(config, name=str(model))
