@@ -72,13 +72,16 @@ def second_pass(state: FitState, mode: StatisticsMode, *, top_k: int | str) -> F
 
 
 def solve_candidates(state: FitState, mode: StatisticsMode, *, top_k: int | None, ridge_lambda: float | None,
-                     structure: Structure, src_layers: int, targets: list[int] | None = None) -> Solution:
-    """The solve on pass 2's statistics, with source layers numbered as in the model (module docstring)."""
+                     structure: Structure, src_layers: int, targets: list[int] | None = None,
+                     progress=None) -> Solution:
+    """The solve on pass 2's statistics, with source layers numbered as in the model (module docstring);
+    ``progress`` as in :func:`kvhub.core.solve.solve`."""
     candidates = state.candidates
     depth = mode.depth(top_k, TOP_K_GRID, src_layers)
     grid = tuple(c for c in TOP_K_GRID if c <= depth)
     train, heldout = state.stats["train"], state.stats["heldout"]
-    solution = solve(train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, top_k_grid=grid, structure=structure)
+    solution = solve(train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, top_k_grid=grid, structure=structure,
+                     progress=progress)
     for layer in solution.layers:
         layer.sources = [candidates[i] for i in layer.sources]  # ascending: candidates are
     solution.probe_r2_k, solution.probe_r2_v = state.probe
