@@ -20,7 +20,7 @@ Progress = Callable[[str, int, "int | None"], None]
 
 # The unit of ``done`` for the steps kvhub's library reports, by the first word of their label.
 STEP_UNITS = {"capture": "tok", "tokenize": "tok", "read": "files", "fetch": "wheels", "download": "wheels",
-              "convert": "models"}
+              "convert": "models", "solve": "layers"}
 
 
 def unit_of(label: str, default: str) -> str:

@@ -28,7 +28,7 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
 )
 from kvhub.artifact import map_prefix, tensor_name
 from kvhub.artifact.metadata import shown
-from kvhub.dtypes import check_device, parse_dtype  # noqa: F401  (parse_dtype re-exported)
+from kvhub.dtypes import check_device, parse_dtype  # parse_dtype is re-exported too
 from kvhub.errors import IncompatibleError, NonFiniteError
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT, deshrink_setting  # noqa: F401  (part of the Mapper's API)
 from kvhub.core.fingerprint import config_from_fingerprint

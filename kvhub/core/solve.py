@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -337,8 +338,10 @@ def solve(
     top_k_grid: tuple[int, ...] = TOP_K_GRID,
     lambda_grid: tuple[float, ...] = LAMBDA_GRID,
     structure: Structure = Structure(),
+    progress: Callable[[str, int, int | None], None] | None = None,
 ) -> Solution:
-    """Probe, select, and solve every target layer.
+    """Probe, select, and solve every target layer; ``progress(label, layers done, layers)`` hears each
+    target layer start (a solve on a large pair takes minutes).
 
     ``structure``: head groups and rank of the maps (see the module docstring); groups must divide
     both models' KV head counts (:func:`head_groups` gives the largest), and the caller passes the
@@ -362,11 +365,14 @@ def solve(
     if layout.src_width % structure.groups or layout.dst_width % structure.groups:
         raise ConfigError(f"{structure.groups} head groups do not divide the source/target layer widths "
                           f"({layout.src_width}, {layout.dst_width}); use kvhub.core.solve.head_groups")
-    layers = [
-        _solve_layer(train, heldout if has_heldout else None, m, rank_sources(probe_k, probe_v, m),
-                     counts, lambdas, structure)
-        for m in range(layout.dst_layers)
-    ]
+    layers = []
+    for m in range(layout.dst_layers):
+        if progress is not None:
+            progress(f"solve: target layer {m + 1}/{layout.dst_layers}", m, layout.dst_layers)
+        layers.append(_solve_layer(train, heldout if has_heldout else None, m, rank_sources(probe_k, probe_v, m),
+                                   counts, lambdas, structure))
+    if progress is not None:
+        progress("solve: done", layout.dst_layers, layout.dst_layers)
     chosen_by = "held-out R^2" if has_heldout and (len(counts) > 1 or len(lambdas) > 1) else "fixed"
     return Solution(layers, probe_k, probe_v, top_k, ridge_lambda, chosen_by, notes, structure)
 

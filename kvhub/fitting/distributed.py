@@ -144,7 +144,7 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     layout = layout_for(source_model.config, target_model.config)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     part = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
-                            targets=owned)
+                            targets=owned, progress=progress)
     for layer in part.layers:
         layer.target = owned[layer.target]
     train, heldout = state.stats["train"], state.stats["heldout"]

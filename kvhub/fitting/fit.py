@@ -118,7 +118,8 @@ def fit(
     state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
                               layout, mode=mode, options=options, progress=progress, job=job, notify=notify)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
-    solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers)
+    solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
+                                progress=progress)
     return build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
                         state.stats["heldout"], options, statistics=mode)
 
@@ -238,15 +239,16 @@ def _interrupted(label: str, batch: int, batches: int, pass_index: int, saved: i
 
 
 def solve_statistics(state: FitState, mode: StatisticsMode, *, options: FitOptions, structure: Structure,
-                     src_layers: int, targets: list[int] | None = None) -> Solution:
-    """The solve of the accumulated statistics (pass 2's in a two-pass fit); its time goes to ``solve_s``."""
+                     src_layers: int, targets: list[int] | None = None, progress: Progress | None = None) -> Solution:
+    """The solve of the accumulated statistics (pass 2's in a two-pass fit), reported to ``progress`` a
+    target layer at a time; its time goes to ``solve_s``."""
     started = time.perf_counter()
     if mode.passes == 1:
         solution = solve(state.stats["train"], state.stats["heldout"], top_k=options.top_k,
-                         ridge_lambda=options.ridge_lambda, structure=structure)
+                         ridge_lambda=options.ridge_lambda, structure=structure, progress=progress)
     else:
         solution = solve_candidates(state, mode, top_k=options.top_k, ridge_lambda=options.ridge_lambda,
-                                    structure=structure, src_layers=src_layers, targets=targets)
+                                    structure=structure, src_layers=src_layers, targets=targets, progress=progress)
     options.timings["solve_s"] = time.perf_counter() - started
     return solution
 
