@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import click  # noqa: E402
+import click
 
-from kvhub.cli.main import main  # noqa: E402
+from kvhub.cli.main import main
 
 
 def run(argv: list[str]) -> int:

@@ -149,7 +149,8 @@ def measure_transfer(mapper, source, target, *, lengths, repeats: int, device) -
         ids = torch.randint(0, target.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
         ids = ids.to(device)
         source_cache = run_model(source, ids[:, :-1])
-        ops = {"transfer": lambda: mapper.transfer(source_cache), "prefill": lambda: run_model(target, ids[:, :-1])}
+        ops = {"transfer": lambda cache=source_cache: mapper.transfer(cache),
+               "prefill": lambda ids=ids: run_model(target, ids[:, :-1])}
         for fn in ops.values():
             fn()  # warm-up
         samples = {name: [] for name in ops}

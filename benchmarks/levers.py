@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from domain_matrix import DST, SRC, domain_stats, mean_r2, write_report  # noqa: E402
+from domain_matrix import DST, SRC, domain_stats, mean_r2, write_report
 
 
 def variants(k_grid_old):

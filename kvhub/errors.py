@@ -236,5 +236,5 @@ def exit_codes() -> list[tuple[int, str, str]]:
         seen.add(cls)
         classes.extend(cls.__subclasses__())
         if "exit_code" in vars(cls) and cls is not KVHubError:
-            rows.append((cls.exit_code, cls.__name__, (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")))
+            rows.append((vars(cls)["exit_code"], cls.__name__, (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")))
     return sorted(rows, key=lambda row: row[0])

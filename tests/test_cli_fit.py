@@ -1,6 +1,5 @@
 """`kvhub fit` / `bench` / `report` end to end through the CLI, on tiny models saved as local dirs."""
 
-import importlib
 import json
 
 import pytest

@@ -32,7 +32,7 @@ def structured_artifact(directory, *, groups: int, rank: int | None, seed: int):
     d_in, d_out = 16, 32
     lead = (groups,) if groups > 1 else ()
     tensors = {}
-    for name, bias in base.tensors.items():
+    for name in base.tensors:
         if not name.endswith(".bias"):
             continue
         prefix = name[: -len(".bias")]

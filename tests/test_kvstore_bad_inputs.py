@@ -40,7 +40,7 @@ def _lookup(root: Path, *, tenant="alice", ids=IDS, **options):
     return _store(root).longest_prefix(isolation_key=tenant, source_model="src", token_ids=ids, **options)
 
 
-def _read(entry: Path, *, start=0, end=len(IDS)):
+def _read(entry: Path, *, start=0, end=len(IDS)):  # noqa: B008 - IDS is a constant
     return KVStore.read(entry, token_ids=IDS, start=start, end=end)
 
 

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval", reason="lm_eval is not installed: pip install 'kvhub[lmeval]' (part of the dev extra)")
 
-from tests.fixtures_calib import registered_tiny_family  # noqa: E402
-from tests.tolerances import rtol  # noqa: E402
+from tests.fixtures_calib import registered_tiny_family
+from tests.tolerances import rtol
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["kvhub_tiny_mc", "kvhub_tiny_ppl", "kvhub_tiny_gen"]

@@ -112,7 +112,7 @@ def test_a_safetensors_metadata_that_is_not_a_string_map_is_refused(case_id, val
 def test_a_string_map_or_null_metadata_is_still_accepted(tmp_path):
     for value in ({"format": "pt", "note": "x"}, None):
         artifact = make_store_artifact(tmp_path / f"m{value is None}", seed=4)
-        _header_edit(lambda header: header.update(__metadata__=value))(artifact)
+        _header_edit(lambda header: header.update(__metadata__=value))(artifact)  # noqa: B023 - applied at once
         assert read_artifact(artifact)["tensors"]["file"] == "mapper.safetensors"
 
 

@@ -84,7 +84,7 @@ def verify_tensors(directory: str | os.PathLike, metadata: dict) -> TensorFile:
     return found
 
 
-def _sha_mismatch(path: Path, actual: str, recorded: str) -> IntegrityError:
+def _sha_mismatch(path: Path, actual: str | None, recorded: str) -> IntegrityError:
     return IntegrityError(f"{path} has sha256 {actual}, but mapper.json records {recorded}: the file was modified "
                           "or corrupted; re-fetch it (kvhub pull) or re-fit")
 

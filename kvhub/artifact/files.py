@@ -140,8 +140,8 @@ def regular_files(directory: str | os.PathLike, *, recursive: bool = True) -> di
     """
     directory = Path(directory)
     files = {}
-    for current, dirnames, filenames in os.walk(directory):
-        current = Path(current)
+    for top, dirnames, filenames in os.walk(directory):
+        current = Path(top)
         for name in [*dirnames, *filenames]:
             if not name.startswith(".") and (current / name).is_symlink():
                 raise ArtifactError(

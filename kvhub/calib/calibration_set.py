@@ -142,7 +142,7 @@ def _load(path: Path) -> CalibrationSet | None:
         with safe_open(str(path), framework="pt") as handle:
             fields = json.loads(handle.metadata()["kvhub_calibration"])
             train, heldout = handle.get_tensor("train").long(), handle.get_tensor("heldout").long()
-    except Exception as exc:  # a corrupt cache entry is rebuilt, never trusted
+    except Exception as exc:  # noqa: BLE001 - a corrupt cache entry is rebuilt, never trusted
         log.warning("ignoring unreadable calibration cache %s (%s); rebuilding", path, exc)
         return None
     known = {f.name for f in dataclasses.fields(CalibrationSet)}

@@ -113,7 +113,7 @@ class TokenStream:
             messages = [{"role": role, "content": content} for role, content in document.messages]
             try:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-            except Exception as exc:  # jinja templates raise their own errors for role orders they reject
+            except Exception as exc:  # noqa: BLE001 - jinja templates raise their own errors for role orders they reject
                 log.warning("chat template failed on %s (%s); using plain text", document.doc_id, exc)
                 text = document.text
         limit = self.sequences.max_document_tokens

@@ -146,7 +146,7 @@ def load_config(spec: str) -> tuple[dict, str]:
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(str(spec), "config.json")
-    except Exception:  # not a repo id huggingface_hub accepts
+    except Exception:  # noqa: BLE001 - not a repo id huggingface_hub accepts
         cached = None
     if isinstance(cached, str):
         return _read_config(Path(cached)), str(spec)

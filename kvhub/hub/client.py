@@ -64,7 +64,7 @@ def _current_token(token: str | None) -> str | None:
 
     try:
         return token or get_token()
-    except Exception:  # e.g. a failing OIDC exchange: the request itself will report it
+    except Exception:  # noqa: BLE001 - e.g. a failing OIDC exchange: the request itself will report it
         return token
 
 

@@ -119,7 +119,7 @@ def _refs_hint(settings: HubSettings, repo_id: str, token: str | None) -> str:
     """'; it has tags v1, v2 and branches main' for a message (best effort: refs may be unlistable)."""
     try:
         refs = _api(settings, token).list_repo_refs(repo_id)
-    except Exception:  # only a hint for a message that is raised anyway
+    except Exception:  # noqa: BLE001 - only a hint for a message that is raised anyway
         return "; list its tags with `kvhub search`"
     tags = ", ".join(sorted((r.name for r in refs.tags), key=lambda n: (len(n), n))) or "none"
     return f"; it has tags {tags} and branches {', '.join(sorted(r.name for r in refs.branches))}"

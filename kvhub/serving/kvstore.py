@@ -215,7 +215,7 @@ class KVStore:
             try:
                 save_file(tensors, str(tmp), metadata=metadata)
                 size = os.stat(tmp).st_size
-            except Exception as exc:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
+            except Exception as exc:  # safetensors reports I/O errors as SafetensorError
                 raise write_error(self.root, exc, "writing an entry") from exc
             if size > self.max_bytes:
                 raise ConfigError(
@@ -420,7 +420,7 @@ class KVStore:
                           for l in range(layers)]
         except (IncompatibleError, FileNotFoundError):
             raise
-        except Exception as exc:  # noqa: BLE001 - safetensors, int() and torch errors of a foreign file
+        except Exception as exc:  # safetensors, int() and torch errors of a foreign file
             raise IncompatibleError(f"KV store entry {entry} is damaged or not a kvhub entry "
                                     f"({type(exc).__name__}: {exc}); delete it, the store is only a cache") from exc
         return keys, values

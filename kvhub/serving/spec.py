@@ -10,6 +10,7 @@ loads.  The math lives in :mod:`kvhub.serving.recompute`.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from kvhub.errors import ConfigError
 
@@ -94,7 +95,7 @@ class Recompute:
     def from_options(cls, options: dict, *, base: "Recompute | None" = None, origin: str = "the options") -> "Recompute":
         """``base`` (default: ``Recompute()``) with the spec fields found in ``options`` (numbers may be given as
         text, as in a config file); other keys are ignored.  ConfigError names the bad value."""
-        values = {}
+        values: dict[str, Any] = {}
         for key, kind in FIELDS.items():
             if options.get(key) is None:
                 continue

@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Literal, overload
 
 from kvhub.artifact import copy_regular, fsync_dir, regular_files, sha256_file
 from kvhub.errors import ArtifactError, IntegrityError, StoreError
@@ -173,6 +173,10 @@ class ArtifactStore:
         tmp = self._tmp_dir(create=False)
         return sorted(tmp.iterdir()) if tmp is not None else []
 
+    @overload
+    def _tmp_dir(self, *, create: Literal[True] = True) -> Path: ...
+    @overload
+    def _tmp_dir(self, *, create: bool) -> Path | None: ...
     def _tmp_dir(self, *, create: bool = True) -> Path | None:
         """``<root>/.tmp``, checked with lstat: a real directory (created when ``create``), never a link
         or a file; None when it does not exist and ``create`` is False."""

@@ -90,7 +90,7 @@ def write_engine(engine: Engine) -> Engine:
 def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
     path = sqlite_path(url)
     read_only = path is not None and path.is_file() and not _writable(path)
-    if read_only:
+    if path is not None and read_only:
         uri = _read_only_uri(path)
         engine = create_engine(url, creator=lambda: sqlite3.connect(
             uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False))

@@ -51,8 +51,8 @@ def _narrow(series: list[SeriesRow], column: str, matches: list[str], *, miss: s
 def _ambiguity(ref: Ref, series: list[SeriesRow]) -> AmbiguousError:
     pairs = {(s.source_name, s.target_name) for s in series}
     if len(pairs) == 1 and ref.calibration is None:
-        names = sorted(s.calibration_name for s in series)
-        first, names = names[0], ", ".join(names)
+        calibrations = sorted(s.calibration_name for s in series)
+        first, names = calibrations[0], ", ".join(calibrations)
         return AmbiguousError(
             f"{ref.source}:{ref.target} has mappers for several calibration sets ({names}); name one, e.g. "
             f"{ref.source}:{ref.target}:{first} (or --calib {first})"

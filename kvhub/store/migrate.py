@@ -97,7 +97,7 @@ def upgrade(url: str, *, revision: str = "head") -> None:
     from alembic import command
 
     current, _ = schema_status(url)
-    if not is_known_revision(current):
+    if current is not None and not is_known_revision(current):
         raise _newer_error(current, display_url(url))
     _run_alembic(command.upgrade, url, revision)
 

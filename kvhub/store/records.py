@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from typing import overload
 
 from kvhub.store.refs import short_name
 from kvhub.store.tables import VersionRow
 
 
+@overload
+def as_utc(moment: datetime) -> datetime: ...
+@overload
+def as_utc(moment: None) -> None: ...
 def as_utc(moment: datetime | None) -> datetime | None:
     """Timezone-aware UTC datetime (SQLite returns naive datetimes that were written in UTC)."""
     if moment is None or moment.tzinfo is not None:

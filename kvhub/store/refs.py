@@ -163,7 +163,7 @@ def match_model_names(query: str, names) -> list[str]:
     if query in names:
         return [query]
     registered = _registered_id(query)
-    if registered in names:
+    if registered is not None and registered in names:
         return [registered]
     folded = query.lower()
     return [n for n in names if n.lower() == folded or short_name(n).lower() == folded]

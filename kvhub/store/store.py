@@ -22,9 +22,9 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, TypeVar, cast
 
-from sqlalchemy import select
+from sqlalchemy import Table, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -77,7 +77,7 @@ def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.P
     try:
         ensure_schema(engine, url)
         with Session(engine) as session:
-            store_id = session.get(StorePropertyRow, "store_id").value
+            store_id = session.get_one(StorePropertyRow, "store_id").value
     except DBAPIError as exc:
         engine.dispose()
         raise connection_error(url, exc) from exc
@@ -179,7 +179,12 @@ class Store:
         metadata = read_metadata(artifact_dir)
         check_storable(metadata)  # before copying: a refusal leaves nothing behind
         self._check_writable()
-        self._read(lambda s: find_same_tensors(s, metadata) or check_same_text(s, metadata))
+
+        def check_text(session: Session) -> None:
+            if find_same_tensors(session, metadata) is None:  # identical tensors are that version again
+                check_same_text(session, metadata)
+
+        self._read(check_text)
         checked: dict = {}
 
         def check(copy: Path, hashes: dict[str, str]) -> None:
@@ -265,9 +270,8 @@ class Store:
         measurement >= threshold of the metric the key names: ``NAME``, or ``NAME@TASK`` for that task
         only.  ConfigError for a name (or task) the store never measured, listing those it has.
         """
-        filters = dict(source=source, target=target, calibration=calibration, family=family,
-                       min_metrics=min_metrics or {})
-        return self._read(lambda s: queries.list_versions(s, **filters))
+        return self._read(lambda s: queries.list_versions(s, source=source, target=target, calibration=calibration,
+                                                          family=family, min_metrics=min_metrics or {}))
 
     def metrics(self, version: VersionLike, *, names: list[str] | None = None, history: bool = True) -> list[dict]:
         """Measurements of a version {name, value, split, task, layer, n, seed, measured_at, kvhub_version},
@@ -386,11 +390,10 @@ class Store:
         Returns the version the alias pointed at.
         """
         _check_movable(alias)
-        ref = version if isinstance(version, Ref) else None
-        if isinstance(version, str):
-            ref = Ref.parse(version)
         if isinstance(version, MapperVersion):
             ref = Ref(version.source, version.target, version.calibration, version.version)
+        else:
+            ref = Ref.parse(version) if isinstance(version, str) else version
         return self._write(lambda s: self._untag(s, ref, alias))
 
     def _untag(self, session: Session, ref: Ref, alias: str) -> MapperVersion:
@@ -407,7 +410,7 @@ class Store:
             )
         record = self._record(session, pointed)
         session.execute(
-            AliasRow.__table__.delete().where(AliasRow.series_id == series.id, AliasRow.name == alias)
+            cast(Table, AliasRow.__table__).delete().where(AliasRow.series_id == series.id, AliasRow.name == alias)
         )
         return record
 
