@@ -250,39 +250,52 @@ def _print_results(ref: str, results: dict, *, output_format: str = "table") -> 
     columns = ["task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"]
     if rows:
         print_table(columns, rows, output_format=output_format, title=ref, right=tuple(columns[1:]))
-    if recall:
-        _print_recall(ref, recall, output_format=output_format)
+    groups: dict[tuple, dict] = {}  # one table per set of conditions (the follow-up turn has more)
+    for task, r in recall.items():
+        groups.setdefault(tuple(key for key in r if key.startswith("acc_")), {})[task] = r
+    for group in groups.values():
+        _print_recall(ref, group, output_format=output_format)
     if gist:
         print_gist(ref, gist, output_format=output_format)
 
 
 def print_gist(ref: str, results: dict, *, output_format: str) -> None:
-    """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed."""
-    columns = ["task", "n", "tokens", "own", "mapped", "control", "floor", "gap closed [95% CI]",
-               "control closes [95% CI]"]
+    """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
+    the target prefilling only the recomputed tokens, where the run scored it)."""
+    with_drop = all("nll_drop" in r for r in results.values())
+    conditions = ("own", "mapped", "drop", "control", "floor") if with_drop else ("own", "mapped", "control", "floor")
+    columns = ["task", "n", "tokens", *conditions, "gap closed [95% CI]",
+               *(["drop closes [95% CI]"] if with_drop else []), "control closes [95% CI]"]
     rows = []
     for task, r in results.items():
-        low, high = r["gap_closed_mapped_ci"]
-        clow, chigh = r["gap_closed_control_ci"]
-        rows.append([task, r["n"], f"{r['context_tokens']:.0f}",
-                     *(f"{r[f'nll_{c}']:.3f}" for c in ("own", "mapped", "control", "floor")),
-                     f"{r['gap_closed_mapped']:+.2f} [{low:+.2f}, {high:+.2f}]",
-                     f"{r['gap_closed_control']:+.2f} [{clow:+.2f}, {chigh:+.2f}]"])
+        closes = [_closed(r, "mapped")] + ([_closed(r, "drop")] if with_drop else []) + [_closed(r, "control")]
+        rows.append([task, r["n"], f"{r['context_tokens']:.0f}", *(f"{r[f'nll_{c}']:.3f}" for c in conditions),
+                     *closes])
     print_table(columns, rows, output_format=output_format, right=tuple(columns[1:]),
                 title=f"{ref}: the target's own answer about the whole context, mean NLL per token")
 
 
+def _closed(r: dict, condition: str) -> str:
+    low, high = r[f"gap_closed_{condition}_ci"]
+    return f"{r[f'gap_closed_{condition}']:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
 def _print_recall(ref: str, results: dict, *, output_format: str) -> None:
-    columns = ["task", "n", "tokens", "exact %", "own", "mapped", "control", "source", "floor",
-               "retention [95% CI]", "map - control [95% CI]"]
+    """Exact answers per condition present in every row (``drop``, the follow-up's re-selections), with
+    retention and the map's paired differences from the control and from drop."""
+    first = next(iter(results.values()))
+    conditions = [c.removeprefix("acc_") for c in first if c.startswith("acc_") and not c.endswith("_ci")
+                  and all(c in r for r in results.values())]
+    differences = [key for key in ("map_minus_control", "map_minus_drop", "reselect_minus_drop",
+                                   "reselect_minus_drop_reselect") if all(key in r for r in results.values())]
+    columns = ["task", "n", "tokens", "exact %", *conditions, "retention [95% CI]",
+               *(f"{key.replace('_minus_', ' - ').replace('map ', 'mapped ')} [95% CI]" for key in differences)]
     rows = []
     for task, r in results.items():
         low, high = r["retention_ci"]
-        dlow, dhigh = r["map_minus_control_ci"]
         rows.append([task, r["n"], f"{r['context_tokens']:.0f}", f"{100 * r['recomputed_fraction']:.1f}",
-                     *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
-                     f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
-                     f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]"])
+                     *(f"{r[f'acc_{c}']:.2f}" for c in conditions), f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
+                     *(f"{r[key]:+.2f} [{r[key + '_ci'][0]:+.2f}, {r[key + '_ci'][1]:+.2f}]" for key in differences)])
     print_table(columns, rows, output_format=output_format, right=tuple(columns[1:]),
                 title=f"{ref}: exact answers from long contexts")
 

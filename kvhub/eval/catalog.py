@@ -1,7 +1,8 @@
 """The task names ``kvhub eval`` takes, without importing torch (the CLI reads them to build its options).
 
 Multiple choice: :data:`kvhub.eval.tasks.MC_TASKS`; ``ppl``: perplexity on a fixed text set
-(:mod:`kvhub.eval.perplexity`); long context, scored exactly: :mod:`kvhub.eval.longctx`; the gist of a
+(:mod:`kvhub.eval.perplexity`); long context, scored exactly: :mod:`kvhub.eval.longctx` (the follow-up turn: :mod:`kvhub.eval.followup`;
+RULER-style tasks: :mod:`kvhub.eval.ruler`); the gist of a
 long context: :mod:`kvhub.eval.gist`.  Those modules take their lists from here.
 """
 
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 from kvhub.eval.tasks import MC_TASKS
 
-LONG_TASKS = ("facts", "multiturn", "code")
+RULER_TASKS = ("niah-multikey", "vt", "cwe")  # kvhub.eval.ruler
+LONG_TASKS = ("facts", "multiturn", "code", "followup") + RULER_TASKS
 GIST_KINDS = ("chat", "document", "code")
 GIST_TASKS = tuple(f"gist-{kind}" for kind in GIST_KINDS)
 TASKS = MC_TASKS + ("ppl",) + LONG_TASKS + GIST_TASKS
 
-__all__ = ["GIST_KINDS", "GIST_TASKS", "LONG_TASKS", "MC_TASKS", "TASKS"]
+__all__ = ["GIST_KINDS", "GIST_TASKS", "LONG_TASKS", "MC_TASKS", "RULER_TASKS", "TASKS"]

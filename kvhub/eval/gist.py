@@ -7,6 +7,8 @@ log-likelihood per token, under each cache:
 
 - ``own``:     the target's own cache of the prompt (the reference, lowest NLL by construction);
 - ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.serving.recompute`);
+- ``drop``:    the no-fit alternative: the target prefills only the positions the handoff recomputed, at
+               their true positions, and nothing else (:mod:`kvhub.serving.drop`);
 - ``control``: the same recompute over the no-information control map (:mod:`kvhub.core.control`);
 - ``floor``:   the context dropped: the target given only the last ``FLOOR_TOKENS`` prompt tokens
                (the request itself), the no-context floor.
@@ -30,7 +32,7 @@ from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
 from kvhub.eval.catalog import GIST_KINDS
 
-GIST_CONDITIONS = ("own", "mapped", "control", "floor")
+GIST_CONDITIONS = ("own", "mapped", "drop", "control", "floor")
 FLOOR_TOKENS = 32
 ANSWER_TOKENS = 48
 
@@ -120,19 +122,21 @@ def own_answer(target, prompt_ids: list[int], *, answer_tokens: int = ANSWER_TOK
     return out[0, ids.shape[1]:].tolist()
 
 
-def answer_nll(model, cache, tail_ids: list[int], answers: int) -> float:
+def answer_nll(model, cache, tail_ids: list[int], answers: int, *, start: int | None = None) -> float:
     """Mean NLL per token of the last ``answers`` of ``tail_ids`` continuing ``cache`` (which holds everything
-    before tail_ids[0]; it grows): longctx's teacher-forced score, its log-likelihood per token negated."""
+    before tail_ids[0]; it grows): longctx's teacher-forced score, its log-likelihood per token negated.
+    ``start``: the position of tail_ids[0] when the cache holds fewer entries (a drop cache)."""
     from kvhub.eval.longctx import answer_score
 
-    return -answer_score(model, cache, tail_ids, answers)[2] / answers
+    return -answer_score(model, cache, tail_ids, answers, start=start)[2] / answers
 
 
 @torch.no_grad()
 def score_gist_item(item: GistItem, *, mapper, control, source, target, tokenizer, variants,
                     answer_tokens: int = ANSWER_TOKENS) -> list[GistScore]:
     """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared)."""
-    from kvhub.serving.handoff import prepare_cache
+    from kvhub.serving.drop import drop_cache
+    from kvhub.serving.handoff import prepare_cache_counted
 
     prompt = item.prompt_ids
     answer = own_answer(target, prompt, answer_tokens=answer_tokens)
@@ -149,9 +153,12 @@ def score_gist_item(item: GistItem, *, mapper, control, source, target, tokenize
         spec = spec.capped(len(prompt) - 1)
         nll = dict(shared)
         for name, which in (("mapped", mapper), ("control", control)):
-            cache = prepare_cache(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
-                                  source_cache=source_cache)
+            cache, positions = prepare_cache_counted(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
+                                                     source_cache=source_cache)
             nll[name] = answer_nll(target, cache, tail, len(answer))
+            if name == "mapped":  # the same positions, nothing mapped
+                nll["drop"] = answer_nll(target, drop_cache(target, context, positions), tail, len(answer),
+                                         start=context.shape[1])
         scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}))
     return scores
 
@@ -163,19 +170,23 @@ def gap_closed(nll: dict, condition: str) -> float:
 
 
 def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
-    """Mean NLL per condition, gap closed by ``mapped`` and ``control`` (ratio of the means) with bootstrap
-    95% intervals over items, and their paired difference."""
+    """Mean NLL per condition, gap closed by ``mapped``, ``drop`` and ``control`` (ratio of the means) with
+    bootstrap 95% intervals over items, and the paired differences mapped - control and mapped - drop."""
     if not scores:
         return {"n": 0}
     rng = random.Random(seed)
     n = len(scores)
+    conditions = [c for c in GIST_CONDITIONS if all(c in s.nll for s in scores)]  # a served run has no drop
 
     def stats(index) -> dict:
-        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in GIST_CONDITIONS}
-        out = {f"nll_{c}": mean[c] for c in GIST_CONDITIONS}
-        out["gap_closed_mapped"] = gap_closed(mean, "mapped")
-        out["gap_closed_control"] = gap_closed(mean, "control")
-        out["gap_closed_map_minus_control"] = out["gap_closed_mapped"] - out["gap_closed_control"]
+        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in conditions}
+        out = {f"nll_{c}": mean[c] for c in conditions}
+        for condition in ("mapped", "drop", "control"):
+            if condition in mean:
+                out[f"gap_closed_{condition}"] = gap_closed(mean, condition)
+        for other in ("control", "drop"):
+            if other in mean:
+                out[f"gap_closed_map_minus_{other}"] = out["gap_closed_mapped"] - out[f"gap_closed_{other}"]
         return out
 
     point = stats(range(n))
@@ -190,6 +201,14 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     return out
 
 
+def read_gist_score(record: dict) -> GistScore:
+    """A cached GistScore; one without a condition scored now (written before ``drop``) is refused (ValueError),
+    so the per-item cache scores that item again."""
+    if any(c not in record.get("nll", {}) for c in GIST_CONDITIONS):
+        raise ValueError("record without a condition scored now")
+    return GistScore(**record)
+
+
 class GistTask:
     """A gist task at one context length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
     ``task`` is one of :data:`kvhub.eval.catalog.GIST_TASKS`."""
@@ -201,7 +220,7 @@ class GistTask:
                                                                               context_tokens, limit, seed)
         self.name = f"{task}-{context_tokens}"
         self.control = control_mapper(loaded.mapper)
-        self.read_score = lambda record: GistScore(**record)
+        self.read_score = read_gist_score
 
     def items(self) -> list[GistItem]:
         return gist_items(self.kind, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
@@ -217,7 +236,7 @@ class GistTask:
 
     def record(self, variant: str, item: GistItem, score: GistScore) -> dict:
         return {"task": self.name, "variant": variant, "doc_id": item.id, "nll": score.nll, "answer": score.answer,
-                "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "control")}, "meta": item.meta}
+                "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control")}, "meta": item.meta}
 
     def dataset(self, items) -> dict:
         from kvhub.eval.results import items_sha256

@@ -19,6 +19,9 @@ Conditions per item (one ItemScore per recompute variant; own/source/floor share
 
 - ``own``:     the target from its own cache of the prompt;
 - ``mapped``:  the handoff (map + the variant's exact recompute, :mod:`kvhub.serving.recompute`);
+- ``drop``:    the no-fit alternative: the target prefills only the positions the handoff recomputed,
+               at their true positions, and nothing else (:mod:`kvhub.serving.drop`; same selection,
+               same target compute as the recompute pass);
 - ``control``: the same recompute over the no-information control map (:mod:`kvhub.core.control`);
 - ``source``:  the source model alone;
 - ``floor``:   the target given only the last ``FLOOR_TOKENS`` prompt tokens (the question).
@@ -26,6 +29,7 @@ Conditions per item (one ItemScore per recompute variant; own/source/floor share
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import random
@@ -37,9 +41,9 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.eval.catalog import LONG_TASKS
+from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
 
-LONG_CONDITIONS = ("own", "mapped", "control", "source", "floor")
+LONG_CONDITIONS = ("own", "mapped", "drop", "control", "source", "floor")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 FLOOR_TOKENS = 32
 CODE_PACKAGES = ("click", "rich", "sqlalchemy")
@@ -222,6 +226,14 @@ def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int 
     if task == "code":
         return code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed)
     filler = filler if filler is not None else filler_paragraphs(seed=seed)
+    if task in RULER_TASKS:
+        from kvhub.eval.ruler import ruler_items
+
+        return ruler_items(task, tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
+    if task == "followup":
+        from kvhub.eval.followup import followup_items
+
+        return followup_items(tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
     builder = fact_items if task == "facts" else multiturn_items
     return builder(tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
 
@@ -245,21 +257,26 @@ class RecallScore:
         return asdict(self)
 
     @classmethod
-    def from_record(cls, record: dict) -> "RecallScore":
-        """Read a cached record back; one written before predictions were kept is refused (ValueError), so
-        the per-item cache scores that item again."""
+    def from_record(cls, record: dict, *, conditions: tuple[str, ...] = ()) -> "RecallScore":
+        """Read a cached record back; one written before predictions were kept, or without one of
+        ``conditions`` (written before that condition existed), is refused (ValueError), so the per-item
+        cache scores that item again."""
         if not record.get("predicted"):
             raise ValueError("record without predictions")
+        if any(c not in record.get("exact", {}) for c in conditions):
+            raise ValueError("record without a condition scored now")
         return cls(**record)
 
 
 @torch.no_grad()
-def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, float, float, list[int]]:
+def answer_score(model, cache, tail_ids: list[int], answers: int, *,
+                 start: int | None = None) -> tuple[int, float, float, list[int]]:
     """(exact, token accuracy, log-likelihood, argmax ids) of the last ``answers`` of ``tail_ids`` continuing
-    ``cache`` (which holds everything before tail_ids[0]); the cache grows."""
+    ``cache`` (which holds everything before tail_ids[0]); the cache grows.  ``start``: the position of
+    tail_ids[0] when the cache holds fewer entries than positions (a drop cache); default its length."""
     device = next(model.parameters()).device
     ids = torch.tensor([tail_ids], device=device)
-    past = cache.get_seq_length()
+    past = cache.get_seq_length() if start is None else start
     positions = torch.arange(past, past + ids.shape[1], device=device).unsqueeze(0)
     logits = model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
     predicted = logits[-answers - 1:-1]  # (A, V): the positions that predict the answer tokens
@@ -272,6 +289,7 @@ def answer_score(model, cache, tail_ids: list[int], answers: int) -> tuple[int, 
 @torch.no_grad()
 def score_recall_item(item: RecallItem, *, mapper, control, source, target, tokenizer, variants) -> list[RecallScore]:
     """Score ``item`` under every condition; one RecallScore per :class:`~kvhub.serving.recompute.Recompute` variant."""
+    from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
 
     prompt, answer = item.prompt_ids, item.answer_ids
@@ -293,34 +311,49 @@ def score_recall_item(item: RecallItem, *, mapper, control, source, target, toke
             result[name] = answer_score(target, cache, tail, len(answer))
             if name == "mapped":  # the count of the mapped handoff (the control selects from another cache)
                 recomputed.append(int(positions.numel()))
+                kept = drop_cache(target, context, positions)  # the same positions, nothing mapped
+                result["drop"] = answer_score(target, kept, tail, len(answer), start=context.shape[1])
         scores.append(result)
     result_source = answer_score(source, source_cache, tail, len(answer))  # last: it grows source_cache
-    out = []
-    for result, count in zip(scores, recomputed):
+    for result in scores:
         result["source"] = result_source
-        out.append(RecallScore(
-            id=item.id, exact={c: result[c][0] for c in LONG_CONDITIONS},
-            token_acc={c: result[c][1] for c in LONG_CONDITIONS}, logp={c: result[c][2] for c in LONG_CONDITIONS},
-            recomputed=count,
-            meta=item.meta, predicted={c: tokenizer.decode(result[c][3]) for c in LONG_CONDITIONS}, gold=item.answer))
-    return out
+    return [recall_score(item, result, count, tokenizer) for result, count in zip(scores, recomputed)]
 
 
-def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int = 1000) -> dict:
-    """Exact-match accuracy per condition with bootstrap 95% intervals; retention = mapped / own and
-    mapped minus control (the map's own contribution), each with its interval; mean token accuracy."""
+def recall_score(item: RecallItem, result: dict, recomputed: int, tokenizer) -> RecallScore:
+    """A RecallScore from ``result``: condition -> :func:`answer_score`'s tuple (the conditions present, in
+    :data:`LONG_CONDITIONS` order)."""
+    result = {c: result[c] for c in LONG_CONDITIONS if c in result}
+    return RecallScore(
+        id=item.id, exact={c: r[0] for c, r in result.items()}, token_acc={c: r[1] for c, r in result.items()},
+        logp={c: r[2] for c, r in result.items()}, recomputed=recomputed, meta=item.meta,
+        predicted={c: tokenizer.decode(r[3]) for c, r in result.items()}, gold=item.answer)
+
+
+RECALL_PAIRS = (("mapped", "control"), ("mapped", "drop"))
+
+
+def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int = 1000,
+                     pairs: tuple[tuple[str, str], ...] = RECALL_PAIRS) -> dict:
+    """Exact-match accuracy per condition with bootstrap 95% intervals; retention = mapped / own, and the paired
+    differences of ``pairs`` (``map_minus_control``: the map's own contribution; ``map_minus_drop``: what the
+    map adds over keeping the recomputed tokens alone), each with its interval; mean token accuracy.  Conditions absent from the scores
+    (a record written before ``drop`` existed, a served run) are left out."""
     if not scores:
         return {"n": 0}
     rng = random.Random(seed)
     n = len(scores)
     draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
-    columns = {c: [s.exact[c] for s in scores] for c in LONG_CONDITIONS}
+    conditions = [c for c in scores[0].exact if all(c in s.exact for s in scores)]
+    columns = {c: [s.exact[c] for s in scores] for c in conditions}
 
     def stats(index) -> dict:
-        acc = {c: sum(columns[c][i] for i in index) / len(index) for c in LONG_CONDITIONS}
-        out = {f"acc_{c}": acc[c] for c in LONG_CONDITIONS}
+        acc = {c: sum(columns[c][i] for i in index) / len(index) for c in conditions}
+        out = {f"acc_{c}": acc[c] for c in conditions}
         out["retention"] = acc["mapped"] / acc["own"] if acc["own"] else math.nan
-        out["map_minus_control"] = acc["mapped"] - acc["control"]
+        for first, second in pairs:
+            if first in acc and second in acc:
+                out[f"{'map' if first == 'mapped' else first}_minus_{second}"] = acc[first] - acc[second]
         return out
 
     out = {"n": n}
@@ -330,7 +363,7 @@ def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int
         out[key] = value
         out[f"{key}_ci"] = ([values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
                             if values else [math.nan, math.nan])
-    for c in LONG_CONDITIONS:
+    for c in conditions:
         out[f"token_acc_{c}"] = sum(s.token_acc[c] for s in scores) / n
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
     out["recomputed_fraction"] = sum(s.recomputed / max(1, s.meta.get("context_tokens", 1) - 1) for s in scores) / n
@@ -347,7 +380,7 @@ class RecallTask:
         self.task, self.loaded, self.context_tokens, self.limit, self.seed = task, loaded, context_tokens, limit, seed
         self.name = f"{task}-{context_tokens}"
         self.control = control_mapper(loaded.mapper)
-        self.read_score = RecallScore.from_record
+        self.read_score = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
 
     def items(self) -> list[RecallItem]:
         return build_items(self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,

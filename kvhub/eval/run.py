@@ -189,6 +189,7 @@ def build_tasks(names, loaded: LoadedVersion, *, limit: int, seed: int, context_
                 items: dict | None = None) -> list[Task]:
     """The tasks ``names`` (:mod:`kvhub.eval.catalog`) over ``loaded``: one per long-context / gist task and
     context length.  ``items``: multiple-choice items already read (task -> items)."""
+    from kvhub.eval.followup import FollowupTask
     from kvhub.eval.gist import GistTask
     from kvhub.eval.longctx import RecallTask
     from kvhub.eval.perplexity import PerplexityTask
@@ -200,7 +201,7 @@ def build_tasks(names, loaded: LoadedVersion, *, limit: int, seed: int, context_
         if name == "ppl":
             tasks.append(PerplexityTask(loaded, limit=limit, text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib))
         elif name in GIST_TASKS or name in LONG_TASKS:
-            kind = GistTask if name in GIST_TASKS else RecallTask
+            kind = GistTask if name in GIST_TASKS else FollowupTask if name == "followup" else RecallTask
             tasks += [kind(name, loaded, context_tokens=length, limit=limit, seed=seed) for length in context_tokens]
         elif name in MC_TASKS:
             tasks.append(ChoiceTask(name, loaded, items=items.get(name), limit=limit, seed=seed))

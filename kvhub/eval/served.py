@@ -346,7 +346,7 @@ def leading_agreement(generated: list[int], reference: list[int]) -> int:
 def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tokenizer,
                       agreement_tokens: int = AGREEMENT_TOKENS) -> ServedScore:
     """``item`` under the five conditions (module docstring), one request at a time."""
-    from kvhub.eval.longctx import FLOOR_TOKENS, LONG_CONDITIONS, RecallScore
+    from kvhub.eval.longctx import FLOOR_TOKENS, RecallScore
 
     prompt, answer = item.prompt_ids, item.answer_ids
     longer = max(len(answer), agreement_tokens)
@@ -359,12 +359,13 @@ def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tok
                                             kv_transfer_params=dict(CONTROL_PARAMS))
     completions["floor"] = large.complete(prompt[-FLOOR_TOKENS:], max_tokens=len(answer), cache_salt=new_tenant())
     ids = {c: completion.ids(tokenizer) for c, completion in completions.items()}
-    head = {c: ids[c][: len(answer)] for c in LONG_CONDITIONS}
+    conditions = tuple(completions)  # no `drop` here: an engine cannot prefill chosen positions over HTTP
+    head = {c: ids[c][: len(answer)] for c in conditions}
     recomputed = completions["mapped"].recomputed_tokens
     recall = RecallScore(
-        id=item.id, exact={c: int(head[c] == answer) for c in LONG_CONDITIONS},
-        token_acc={c: token_accuracy(head[c], answer) for c in LONG_CONDITIONS}, logp={c: 0.0 for c in LONG_CONDITIONS},
-        recomputed=recomputed or 0, meta=item.meta, predicted={c: tokenizer.decode(head[c]) for c in LONG_CONDITIONS},
+        id=item.id, exact={c: int(head[c] == answer) for c in conditions},
+        token_acc={c: token_accuracy(head[c], answer) for c in conditions}, logp={c: 0.0 for c in conditions},
+        recomputed=recomputed or 0, meta=item.meta, predicted={c: tokenizer.decode(head[c]) for c in conditions},
         gold=item.answer)
     own = ids["own"][:agreement_tokens]
     return ServedScore(recall, agree_mapped=leading_agreement(ids["mapped"][:agreement_tokens], own),

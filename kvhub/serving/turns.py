@@ -1,0 +1,39 @@
+"""Turns after an escalation: re-select and recompute context spans for the new question.
+
+At the escalation the target recomputes the set R1 of context positions chosen from the turn-1 question
+(:mod:`kvhub.serving.recompute`); everything else of the context stays mapped.  A later turn may ask about
+a fact R1 missed.  Because a handoff keeps every context token (mapped, not dropped), the target can make
+more of them exact then: the source's attention from the last ``queries`` tokens of the conversation so
+far (new turn included) scores the context positions 0..C-1 not yet exact, whole spans are chosen under the
+same budget ``exact_budget * C``, and the target recomputes them over its cache
+(:func:`kvhub.serving.recompute.recompute_positions`: each attends to the cache's earlier positions).
+
+The tokens after the context (the turns the target itself read and wrote) are exact already and stay as
+they are: they were computed over the turn-1 cache, as a serving engine computed them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvhub.serving.recompute import attention_scores, cropped, query_attention, select_spans, spans_of
+from kvhub.serving.spec import Recompute
+
+
+@torch.no_grad()
+def next_turn_positions(spec: Recompute, *, ids: torch.Tensor, context_tokens: int, held: torch.Tensor,
+                        source_model, source_cache, tokenizer=None) -> torch.Tensor:
+    """Context positions (sorted, long, CPU) to recompute for a new turn.
+
+    ids: (1, N) the conversation so far minus the prompt's last token (N > context_tokens);
+    held: positions of the context already exact (never chosen again);
+    source_cache: the source's cache of at least ids[:, :N - queries] (left untouched).
+    """
+    tokens = ids.shape[1]
+    queries = max(1, min(spec.queries, tokens - context_tokens))
+    attention = query_attention(source_model, ids, cropped(source_cache, tokens - queries), queries=queries)
+    eligible = torch.ones(context_tokens, dtype=torch.bool)
+    eligible[held.cpu()] = False
+    scores = attention_scores(attention[:, :context_tokens], eligible, score=spec.score)
+    spans = spans_of(spec, ids[0, :context_tokens].cpu(), tokenizer)
+    return select_spans(scores, spans, round(spec.exact_budget * context_tokens), eligible=eligible)
