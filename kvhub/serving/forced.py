@@ -15,22 +15,35 @@ log-probabilities of the forced ids: a teacher-forced score over the KV the conn
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from kvhub.serving.launch import FORCE_KEY
 
+log = logging.getLogger("kvhub.serving")
+
+MAX_TOKEN_ID = 2**31 - 1  # tokenizers hold ids in 32 bits; 2**70 used to pass and then force nothing
+
 
 def forced_ids(params: SamplingParams) -> list[int] | None:
     """The ids a request forces, None when it forces none; ValueError (vLLM answers HTTP 400) for a value
     that is not a non-empty list of token ids."""
-    ids = (params.extra_args or {}).get(FORCE_KEY)
+    extra = params.extra_args
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise ValueError(f"vllm_xargs must be a JSON object (like {{\"{FORCE_KEY}\": [id, ...]}}), got "
+                         f"{type(extra).__name__}")
+    ids = extra.get(FORCE_KEY)
     if ids is None:
         return None
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                       for i in ids):
-        raise ValueError(f"vllm_xargs.{FORCE_KEY} must be a non-empty list of token ids (integers >= 0)")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                       and 0 <= i <= MAX_TOKEN_ID for i in ids):
+        raise ValueError(f"vllm_xargs.{FORCE_KEY} must be a non-empty list of token ids (integers from 0 to "
+                         f"{MAX_TOKEN_ID})")
     return ids
 
 
@@ -44,9 +57,20 @@ class ForcedTokens(AdapterLogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False  # it changes which token greedy decoding picks
 
+    def __init__(self, vllm_config, device, is_pin_memory):
+        super().__init__(vllm_config, device, is_pin_memory)
+        model = getattr(vllm_config, "model_config", None)
+        self.vocab_size = model.get_vocab_size() if model is not None else None
+
     def new_req_logits_processor(self, params: SamplingParams):
         ids = forced_ids(params)
         if ids is None:
+            return None
+        if self.vocab_size is not None and max(ids) >= self.vocab_size:
+            # validate_params runs in the API server, which does not know the vocabulary; raising here, inside
+            # the engine's step, would fail every request of the batch: this one is not forced, and says so
+            log.error("kvhub forced tokens: vllm_xargs.%s names id %d, beyond this model's vocabulary of %d; the "
+                      "request is generated without forcing", FORCE_KEY, max(ids), self.vocab_size)
             return None
 
         def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -99,11 +99,7 @@ class Recompute:
         for key, kind in FIELDS.items():
             if options.get(key) is None:
                 continue
-            value = options[key]
-            try:
-                values[key] = float(value) if kind == "float" else int(value) if kind == "int" else str(value)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{key} in {origin} must be a number, got {value!r}") from exc
+            values[key] = _field_value(key, kind, options[key], origin=origin)
         return replace(base or cls(), **values)
 
     def options(self) -> dict:
@@ -114,6 +110,27 @@ class Recompute:
         """This spec with the prefix and suffix capped to a context of ``context`` tokens."""
         prefix = min(self.exact_prefix, context)
         return replace(self, exact_prefix=prefix, exact_suffix=min(self.exact_suffix, context - prefix))
+
+
+def _field_value(key: str, kind: str, value, *, origin: str):
+    """``value`` as the field's type, strictly: a count is a whole number (2.7 is not 2, true is not 1), a
+    fraction a finite number; either may be given as text.  ConfigError names the key otherwise."""
+    if kind == "str":
+        return str(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key} in {origin} must be a number, got {value!r}")
+    try:
+        number = int(value) if kind == "int" and not isinstance(value, float) else float(value)
+    except ValueError:
+        raise ConfigError(f"{key} in {origin} must be {'a whole number' if kind == 'int' else 'a number'}, "
+                          f"got {value!r}") from None
+    if kind == "int":
+        if isinstance(number, float):
+            raise ConfigError(f"{key} in {origin} must be a whole number, got {value!r}")
+        return number
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ConfigError(f"{key} in {origin} must be a finite number, got {value!r}")
+    return number
 
 
 FIELDS = {f.name: f.type for f in fields(Recompute)}  # name -> "int" / "float" / "str" (annotations are strings)
