@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from typing import Literal, NoReturn, overload
 
 from kvhub import __version__
 from kvhub.errors import FormatVersionError, InvalidArtifactError
@@ -49,7 +50,7 @@ class _Fields:
             self.fail(path, f"must be a JSON object, not {_json_type(obj)}")
         self.obj = obj
 
-    def fail(self, path: str, problem: str):
+    def fail(self, path: str, problem: str) -> NoReturn:
         what = f"field `{path}`" if path else "(the whole document)"
         raise InvalidArtifactError(
             f"{self.where}: {METADATA_FILE} {what} {problem}; the artifact is corrupt or was edited, "
@@ -71,6 +72,12 @@ class _Fields:
 
     def integer(self, key: str, *, low: int = 0, high: int = 1 << 31, required: bool = True,
                 null: bool = False) -> int | None:
+    @overload
+    def integer(self, key: str, *, low: int = ..., high: int = ..., required: Literal[True] = ...,
+                null: Literal[False] = ...) -> int: ...
+    @overload
+    def integer(self, key: str, *, low: int = ..., high: int = ..., required: bool = ..., null: bool = ...) -> int | None:
+        ...
         value = self.get(key, (int, type(None)) if null else (int,), required=required, what="an integer")
         if value is not None and not low <= value < high:
             self.fail(self._name(key), f"must be an integer in {low}..{high - 1}, not {_show(value)}")
@@ -105,6 +112,10 @@ class _Fields:
 
     def child(self, key: str, *, required: bool = True) -> "_Fields | None":
         if key not in self.obj and not required:
+    @overload
+    def child(self, key: str, *, required: Literal[True] = ...) -> "_Fields": ...
+    @overload
+    def child(self, key: str, *, required: bool) -> "_Fields | None": ...
             return None
         return _Fields(self.get(key, (dict,), what="a JSON object"), self._name(key), self.where)
 
@@ -188,7 +199,8 @@ def _check_fingerprint(fields: _Fields, role: str) -> dict:
 def config_geometry(config: dict) -> tuple[int | None, int | None, int | None]:
     """(layers, KV heads, head dim) a reduced config implies, None where it does not say (as
     kvhub.core.fingerprint.kv_geometry computes them from a transformers config)."""
-    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    inner = config.get("text_config")
+    config = inner if isinstance(inner, dict) else config
     heads = _int_or_none(config.get("num_attention_heads"))
     kv_heads = _int_or_none(config.get("num_key_value_heads")) or heads
     head_dim = _int_or_none(config.get("head_dim"))
