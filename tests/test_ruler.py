@@ -1,0 +1,68 @@
+"""RULER-style tasks (kvhub.eval.ruler): kvpress rows whose answers need more than one span of the context."""
+
+import re
+from collections import Counter
+
+import pytest
+
+from kvhub.errors import ConfigError
+from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
+from kvhub.eval.longctx import build_items
+from kvhub.eval.ruler import COMMON, HOPS, NEEDLES, press_rows, row_item
+from tests.fixtures_calib import train_tokenizer
+
+FILLER = [f"Paragraph {i} tells how the {w} crossed the river and rested near the old {v} mill." for i, (w, v) in
+          enumerate(zip(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 6,
+                        ["stone", "wooden", "broken", "quiet", "famous", "little"] * 8))]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(vocab_size=600)
+
+
+def test_every_ruler_task_is_a_long_task_kvhub_eval_takes():
+    assert set(RULER_TASKS) <= set(LONG_TASKS)
+
+
+def test_rows_have_kvpress_columns_and_become_items_ending_at_the_answer(tokenizer):
+    for task in RULER_TASKS:
+        rows = press_rows(task, tokenizer, FILLER, context_tokens=400, n=2, seed=0)
+        assert set(rows[0].as_dict()) == {"context", "question", "answer_prefix", "answer", "max_new_tokens"}
+        item = row_item(rows[0], tokenizer, "x")
+        assert tokenizer.decode(item.prompt_ids).endswith(rows[0].answer_prefix.strip()[-12:])
+        assert tokenizer.decode(item.answer_ids).strip() == rows[0].answer.strip()
+        assert 300 <= item.meta["context_tokens"] <= 520, (task, item.meta)
+        assert press_rows(task, tokenizer, FILLER, context_tokens=400, n=2, seed=0) == rows  # seeded
+
+
+def test_multikey_needles_are_decoys_of_one_shape_and_one_is_asked(tokenizer):
+    row = press_rows("niah-multikey", tokenizer, FILLER, context_tokens=400, n=1, seed=3)[0]
+    numbers = re.findall(r"special magic numbers for (\w+) is: (\d{7})\.", row.context)
+    assert len(numbers) == NEEDLES
+    asked = re.search(r"number for (\w+) mentioned", row.question).group(1)
+    assert dict(numbers)[asked] == row.answer.strip()
+
+
+def test_variable_tracking_answer_is_the_whole_chain_of_the_asked_value(tokenizer):
+    row = press_rows("vt", tokenizer, FILLER, context_tokens=400, n=1, seed=1)[0]
+    value = re.search(r"assigned the value (\d+) in", row.question).group(1)
+    chain = row.answer.split()
+    assert len(chain) == HOPS and f"VAR {chain[0]} = {value}." in row.context
+    for before, after in zip(chain, chain[1:]):
+        assert f"VAR {after} = VAR {before}." in row.context
+    assert len(re.findall(r"VAR \w+ = ", row.context)) == 2 * HOPS  # a decoy chain of another value
+
+
+def test_common_words_are_the_most_frequent_in_order(tokenizer):
+    row = press_rows("cwe", tokenizer, FILLER, context_tokens=600, n=1, seed=2)[0]
+    counts = Counter(re.findall(r"^\d+\. (\w+)$", row.context, flags=re.M))
+    answer = row.answer.strip().split(", ")
+    assert len(answer) == COMMON and [w for w, _ in counts.most_common(COMMON)] == answer
+    assert counts[answer[-1]] > max(c for w, c in counts.items() if w not in answer)
+
+
+def test_unknown_task_is_refused_by_name(tokenizer):
+    with pytest.raises(ConfigError, match="niah-multikey"):
+        press_rows("qa", tokenizer, FILLER, context_tokens=400, n=1)
+    assert len(build_items("vt", tokenizer, context_tokens=300, n=2, filler=FILLER)) == 2
