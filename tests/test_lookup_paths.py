@@ -54,3 +54,20 @@ def test_U3_3_a_name_that_is_no_path_still_matches_short_names(fitted_by_path):
     db, source = fitted_by_path
     result = run("list", "--src", "src", "--db", db, "--format", "tsv")
     assert result.exit_code == 0 and source in result.stdout
+
+
+@pytest.mark.parametrize("manifest", [None, {"hf_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}], ids=["U3_3_plain", "U3_3_fetched"])
+def test_U3_3_lookup_and_fit_name_a_folder_alike(tmp_path, monkeypatch, manifest):
+    """The store's rule (it cannot import kvhub.models) is the one fit registers by."""
+    import json
+
+    from kvhub.models.loading import MANIFEST, registered_model_id
+    from kvhub.store.refs import _registered_id
+
+    folder = tmp_path / "models" / "small"
+    folder.mkdir(parents=True)
+    if manifest is not None:
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)
+    assert _registered_id("./models/small") == registered_model_id("./models/small")
+    assert _registered_id("no/such/folder") is None

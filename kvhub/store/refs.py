@@ -178,15 +178,25 @@ def match_calibration_names(query: str, names) -> list[str]:
 
 
 def _registered_id(query: str) -> str | None:
-    """The model id a fit from the local path ``query`` registered (what kvhub.models.loading records:
-    the absolute path, or the Hub id of a fetched folder); None when ``query`` is no existing path."""
+    """The model id a fit from the local path ``query`` registered, or None when ``query`` is no existing
+    path.  The rule of kvhub.models.loading.registered_model_id (which the store, below models, cannot
+    import; tests/test_lookup_paths.py checks the two agree): a converted folder is known by the Hub id
+    its manifest names, any other path by its absolute form."""
+    import json
     from pathlib import Path
 
     try:
-        if not Path(query).expanduser().exists():
+        path = Path(query).expanduser()
+        if not path.exists():
             return None
-    except (OSError, ValueError):  # a name too long or with a NUL byte is no path
+        manifest = path / _MODEL_MANIFEST
+        if manifest.is_file():
+            hf_id = json.loads(manifest.read_text(encoding="utf-8")).get("hf_id")
+            if isinstance(hf_id, str) and hf_id:
+                return hf_id
+        return str(path.resolve())
+    except (OSError, ValueError, AttributeError):  # a name no file system takes, an unreadable manifest
         return None
-    from kvhub.models.loading import registered_model_id
 
-    return registered_model_id(query)
+
+_MODEL_MANIFEST = "kvhub-model.json"  # kvhub.models.loading.MANIFEST
