@@ -70,14 +70,14 @@ class _Fields:
             self.fail(self._name(key), f"must be {what or _names(kinds)}, not {_json_type(value)} {_show(value)}")
         return value
 
-    def integer(self, key: str, *, low: int = 0, high: int = 1 << 31, required: bool = True,
-                null: bool = False) -> int | None:
     @overload
     def integer(self, key: str, *, low: int = ..., high: int = ..., required: Literal[True] = ...,
                 null: Literal[False] = ...) -> int: ...
     @overload
     def integer(self, key: str, *, low: int = ..., high: int = ..., required: bool = ..., null: bool = ...) -> int | None:
         ...
+    def integer(self, key: str, *, low: int = 0, high: int = 1 << 31, required: bool = True,
+                null: bool = False) -> int | None:
         value = self.get(key, (int, type(None)) if null else (int,), required=required, what="an integer")
         if value is not None and not low <= value < high:
             self.fail(self._name(key), f"must be an integer in {low}..{high - 1}, not {_show(value)}")
@@ -110,12 +110,12 @@ class _Fields:
             self.fail(self._name(key), f"{what or 'contains'} the control character {found.group()!r} at position "
                                        f"{found.start()}; names and ids are one line of printable text")
 
-    def child(self, key: str, *, required: bool = True) -> "_Fields | None":
-        if key not in self.obj and not required:
     @overload
     def child(self, key: str, *, required: Literal[True] = ...) -> "_Fields": ...
     @overload
     def child(self, key: str, *, required: bool) -> "_Fields | None": ...
+    def child(self, key: str, *, required: bool = True) -> "_Fields | None":
+        if key not in self.obj and not required:
             return None
         return _Fields(self.get(key, (dict,), what="a JSON object"), self._name(key), self.where)
 
