@@ -74,3 +74,19 @@ def test_R3_9_ids_beyond_the_vocabulary_are_not_silently_forced(vllm_modules, ca
     assert "beyond this model's vocabulary of 100" in caplog.text
     assert processor.new_req_logits_processor(SamplingParams(extra_args={"kvhub_force": [5, 99]})) is not None
     assert processor.new_req_logits_processor(SamplingParams(extra_args=None)) is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["R3_13-put-nan", "R3_13-put-inf"])
+def test_R3_13_the_kv_store_does_not_store_non_finite_kv(tmp_path, bad):
+    import torch
+
+    from kvhub.errors import IncompatibleError
+    from kvhub.serving.kvstore import KVStore
+
+    keys = [torch.zeros(2, 16, 4) for _ in range(2)]
+    values = [torch.zeros(2, 16, 4) for _ in range(2)]
+    values[1][0, 3, 2] = bad
+    store = KVStore(tmp_path, max_bytes=1 << 20)
+    with pytest.raises(IncompatibleError, match="Inf/NaN"):
+        store.put(isolation_key="a", source_model="s", token_ids=list(range(16)), keys=keys, values=values)
+    assert store.longest_prefix(isolation_key="a", source_model="s", token_ids=list(range(16))) is None

@@ -67,6 +67,9 @@ def check_layers(keys, values, tokens: int) -> None:
                 f"layer {index}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not cover "
                 f"{tokens} tokens as (heads, tokens, head_dim)"
             )
+        if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+            raise IncompatibleError(f"layer {index}: the keys or values hold Inf/NaN; a damaged prefill is not "
+                                    "stored (the load path would refuse it later anyway)")
 
 
 def entry_tensors(token_ids, keys, values) -> dict[str, torch.Tensor]:
