@@ -393,12 +393,14 @@ def report(ref, out, db, output_format):
     with open_db(db, create=False) as store:
         version = store.resolve(ref)
         metadata = read_metadata(store.artifact_path(version))
-        tasks = task_results(store.metrics(version))
+        measurements = store.metrics(version)
+        tasks = task_results(measurements)
         reference = store.reference(version)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        path = write_report(out, reference=reference, version=version, metadata=metadata, tasks=tasks)
+        path = write_report(out, reference=reference, version=version, metadata=metadata, tasks=tasks,
+                            measurements=measurements)
     except BaseException:
         if created:  # no half-written folder left behind
             shutil.rmtree(out, ignore_errors=True)

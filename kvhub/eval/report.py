@@ -9,15 +9,17 @@ _CONDITIONS = ("acc_own", "acc_mapped", "acc_source", "acc_control", "retention"
 
 
 def task_results(metrics: list[dict]) -> dict[str, dict]:
-    """Latest value per (task, name) of the stored accuracy metrics, with intervals, as retention_chart wants
-    (perplexity and timing rows left out)."""
+    """Latest value per (task, name) of the stored accuracy metrics (``metrics`` oldest first, as the store
+    gives them), with intervals and the newest run's n, as retention_chart wants (perplexity and timing
+    rows left out: :func:`write_report` lists every evaluation as the card does)."""
     tasks: dict[str, dict] = {}
     for metric in metrics:
         task = metric.get("task")
         if not task or task.startswith("ppl") or task.startswith("bench:"):
             continue
-        entry = tasks.setdefault(task, {"n": metric.get("n")})
+        entry = tasks.setdefault(task, {})
         entry[metric["name"]] = metric["value"]
+        entry["n"] = metric.get("n")  # the newest run's: what show and the card report
     for entry in tasks.values():
         for name in _CONDITIONS:
             if f"{name}_ci_low" in entry and f"{name}_ci_high" in entry:
@@ -25,10 +27,12 @@ def task_results(metrics: list[dict]) -> dict[str, dict]:
     return {t: e for t, e in tasks.items() if "acc_own" in e and "acc_mapped" in e}
 
 
-def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: dict) -> Path:
+def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: dict, measurements=()) -> Path:
     """Write r2_heatmap.png, layer_r2.png, retention.png (when there are task results) and report.md to the
-    folder ``out`` (which exists); returns report.md."""
+    folder ``out`` (which exists); returns report.md.  ``measurements``: the store's metrics of the version,
+    oldest first, whose newest evaluations report.md lists as the model card does (perplexity included)."""
     from kvhub.eval.plots import compressed_structure, layer_r2, r2_heatmap, retention_chart
+    from kvhub.hub.evaluations import evaluations_table, latest
 
     r2_heatmap(metadata, out / "r2_heatmap.png")
     layer_r2(metadata, out / "layer_r2.png")
@@ -46,6 +50,9 @@ def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: d
     if tasks:
         retention_chart(tasks, out / "retention.png")
         lines += _task_table(tasks) + ["", "![retention](retention.png)"]
+    every = evaluations_table(latest(measurements))
+    if every:
+        lines += ["", "## Every evaluation", every.strip()]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
