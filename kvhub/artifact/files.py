@@ -82,7 +82,7 @@ class AtomicDirectory:
         self.overwrite = overwrite
         if os.path.lexists(self.target) and not overwrite:
             raise ArtifactError(
-                f"{self.target} already exists; choose another directory or pass overwrite=True (--force)"
+                f"{self.target} already exists; choose another directory or pass overwrite=True"
             )
         self.path: Path | None = None
 

@@ -12,6 +12,7 @@ measured_at, kvhub_version}), ``k``/``ridge_lambda`` (``"auto"`` when chosen per
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 
 import click
@@ -399,6 +400,10 @@ def export_version(ref, directory, force, db, output_format):
     \b
     kvhub export qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production ./mapper
     """
+    from kvhub.errors import ArtifactError
+
+    if os.path.lexists(directory) and not force:  # the library's message names its keyword, overwrite=True
+        raise ArtifactError(f"{directory} already exists; choose another directory or pass --force")
     with open_db(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
         version = store.resolve(ref)
         path = store.export(ref, directory, overwrite=force)

@@ -175,5 +175,5 @@ def check(name: str, value) -> str | None:
     use = what_to_use(name, value)
     if use is None:
         return None
-    flag = knob_field(name).metadata["flag"]
-    return f"{f'{flag} {value!r}' if flag else f'{name}={value!r}'}: {use}"
+    flag = knob_field(name).metadata["flag"]  # raised in Python: the keyword first, then kvhub fit's flag
+    return f"{name}={value!r}{f' (kvhub fit {flag})' if flag else ''}: {use}"

@@ -55,7 +55,7 @@ def _ambiguity(ref: Ref, series: list[SeriesRow]) -> AmbiguousError:
         first, names = calibrations[0], ", ".join(calibrations)
         return AmbiguousError(
             f"{ref.source}:{ref.target} has mappers for several calibration sets ({names}); name one, e.g. "
-            f"{ref.source}:{ref.target}:{first} (or --calib {first})"
+            f"{ref.source}:{ref.target}:{first}"
         )
     triples = "\n  ".join(sorted(f"{s.source_name}:{s.target_name}:{s.calibration_name}" for s in series))
     return AmbiguousError(f"{str(ref)!r} matches several mappers; use full model ids:\n  {triples}")
