@@ -190,8 +190,10 @@ def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None,
         status = exc.response.status_code if exc.response is not None else None
         message = _redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc), token)
         if status == 401:
-            raise HubAuthError(f"{action} {where}: the Hub rejected the token ({message}); set a valid HF_TOKEN "
-                               "or run `hf auth login`", repo_id=repo_id, revision=revision) from None
+            fix = ("pass a valid one (--token, token=)" if token else
+                   "set a valid HF_TOKEN or run `hf auth login`")  # the token given is the one to fix
+            raise HubAuthError(f"{action} {where}: the Hub rejected the token{' given' if token else ''} ({message}); "
+                               f"{fix}", repo_id=repo_id, revision=revision) from None
         if status == 403:
             raise HubAuthError(f"{action} {where}: your token may not do this ({message}); use a token with write "
                                f"access to {str(repo_id).split('/')[0]}", repo_id=repo_id, revision=revision) from None

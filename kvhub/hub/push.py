@@ -13,7 +13,7 @@ from kvhub import __version__
 from kvhub.artifact import (
     CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, copy_regular, is_figure_name, publishable_files,
 )
-from kvhub.hub.card import CardLicense, card_is_pristine, model_card
+from kvhub.hub.card import CardLicense, card_is_pristine, model_card, read_front_matter
 from kvhub.hub.identity import base_models, published_metadata
 from kvhub.errors import ConfigError, HubConflictError, HubOfflineError
 from kvhub.hub.client import _api, hub_errors, hub_settings, parse_repo_ref
@@ -110,13 +110,21 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str 
     repo_id, _ = parse_repo_ref(repo_id)
     if card not in CARD_MODES:
         raise ConfigError(f"card must be one of {', '.join(CARD_MODES)}, not {card!r}")
-    job = _prepare(store, ref, repo_id, revision=_one_branch(revision, branch), base_model=base_model,
+    branch_name = _one_branch(revision, branch)
+    version = store.resolve(ref)
+    pub = _publication(store, version, repo_id, version_tag(version))
+    if pub is not None and card != "replace" and figures is None:  # published: nothing to decide, no Hub ids needed
+        label = pub["revision"] or version_tag(version)
+        notes = [] if base_model is None else [
+            "the published mapper.json and card keep the Hub ids they were pushed with; --base-model (base_model=) "
+            "names them only in a first push"]
+        return PushResult(repo_id, label, pub["commit_sha"] or "", branch_name,
+                          f"{hub_settings().endpoint}/{repo_id}/tree/{label}", already_published=True, notes=notes)
+    if base_model is None and pub is not None:  # a refresh: the Hub ids it was published under
+        base_model = _published_bases(store, version, pub, token) or None
+    job = _prepare(store, ref, repo_id, revision=branch_name, base_model=base_model,
                    license=license, figures=figures, commit_message=commit_message)
     refresh = card == "replace" or bool(job.added)
-    if (pub := _publication(store, job.version, repo_id, job.tag)) is not None and not refresh:
-        label = pub["revision"] or job.tag
-        return PushResult(repo_id, label, pub["commit_sha"] or "", job.branch,
-                          job.url.replace(f"/tree/{job.tag}", f"/tree/{label}"), already_published=True)
     settings = hub_settings()
     if settings.offline:
         raise HubOfflineError(f"push to {repo_id}: HF_HUB_OFFLINE=1 forbids publishing; unset it and retry",
@@ -147,6 +155,27 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str 
             return PushResult(repo_id, job.tag, commit, job.branch, job.url, already_published=True,
                               notes=[f"{repo_id} already had {job.tag} with these weights; recorded it"])
         return _publish(api, job, remote, card, create_pr=create_pr)
+
+
+def _published_bases(store, version, pub: dict, token: str | None) -> tuple[str, str] | None:
+    """(source, target) Hub ids of the mapper.json a publication holds, when the version's own names are
+    local paths (a refresh then needs no --base-model again); None when they are Hub ids already or the
+    published file cannot be read."""
+    metadata = verify_artifact(Path(store.artifact_path(version)))
+    try:
+        base_models(metadata)
+        return None  # the version names its models by Hub ids itself
+    except ConfigError:
+        pass
+    settings = hub_settings()
+    if settings.offline or not pub.get("commit_sha"):
+        return None
+    with hub_errors("read the published mapper.json of", repo_id=pub["repo_id"], revision=pub["revision"], token=token,
+                    settings=settings), tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
+        raw = _remote_file(_api(settings, token), pub["repo_id"], pub["commit_sha"], METADATA_FILE, tmp)
+    published = _json_object(raw) or {}
+    ids = tuple((published.get(role) or {}).get("model_id") for role in ("source", "target"))
+    return ids if all(isinstance(i, str) and i for i in ids) else None
 
 
 def _one_branch(revision: str | None, branch: str | None) -> str:
@@ -215,6 +244,9 @@ def _publish(api, job: _Push, remote: _Remote, mode: str, *, create_pr: bool) ->
             pull_request=info.pr_url)
     api.create_tag(job.repo_id, tag=job.tag, revision=info.oid, tag_message=_commit_title(job.metadata, job.tag))
     job.store.add_publication(job.version, job.repo_id, job.tag, info.oid)
+    if text is not None and not read_front_matter(text).get("license"):
+        notes.append(f"the card of {job.tag} names no licence; pass one (--license, license=), e.g. the base "
+                     f"models' licence, so that users of {job.repo_id} know what they may do with it")
     if job.version.version > 1 and not any(tag_number(tag) is not None for tag in remote.tags):
         notes.append(f"{job.repo_id} starts at {job.tag}: a tag is the store's version number ({job.version.ref}), "
                      "so every store and repository names this version alike")
@@ -245,7 +277,8 @@ def _refresh_card(api, job: _Push, remote: _Remote, tag_commit: str) -> PushResu
         raise HubConflictError(
             f"{job.repo_id}@{job.branch} holds other weights (tensors sha256 {str(theirs)[:12]}) than "
             f"{job.version.ref}, and a branch's card describes the weights at its head: refresh the card of the "
-            f"version there, or give {job.tag} a branch of its own (a new branch name starts at its tag)",
+            f"version there, or give {job.tag} a branch of its own: push again with --revision NEW-BRANCH "
+            f"(revision=; a new branch starts at the tag {job.tag})",
             repo_id=job.repo_id, revision=job.branch)
     images = sorted({name for name in remote.head_files if is_figure_name(name)} | set(job.added))
     text = job.card(images)
@@ -258,7 +291,8 @@ def _refresh_card(api, job: _Push, remote: _Remote, tag_commit: str) -> PushResu
             copy_regular(path, Path(tmp) / name, refuse_hard_links=True)
         info = api.upload_folder(repo_id=job.repo_id, folder_path=tmp, revision=job.branch, parent_commit=head,
                                  commit_message=job.commit_message or f"kvhub {job.tag}: refresh the model card")
-    return PushResult(job.repo_id, job.tag, info.oid, job.branch, job.url, already_published=True, card="replaced")
+    return PushResult(job.repo_id, job.tag, info.oid, job.branch, job.url.replace(f"/tree/{job.tag}", f"/tree/{job.branch}"),
+                      already_published=True, card="replaced")
 
 
 def _commit_title(metadata: dict, tag: str) -> str:
