@@ -145,8 +145,13 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
                                    dtype=dtype, device=loaded.device, log_samples=log_samples)
         task_list = run.build_tasks(tasks, loaded, limit=limit, seed=seed, context_tokens=context_tokens,
                                     ppl_text=ppl_text, ppl_seq_len=ppl_seq_len, ppl_calib=ppl_calib, items=items)
-        outcome = run.evaluate(task_list, variant_list, settings=settings,
-                               progress=lambda: progress_callback("items/s"))
+        try:
+            outcome = run.evaluate(task_list, variant_list, settings=settings,
+                                   progress=lambda: progress_callback("items/s"))
+        except KeyboardInterrupt:
+            say("Interrupted; the items scored so far are cached: run the same command to resume where it stopped",
+                style="bold")
+            raise SystemExit(130) from None
         for name, summary in outcome.results.items():
             store.add_metrics(loaded.version, run.metric_rows(name, summary, seed=seed))
         reference = store.reference(loaded.version)  # as `kvhub list` shows it; JSON carries the full ref
