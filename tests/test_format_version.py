@@ -30,7 +30,7 @@ def _with_means(directory: Path, *, seed: int = 1) -> Path:
 
 
 def test_target_means_declare_format_3_and_read_back(tmp_path):
-    assert FORMAT_VERSION == 3 and SUPPORTED_FORMAT_VERSIONS == (1, 2, 3)
+    assert FORMAT_VERSION == 4 and SUPPORTED_FORMAT_VERSIONS == (1, 2, 3, 4)  # 4: map kinds (tests/test_mlp_map.py)
     artifact = _with_means(tmp_path / "m")
     assert read_artifact(artifact)["format_version"] == 3
     loaded = Mapper.load(artifact)

@@ -16,10 +16,12 @@ from typing import Literal, NoReturn, overload
 
 from kvhub import __version__
 from kvhub.errors import FormatVersionError, InvalidArtifactError
+from kvhub.artifact.kinds import kind_of
 
-FORMAT_VERSION = 3  # the newest mapper artifact format this kvhub reads and writes
-# 1: dense maps only; 2: head-local or low-rank maps present; 3: target_mean tensors present (any structure)
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # the newest mapper artifact format this kvhub reads and writes
+# 1: dense maps only; 2: head-local or low-rank maps present; 3: target_mean tensors present (any structure);
+# 4: a map kind beyond ridge (kvhub.artifact.kinds: mlp)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 TENSORS_FILE = "mapper.safetensors"
 METADATA_FILE = "mapper.json"
 DTYPES = ("float32", "bfloat16", "float16")  # fingerprint ``dtype``: the default dtype of transfer()
@@ -125,8 +127,11 @@ def check_format_version(metadata, *, where: str) -> int:
     fields = _Fields(metadata, "", where)
     version = fields.integer("format_version", low=1, high=1 << 63)
     if version > FORMAT_VERSION:
+        kind = metadata.get("kind")
+        named = f" (a map of kind {kind!r})" if isinstance(kind, str) and len(kind) <= 64 and \
+            not _CONTROL.search(kind) else ""
         raise FormatVersionError(
-            f"{where} has artifact format version {version}, this kvhub ({__version__}) reads up to "
+            f"{where} has artifact format version {version}{named}, this kvhub ({__version__}) reads up to "
             f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`")
     return version
 
@@ -143,6 +148,7 @@ def check_metadata(metadata, *, where: str) -> dict:
     check_format_version(metadata, where=where)
     fields = _Fields(metadata, "", where)
     fields.text("kvhub_version", required=False, max_length=64)
+    _check_kind(fields, where)
     source = _check_fingerprint(fields, "source")
     target = _check_fingerprint(fields, "target")
     calibration = fields.child("calibration")
@@ -169,6 +175,17 @@ def check_metadata(metadata, *, where: str) -> dict:
     tensors.text("sha256", pattern=_SHA256, max_length=64)
     tensors.integer("bytes", required=False, high=1 << 62)
     return metadata
+
+
+def _check_kind(fields: _Fields, where: str) -> None:
+    """``kind`` a map kind this kvhub knows (FormatVersionError naming it otherwise), its settings block right."""
+    fields.get("kind", (str, type(None)), required=False, what="a string")
+    kind = kind_of(fields.obj, where=where)
+    if kind.block is not None:
+        settings = fields.child(kind.block)
+        problem = kind.check(settings.obj)
+        if problem:
+            fields.fail(f"{kind.block}.{problem[0]}", problem[1])
 
 
 def _check_fingerprint(fields: _Fields, role: str) -> dict:

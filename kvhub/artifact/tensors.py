@@ -9,6 +9,7 @@ Per target layer m (d_in = k * Hs * Ds over the layer's k sources, d_out = Ht * 
     {kind}.{m}.weight_a/_b    (d_in, R), (R, d_out)                  low rank R
                               (G, d_in / G, R), (G, R, d_out / G)    both
     {kind}.{m}.target_mean    (d_out,)   optional: the calibration mean of the target's K~ / V
+    {kind}.{m}.mlp.{i}.*      the residual MLP of an ``mlp`` map (kvhub.artifact.kinds; format version 4)
 
 All fp32 (``F32``).  G divides both KV head counts; format version 2 is required when any map is
 head-local or low rank, and version 3 is written whenever ``target_mean`` tensors are stored (kvhub
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvhub.errors import InvalidArtifactError
 from kvhub.artifact.files import open_regular
+from kvhub.artifact.kinds import is_kind_part, kind_of, kind_of_part
 
 DTYPE = "F32"
 HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
@@ -129,10 +131,17 @@ def map_prefix(kind: str, target: int) -> str:
 
 
 def tensor_name(prefix: str, part: str) -> str:
-    """``k.3.weight_a``: a map's tensor; ``part`` one of bias, weight, weight_a, weight_b, target_mean."""
-    if part not in _SUFFIXES:
-        raise ValueError(f"a map's tensors are {', '.join(_SUFFIXES)}, not {part!r}")
+    """``k.3.weight_a``: a map's tensor; ``part`` one of bias, weight, weight_a, weight_b, target_mean, or a
+    part a map kind declares (``mlp.0.weight``, kvhub.artifact.kinds)."""
+    if part not in _SUFFIXES and not is_kind_part(part):
+        raise ValueError(f"a map's tensors are {', '.join(_SUFFIXES)} or a map kind's parts, not {part!r}")
     return f"{prefix}.{part}"
+
+
+def _part(name: str) -> str:
+    """``mlp.0.weight`` of ``k.3.mlp.0.weight``: a tensor name without its map prefix."""
+    pieces = name.split(".", 2)
+    return pieces[2] if len(pieces) == 3 else name
 
 
 def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -148,16 +157,19 @@ def has_target_means(shapes: dict[str, tuple[int, ...]]) -> bool:
 
 def format_version_of(shapes: dict[str, tuple[int, ...]]) -> int:
     """The format version an artifact with these tensors declares: 1 for dense maps only (readable by
-    every kvhub), 2 when a head-local or low-rank map is stored, 3 when ``target_mean`` tensors are."""
-    if has_target_means(shapes):
-        return 3
-    return 2 if is_compressed(shapes) else 1
+    every kvhub), 2 when a head-local or low-rank map is stored, 3 when ``target_mean`` tensors are, and
+    a map kind's own version when its tensors are (4 for ``mlp``, kvhub.artifact.kinds)."""
+    kinds = {kind_of_part(_part(name)) for name in shapes} - {None}
+    linear = 3 if has_target_means(shapes) else 2 if is_compressed(shapes) else 1
+    return max([linear, *(kind.format_version for kind in kinds)])
 
 
 def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: str) -> None:
     """Raise InvalidArtifactError unless the tensors are exactly those ``metadata`` (checked by
     kvhub.artifact.metadata) implies, with the shapes of one of the structures in the module doc."""
     src, dst = metadata["source"], metadata["target"]
+    map_kind = kind_of(metadata, where=where)
+    settings = metadata.get(map_kind.block) if map_kind.block else {}
     expected: set[str] = set()
     for layer in metadata["layers"]:
         m, k = layer["target"], len(layer["sources"])
@@ -166,6 +178,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: 
             prefix = map_prefix(kind, m)
             bias, mean = tensor_name(prefix, "bias"), tensor_name(prefix, "target_mean")
             expected |= _check_map(shapes, prefix, d_in, d_out, src, dst, where) | {bias}
+            expected |= _check_kind_parts(shapes, prefix, map_kind.parts(settings, d_in, d_out), map_kind.name, where)
             if shapes.get(bias) != (d_out,):
                 _fail(where, f"has {bias} of shape {shapes.get(bias)}, expected ({d_out},)")
             if mean in shapes:
@@ -178,6 +191,21 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: 
                      f"{', ...' if len(extra) > 4 else ''})")
     if is_compressed(shapes) and metadata["format_version"] < 2:
         _fail(where, "stores head-local or low-rank maps under format_version 1; they need format version 2")
+    if metadata["format_version"] < map_kind.format_version:
+        _fail(where, f"stores {map_kind.name} maps under format_version {metadata['format_version']}; they need "
+                     f"format version {map_kind.format_version}")
+
+
+def _check_kind_parts(shapes, prefix: str, parts: dict[str, tuple[int, ...]], kind: str, where: str) -> set[str]:
+    """Check the tensors a map kind adds to map ``prefix`` ({part: shape}); returns their names."""
+    names = set()
+    for part, shape in parts.items():
+        name = tensor_name(prefix, part)
+        if shapes.get(name) != shape:
+            found = f"lacks {name}" if name not in shapes else f"has {name} of shape {shapes[name]}"
+            _fail(where, f"{found}; the {kind} map needs {shape} from mapper.json")
+        names.add(name)
+    return names
 
 
 def _check_map(shapes, prefix: str, d_in: int, d_out: int, src: dict, dst: dict, where: str) -> set[str]:

@@ -45,5 +45,6 @@ def control_mapper(mapper):
             tensors[tensor_name(prefix, "bias")] = mean.clone()
             tensors[tensor_name(prefix, "target_mean")] = mean.clone()
         layers.append({**layer, "sources": layer["sources"][:1], "r2_k": 0.0, "r2_v": 0.0})
-    metadata = {**mapper.metadata, "layers": layers, "notes": ["control: zero weights, bias = mean target K/V"]}
+    metadata = {key: value for key, value in mapper.metadata.items() if key != mapper.kind.block}
+    metadata.update(kind="ridge", layers=layers, notes=["control: zero weights, bias = mean target K/V"])
     return Mapper(tensors, metadata, dtype=mapper.dtype, compute_dtype=mapper.compute_dtype, deshrink="off")

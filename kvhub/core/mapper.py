@@ -6,8 +6,9 @@ For target layer m with selected source layers S_m = (l_1..l_k):
     K~_m = X @ Wk_m + bk_m                   (B, T, Ht*Dt)     then target RoPE re-applied
     V_m  = [V_{l_1} | ... | V_{l_k}] @ Wv_m + bv_m
 
-Weights are stored as (in_features, out_features) so that y = x @ W + b.  Transfer reads them de-shrunk by
-default (kvhub.core.deshrink): y = mean + (x @ W + b - mean) / sqrt(R^2_m), the stored tensors unchanged.
+Weights are stored as (in_features, out_features) so that y = x @ W + b; a map kind may add a term to it
+(:data:`RESIDUALS`; ``mlp``: y = x @ W + b + r(x), kvhub.core.mlp).  Transfer reads the maps de-shrunk by
+default (kvhub.core.deshrink): y = mean + (y - mean) / sqrt(R^2_m), the stored tensors unchanged.
 
 Artifact directory (kvhub.artifact owns the format, see docs/artifact-format.md):
     mapper.safetensors   k.{m}.weight, k.{m}.bias, v.{m}.weight, v.{m}.bias  (fp32; or factors when compressed)
@@ -27,13 +28,18 @@ from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is
     verify_tensors, write_artifact,
 )
 from kvhub.artifact import map_prefix, tensor_name
+from kvhub.artifact.kinds import kind_of
 from kvhub.artifact.metadata import shown
 from kvhub.dtypes import check_device, parse_dtype  # parse_dtype is re-exported too
 from kvhub.errors import IncompatibleError, NonFiniteError
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT, deshrink_setting  # noqa: F401  (part of the Mapper's API)
 from kvhub.core.fingerprint import config_from_fingerprint
+from kvhub.core.mlp import residual_term
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
+from kvhub.core.staging import finite as _finite, rows as _rows, stack_on as _stack_on, to_device as _to_device
 from kvhub.core.layer_kinds import check_cache_layers
+
+RESIDUALS = {"mlp": residual_term}  # map kind (kvhub.artifact.kinds) -> the term it adds to the linear map
 
 
 # Elements of one stacked block of layers (G, B, H, T, D): bounds the fp32 RoPE temporaries (a few of these
@@ -46,39 +52,6 @@ def _chunks(items: list[int], per_item: int) -> list[list[int]]:
     """``items`` in consecutive chunks of at most _CHUNK_ELEMENTS // per_item (at least one) each."""
     step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
     return [items[start:start + step] for start in range(0, len(items), step)]
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` (itself when already there); host -> CUDA through pinned memory, non-blocking."""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
-def _stack_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """torch.stack(tensors) (G, *shape) on ``device`` as a new tensor, the inputs untouched.  Host tensors
-    bound for CUDA are stacked into pinned memory and copied with non_blocking=True: the host does not wait,
-    and the caching host allocator keeps the pinned block until the copy has run."""
-    dtype = tensors[0].dtype if len({t.dtype for t in tensors}) == 1 else torch.float32
-    if device.type == "cuda" and all(t.device.type == "cpu" for t in tensors):
-        staged = torch.empty((len(tensors), *tensors[0].shape), dtype=dtype, pin_memory=True)
-        torch.stack([t.to(dtype) for t in tensors], out=staged)
-        return staged.to(device, non_blocking=True)
-    return torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
-
-
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """(G, ...) -> (G,) bool on x's device: no NaN or Inf in x[g].  One pass: max |x| propagates both."""
-    return torch.linalg.vector_norm(x.flatten(1), float("inf"), dim=1).isfinite()
-
-
-def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(G, B, H, T, D) -> (G, B, T, H*D) in ``dtype``: one copy (transpose and cast together)."""
-    g, b, h, t, d = x.shape
-    rows = torch.empty(g, b, t, h, d, dtype=dtype, device=x.device)
-    return rows.copy_(x.transpose(2, 3)).view(g, b, t, h * d)  # (G, B, T, H*D)
 
 
 def _inputs(rows: dict[int, torch.Tensor], sources: list[int], keep: int) -> list[torch.Tensor]:
@@ -123,6 +96,7 @@ class Mapper:
         """
         self.tensors = tensors
         self.metadata = metadata
+        self.kind = kind_of(metadata)
         self.ref: str | None = None  # the store version this is (SRC:DST:CALIB@vN), set by whoever resolved it
         self.dtype = dtype or parse_dtype(metadata.get("target", {}).get("dtype")) or torch.float32
         self.compute_dtype = compute_dtype
@@ -202,6 +176,8 @@ class Mapper:
                     bias, mean = tensor_name(prefix, "bias"), self.tensors[tensor_name(prefix, "target_mean")]
                     self._scaled[last] = self.tensors[last] * scale
                     self._scaled[bias] = scale * self.tensors[bias] + (1 - scale) * mean
+                    for name in (tensor_name(prefix, p) for p in self.kind.output_parts(self._settings())):
+                        self._scaled[name] = self.tensors[name] * scale
         return self._scaled
 
     # ---- transfer ----------------------------------------------------------------------------
@@ -381,7 +357,21 @@ class Mapper:
                                     "out's tensors must share one dtype, and dtype must be None or that one")
         return dtypes.pop()
 
+    def _settings(self) -> dict:
+        """The settings block of this mapper's kind in mapper.json (empty for ridge)."""
+        return self.metadata.get(self.kind.block) or {} if self.kind.block else {}
+
     def _affine(self, parts: list[torch.Tensor], kind: str, m: int) -> torch.Tensor:
+        """The map of target layer m's keys or values (``kind`` k or v): :meth:`_linear`, plus the term of this
+        mapper's kind (:data:`RESIDUALS`) in fp32, cast back.  A new (..., out) tensor in the parts' dtype."""
+        y = self._linear(parts, kind, m)
+        term = RESIDUALS.get(self.kind.name)
+        if term is None:
+            return y
+        r = term(parts, map_prefix(kind, m), self._settings(), lambda name: self._weight(name, parts[0].dtype))
+        return (y.float() + r.view_as(y)).to(y.dtype)
+
+    def _linear(self, parts: list[torch.Tensor], kind: str, m: int) -> torch.Tensor:
         """y = X @ W + b for X = [x_1 | ... | x_k], given as its column blocks x_j (..., Hs*Ds) (one per source
         layer, never concatenated: X @ W = sum_j x_j @ W_j over W's row blocks): each product in their dtype
         (fp32 accumulation inside the GEMM), the k products summed in fp32 (:func:`_summed`).  Every stored map structure: ``weight`` (in, out), or low rank

@@ -10,7 +10,8 @@ mode its checkpoint was started in (the plan's choice can move with the memory f
 
 A checkpoint is one safetensors file, written atomically: the statistics by split (``train.*``,
 ``heldout.*``, :meth:`kvhub.core.stats.KVStats.state_dict`) and, in pass 2 of a two-pass fit, pass 1's
-probe grids (``probe.k``, ``probe.v``: (Ls, target layers)).  Its header:
+probe grids (``probe.k``, ``probe.v``: (Ls, target layers)); in a ``--map mlp`` fit also the rows kept to
+train the MLPs on (``sample.{split}.*``, :class:`kvhub.fitting.samples.Reservoir`).  Its header:
 
     job           the identity         statistics    the mode (JSON)
     pass          1 or 2               batches_done  batches (distributed: steps) of that pass merged
@@ -54,6 +55,8 @@ def job_identity(source_fp: dict, target_fp: dict, train_ids: torch.Tensor, held
         "weight_cap": options.weight_cap if options.weighting == "attention" else None,
         "rank": rank, "world": world,
     }
+    if getattr(options, "map_kind", "ridge") != "ridge":  # its row samples are checkpointed with the statistics
+        record["map"] = {"kind": options.map_kind, "tokens": options.mlp_tokens}
     digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode())
     for ids in (train_ids, heldout_ids if heldout_ids is not None else train_ids[:0]):
         digest.update(str(tuple(ids.shape)).encode())
@@ -71,6 +74,7 @@ class FitState:
     batches_done: int = 0
     candidates: list[int] | None = None
     probe: tuple[torch.Tensor, torch.Tensor] | None = None  # (K, V) probe R^2, (Ls, target layers)
+    samples: dict | None = None  # split -> kvhub.fitting.samples.Reservoir (--map mlp), filled in pass 1
 
     @property
     def position(self) -> int:
@@ -114,6 +118,8 @@ def save(path: Path, job: str, mode: StatisticsMode, state: FitState) -> None:
         header["candidates"] = ",".join(map(str, state.candidates))
     if state.probe is not None:
         tensors["probe.k"], tensors["probe.v"] = (grid.contiguous().cpu() for grid in state.probe)
+    for split, reservoir in (state.samples or {}).items():
+        tensors.update({f"sample.{split}.{key}": t.contiguous() for key, t in reservoir.state_dict().items()})
     atomic_write_bytes(Path(path), to_bytes(tensors, metadata=header))
 
 
@@ -148,15 +154,16 @@ def read_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: La
 
 
 def load(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int,
-         device: torch.device | str = "cpu", then: str = "starting over") -> FitState | None:
+         device: torch.device | str = "cpu", then: str = "starting over", samples: dict | None = None) -> FitState | None:
     """The state the checkpoint at ``path`` holds if a fit of ``job`` in ``mode`` can resume it (``layout``,
     ``batches``, ``then``: as for :func:`read_header`), its tensors on ``device``; None: nothing to resume
-    (a warning says why when there was a checkpoint of this fit)."""
+    (a warning says why when there was a checkpoint of this fit).  ``samples``: the fit's empty reservoirs
+    (kvhub.fitting.samples), filled from the checkpoint's ``sample.*`` tensors, which must be there."""
     try:
         header = _checked_header(path, job, mode, layout=layout, batches=batches)
         if header is None:
             return None
-        return _read_state(Path(path), header, mode, layout, device)
+        return _read_state(Path(path), header, mode, layout, device, samples)
     except _Damaged as exc:
         log.warning("checkpoint %s %s; %s", path, exc, then)
         return None
@@ -232,7 +239,7 @@ def _candidates(header: dict, pass_index: int, mode: StatisticsMode, src_layers:
     return chosen
 
 
-def _expected(header: Header, mode: StatisticsMode, layout: Layout) -> dict[str, torch.Tensor]:
+def _expected(header: Header, mode: StatisticsMode, layout: Layout, samples: dict | None = None) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint with ``header`` holds, as meta tensors of their shape and dtype: the
     state_dict of empty statistics of the pass's layout (pass 2: the candidates' source layers), and in
     pass 2 the probe grids (Ls, target layers)."""
@@ -245,14 +252,18 @@ def _expected(header: Header, mode: StatisticsMode, layout: Layout) -> dict[str,
     if header.pass_index == 2:
         grid = torch.empty(layout.src_layers, layout.dst_layers, dtype=torch.float64, device="meta")
         expected.update({"probe.k": grid, "probe.v": grid})
+    for split, reservoir in (samples or {}).items():
+        expected.update({f"sample.{split}.{key}": torch.empty_like(t, device="meta")
+                         for key, t in reservoir.state_dict().items()})
     return expected
 
 
-def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout, device) -> FitState:
-    """The checkpoint's tensors, each checked against :func:`_expected`."""
+def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout, device,
+                samples: dict | None = None) -> FitState:
+    """The checkpoint's tensors, each checked against :func:`_expected`; ``samples`` filled from it."""
     from safetensors import SafetensorError, safe_open
 
-    expected = _expected(header, mode, layout)
+    expected = _expected(header, mode, layout, samples)
     try:
         with safe_open(str(path), framework="pt") as handle:
             missing = sorted(set(expected) - set(handle.keys()))
@@ -262,11 +273,14 @@ def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout
             state = {key: _checked_tensor(key, handle.get_tensor(key), like) for key, like in expected.items()}
     except (SafetensorError, OSError) as exc:
         raise _Damaged(f"does not read as safetensors ({exc})") from exc
+    for split, reservoir in (samples or {}).items():
+        prefix = f"sample.{split}."
+        reservoir.load_state_dict({k[len(prefix):]: state.pop(k) for k in list(state) if k.startswith(prefix)})
     state = {key: t.to(device) for key, t in state.items()}
     stats = {name: KVStats.from_state_dict({k[len(name) + 1:]: v for k, v in state.items()
                                             if k.startswith(f"{name}.")}) for name in SPLITS}
     probe = (state["probe.k"], state["probe.v"]) if header.pass_index == 2 else None
-    return FitState(stats, header.pass_index, header.batches_done, header.candidates, probe)
+    return FitState(stats, header.pass_index, header.batches_done, header.candidates, probe, samples)
 
 
 def _checked_tensor(key: str, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

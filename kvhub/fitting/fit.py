@@ -31,10 +31,11 @@ from kvhub.core.solve import Solution, Structure, head_groups, solve
 from kvhub.core.stats import KVStats, Layout
 from kvhub.dtypes import dtype_name
 from kvhub.errors import ConfigError, FitInterrupted, IncompatibleError
-from kvhub.fitting import checkpoint
+from kvhub.fitting import checkpoint, mlp_fit
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.options import DEFAULT_STRIDE, FitOptions
+from kvhub.fitting.samples import first_sequence, reservoirs
 from kvhub.fitting.two_pass import run_passes, solve_candidates
 from kvhub.core.fingerprint import kv_geometry, model_fingerprint
 from kvhub.progress import Progress, report
@@ -110,18 +111,30 @@ def fit(
     raises :class:`kvhub.errors.FitInterrupted`, which says where the fit stopped and what resumes.
     """
     options = with_stride(options or FitOptions())
+    mlp_fit.check_options(options, heldout_sequences=0 if heldout_ids is None else int(heldout_ids.shape[0]))
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
                                              source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options)
     mode = statistics_mode(source_model, target_model, train_ids, heldout_ids, options, job=job)
     layout = layout_for(source_model.config, target_model.config)
+    samples = None if options.map_kind == "ridge" else reservoirs(
+        layout, {"train": train_ids, "heldout": heldout_ids}, capacity=options.mlp_tokens, stride=options.stride,
+        skip_first=options.skip_first)
     state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
-                              layout, mode=mode, options=options, progress=progress, job=job, notify=notify)
+                              layout, mode=mode, options=options, progress=progress, job=job, notify=notify,
+                              samples=samples)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
                                 progress=progress)
-    return build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
-                        state.stats["heldout"], options, statistics=mode)
+    mapper = build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
+                          state.stats["heldout"], options, statistics=mode)
+    if samples is None:
+        return mapper
+    started = time.perf_counter()
+    trained = mlp_fit.train_maps(solution, state.samples, layout, options, job=job, progress=progress,
+                                 device=next(source_model.parameters()).device)
+    options.timings["mlp_s"] = time.perf_counter() - started
+    return mlp_fit.with_mlps(mapper, trained, state.samples, options)
 
 
 def statistics_mode(source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, job: str,
@@ -183,9 +196,11 @@ def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: F
 
 def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mode: StatisticsMode,
                       options: FitOptions, progress: Progress | None, job: str,
-                      notify: Callable[[str], None] | None = None) -> FitState:
+                      notify: Callable[[str], None] | None = None, samples: dict | None = None) -> FitState:
     """Every pass of ``mode`` over ``batches``, resuming from ``options.checkpoint`` (and saying so to
-    ``notify``, default the log); the last pass's state."""
+    ``notify``, default the log); the last pass's state.  ``samples``: reservoirs (kvhub.fitting.samples)
+    pass 1 fills, checkpointed with the statistics, and saved once more when the passes end (so a fit
+    stopped while its MLPs train resumes without a forward pass)."""
     save = (lambda s: checkpoint.save(options.checkpoint, job, mode, s)) if options.checkpoint else None
     rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
 
@@ -193,10 +208,13 @@ def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mo
         run_pass(source_model, target_model, batches, state, rotaries, options=options, progress=progress,
                  label=label, save=save)
 
-    resumed = checkpoint.load(options.checkpoint, job, mode, layout=layout, batches=len(batches))
+    resumed = checkpoint.load(options.checkpoint, job, mode, layout=layout, batches=len(batches), samples=samples)
     if resumed is not None:
         (notify or log.info)(resuming_line(resumed, len(batches), mode))
-    return run_passes(resumed, layout, mode, top_k=options.top_k, run=run, save=save)
+    state = run_passes(resumed, layout, mode, top_k=options.top_k, run=run, save=save, samples=samples)
+    if save and samples is not None:
+        save(state)
+    return state
 
 
 def resuming_line(state: FitState, batches: int, mode: StatisticsMode) -> str:
@@ -219,8 +237,10 @@ def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, 
         name, ids = batches[index]
         try:
             report(progress, f"{label}: {name} batch {index + 1}/{len(batches)}", completed, total)
-            _accumulate_batch(source_model, target_model, ids, state.stats[name], rotaries, options,
-                              sources=state.candidates)
+            captured = _accumulate_batch(source_model, target_model, ids, state.stats[name], rotaries, options,
+                                         sources=state.candidates)
+            if state.samples is not None and state.pass_index == 1:
+                state.samples[name].add(first_sequence(batches, index), *captured)
         except KeyboardInterrupt as exc:
             raise _interrupted(label, index + 1, len(batches), state.pass_index, saved) from exc
         completed += int(ids.numel())
@@ -254,7 +274,8 @@ def solve_statistics(state: FitState, mode: StatisticsMode, *, options: FitOptio
 
 
 def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions, *,
-                      sources: list[int] | None = None) -> None:
+                      sources: list[int] | None = None):
+    """Merge one batch into ``stats``; returns its (source, target) captures."""
     src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
     started = time.perf_counter()
     device = stats.k.cxx.device
@@ -263,6 +284,7 @@ def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries,
     stats.update([src.keys[l].to(device) for l in keep], [src.values[l].to(device) for l in keep],
                  [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
     options.timings["stats_s"] += time.perf_counter() - started
+    return src, dst
 
 
 def fit_batches(train_ids, heldout_ids, batch_size: int) -> list[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvhub.artifact.kinds import DEFAULT_KIND, MAP_KINDS
 from kvhub.errors import ConfigError
 from kvhub.fitting.modes import MODES, StatisticsMode
 
@@ -124,6 +125,22 @@ class FitOptions:
         None, flag="--candidates", parse=int, rule=_positive_integer,
         help="Two-pass statistics: the most source layers pass 2 keeps (per process) [default: as many as the "
              "plan fits].")
+    map_kind: str = knob(
+        DEFAULT_KIND, flag="--map", choices=tuple(MAP_KINDS), rule=_one_of(tuple(MAP_KINDS)),
+        help="Map kind: 'ridge' (the closed-form linear map), or 'mlp' = that map plus a residual MLP per target "
+             "layer and K/V, trained on sampled calibration rows with early stopping on the held-out ones (for "
+             "pairs where ridge's held-out R^2 stays low; slower, see docs/guide.md).")
+    mlp_width: int = knob(256, flag="--mlp-width", parse=int, rule=_positive_integer,
+                          help="--map mlp: width of the residual MLP's hidden layers.")
+    mlp_depth: int = knob(2, flag="--mlp-depth", parse=int, rule=_positive_integer,
+                          help="--map mlp: hidden layers of the residual MLP.")
+    mlp_tokens: int = knob(
+        8192, flag="--mlp-tokens", parse=int, rule=_positive_integer,
+        help="--map mlp: calibration rows (tokens) per split kept to train the MLPs on, evenly spread; memory "
+             "grows with it (4 bytes x tokens x every layer's K and V width, both models).")
+    mlp_epochs: int = knob(100, flag="--mlp-epochs", parse=int, rule=_positive_integer,
+                           help="--map mlp: most epochs per MLP (early stopping usually ends sooner).")
+    mlp_seed: int = knob(0, flag=None, rule=_non_negative_integer, help="--map mlp: seed of the MLPs' training.")
 
     checkpoint: Path | None = None
     checkpoint_every: int = 4

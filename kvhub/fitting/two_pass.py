@@ -34,13 +34,16 @@ log = logging.getLogger(__name__)
 
 
 def run_passes(state: FitState | None, layout: Layout, mode: StatisticsMode, *, top_k: int | None,
-               run: Callable[[FitState, str], None], save: Callable[[FitState], None] | None) -> FitState:
-    """Every pass of ``mode`` from ``state`` (None: the start) over ``layout`` (a rank's target layers):
-    ``run(state, label)`` merges a pass's remaining batches; ``save(state)`` checkpoints the start of
-    pass 2, so a restarted fit never runs pass 1 again.  Returns the last pass's state."""
+               run: Callable[[FitState, str], None], save: Callable[[FitState], None] | None,
+               samples: dict | None = None) -> FitState:
+    """Every pass of ``mode`` from ``state`` (None: the start, with the reservoirs ``samples``, which pass 1
+    fills) over ``layout`` (a rank's target layers): ``run(state, label)`` merges a pass's remaining
+    batches; ``save(state)`` checkpoints the start of pass 2, so a restarted fit never runs pass 1 again.
+    Returns the last pass's state."""
     if state is None:
         gram = "diagonal" if mode.passes == 2 else "full"
-        state = FitState({name: KVStats(layout, dtype=mode.torch_dtype, gram=gram) for name in SPLITS})
+        state = FitState({name: KVStats(layout, dtype=mode.torch_dtype, gram=gram) for name in SPLITS},
+                         samples=samples)
     if state.pass_index == 1:
         run(state, "capture" if mode.passes == 1 else "capture pass 1")
         if mode.passes == 1:
@@ -68,7 +71,7 @@ def second_pass(state: FitState, mode: StatisticsMode, *, top_k: int | str) -> F
     del train, heldout
     kept = Layout(len(candidates), layout.src_width, layout.dst_layers, layout.dst_width)
     stats = {name: KVStats(kept, dtype=mode.torch_dtype) for name in SPLITS}
-    return FitState(stats, pass_index=2, candidates=candidates, probe=(probe_k, probe_v))
+    return FitState(stats, pass_index=2, candidates=candidates, probe=(probe_k, probe_v), samples=state.samples)
 
 
 def solve_candidates(state: FitState, mode: StatisticsMode, *, top_k: int | None, ridge_lambda: float | None,
