@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_scale import Timer, build_model, random_mapper  # noqa: E402  (the same model builder and timer)
+from gpu_scale import Timer, build_model, random_mapper  # the same model builder and timer
 
 # Qwen2.5-7B(-Instruct / -Coder) config.json, the fields that shape the model (kvhub ships no 7B config)
 QWEN25_7B = {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), make sure PostgreSQL server binaries exist for the store tests, fetch the
-# evaluation sets, run the tests.
+# Set up (scripts/setup.sh), run the lint and type checks (scripts/lint.sh), make sure PostgreSQL server
+# binaries exist for the store tests, fetch the evaluation sets, run the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/lint.sh
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \

@@ -245,7 +245,7 @@ def _request(url: str, body: dict | None = None, *, timeout: float):
         raise _unreachable(url, exc, timeout) from exc
     try:
         return json.loads(raw)
-    except RecursionError as exc:
+    except RecursionError:
         raise ServeError(f"{url} answered JSON nested too deeply to read: {_detail(raw)}") from None
     except ValueError as exc:
         raise ServeError(f"{url} answered something that is not JSON: {_detail(raw)}") from exc

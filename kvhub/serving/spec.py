@@ -133,6 +133,6 @@ def _field_value(key: str, kind: str, value, *, origin: str):
     return number
 
 
-FIELDS = {f.name: f.type for f in fields(Recompute)}  # name -> "int" / "float" / "str" (annotations are strings)
+FIELDS: dict[str, str] = {f.name: str(f.type) for f in fields(Recompute)}  # name -> "int" / "float" / "str"
 HANDOFF = Recompute(DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX, DEFAULT_EXACT_BUDGET, DEFAULT_SELECT)
 SERVING = replace(HANDOFF, select=SERVING_SELECT)
