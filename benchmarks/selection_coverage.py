@@ -47,7 +47,7 @@ def answer_start(prompt: list[int], answer: list[int]) -> int | None:
 @click.option("--db", default=None)
 @click.option("--json", "as_json", is_flag=True)
 def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
-    from kvhub.eval.longctx import build_items
+    from kvhub.eval.recall_tasks import build_items
     from kvhub.eval.run import load_version
     from kvhub.store import open_store
 

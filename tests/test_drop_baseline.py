@@ -10,9 +10,10 @@ import torch
 
 from kvhub.core.capture import run_model
 from kvhub.core.control import control_mapper
-from kvhub.eval.followup import FOLLOWUP_CONDITIONS, FollowupTask, followup_items, score_followup_item
+from kvhub.eval.followup import FOLLOWUP_CONDITIONS, followup_items, score_followup_item
 from kvhub.eval.gist import GistScore, gist_items, score_gist_item, summarize_gist
 from kvhub.eval.longctx import LONG_CONDITIONS, answer_score, fact_items, score_recall_item
+from kvhub.eval.recall_tasks import FollowupTask
 from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
 from kvhub.serving import drop

@@ -24,8 +24,8 @@ from kvhub.cli.main import main
 from kvhub.core.capture import cache_kwargs
 from kvhub.errors import ServeError
 from kvhub.eval import served
-from kvhub.eval.longctx import FLOOR_TOKENS, LONG_CONDITIONS, RecallItem
-from kvhub.eval.served import Completion, Endpoint, evaluate_served
+from kvhub.eval.longctx import FLOOR_TOKENS, RecallItem
+from kvhub.eval.served import SERVED_CONDITIONS, Completion, Endpoint, evaluate_served
 from tests.tinymodels import make_model
 
 VOCAB = 128  # tinymodels' vocabulary: one token per ASCII character
@@ -295,7 +295,7 @@ def test_each_condition_is_scored_from_its_own_request(scored, tokenizer, items,
         assert record["prediction"] == {
             "own": item.answer, "mapped": item.answer, "control": tokenizer.decode(row["control"][:ANSWER_TOKENS]),
             "source": tokenizer.decode(row["source"]), "floor": tokenizer.decode(row["floor"])}
-        assert record["logprobs"] == {c: 0.0 for c in LONG_CONDITIONS} and record["recomputed"] == EXACT_TAIL
+        assert record["logprobs"] == {c: 0.0 for c in SERVED_CONDITIONS} and record["recomputed"] == EXACT_TAIL
         assert record["agreement"]["mapped"] == AGREEMENT and record["transfer_reported"]
 
 
@@ -414,7 +414,7 @@ def test_json_document_and_samples(pair, tmp_path):
     assert config["large"] == {"url": pair.large_url, "model": LARGE_NAME}
     assert config["tokenizer"] == pair.small_name and config["datasets"]["code-64"]["n"] == 1
     samples = [json.loads(line) for line in next(tmp_path.glob("samples_code-64_*.jsonl")).read_text().splitlines()]
-    assert len(samples) == 1 and all(set(s["prediction"]) == set(LONG_CONDITIONS) for s in samples)
+    assert len(samples) == 1 and all(set(s["prediction"]) == set(SERVED_CONDITIONS) for s in samples)
 
 
 def test_table_and_a_server_error_through_the_command(pair):

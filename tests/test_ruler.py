@@ -7,7 +7,7 @@ import pytest
 
 from kvhub.errors import ConfigError
 from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
-from kvhub.eval.longctx import build_items
+from kvhub.eval.recall_tasks import build_items
 from kvhub.eval.ruler import COMMON, HOPS, NEEDLES, press_rows, row_item
 from tests.fixtures_calib import train_tokenizer
 

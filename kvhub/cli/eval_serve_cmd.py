@@ -11,7 +11,7 @@ import click
 
 from kvhub.cli.console import plain, say
 from kvhub.cli.output import format_option
-from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS
+from kvhub.eval.catalog import GIST_TASKS, SERVED_LONG_TASKS
 from kvhub.errors import ConfigError
 
 MAX_CONTEXT_TOKENS = 1 << 20  # longer prompts than any served model takes; 10^8 ran the client out of memory
@@ -34,7 +34,7 @@ _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "
               help="Tokenizer that builds the prompts' token ids: a model directory, .gguf file, tokenizer.json or "
                    "model id (default: the small model's name; a model `kvhub fetch models` fetched is read from "
                    "its local copy).")
-@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(LONG_TASKS + GIST_TASKS),
+@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(SERVED_LONG_TASKS + GIST_TASKS),
               help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
                    "gist-document or gist-code (the large model's own answer about the whole context, scored "
                    "teacher-forced).")
@@ -177,7 +177,7 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
             summary = evaluate_served_gist(small, large, task=task, context_tokens=length, items=items,
                                            seed=run["seed"], log_samples=run["log_samples"], progress=callback)
     else:
-        from kvhub.eval.longctx import build_items
+        from kvhub.eval.recall_tasks import build_items
         from kvhub.eval.served import evaluate_served
 
         builder = "kvhub.eval.longctx"

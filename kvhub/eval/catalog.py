@@ -14,6 +14,7 @@ RULER_TASKS = ("niah-multikey", "vt", "cwe")  # kvhub.eval.ruler
 LONG_TASKS = ("facts", "multiturn", "code", "followup") + RULER_TASKS
 GIST_KINDS = ("chat", "document", "code")
 GIST_TASKS = tuple(f"gist-{kind}" for kind in GIST_KINDS)
+SERVED_LONG_TASKS = tuple(t for t in LONG_TASKS if t != "followup")  # the follow-up's turns are library-only
 TASKS = MC_TASKS + ("ppl",) + LONG_TASKS + GIST_TASKS
 
-__all__ = ["GIST_KINDS", "GIST_TASKS", "LONG_TASKS", "MC_TASKS", "RULER_TASKS", "TASKS"]
+__all__ = ["GIST_KINDS", "GIST_TASKS", "LONG_TASKS", "MC_TASKS", "RULER_TASKS", "SERVED_LONG_TASKS", "TASKS"]

@@ -24,14 +24,13 @@ a follow-up where that share is below 1).
 
 from __future__ import annotations
 
-import functools
 import random
 
 import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
-from kvhub.eval.longctx import (_COLOURS, _THINGS, DEPTHS, FLOOR_TOKENS, RecallItem, RecallScore, RecallTask,
-                                _answer_ids, _count, _haystack, answer_score, filler_paragraphs, summarize_recall)
+from kvhub.eval.longctx import (_COLOURS, _THINGS, DEPTHS, FLOOR_TOKENS, RecallItem, RecallScore, _answer_ids,
+                                _count, _haystack, answer_score)
 
 FOLLOWUP_CONDITIONS = ("own", "mapped", "reselect", "drop", "drop_reselect", "control", "source", "floor")
 FOLLOWUP_PAIRS = (("reselect", "drop"), ("reselect", "drop_reselect"), ("reselect", "control"), ("mapped", "drop"))
@@ -139,26 +138,3 @@ def score_followup_item(item: RecallItem, *, mapper, control, source, target, to
             logp={c: r[2] for c, r in ordered.items()}, recomputed=int(held.numel()), meta=meta,
             predicted={c: tokenizer.decode(r[3]) for c, r in ordered.items()}, gold=item.answer))
     return scores
-
-
-class FollowupTask(RecallTask):
-    """The follow-up turn at one length, as :func:`kvhub.eval.run.run_task` runs it."""
-
-    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
-        super().__init__(task, loaded, context_tokens=context_tokens, limit=limit, seed=seed)
-        self.read_score = functools.partial(RecallScore.from_record, conditions=FOLLOWUP_CONDITIONS)
-
-    def items(self) -> list[RecallItem]:
-        return followup_items(self.loaded.tokenizer, filler_paragraphs(seed=self.seed),
-                              context_tokens=self.context_tokens, n=self.limit, seed=self.seed)
-
-    def score(self, item: RecallItem, variants) -> list[RecallScore]:
-        loaded = self.loaded
-        return score_followup_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
-                                   target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
-
-    def summarize(self, scores: list[RecallScore]) -> dict:
-        summary = summarize_recall(scores, seed=self.seed, pairs=FOLLOWUP_PAIRS)
-        shares = [s.meta["room_in_r1"] for s in scores if s.meta.get("room_in_r1") is not None]
-        summary["room_in_r1"] = sum(shares) / len(shares) if shares else float("nan")
-        return summary

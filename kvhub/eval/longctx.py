@@ -29,7 +29,6 @@ Conditions per item (one ItemScore per recompute variant; own/source/floor share
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import random
@@ -41,7 +40,6 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
 
 LONG_CONDITIONS = ("own", "mapped", "drop", "control", "source", "floor")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -217,27 +215,6 @@ def filler_paragraphs(*, limit: int = 2000, seed: int = 0) -> list[str]:
     return [item.context + item.continuations[item.label] for item in load_task("hellaswag", limit=limit, seed=seed)]
 
 
-def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
-                filler: list[str] | None = None) -> list[RecallItem]:
-    if task not in LONG_TASKS:
-        raise ConfigError(f"unknown long-context task {task!r}; use one of {', '.join(LONG_TASKS)}")
-    if context_tokens < 64:
-        raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
-    if task == "code":
-        return code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed)
-    filler = filler if filler is not None else filler_paragraphs(seed=seed)
-    if task in RULER_TASKS:
-        from kvhub.eval.ruler import ruler_items
-
-        return ruler_items(task, tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
-    if task == "followup":
-        from kvhub.eval.followup import followup_items
-
-        return followup_items(tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
-    builder = fact_items if task == "facts" else multiturn_items
-    return builder(tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
-
-
 # ---- scoring -------------------------------------------------------------------------------------
 @dataclass
 class RecallScore:
@@ -368,39 +345,3 @@ def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
     out["recomputed_fraction"] = sum(s.recomputed / max(1, s.meta.get("context_tokens", 1) - 1) for s in scores) / n
     return out
-
-
-class RecallTask:
-    """A long-context task at one length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
-    the control map is scored beside every variant, with the same recompute."""
-
-    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
-        from kvhub.core.control import control_mapper
-
-        self.task, self.loaded, self.context_tokens, self.limit, self.seed = task, loaded, context_tokens, limit, seed
-        self.name = f"{task}-{context_tokens}"
-        self.control = control_mapper(loaded.mapper)
-        self.read_score = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
-
-    def items(self) -> list[RecallItem]:
-        return build_items(self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
-                           seed=self.seed)
-
-    def score(self, item: RecallItem, variants) -> list[RecallScore]:
-        loaded = self.loaded
-        return score_recall_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
-                                 target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
-
-    def summarize(self, scores: list[RecallScore]) -> dict:
-        return summarize_recall(scores, seed=self.seed)
-
-    def record(self, variant: str, item: RecallItem, score: RecallScore) -> dict:
-        from kvhub.eval.results import recall_record
-
-        return recall_record(self.name, variant, item, score)
-
-    def dataset(self, items) -> dict:
-        from kvhub.eval.results import items_sha256
-
-        return {"name": self.name, "origin": f"built by kvhub.eval.longctx (seed {self.seed})",
-                "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}

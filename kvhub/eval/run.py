@@ -7,7 +7,7 @@ are cached (:mod:`kvhub.eval.results_cache`, keyed by :func:`kvhub.eval.results_
 run resumes and a new variant reuses the rest; :func:`evaluate` runs every task and returns results,
 data sets and samples; :func:`results_config` and :func:`metric_rows` shape them for the results
 document (:mod:`kvhub.eval.results`) and the store.  The task kinds live beside their scorers
-(:class:`kvhub.eval.taskeval.ChoiceTask`, :class:`kvhub.eval.longctx.RecallTask`,
+(:class:`kvhub.eval.taskeval.ChoiceTask`, :class:`kvhub.eval.recall_tasks.RecallTask`,
 :class:`kvhub.eval.gist.GistTask`, :class:`kvhub.eval.perplexity.PerplexityTask`); :func:`build_tasks`
 makes them from the names the CLI takes (:mod:`kvhub.eval.catalog`).
 """
@@ -189,9 +189,8 @@ def build_tasks(names, loaded: LoadedVersion, *, limit: int, seed: int, context_
                 items: dict | None = None) -> list[Task]:
     """The tasks ``names`` (:mod:`kvhub.eval.catalog`) over ``loaded``: one per long-context / gist task and
     context length.  ``items``: multiple-choice items already read (task -> items)."""
-    from kvhub.eval.followup import FollowupTask
     from kvhub.eval.gist import GistTask
-    from kvhub.eval.longctx import RecallTask
+    from kvhub.eval.recall_tasks import FollowupTask, RecallTask
     from kvhub.eval.perplexity import PerplexityTask
     from kvhub.eval.taskeval import ChoiceTask
 

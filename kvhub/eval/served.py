@@ -64,6 +64,10 @@ _READ_BYTES = 1 << 16
 # $http_proxy is for the internet; the pair runs on this machine or its cluster, where a proxy only gets in the way
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+# The conditions a served run scores: no `drop`, which needs the large engine to prefill chosen positions
+# at their true positions (kvhub eval scores it in the library).
+SERVED_CONDITIONS = ("own", "mapped", "control", "source", "floor")
+
 
 # ---- talking to one server ---------------------------------------------------------------------------
 def base_url(url: str, *, option: str = "URL") -> str:
@@ -359,7 +363,7 @@ def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tok
                                             kv_transfer_params=dict(CONTROL_PARAMS))
     completions["floor"] = large.complete(prompt[-FLOOR_TOKENS:], max_tokens=len(answer), cache_salt=new_tenant())
     ids = {c: completion.ids(tokenizer) for c, completion in completions.items()}
-    conditions = tuple(completions)  # no `drop` here: an engine cannot prefill chosen positions over HTTP
+    conditions = SERVED_CONDITIONS
     head = {c: ids[c][: len(answer)] for c in conditions}
     recomputed = completions["mapped"].recomputed_tokens
     recall = RecallScore(
@@ -408,7 +412,7 @@ def evaluate_served(small: Endpoint, large: Endpoint, tokenizer, *, task: str, c
     ``task``, ``requested_context_tokens`` and ``agreement_tokens``; with ``log_samples``, ``samples``:
     one :func:`served_record` per item.
     """
-    from kvhub.eval.longctx import build_items
+    from kvhub.eval.recall_tasks import build_items
 
     if items is None:
         items = build_items(task, tokenizer, context_tokens=context_tokens, n=limit, seed=seed)

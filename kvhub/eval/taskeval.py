@@ -4,12 +4,14 @@ Each item (context, continuations, label) is scored lm-eval-harness style: the l
 continuation's tokens given the context; ``acc`` takes the argmax of the sum, ``acc_norm`` of the sum
 divided by the continuation's length in characters.  Items with ``choice_prefixes`` (WinoGrande) condition
 choice i on context + prefix_i: the shared context is mapped, the prefix is computed by the target, and
-only the continuation is scored.  Three conditions:
+only the continuation is scored.  Four conditions:
 
 - ``own``:    the target over context + continuation;
 - ``mapped``: the source prefills context[:-1], the mapper turns that cache into the target's, the
               target consumes the last context token and the continuation (the handoff);
-- ``source``: the source model alone over context + continuation.
+- ``source``: the source model alone over context + continuation;
+- ``drop``:   the target over only the context positions the handoff recomputed, at their true positions
+              (:mod:`kvhub.serving.drop`): the no-fit alternative, with the same target compute.
 
 Retention = acc(mapped) / acc(own); gap closed = (acc(mapped) - acc(source)) / (acc(own) - acc(source)).
 :func:`condition_cache` builds the cache of each condition and :func:`score_continuations` scores token-level
@@ -30,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
-from kvhub.serving.handoff import prepare_cache
+from kvhub.serving.drop import drop_cache
+from kvhub.serving.handoff import prepare_cache, prepare_cache_counted
 from kvhub.serving.recompute import Recompute
 
 
@@ -54,6 +57,8 @@ class ItemScore:
     attn_cosine: float
     logprobs: dict | None = None
     gold: int | None = None
+    correct_drop: int | None = None  # the target over only the handoff's recompute set (kvhub.serving.drop)
+    correct_norm_drop: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +69,8 @@ class ItemScore:
         (ValueError), so the per-item cache scores that item again."""
         if record.get("logprobs") is None:
             raise ValueError("record without per-choice log-likelihoods")
+        if record.get("correct_drop") is None:
+            raise ValueError("record without the drop condition")
         return cls(**record)
 
     def predictions(self) -> dict[str, int]:
@@ -147,9 +154,11 @@ class _AttnRecorder:
 
 
 @torch.no_grad()
-def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, *, recorder=None):
+def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, *, recorder=None,
+                 start: int | None = None):
     """Logits of ``model`` over the tails (n, W) continuing a batch-1 cache of the shared context (None:
-    no context before the tails)."""
+    no context before the tails).  ``start``: the tails' first position when the cache holds fewer
+    entries than positions (a drop cache)."""
     kwargs = {}
     mask = tail_mask
     if cache is not None:
@@ -158,6 +167,9 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
         past = cache.get_seq_length()
         mask = torch.cat([torch.ones(n, past, dtype=torch.long, device=tail_ids.device), tail_mask], 1)
         kwargs = {"use_cache": True, **cache_kwargs(model, cache)}
+        if start is not None:
+            width = tail_ids.shape[1]
+            kwargs["position_ids"] = torch.arange(start, start + width, device=tail_ids.device).expand(n, -1)
     with recorder or contextlib.nullcontext():
         logits = model(input_ids=tail_ids, attention_mask=mask, **kwargs).logits
     return logits, (list(recorder.outputs) if recorder else [])
@@ -239,22 +251,27 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
     own_logits, own_attn = _tail_logits(*condition_cache("own", context, **shared), tail_ids, tail_mask,
                                         recorder=recorder)
     source_cache = run_model(source, context[:, :-1])
-    mapped_caches = [condition_cache("mapped", context, mapper=mapper, recompute=spec, source_cache=source_cache,
-                                     **shared)[1]
-                     for spec in variants]  # before the source tails below grow source_cache
+    prepared = [prepare_cache_counted(mapper, source, target, context, recompute=spec.capped(len(ctx) - 1),
+                                      tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
+                for spec in variants]  # before the source tails below grow source_cache
     src_logits, _ = _tail_logits(*condition_cache("source", context, source_cache=source_cache, **shared),
                                  tail_ids, tail_mask)
     own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)
     src = _continuation_logprobs(src_logits, tail_ids, starts, lengths)
     scores = []
-    for cache in mapped_caches:
+    for cache, positions in prepared:
         map_logits, map_attn = _tail_logits(target, cache, tail_ids, tail_mask, recorder=recorder)
         mapped = _continuation_logprobs(map_logits, tail_ids, starts, lengths)
-        scores.append(_item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask))
+        kept = drop_cache(target, context[:, :-1], positions)  # the same positions, nothing mapped
+        dropped = _continuation_logprobs(_tail_logits(target, kept, tail_ids, tail_mask, start=len(ctx) - 1)[0],
+                                         tail_ids, starts, lengths)
+        scores.append(_item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask,
+                                  dropped=dropped))
     return scores
 
 
-def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask) -> ItemScore:
+def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask, *,
+                dropped) -> ItemScore:
     n = len(own)
     chars = [max(1, len(c)) for c in item.continuations]
     pick = lambda scores: int(max(range(n), key=lambda i: scores[i]))  # noqa: E731
@@ -269,7 +286,8 @@ def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_at
         agree_next=int(own_next.argmax() == map_next.argmax()),
         kl_next=float((own_next.exp() * (own_next - map_next)).sum()),
         attn_cosine=_attn_cosine(own_attn, map_attn, tail_mask),
-        logprobs={"own": own, "mapped": mapped, "source": src}, gold=int(item.label),
+        logprobs={"own": own, "mapped": mapped, "source": src, "drop": dropped}, gold=int(item.label),
+        correct_drop=int(pick(dropped) == item.label), correct_norm_drop=int(pick(norm(dropped)) == item.label),
     )
 
 
@@ -299,6 +317,8 @@ def summarize(scores: list[ItemScore], *, seed: int = 0, resamples: int = 1000) 
     out = {"n": n}
     for suffix, prefix in (("", "correct_"), ("_norm", "correct_norm_")):
         cols = {c: [getattr(s, f"{prefix}{c}") for s in scores] for c in MC_CONDITIONS}
+        if all(getattr(s, f"{prefix}drop") is not None for s in scores):
+            cols["drop"] = [getattr(s, f"{prefix}drop") for s in scores]
         stats = _ratios(cols, range(n))
         boot = [_ratios(cols, d) for d in draws]
         for key, value in stats.items():
@@ -318,8 +338,11 @@ def _ratios(cols: dict[str, list[int]], index) -> dict[str, float]:
     acc = {c: sum(cols[c][i] for i in index) / len(index) for c in cols}
     retention = acc["mapped"] / acc["own"] if acc["own"] else math.nan
     gap = acc["own"] - acc["source"]
-    return {"acc_own": acc["own"], "acc_mapped": acc["mapped"], "acc_source": acc["source"],
-            "retention": retention, "gap_closed": (acc["mapped"] - acc["source"]) / gap if gap else math.nan}
+    out = {"acc_own": acc["own"], "acc_mapped": acc["mapped"], "acc_source": acc["source"],
+           "retention": retention, "gap_closed": (acc["mapped"] - acc["source"]) / gap if gap else math.nan}
+    if "drop" in acc:
+        out.update(acc_drop=acc["drop"], map_minus_drop=acc["mapped"] - acc["drop"])
+    return out
 
 
 class ChoiceTask:

@@ -1,0 +1,90 @@
+"""The long-context tasks ``kvhub eval`` runs (:class:`kvhub.eval.run.Task`): items by name, and the task classes.
+
+:func:`build_items` makes the items of any long-context task of :data:`kvhub.eval.catalog.LONG_TASKS` (facts,
+multiturn, code: :mod:`kvhub.eval.longctx`; RULER-style: :mod:`kvhub.eval.ruler`; the follow-up turn:
+:mod:`kvhub.eval.followup`); ``kvhub eval-serve`` builds its items here too.  :class:`RecallTask` scores them
+with :func:`kvhub.eval.longctx.score_recall_item`, :class:`FollowupTask` with
+:func:`kvhub.eval.followup.score_followup_item`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvhub.errors import ConfigError
+from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
+from kvhub.eval.followup import FOLLOWUP_CONDITIONS, FOLLOWUP_PAIRS, followup_items, score_followup_item
+from kvhub.eval.longctx import (LONG_CONDITIONS, RecallItem, RecallScore, code_items, fact_items, filler_paragraphs,
+                                multiturn_items, score_recall_item, summarize_recall)
+from kvhub.eval.ruler import ruler_items
+
+
+def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
+                filler: list[str] | None = None) -> list[RecallItem]:
+    """``n`` seeded items of the long-context ``task`` of about ``context_tokens`` tokens."""
+    if task not in LONG_TASKS:
+        raise ConfigError(f"unknown long-context task {task!r}; use one of {', '.join(LONG_TASKS)}")
+    if context_tokens < 64:
+        raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
+    if task == "code":
+        return code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed)
+    filler = filler if filler is not None else filler_paragraphs(seed=seed)
+    if task in RULER_TASKS:
+        return ruler_items(task, tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
+    builder = {"facts": fact_items, "multiturn": multiturn_items, "followup": followup_items}[task]
+    return builder(tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
+
+
+class RecallTask:
+    """A long-context task at one length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
+    the control map is scored beside every variant, with the same recompute."""
+
+    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
+        from kvhub.core.control import control_mapper
+
+        self.task, self.loaded, self.context_tokens, self.limit, self.seed = task, loaded, context_tokens, limit, seed
+        self.name = f"{task}-{context_tokens}"
+        self.control = control_mapper(loaded.mapper)
+        self.read_score = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
+
+    def items(self) -> list[RecallItem]:
+        return build_items(self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
+                           seed=self.seed)
+
+    def score(self, item: RecallItem, variants) -> list[RecallScore]:
+        loaded = self.loaded
+        return score_recall_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
+                                 target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+
+    def summarize(self, scores: list[RecallScore]) -> dict:
+        return summarize_recall(scores, seed=self.seed)
+
+    def record(self, variant: str, item: RecallItem, score: RecallScore) -> dict:
+        from kvhub.eval.results import recall_record
+
+        return recall_record(self.name, variant, item, score)
+
+    def dataset(self, items) -> dict:
+        from kvhub.eval.results import items_sha256
+
+        return {"name": self.name, "origin": f"built by kvhub.eval.longctx (seed {self.seed})",
+                "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}
+
+
+class FollowupTask(RecallTask):
+    """The follow-up turn at one length, as :func:`kvhub.eval.run.run_task` runs it."""
+
+    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
+        super().__init__(task, loaded, context_tokens=context_tokens, limit=limit, seed=seed)
+        self.read_score = functools.partial(RecallScore.from_record, conditions=FOLLOWUP_CONDITIONS)
+
+    def score(self, item: RecallItem, variants) -> list[RecallScore]:
+        loaded = self.loaded
+        return score_followup_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
+                                   target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+
+    def summarize(self, scores: list[RecallScore]) -> dict:
+        summary = summarize_recall(scores, seed=self.seed, pairs=FOLLOWUP_PAIRS)
+        shares = [s.meta["room_in_r1"] for s in scores if s.meta.get("room_in_r1") is not None]
+        summary["room_in_r1"] = sum(shares) / len(shares) if shares else float("nan")
+        return summary
