@@ -41,6 +41,7 @@ from kvhub.fitting.options import DEFAULT_CALIBRATION
                    "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
                    "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.")
 @fit_options("statistics", "candidates")
+@fit_options("map_kind", "mlp_width", "mlp_depth", "mlp_tokens", "mlp_epochs")
 @click.option("--ignore-plan", is_flag=True,
               help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
 @format_option
@@ -78,10 +79,13 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
         check_series_name(name, calib=calib)
     if not no_register and not launched_rank():
         check_series_text(request, name=name, db=db)
+    from kvhub.fitting.distributed import launched
+    from kvhub.fitting.mlp_fit import check_options
+
+    if nproc or launched():  # --map mlp runs in one process: refused before torchrun starts or models load
+        check_options(request.options, heldout_sequences=1, distributed=True)
     if nproc:
         raise SystemExit(_launch_torchrun(nproc))
-    from kvhub.fitting.distributed import launched
-
     if launched():
         mapper = _fit_rank(request, ignore_plan=ignore_plan)
         if mapper is None:  # ranks other than 0: rank 0 saves, registers and reports
@@ -290,7 +294,7 @@ def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> N
         echo_json({"ref": full_ref, "out": str(out) if out else None, "metrics": metrics,
                    "k": shown(mapper.metadata.get("k")), "lambda": shown(mapper.metadata.get("lambda")),
                    "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"],
-                   "statistics": mapper.metadata["fit"].get("statistics")})
+                   "statistics": mapper.metadata["fit"].get("statistics"), "kind": mapper.kind.name})
         return
     print_table(LAYER_COLUMNS, _layer_rows(mapper), output_format=output_format, right=tuple(LAYER_COLUMNS),
                 title=f"{mapper.source['model_id']} -> {mapper.target['model_id']}")
@@ -298,7 +302,8 @@ def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> N
     if "heldout_r2_k_mean" in metrics:
         say(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
             f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})", to=to)
-    say(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.num_parameters():,} parameters; "
+    say(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.kind.describe(mapper.kind_settings())}, "
+        f"{mapper.num_parameters():,} parameters; "
         f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}", to=to)
     timings = mapper.metadata["fit"]["timings"]
     say(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "

@@ -176,7 +176,7 @@ class Mapper:
                     bias, mean = tensor_name(prefix, "bias"), self.tensors[tensor_name(prefix, "target_mean")]
                     self._scaled[last] = self.tensors[last] * scale
                     self._scaled[bias] = scale * self.tensors[bias] + (1 - scale) * mean
-                    for name in (tensor_name(prefix, p) for p in self.kind.output_parts(self._settings())):
+                    for name in (tensor_name(prefix, p) for p in self.kind.output_parts(self.kind_settings())):
                         self._scaled[name] = self.tensors[name] * scale
         return self._scaled
 
@@ -357,7 +357,7 @@ class Mapper:
                                     "out's tensors must share one dtype, and dtype must be None or that one")
         return dtypes.pop()
 
-    def _settings(self) -> dict:
+    def kind_settings(self) -> dict:
         """The settings block of this mapper's kind in mapper.json (empty for ridge)."""
         return self.metadata.get(self.kind.block) or {} if self.kind.block else {}
 
@@ -368,7 +368,7 @@ class Mapper:
         term = RESIDUALS.get(self.kind.name)
         if term is None:
             return y
-        r = term(parts, map_prefix(kind, m), self._settings(), lambda name: self._weight(name, parts[0].dtype))
+        r = term(parts, map_prefix(kind, m), self.kind_settings(), lambda name: self._weight(name, parts[0].dtype))
         return (y.float() + r.view_as(y)).to(y.dtype)
 
     def _linear(self, parts: list[torch.Tensor], kind: str, m: int) -> torch.Tensor:

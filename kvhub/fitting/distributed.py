@@ -44,6 +44,7 @@ from kvhub.fitting import checkpoint as checkpoints
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.fit import (build_mapper, capture_pair, fit_batches, layout_for, pair_fingerprints, resuming_line,
                                solve_statistics, statistics_mode, structure_for, with_stride)
+from kvhub.fitting.mlp_fit import check_options
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.two_pass import run_passes
@@ -135,6 +136,7 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     token ids and options; returns the Mapper on rank 0 and None on the others.  ``notify(line)``: rank 0's
     status lines (resuming from a checkpoint); default: the log."""
     options = with_stride(options or FitOptions())
+    check_options(options, heldout_sequences=1, distributed=True)  # --map mlp: one process only
     source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
                                              source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
     job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)

@@ -165,16 +165,19 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
     """
     from kvhub.fitting.checkpoint import discard
     from kvhub.fitting.fit import fit
+    from kvhub.fitting.mlp_fit import checkpoint_path as mlp_checkpoint
 
     job = prepare(request, notify=notify, progress=progress)
     if request.restart:
         discard(job.options.checkpoint)
+        discard(mlp_checkpoint(job.options.checkpoint))
     with (progress or _no_progress)("tok/s") as callback:
         mapper = fit(job.source, job.target, job.train, job.heldout, source_id=job.source_id,
                      target_id=job.target_id, source_tokenizer=job.source_tokenizer,
                      target_tokenizer=job.target_tokenizer, calibration=job.calibration, options=job.options,
                      progress=callback, notify=notify)
     discard(job.options.checkpoint)
+    discard(mlp_checkpoint(job.options.checkpoint))
     return mapper
 
 
@@ -187,6 +190,9 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
     import torch.distributed as dist
 
     from kvhub.fitting.distributed import fit_distributed, remove_checkpoints
+    from kvhub.fitting.mlp_fit import check_options
+
+    check_options(request.options, heldout_sequences=1, distributed=True)  # before any model loads
 
     if group.device.type == "cuda":
         request = dataclasses.replace(request, device=str(group.device))

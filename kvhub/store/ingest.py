@@ -233,6 +233,7 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
         format_version=metadata["format_version"],
         kvhub_version=metadata.get("kvhub_version"),
         lineage=lineage,
+        **map_kind_columns(metadata),
     )
     session.add(row)
     session.flush()
@@ -241,6 +242,17 @@ def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lin
     newest = newest_version(session, series.id)
     set_alias(session, series.id, LATEST, row.id if newest is None else newest.id)  # never None: row is there
     return row.id
+
+
+def map_kind_columns(metadata: dict) -> dict:
+    """The version row's map kind columns from mapper.json (checked by kvhub.artifact): ``map_kind``, and for an
+    mlp map its ``mlp_width``, ``mlp_depth`` and ``mlp_losses`` (train and held-out MSE per layer, K and V)."""
+    kind = metadata.get("kind") or "ridge"
+    settings = metadata.get("mlp") if kind == "mlp" else None
+    if not isinstance(settings, dict):
+        return {"map_kind": kind}
+    return {"map_kind": kind, "mlp_width": settings.get("width"), "mlp_depth": settings.get("depth"),
+            "mlp_losses": settings.get("losses")}
 
 
 def check_same_text(session: Session, metadata: dict) -> None:

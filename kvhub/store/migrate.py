@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 VERSION_TABLE = "kvhub_alembic_version"  # also named in migrations/env.py
 # The newest revision in migrations/versions.  Opening a store compares against this constant, so the
 # common case (schema current) never imports Alembic; a test keeps it equal to Alembic's own head.
-SCHEMA_HEAD = "0002_hub_publications"
+SCHEMA_HEAD = "0003_map_kind"
 
 
 def migrations_dir() -> Path:

@@ -62,6 +62,10 @@ class MapperVersion:
     lineage: dict | None = field(hash=False)
     aliases: tuple[str, ...] = ()
     calibration_text_sha256: str | None = None
+    map_kind: str = "ridge"  # kvhub.artifact.kinds; an mlp map's shape and losses below
+    mlp_width: int | None = None
+    mlp_depth: int | None = None
+    mlp_losses: dict | None = field(default=None, hash=False)
 
     @property
     def ref(self) -> str:
@@ -107,4 +111,8 @@ def version_record(row: VersionRow, aliases: list[str] | tuple[str, ...] = ()) -
         lineage=row.lineage,
         aliases=tuple(sorted(aliases)),
         calibration_text_sha256=corpus_hash(row.calibration_set.recipe),
+        map_kind=row.map_kind or "ridge",
+        mlp_width=row.mlp_width,
+        mlp_depth=row.mlp_depth,
+        mlp_losses=row.mlp_losses,
     )

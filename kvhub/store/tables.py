@@ -7,7 +7,7 @@ Tables
     mapper_series     one row per (source name, target name, calibration name): the triple a reference
                       names; ``last_version`` is the counter that keeps version numbers monotonic even
                       after the newest version is removed
-    mapper_versions   one immutable row per registered artifact
+    mapper_versions   one immutable row per registered artifact (its map kind, and an mlp map's shape and losses)
     aliases           (series, name) -> version; ``latest`` is maintained by the store
     metrics           name/value/split/task/layer/n/seed measurements of a version
     hub_publications  where a version was pushed (repo id, revision, commit sha)
@@ -147,6 +147,10 @@ class VersionRow(Base):
     format_version: Mapped[int] = mapped_column(Integer)
     kvhub_version: Mapped[str | None] = mapped_column(String(32))
     lineage: Mapped[dict | None] = mapped_column(JSON)
+    map_kind: Mapped[str] = mapped_column(String(32), default="ridge", server_default="ridge")  # artifact.kinds
+    mlp_width: Mapped[int | None] = mapped_column(Integer)  # kind mlp: hidden width and layers of its MLPs
+    mlp_depth: Mapped[int | None] = mapped_column(Integer)
+    mlp_losses: Mapped[dict | None] = mapped_column(JSON)  # {"k"|"v": {"train"|"heldout": [MSE per layer]}}
 
     series: Mapped[SeriesRow] = relationship()
     source_model: Mapped[ModelRow] = relationship(foreign_keys=[source_model_id])
