@@ -64,7 +64,7 @@ def mlp_part(index: int, what: str) -> str:
 def _mlp_parts(settings: dict, d_in: int, d_out: int) -> dict[str, tuple[int, ...]]:
     width, depth = settings["width"], settings["depth"]
     widths = [d_in] + [width] * depth + [d_out]  # layer i maps widths[i] -> widths[i + 1]
-    parts = {}
+    parts: dict[str, tuple[int, ...]] = {}
     for i in range(depth + 1):
         parts[mlp_part(i, "weight")] = (widths[i], widths[i + 1])
         parts[mlp_part(i, "bias")] = (widths[i + 1],)

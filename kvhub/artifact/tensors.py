@@ -159,7 +159,7 @@ def format_version_of(shapes: dict[str, tuple[int, ...]]) -> int:
     """The format version an artifact with these tensors declares: 1 for dense maps only (readable by
     every kvhub), 2 when a head-local or low-rank map is stored, 3 when ``target_mean`` tensors are, and
     a map kind's own version when its tensors are (4 for ``mlp``, kvhub.artifact.kinds)."""
-    kinds = {kind_of_part(_part(name)) for name in shapes} - {None}
+    kinds = {kind for kind in (kind_of_part(_part(name)) for name in shapes) if kind is not None}
     linear = 3 if has_target_means(shapes) else 2 if is_compressed(shapes) else 1
     return max([linear, *(kind.format_version for kind in kinds)])
 
@@ -169,7 +169,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: 
     kvhub.artifact.metadata) implies, with the shapes of one of the structures in the module doc."""
     src, dst = metadata["source"], metadata["target"]
     map_kind = kind_of(metadata, where=where)
-    settings = metadata.get(map_kind.block) if map_kind.block else {}
+    settings = (metadata.get(map_kind.block) or {}) if map_kind.block else {}  # the block: checked by metadata
     expected: set[str] = set()
     for layer in metadata["layers"]:
         m, k = layer["target"], len(layer["sources"])
