@@ -53,8 +53,8 @@ def test_body_documents_validity_calibration_fit_and_usage(artifact):
     body = model_card(metadata, repo_id="acme/kvmap", version_tag="v3", images=["heatmap.png"])
     for needle in (
         f"| source | `{SRC_ID}` | 0123abc", f"| target | `{DST_ID}`",
-        metadata["calibration"]["content_hash"], "k = 1", "lambda = 0.1", "| 2 | 0 | 0.88 | 0.78 |",
-        "| heldout_r2_k_mean | 0.89 |", 'Mapper.from_pretrained("acme/kvmap", revision="v3")', "mapper.transfer(source_cache)",
+        metadata["calibration"]["content_hash"], "k = 1", "lambda = 0.1", "| 2 | 0 | 0.880 | 0.780 |",
+        "| heldout_r2_k_mean | 0.890 |", 'Mapper.from_pretrained("acme/kvmap", revision="v3")', "mapper.transfer(source_cache)",
         f"Written by kvhub {metadata['kvhub_version']}", metadata["tensors"]["sha256"], "![heatmap.png](heatmap.png)",
     ):
         assert needle in body, needle

@@ -116,9 +116,9 @@ def test_every_stored_evaluation_reaches_a_refreshed_card(hub_env, db, tmp_path)
                      ("Rowan/hellaswag", "validation", "retention"): 0.9,
                      ("EleutherAI/lambada_openai", "test", "ppl_mapped"): 31.5,
                      ("EleutherAI/lambada_openai", "test", "ppl_no_context"): 88.0}  # U10, U32: Hub ids, splits
-    for row in ("| hellaswag | mapped | retention (mapped / own accuracy) | 0.9 | [0.7, 1] | 8 |",
-                "| ppl:calibration:corpus/24 | mapped | perplexity, mapped cache | 12.25 |",
-                "| facts | exact_suffix=16 | accuracy, control map (no information) | 0 |",
+    for row in ("| hellaswag | mapped | retention (mapped / own accuracy) | 0.900 | [0.700, 1.000] | 8 |",
+                "| ppl:calibration:corpus/24 | mapped | perplexity, mapped cache | 12.250 |",
+                "| facts | exact_suffix=16 | accuracy, control map (no information) | 0.000 |",
                 "| ppl:lambada/64 | - | perplexity, no context | 88 |",
                 "Fitted on 288 train tokens, checked on 72 held-out tokens", "![r2_heatmap.png](r2_heatmap.png)"):
         assert row in card.text, row

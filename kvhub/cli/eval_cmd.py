@@ -6,6 +6,7 @@ What they run lives in the library: :mod:`kvhub.eval.run` (versions, variants, t
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, open_db
-from kvhub.cli.output import echo_json, format_option, json_ref, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS
@@ -237,6 +238,12 @@ def _check_device_and_dtype(device: str | None, dtype: str | None) -> None:
 
 
 # ---- tables --------------------------------------------------------------------------------------------
+def _n(value) -> str:
+    """A result number the one way tables show numbers (kvhub.cli.output.format_number); NaN is an empty cell,
+    as JSON's null."""
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format_number(value)
+
+
 def _print_results(ref: str, results: dict, *, output_format: str = "table") -> None:
     recall = {task: r for task, r in results.items() if "acc_control" in r}
     gist = {task: r for task, r in results.items() if "gap_closed_mapped" in r}
@@ -245,13 +252,13 @@ def _print_results(ref: str, results: dict, *, output_format: str = "table") -> 
         if task in recall or task in gist:
             continue
         if task.startswith("ppl"):
-            rows.append([task, r["n"], f"ppl {r['ppl_own']:.2f}", f"ppl {r['ppl_mapped']:.2f}",
-                         f"no ctx {r['ppl_no_context']:.2f}", "", "", f"{r['agreement']:.3f}", ""])
+            rows.append([task, r["n"], f"ppl {_n(r['ppl_own'])}", f"ppl {_n(r['ppl_mapped'])}",
+                         f"no ctx {_n(r['ppl_no_context'])}", "", "", _n(r["agreement"]), ""])
             continue
         low, high = r["retention_ci"]
-        rows.append([task, r["n"], f"{r['acc_own']:.3f}", f"{r['acc_mapped']:.3f}", f"{r['acc_source']:.3f}",
-                     f"{r['retention']:.3f} [{low:.2f}, {high:.2f}]", f"{r['gap_closed']:.3f}",
-                     f"{r['agree_next']:.3f}", f"{r['attn_cosine']:.3f}"])
+        rows.append([task, r["n"], _n(r["acc_own"]), _n(r["acc_mapped"]), _n(r["acc_source"]),
+                     f"{_n(r['retention'])} [{_n(low)}, {_n(high)}]", _n(r["gap_closed"]),
+                     _n(r["agree_next"]), _n(r["attn_cosine"])])
     columns = ["task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"]
     if rows:
         print_table(columns, rows, output_format=output_format, title=ref, right=tuple(columns[1:]))
@@ -366,12 +373,17 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
                    "variant": variant_config(recompute), "exact_prefix": recompute.exact_prefix, "exact_suffix": recompute.exact_suffix,
                    "exact_budget": recompute.exact_budget, "select": recompute.select, "rows": rows})
         return
-    columns = ["tokens", "transfer s", "re-prefill s", "speedup", "handoff TTFT s", "full TTFT s", "TTFT speedup"]
-    table = [[r["tokens"], f"{r['transfer_median_s']:.4f}", f"{r['prefill_median_s']:.3f}", f"{r['speedup']:.1f}x",
-              f"{r['handoff_ttft_median_s']:.4f}", f"{r['full_ttft_median_s']:.3f}", f"{r['ttft_speedup']:.1f}x"]
+    # the handoff column is what this run recomputes: the map alone unless asked (kvhub.handoff's default
+    # recomputes 4 + 16 tokens and 8% of the context: --variant handoff)
+    handoff = "handoff TTFT s" if recompute.name() else "map-alone TTFT s"
+    columns = ["tokens", "transfer s", "re-prefill s", "speedup", handoff, "full TTFT s", "TTFT speedup"]
+    table = [[r["tokens"], _n(r["transfer_median_s"]), _n(r["prefill_median_s"]), f"{r['speedup']:.1f}x",
+              _n(r["handoff_ttft_median_s"]), _n(r["full_ttft_median_s"]), f"{r['ttft_speedup']:.1f}x"]
              for r in rows]
+    what = (f", {recompute.name()}" if recompute.name() else
+            ", the map alone (kvhub.handoff's default also recomputes tokens: --variant handoff)")
     print_table(columns, table, output_format=output_format, right=tuple(columns),
-                title=f"{reference} on {loaded.device} ({dtype})" + (f", {recompute.name()}" if recompute.name() else ""))
+                title=f"{reference} on {loaded.device} ({dtype}){what}")
 
 
 # ---- report --------------------------------------------------------------------------------------------

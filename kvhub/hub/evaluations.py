@@ -10,14 +10,24 @@ interval; tasks are ``TASK[@VARIANT]`` (``hellaswag@exact_prefix=4``, ``ppl:lamb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
 def fmt(value) -> str:
-    """A number as cards show it: 4 significant digits for floats, '-' for None."""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "-" if value is None else str(value)
+    """A number as cards show it, the one way every kvhub table does (kvhub.cli.output.format_number, which
+    this layer cannot import; tests/test_number_formats.py checks the two agree): integers bare, others
+    with three decimals, nonzero magnitudes below 0.001 in e-notation; '-' for None and NaN."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value is None else str(value)
+    number = float(value)
+    if math.isnan(number):
+        return "-"
+    if isinstance(value, int) or (number.is_integer() and abs(number) >= 2):
+        return str(int(number))
+    if number != 0 and abs(number) < 1e-3:
+        return f"{number:.2e}"
+    return f"{number:.3f}"
 
 
 def calibration_dataset(calibration: dict) -> tuple[str, str | None, str] | None:
@@ -190,8 +200,8 @@ def bench_section(measurements: dict) -> str:
     for task, values in sorted(runs.items(), key=lambda item: _bench_order(item[0])):
         where, _, variant = task.partition("@")
         _, device, dtype, tokens = (where.split(":") + ["", "", "", ""])[:4]
-        lines.append(f"| {device} | {dtype} | {tokens} | {variant or '-'} | "
+        lines.append(f"| {device} | {dtype} | {tokens} | {variant or 'map alone'} | "
                      + " | ".join(fmt(values.get(name)) for name in _BENCH_METRICS) + " |")
     return ("## Speed\n\nMapping the source's cache vs the target re-reading the context (`kvhub bench`, medians):\n\n"
-            "| device | dtype | context tokens | variant | transfer s | re-prefill s | speedup | TTFT speedup |\n"
+            "| device | dtype | context tokens | recomputed (variant) | transfer s | re-prefill s | speedup | TTFT speedup |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(lines) + "\n")
