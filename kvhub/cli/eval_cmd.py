@@ -18,9 +18,7 @@ from kvhub.cli.output import echo_json, format_number, format_option, json_ref, 
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS
-
-# kvhub.serving.spec.SELECTORS (importing kvhub.serving loads torch; tests/test_eval_cli.py keeps the two equal)
-SELECTORS = ("source", "target", "deviation", "random")
+from kvhub.serving.spec import SELECTORS
 
 
 def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=(), deshrink=None):
@@ -43,9 +41,9 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
 @click.command("eval")
 @click.argument("ref")
 @click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(TASKS),
-              help="Task to evaluate (repeatable).  facts / multiturn / code are long-context tasks scored "
-                   "exactly; gist-chat / gist-document / gist-code score the target's own answer about the whole "
-                   "context (see --context-tokens).")
+              help="Task to evaluate (repeatable).  facts / multiturn / code / followup and the RULER-style "
+                   "niah-multikey / vt / cwe are long-context tasks scored exactly; gist-chat / gist-document / "
+                   "gist-code score the target's own answer about the whole context (see --context-tokens).")
 @click.option("--limit", type=click.IntRange(min=1), default=200, show_default=True,
               help="Items per task (seeded subset).")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -108,14 +106,20 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     `kvhub.handoff` does by default (the first 4 and last 16 tokens and 8% of the context recomputed by
     the target).  Every task scores every variant.
 
+    Every task also scores `drop`, the no-fit alternative: the target prefills only the context tokens
+    the variant recomputes (same selection, same positions, same target compute) and drops the rest.
+
     The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
-    stated early in a chat; code: next line after a long Python file prefix) score each answer exactly
-    and add two conditions: `control`, the same recompute over a map with no information about the
-    context (the mapper's calibration-mean K/V), and `floor`, the target given only the question.
+    stated early in a chat; code: next line after a long Python file prefix; niah-multikey, vt, cwe:
+    RULER-style multi-key needles with decoys, variable tracking and common-word aggregation) score each
+    answer exactly and add two conditions: `control`, the same recompute over a map with no information
+    about the context (the mapper's calibration-mean K/V), and `floor`, the target given only the
+    question.  `followup` escalates at a first question and scores a second one about another fact, with
+    and without re-selecting spans for it (`reselect`, `drop_reselect`).
 
     The gist tasks (gist-chat: summarize a long chat; gist-document: summarize a long text; gist-code:
     continue a long Python file) score the target's own 48-token greedy answer teacher-forced (mean NLL
-    per token) under its own cache, each mapped variant, the control and the floor (the context
+    per token) under its own cache, each mapped variant, drop, the control and the floor (the context
     dropped), and report the gap closed, (floor - mapped) / (floor - own): 1 is as informed as own, 0
     is no better than no context.
 
