@@ -126,7 +126,7 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
         from kvhub.serving.connector_config import events_file
 
         events_file(events_path, option="--events")  # before any server starts
-    db_on_command_line, db_env = _db_channel(db)
+    db_on_command_line, db_env = _db_channel(_absolute_db(db))
     kvstore_dir = kvstore_dir if kvstore_dir is not None else default_kvstore_dir()
     configs = launch.transfer_configs(
         kvstore_dir=kvstore_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref,
@@ -152,7 +152,7 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
     if dry_run:
         _print_dry_run(commands, launcher=launcher, env=_masked(env),
                        kvstore_dir=configs["producer"]["kv_connector_extra_config"]["kvstore_dir"],
-                       mapper_ref=mapper_ref)
+                       mapper_ref=mapper_ref, output_format=output_format)
         return
     launch.check_port_free(host, port_small, option="--port-small")
     launch.check_port_free(host, port_large, option="--port-large")
@@ -226,6 +226,14 @@ def _model_path(model_id: str) -> str:
     return str(resolve_model_path(model_id))
 
 
+def _absolute_db(db: str | None) -> str | None:
+    """A store path as the servers get it: absolute, so the printed commands work from any directory (a URL
+    stays as it is)."""
+    if not db or "://" in db:
+        return db
+    return os.path.abspath(os.path.expanduser(db))
+
+
 def _db_channel(db: str | None) -> tuple[str | None, dict[str, str]]:
     """(--db for the consumer's kv_transfer_config, environment for the servers): a store URL that holds a
     password travels as KVHUB_DB_URL in the servers' environment, never on a command line (``ps`` shows those)."""
@@ -270,7 +278,22 @@ def _engine_env(kv_cache_gib: int | None, *, models: list[str]) -> dict[str, str
 
 
 def _print_dry_run(commands: dict[str, list[str]], *, launcher: list[str], env: dict[str, str], kvstore_dir: str,
-                   mapper_ref: str) -> None:
+                   mapper_ref: str, output_format: str = "table") -> None:
+    """The commands kvhub serve would run: shell lines, or (json, tsv) one record per server with its
+    environment and argv, for scripts."""
+    if output_format in ("json", "tsv"):
+        from kvhub.cli.output import echo_json, print_table
+
+        shown = {name: [*map(_shown, command[:len(launcher)]), *command[len(launcher):]]
+                 for name, command in commands.items()}
+        if output_format == "json":
+            echo_json({"ref": mapper_ref, "kvstore_dir": kvstore_dir, "env": env,
+                       "servers": {name: {"argv": argv, "command": shlex.join(argv)} for name, argv in shown.items()}})
+        else:
+            print_table(["server", "env", "command"],
+                        [[name, " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv)]
+                         for name, argv in shown.items()], output_format="tsv")
+        return
     click.echo(f"# kvhub serve, mapper {mapper_ref}: run each server in its own terminal")
     click.echo(shlex.join(["mkdir", "-p", "-m", "700", kvstore_dir]))
     for name, role in ((_SMALL, "kv_producer: stores each prompt's KV"), (_LARGE, "kv_consumer: maps it")):
