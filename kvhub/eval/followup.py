@@ -89,8 +89,8 @@ def score_followup_item(item: RecallItem, *, mapper, control, source, target, to
     """One RecallScore per recompute variant over :data:`FOLLOWUP_CONDITIONS` (module docstring)."""
     from kvhub.serving import drop
     from kvhub.serving.handoff import prepare_cache_counted
-    from kvhub.serving.recompute import cropped, recompute_positions
-    from kvhub.serving.turns import next_turn_positions
+    from kvhub.serving.recompute import cropped
+    from kvhub.serving.turns import reselect_turn
 
     prompt, answer, escalated = item.prompt_ids, item.answer_ids, item.meta["escalation_tokens"]
     device = next(target.parameters()).device
@@ -111,10 +111,10 @@ def score_followup_item(item: RecallItem, *, mapper, control, source, target, to
             if name == "mapped":
                 result["mapped"] = answer_score(target, cropped(cache, escalated), turns_tail, len(answer))
                 held = r1
-            r2 = next_turn_positions(spec, ids=conversation, context_tokens=escalated, held=r1, source_model=source,
-                                     source_cache=source_cache, tokenizer=tokenizer) if spec.selective else r1[:0]
             _read(target, cache, conversation[:, escalated:], escalated)
-            recompute_positions(target, cache, conversation, r2)
+            r2 = reselect_turn(target, cache, conversation, spec, context_tokens=escalated, held=r1,
+                               source_model=source, source_cache=source_cache,
+                               tokenizer=tokenizer) if spec.selective else r1[:0]
             result["reselect" if name == "mapped" else "control"] = answer_score(target, cache, final_tail, len(answer))
             if name == "mapped":
                 added = r2

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kvhub.serving.recompute import attention_scores, cropped, query_attention, select_spans, spans_of
+from kvhub.serving.recompute import (attention_scores, cropped, query_attention, recompute_positions, select_spans,
+                                     spans_of)
 from kvhub.serving.spec import Recompute
 
 
@@ -37,3 +38,18 @@ def next_turn_positions(spec: Recompute, *, ids: torch.Tensor, context_tokens: i
     scores = attention_scores(attention[:, :context_tokens], eligible, score=spec.score)
     spans = spans_of(spec, ids[0, :context_tokens].cpu(), tokenizer)
     return select_spans(scores, spans, round(spec.exact_budget * context_tokens), eligible=eligible)
+
+
+@torch.no_grad()
+def reselect_turn(target_model, cache, conversation: torch.Tensor, spec: Recompute, *, context_tokens: int,
+                  held: torch.Tensor, source_model, source_cache, tokenizer=None) -> torch.Tensor:
+    """Make the context spans a new turn points at exact in the target's ``cache`` (module docstring).
+
+    conversation: (1, N) ids the cache covers (the escalated context, then the turns since); held: the
+    context positions already exact; source_cache: the source's cache of at least conversation[:, :N - queries].
+    Returns the positions recomputed (sorted, long, CPU); the caller adds them to ``held``.
+    """
+    positions = next_turn_positions(spec, ids=conversation, context_tokens=context_tokens, held=held,
+                                    source_model=source_model, source_cache=source_cache, tokenizer=tokenizer)
+    recompute_positions(target_model, cache, conversation, positions)
+    return positions
