@@ -361,30 +361,51 @@ def rm(ref, force, db, output_format):
 
 @click.command()
 @click.option("--dry-run", is_flag=True, help="Only report what would be removed.")
+@click.option("--hub-cache", is_flag=True,
+              help="Also delete the Hugging Face cache's copies of pulled mappers that the store holds (a pull keeps "
+                   "both; the cache's copy only serves an offline re-pull).")
 @db_option
 @format_option
-def gc(dry_run, db, output_format):
+def gc(dry_run, hub_cache, db, output_format):
     """Delete artifact directories no version references, and leftovers of interrupted writes.
 
     \b
     kvhub gc --dry-run
     kvhub gc
+    kvhub gc --hub-cache
 
     Never touches an artifact a version references; waits for registrations in flight.
     """
     with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
+        copies = _hub_cache_copies(store, dry_run=dry_run) if hub_cache else []
     if output_format == "json":
         echo_json({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
                     "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
-                    "missing": report.missing, "bytes": report.bytes})
+                    "missing": report.missing, "bytes": report.bytes,
+                    "hub_cache": [dict(repo_id=c.repo_id, commit=c.commit, ref=c.ref, bytes=c.bytes) for c in copies]})
         return
     verb = "would remove" if dry_run else "removed"
     say(f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
         f"leftovers ({_size(report.bytes)})")
+    if hub_cache:
+        say(f"{verb} {len(copies)} copies of pulled mappers from the Hugging Face cache "
+            f"({_size(sum(c.bytes for c in copies))})")
     for location in report.missing:
         say(f"{location} is referenced but missing; re-import it or `kvhub rm` its version", label="warning:",
             style="yellow")
+
+
+def _hub_cache_copies(store, *, dry_run: bool) -> list:
+    """The Hugging Face cache's copies of mappers the store holds; deleted unless ``dry_run``."""
+    from kvhub.hub.cache import drop_copies, stored_copies
+    from kvhub.hub.client import hub_settings
+
+    cache_dir = hub_settings().cache_dir
+    copies = stored_copies(store, cache_dir=cache_dir)
+    if not dry_run:
+        drop_copies(copies, cache_dir=cache_dir)
+    return copies
 
 
 # ---- moving artifacts in and out -----------------------------------------------------------------
