@@ -215,3 +215,65 @@ def test_an_unknown_kind_or_a_newer_format_is_refused_by_name(bent, tmp_path):
     path.write_text(json.dumps({**metadata, "mlp": {**metadata["mlp"], "depth": 3}}))
     with pytest.raises(Exception, match="mlp"):
         Mapper.load(directory)
+
+
+def test_the_card_names_the_kind_and_the_mlp(bent, tmp_path):
+    from kvhub.hub.card import model_card, read_front_matter
+
+    _, _, mapper = bent
+    metadata = read_artifact(mapper.save(tmp_path / "m"))
+    card = model_card(metadata, repo_id="acme/kvmap", version_tag="v1")
+    assert read_front_matter(card)["kvhub"]["map"] == {"kind": "mlp", "width": 64, "depth": 2, "activation": "gelu"}
+    assert "residual MLP (2 x 64, gelu)" in card and "ridge + residual MLP (2 x 64, gelu)" in card
+
+
+def test_cli_fit_map_mlp_registers_the_kind_and_refuses_distributed(tiny_model_dirs, tmp_path, monkeypatch,
+                                                                     text_corpus):
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+    from kvhub.store import open_store
+
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    src, dst = tiny_model_dirs
+    args = ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--samples", "12", "--seq-len",
+            "24", "--stride", "1", "--dtype", "float32", "--device", "cpu", "--db", db, "--map", "mlp",
+            "--mlp-width", "8", "--mlp-epochs", "2"]
+    refused = CliRunner().invoke(main, [*args, "--distributed", "2"])
+    assert refused.exit_code != 0 and "does not run distributed" in refused.output
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["kind"] == "mlp" and "ridge_heldout_r2_k_mean" in summary["metrics"]
+    with open_store(db) as store:
+        [version] = store.versions()
+        assert (version.map_kind, version.mlp_width, version.mlp_depth) == ("mlp", 8, 2)
+
+
+PREVIOUS_RELEASE = "e3b7815"  # the last commit before map kinds: reads format versions up to 3
+
+
+@pytest.mark.slow
+def test_the_previous_release_refuses_an_mlp_artifact_with_upgrade(bent, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or subprocess.run(["git", "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
+                                                     cwd=root, capture_output=True).returncode != 0:
+        pytest.skip(f"needs the git history with commit {PREVIOUS_RELEASE}")
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "archive", PREVIOUS_RELEASE, "kvhub", "registry"], cwd=root,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    artifact = bent[2].save(tmp_path / "m")
+    code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(artifact)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"})
+    assert done.returncode != 0
+    assert "FormatVersionError" in done.stderr and "format version 4" in done.stderr and "upgrade" in done.stderr

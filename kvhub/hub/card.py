@@ -31,6 +31,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvhub.artifact.kinds import kind_of
 from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.errors import ConfigError
 from kvhub.hub.evaluations import (
@@ -203,12 +204,20 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model:
             "k": shown(metadata.get("k")),
             "lambda": shown(metadata.get("lambda")),
             "structure": metadata.get("structure") or {"head_groups": 1, "rank": None},
+            "map": _map_summary(metadata),
             "weighting": (metadata.get("fit") or {}).get("weighting", "uniform"),
             "tensors_sha256": (metadata.get("tensors") or {}).get("sha256"),
             "metrics": dict(_numbers(metadata.get("metrics") or {})),
         },
     )
     return f"---\n{data.to_yaml()}\n---\n"
+
+
+def _map_summary(metadata: dict) -> dict:
+    """The card's ``map`` entry: the kind, and an mlp map's width, depth and activation."""
+    kind = kind_of(metadata)
+    settings = metadata.get(kind.block) or {} if kind.block else {}
+    return {"kind": kind.name, **{key: settings[key] for key in ("width", "depth", "activation") if key in settings}}
 
 
 def _fingerprint_summary(fingerprint: dict) -> dict:
@@ -225,8 +234,8 @@ def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str], 
     calibration = metadata.get("calibration") or {}
     sections = [
         f"\n# {source['model_id']} → {target['model_id']} KV-cache mapper ({version_tag})\n",
-        "A kvhub mapper: per-layer affine maps (ridge regression on "
-        "calibration statistics, rotary embedding stripped from the keys) that turn the KV cache of the "
+        f"A kvhub mapper: per-layer affine maps (ridge regression on "
+        f"calibration statistics, rotary embedding stripped from the keys){_residual_clause(metadata)} that turn the KV cache of the "
         "**source** model into the cache the **target** model would have computed for the same tokens, so "
         "the target continues from the source's prefill without re-reading the context.  It is an "
         "approximation: see the held-out R² below before relying on it.\n",
@@ -248,6 +257,15 @@ def _body(metadata: dict, *, repo_id: str, version_tag: str, images: list[str], 
         f"{metadata.get('format_version')}.\n"
     )
     return "\n".join(section for section in sections if section)
+
+
+def _residual_clause(metadata: dict) -> str:
+    """', each plus a residual MLP (2 x 256, gelu) trained on calibration rows' for an mlp map, else ''."""
+    if kind_of(metadata).name != "mlp":
+        return ""
+    settings = metadata.get("mlp") or {}
+    return (f", each plus a residual MLP ({settings.get('depth')} x {settings.get('width')}, "
+            f"{settings.get('activation')}) trained on calibration rows")
 
 
 def _short(digest: str | None) -> str:
@@ -291,7 +309,8 @@ def _fit_section(metadata: dict) -> str:
     return (
         "## Fit\n\n"
         f"k = {_fmt(shown(metadata.get('k')))} source layers per target layer, "
-        f"ridge lambda = {_fmt(shown(metadata.get('lambda')))}; maps: {_structure(metadata)}; "
+        f"ridge lambda = {_fmt(shown(metadata.get('lambda')))}; maps: {_structure(metadata)}, "
+        f"{kind_of(metadata).describe(metadata.get(kind_of(metadata).block or '') or {})}; "
         f"token weighting: {(metadata.get('fit') or {}).get('weighting', 'uniform')}.{_counts(metadata)}\n\n"
         "| target layer | source layers | held-out R² (K) | held-out R² (V) |\n| --- | --- | --- | --- |\n"
         f"{rows}\n"
