@@ -39,7 +39,7 @@ def test_every_builtin_recipe_parses():
 
 
 def test_the_default_calibration_is_one_built_in_set_everywhere():
-    from kvhub.fitting.options import DEFAULT_CALIBRATION
+    from kvhub.calib.recipe import DEFAULT_CALIBRATION
     from kvhub.cli.fit_cmd import fit
     from kvhub.fitting.job import FitRequest
 

@@ -128,10 +128,3 @@ def test_a_context_longer_than_the_models_is_refused_before_loading(env, monkeyp
     result = _run("eval", ref, "--db", db, "--task", "facts", "--context-tokens", "256", "--context-tokens", "1024")
     assert result.exit_code == 2, result.output
     assert "--context-tokens 1024 exceeds" in result.output and "512" in result.output
-
-
-def test_the_cli_selector_choices_are_the_specs():
-    from kvhub.cli.eval_cmd import SELECTORS
-    from kvhub.serving.spec import SELECTORS as SPEC_SELECTORS
-
-    assert SELECTORS == SPEC_SELECTORS

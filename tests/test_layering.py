@@ -11,7 +11,11 @@ connector importing ``kvhub.eval.control``; ``serving/kvstore.py`` at 608 lines.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvhub"
 MAX_LINES = 500
@@ -162,3 +166,21 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 def test_no_module_over_500_lines():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them along concept lines): {long}"
+
+
+# Modules that import no torch, and must not load it through a package __init__ either: the CLI and the
+# serving launcher read them before any model loads.  A package __init__ is a face (light names, the heavy
+# ones lazily), so importing one of these costs what the module itself imports.
+TORCH_FREE = ["kvhub.serving.spec", "kvhub.serving.launch", "kvhub.serving.connector_config", "kvhub.calib.recipe",
+              "kvhub.fitting.options", "kvhub.core.deshrink", "kvhub.eval.catalog", "kvhub.env", "kvhub.errors"]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_a_torch_free_module_imports_without_torch(module):
+    """Planted bugs caught: ``kvhub/serving/__init__.py`` importing ``kvstore`` eagerly (then
+    ``import kvhub.serving.spec`` loaded torch, and the eval CLI kept a copy of ``SELECTORS`` to dodge it);
+    ``kvhub/calib/__init__.py`` importing ``calibration_set`` (``DEFAULT_CALIBRATION`` had moved out of the
+    recipes for the same reason)."""
+    code = f"import sys\nimport {module}\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing {module} loads {out}"

@@ -7,14 +7,18 @@
 See docs/calibration.md for the catalog, the recipe format and what the content hash covers.
 """
 
-from kvhub.calib.calibration_set import CalibrationSet, fetch_corpus, resolve_calibration, source_status
-from kvhub.calib.corpus import cache_root
-from kvhub.calib.recipe import Recipe, heldout_count, list_calibration_sets, load_recipe, recipe_from_spec
+from kvhub.calib.recipe import (DEFAULT_CALIBRATION, Recipe, heldout_count, list_calibration_sets, load_recipe,
+                                recipe_from_spec)
+
+# Building a set tokenizes and packs with torch: those names load on first use, so importing the recipes
+# (kvhub.calib.recipe, or this package) stays torch-free.
+_LAZY = {name: "kvhub.calib.calibration_set"
+         for name in ("CalibrationSet", "fetch_corpus", "resolve_calibration", "source_status")}
 
 __all__ = [
+    "DEFAULT_CALIBRATION",
     "CalibrationSet",
     "Recipe",
-    "cache_root",
     "fetch_corpus",
     "heldout_count",
     "list_calibration_sets",
@@ -23,3 +27,11 @@ __all__ = [
     "resolve_calibration",
     "source_status",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

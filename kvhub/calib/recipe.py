@@ -52,6 +52,9 @@ from kvhub.errors import ConfigError, RecipeError, UnknownCalibrationError
 
 log = logging.getLogger(__name__)
 
+# The built-in calibration set (registry/calibration) `kvhub fit` calibrates on when not told: the one whose
+# mapper carried the most of a whole context (docs/benchmarks.md, section 5, "Calibration domain and size").
+DEFAULT_CALIBRATION = "mixed"
 SOURCE_KINDS = ("pypi", "debian", "stdlib", "path", "hf")
 FORMATS = ("text", "paragraphs", "jsonl", "arrow", "chitchat", "oe-eval-requests", "auto")
 SEPARATORS = ("eos", "blank-line")

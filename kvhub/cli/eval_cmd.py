@@ -17,8 +17,10 @@ from kvhub.cli.options import db_option, open_db
 from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
-from kvhub.eval.textsets import TEXT_SETS
-from kvhub.serving.spec import SELECTORS
+from kvhub.eval.textsets import TEXT_SETS, load_text_set
+from kvhub.serving.spec import SELECTORS, Recompute
+from kvhub.errors import ConfigError
+from kvhub.calib.recipe import recipe_from_spec
 
 
 def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=(), deshrink=None):
@@ -176,7 +178,6 @@ def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_sample
     """Refuse what would fail only after the models are loaded (samples with nowhere to go, an output path that
     cannot be written, an unknown device or dtype, evaluation sets not fetched, an unknown --ppl-calib); returns
     the items of each multiple-choice task, read here."""
-    from kvhub.errors import ConfigError
     from kvhub.eval import tasks as task_data
 
     if log_samples and output_path is None:
@@ -185,12 +186,8 @@ def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_sample
     if output_path is not None:
         _probe_output_path(output_path)
     if "ppl" in tasks and ppl_calib is None:
-        from kvhub.eval.textsets import load_text_set
-
         load_text_set(ppl_text)  # CorpusUnavailableError naming `kvhub fetch evals` (read once, kept)
     if "ppl" in tasks and ppl_calib is not None:
-        from kvhub.calib.recipe import recipe_from_spec
-
         recipe_from_spec(ppl_calib)  # an unknown name fails here, with the known ones
     return {task: task_data.load_task(task, limit=limit, seed=seed) for task in tasks if task in MC_TASKS}
 
@@ -200,7 +197,6 @@ def _probe_output_path(output_path: Path) -> None:
     hold the results is refused before the evaluation runs, not after (ConfigError naming it)."""
     import tempfile
 
-    from kvhub.errors import ConfigError
 
     path = output_path.expanduser()
     wants_file = path.suffix == ".json"
@@ -223,7 +219,6 @@ def _probe_output_path(output_path: Path) -> None:
 def _write_results(doc: dict, samples, output_path: Path, reference: str) -> list[Path]:
     """results.write into a folder named after the short reference, with a failure (disk full, the folder
     removed meanwhile) as a kvhub error."""
-    from kvhub.errors import ConfigError
     from kvhub.eval.results import write
 
     try:
@@ -350,10 +345,8 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
           output_format):
     """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
     and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
-    from kvhub.errors import ConfigError
     from kvhub.eval.continuation import time_transfer_vs_prefill, timing_metric_rows
     from kvhub.eval.run import parse_variant
-    from kvhub.serving.spec import Recompute
 
     recompute = Recompute(exact_prefix, exact_suffix, exact_budget, select)
     if spec is not None and recompute.name():

@@ -12,7 +12,10 @@ from kvhub.cli.options import db_option, open_db
 from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.cli.fit_options import fit_options
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
-from kvhub.fitting.options import DEFAULT_CALIBRATION
+from kvhub.calib.recipe import DEFAULT_CALIBRATION, builtin_names, recipe_from_spec
+from kvhub.errors import ConfigError, FitError, FitInterrupted, NotFoundError, UnknownCalibrationError
+from kvhub.fitting.options import FitOptions
+from kvhub.env import die_with_parent
 
 
 @click.command()
@@ -61,14 +64,11 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
     totals in fp32, or failing that accumulates them in two passes (see kvhub plan): the mapper then
     chooses its source layers among the candidates the first pass probed best.
     """
-    from kvhub.errors import ConfigError
-
     if no_register and out is None:
         raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
     from kvhub.fitting.job import FitRequest, check_plan
-    from kvhub.fitting.options import FitOptions
     from kvhub.cli.progress import quiet_other_bars
 
     request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, seed=seed, device=device,
@@ -109,7 +109,6 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
 def _fit_here(request):
     """The fit in this process; Ctrl-C ends it with exit 130 and a line saying how to go on."""
     from kvhub.cli.progress import progress_callback
-    from kvhub.errors import FitInterrupted
     from kvhub.fitting.job import fit_by_names
 
     try:
@@ -134,8 +133,6 @@ def launched_rank() -> bool:
 def check_series_name(name: str, *, calib: str) -> None:
     """``--name``: a valid calibration name, and not a built-in set's name for another text (kvhub.load(...,
     calib="legal-docs") would return this mapper, and a push would publish it as legal-docs)."""
-    from kvhub.calib.recipe import builtin_names, recipe_from_spec
-    from kvhub.errors import ConfigError
     from kvhub.store.refs import check_calibration_name
 
     check_calibration_name(name)
@@ -150,8 +147,6 @@ def check_series_text(request, *, name: str | None, db: str | None) -> None:
     documents only, read here once more, and only when the series exists."""
     from kvhub.calib.calibration_set import read_documents
     from kvhub.calib.packing import corpus_digest
-    from kvhub.calib.recipe import recipe_from_spec
-    from kvhub.errors import ConfigError, NotFoundError
     from kvhub.models.loading import registered_model_id
 
     recipe = recipe_from_spec(request.calib)
@@ -178,8 +173,6 @@ def check_before_loading(request) -> None:
     refuse them only after every forward pass)."""
     import difflib
 
-    from kvhub.calib.recipe import recipe_from_spec
-    from kvhub.errors import ConfigError, FitError, UnknownCalibrationError
     from kvhub.fitting.job import check_device
     from kvhub.fitting.plan import Workload, shape_of, too_few_observations
 
@@ -226,7 +219,6 @@ def _launch_torchrun(nproc: int) -> int:
     import sys
 
     from kvhub.fitting.distributed import LAUNCHER
-    from kvhub.env import die_with_parent
 
     args, skip = [], False
     for arg in sys.argv[1:]:

@@ -22,7 +22,8 @@ from typing import Callable, ContextManager
 
 import torch
 
-from kvhub.fitting.options import DEFAULT_CALIBRATION, FitOptions
+from kvhub.calib.recipe import DEFAULT_CALIBRATION
+from kvhub.fitting.options import FitOptions
 
 log = logging.getLogger(__name__)
 

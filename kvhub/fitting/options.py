@@ -23,10 +23,6 @@ from kvhub.artifact.kinds import DEFAULT_KIND, MAP_KINDS
 from kvhub.errors import ConfigError
 from kvhub.fitting.modes import MODES, StatisticsMode
 
-# The built-in calibration set (registry/calibration) `kvhub fit` calibrates on when not told: the one whose
-# mapper carried the most of a whole context (docs/benchmarks.md, section 5, "Calibration domain and size").
-DEFAULT_CALIBRATION = "mixed"
-
 AUTO = "auto"  # the text for None in top_k / ridge_lambda
 DEFAULT_STRIDE = 4  # the paper's token stride, when neither the options nor a calibration recipe give one
 WEIGHTINGS = ("uniform", "attention")

@@ -3,9 +3,18 @@ with the selective exact recompute (:mod:`kvhub.serving.recompute`), and the vLL
 (:mod:`kvhub.serving.vllm_connector`) over a shared, bounded KV store (:mod:`kvhub.serving.kvstore`).
 See docs/serving.md.
 
-Importing this package does not import vLLM; only the connector module does.
+Importing this package imports neither vLLM (only the connector module does) nor torch.
 """
 
-from kvhub.serving.kvstore import KVStore, StoredPrefix
+# Lazily: the KV store holds torch tensors, and importing kvhub.serving.spec or .launch must not load torch.
+_LAZY = {"KVStore": "kvhub.serving.kvstore", "StoredPrefix": "kvhub.serving.kvstore"}
 
 __all__ = ["KVStore", "StoredPrefix"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
