@@ -60,8 +60,10 @@ def push(ref, repo_id, private, branch, card, base_model, license_id, license_na
     from kvhub.hub.card import card_license
     from kvhub.hub.identity import BaseModelError
 
+    from kvhub.cli.progress import hub_transfer
+
     chosen = card_license(license_id, name=license_name, link=license_link)
-    with open_db(db, create=False) as store:
+    with open_db(db, create=False) as store, hub_transfer(f"pushing {ref} to {repo_id}"):
         try:
             result = push_version(store, ref, repo_id, private=private, revision=branch, card=card, token=token,
                                   base_model=_base_models(base_model), license=chosen, figures=figures,
@@ -115,7 +117,9 @@ def pull(repo, revision, token, db, output_format):
     """
     from kvhub.hub import pull as pull_repo
 
-    with open_db(db) as store:
+    from kvhub.cli.progress import hub_transfer
+
+    with open_db(db) as store, hub_transfer(f"pulling {repo}"):
         result = pull_repo(store, repo, revision=revision, token=token)
         reference = store.reference(result.version)
     if output_format == "json":

@@ -8,9 +8,11 @@ one per step every ``KVHUB_PROGRESS_INTERVAL`` seconds (default 30) and when a s
 (:func:`kvhub.progress.unit_of`) and count only this run's work: a fit resumed from a checkpoint starts
 its step at the checkpointed count, which neither the rate nor the eta takes as done now.
 
-Other libraries' bars: transformers' (weight loading) are switched off while kvhub reports progress;
-huggingface_hub's download bars stay on a terminal and are switched off elsewhere, or wherever
-``HF_HUB_DISABLE_PROGRESS_BARS`` asks (huggingface_hub's own setting, honoured by kvhub's bars too).
+Other libraries' bars: transformers' (weight loading, GGUF conversion) are switched off while kvhub
+loads a model (kvhub.models.loading.quiet_loading); huggingface_hub's are switched off off a terminal,
+or wherever ``HF_HUB_DISABLE_PROGRESS_BARS`` asks (huggingface_hub's own setting, honoured by kvhub's
+bars too), and during kvhub push and pull (:func:`hub_transfer`), which show one kvhub line instead of
+huggingface_hub's per-file and per-stage bars.
 """
 
 from __future__ import annotations
@@ -77,6 +79,25 @@ def quiet_other_bars(*, load_transformers: bool = False) -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
+
+
+@contextmanager
+def hub_transfer(description: str) -> Iterator[None]:
+    """huggingface_hub's bars off for one push or pull, and on a terminal a kvhub spinner saying
+    ``description`` instead; the bars' setting is restored after."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        if bars_wanted():
+            with err_console.status(description):
+                yield
+        else:
+            yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
 
 
 def _interval() -> float:

