@@ -277,3 +277,21 @@ def test_the_previous_release_refuses_an_mlp_artifact_with_upgrade(bent, tmp_pat
                           cwd=tmp_path, env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"})
     assert done.returncode != 0
     assert "FormatVersionError" in done.stderr and "format version 4" in done.stderr and "upgrade" in done.stderr
+
+
+def test_handoff_and_the_connectors_in_place_path_apply_the_mlp(bent):
+    from kvhub.serving.handoff import handoff
+
+    source, target, mapper = bent
+    keys = [torch.randn(1, 2, 6, 16) for _ in range(2)]
+    values = [torch.randn(1, 2, 6, 16) for _ in range(2)]
+    positions = torch.arange(6)[None]
+    fresh = mapper.map_layers(keys, values, positions, dtype=torch.float32)
+    out = [(torch.empty(1, 2, 4, 16), torch.empty(1, 2, 4, 16)) for _ in mapper.layers]
+    mapper.map_layers(keys, values, positions, out=out)  # what the vLLM connector calls
+    for (k, v), (k_out, v_out) in zip(fresh, out):
+        torch.testing.assert_close(k_out, k[:, :, 2:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_out, v[:, :, 2:], rtol=1e-5, atol=1e-5)
+    ids = _ids(1, 12, 4)
+    generated = handoff(mapper, source, target, ids, max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 15)
