@@ -345,6 +345,18 @@ def _mapper_arg(model_args) -> str | None:
     return None
 
 
+def help_preface() -> str:
+    """What ``kvhub-lm-eval -h`` says before lm-eval's own help: the kvhub model and its model_args."""
+    names = [k for k in DEFAULTS if k not in ("batch_size", "max_batch_size")]
+    return ("kvhub-lm-eval: lm-eval's command line with one more model, --model kvhub: the target model scored "
+            "from a kvhub mapper's mapped cache.\n"
+            f"  --model_args mapper=REF[,KEY=VALUE...]   keys: {', '.join(names)}\n"
+            f"  condition: {' | '.join(LMEVAL_CONDITIONS)} (default mapped)\n"
+            "  e.g. kvhub-lm-eval --model kvhub --model_args mapper=src:dst:legal-docs@v1 --tasks hellaswag "
+            "--limit 100\n"
+            "  (docs/guide.md, 'Any lm-eval task'; lm-eval's own help follows)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvhub.eval.lmeval`` / ``kvhub-lm-eval``: lm-eval's command line (what its ``lm_eval``
     command runs) with ``--model kvhub`` known and its model_args checked first; a kvhub error ends it
@@ -355,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(help_preface())  # lm-eval's help follows, which knows nothing of --model kvhub
     try:
         register()
         from lm_eval._cli import HarnessCLI
