@@ -125,7 +125,7 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
                      shown(v.k), _lambda(v.ridge_lambda, output_format),
                      _number(headline.get(_HEADLINE[0]), output_format),
                      _number(headline.get(_HEADLINE[1]), output_format),
-                     text[:8] if output_format == "table" else text,
+                     text[:12] if output_format == "table" else text,
                      _size(v.artifact_bytes) if output_format == "table" else v.artifact_bytes])
     columns = ["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V", "TEXT",
                "SIZE" if output_format == "table" else "BYTES"]
@@ -220,6 +220,10 @@ def _metric_key(metric: dict) -> str:
 
 
 def _overview_rows(data: dict) -> list[tuple[str, str]]:
+    """show's key/value rows.  The calibration's hashes are labelled as everywhere: text (the sha256 of
+    its documents, one per series: list's TEXT, fit's first line) and set (the built sequences)."""
+    from kvhub.store.records import corpus_hash
+
     src, dst, calib = data["source_model"], data["target_model"], data["calibration_set"]
     geometry = "{num_layers} layers x {num_kv_heads} KV heads x {head_dim}"
     auto = data["k"] is None or data["ridge_lambda"] is None
@@ -230,7 +234,7 @@ def _overview_rows(data: dict) -> list[tuple[str, str]]:
         ("source", f"{src['name']} @ {src['revision'] or '-'} ({src['model_type']}, {geometry.format(**src)})"),
         ("target", f"{dst['name']} @ {dst['revision'] or '-'} ({dst['model_type']}, {geometry.format(**dst)})"),
         ("calibration", f"{calib['name']} v{calib['version']} ({calib['tokens']} tokens, "
-                        f"content {str(calib['content_hash'])[:12]})"),
+                        f"text {corpus_hash(calib.get('recipe')) or '-':.12}, set {str(calib['content_hash']):.12})"),
         ("k / lambda", f"{shown(data['k'])} / "
                        f"{_lambda(data['ridge_lambda'])}"
                        + (" (chosen per target layer: --layers)" if auto else "")),

@@ -113,11 +113,18 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     options = request.options.replace(stride=stride, checkpoint=checkpoint_path(
         source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting))
     sweep_temporaries(options.checkpoint.parent)  # what fits killed mid-save left
-    notify(f"calibration {meta['name']} ({meta.get('content_hash', '')[:12]}): "
-           f"{calibration.train.shape[0]} train + {calibration.heldout.shape[0]} held-out sequences "
-           f"x {calibration.train.shape[1]} tokens, stride {stride}")
+    notify(calibration_line(meta, train=calibration.train.shape[0], heldout=calibration.heldout.shape[0],
+                            tokens=calibration.train.shape[1], stride=stride))
     return PreparedFit(source, target, source_tok, target_tok, source_id, target_id, calibration.train,
                        calibration.heldout, meta, options)
+
+
+def calibration_line(meta: dict, *, train: int, heldout: int, tokens: int, stride: int) -> str:
+    """fit's calibration line.  Its hashes are labelled as list and show label them: text (the sha256 of the
+    documents, one per series) and set (the built sequences, which change with the size)."""
+    return (f"calibration {meta['name']} (text {meta.get('corpus_hash') or '-':.12}, set "
+            f"{meta.get('content_hash', ''):.12}): {train} train + {heldout} held-out sequences x {tokens} tokens, "
+            f"stride {stride}")
 
 
 def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = None):
