@@ -19,7 +19,7 @@ from kvhub.artifact.files import (
 )
 from kvhub.artifact.metadata import (
     FORMAT_VERSION, METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, TENSORS_FILE, check_format_version, check_metadata,
-    config_geometry, is_plain_file_name, json_sha256,
+    canonical_json, config_geometry, is_plain_file_name, json_sha256,
 )
 from kvhub.artifact.tensors import (
     TensorFile, check_tensors, format_version_of, has_target_means, is_compressed, map_prefix, read_tensor_file,
@@ -28,7 +28,7 @@ from kvhub.artifact.tensors import (
 
 __all__ = [
     "CARD_FILE", "FIGURE_SUFFIXES", "FORMAT_VERSION", "METADATA_FILE", "SUPPORTED_FORMAT_VERSIONS", "TENSORS_FILE",
-    "AtomicDirectory", "TensorFile", "atomic_write_bytes", "check_format_version", "check_metadata", "check_tensors",
+    "AtomicDirectory", "TensorFile", "atomic_write_bytes", "canonical_json", "check_format_version", "check_metadata", "check_tensors",
     "config_geometry", "copy_regular", "format_version_of", "fsync_dir", "fsync_tree", "has_target_means",
     "is_compressed",
     "is_figure_name", "is_plain_file_name", "json_sha256", "map_prefix", "open_regular", "parse_metadata_bytes",

@@ -33,9 +33,15 @@ _FINGERPRINT_INTS = ("num_layers", "num_kv_heads", "head_dim")
 _LAYER_NUMBERS = ("lambda_k", "lambda_v", "r2_k", "r2_v", "train_r2_k", "train_r2_v")
 
 
+def canonical_json(obj) -> bytes:
+    """``obj`` as sorted-key, ASCII JSON (anything else as its ``str``): the bytes every kvhub content hash takes."""
+    return json.dumps(obj, sort_keys=True, default=str).encode()
+
+
 def json_sha256(obj) -> str:
-    """sha256 of ``obj`` as sorted-key JSON: how a fingerprint's ``config_hash`` hashes its ``config``."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    """sha256 of :func:`canonical_json`: the one canonical-JSON hash (a fingerprint's ``config_hash``, the
+    evaluation cache's keys, the items and texts a result was scored on, a fit's checkpoint key)."""
+    return hashlib.sha256(canonical_json(obj)).hexdigest()
 
 
 def is_plain_file_name(name) -> bool:

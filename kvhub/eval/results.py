@@ -23,18 +23,19 @@ condition's prediction and scores).
 from __future__ import annotations
 
 import datetime as _datetime
-import hashlib
 import json
 import math
 import re
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+from kvhub.artifact import json_sha256
+
 
 def items_sha256(items) -> str:
-    """sha256 of the scored items (dataclasses or plain data, in order)."""
+    """sha256 of the scored items (dataclasses or plain data, in order), as canonical JSON (json_sha256)."""
     rows = [asdict(item) if is_dataclass(item) else item for item in items]
-    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str, ensure_ascii=False).encode()).hexdigest()
+    return json_sha256(rows)
 
 
 def now() -> str:

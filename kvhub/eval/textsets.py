@@ -16,14 +16,12 @@ Text sets:
 """
 
 from __future__ import annotations
-
 import functools
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvhub.artifact import json_sha256
 from kvhub.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,7 +44,7 @@ class TextSet:
     @property
     def sha256(self) -> str:
         """sha256 of the documents (JSON list, in order): the identity of the text, tokenizer aside."""
-        return hashlib.sha256(json.dumps(list(self.documents), ensure_ascii=False).encode()).hexdigest()
+        return json_sha256(list(self.documents))
 
 
 def load_text_set(name: str = DEFAULT, *, cache_dir: str | os.PathLike | None = None) -> TextSet:
@@ -90,4 +88,4 @@ def token_windows(text_set: TextSet, tokenizer, *, windows: int, seq_len: int) -
 
 def windows_sha256(ids: "torch.Tensor") -> str:
     """sha256 of the token windows (N, T) as scored: the identity of a ppl figure's input."""
-    return hashlib.sha256(json.dumps(ids.tolist()).encode()).hexdigest()
+    return json_sha256(ids.tolist())

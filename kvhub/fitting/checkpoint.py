@@ -28,7 +28,6 @@ what is wrong, and the fit starts over: never a traceback, never statistics resu
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kvhub import __version__
-from kvhub.artifact import atomic_write_bytes
+from kvhub.artifact import atomic_write_bytes, canonical_json
 from kvhub.core.stats import KVStats, Layout
 from kvhub.fitting.modes import StatisticsMode
 
@@ -57,7 +56,7 @@ def job_identity(source_fp: dict, target_fp: dict, train_ids: torch.Tensor, held
     }
     if getattr(options, "map_kind", "ridge") != "ridge":  # its row samples are checkpointed with the statistics
         record["map"] = {"kind": options.map_kind, "tokens": options.mlp_tokens}
-    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode())
+    digest = hashlib.sha256(canonical_json(record))
     for ids in (train_ids, heldout_ids if heldout_ids is not None else train_ids[:0]):
         digest.update(str(tuple(ids.shape)).encode())
         digest.update(ids.to(torch.int64).contiguous().cpu().numpy().tobytes())

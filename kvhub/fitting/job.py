@@ -12,8 +12,6 @@ returns a context manager yielding a ``(description, completed, total)`` callbac
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from kvhub.artifact import json_sha256
 from kvhub.calib.recipe import DEFAULT_CALIBRATION
 from kvhub.fitting.options import FitOptions
 
@@ -228,8 +227,8 @@ def checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: i
                     weighting: str = "uniform") -> Path:
     """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options
     (what is in the file is checked against :func:`kvhub.fitting.checkpoint.job_identity` when it is read)."""
-    from kvhub.calib.corpus import cache_root
+    from kvhub.env import cache_root
 
-    key = json.dumps([source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
-                      calibration.get("heldout_sequences"), stride, batch_size, weighting])
-    return cache_root() / "checkpoints" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+    key = json_sha256([source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
+                       calibration.get("heldout_sequences"), stride, batch_size, weighting])
+    return cache_root() / "checkpoints" / f"{key[:24]}.safetensors"

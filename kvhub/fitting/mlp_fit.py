@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvhub import __version__
-from kvhub.artifact import atomic_write_bytes, map_prefix
+from kvhub.artifact import atomic_write_bytes, json_sha256, map_prefix
 from kvhub.artifact.kinds import MAP_KINDS
 from kvhub.core.mapper import Mapper
 from kvhub.core.mlp import Schedule, Trained, tensors_of, train_residual
@@ -129,11 +129,9 @@ def with_mlps(mapper: Mapper, trained: dict[int, dict[str, Trained]], samples: d
 
 def _solution_key(solution: Solution) -> str:
     """What the MLPs are trained on top of: every layer's sources and lambdas, and the maps' structure."""
-    import hashlib
-
     record = [(l.target, l.sources, l.k_map.ridge_lambda, l.v_map.ridge_lambda) for l in solution.layers]
     record.append(dataclasses.asdict(solution.structure))
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+    return json_sha256(record)[:16]
 
 
 def _metrics(layers: list[dict]) -> dict[str, float]:
