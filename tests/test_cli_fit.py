@@ -170,3 +170,18 @@ def test_fit_in_two_passes_and_refuses_candidates_in_one(tiny_model_dirs, env):
     refused = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "no") + ["--stats", "one-pass",
                                                                                      "--candidates", "2"])
     assert refused.exit_code == 2 and "--candidates" in refused.output
+
+
+def test_the_series_name_is_part_of_the_fit_request(tiny_model_dirs, env):
+    """A Python caller names the series (``FitRequest.name``) as ``kvhub fit --name`` does, and the fitted
+    mapper.json carries it.  Planted bugs caught: the name applied only by the CLI after the fit (a library
+    fit filed under the calibration set's own name); the name dropped by ``prepare``."""
+    from kvhub.fitting.job import FitRequest, fit_by_names
+    from kvhub.fitting.options import FitOptions
+
+    src, dst = tiny_model_dirs
+    request = FitRequest(src=str(src), dst=str(dst), calib=str(env["corpus"]), name="support-notes", samples=12,
+                         seq_len=24, dtype="float32", device="cpu", options=FitOptions(stride=1, batch_size=1))
+    mapper = fit_by_names(request)
+    assert mapper.metadata["calibration"]["name"] == "support-notes"
+    assert mapper.metadata["calibration"]["name"] != env["corpus"].stem

@@ -71,8 +71,8 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
     from kvhub.fitting.job import FitRequest, check_plan
     from kvhub.cli.progress import quiet_other_bars
 
-    request = FitRequest(src=src, dst=dst, calib=calib, samples=samples, seq_len=seq_len, seed=seed, device=device,
-                         dtype=dtype, restart=restart, options=FitOptions(**knobs))
+    request = FitRequest(src=src, dst=dst, calib=calib, name=name, samples=samples, seq_len=seq_len, seed=seed,
+                         device=device, dtype=dtype, restart=restart, options=FitOptions(**knobs))
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
     check_before_loading(request)
     if name is not None:
@@ -95,8 +95,6 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
             _say_statistics(check_plan(request))
         mapper = _fit_here(request)
     reference = full_ref = None
-    if name is not None:  # the series name travels in mapper.json (export, push and pull keep it)
-        mapper.metadata["calibration"]["name"] = name
     with tempfile.TemporaryDirectory(prefix="kvhub-fit-") as tmp:
         artifact = mapper.save(Path(tmp) / "mapper")
         if out is not None:  # first: a refused registration never loses the fit

@@ -32,12 +32,14 @@ ProgressFactory = Callable[[str], ContextManager]
 
 @dataclass
 class FitRequest:
-    """What ``kvhub fit`` asks for: the models, the calibration set, where the forward passes run, and the
-    fit's knobs (:class:`kvhub.fitting.options.FitOptions`; its stride None: the calibration recipe's)."""
+    """What ``kvhub fit`` asks for: the models, the calibration set, the series name it is filed under
+    (``name``; None: the calibration set's own), where the forward passes run, and the fit's knobs
+    (:class:`kvhub.fitting.options.FitOptions`; its stride None: the calibration recipe's)."""
 
     src: str
     dst: str
     calib: str = DEFAULT_CALIBRATION
+    name: str | None = None
     samples: int | None = None
     seq_len: int | None = None
     seed: int | None = None
@@ -114,6 +116,8 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     sweep_temporaries(options.checkpoint.parent)  # what fits killed mid-save left
     notify(calibration_line(meta, train=calibration.train.shape[0], heldout=calibration.heldout.shape[0],
                             tokens=calibration.train.shape[1], stride=stride))
+    if request.name is not None:  # the series name travels in mapper.json (export, push and pull keep it)
+        meta["name"] = request.name
     return PreparedFit(source, target, source_tok, target_tok, source_id, target_id, calibration.train,
                        calibration.heldout, meta, options)
 
