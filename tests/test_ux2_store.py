@@ -152,7 +152,8 @@ def test_advice_is_what_the_commands_accept_and_removed_series_are_gone(home, tm
     assert "@latest" in missing and "leave the version out" not in missing
     cli("rm", f"{PAIR}:notes@latest")  # the advice works
     ambiguous = cli("show", PAIR, expect=AmbiguousError.exit_code).stderr
-    assert "(chat, legal-docs)" in ambiguous and "--calib chat" in ambiguous and "calib='" not in ambiguous
+    assert "(chat, legal-docs)" in ambiguous and f"{PAIR}:chat" in ambiguous and "calib='" not in ambiguous
+    assert "--calib" not in ambiguous  # show has no --calib (ux-3 U3-12)
     cli("rm", f"{PAIR}:chat@latest")
     assert json.loads(cli("show", PAIR, "--json").stdout)["calibration"] == "legal-docs"
 

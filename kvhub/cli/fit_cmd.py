@@ -253,11 +253,22 @@ def _fit_rank(request, *, ignore_plan: bool):
         dist.destroy_process_group()
 
 
+def _lineage() -> dict:
+    """What the store records of a fit: the command, kvhub's version and every option as given (the
+    mapper.json's fit block holds the options the fit resolved)."""
+    from kvhub import __version__
+
+    params = click.get_current_context().params
+    return {"created_by": "kvhub fit", "kvhub_version": __version__,
+            "options": {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+                        for key, value in sorted(params.items())}}
+
+
 def _register(artifact: Path, db: str | None) -> tuple[str, str]:
     """(the short reference people read, the full one JSON carries) of the registered version."""
     with open_db(db) as store:
         existing = store.registered_as(artifact)  # identical tensors are one version
-        version = existing or store.register(artifact, lineage={"created_by": "kvhub fit"})
+        version = existing or store.register(artifact, lineage=_lineage())
         if existing is not None:
             say(f"the store already holds these exact weights as {store.reference(existing)}; no new version",
                 label="note:")

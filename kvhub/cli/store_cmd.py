@@ -182,19 +182,20 @@ def show(ref, per_layer, verify, history, db, output_format):
             data[key] = shown(data[key])
         echo_json(data)
     else:
-        _print_description(data, per_layer=per_layer, output_format=output_format)
+        _print_description(data, per_layer=per_layer, output_format=output_format, history=history)
     if verify:
         say("artifact verified: every file matches its recorded sha256 and the artifact format")
 
 
-def _print_description(data: dict, *, per_layer: bool, output_format: str) -> None:
+def _print_description(data: dict, *, per_layer: bool, output_format: str, history: bool = False) -> None:
     metrics = sorted(data["metrics"], key=lambda m: (m["layer"] is not None, m["name"], m["task"] or "",
                                                      m["layer"] or 0))
     shown = [m for m in metrics if per_layer or m["layer"] is None]
-    if output_format == "tsv":
-        rows = [list(row) for row in _overview_rows(data)]
-        rows += [[_metric_key(m), _number(m["value"], "tsv")] for m in shown]
-        print_table(None, rows, output_format="tsv")
+    if output_format == "tsv":  # FIELD<TAB>VALUE; --history adds each measurement's n and time (reruns apart)
+        rows = [list(row) + (["", ""] if history else []) for row in _overview_rows(data)]
+        rows += [[_metric_key(m), _number(m["value"], "tsv")]
+                 + (["" if m["n"] is None else m["n"], m["measured_at"]] if history else []) for m in shown]
+        print_table(["field", "value", "n", "measured"] if history else None, rows, output_format="tsv")
         return
     print_table(None, [list(row) for row in _overview_rows(data)])
     if per_layer:

@@ -187,9 +187,18 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
                      target_id=job.target_id, source_tokenizer=job.source_tokenizer,
                      target_tokenizer=job.target_tokenizer, calibration=job.calibration, options=job.options,
                      progress=callback, notify=notify)
+    _record_where(mapper, job)
     discard(job.options.checkpoint)
     discard(mlp_checkpoint(job.options.checkpoint))
     return mapper
+
+
+def _record_where(mapper, job) -> None:
+    """mapper.json's fit block also says where the fit ran: the models' dtype and device type (what the
+    statistics were computed from; `kvhub diff` compares them)."""
+    parameter = next(job.source.parameters())
+    mapper.metadata.setdefault("fit", {}).update(dtype=str(parameter.dtype).removeprefix("torch."),
+                                                 device=parameter.device.type)
 
 
 def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | None = None,
@@ -222,6 +231,8 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
                                  source_tokenizer=job.source_tokenizer, target_tokenizer=job.target_tokenizer,
                                  calibration=job.calibration, options=job.options, progress=callback,
                                  notify=notify)
+    if mapper is not None:
+        _record_where(mapper, job)
     dist.barrier()
     remove_checkpoints(group, job.options.checkpoint)
     return mapper

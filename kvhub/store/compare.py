@@ -29,7 +29,8 @@ def _fields(data: dict, per_layer: bool) -> dict:
         "source": data["source_model"]["name"], "target": data["target_model"]["name"],
         "calibration": calibration["name"], "calibration text": corpus_hash(calibration.get("recipe")),
         "calibration content": calibration["content_hash"], "calibration tokens": calibration["tokens"],
-        "k": shown(data["k"]), "lambda": shown(data["ridge_lambda"]),
+        **_calibration_size(calibration.get("recipe") or {}),
+        "k": shown(data["k"]), "lambda": shown(data["ridge_lambda"]), **_fit_block(data),
         "tensors sha256": data["tensors_sha256"], "written by": f"kvhub {data['kvhub_version']}",
     }
     for m in data["metrics"]:
@@ -39,6 +40,28 @@ def _fields(data: dict, per_layer: bool) -> dict:
         for layer in data["selected_layers"]:
             fields[f"layer {layer.get('target')} sources"] = ",".join(map(str, layer.get("sources", [])))
     return fields
+
+
+def _calibration_size(calibration: dict) -> dict:
+    """How much calibration text the fit read, and how (mapper.json's calibration block)."""
+    keys = ("sequences", "heldout_sequences", "seq_len", "stride", "seed")
+    return {f"calibration {key.replace('_', ' ')}": calibration.get(key) for key in keys if key in calibration}
+
+
+def _fit_block(data: dict) -> dict:
+    """The artifact's fit options (mapper.json's ``fit`` block: weighting, batch size, statistics, dtype,
+    device ...) as ``fit NAME`` fields; nothing when the artifact cannot be read."""
+    from pathlib import Path
+
+    from kvhub.artifact import read_metadata
+    from kvhub.errors import KVHubError
+
+    try:
+        block = read_metadata(Path(data["artifact_path"])).get("fit") or {}
+    except (KVHubError, OSError, KeyError):
+        return {}
+    return {f"fit {key.replace('_', ' ')}": value if not isinstance(value, (dict, list)) else str(value)
+            for key, value in sorted(block.items())}
 
 
 def _metric_label(metric: dict) -> str:
