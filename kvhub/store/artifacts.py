@@ -98,6 +98,18 @@ def _make_read_only(directory: Path) -> None:
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def _open_lock(lock: Path) -> int:
+    """The lock file's descriptor; read-only when the store is (flock needs no write access: gc --dry-run).
+    O_NOFOLLOW: a link planted at .lock would make every writer create or open its target."""
+    no_follow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT | no_follow, 0o666)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return os.open(lock, os.O_RDONLY | no_follow)
+
+
 def _refused_entry(path: Path, what: str) -> StoreError:
     return StoreError(f"{path} is {what}; the artifact store holds only real directories and files. Nothing was "
                       f"read or deleted; remove it (`rm {path}`) and run the command again")
@@ -225,8 +237,8 @@ class ArtifactStore:
             raise StoreError("the artifact store needs POSIX file locks (fcntl); use Linux or macOS") from exc
         self.root.mkdir(parents=True, exist_ok=True)
         lock = self.root / LOCK_FILE
-        try:  # O_NOFOLLOW: a link planted at .lock would make every writer create or open its target
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            fd = _open_lock(lock)
         except OSError as exc:
             if os.path.islink(lock):
                 raise _refused_entry(lock, "a symbolic link") from None

@@ -9,6 +9,11 @@ A SQLite store kvhub may not write (a read-only mount, a file or folder without 
 opened read-only (``mode=ro``; ``immutable=1`` when its folder is read-only too, since SQLite could
 not create the WAL index there): reads work, and a write is refused with one line that says so.
 
+A SQLite store on a full file system cannot even be read normally (SQLite must grow the ``-shm`` file
+first): SQLite's "disk I/O error" or "database or disk is full" there is a "no space left on DIR" error,
+and when nothing is pending in the write-ahead log the store is reopened read-only (``immutable=1``, a
+fresh connection per use), so ``kvhub gc`` can still free space and every write says where space ran out.
+
 PostgreSQL: plain ``READ COMMITTED``; concurrent writers serialise on the row locks the store takes.
 """
 
@@ -23,15 +28,19 @@ from urllib.parse import quote
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy.pool import NullPool
 
 from kvhub.errors import ConfigError, StoreError
 from kvhub.store.location import display_url, sqlite_path
 
 SQLITE_BUSY_TIMEOUT_S = 60.0
+NEARLY_FULL_BYTES = 1 << 20  # below this much free space a SQLite I/O failure is taken for a full disk
+_NO_SPACE_TEXT = ("disk i/o error", "database or disk is full")
 
 
-def make_engine(url: str, *, foreign_keys: bool = True) -> Engine:
-    """Engine for ``url``; ``foreign_keys=False`` only for migrations (see migrations/env.py)."""
+def make_engine(url: str, *, foreign_keys: bool = True, out_of_space: bool = False) -> Engine:
+    """Engine for ``url``; ``foreign_keys=False`` only for migrations (see migrations/env.py);
+    ``out_of_space``: a SQLite store on a full file system, opened read-only (module docstring)."""
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
@@ -40,7 +49,7 @@ def make_engine(url: str, *, foreign_keys: bool = True) -> Engine:
             f"{shown!r} is not a database URL; use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
         ) from exc
     if parsed.get_backend_name() == "sqlite":
-        return _sqlite_engine(url, foreign_keys=foreign_keys)
+        return _sqlite_engine(url, foreign_keys=foreign_keys, out_of_space=out_of_space)
     try:
         return create_engine(url, pool_pre_ping=True)
     except (NoSuchModuleError, ImportError) as exc:
@@ -52,10 +61,37 @@ def make_engine(url: str, *, foreign_keys: bool = True) -> Engine:
 
 def connection_error(url: str, exc: DBAPIError) -> StoreError:
     """The StoreError for a database that cannot be reached or used (password never shown)."""
+    folder = full_folder(url, exc)
+    if folder is not None:
+        return no_space_error(folder)
     return StoreError(
         f"cannot use the store at {display_url(url)}: {str(exc.orig).strip()}; check the URL (--db, "
         "KVHUB_DB_URL), that the server is running, and your permissions"
     )
+
+
+def full_folder(url: str, exc: DBAPIError) -> Path | None:
+    """The folder of a SQLite store when ``exc`` is SQLite failing because its file system is full."""
+    path = sqlite_path(url)
+    if path is None or not any(text in str(exc.orig).lower() for text in _NO_SPACE_TEXT):
+        return None
+    try:
+        stats = os.statvfs(path.parent)
+    except OSError:
+        return None
+    return path.parent if stats.f_bavail * stats.f_frsize < NEARLY_FULL_BYTES else None
+
+
+def no_space_error(folder: Path) -> StoreError:
+    return StoreError(f"no space left on {folder}; nothing was written. Free some space there (`kvhub gc` "
+                      "removes unreferenced artifacts and leftovers of interrupted writes) and run the command "
+                      "again")
+
+
+def out_of_space_folder(engine: Engine) -> Path | None:
+    """The folder of a store opened read-only because its file system is full (else None)."""
+    folder = engine.get_execution_options().get("kvhub_out_of_space")
+    return Path(folder) if folder else None
 
 
 def is_read_only(engine: Engine) -> bool:
@@ -73,12 +109,17 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
 
 
+def wal_pending(path: Path) -> bool:
+    """Whether the write-ahead log beside the SQLite file ``path`` holds commits (an immutable reader
+    would not see them)."""
+    wal = path.with_name(path.name + "-wal")
+    return wal.exists() and wal.stat().st_size > 0
+
+
 def _read_only_uri(path: Path) -> str:
     """``mode=ro``, plus ``immutable=1`` when the folder is read-only and no write-ahead log is pending
     (an immutable reader would not see what a log holds)."""
-    wal = path.with_name(path.name + "-wal")
-    pending = wal.exists() and wal.stat().st_size > 0
-    immutable = not os.access(path.parent, os.W_OK) and not pending
+    immutable = not os.access(path.parent, os.W_OK) and not wal_pending(path)
     return f"file:{quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
 
 
@@ -87,10 +128,15 @@ def write_engine(engine: Engine) -> Engine:
     return engine.execution_options(kvhub_write=True)
 
 
-def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
+def _sqlite_engine(url: str, *, foreign_keys: bool, out_of_space: bool = False) -> Engine:
     path = sqlite_path(url)
-    read_only = path is not None and path.is_file() and not _writable(path)
-    if path is not None and read_only:
+    read_only = path is not None and path.is_file() and (out_of_space or not _writable(path))
+    if path is not None and out_of_space:
+        # SQLite cannot grow the -shm file, so no locking: a fresh connection each time reads the file as it is
+        uri = f"file:{quote(str(path))}?mode=ro&immutable=1"
+        engine = create_engine(url, poolclass=NullPool, creator=lambda: sqlite3.connect(
+            uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False))
+    elif path is not None and read_only:
         uri = _read_only_uri(path)
         engine = create_engine(url, creator=lambda: sqlite3.connect(
             uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False))
@@ -119,4 +165,6 @@ def _sqlite_engine(url: str, *, foreign_keys: bool) -> Engine:
         immediate = connection.get_execution_options().get("kvhub_write", False)
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
+    if out_of_space and path is not None:
+        return engine.execution_options(kvhub_read_only=True, kvhub_out_of_space=str(path.parent))
     return engine.execution_options(kvhub_read_only=True) if read_only else engine

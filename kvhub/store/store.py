@@ -16,6 +16,7 @@ a race (a duplicate insert of a new model or triple, a deadlock, SQLite's lock t
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -35,12 +36,22 @@ from kvhub.errors import AmbiguousError, ArtifactError, ConfigError, NotFoundErr
 from kvhub.errors import IntegrityError as ArtifactIntegrityError
 from kvhub.store import lookup, queries
 from kvhub.store.artifacts import ArtifactStore, GcReport, artifact_files, copy_hashing, manifest_sha256
-from kvhub.store.engine import connection_error, is_read_only, make_engine, read_only_error, write_engine
+from kvhub.store.engine import (
+    connection_error,
+    full_folder,
+    is_read_only,
+    make_engine,
+    no_space_error,
+    out_of_space_folder,
+    read_only_error,
+    wal_pending,
+    write_engine,
+)
 from kvhub.store.ingest import (
     METADATA_FILE, check_same_text, check_storable, find_same_tensors, insert_version, lock_series, metric_row,
     read_checked_metadata, set_alias,
 )
-from kvhub.store.location import default_artifacts_dir, display_url, require_existing, resolve_db_url
+from kvhub.store.location import default_artifacts_dir, display_url, require_existing, resolve_db_url, sqlite_path
 from kvhub.store.migrate import ensure_schema
 from kvhub.store.records import MapperVersion, version_record
 from kvhub.store.refs import LATEST, Ref, check_alias_name
@@ -75,17 +86,30 @@ def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.P
         require_existing(url)
     engine = make_engine(url)
     try:
+        store_id = _store_id(engine, url)
+    except DBAPIError as exc:
+        folder = full_folder(url, exc)
+        path = sqlite_path(url)
+        if folder is None or path is None or wal_pending(path):
+            raise connection_error(url, exc) from exc
+        engine = make_engine(url, out_of_space=True)  # reads (and gc) still work; writes say where space ran out
+        try:
+            store_id = _store_id(engine, url)
+        except DBAPIError:
+            raise no_space_error(folder) from exc
+    root = Path(artifacts_dir) if artifacts_dir is not None else default_artifacts_dir(url)
+    return Store(url, engine=engine, artifacts=ArtifactStore(root / store_id))
+
+
+def _store_id(engine: Engine, url: str) -> str:
+    """The store's id, after checking its schema; the engine is disposed if anything fails."""
+    try:
         ensure_schema(engine, url)
         with Session(engine) as session:
-            store_id = session.get_one(StorePropertyRow, "store_id").value
-    except DBAPIError as exc:
-        engine.dispose()
-        raise connection_error(url, exc) from exc
+            return session.get_one(StorePropertyRow, "store_id").value
     except BaseException:
         engine.dispose()
         raise
-    root = Path(artifacts_dir) if artifacts_dir is not None else default_artifacts_dir(url)
-    return Store(url, engine=engine, artifacts=ArtifactStore(root / store_id))
 
 
 class Store:
@@ -133,6 +157,9 @@ class Store:
         return is_read_only(self._engine)
 
     def _check_writable(self) -> None:
+        folder = out_of_space_folder(self._engine)
+        if folder is not None:
+            raise no_space_error(folder)
         if self.read_only:
             raise read_only_error(self.url)
 
@@ -147,6 +174,8 @@ class Store:
                     return result
                 except DBAPIError as exc:
                     session.rollback()
+                    if full_folder(self.url, exc) is not None:
+                        raise connection_error(self.url, exc) from exc
                     if not _retryable(exc) or attempt == _RETRIES - 1:
                         raise StoreError(f"the store at {display_url(self.url)} refused a write: {exc.orig}") from exc
                     log.debug("retrying a store transaction after %s", exc.orig)
@@ -362,13 +391,20 @@ class Store:
         """Copy a version's artifact to ``directory`` (atomically), verifying every byte copied."""
         record = version if isinstance(version, MapperVersion) else self.resolve(version)
         source = self.artifact_path(record)
-        with AtomicDirectory(directory, overwrite=overwrite) as tmp:
-            hashes = {name: copy_hashing(path, tmp / name) for name, path in artifact_files(source).items()}
-            if manifest_sha256(hashes) != record.artifact_sha256:
-                raise ArtifactIntegrityError(
-                    f"artifact of {record.ref} changed on disk (manifest {manifest_sha256(hashes)}, recorded "
-                    f"{record.artifact_sha256}); nothing was exported. Re-import or pull it again"
-                )
+        try:
+            with AtomicDirectory(directory, overwrite=overwrite) as tmp:
+                hashes = {name: copy_hashing(path, tmp / name) for name, path in artifact_files(source).items()}
+                if manifest_sha256(hashes) != record.artifact_sha256:
+                    raise ArtifactIntegrityError(
+                        f"artifact of {record.ref} changed on disk (manifest {manifest_sha256(hashes)}, recorded "
+                        f"{record.artifact_sha256}); nothing was exported. Re-import or pull it again"
+                    )
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            folder = Path(directory).absolute().parent
+            raise StoreError(f"no space left on {folder} for the {record.artifact_bytes} bytes of {record.ref}; "
+                             "nothing was exported. Free some space there or export to another directory") from exc
         return Path(directory)
 
     # ---- aliases and removal ---------------------------------------------------------------------
@@ -455,10 +491,13 @@ class Store:
 
         Holds the artifact store's exclusive lock, so no registration is between writing its
         artifact and committing its row: a directory without a row is provably unreferenced.  A link at
-        ``.tmp`` or ``.lock`` is a StoreError raised before anything is deleted.
+        ``.tmp`` or ``.lock`` is a StoreError raised before anything is deleted.  Only reads the database:
+        ``dry_run`` works on a read-only store, and a store whose file system is full is collected (that
+        frees the space); a store read-only for other reasons keeps its artifacts.
         """
         report = GcReport(dry_run=dry_run)
-        self._check_writable()
+        if not dry_run and out_of_space_folder(self._engine) is None:
+            self._check_writable()
         with self._artifacts.collecting():
             debris = self._artifacts.temporaries()  # checks .tmp before anything is deleted
             referenced = set(self._read(lambda s: s.scalars(select(VersionRow.artifact_location)).all()))
