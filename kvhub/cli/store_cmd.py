@@ -170,8 +170,8 @@ def show(ref, per_layer, verify, history, db, output_format):
     kvhub show ...@v3 --history         (every rerun of an evaluation, not just the newest)
     kvhub show ...@v3 --format tsv      (FIELD<TAB>VALUE lines; metrics as metric.NAME[.TASK][.layerN])
 
-    A metric measured again (an evaluation rerun) shows its newest value; --history shows them all.
-    JSON holds selected_layers and the per-layer metrics whatever --layers says.
+    A metric measured again (an evaluation rerun) shows its newest value; --history shows them all
+    (in tsv with two more columns: each measurement's n and time).  JSON holds selected_layers and the per-layer metrics whatever --layers says.
     """
     with open_db(db, create=False) as store:
         data = store.describe(ref, history=history)
