@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, say
-from kvhub.cli.options import db_option, open_db
+from kvhub.cli.options import db_option, log_samples_option, open_db, output_path_option
 from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
@@ -91,12 +91,8 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
 @db_option
-@click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
-              help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
-                   "<ref>/results_<date>.json (lm-eval's layout).")
-@click.option("--log-samples", is_flag=True,
-              help="With --output-path: write every item's record (id, gold, each condition's prediction and "
-                   "scores) to samples_<task>_<date>.jsonl beside the results.")
+@output_path_option("<ref>/results_<date>.json (lm-eval's layout)")
+@log_samples_option("id, gold, each condition's prediction and scores")
 @format_option
 def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_budgets, selects, specs,
                  context_tokens, ppl_text, ppl_seq_len, ppl_calib, deshrink, device, dtype, db, output_path,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import click
 
 from kvhub.cli.console import plain, say
+from kvhub.cli.options import log_samples_option, output_path_option
 from kvhub.cli.output import format_option
 from kvhub.eval.catalog import GIST_TASKS, SERVED_LONG_TASKS
 from kvhub.errors import ConfigError
@@ -50,12 +50,8 @@ _COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "
               show_default=True, callback=lambda ctx, param, value: _finite(value),
               help="Seconds each request may take in all (connecting, waiting and reading the answer).")
 @format_option
-@click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
-              help="Also write the results document: PATH ending in .json is the file, else a directory that gets "
-                   "<small>:<large>/results_<date>.json (as `kvhub eval` writes).")
-@click.option("--log-samples", is_flag=True,
-              help="With --output-path: write every item's record (id, gold, each condition's generated answer, "
-                   "scores, agreement) to samples_<task>_<date>.jsonl beside the results.")
+@output_path_option("<small>:<large>/results_<date>.json (as `kvhub eval` writes)")
+@log_samples_option("id, gold, each condition's generated answer, scores, agreement")
 def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, tasks, context_tokens, limit, seed,
                agreement_tokens, timeout, output_format, output_path, log_samples):
     """Score a running `kvhub serve` pair over HTTP on the long-context tasks of `kvhub eval`.
