@@ -23,7 +23,8 @@ from kvhub.errors import ConfigError
 from kvhub.calib.recipe import recipe_from_spec
 
 
-def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=(), deshrink=None):
+def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=(), deshrink=None,
+                  lengths_option: str = "--context-tokens"):
     """(open store, :class:`kvhub.eval.run.LoadedVersion`); long-context lengths beyond the models' context
     are refused before the models load.  The caller closes the store."""
     from kvhub.core.mapper import read_metadata
@@ -32,7 +33,7 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
     store = open_db(db, create=False)  # a mistyped --db is a miss, not a new empty store
     try:
         version = store.resolve(ref)
-        check_context_length(read_metadata(store.artifact_path(version)), context_tokens)
+        check_context_length(read_metadata(store.artifact_path(version)), context_tokens, option=lengths_option)
         say(f"loading {version.source} and {version.target}")
         return store, load_version(store, ref, device=device, dtype=dtype, deshrink=deshrink)
     except BaseException:
@@ -350,7 +351,8 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
                           "--exact-budget, or put them into the --variant text")
     recompute = parse_variant(spec) if spec is not None else recompute
     _check_device_and_dtype(device, dtype)
-    store, loaded = _load_version(ref, db, device=device, dtype=dtype)
+    store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=lengths,
+                                  lengths_option="--lengths")  # beyond the models' positions: refused, not timed
     with store:
         loaded.mapper.to(device=next(loaded.target.parameters()).device)
         rows = time_transfer_vs_prefill(loaded.mapper, loaded.source, loaded.target, lengths=lengths,

@@ -96,9 +96,10 @@ def r2_heatmap_figure(metadata: dict):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), constrained_layout=True)
     for ax, kind in zip(axes, ("k", "v")):
         image = ax.imshow(probe[kind], aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=1)
-        for layer in metadata["layers"]:
-            ax.scatter([layer["target"]] * len(layer["sources"]), layer["sources"], s=10, c="red", marker="o")
-        ax.set_title(f"{kind.upper()}: red = source layers the stored map reads")
+        for layer in metadata["layers"]:  # small hollow rings: with k = 8-24 per layer the cells stay readable
+            ax.scatter([layer["target"]] * len(layer["sources"]), layer["sources"], s=9, marker="o",
+                       facecolors="none", edgecolors="white", linewidths=0.7)
+        ax.set_title(f"{kind.upper()}: rings = source layers the stored map reads")
         ax.set_xlabel("target layer")
         ax.set_ylabel("source layer")
         _integer_ticks(ax.xaxis)
@@ -108,8 +109,17 @@ def r2_heatmap_figure(metadata: dict):
     title = "Probe: held-out R² of a full-rank map from one source layer"
     if structure:
         title += f"\n(the stored maps are compressed, {structure}: their own R² is in layer_r2.png)"
-    fig.suptitle(title)
+    fig.suptitle(f"{mapper_name(metadata)}\n{title}")
     return fig
+
+
+def mapper_name(metadata: dict) -> str:
+    """'SRC -> DST (CALIB)' with the models' short names: which mapper a figure shows."""
+    def short(role: str) -> str:
+        return str((metadata.get(role) or {}).get("model_id", "?")).rstrip("/").split("/")[-1]
+
+    calibration = (metadata.get("calibration") or {}).get("name")
+    return f"{short('source')} → {short('target')}" + (f" ({calibration})" if calibration else "")
 
 
 def layer_r2_figure(metadata: dict):
@@ -133,9 +143,15 @@ def layer_r2_figure(metadata: dict):
     _integer_ticks(ax.xaxis)
     ax.set_xlabel("target layer (numbers: k, the source layers read)")
     ax.set_ylabel("held-out R²")
-    ax.set_title("Held-out R² of the stored maps per target layer" + (f" ({structure})" if structure else ""))
+    ax.set_title(f"{mapper_name(metadata)}: held-out R² of the stored maps per target layer"
+                 + (f" ({structure})" if structure else ""))
     ax.legend(fontsize=8)
     return fig
+
+
+# one colour per condition in every figure, and retention (a ratio, no condition) in none of theirs
+CONDITION_COLOURS = {"own": "tab:blue", "mapped": "tab:orange", "control": "tab:gray", "source": "tab:green"}
+RETENTION_COLOUR = "tab:purple"
 
 
 def retention_figure(results: dict[str, dict]):
@@ -145,7 +161,7 @@ def retention_figure(results: dict[str, dict]):
     positions = list(range(len(tasks)))
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(9, 2.6 * len(tasks)), 4), constrained_layout=True)
     lows, highs = _errors(data["retention"], data["retention_ci"])
-    left.bar(positions, data["retention"], 0.6, yerr=[lows, highs], capsize=4, color="tab:green")
+    left.bar(positions, data["retention"], 0.6, yerr=[lows, highs], capsize=4, color=RETENTION_COLOUR)
     left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     left.set_xticks(positions, tasks, rotation=20, ha="right")
     left.set_ylabel("retention = acc(mapped) / acc(own)")
@@ -157,7 +173,7 @@ def retention_figure(results: dict[str, dict]):
         cis = [ci or [v, v] for ci, v in zip(data[f"acc_{condition}_ci"], data[f"acc_{condition}"])]
         lows, highs = _errors(data[f"acc_{condition}"], cis)
         right.bar([p + offset for p in positions], data[f"acc_{condition}"], width, capsize=3, label=condition,
-                  yerr=[lows, highs] if any(lows + highs) else None)
+                  color=CONDITION_COLOURS[condition], yerr=[lows, highs] if any(lows + highs) else None)
     right.set_xticks(positions, tasks, rotation=20, ha="right")
     right.set_ylabel("accuracy")
     right.set_title("Accuracy per condition")

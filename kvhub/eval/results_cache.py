@@ -84,7 +84,7 @@ def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict],
     scores = []
     try:
         for index, item in enumerate(items):
-            report(progress, f"items: {item.id}", index, len(items))
+            report(progress, "items", index, len(items))  # an item's id ('0', 'hellaswag/validation/548') reads as noise
             key = item_key(item)
             missing = [i for i in range(len(paths)) if key not in done[i]]
             if missing:
@@ -93,7 +93,7 @@ def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict],
                     handles[i].write(json.dumps({"id": key, "score": score.as_dict()}) + "\n")
                     handles[i].flush()
             scores.append([done[i][key] for i in range(len(paths))])
-        report(progress, "items: done", len(items), len(items))
+        report(progress, "items", len(items), len(items))
     finally:
         for handle in handles:
             handle.close()

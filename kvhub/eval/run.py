@@ -241,9 +241,10 @@ def metric_rows(name: str, summary: dict, *, seed: int) -> list[dict]:
     return rows
 
 
-def check_context_length(metadata: dict, context_tokens) -> None:
+def check_context_length(metadata: dict, context_tokens, *, option: str = "--context-tokens") -> None:
     """ConfigError when a long-context length exceeds a model's ``max_position_embeddings``, as mapper.json
-    (``metadata``) records the two configs: the items would run past the positions the models were trained on."""
+    (``metadata``) records the two configs: the items would run past the positions the models were trained on.
+    ``option``: the command's option that gave the lengths (bench's is --lengths)."""
     from kvhub.errors import ConfigError
 
     limits = {side: ((metadata.get(side) or {}).get("config") or {}).get("max_position_embeddings")
@@ -254,6 +255,6 @@ def check_context_length(metadata: dict, context_tokens) -> None:
     side, limit = min(known.items(), key=lambda kv: kv[1])
     longest = max(context_tokens)
     if longest > limit:
-        raise ConfigError(f"--context-tokens {longest} exceeds the {side} model's context length ({limit} tokens, "
-                          f"max_position_embeddings of {metadata[side].get('model_id')}); use --context-tokens "
+        raise ConfigError(f"{option} {longest} exceeds the {side} model's context length ({limit} tokens, "
+                          f"max_position_embeddings of {metadata[side].get('model_id')}); use {option} "
                           f"{limit // 2} or another length up to {limit}")
