@@ -1,6 +1,8 @@
 """What kvhub reads from the process it runs in, read at call time so that a process that changes its
 environment (a notebook, a test) is honoured:
 
+- :data:`VARIABLES`: every ``KVHUB_*`` environment variable kvhub reads, with its default, its meaning and
+  the module that reads it (docs/configuration.md is checked against it: tests/test_docs.py);
 - :func:`cache_root`: the root of kvhub's caches (models, corpora, calibration sets, checkpoints, evaluation
   sets and results): ``$KVHUB_CACHE``, else ``$XDG_CACHE_HOME/kvhub`` (default ``~/.cache/kvhub``).
   ``$KVHUB_HOME`` moves the store, not the caches (:mod:`kvhub.store.location`);
@@ -10,7 +12,9 @@ environment (a notebook, a test) is honoured:
   (:mod:`kvhub.core.deshrink`);
 - :func:`die_with_parent`: the pre-exec hook that ties a child process's life to this one.
 
-Every stage reads these here, so none has to import a later stage for an environment fact.
+The facts every stage needs (the cache root, the offline switch, the de-shrink default) are read here, so
+none has to import a later stage for them.  A variable one module alone needs is read by that module (the
+store's location, a fit's rank timeout, ...); :data:`VARIABLES` names it and its reader.
 """
 
 from __future__ import annotations
@@ -19,7 +23,51 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``KVHUB_*`` environment variable: its default (in words), what it means, and who reads it."""
+
+    name: str
+    default: str
+    meaning: str
+    read_by: str
+
+
+VARIABLES = (
+    Variable("KVHUB_CACHE", "`$XDG_CACHE_HOME/kvhub` (`~/.cache/kvhub`)",
+             "Root of kvhub's caches: fetched models, corpora, calibration sets, fit checkpoints, evaluation sets "
+             "and per-item evaluation results.", "kvhub.env"),
+    Variable("KVHUB_HOME", "the user data directory (`~/.local/share/kvhub` on Linux)",
+             "Where the default store lives (`kvhub.db`, `artifacts/`). It moves the store, not the caches.",
+             "kvhub.store.location"),
+    Variable("KVHUB_DB_URL", "`$KVHUB_HOME/kvhub.db`",
+             "The store: a SQLAlchemy URL (`postgresql+psycopg://...`) or a SQLite file path. `--db` wins over it.",
+             "kvhub.store.location"),
+    Variable("KVHUB_ARTIFACTS", "`$KVHUB_HOME/artifacts`",
+             "The artifact directory of a server (PostgreSQL) store; a SQLite store keeps its artifacts beside "
+             "its file. Machines sharing one PostgreSQL store share this directory too.", "kvhub.store.location"),
+    Variable("KVHUB_DESHRINK", "`kv`",
+             "How transfer reads the maps when no caller says: `kv`, `v` or `off` (a whole process's default).",
+             "kvhub.env"),
+    Variable("KVHUB_HUB_NAMESPACES", "none",
+             "Comma-separated Hub users or organisations `kvhub.load()` searches when the local store misses.",
+             "kvhub.hub.pull"),
+    Variable("KVHUB_PROGRESS_INTERVAL", "`30`",
+             "Seconds between plain progress lines (off a terminal, or with `HF_HUB_DISABLE_PROGRESS_BARS`).",
+             "kvhub.cli.progress"),
+    Variable("KVHUB_VLLM", "`vllm` on PATH, else `.venv-vllm/bin/vllm`",
+             "The vLLM executable `kvhub serve` launches; `--vllm` wins over it.", "kvhub.serving.launch"),
+    Variable("KVHUB_DIST_TIMEOUT", "`1800`",
+             "Seconds a rank of a distributed fit waits for the others (e.g. for one that died).",
+             "kvhub.fitting.distributed"),
+    Variable("KVHUB_FIT_LAUNCHER", "set by kvhub",
+             "Internal: the pid of the `kvhub fit --distributed` whose torchrun started a rank; the rank exits when it "
+             "dies. Not for users to set.", "kvhub.fitting.distributed"),
+)
 
 
 def cache_root() -> Path:
