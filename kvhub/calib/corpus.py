@@ -181,10 +181,13 @@ def _pypi_tree(source: Source, *, fetch: bool, progress: Progress | None):
     return ZipTree(wheel), f"{wheel}"
 
 
-def _path_tree(source: Source, recipe: Recipe):
+def _source_path(source: Source, recipe: Recipe) -> Path:
     path = Path(source.path).expanduser()
-    if not path.is_absolute() and recipe.origin:
-        path = Path(recipe.origin).parent / path
+    return Path(recipe.origin).parent / path if not path.is_absolute() and recipe.origin else path
+
+
+def _path_tree(source: Source, recipe: Recipe):
+    path = _source_path(source, recipe)
     if path.is_file():
         return DirTree(path.parent), (glob.escape(path.name),)
     if path.is_dir():
@@ -210,6 +213,10 @@ def locate(source: Source, recipe: Recipe, *, fetch: bool = True, progress: Prog
         return tree, members, f"{len(members)} files under {root}"
     tree, patterns = _path_tree(source, recipe)
     if tree is None:
+        path = _source_path(source, recipe)
+        if os.path.exists(path):  # a FIFO, a device (/dev/zero), or a link to one
+            return None, [], (f"{source.path} is not a regular file or a directory; pass a text file, a .jsonl "
+                              "file or a directory of them")
         return None, [], f"missing: {source.path} does not exist"
     hidden = tuple(source.exclude) + (".*", "**/.*", "**/.*/**", ".*/**")
     members = tree.match(patterns, hidden)
