@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from kvhub.cli.console import console, say
-from kvhub.cli.options import db_option, open_db
-from kvhub.cli.output import echo_json, format_number, format_option, print_table
+from kvhub.cli.options import db_option, one_value, open_db
+from kvhub.cli.output import echo_json, format_number, format_option, print_record, print_table
 
 
 def token_option(command):
@@ -73,11 +73,10 @@ def push(ref, repo_id, private, branch, card, base_model, license_id, license_na
         full_ref = store.resolve(ref).ref
     for note in result.notes:
         say(note, label="note:")
-    if output_format == "json":
-        echo_json({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
-                   "branch": result.branch, "url": result.url, "card": result.card,
-                   "already_published": result.already_published, "pull_request": result.pull_request})
-    else:
+    if not print_record({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
+                         "branch": result.branch, "url": result.url, "card": result.card,
+                         "already_published": result.already_published, "pull_request": result.pull_request},
+                        output_format=output_format):
         console.print(_push_line(ref, result), highlight=False, markup=False, soft_wrap=True)
 
 
@@ -96,16 +95,19 @@ def _push_line(ref: str, result) -> str:
 
 
 @click.command()
-@click.argument("repo")
+@click.argument("repo", required=False)
+@click.option("--repo", "repo_option", default=None, metavar="OWNER/NAME[@REVISION]",
+              help="The repository, as push names it (the same as the REPO argument).")
 @click.option("--revision", default=None, help="Branch, tag or commit (same as OWNER/NAME@REVISION; default main).")
 @token_option
 @db_option
 @format_option
-def pull(repo, revision, token, db, output_format):
+def pull(repo, repo_option, revision, token, db, output_format):
     """Download a mapper from the Hub, verify it, and register it in the store.
 
     \b
     kvhub pull acme/kvmap-qwen-legal@v3
+    kvhub pull --repo acme/kvmap-qwen-legal@v3
 
     Checks the artifact format version, the sha256 of the tensors and the fingerprints before anything
     is registered; records where it came from (repository, tag, commit) in the version's lineage.  The
@@ -117,15 +119,16 @@ def pull(repo, revision, token, db, output_format):
     """
     from kvhub.hub import pull as pull_repo
 
+    repo = one_value(repo, repo_option, what="the repository", argument="REPO", option="--repo")
+
     from kvhub.cli.progress import hub_transfer
 
     with open_db(db) as store, hub_transfer(f"pulling {repo}"):
         result = pull_repo(store, repo, revision=revision, token=token)
         reference = store.reference(result.version)
-    if output_format == "json":
-        echo_json({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
-                   "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
-                   "already_registered": result.already_registered})
+    if print_record({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
+                     "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
+                     "already_registered": result.already_registered}, output_format=output_format):
         return
     also = f" (also @{result.alias}: the store's v{result.version.version} is the Hub's {result.revision})" \
         if result.alias else ""

@@ -23,9 +23,10 @@ def open_db(db: str | None, *, create: bool = True):
 
 def output_path_option(directory: str):
     """``--output-path``; ``directory``: what a directory PATH gets (the results file under it)."""
-    return click.option("--output-path", type=click.Path(path_type=Path), default=None, metavar="PATH",
+    return click.option("--output-path", "--out", "output_path", type=click.Path(path_type=Path), default=None,
+                        metavar="PATH",
                         help="Also write the results document: PATH ending in .json is the file, else a directory "
-                             f"that gets {directory}.")
+                             f"that gets {directory}.  --out is the same option (fit's and report's name).")
 
 
 def log_samples_option(record: str):
@@ -33,3 +34,13 @@ def log_samples_option(record: str):
     return click.option("--log-samples", is_flag=True,
                         help=f"With --output-path: write every item's record ({record}) to samples_<task>_<date>.jsonl "
                              "beside the results.")
+
+
+def one_value(argument_value, option_value, *, what: str, argument: str, option: str):
+    """The value given as an argument or as an option (one of them, or both alike; commands name one thing
+    alike across commands: --repo, --out); UsageError otherwise."""
+    if argument_value and option_value and argument_value != option_value:
+        raise click.UsageError(f"{argument} {argument_value} and {option} {option_value} name two; give {what} once")
+    if not (argument_value or option_value):
+        raise click.UsageError(f"give {what}: {argument} or {option}")
+    return argument_value or option_value
