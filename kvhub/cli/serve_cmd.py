@@ -121,7 +121,8 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
     if port_small == port_large:
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
     check_parallel_args(ctx.meta.get("vllm_args", ()))  # tensor / pipeline parallel: refused before anything starts
-    mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo)
+    mapper_ref, source_id, target_id = _resolve_mapper(ref, src, dst, calib, db=db, hub_repo=hub_repo,
+                                                       deshrink=deshrink)
     launcher = _launcher(vllm_executable, dry_run=dry_run)
     if events_path is not None:
         from kvhub.serving.connector_config import events_file
@@ -179,8 +180,9 @@ def default_kvstore_dir() -> Path:
     return root / f"kvhub-{user}"
 
 
-def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo) -> tuple[str, str, str]:
-    """(the version's full reference, source model id, target model id); kvhub.load's errors otherwise."""
+def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo, deshrink=None) -> tuple[str, str, str]:
+    """(the version's full reference, source model id, target model id); kvhub.load's errors otherwise, among
+    them --deshrink kv/v on a mapper without target means (the consumer would fail at start)."""
     from kvhub.store.refs import SYNTAX_HELP, Ref
 
     version = alias = None
@@ -194,7 +196,8 @@ def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo) -> tuple[str, str, st
                           "shows the store's mappers")
     from kvhub.api import load
 
-    mapper = load(src, dst, calib=calib, version=version, alias=alias, hub_repo=hub_repo, db=db, device="cpu")
+    mapper = load(src, dst, calib=calib, version=version, alias=alias, hub_repo=hub_repo, db=db, device="cpu",
+                  deshrink=deshrink)
     return mapper.ref, mapper.source["model_id"], mapper.target["model_id"]
 
 
