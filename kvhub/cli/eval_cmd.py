@@ -14,7 +14,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, log_samples_option, open_db, output_path_option
-from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_record, print_table
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS, load_text_set
@@ -417,10 +417,8 @@ def report(ref, out, db, output_format):
         if created:  # no half-written folder left behind
             shutil.rmtree(out, ignore_errors=True)
         raise
-    if output_format == "json":
-        echo_json({"ref": json_ref(version), "report": str(path),
-                   "files": sorted(str(p) for p in out.iterdir() if p.is_file())})
-    else:
+    if not print_record({"ref": json_ref(version), "report": str(path),
+                         "files": sorted(str(p) for p in out.iterdir() if p.is_file())}, output_format=output_format):
         say(f"wrote {path}", to=console)
 
 

@@ -6,7 +6,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, one_value, open_db
-from kvhub.cli.output import echo_json, format_number, format_option, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, print_record, print_table
 
 
 def token_option(command):
@@ -73,11 +73,10 @@ def push(ref, repo_id, private, branch, card, base_model, license_id, license_na
         full_ref = store.resolve(ref).ref
     for note in result.notes:
         say(note, label="note:")
-    if output_format == "json":
-        echo_json({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
-                   "branch": result.branch, "url": result.url, "card": result.card,
-                   "already_published": result.already_published, "pull_request": result.pull_request})
-    else:
+    if not print_record({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
+                         "branch": result.branch, "url": result.url, "card": result.card,
+                         "already_published": result.already_published, "pull_request": result.pull_request},
+                        output_format=output_format):
         console.print(_push_line(ref, result), highlight=False, markup=False, soft_wrap=True)
 
 
@@ -127,10 +126,9 @@ def pull(repo, repo_option, revision, token, db, output_format):
     with open_db(db) as store, hub_transfer(f"pulling {repo}"):
         result = pull_repo(store, repo, revision=revision, token=token)
         reference = store.reference(result.version)
-    if output_format == "json":
-        echo_json({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
-                   "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
-                   "already_registered": result.already_registered})
+    if print_record({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
+                     "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
+                     "already_registered": result.already_registered}, output_format=output_format):
         return
     also = f" (also @{result.alias}: the store's v{result.version.version} is the Hub's {result.revision})" \
         if result.alias else ""

@@ -45,6 +45,27 @@ def echo_json(data) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
+def print_record(data: dict, *, output_format: str) -> bool:
+    """A command's one JSON document on stdout: as JSON, or for tsv its field names (sorted) over one row
+    (lists and objects as compact JSON, booleans true/false, null an empty cell).  False for table: the
+    caller says what happened in words."""
+    if output_format == "json":
+        echo_json(data)
+        return True
+    if output_format == "tsv":
+        columns = sorted(data)
+        for line in tsv_lines(columns, [[_json_cell(data[name]) for name in columns]]):
+            click.echo(line)
+        return True
+    return False
+
+
+def _json_cell(value):
+    if isinstance(value, (bool, dict, list, tuple)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return value
+
+
 def _cell(value) -> str:
     return "" if value is None else str(value)
 
