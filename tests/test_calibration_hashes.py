@@ -35,3 +35,5 @@ def test_U3_22_fit_labels_the_text_hash_alike():
     meta = {"name": "notes", "corpus_hash": TEXT_SHA, "content_hash": "ffafed40fcb6" + "0" * 52}
     line = calibration_line(meta, train=64, heldout=16, tokens=512, stride=2)
     assert line.startswith(f"calibration notes (text {TEXT_SHA[:12]}, set ffafed40fcb6): 64 train + 16 held-out")
+    named = calibration_line(meta, train=64, heldout=16, tokens=512, stride=2, series="notes-2")
+    assert named.startswith("calibration notes-2 (text")  # the series --name files it under

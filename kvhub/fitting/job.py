@@ -115,17 +115,19 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
         source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting))
     sweep_temporaries(options.checkpoint.parent)  # what fits killed mid-save left
     notify(calibration_line(meta, train=calibration.train.shape[0], heldout=calibration.heldout.shape[0],
-                            tokens=calibration.train.shape[1], stride=stride))
+                            tokens=calibration.train.shape[1], stride=stride, series=request.name))
     if request.name is not None:  # the series name travels in mapper.json (export, push and pull keep it)
         meta["name"] = request.name
     return PreparedFit(source, target, source_tok, target_tok, source_id, target_id, calibration.train,
                        calibration.heldout, meta, options)
 
 
-def calibration_line(meta: dict, *, train: int, heldout: int, tokens: int, stride: int) -> str:
-    """fit's calibration line.  Its hashes are labelled as list and show label them: text (the sha256 of the
+def calibration_line(meta: dict, *, train: int, heldout: int, tokens: int, stride: int,
+                     series: str | None = None) -> str:
+    """fit's calibration line, naming the series the mapper is filed under (``series``: --name, else the
+    set's own name).  Its hashes are labelled as list and show label them: text (the sha256 of the
     documents, one per series) and set (the built sequences, which change with the size)."""
-    return (f"calibration {meta['name']} (text {meta.get('corpus_hash') or '-':.12}, set "
+    return (f"calibration {series or meta['name']} (text {meta.get('corpus_hash') or '-':.12}, set "
             f"{meta.get('content_hash', ''):.12}): {train} train + {heldout} held-out sequences x {tokens} tokens, "
             f"stride {stride}")
 
