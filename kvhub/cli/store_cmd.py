@@ -20,7 +20,7 @@ import click
 from kvhub.artifact.metadata import shown
 from kvhub.cli.console import err_console, plain, say
 from kvhub.cli.options import db_option, one_value, open_db
-from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_record, print_table
 
 _REF_HELP = """\b
 REF is SRC:DST[:CALIB][@SELECTOR]:
@@ -305,9 +305,7 @@ def tag(ref, alias, db, output_format):
     with open_db(db, create=False) as store:
         version = store.tag(ref, alias)
         reference = store.reference(version)
-    if output_format == "json":
-        echo_json({"ref": json_ref(version), "alias": alias})
-    else:
+    if not print_record({"ref": json_ref(version), "alias": alias}, output_format=output_format):
         say(f"{alias} -> {reference}")
 
 
@@ -326,9 +324,7 @@ def untag(ref, alias, db, output_format):
     with open_db(db, create=False) as store:
         version = store.untag(ref, alias)
         reference = store.reference(version)
-    if output_format == "json":
-        echo_json({"ref": json_ref(version), "removed_alias": alias})
-    else:
+    if not print_record({"ref": json_ref(version), "removed_alias": alias}, output_format=output_format):
         say(f"removed {alias} (it pointed at {reference})")
 
 
@@ -358,9 +354,8 @@ def rm(ref, force, db, output_format):
                               f"`kvhub rm {ref}@v{latest.version}` (the latest; `kvhub list --src {parsed.source}` "
                               "shows them all)")
         version = store.remove(ref, force=force)
-    if output_format == "json":
-        echo_json({"ref": json_ref(version), "removed": True, "bytes": version.artifact_bytes})
-    else:
+    if not print_record({"ref": json_ref(version), "removed": True, "bytes": version.artifact_bytes},
+                        output_format=output_format):
         say(f"removed {version.ref} ({_size(version.artifact_bytes)})")
 
 
@@ -384,11 +379,11 @@ def gc(dry_run, hub_cache, db, output_format):
     with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
         copies = _hub_cache_copies(store, dry_run=dry_run) if hub_cache else []
-    if output_format == "json":
-        echo_json({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
-                    "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
-                    "missing": report.missing, "bytes": report.bytes,
-                    "hub_cache": [dict(repo_id=c.repo_id, commit=c.commit, ref=c.ref, bytes=c.bytes) for c in copies]})
+    if print_record({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
+                     "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
+                     "missing": report.missing, "bytes": report.bytes,
+                     "hub_cache": [dict(repo_id=c.repo_id, commit=c.commit, ref=c.ref, bytes=c.bytes) for c in copies]},
+                    output_format=output_format):
         return
     verb = "would remove" if dry_run else "removed"
     say(f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
@@ -437,9 +432,7 @@ def export_version(ref, directory, out, force, db, output_format):
     with open_db(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
         version = store.resolve(ref)
         path = store.export(ref, directory, overwrite=force)
-    if output_format == "json":
-        echo_json({"ref": json_ref(version), "directory": str(path)})
-    else:
+    if not print_record({"ref": json_ref(version), "directory": str(path)}, output_format=output_format):
         say(f"exported {ref} to {path}")
 
 
@@ -463,12 +456,10 @@ def import_artifact(directory, db, output_format):
         existing = store.registered_as(directory)
         version = existing or store.register(directory, lineage={"imported_from": str(Path(directory).resolve())})
         reference = store.reference(version)
-    if output_format == "json":
-        echo_json(dict(version_json(version), already_registered=existing is not None))
-    elif existing is not None:
-        say(f"{directory} holds the tensors of {reference}; nothing to do")
-    else:
-        say(f"registered {reference}")
+    if print_record(dict(version_json(version), already_registered=existing is not None), output_format=output_format):
+        return
+    say(f"{directory} holds the tensors of {reference}; nothing to do" if existing is not None
+        else f"registered {reference}")
 
 
 # ---- schema --------------------------------------------------------------------------------------
@@ -509,9 +500,8 @@ def current(db, output_format):
     url = resolve_db_url(db)
     require_existing(url)
     revision, head = schema_status(url)
-    if output_format == "json":
-        echo_json({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
-                    "newer_than_kvhub": not is_known_revision(revision)})
+    if print_record({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
+                     "newer_than_kvhub": not is_known_revision(revision)}, output_format=output_format):
         return
     if not is_known_revision(revision):
         state = f"(newer than this kvhub's {head}: upgrade kvhub, `pip install -U kvhub`)"
