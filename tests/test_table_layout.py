@@ -27,8 +27,10 @@ def terminal(monkeypatch):
 @pytest.mark.parametrize("columns", [80, 120], ids=["U3_6_80", "U3_6_120"])
 def test_U3_6_identifiers_are_never_split(terminal, columns):
     buffer = terminal(columns)
-    rows = [[REF, "production", "2026-12-04 12:53", 8, "0.750"], ["acme/kvmap-support", "", "", 1, "0.9"]]
-    output.print_table(["REF", "ALIASES", "CREATED", "K", "R2 K"], rows, right=("K", "R2 K"))
+    rows = [[REF, "production", "2026-12-04 12:53", 8, "auto", "0.750", "0.611", "f82679dc0123", "118.0 MB"],
+            ["acme/kvmap-support", "", "", 1, "0.1", "0.9", "0.8", "", "1.0 MB"]]  # kvhub list's columns
+    output.print_table(["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V", "TEXT", "SIZE"], rows,
+                       right=("K", "LAMBDA", "R2 K", "R2 V", "SIZE"))
     text = buffer.getvalue()
     for cell in (REF, "production", "2026-12-04 12:53", "acme/kvmap-support"):
         assert cell in text, text
