@@ -94,3 +94,27 @@ def test_the_mapper_is_loaded_with_the_configured_deshrink(tmp_path):
     assert connector.load_mapper({"mapper_path": str(meanless)}, device="cpu").deshrink == "off"
     with pytest.raises(ConfigError, match="target_mean"):
         connector.load_mapper({"mapper_path": str(meanless), "deshrink": "kv"}, device="cpu")
+
+
+def test_the_configuration_keys_are_declared_once_and_documented():
+    """EXTRA_CONFIG is the one declaration: the accepted keys, the defaults, the renamed keys and
+    docs/serving.md's table derive from it.  Planted bugs caught: a key read by the connector but not
+    declared (refused as unknown at start); a recompute field of the spec missing from the table; a
+    default that differs from the engine spec's; the doc's table edited by hand or left stale."""
+    from pathlib import Path
+
+    from kvhub.serving import launch
+    from kvhub.serving.connector_config import (EXTRA_CONFIG, EXTRA_DEFAULTS, EXTRA_KEYS, RENAMED_KEYS,
+                                                config_table, read_config)
+    from kvhub.serving.spec import FIELDS, SERVING
+
+    names = [key.name for key in EXTRA_CONFIG]
+    assert len(names) == len(set(names)) and set(FIELDS) <= set(names)
+    assert (launch.EXTRA_KEYS, launch.EXTRA_DEFAULTS, launch.RENAMED_KEYS) == (EXTRA_KEYS, EXTRA_DEFAULTS, RENAMED_KEYS)
+    assert {name: EXTRA_DEFAULTS[name] for name in FIELDS} == SERVING.options()
+    assert set(RENAMED_KEYS) == {"exact_tail", "store_dir", "store_max_bytes"}
+    config = read_config({"kvstore_dir": "/tmp/kv", "chunk_tokens": "32", "require_isolation_key": "true"})
+    assert config["chunk_tokens"] == 32 and config["require_isolation_key"] is True
+    assert config["recompute"] == SERVING and config["isolation_key_source"] == "cache_salt"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    assert config_table() in doc, "docs/serving.md's key table is out of step; it is:\n" + config_table()

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-_KVHUB_OVER_VLLM = ("kvhub.serving.vllm_connector", "kvhub.serving.connector_meta", "kvhub.serving.forced")
+_KVHUB_OVER_VLLM = ("kvhub.serving.vllm_connector", "kvhub.serving.connector_scheduler", "kvhub.serving.connector_worker",
+                    "kvhub.serving.connector_meta", "kvhub.serving.forced")
 
 
 class KVConnectorRole(enum.Enum):

@@ -1,17 +1,145 @@
 """The kvhub connector's configuration, read at engine start: every value of ``kv_connector_extra_config``
 checked (a ConfigError names the key), the mapper resolved and matched to the served model.  No vLLM
-import: the checks are tested without an engine (the contract itself lives in kvhub.serving.launch)."""
+import: the checks are tested without an engine.
+
+:data:`EXTRA_CONFIG` declares each key once: the roles that read it, how it is read, its default, its
+meaning and the name it had before.  The accepted keys (:data:`EXTRA_KEYS`), the defaults
+(:data:`EXTRA_DEFAULTS`), the renamed keys (:data:`RENAMED_KEYS`), :func:`read_config` and the table in
+docs/serving.md (:func:`config_table`; tests/test_connector_config.py checks the doc) all derive from it.
+The rest of the contract with vLLM (class, module, roles) is :mod:`kvhub.serving.launch`'s.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvhub.errors import ConfigError, IncompatibleError
+from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
+from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
 from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
+
+ISOLATION_SOURCES = ("cache_salt", "kvhub_tenant")
+BOTH = ("producer", "consumer")
+CONSUMER = ("consumer",)
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One ``kv_connector_extra_config`` key.  ``kind``: how it is read ("text", "count", "flag",
+    "isolation", "deshrink", "recompute": :func:`read_config`); ``default``: the value the connector uses
+    when the key is absent (None: none); ``shown``: the default as the docs say it, where the value alone
+    does not; ``renamed_from``: (old key, why), an old key refused with this one's name."""
+
+    name: str
+    roles: tuple[str, ...]
+    kind: str
+    help: str
+    default: Any = None
+    shown: str = ""
+    renamed_from: tuple[str, str] | None = None
+
+    def shown_default(self) -> str:
+        if self.shown:
+            return self.shown
+        if self.default is None:
+            return "-"
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        return f"`{self.default}`" if isinstance(self.default, str) else str(self.default)
+
+
+_RECOMPUTE_HELP = {  # kvhub.serving.spec.Recompute's fields as the consumer reads them
+    "exact_prefix": "first prompt tokens the large model recomputes over the mapped blocks",
+    "exact_suffix": "prompt tokens the large model always computes itself (at least 1)",
+    "exact_budget": "fraction of the prompt (n - 1 tokens) recomputed in whole spans; 0 maps only",
+    "select": "what chooses those spans: `target` (its attention) or `random` (the control)",
+    "spans": "`sentence` (whole sentences / lines) or `token`",
+    "queries": "how many last prompt tokens score the prompt",
+    "max_span": "the longest span recomputed whole, in tokens",
+    "score": "how the queries' attention becomes one score per token: `max` or `sum`",
+}
+EXTRA_CONFIG: tuple[ConfigKey, ...] = (
+    ConfigKey("kvstore_dir", BOTH, "text", "the shared KV store directory; use the same path on both engines",
+              shown="required", renamed_from=("store_dir", "the serving KV store's, not the SQL registry's")),
+    ConfigKey("kvstore_max_bytes", BOTH, "count",
+              "size cap of the stored entries; LRU eviction keeps the KV store under it", default=1 << 30,
+              shown="1 GiB", renamed_from=("store_max_bytes", "the serving KV store's, not the SQL registry's")),
+    ConfigKey("chunk_tokens", BOTH, "count",
+              "index granularity; must be the same for every engine on a KV store (checked)", default=16),
+    ConfigKey("source_model", BOTH, "text",
+              "part of the namespace; set it to the same string on both engines when the producer serves a "
+              "local path", shown="producer: its served model; consumer: the mapper's source `model_id`"),
+    ConfigKey("mapper", CONSUMER, "text",
+              "mapper reference `SRC:DST[:CALIB][@SELECTOR]` resolved with `kvhub.load` (store, then Hub)"),
+    ConfigKey("mapper_path", CONSUMER, "text", "or an artifact directory"),
+    ConfigKey("db", CONSUMER, "text", "the store `kvhub.load` reads", shown="kvhub's default"),
+    ConfigKey("hub_repo", CONSUMER, "text", "the Hub repository `kvhub.load` falls back to",
+              shown="kvhub's default"),
+    ConfigKey("deshrink", CONSUMER, "deshrink",
+              "how the maps are read: de-shrunk keys and values (`kv`), values only (`v`), or as fitted (`off`); "
+              "`kvhub.core.deshrink`, `kvhub serve --deshrink`",
+              shown="`kv` (where the mapper stores its calibration means, else `off`)"),
+    *(ConfigKey(name, CONSUMER, "recompute", _RECOMPUTE_HELP[name], default=SERVING_RECOMPUTE.options()[name],
+                renamed_from=("exact_tail", "the same word as kvhub.handoff's") if name == "exact_suffix" else None)
+      for name in RECOMPUTE_FIELDS),
+    ConfigKey("require_isolation_key", BOTH, "flag",
+              "when true, requests with no isolation key are neither stored nor loaded", default=False),
+    ConfigKey("isolation_key_source", BOTH, "isolation",
+              "which request field is the tenant: `cache_salt` (vLLM's, set per tenant by your gateway) or "
+              "`kvhub_tenant` (`kv_transfer_params[\"kvhub_tenant\"]`, only for a gateway that authenticates "
+              "clients and sets it); see [Isolation](#isolation)", default="cache_salt"),
+    ConfigKey("events_path", BOTH, "text",
+              "append one JSON line per decision (`saved`, `hit`, `mapped`, `written`, `recomputed`, "
+              "`recompute_skipped`, `fallback`, `save_failed`)", shown="none"),
+)
+EXTRA_KEYS = {key.name: key.roles for key in EXTRA_CONFIG}  # key -> the roles that read it
+EXTRA_DEFAULTS = {key.name: key.default for key in EXTRA_CONFIG if key.default is not None}
+RENAMED_KEYS = {key.renamed_from[0]: (key.name, key.renamed_from[1]) for key in EXTRA_CONFIG if key.renamed_from}
+
+
+def check_extra_keys(extra) -> None:
+    """ConfigError for a renamed or unknown ``kv_connector_extra_config`` key, naming the right one."""
+    for old, (new, why) in RENAMED_KEYS.items():
+        if old in extra:
+            raise ConfigError(f"kv_connector_extra_config key {old!r} is now {new!r} ({why}); rename it")
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
+
+
+def read_config(extra: dict) -> dict:
+    """``kv_connector_extra_config`` over :data:`EXTRA_DEFAULTS`, every value read by its key's kind (a
+    ConfigError names a bad one) and the recompute fields as one ``"recompute"``: a
+    :class:`~kvhub.serving.spec.Recompute`.  Keys absent with no default are absent."""
+    merged = {**EXTRA_DEFAULTS, **(extra or {})}
+    check_extra_keys(merged)
+    if "kvstore_dir" not in merged:
+        raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
+    readers = {"count": config_count, "flag": config_flag, "isolation": config_isolation_source,
+               "deshrink": config_deshrink}
+    config: dict[str, Any] = {}
+    for key in EXTRA_CONFIG:
+        if key.kind == "recompute" or key.name not in merged:
+            continue
+        config[key.name] = readers[key.kind](merged, key.name) if key.kind in readers else merged[key.name]
+    config["recompute"] = Recompute.from_options(merged, origin="kv_connector_extra_config")
+    return config
+
+
+def config_table() -> str:
+    """docs/serving.md's table of the keys (one row per key of :data:`EXTRA_CONFIG`)."""
+    rows = ["| key | role | default | meaning |", "| --- | --- | --- | --- |"]
+    for key in EXTRA_CONFIG:
+        role = "both" if key.roles == BOTH else key.roles[0]
+        renamed = f" (`{key.renamed_from[0]}` before, now refused with its new name)" if key.renamed_from else ""
+        rows.append(f"| `{key.name}` | {role} | {key.shown_default()} | {key.help}{renamed} |")
+    return "\n".join(rows) + "\n"
 
 
 def config_count(extra: dict, key: str) -> int:
@@ -33,14 +161,11 @@ def config_flag(extra: dict, key: str) -> bool:
     return value
 
 
-ISOLATION_SOURCES = ("cache_salt", "kvhub_tenant")
-
-
-def config_isolation_source(extra: dict) -> str:
+def config_isolation_source(extra: dict, key: str = "isolation_key_source") -> str:
     """``isolation_key_source``: which request field names the tenant.  "cache_salt" (the default: the salt
     vLLM hashes into its own prefix cache, set per tenant by the operator's gateway) or "kvhub_tenant"
     (``kv_transfer_params["kvhub_tenant"]``, for a gateway that authenticates and sets that field)."""
-    value = extra["isolation_key_source"]
+    value = extra[key]
     if value not in ISOLATION_SOURCES:
         raise ConfigError(f"kv_connector_extra_config isolation_key_source must be one of {list(ISOLATION_SOURCES)}, "
                           f"got {value!r}")
@@ -98,12 +223,12 @@ def worker_device(vllm_config) -> str:
     return str(device) if device is not None else "cpu"
 
 
-def config_deshrink(extra: dict) -> str | None:
+def config_deshrink(extra: dict, key: str = "deshrink") -> str | None:
     """``deshrink`` (how the maps are read, :mod:`kvhub.core.deshrink`), None when absent (the mapper's default),
     else ConfigError naming the choices."""
     from kvhub.core.deshrink import check_deshrink
 
-    return check_deshrink(extra.get("deshrink"), what="kv_connector_extra_config deshrink")
+    return check_deshrink(extra.get(key), what="kv_connector_extra_config deshrink")
 
 
 def load_mapper(extra: dict, *, device):

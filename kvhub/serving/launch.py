@@ -1,10 +1,11 @@
 """Starting a cascade's two vLLM servers with the kvhub connector (``kvhub serve``, docs/serving.md).
 
-This module owns the connector's configuration contract: the class and module vLLM loads, the role
-names, the ``kv_connector_extra_config`` keys (which roles read each, and their defaults) and the load
-failure policy.  :mod:`kvhub.serving.vllm_connector` reads them from here, because that module imports
-vLLM and this one must not: ``kvhub serve`` runs in kvhub's own environment, where vLLM is not
-installed, and starts vLLM's ``vllm serve`` executable from another one.
+This module owns the connector's contract with vLLM: the class and module vLLM loads, the role names and
+the load failure policy; the ``kv_connector_extra_config`` keys (which roles read each, their defaults,
+their old names) are declared in :data:`kvhub.serving.connector_config.EXTRA_CONFIG`.
+:mod:`kvhub.serving.vllm_connector` reads them from these two, because that module imports vLLM and they
+must not: ``kvhub serve`` runs in kvhub's own environment, where vLLM is not installed, and starts vLLM's
+``vllm serve`` executable from another one.
 
 * :func:`transfer_configs` builds both engines' ``kv_transfer_config`` from one set of options, so the
   keys both roles must agree on (KV store, chunking, source model, isolation) cannot differ;
@@ -33,8 +34,8 @@ from pathlib import Path
 
 from kvhub.env import die_with_parent
 from kvhub.errors import ConfigError, NotFoundError, ServeError
-from kvhub.serving.connector_config import config_deshrink, config_isolation_source
-from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
+from kvhub.serving.connector_config import (EXTRA_DEFAULTS, EXTRA_KEYS, RENAMED_KEYS, check_extra_keys,  # noqa: F401 - re-exported
+                                            config_deshrink, config_isolation_source)
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
 from kvhub.serving.spec import Recompute
 
@@ -51,30 +52,6 @@ FORCED_PROCESSOR = "kvhub.serving.forced:ForcedTokens"
 FORCE_KEY = "kvhub_force"
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}  # kvhub's name -> vLLM's kv_role
 LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead of failing the request
-EXTRA_KEYS = {  # kv_connector_extra_config key -> the roles that read it
-    "kvstore_dir": ("producer", "consumer"),
-    "kvstore_max_bytes": ("producer", "consumer"),
-    "chunk_tokens": ("producer", "consumer"),
-    "source_model": ("producer", "consumer"),
-    "require_isolation_key": ("producer", "consumer"),
-    "isolation_key_source": ("producer", "consumer"),  # cache_salt or kv_transfer_params' kvhub_tenant
-    "events_path": ("producer", "consumer"),
-    "mapper": ("consumer",),
-    "mapper_path": ("consumer",),
-    "db": ("consumer",),
-    "hub_repo": ("consumer",),
-    "deshrink": ("consumer",),  # how the maps are read (kvhub.core.deshrink); the mapper's default when absent
-    # the recompute spec, in kvhub.handoff's words (kvhub.serving.spec.Recompute's fields)
-    **{name: ("consumer",) for name in RECOMPUTE_FIELDS},
-}
-EXTRA_DEFAULTS = {"kvstore_max_bytes": 1 << 30, "chunk_tokens": 16, "require_isolation_key": False,
-                  "isolation_key_source": "cache_salt",
-                  **SERVING_RECOMPUTE.options()}
-RENAMED_KEYS = {  # old key -> (its name now, why); an old key is refused with its new name
-    "exact_tail": ("exact_suffix", "the same word as kvhub.handoff's"),
-    "store_dir": ("kvstore_dir", "the serving KV store's, not the SQL registry's"),
-    "store_max_bytes": ("kvstore_max_bytes", "the serving KV store's, not the SQL registry's"),
-}
 # Request-level kv_transfer_params the consumer reads: an isolation key, the no-information control map
 # (kvhub.core.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,...").
 REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute")
@@ -108,16 +85,6 @@ def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mappe
                          "kv_role": kv_role, "kv_load_failure_policy": LOAD_FAILURE_POLICY,
                          "kv_connector_extra_config": extra}
     return configs
-
-
-def check_extra_keys(extra) -> None:
-    """ConfigError for a renamed or unknown ``kv_connector_extra_config`` key, naming the right one."""
-    for old, (new, why) in RENAMED_KEYS.items():
-        if old in extra:
-            raise ConfigError(f"kv_connector_extra_config key {old!r} is now {new!r} ({why}); rename it")
-    unknown = sorted(set(extra) - set(EXTRA_KEYS))
-    if unknown:
-        raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
 
 
 def server_command(launcher: list[str], *, model: str, served_model_name: str, host: str, port: int,

@@ -1,0 +1,195 @@
+"""The scheduler side of the kvhub connector: what to save and what to load, decided once per engine step.
+
+* consumer: :meth:`ConnectorScheduler.get_num_new_matched_tokens` reports the longest stored prefix,
+  block-aligned, minus the exact suffix vLLM computes itself (:func:`~kvhub.serving.paged.load_plan`);
+  :meth:`~ConnectorScheduler.update_state_after_alloc` pins the stored entry, evicts the mapped blocks from
+  vLLM's prefix cache (approximate KV is never an exact prefix) and queues a
+  :class:`~kvhub.serving.connector_meta.LoadJob`;
+* producer: :meth:`~ConnectorScheduler.build_connector_meta` tracks each request's blocks and queues a
+  :class:`~kvhub.serving.connector_meta.SaveJob` once its prompt is fully computed;
+* both: what a load did (the worker's report) goes back to the client in the response's
+  ``kv_transfer_params["kvhub"]`` (:meth:`~ConnectorScheduler.request_finished`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvhub.errors import ConfigError
+from kvhub.serving.connector_config import request_control
+from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
+from kvhub.serving.connector_state import ConnectorState
+from kvhub.serving.paged import load_plan
+
+
+@dataclass
+class _Tracked:
+    """Producer bookkeeping of one running request."""
+
+    isolation_key: str
+    token_ids: list[int]
+    block_ids: list[int]
+    computed: int = 0
+    saved: bool = False
+
+
+class ConnectorScheduler:
+    """The scheduler side.  ``kv_cache_manager()``: vLLM's KV cache manager (block ids of a request, the
+    block pool), which vLLM gives the connector after it is made."""
+
+    def __init__(self, state: ConnectorState, kv_cache_manager: Callable[[], Any]):
+        self.state = state
+        self._kv_cache_manager = kv_cache_manager
+        self._requests: dict[str, Any] = {}  # producer: request objects, for their isolation keys
+        self._tracked: dict[str, _Tracked] = {}
+        self._matched: dict[str, tuple[Any, int, int]] = {}  # request id -> (stored prefix, start, end)
+        self._loads: list[LoadJob] = []
+        self._load_reports: dict[str, dict] = {}  # request id -> what its load did (returned at its end)
+        self._finishing: dict[str, dict] = {}  # reports of requests finished this step (update_connector_output)
+
+    # ---- consumer: matching and loading -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.state.is_producer:
+            return 0, False
+        try:
+            reason, plan = self._plan(request, num_computed_tokens)
+        except ConfigError as exc:  # the request's own kvhub_recompute spec
+            reason, plan = f"bad kv_transfer_params: {exc}", None
+        except Exception as exc:  # noqa: BLE001 - an unreadable KV store is a miss, never a dead scheduler
+            reason, plan = f"KV store lookup failed: {type(exc).__name__}: {exc}", None
+        if plan is None:
+            self.state.event("fallback", request.request_id, reason=reason, local_hit_tokens=num_computed_tokens,
+                             prompt_tokens=len(request.prompt_token_ids or []))
+            return 0, False
+        prefix, start, end = plan
+        self._matched[request.request_id] = plan
+        return end - start, False
+
+    def _plan(self, request, computed: int):
+        """(reason, None) for a fallback, or (None, (stored prefix, start, end))."""
+        state = self.state
+        if state.refusal is not None:
+            return f"consumer disabled: {state.refusal}", None
+        key = state.isolation_key(request)
+        if key is None:
+            return "no isolation key (require_isolation_key is set)", None
+        request_control(getattr(request, "kv_transfer_params", None) or {})  # ConfigError now, not after allocation
+        tokens = list(request.prompt_token_ids or [])
+        suffix = max(state.request_spec(request).exact_suffix, 1)
+        prefix = state.kvstore.longest_prefix(isolation_key=key, source_model=state.source_model, token_ids=tokens,
+                                              max_tokens=len(tokens) - suffix)
+        if prefix is None:
+            return "no stored source KV for this prompt", None
+        start, end = load_plan(prompt_tokens=len(tokens), computed_tokens=computed, stored_tokens=prefix.tokens,
+                               block_size=state.block_size, exact_suffix=suffix)
+        if end <= start:
+            return f"stored prefix of {prefix.tokens} tokens adds nothing past {computed} computed", None
+        return None, (prefix, start, end)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        state = self.state
+        if state.is_producer:
+            return
+        plan = self._matched.pop(request.request_id, None)
+        if num_external_tokens == 0 or plan is None:
+            return
+        prefix, start, end = plan
+        size = state.block_size
+        manager = self._kv_cache_manager()
+        block_ids = list(manager.get_block_ids(request.request_id)[0])
+        mapped_blocks = block_ids[start // size:end // size]
+        # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them
+        manager.block_pool.evict_blocks(set(mapped_blocks))
+        pin = state.kvstore.pin(prefix)
+        if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
+            state.event("fallback", request.request_id, reason="stored KV evicted before the load")
+        slots = [block_ids[t // size] * size + t % size for t in range(end)]
+        control = request_control(getattr(request, "kv_transfer_params", None) or {})  # checked by _plan
+        prompt = list(request.prompt_token_ids)
+        self._loads.append(LoadJob(request.request_id, str(pin) if pin else "", prompt, start, end, slots,
+                                   mapped_blocks, state.request_spec(request), control=control))
+        self._load_reports[request.request_id] = {"mapped_tokens": end - start, "prefill_tokens": len(prompt) - end,
+                                                  "prompt_tokens": len(prompt), "control": control}
+        state.event("hit", request.request_id, start=start, end=end, local_hit_tokens=start,
+                    prompt_tokens=len(prompt), stored_tokens=prefix.tokens)
+
+    # ---- both: the step's jobs ----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> KVHubConnectorMetadata:
+        meta = KVHubConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if self.state.is_producer:
+            meta.saves = self._saves(scheduler_output)
+        return meta
+
+    # ---- producer: saving ---------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        if self.state.is_producer:
+            self._requests[request.request_id] = request
+
+    def _saves(self, out) -> list[SaveJob]:
+        state = self.state
+        for new in out.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            try:
+                key = state.isolation_key(request) if request is not None else None
+            except ConfigError as exc:
+                state.event("save_failed", new.req_id, reason=f"bad kv_transfer_params: {exc}")
+                continue
+            if key is None:
+                continue
+            self._tracked[new.req_id] = _Tracked(key, list(new.prompt_token_ids or []), list(new.block_ids[0]),
+                                                 new.num_computed_tokens)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                tracked.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                tracked.block_ids += list(new_ids[0])
+            tracked.computed = cached.num_computed_tokens[i]
+        jobs = []
+        size = state.block_size
+        for req_id, tracked in self._tracked.items():
+            done = tracked.computed + out.num_scheduled_tokens.get(req_id, 0)
+            n = len(tracked.token_ids)
+            if tracked.saved or done < n or n < state.kvstore.chunk_tokens:
+                continue
+            tracked.saved = True
+            if len(tracked.block_ids) * size < n:  # never index past them inside the scheduler
+                state.event("save_failed", req_id, reason=f"{len(tracked.block_ids)} blocks for {n} prompt tokens")
+                continue
+            slots = [tracked.block_ids[t // size] * size + t % size for t in range(n)]
+            jobs.append(SaveJob(req_id, tracked.isolation_key, tracked.token_ids, slots))
+        for req_id in out.finished_req_ids:
+            self._tracked.pop(req_id, None)
+            self._requests.pop(req_id, None)
+        return jobs
+
+    # ---- both: reports back to the client -----------------------------------------------------------
+    def update_connector_output(self, connector_output) -> None:
+        """Merge what each load did on the worker into its report.  vLLM calls this after it has freed the
+        step's finished requests (a 1-token request finishes in its load step), but before their outputs
+        leave the engine: their reports, handed out by request_finished, are updated in place."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVHubWorkerMetadata):
+            for request_id, report in meta.loads.items():
+                target = self._load_reports.get(request_id) or self._finishing.get(request_id)
+                if target is not None:
+                    target.update(report)
+        self._finishing.clear()
+
+    def request_finished(self, request, block_ids):
+        """The load's report goes back to the client as the response's kv_transfer_params["kvhub"]."""
+        self._matched.pop(request.request_id, None)
+        self._tracked.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        report = self._load_reports.pop(request.request_id, None)
+        if report is None:
+            return False, None
+        self._finishing[request.request_id] = report
+        return False, {"kvhub": report}
