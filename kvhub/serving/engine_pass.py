@@ -186,32 +186,32 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
     computes next; it is not written), or ``select="random"`` (the control for the signal).  The result
     says which positions were recomputed, and which the large model computes in all (``exact``), as counted.
     """
-    from kvhub.serving.recompute import attention_scores, random_scores, select_spans, spans_of
+    from kvhub.serving.recompute import attention_scores, budget_tokens, choose_spans, random_scores
 
     tokens = len(prompt_ids)
     ids = torch.tensor(prompt_ids, dtype=torch.long)
     prefix = torch.arange(start, max(start, min(spec.exact_prefix, end)))
-    selected = torch.empty(0, dtype=torch.long)
     eligible = torch.zeros(end, dtype=torch.bool)
     eligible[start:end] = True
     eligible[prefix] = False
     # the engine computes [end, n): what block rounding adds beyond exact_suffix comes out of the budget, so
     # that prefix + budget + suffix bound what the large model computes, as in kvhub.handoff
     rounding = max(0, tokens - end - max(spec.exact_suffix, 1))
-    budget_tokens = max(0, round(spec.exact_budget * (tokens - 1)) - rounding)
-    if budget_tokens > 0 and bool(eligible.any()):
+    budget = max(0, budget_tokens(spec, tokens - 1) - rounding)
+
+    def scores() -> torch.Tensor:  # (end,): the selectors the engine has (kvhub.serving.recompute._scores: all)
         if spec.select == "target":
             device = cached(0)[0].device
             queries = min(spec.queries, tokens - end)
             tail = torch.arange(end, tokens, device=device)
             attention = engine.run(ids[end:].to(device), tail, cached, attention_rows=queries).attention
-            scores = attention_scores(attention.float().cpu(), eligible, score=spec.score)
-        elif spec.select == "random":
-            scores = random_scores(ids[:end])
-        else:
-            raise UnsupportedModelError(f"select={spec.select!r} needs what only kvhub.handoff has; inside vLLM use "
-                                        "select=target (or random, the control)")
-        selected = select_spans(scores, spans_of(spec, ids[:end], tokenizer), budget_tokens, eligible=eligible)
+            return attention_scores(attention.float().cpu(), eligible, score=spec.score)
+        if spec.select == "random":
+            return random_scores(ids[:end])
+        raise UnsupportedModelError(f"select={spec.select!r} needs what only kvhub.handoff has; inside vLLM use "
+                                    "select=target (or random, the control)")
+
+    selected = choose_spans(spec, ids[:end], budget, eligible=eligible, scores=scores, tokenizer=tokenizer)
     positions = torch.unique(torch.cat([prefix, selected]))
     fresh = []
     if positions.numel():

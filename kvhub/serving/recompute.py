@@ -17,7 +17,8 @@ so each recomputed token sees the exact versions of the earlier recomputed token
 rest, causally; the results overwrite the mapped K/V at R.  With R = every token this is exactly the
 target's own prefill; with R = prefix U suffix it is what ``exact_prefix``/``exact_suffix`` did.
 
-S is chosen under a budget of ``budget * (n-1)`` tokens by one signal available at handoff time:
+S is chosen under a budget of ``round(exact_budget * (n-1))`` tokens (:func:`budget_tokens`) by one signal
+available at handoff time:
 
 - ``source``:    the source model's attention from the last ``queries`` context tokens onto the
                  context (it has read the whole prompt, question included);
@@ -42,12 +43,17 @@ and heads (:class:`kvhub.core.capture.AttentionMass`), with ``score=``:
 Tokens are grouped into spans (sentences / lines, at most ``max_span`` tokens) and whole spans are
 taken in order of their best token: a fact sentence is recomputed whole, not its most-attended digit
 alone.
+
+Inside vLLM the same choice is made by :func:`kvhub.serving.engine_pass.recompute_request`, over the
+engine's own layers and with the signals the engine has (``target``, ``random``): both take the budget
+from :func:`budget_tokens` and choose by :func:`choose_spans`, so a change to the selection is made here.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -69,6 +75,22 @@ def span_ids(token_texts: list[str], *, max_span: int) -> torch.Tensor:
         if _SPAN_END.search(text) or length >= max_span:
             span, length = span + 1, 0
     return torch.tensor(ids, dtype=torch.long)
+
+
+def budget_tokens(spec: Recompute, context_tokens: int) -> int:
+    """How many tokens the selection may take: ``round(exact_budget * context_tokens)``, where the context is
+    the prompt less its last token (n - 1), in kvhub.handoff and inside vLLM alike."""
+    return round(spec.exact_budget * context_tokens)
+
+
+def choose_spans(spec: Recompute, ids: torch.Tensor, budget: int, *, eligible: torch.Tensor,
+                 scores: Callable[[], torch.Tensor], tokenizer=None) -> torch.Tensor:
+    """S: the positions (sorted, long) of whole spans of ``ids`` (T,) taken by ``scores()`` (T,) under
+    ``budget`` tokens among the ``eligible`` (T,) ones (:func:`select_spans`).  ``scores`` runs only when
+    there is something to choose (its pass costs a forward)."""
+    if budget <= 0 or not bool(eligible.any()):
+        return torch.empty(0, dtype=torch.long)
+    return select_spans(scores(), spans_of(spec, ids, tokenizer), budget, eligible=eligible)
 
 
 def select_spans(scores: torch.Tensor, spans: torch.Tensor, budget_tokens: int, *,
@@ -193,21 +215,19 @@ def recompute_set(spec: Recompute, *, context: torch.Tensor, mapped_cache, sourc
 
     ``mapped_cache``: the target cache mapped from the source (before any recompute);
     ``source_cache``: the source's cache of (at least) the whole context, left untouched.
-    Selection (budget > 0) needs batch 1.
+    Selection (exact_budget > 0) needs batch 1.
     """
     tokens = context.shape[1]
     prefix = torch.arange(0, spec.exact_prefix)
     suffix = torch.arange(tokens - spec.exact_suffix, tokens)
-    selected = torch.empty(0, dtype=torch.long)
     eligible = torch.ones(tokens, dtype=torch.bool)
     eligible[prefix], eligible[suffix] = False, False
-    budget_tokens = round(spec.exact_budget * tokens)
-    if budget_tokens > 0 and bool(eligible.any()):
-        if context.shape[0] != 1:
-            raise ConfigError("selective recompute (exact_budget > 0) chooses tokens per sequence: pass one "
-                              "sequence at a time (batch 1)")
-        scores = _scores(spec, context, mapped_cache, source_model, target_model, source_cache, eligible)
-        selected = select_spans(scores, spans_of(spec, context[0], tokenizer), budget_tokens, eligible=eligible)
+    budget = budget_tokens(spec, tokens)
+    if budget > 0 and bool(eligible.any()) and context.shape[0] != 1:
+        raise ConfigError("selective recompute (exact_budget > 0) chooses tokens per sequence: pass one "
+                          "sequence at a time (batch 1)")
+    selected = choose_spans(spec, context[0], budget, eligible=eligible, tokenizer=tokenizer, scores=lambda: _scores(
+        spec, context, mapped_cache, source_model, target_model, source_cache, eligible))
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
