@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kvhub.serving.recompute import (attention_scores, cropped, query_attention, recompute_positions, select_spans,
-                                     spans_of)
+from kvhub.serving.recompute import (attention_scores, budget_tokens, choose_spans, cropped, query_attention,
+                                     recompute_positions)
 from kvhub.serving.spec import Recompute
 
 
@@ -31,13 +31,16 @@ def next_turn_positions(spec: Recompute, *, ids: torch.Tensor, context_tokens: i
     source_cache: the source's cache of at least ids[:, :N - queries] (left untouched).
     """
     tokens = ids.shape[1]
-    queries = max(1, min(spec.queries, tokens - context_tokens))
-    attention = query_attention(source_model, ids, cropped(source_cache, tokens - queries), queries=queries)
     eligible = torch.ones(context_tokens, dtype=torch.bool)
     eligible[held.cpu()] = False
-    scores = attention_scores(attention[:, :context_tokens], eligible, score=spec.score)
-    spans = spans_of(spec, ids[0, :context_tokens].cpu(), tokenizer)
-    return select_spans(scores, spans, round(spec.exact_budget * context_tokens), eligible=eligible)
+
+    def scores() -> torch.Tensor:
+        queries = max(1, min(spec.queries, tokens - context_tokens))
+        attention = query_attention(source_model, ids, cropped(source_cache, tokens - queries), queries=queries)
+        return attention_scores(attention[:, :context_tokens], eligible, score=spec.score)
+
+    return choose_spans(spec, ids[0, :context_tokens].cpu(), budget_tokens(spec, context_tokens), eligible=eligible,
+                        scores=scores, tokenizer=tokenizer)
 
 
 @torch.no_grad()
