@@ -5,7 +5,7 @@
     .venv-vllm/bin/python benchmarks/vllm_ttft.py \\
         --src Qwen/Qwen2.5-Coder-0.5B-Instruct --dst Qwen/Qwen2.5-Coder-1.5B-Instruct \\
         --mapper qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@production \\
-        --lengths 1024 2048 --out docs/results/vllm_ttft.json
+        --out docs/results/vllm_ttft.json              # the break-even curve: 512, 1k, 2k, 4k, 8k tokens
     .venv-vllm/bin/python benchmarks/vllm_ttft.py --tiny /tmp/kvhub-tiny --lengths 128 200   # smoke test
 
 Two engine processes run one after the other (vLLM spawns its engine, so each is a subprocess):
@@ -20,7 +20,12 @@ Two engine processes run one after the other (vLLM spawns its engine, so each is
    then greedy generation of --new-tokens each way for agreement with the large model's own.  ``load``
    is what the connector reported for the request (response kv_transfer_params["kvhub"]: mapped,
    recomputed and prefilled token counts).  Each prompt uses its own cache_salt, so vLLM's prefix cache
-   never serves one measurement from another; a short warm-up request goes first.
+   never serves one measurement from another; a short warm-up request goes first.  The consumer runs with
+   min_escalation_tokens=0, so every length is escalated: the curve is what sets that threshold.
+
+``curve`` in the result: each mode's TTFT speedup over plain prefill per length, and ``pays_from``, the
+shortest measured length from which on every longer one escalating is faster than prefilling (None: not
+even at the longest); docs/serving.md, Short prompts.
 
 Prompts are --text tokenized with the source tokenizer (repeated to length), else seeded random ids.
 """
@@ -60,7 +65,7 @@ def _transfer(args, role: str) -> dict:
     configs = transfer_configs(kvstore_dir=args.kvstore_dir, source_model=args.source_model, mapper=args.mapper,
                                mapper_path=None if args.mapper else args.mapper_path, db=args.db,
                                exact_suffix=args.exact_suffix, exact_budget=args.exact_budget,
-                               kvstore_max_bytes=args.kvstore_max_bytes,
+                               kvstore_max_bytes=args.kvstore_max_bytes, min_escalation_tokens=0,
                                events_path=str(Path(args.kvstore_dir) / "events.jsonl"))
     return configs[role]
 
@@ -125,6 +130,21 @@ def run_engine(args, role: str) -> dict:
 MAP_ONLY = "exact_prefix=0,exact_budget=0"  # a request's own recompute spec: map only (vLLM computes the suffix)
 
 
+def break_even(lengths: dict[int, dict]) -> dict:
+    """{mode: {"speedup": {n: x}, "pays_from": n or None}} over the consumer's rows: ``pays_from`` is the shortest
+    measured n such that the mode beats plain prefill (speedup > 1) at n and at every longer measured length."""
+    curve = {}
+    for mode in ("map_only", "recompute"):
+        speedups = {n: round(lengths[n][mode]["speedup"], 2) for n in sorted(lengths)}
+        pays_from = None
+        for n in sorted(speedups, reverse=True):
+            if speedups[n] <= 1:
+                break
+            pays_from = n
+        curve[mode] = {"speedup": speedups, "pays_from": pays_from}
+    return curve
+
+
 def _spawn(args, role: str) -> dict:
     out = Path(args.kvstore_dir) / f"{role}-result.json"
     command = [sys.executable, __file__, *sys.argv[1:], "--engine", role, "--engine-out", str(out),
@@ -164,7 +184,8 @@ def main(argv=None) -> None:
     parser.add_argument("--mapper-path", help="or an artifact directory")
     parser.add_argument("--db", help="kvhub store (default: kvhub's own)")
     parser.add_argument("--source-model", help="the source model's name in the KV store (default: --src)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192],
+                        help="prompt lengths in tokens (default: the break-even curve)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="TTFT measurements per length and mode (median)")
     parser.add_argument("--exact-suffix", type=int, default=16, help="prompt tokens vLLM always computes itself")
@@ -194,7 +215,8 @@ def main(argv=None) -> None:
     report = {"src": args.src_path, "dst": args.dst_path, "mapper": args.mapper or args.mapper_path,
               "dtype": args.dtype, "exact_suffix": args.exact_suffix,
               "exact_budget": args.exact_budget, "cpu_threads": os.cpu_count(),
-              "lengths": {str(n): {**producer[str(n)], **consumer[str(n)]} for n in args.lengths}}
+              "lengths": {str(n): {**producer[str(n)], **consumer[str(n)]} for n in args.lengths},
+              "curve": break_even({n: consumer[str(n)] for n in args.lengths})}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -51,7 +51,8 @@ def _consumer(tmp_path, side: str):
     if not artifact.exists():
         make_store_artifact(artifact)
     options = {"kvstore_dir": str(tmp_path / "kvstore"), "mapper_path": str(artifact), "exact_prefix": 0,
-               "exact_budget": 0}  # maps only: the recompute needs the engine's model
+               "exact_budget": 0,  # maps only: the recompute needs the engine's model
+               "min_escalation_tokens": 0}  # an 80-token prompt: escalated all the same
     config = vllm_config(role="kv_consumer", extra=options, target=dict(store_fingerprint(TARGET)))
     connector = KVHubConnector(config, getattr(KVConnectorRole, side))
     connector._kv_cache_manager = BlockManager()

@@ -37,7 +37,8 @@ def _connector(tmp_path, role: str, **extra):
 
     from kvhub.serving.vllm_connector import KVHubConnector
 
-    options = {"kvstore_dir": str(tmp_path / "kvstore"), **extra}
+    # an 80-token prompt: escalated, below the default min_escalation_tokens (tests/test_escalation_fallback.py)
+    options = {"kvstore_dir": str(tmp_path / "kvstore"), "min_escalation_tokens": 0, **extra}
     target = None
     if role == "kv_consumer":
         artifact = tmp_path / "artifact"

@@ -103,6 +103,7 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
                "--vllm", str(Path(sys.executable).parent / "vllm"), "--events", paths["events"],
                "--port-small", str(ports[0]), "--port-large", str(ports[1]), "--log-dir", str(tmp_path / "logs"),
                "--json", "--timeout", "600", "--exact-budget", str(BUDGET),  # room for a whole sentence of chars
+               "--min-escalation-tokens", "0",  # a conversation under the default 256 tokens: escalated all the same
                "--", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "256", "--max-num-seqs", "4",
                "--enforce-eager"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}

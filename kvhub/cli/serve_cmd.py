@@ -76,6 +76,10 @@ class _ServeCommand(click.Command):
               help=f"How the large server reads the maps: de-shrunk keys and values (kv), values only (v), or as "
                    f"fitted (off) (default $KVHUB_DESHRINK, else {DESHRINK_DEFAULT}, where the mapper stores its "
                    "calibration means).")
+@click.option("--min-escalation-tokens", type=click.IntRange(min=0), default=None, metavar="N",
+              help="The large server prefills a prompt of fewer tokens itself instead of loading the small server's "
+                   "KV; its response says fallback: prefill (256; 0 escalates every prompt; tune it with "
+                   "benchmarks/vllm_ttft.py).")
 @click.option("--kv-cache-gib", type=click.IntRange(min=1), default=None,
               help="KV cache of each vLLM CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE; default: sized so both engines "
                    "fit this host's memory, or $VLLM_CPU_KVCACHE_SPACE when set).")
@@ -94,8 +98,8 @@ class _ServeCommand(click.Command):
 @click.pass_context
 def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, small_model, large_model,
           vllm_executable, db, hub_repo, exact_prefix, exact_suffix, exact_budget, select, queries, deshrink,
-          kv_cache_gib, kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout, dry_run,
-          output_format):
+          min_escalation_tokens, kv_cache_gib, kvstore_max_bytes, require_isolation_key, events_path, log_dir, timeout,
+          dry_run, output_format):
     """Start the small and the large model's OpenAI-compatible vLLM servers, joined by the connector.
 
     \b
@@ -108,7 +112,8 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
     to escalate it, send the same messages with the same cache_salt to the large one, which maps the
     small server's KV, recomputes the first 4 tokens and 8% of the prompt chosen by its own attention
     over the mapped cache (a fact stated once comes back), and prefills only the last tokens itself
-    (--exact-prefix/--exact-budget/--select/--exact-suffix; docs/serving.md).
+    (--exact-prefix/--exact-budget/--select/--exact-suffix; docs/serving.md).  A prompt shorter than
+    --min-escalation-tokens (256) is prefilled by the large server instead.
 
     Arguments after -- go to both `vllm serve` commands.  vLLM runs from its own environment
     (scripts/setup-vllm.sh makes .venv-vllm).  --dry-run prints the commands without starting them.
@@ -134,7 +139,7 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
         kvstore_dir=kvstore_dir.expanduser().absolute(), source_model=source_id, mapper=mapper_ref,
         db=db_on_command_line, hub_repo=hub_repo, exact_prefix=exact_prefix, exact_suffix=exact_suffix,
         exact_budget=exact_budget, select=select, queries=queries, deshrink=deshrink,
-        kvstore_max_bytes=kvstore_max_bytes,
+        kvstore_max_bytes=kvstore_max_bytes, min_escalation_tokens=min_escalation_tokens,
         require_isolation_key=require_isolation_key or None,
         events_path=None if events_path is None else os.path.abspath(events_path))
     extra = ctx.meta.get("vllm_args", ())

@@ -25,13 +25,17 @@ from kvhub.serving.spec import Recompute
 log = logging.getLogger("kvhub.serving")
 
 ISOLATION_SOURCES = ("cache_salt", "kvhub_tenant")
+# Prompts shorter than this are prefilled, not escalated.  Measured: the library handoff pays at 256 tokens
+# (TTFT 5.6x map only, 2.4x with 4 + 16 exact; docs/benchmarks.md 1b), vLLM on CPU at 1k and 2k (4.1x, 6.2x
+# with the recompute); nothing shorter, and no GPU: docs/serving.md, Short prompts.
+MIN_ESCALATION_TOKENS = 256
 BOTH = ("producer", "consumer")
 CONSUMER = ("consumer",)
 
 
 @dataclass(frozen=True)
 class ConfigKey:
-    """One ``kv_connector_extra_config`` key.  ``kind``: how it is read ("text", "count", "flag",
+    """One ``kv_connector_extra_config`` key.  ``kind``: how it is read ("text", "count", "tokens", "flag",
     "isolation", "deshrink", "recompute": :func:`read_config`); ``default``: the value the connector uses
     when the key is absent (None: none); ``shown``: the default as the docs say it, where the value alone
     does not; ``renamed_from``: (old key, why), an old key refused with this one's name."""
@@ -88,6 +92,10 @@ EXTRA_CONFIG: tuple[ConfigKey, ...] = (
     *(ConfigKey(name, CONSUMER, "recompute", _RECOMPUTE_HELP[name], default=SERVING_RECOMPUTE.options()[name],
                 renamed_from=("exact_tail", "the same word as kvhub.handoff's") if name == "exact_suffix" else None)
       for name in RECOMPUTE_FIELDS),
+    ConfigKey("min_escalation_tokens", CONSUMER, "tokens",
+              "a prompt of fewer tokens is not escalated: nothing is loaded, the large model prefills it and the "
+              "response's report says `fallback: \"prefill\"`; 0 escalates every prompt; see "
+              "[Short prompts](#short-prompts-are-prefilled)", default=MIN_ESCALATION_TOKENS),
     ConfigKey("require_isolation_key", BOTH, "flag",
               "when true, requests with no isolation key are neither stored nor loaded", default=False),
     ConfigKey("isolation_key_source", BOTH, "isolation",
@@ -121,8 +129,8 @@ def read_config(extra: dict) -> dict:
     check_extra_keys(merged)
     if "kvstore_dir" not in merged:
         raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
-    readers = {"count": config_count, "flag": config_flag, "isolation": config_isolation_source,
-               "deshrink": config_deshrink}
+    readers = {"count": config_count, "tokens": config_tokens, "flag": config_flag,
+               "isolation": config_isolation_source, "deshrink": config_deshrink}
     config: dict[str, Any] = {}
     for key in EXTRA_CONFIG:
         if key.kind == "recompute" or key.name not in merged:
@@ -142,13 +150,20 @@ def config_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def config_count(extra: dict, key: str) -> int:
-    """A positive integer option of kv_connector_extra_config (JSON number or digits), else ConfigError."""
+def config_count(extra: dict, key: str, *, minimum: int = 1) -> int:
+    """An integer option of kv_connector_extra_config, at least ``minimum`` (JSON number or ASCII digits, never
+    a bool, a float or text like "1e3"), else ConfigError."""
     value = extra[key]
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
-            or int(value) < 1:
-        raise ConfigError(f"kv_connector_extra_config {key} must be a positive whole number, got {value!r}")
+    digits = isinstance(value, str) and value.isascii() and value.isdigit()
+    if isinstance(value, bool) or not (isinstance(value, int) or digits) or int(value) < minimum:
+        what = "a positive whole number" if minimum == 1 else f"a whole number, {minimum} or more"
+        raise ConfigError(f"kv_connector_extra_config {key} must be {what}, got {value!r}")
     return int(value)
+
+
+def config_tokens(extra: dict, key: str) -> int:
+    """A token count where 0 means "off" (``min_escalation_tokens``): a whole number, 0 or more."""
+    return config_count(extra, key, minimum=0)
 
 
 def config_flag(extra: dict, key: str) -> bool:

@@ -4,7 +4,8 @@
   block-aligned, minus the exact suffix vLLM computes itself (:func:`~kvhub.serving.paged.load_plan`);
   :meth:`~ConnectorScheduler.update_state_after_alloc` pins the stored entry, evicts the mapped blocks from
   vLLM's prefix cache (approximate KV is never an exact prefix) and queues a
-  :class:`~kvhub.serving.connector_meta.LoadJob`;
+  :class:`~kvhub.serving.connector_meta.LoadJob`; a prompt shorter than ``min_escalation_tokens`` loads
+  nothing (vLLM prefills it) and its response says ``fallback: "prefill"``;
 * producer: :meth:`~ConnectorScheduler.build_connector_meta` tracks each request's blocks and queues a
   :class:`~kvhub.serving.connector_meta.SaveJob` once its prompt is fully computed;
 * both: what a load did (the worker's report) goes back to the client in the response's
@@ -33,6 +34,15 @@ class _Tracked:
     block_ids: list[int]
     computed: int = 0
     saved: bool = False
+
+
+def prefill_report(reason: str, *, tokens: int, computed: int) -> dict:
+    """The response's report for an n-token prompt (``tokens`` = n) the large model prefills by choice, nothing
+    loaded: ``fallback: "prefill"`` and why; every context position (n - 1) is its own, ``computed`` of them
+    from vLLM's prefix cache."""
+    return {"fallback": "prefill", "reason": reason, "prompt_tokens": tokens, "mapped_tokens": 0,
+            "prefill_tokens": tokens - computed, "exact_tokens": max(tokens - 1, 0),
+            "exact_fraction": 1.0 if tokens > 1 else 0.0}
 
 
 class ConnectorScheduler:
@@ -68,7 +78,9 @@ class ConnectorScheduler:
         return end - start, False
 
     def _plan(self, request, computed: int):
-        """(reason, None) for a fallback, or (None, (stored prefix, start, end))."""
+        """(reason, None) for a fallback, or (None, (stored prefix, start, end)).  A prompt shorter than
+        ``min_escalation_tokens`` is a fallback before any lookup, and its response says so (:func:`prefill_report`);
+        a refused isolation key or bad parameters come first, so their responses still say nothing."""
         state = self.state
         if state.refusal is not None:
             return f"consumer disabled: {state.refusal}", None
@@ -78,6 +90,10 @@ class ConnectorScheduler:
         request_control(getattr(request, "kv_transfer_params", None) or {})  # ConfigError now, not after allocation
         tokens = list(request.prompt_token_ids or [])
         suffix = max(state.request_spec(request).exact_suffix, 1)
+        if len(tokens) < state.min_escalation_tokens:  # below break-even: not even looked up
+            reason = f"prompt of {len(tokens)} tokens is below min_escalation_tokens={state.min_escalation_tokens}"
+            self._load_reports[request.request_id] = prefill_report(reason, tokens=len(tokens), computed=computed)
+            return reason, None
         prefix = state.kvstore.longest_prefix(isolation_key=key, source_model=state.source_model, token_ids=tokens,
                                               max_tokens=len(tokens) - suffix)
         if prefix is None:

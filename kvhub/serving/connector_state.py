@@ -27,7 +27,8 @@ log = logging.getLogger("kvhub.serving")
 class ConnectorState:
     """One connector's configuration and shared parts.  ``role_name``: "producer" or "consumer";
     ``exact_suffix``: the engine spec's, at least 1 (vLLM computes the last prompt token itself);
-    ``mapper`` / ``refusal``: the consumer's mapper, or why it has none (every request then prefills)."""
+    ``mapper`` / ``refusal``: the consumer's mapper, or why it has none (every request then prefills);
+    ``min_escalation_tokens``: the consumer prefills shorter prompts itself (0: none)."""
 
     role_name: str
     block_size: int
@@ -38,6 +39,7 @@ class ConnectorState:
     events_path: str | None
     source_model: str = ""
     mapper: Any = None
+    min_escalation_tokens: int = 0
     refusal: str | None = None
     counters: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock)

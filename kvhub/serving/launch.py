@@ -35,7 +35,7 @@ from pathlib import Path
 from kvhub.env import die_with_parent
 from kvhub.errors import ConfigError, NotFoundError, ServeError
 from kvhub.serving.connector_config import (EXTRA_DEFAULTS, EXTRA_KEYS, RENAMED_KEYS, check_extra_keys,  # noqa: F401 - re-exported
-                                            config_deshrink, config_isolation_source)
+                                            config_deshrink, config_isolation_source, config_tokens)
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
 from kvhub.serving.spec import Recompute
 
@@ -73,6 +73,8 @@ def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mappe
     config_deshrink(options)
     if options.get("isolation_key_source") is not None:
         config_isolation_source(options)
+    if options.get("min_escalation_tokens") is not None:
+        config_tokens(options, "min_escalation_tokens")
     if (mapper is None) == (mapper_path is None):
         raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
                           "(an artifact directory)")

@@ -80,7 +80,8 @@ class KVHubConnector(KVConnectorBase_V1):
             isolation_source=config["isolation_key_source"],
             kvstore=KVStore(config["kvstore_dir"], max_bytes=config["kvstore_max_bytes"],
                             chunk_tokens=config["chunk_tokens"]),
-            events_path=events_file(config.get("events_path")))
+            events_path=events_file(config.get("events_path")),
+            min_escalation_tokens=config.get("min_escalation_tokens", 0))
         if is_producer:
             self.state.source_model = config.get("source_model") or vllm_config.model_config.model
         else:
