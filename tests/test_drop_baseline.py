@@ -162,5 +162,7 @@ def test_followup_task_summarizes_the_reselection_pairs(tokenizer, family):
     summary = task.summarize(scores)
     for key in ("reselect_minus_drop", "reselect_minus_drop_reselect", "reselect_minus_control", "map_minus_drop"):
         assert key in summary and f"{key}_ci" in summary
+    missed = sum(s.meta["room_in_r1"] < 1 for s in scores)
+    assert summary.get("missed_n", 0) == missed and (not missed or "missed_acc_reselect" in summary)
     with pytest.raises(ValueError):
         task.read_score({**scores[0].as_dict(), "exact": {"own": 1, "mapped": 1}})

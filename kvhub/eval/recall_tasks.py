@@ -84,7 +84,14 @@ class FollowupTask(RecallTask):
                                    target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
 
     def summarize(self, scores: list[RecallScore]) -> dict:
+        """summarize_recall over every item, and again (keys prefixed ``missed_``) over the items whose room
+        number turn 1's selection did not hold: the follow-ups proper."""
         summary = summarize_recall(scores, seed=self.seed, pairs=FOLLOWUP_PAIRS)
         shares = [s.meta["room_in_r1"] for s in scores if s.meta.get("room_in_r1") is not None]
         summary["room_in_r1"] = sum(shares) / len(shares) if shares else float("nan")
+        missed = [s for s in scores if (s.meta.get("room_in_r1") or 0.0) < 1.0]
+        if missed:
+            subset = summarize_recall(missed, seed=self.seed, pairs=FOLLOWUP_PAIRS)
+            summary.update({f"missed_{key}": value for key, value in subset.items() if key.startswith(("n", "acc_"))
+                            or "_minus_" in key})
         return summary
