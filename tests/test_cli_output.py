@@ -117,11 +117,12 @@ def test_identical_tensors_are_one_version(cli, artifact_factory, tmp_path):
 def test_fit_summary_prints_names_verbatim(capsys):
     from types import SimpleNamespace
 
+    from kvhub.artifact.kinds import MAP_KINDS
     from kvhub.cli import fit_cmd
 
     mapper = SimpleNamespace(metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []}, layers=[],
                              source={"model_id": "/m/[red]src"}, target={"model_id": "/m/[/]dst"},
-                             num_parameters=lambda: 10)
+                             num_parameters=lambda: 10, kind=MAP_KINDS["ridge"], kind_settings=lambda: {})
     reference = "/m/[red]src:/m/[/]dst:calib@v1"
     fit_cmd._print_summary(mapper, reference=reference, full_ref=reference, out=None, output_format="table")
     printed = capsys.readouterr().out

@@ -70,6 +70,7 @@ def test_one_document_says_it_cannot_be_split(calib_home, tmp_path, calib_tokeni
 def test_piped_fit_and_plan_output_is_never_wrapped(monkeypatch, capsys):
     from types import SimpleNamespace
 
+    from kvhub.artifact.kinds import MAP_KINDS
     from kvhub.cli import fit_cmd
 
     monkeypatch.setenv("COLUMNS", "40")  # as when stderr is on a narrow terminal and stdout is piped
@@ -77,7 +78,7 @@ def test_piped_fit_and_plan_output_is_never_wrapped(monkeypatch, capsys):
     layer = {"target": 0, "sources": [0, 1], "lambda_k": 1e-3, "lambda_v": 1e-3, "r2_k": 0.5, "r2_v": 0.25}
     mapper = SimpleNamespace(metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []}, layers=[layer],
                              source={"model_id": long_id}, target={"model_id": long_id + "-target"},
-                             num_parameters=lambda: 10)
+                             num_parameters=lambda: 10, kind=MAP_KINDS["ridge"], kind_settings=lambda: {})
     fit_cmd._print_summary(mapper, reference="a:b:c@v1", full_ref="a:b:c@v1", out=None, output_format="table")
     lines = capsys.readouterr().out.splitlines()
     assert f"{long_id} -> {long_id}-target:" in lines
