@@ -37,6 +37,12 @@ BAD = [
     ("skip_first", -1, "skip_first=", "a non-negative integer"),
     ("statistics", "three-pass", "--stats", "one of auto, one-pass, two-pass"),
     ("candidates", 0, "--candidates", "a positive integer"),
+    ("map_kind", "cubic", "--map", "one of ridge, mlp"),
+    ("mlp_width", 0, "--mlp-width", "a positive integer"),
+    ("mlp_depth", 0, "--mlp-depth", "a positive integer"),
+    ("mlp_tokens", 0, "--mlp-tokens", "a positive integer"),
+    ("mlp_epochs", 0, "--mlp-epochs", "a positive integer"),
+    ("mlp_seed", -1, "mlp_seed=", "a non-negative integer"),
 ]
 
 
