@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvhub.artifact import sha256_file
+from kvhub.artifact.metadata import FORMAT_VERSION
 from kvhub.core.mapper import Mapper
 from kvhub.store import open_store
 from tests.fixtures_hub import run
@@ -130,7 +131,7 @@ HUB_CASES = [
     ("tensors-file-parent", _json_edit(lambda m: m["tensors"].update(file="../mapper.safetensors")), 5,
      "plain file name"),
     ("config-edited", _json_edit(lambda m: m["target"]["config"].update(rope_theta=1.0)), 5, "config_hash"),
-    ("format-newer", _json_edit(lambda m: m.update(format_version=4)), 5, "upgrade"),
+    ("format-newer", _json_edit(lambda m: m.update(format_version=FORMAT_VERSION + 1)), 5, "upgrade"),
     ("nan-weights", _nan_weights, 5, "NaN or Inf"),
     ("no-metadata", lambda f: {"mapper.safetensors": f["mapper.safetensors"]}, 12, "not a kvhub mapper repository"),
     ("figure-name-escapes", lambda f: {**f, "../../escape.png": b"x"}, 10, "huggingface_hub refused"),
