@@ -11,7 +11,8 @@ Registration protocol (what makes a killed process harmless):
 
 A kill before 3 commits leaves no row, only an unreferenced directory or ``.tmp`` debris, which
 ``gc`` removes (it holds the exclusive lock, so nothing it sees is in flight).  Transactions that lose
-a race (a duplicate insert of a new model or triple, a deadlock, SQLite's lock timeout) are retried.
+a race (a duplicate insert of a new model or triple, a deadlock, SQLite's lock timeout) are retried
+(:mod:`kvhub.store.transactions`, the Store's base).
 """
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ import errno
 import json
 import logging
 import os
-import random
-import time
 from pathlib import Path
-from typing import Callable, TypeVar, cast
+from typing import cast
 
 from sqlalchemy import Table, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from kvhub import __version__
 from kvhub.artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
@@ -37,15 +36,7 @@ from kvhub.errors import IntegrityError as ArtifactIntegrityError
 from kvhub.store import lookup, queries
 from kvhub.store.artifacts import ArtifactStore, GcReport, artifact_files, copy_hashing, manifest_sha256
 from kvhub.store.engine import (
-    connection_error,
-    full_folder,
-    is_read_only,
-    make_engine,
-    no_space_error,
-    out_of_space_folder,
-    read_only_error,
-    wal_pending,
-    write_engine,
+    connection_error, full_folder, make_engine, no_space_error, out_of_space_folder, wal_pending,
 )
 from kvhub.store.ingest import (
     METADATA_FILE, check_same_text, check_storable, find_same_tensors, insert_version, lock_series, metric_row,
@@ -56,22 +47,12 @@ from kvhub.store.migrate import ensure_schema
 from kvhub.store.records import MapperVersion, version_record
 from kvhub.store.refs import LATEST, Ref, check_alias_name
 from kvhub.store.tables import AliasRow, PublicationRow, StorePropertyRow, VersionRow
+from kvhub.store.transactions import Transactions
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 VersionLike = MapperVersion | Ref | str
-_RETRIES = 12
 _COLLECT_WAIT_S = 2.0  # rm waits this long for registrations in flight, then leaves the artifact to gc
-_RETRY_SQLSTATES = {"40001", "40P01", "23505"}  # serialization failure, deadlock, unique violation
-
-
-def _retryable(exc: DBAPIError) -> bool:
-    original = getattr(exc, "orig", None)
-    if getattr(original, "sqlstate", None) in _RETRY_SQLSTATES:
-        return True
-    text = str(original).lower()
-    return "database is locked" in text or "unique constraint failed" in text
 
 
 def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None,
@@ -112,19 +93,17 @@ def _store_id(engine: Engine, url: str) -> str:
         raise
 
 
-class Store:
+class Store(Transactions):
     """Versions, aliases, metrics and publications of mappers.  Build with :func:`open_store`.
 
     Methods taking ``version`` accept a MapperVersion, a Ref, or a reference string
     (``SRC:DST[:CALIB][@SELECTOR]``, see kvhub.store.refs).  Use as a context manager or call close().
+    Its reads and writes are :class:`~kvhub.store.transactions.Transactions` (a lost race is retried).
     """
 
     def __init__(self, url: str, *, engine: Engine, artifacts: ArtifactStore):
-        self.url = url
-        self._engine = engine
+        super().__init__(url, engine=engine)
         self._artifacts = artifacts
-        self._reader = sessionmaker(engine, expire_on_commit=False)
-        self._writer = sessionmaker(write_engine(engine), expire_on_commit=False)
 
     @property
     def artifacts_dir(self) -> Path:
@@ -134,54 +113,13 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({display_url(self.url)}, artifacts={self.artifacts_dir})"
 
-    def close(self) -> None:
-        self._engine.dispose()
-
     def __enter__(self) -> "Store":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- transactions --------------------------------------------------------------------------
-    def _read(self, work: Callable[[Session], T]) -> T:
-        try:
-            with self._reader() as session:
-                return work(session)
-        except DBAPIError as exc:
-            raise connection_error(self.url, exc) from exc
-
-    @property
-    def read_only(self) -> bool:
-        """True for a SQLite store this process may not write (opened read-only, see kvhub.store.engine)."""
-        return is_read_only(self._engine)
-
-    def _check_writable(self) -> None:
-        folder = out_of_space_folder(self._engine)
-        if folder is not None:
-            raise no_space_error(folder)
-        if self.read_only:
-            raise read_only_error(self.url)
-
-    def _write(self, work: Callable[[Session], T]) -> T:
-        """Run ``work`` in a write transaction and commit; retry the whole of it on a lost race."""
-        self._check_writable()
-        for attempt in range(_RETRIES):
-            with self._writer() as session:
-                try:
-                    result = work(session)
-                    session.commit()
-                    return result
-                except DBAPIError as exc:
-                    session.rollback()
-                    if full_folder(self.url, exc) is not None:
-                        raise connection_error(self.url, exc) from exc
-                    if not _retryable(exc) or attempt == _RETRIES - 1:
-                        raise StoreError(f"the store at {display_url(self.url)} refused a write: {exc.orig}") from exc
-                    log.debug("retrying a store transaction after %s", exc.orig)
-            time.sleep(min(2.0, 0.02 * 2**attempt) * random.uniform(0.5, 1.0))
-        raise AssertionError("unreachable")
-
+    # ---- rows and records ------------------------------------------------------------------------
     def _row(self, session: Session, version: VersionLike) -> VersionRow:
         if isinstance(version, MapperVersion):
             return lookup.version_by_id(session, version.id)
