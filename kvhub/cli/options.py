@@ -1,5 +1,6 @@
-"""Options more than one command family shares: ``--db`` and the store it names; the results document's
-``--output-path`` and ``--log-samples`` (``kvhub eval``, ``kvhub eval-serve``)."""
+"""Options more than one command family shares: ``--db`` and the store it names, and REF_HELP, the epilog of
+the commands that take a reference; the results document's ``--output-path`` and ``--log-samples``
+(``kvhub eval``, ``kvhub eval-serve``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ DB_HELP = ("Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/k
            "dir). Commands that only read refuse a path where no store exists.")
 
 db_option = click.option("--db", default=None, metavar="URL", help=DB_HELP)
+
+REF_HELP = """\b
+REF is SRC:DST[:CALIB][@SELECTOR]:
+  SRC, DST  model id (Qwen/Qwen2.5-Coder-0.5B-Instruct) or short name (qwen2.5-coder-0.5b-instruct)
+  CALIB     calibration set; optional when the pair has one
+  SELECTOR  v3 (a version), latest, production, or any alias; default: production if set, else latest"""
 
 
 def open_db(db: str | None, *, create: bool = True):

@@ -14,6 +14,7 @@ import json
 
 import click
 
+from kvhub.artifact.metadata import shown
 from kvhub.cli.console import console, plain
 
 FORMATS = ("table", "json", "tsv")
@@ -38,6 +39,15 @@ def json_ref(version) -> str:
     """How every command's JSON names a mapper version: the full reference (``MapperVersion.ref``), never the
     short form tables show, so a script can hand it to any command against any store."""
     return version.ref
+
+
+def version_json(version, metrics: list[dict] | None = None) -> dict:
+    """The JSON of one version in the vocabulary the store commands share (kvhub.cli.store_cmd's docstring)."""
+    data = version.to_dict()
+    data["k"], data["ridge_lambda"] = shown(data["k"]), shown(data["ridge_lambda"])
+    if metrics is not None:
+        data["metrics"] = metrics
+    return data
 
 
 def echo_json(data) -> None:
@@ -149,3 +159,12 @@ def format_number(value, *, exact: bool = False) -> str:
     if number != 0 and abs(number) < 1e-3:
         return f"{number:.2e}"
     return f"{number:.3f}"
+
+
+def format_size(num_bytes: float) -> str:
+    """A byte count for people: 512 B, 1.5 KB, ... GB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes} B"
