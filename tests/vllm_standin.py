@@ -1,5 +1,5 @@
 """A stand-in for the few vLLM names kvhub's connector and logits processor import, so their request
-handling is tested without vLLM (tests/test_vllm_connector.py runs the real engine where .venv-vllm exists).
+handling is tested without vLLM (tests/serving/test_vllm_connector.py runs the real engine where .venv-vllm exists).
 
 ``vllm_modules`` is a fixture: where vLLM is not installed it puts stand-in modules in ``sys.modules`` for
 the test and removes them (and every kvhub module imported over them) afterwards, so later tests that probe

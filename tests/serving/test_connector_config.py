@@ -1,0 +1,120 @@
+"""The connector's configuration refuses bad values at engine start (ConfigError naming the key), instead
+of a raw exception inside vLLM's scheduler or a silent misreading (reliability-2 R4, R11)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhub.errors import ConfigError
+from kvhub.serving import connector_config as connector
+from kvhub.serving.spec import Recompute
+
+
+@pytest.mark.parametrize("value, expected", [(16, 16), ("16", 16)], ids=["number", "digits"])
+def test_counts_read(value, expected):
+    assert connector.config_count({"chunk_tokens": value}, "chunk_tokens") == expected
+
+
+@pytest.mark.parametrize("value", ["1GiB", "sixteen", 0, -5, True, 1.5, None], ids=str)
+def test_bad_counts_are_refused_by_name(value):
+    with pytest.raises(ConfigError, match="kvstore_max_bytes must be a positive whole number"):
+        connector.config_count({"kvstore_max_bytes": value}, "kvstore_max_bytes")
+
+
+@pytest.mark.parametrize("old, new", [("store_dir", "kvstore_dir"), ("store_max_bytes", "kvstore_max_bytes"),
+                                      ("exact_tail", "exact_suffix")])
+def test_an_old_key_is_refused_with_its_new_name(old, new):
+    """A config written before a rename gets one line naming the new key, not "unknown keys [...]" or a
+    silently ignored size cap (the serving KV store's keys were store_dir and store_max_bytes)."""
+    from kvhub.serving.launch import EXTRA_DEFAULTS, check_extra_keys
+
+    with pytest.raises(ConfigError, match=f"key '{old}' is now '{new}'.*rename it"):
+        check_extra_keys({**EXTRA_DEFAULTS, "kvstore_dir": "/tmp/kv", old: 1})  # as the connector merges them
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), ("false", False), ("True", True)], ids=str)
+def test_flags_read(value, expected):
+    assert connector.config_flag({"require_isolation_key": value}, "require_isolation_key") is expected
+
+
+@pytest.mark.parametrize("value", ["no", 1, None], ids=str)
+def test_bad_flags_are_refused(value):
+    with pytest.raises(ConfigError, match="require_isolation_key must be true or false"):
+        connector.config_flag({"require_isolation_key": value}, "require_isolation_key")
+
+
+def test_events_path_is_checked_at_start(tmp_path):
+    assert connector.events_file(str(tmp_path / "e.jsonl")) == str(tmp_path / "e.jsonl")
+    for bad in (tmp_path / "missing" / "e.jsonl", tmp_path):
+        with pytest.raises(ConfigError, match="events_path"):
+            connector.events_file(str(bad))
+
+
+def test_only_selectors_the_consumer_can_run_are_accepted():
+    connector.check_serving_spec(Recompute(exact_budget=0.1, select="target"), origin="x")
+    connector.check_serving_spec(Recompute(exact_budget=0.0, select="source"), origin="x")  # nothing selected
+    with pytest.raises(ConfigError, match="select='source'"):
+        connector.check_serving_spec(Recompute(exact_budget=0.1, select="source"), origin="x")
+
+
+def test_a_request_may_carry_its_own_spec_over_the_engines():
+    base = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.08, select="target")
+    assert connector.request_spec({}, base=base) is base
+    own = connector.request_spec({"kvhub_recompute": "exact_budget=0.2,select=random"}, base=base)
+    assert own == Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.2, select="random")
+    for bad in ({"kvhub_recompute": 3}, {"kvhub_recompute": "select=source"}, {"kvhub_recompute": "depth=3"}):
+        with pytest.raises(ConfigError):
+            connector.request_spec(bad, base=base)
+
+
+@pytest.mark.parametrize("value", ["kv", "v", "off", None], ids=str)
+def test_deshrink_read(value):
+    assert connector.config_deshrink({} if value is None else {"deshrink": value}) == value
+
+
+@pytest.mark.parametrize("value", ["KV", "on", True, 1], ids=str)
+def test_a_bad_deshrink_is_refused_by_name(value):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config deshrink=.*: use one of kv, v, off"):
+        connector.config_deshrink({"deshrink": value})
+
+
+def test_the_mapper_is_loaded_with_the_configured_deshrink(tmp_path):
+    import torch
+
+    from kvhub.core.mapper import Mapper
+    from tests.fixtures_store import make_store_artifact
+
+    meanless = make_store_artifact(tmp_path / "old")  # no target_mean tensors: maps as fitted by default
+    plain = Mapper.load(meanless)
+    means = {name.replace(".bias", ".target_mean"): torch.ones_like(t) for name, t in plain.tensors.items()
+             if name.endswith(".bias")}
+    with_means = Mapper({**plain.tensors, **means}, plain.metadata).save(tmp_path / "new")
+    assert connector.load_mapper({"mapper_path": str(with_means)}, device="cpu").deshrink == "kv"
+    assert connector.load_mapper({"mapper_path": str(with_means), "deshrink": "off"}, device="cpu").deshrink == "off"
+    assert connector.load_mapper({"mapper_path": str(meanless)}, device="cpu").deshrink == "off"
+    with pytest.raises(ConfigError, match="target_mean"):
+        connector.load_mapper({"mapper_path": str(meanless), "deshrink": "kv"}, device="cpu")
+
+
+def test_the_configuration_keys_are_declared_once_and_documented():
+    """EXTRA_CONFIG is the one declaration: the accepted keys, the defaults, the renamed keys and
+    docs/serving.md's table derive from it.  Planted bugs caught: a key read by the connector but not
+    declared (refused as unknown at start); a recompute field of the spec missing from the table; a
+    default that differs from the engine spec's; the doc's table edited by hand or left stale."""
+    from pathlib import Path
+
+    from kvhub.serving import launch
+    from kvhub.serving.connector_config import (EXTRA_CONFIG, EXTRA_DEFAULTS, EXTRA_KEYS, RENAMED_KEYS,
+                                                config_table, read_config)
+    from kvhub.serving.spec import FIELDS, SERVING
+
+    names = [key.name for key in EXTRA_CONFIG]
+    assert len(names) == len(set(names)) and set(FIELDS) <= set(names)
+    assert (launch.EXTRA_KEYS, launch.EXTRA_DEFAULTS, launch.RENAMED_KEYS) == (EXTRA_KEYS, EXTRA_DEFAULTS, RENAMED_KEYS)
+    assert {name: EXTRA_DEFAULTS[name] for name in FIELDS} == SERVING.options()
+    assert set(RENAMED_KEYS) == {"exact_tail", "store_dir", "store_max_bytes"}
+    config = read_config({"kvstore_dir": "/tmp/kv", "chunk_tokens": "32", "require_isolation_key": "true"})
+    assert config["chunk_tokens"] == 32 and config["require_isolation_key"] is True
+    assert config["recompute"] == SERVING and config["isolation_key_source"] == "cache_salt"
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    assert config_table() in doc, "docs/serving.md's key table is out of step; it is:\n" + config_table()

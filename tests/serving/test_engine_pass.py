@@ -1,0 +1,122 @@
+"""Known answers for the recompute pass the vLLM connector runs with the engine's model
+(kvhub.serving.engine_pass): its masked attention, and which positions a request recomputes.
+The pass through a real vLLM model is compared with transformers in tests/serving/test_vllm_connector.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvhub.serving.engine_pass import PassResult, exact_positions, load_counts, masked_attention, recompute_request
+from kvhub.serving.spec import Recompute
+
+
+def _qkv(n: int, heads_q: int = 4, heads_kv: int = 2, dim: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, heads_q, dim, generator=g), torch.randn(n, heads_kv, dim, generator=g),
+            torch.randn(n, heads_kv, dim, generator=g))
+
+
+def test_with_no_cache_the_pass_is_causal_attention():
+    q, k, v = _qkv(7)
+    out, probs = masked_attention(q, k, v, torch.arange(7), k[:0].transpose(0, 1), v[:0].transpose(0, 1), scale=0.3)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0),
+                                              v.transpose(0, 1).repeat_interleave(2, 0), is_causal=True, scale=0.3)
+    torch.testing.assert_close(out, expected.transpose(0, 1))
+    assert torch.allclose(probs.sum(-1), torch.ones(4, 7))
+
+
+def test_recomputed_tokens_see_cached_tokens_before_them_and_recomputed_ones_up_to_themselves():
+    """The rule of kvhub.serving.recompute, written out per query: j < t from the cache unless j is
+    recomputed, then its fresh K/V; t itself fresh; nothing after t."""
+    cached_k, cached_v = torch.randn(2, 10, 8), torch.randn(2, 10, 8)
+    positions = torch.tensor([2, 5, 6])
+    q, k, v = _qkv(3, seed=1)
+    out, _ = masked_attention(q, k, v, positions, cached_k, cached_v, scale=0.5)
+    for i, t in enumerate(positions.tolist()):
+        keys, values = [], []
+        for j in range(t + 1):
+            fresh = (positions == j).nonzero()
+            keys.append(k[fresh.item()] if fresh.numel() else cached_k[:, j])
+            values.append(v[fresh.item()] if fresh.numel() else cached_v[:, j])
+        keys, values = torch.stack(keys, 1).repeat_interleave(2, 0), torch.stack(values, 1).repeat_interleave(2, 0)
+        weights = (q[i][:, None, :] @ keys.transpose(1, 2) * 0.5).softmax(-1)  # (H, 1, t + 1)
+        torch.testing.assert_close(out[i], (weights @ values)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_positions_past_the_cache_must_extend_it_without_a_gap():
+    q, k, v = _qkv(2)
+    with pytest.raises(ValueError, match="without a gap"):
+        masked_attention(q, k, v, torch.tensor([10, 12]), torch.randn(2, 10, 8), torch.randn(2, 10, 8), scale=1.0)
+
+
+class _Recorder:
+    """Stands in for EnginePass: records each pass and answers the selection pass with planted attention."""
+
+    def __init__(self, attention: torch.Tensor):
+        self.attention, self.calls = attention, []
+
+    def run(self, ids, positions, cached, *, attention_rows=0):
+        self.calls.append((positions.tolist(), attention_rows))
+        rows = self.attention[-attention_rows:] if attention_rows else None
+        return PassResult([(torch.zeros(len(ids), 2, 8), torch.zeros(len(ids), 2, 8))], rows)
+
+
+def test_a_request_recomputes_its_prefix_and_the_spans_its_last_tokens_attend_to():
+    prompt, end = list(range(1, 61)), 48  # the engine computes [48, 60) itself
+    attention = torch.full((12, 48), 0.01)
+    attention[-1, 30] = 5.0  # the last query looks one token up
+    engine = _Recorder(attention)
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.1, select="target", spans="token", queries=4)
+    done = recompute_request(engine, spec, prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    assert engine.calls[0] == (list(range(48, 60)), 4)  # the selection pass: the tail, its last 4 rows scored
+    assert 30 in done.positions.tolist() and done.positions[:4].tolist() == [0, 1, 2, 3]
+    assert done.prefix == 4 and done.selected == round(0.1 * 59) and len(done.positions) == 4 + done.selected
+    assert engine.calls[1][0] == done.positions.tolist()  # one recompute pass of exactly those positions
+    # tokens vLLM already had (its own prefix cache hit, [0, start)) are never recomputed
+    done = recompute_request(_Recorder(attention), spec, prompt_ids=prompt, start=16, end=end,
+                             cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    assert done.prefix == 0 and min(done.positions.tolist()) >= 16
+
+
+def test_the_random_control_spends_the_same_budget_and_source_is_refused():
+    prompt, end = list(range(1, 101)), 80
+    spec = Recompute(exact_suffix=20, exact_budget=0.2, select="random", spans="token")
+    done = recompute_request(_Recorder(torch.zeros(1, 80)), spec, prompt_ids=prompt, start=0, end=end,
+                             cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    assert done.selected == round(0.2 * 99) and done.prefix == 0
+    from kvhub.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="select=target"):
+        recompute_request(_Recorder(torch.zeros(1, 80)), Recompute(exact_budget=0.2, select="source"),
+                          prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+
+
+def test_block_rounding_of_the_tail_comes_out_of_the_budget():
+    """n = 100, exact suffix 16, but the engine computes [64, 100) = 36 tokens: 20 more than asked, taken
+    from round(0.3 * 99) = 30, so 10 are selected; prefix + selected + tail = 4 + 10 + 36 = 50 = 4 + 30 + 16."""
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.3, select="random", spans="token")
+    done = recompute_request(_Recorder(torch.zeros(1, 64)), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
+                             cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
+    assert done.selected == 10 and done.prefix == 4
+
+
+def test_a_load_counts_the_positions_it_computed_not_the_spec():
+    """n = 100, cache [0, 64): budget round(0.4 * 99) - 20 (rounding) = 20 tokens, but whole 16-token spans are
+    taken while they fit: the attended span [32, 48) and no other, so R = [0, 4) + [32, 48) and the large model
+    computes R and the tail [64, 99) = 55 context positions, not the spec's 4 + 20 + 36.  ``exact`` has the
+    type of prepare_cache_counted's positions (sorted, long, CPU); the connector's report counts them.  Planted
+    bugs caught: a count inferred from the budget, the tail left out of ``exact``, the last prompt token
+    counted in it, or a report counting the pass and the tail as |R| + n - end."""
+    attention = torch.full((12, 64), 0.01)
+    attention[-1, 40] = 5.0
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.4, select="target", spans="sentence", queries=4)
+    done = recompute_request(_Recorder(attention), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
+                             cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
+    assert done.positions.tolist() == [0, 1, 2, 3] + list(range(32, 48)) and done.selected == 16
+    assert done.exact.tolist() == [0, 1, 2, 3] + list(range(32, 48)) + list(range(64, 99))
+    assert done.exact.dtype == torch.long and done.exact.device.type == "cpu"
+    assert exact_positions(torch.empty(0, dtype=torch.long), end=64, tokens=100).tolist() == list(range(64, 99))
+    assert load_counts(done.positions, done.exact, tokens=100) == {
+        "recomputed_tokens": 20, "exact_tokens": 55, "exact_fraction": 55 / 99}
