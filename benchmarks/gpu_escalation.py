@@ -22,7 +22,7 @@ Per pair and context length n, after one warm-up of each, ``--repeats`` alternat
 
 ``source_prefill_s`` (what the cascade paid before escalating) is timed once.  Times are CUDA events
 (perf_counter on a CPU).  A pair or length that would start past ``--budget-s`` is recorded as skipped, so
-the run ends in time.  Nothing in kvhub imports this script; tests/test_gpu_escalation_script.py runs it
+the run ends in time.  Nothing in kvhub imports this script; tests/serving/test_gpu_escalation_script.py runs it
 with --tiny so it cannot rot.
 """
 

@@ -156,9 +156,9 @@ def _spawn(args, role: str) -> dict:
 
 
 def _tiny(args) -> None:
-    """Build the tiny exact family (tests/test_vllm_connector.py) and point the arguments at it."""
+    """Build the tiny exact family (tests/serving/test_vllm_connector.py) and point the arguments at it."""
     sys.path.insert(0, str(ROOT))
-    from tests.test_vllm_connector import make_family
+    from tests.serving.test_vllm_connector import make_family
 
     directory = Path(args.tiny)
     paths = make_family(directory) if not (directory / "dst").exists() else {

@@ -2,7 +2,7 @@
 environment (a notebook, a test) is honoured:
 
 - :data:`VARIABLES`: every ``KVHUB_*`` environment variable kvhub reads, with its default, its meaning and
-  the module that reads it (docs/configuration.md is checked against it: tests/test_docs.py);
+  the module that reads it (docs/configuration.md is checked against it: tests/contracts/test_docs.py);
 - :func:`cache_root`: the root of kvhub's caches (models, corpora, calibration sets, checkpoints, evaluation
   sets and results): ``$KVHUB_CACHE``, else ``$XDG_CACHE_HOME/kvhub`` (default ``~/.cache/kvhub``).
   ``$KVHUB_HOME`` moves the store, not the caches (:mod:`kvhub.store.location`);

@@ -13,5 +13,5 @@ fi
 pytest_group() {  # exit status 5 = a -k filter selected nothing in this group, which is not a failure
   "$VENV/bin/python" -m pytest -q "$@" || [ $? -eq 5 ]
 }
-pytest_group tests/test_capture_compat.py tests/test_serving_kvstore.py "$@"
-pytest_group -m vllm tests/test_vllm_connector.py tests/test_vllm_serve.py tests/test_forced.py "$@"
+pytest_group tests/core/test_capture_compat.py tests/serving/test_serving_kvstore.py "$@"
+pytest_group -m vllm tests/serving/test_vllm_connector.py tests/serving/test_vllm_serve.py tests/serving/test_forced.py "$@"

@@ -18,7 +18,7 @@ totals with Chan's pairwise update, e.g. for two parts a, b with d = mean_a - me
 so ``a.merge(b)`` equals the statistics of the concatenated data (up to float rounding) and memory
 is independent of n.  Means and Syy are fp64; the Cxx and Cxy totals are fp64 by default, or fp32
 (``dtype``) when fp64 does not fit: the merges stay exact Chan merges, only their sums round to fp32
-(tests/test_two_pass.py measures that error).
+(tests/fitting/test_two_pass.py measures that error).
 
 X is the concatenation of every source layer (p = Ls * ds, ds = Hs*Ds) and Y of every target layer
 (q = Lt * dt), so any layer selection, k and lambda can be solved afterwards.  A probe pass

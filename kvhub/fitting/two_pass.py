@@ -17,7 +17,7 @@ one-pass fit's k is at most ``top_k_max`` (with k auto (None): and ``top_k_max``
 search of :func:`kvhub.core.solve.solve` starts), the solution is the one-pass solution: a layer's probe
 reads the same sums either way (up to how fp32 products round per Gram block: near-ties aside), so each
 target layer ranks U's layers as the one-pass fit ranks all of them, and every k the search tries takes
-the same layers from the same sums (tests/test_two_pass.py checks the weights to 1e-10).
+the same layers from the same sums (tests/fitting/test_two_pass.py checks the weights to 1e-10).
 """
 
 from __future__ import annotations

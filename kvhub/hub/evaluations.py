@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 def fmt(value) -> str:
     """A number as cards show it, the one way every kvhub table does (kvhub.cli.output.format_number, which
-    this layer cannot import; tests/test_number_formats.py checks the two agree): integers bare, others
+    this layer cannot import; tests/cli/test_number_formats.py checks the two agree): integers bare, others
     with three decimals, nonzero magnitudes below 0.001 in e-notation; '-' for None and NaN."""
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return "-" if value is None else str(value)

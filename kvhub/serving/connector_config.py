@@ -5,7 +5,7 @@ import: the checks are tested without an engine.
 :data:`EXTRA_CONFIG` declares each key once: the roles that read it, how it is read, its default, its
 meaning and the name it had before.  The accepted keys (:data:`EXTRA_KEYS`), the defaults
 (:data:`EXTRA_DEFAULTS`), the renamed keys (:data:`RENAMED_KEYS`), :func:`read_config` and the table in
-docs/serving.md (:func:`config_table`; tests/test_connector_config.py checks the doc) all derive from it.
+docs/serving.md (:func:`config_table`; tests/serving/test_connector_config.py checks the doc) all derive from it.
 The rest of the contract with vLLM (class, module, roles) is :mod:`kvhub.serving.launch`'s.
 """
 

@@ -180,7 +180,7 @@ def match_calibration_names(query: str, names) -> list[str]:
 def _registered_id(query: str) -> str | None:
     """The model id a fit from the local path ``query`` registered, or None when ``query`` is no existing
     path.  The rule of kvhub.models.loading.registered_model_id (which the store, below models, cannot
-    import; tests/test_lookup_paths.py checks the two agree): a converted folder is known by the Hub id
+    import; tests/store/test_lookup_paths.py checks the two agree): a converted folder is known by the Hub id
     its manifest names, any other path by its absolute form."""
     import json
     from pathlib import Path
