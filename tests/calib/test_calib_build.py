@@ -136,9 +136,16 @@ def test_bos_tokenizers_start_every_sequence_with_bos(calib_home, text_corpus):
     assert not (built.train[:, 1:] == bos).any(), "no BOS inside the packed stream"
 
 
-def test_no_special_tokens_added_for_qwen_style_tokenizers(calib_home, text_corpus, calib_tokenizer):
-    built = resolve_calibration(str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="t", **SMALL)
-    assert not (built.train == calib_tokenizer.convert_tokens_to_ids("<s>")).any()
+def test_no_special_tokens_added_for_qwen_style_tokenizers(calib_home, text_corpus):
+    """A tokenizer that names a BOS but does not add it by default (no post-processor): the sets hold
+    no BOS.  Planted bugs caught: a packer that puts ``tokenizer.bos_token_id`` in front of each sequence
+    or document whenever the tokenizer has one, instead of what the tokenizer adds by default."""
+    tokenizer = train_tokenizer()
+    tokenizer.bos_token = "<s>"  # named, never added (Qwen-like)
+    bos = tokenizer.bos_token_id
+    assert bos is not None and tokenizer("a b")["input_ids"] == tokenizer("a b", add_special_tokens=False)["input_ids"]
+    built = resolve_calibration(str(text_corpus), tokenizer=tokenizer, tokenizer_id="t", **SMALL)
+    assert not (built.train == bos).any() and not (built.heldout == bos).any()
 
 
 def test_jsonl_file_and_missing_field(calib_home, tmp_path, calib_tokenizer):
