@@ -64,11 +64,23 @@ def test_the_default_applies_to_fitted_and_loaded_mappers_and_saving_keeps_the_f
 
 
 def test_moving_the_mapper_keeps_the_setting(fitted):
+    """A setting other than the default ("v"), used once before the move (so its rescaled tensors exist),
+    then moved and cast: it transfers as a fresh deshrunk("v"), not as the default.  Planted bugs caught:
+    Mapper.to() resetting ``deshrink`` to the default; to() keeping the rescaled tensors of before the move."""
     mapper, source = fitted
-    moved = mapper.deshrunk("kv").to("cpu", torch.float64)
+    assert DESHRINK_DEFAULT != "v"
     x = _ids(1, 8)
-    torch.testing.assert_close(moved.transfer(run_model(source, x)).layers[1].values.float(),
-                               mapper.transfer(run_model(source, x)).layers[1].values)
+    cache = run_model(source, x)
+    moving = mapper.deshrunk("v")
+    moving.transfer(cache)
+    moved = moving.to("cpu", torch.float64)
+    got, fresh = moved.transfer(cache), mapper.deshrunk("v").transfer(cache)
+    default = mapper.deshrunk(DESHRINK_DEFAULT).transfer(cache)
+    assert moved.deshrink == "v"
+    for a, b in zip(got.layers, fresh.layers):
+        torch.testing.assert_close(a.keys.float(), b.keys)
+        torch.testing.assert_close(a.values.float(), b.values)
+    assert not torch.allclose(got.layers[1].keys.float(), default.layers[1].keys)  # "kv" rescales keys too
 
 
 def test_the_control_map_is_unchanged_and_the_original_untouched(fitted):
