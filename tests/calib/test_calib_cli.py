@@ -6,8 +6,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from kvhub.cli.main import main
+from tests.fixtures_calib import train_tokenizer
 
 
 @pytest.fixture
@@ -65,10 +67,19 @@ def test_build_prints_metadata(runner, calib_home, text_corpus, tokenizer_dir):
 
 
 def test_build_with_tokenizer_json(runner, calib_home, text_corpus, tokenizer_dir):
-    args = ["calib", "build", str(text_corpus), "--tokenizer", str(tokenizer_dir / "tokenizer.json"),
-            "--samples", "4", "--seq-len", "32", "--json"]
-    result = runner.invoke(main, args)
+    """A tokenizer.json is the tokenizer that packs the text: here another one (a smaller vocabulary) beside
+    the directory's own.  Planted bugs caught: loading the file's directory (its own tokenizer) instead of
+    the file; recording another tokenizer id than the one given."""
+    other = tokenizer_dir / "other-tokenizer.json"
+    train_tokenizer(vocab_size=400).backend_tokenizer.save(str(other))
+    size = ["--samples", "4", "--seq-len", "32", "--json"]
+    result = runner.invoke(main, ["calib", "build", str(text_corpus), "--tokenizer", str(other), *size])
     assert result.exit_code == 0, result.output
+    built = json.loads(result.stdout)
+    own = runner.invoke(main, ["calib", "build", str(text_corpus), "--tokenizer", str(tokenizer_dir), *size])
+    assert own.exit_code == 0, own.output
+    assert built["tokenizer_id"] == str(other) and built["content_hash"] != json.loads(own.stdout)["content_hash"]
+    assert int(load_file(built["cache_path"])["train"].max()) < 400  # the other tokenizer's ids
 
 
 def test_build_too_small_exits_2_and_allow_fewer_warns(runner, calib_home, text_corpus, tokenizer_dir):
