@@ -443,7 +443,7 @@ def test_an_events_file_that_cannot_be_written_is_refused_before_any_server_star
     """R4: --events under a missing directory is a one-line error, not a crash inside vLLM's scheduler."""
     result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--events",
                                   str(tmp_path / "missing" / "e.jsonl"), "--dry-run"))
-    assert result.exit_code != 0 and "--events" in result.output and "cannot be appended to" in result.output
+    assert result.exit_code == ConfigError.exit_code and "--events" in result.output and "cannot be appended to" in result.output
     assert "Traceback" not in result.output
 
 
@@ -461,4 +461,4 @@ def test_each_cpu_engines_kv_cache_is_sized_so_that_both_fit_the_host(tmp_path):
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_timeout_that_is_not_a_number_is_refused(mapper_db, tmp_path, fake_vllm, value):
     result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--timeout", value, "--dry-run"))
-    assert result.exit_code != 0 and "--timeout must be a finite number" in result.output
+    assert result.exit_code == ConfigError.exit_code and "--timeout must be a finite number" in result.output
