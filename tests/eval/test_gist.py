@@ -24,8 +24,10 @@ def test_the_summary_is_the_gap_closed_by_the_mean_nlls_with_intervals():
     assert summary["nll_mapped"] == 2.0 and summary["nll_floor"] == 4.0
     assert summary["gap_closed_mapped"] == pytest.approx(2.0 / 3.0)  # (4 - 2) / (4 - 1), not the mean of ratios
     assert summary["gap_closed_control"] == pytest.approx(0.5 / 3.0)
-    low, high = summary["gap_closed_mapped_ci"]
-    assert low <= summary["gap_closed_mapped"] <= high
+    # two items: a resample is aa, ab, ba or bb (a quarter each), so the 95% interval runs from aa's gap,
+    # (3 - 2) / (3 - 1), to bb's, (5 - 2) / (5 - 1)
+    assert summary["gap_closed_mapped_ci"] == pytest.approx([0.5, 0.75])
+    assert summary["gap_closed_control_ci"] == pytest.approx([0.0, 0.25])
 
 
 def test_items_ask_about_the_whole_context(tokenizer):
