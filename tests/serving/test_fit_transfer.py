@@ -108,7 +108,9 @@ def _same_positions(got, want, tolerance: float) -> torch.Tensor:
     return torch.isclose(got, want, rtol=tolerance, atol=tolerance * scale).all(-1).all(1).all(0)
 
 
-def test_exact_prefix_recompute_keeps_exact_generation(qwen_family):
+def test_exact_prefix_handoff_on_the_exact_family_generates_as_the_target(qwen_family):
+    """End to end (the mapped cache is the target's own here, so this checks the path, not the recompute:
+    test_exact_prefix_positions_are_the_targets_own_and_the_mapped_ones_are_not does)."""
     source, target, _, mapper = qwen_family
     ids = _ids(1, 30, 21)
     out = handoff(mapper, source, target, ids, exact_prefix=4, exact_suffix=0, max_new_tokens=10, do_sample=False)
@@ -131,7 +133,9 @@ def test_exact_prefix_positions_are_the_targets_own_and_the_mapped_ones_are_not(
             assert same[:4].all() and not same[4:].any(), f"{name} of layer {m}: {same.tolist()}"
 
 
-def test_exact_suffix_recompute_keeps_exact_generation(qwen_family):
+def test_exact_suffix_handoff_on_the_exact_family_generates_as_the_target(qwen_family):
+    """End to end (the mapped cache is the target's own here, so this checks the path, not the recompute:
+    test_exact_suffix_positions_are_recomputed_over_the_mapped_cache does)."""
     source, target, _, mapper = qwen_family
     ids = _ids(1, 30, 22)
     out = handoff(mapper, source, target, ids, exact_prefix=2, exact_suffix=5, max_new_tokens=10, do_sample=False)
@@ -162,10 +166,22 @@ def test_exact_suffix_positions_are_recomputed_over_the_mapped_cache(qwen_family
 
 
 def test_handoff_defaults_cap_to_short_prompts(qwen_family):
+    """A context shorter than the default exact prefix + suffix (4 + 16) is recomputed whole: over the
+    zero-information control map the handoff still generates as the target.  The cap keeps the prefix
+    before the suffix (Recompute.capped).  Planted bugs caught: refusing p + s beyond the context; a cap
+    that leaves context positions to the map; a cap that shortens the prefix to make room for the suffix."""
+    from kvhub.serving.spec import HANDOFF, Recompute
+
     source, target, _, mapper = qwen_family
-    ids = _ids(1, 3, 24)  # 2 context tokens: fewer than the default exact prefix + suffix
-    out = handoff(mapper, source, target, ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(out, _greedy(target, ids, n=4))
+    for n in (3, 11):  # 2 and 10 context tokens
+        ids = _ids(1, n, 24)
+        assert torch.equal(handoff(mapper, source, target, ids, max_new_tokens=4, do_sample=False),
+                           _greedy(target, ids, n=4))
+        assert torch.equal(handoff(control_mapper(mapper), source, target, ids, max_new_tokens=4, do_sample=False),
+                           _greedy(target, ids, n=4))
+    assert (HANDOFF.capped(10).exact_prefix, HANDOFF.capped(10).exact_suffix) == (4, 6)
+    assert (HANDOFF.capped(2).exact_prefix, HANDOFF.capped(2).exact_suffix) == (2, 0)
+    assert HANDOFF.capped(100) == HANDOFF and Recompute(0, 16).capped(5).exact_suffix == 5
 
 
 def test_exact_recompute_replaces_exactly_the_named_tokens(qwen_family):
