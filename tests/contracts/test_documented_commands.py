@@ -31,9 +31,11 @@ def help_text(path: list[str], command: click.Command) -> str:
     """What ``kvhub ... -h`` prints, up to its option list (the examples live in the docstring)."""
     parent = None
     for depth in range(1, len(path)):  # the parents' contexts carry -h as a help option
-        parent = click.Context(main if depth == 1 else parent.command.commands[path[depth - 1]],
-                               info_name=path[depth - 1], parent=parent)
-    ctx = click.Context(command, info_name=path[-1], parent=parent)
+        group = main if depth == 1 else parent.command.commands[path[depth - 1]]
+        parent = click.Context(group, info_name=path[depth - 1], parent=parent, **group.context_settings)
+    # with the command's own settings, as `kvhub` makes its contexts: click caches a command's help option
+    # the first time it is asked for it, so a context without kvhub's -h would take -h from every later test
+    ctx = click.Context(command, info_name=path[-1], parent=parent, **command.context_settings)
     return command.get_help(ctx).split("\nOptions:", 1)[0]
 
 
