@@ -36,20 +36,34 @@ def fit_once(args) -> dict:
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
     target, target_tok, target_id = load_model(args.dst, dtype="bfloat16")
     rss_models = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    calibration = resolve_calibration(args.calib, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
-                                      seq_len=args.seq_len)
+    calibration = resolve_calibration(
+        args.calib, tokenizer=tok, tokenizer_id=source_id, samples=args.samples, seq_len=args.seq_len
+    )
     options = FitOptions(top_k=args.k, ridge_lambda=args.lambda_, stride=args.stride, batch_size=args.batch_size)
     started = time.perf_counter()
-    mapper = fit(source, target, calibration.train, calibration.heldout, source_id=source_id, target_id=target_id,
-                 source_tokenizer=tok, target_tokenizer=target_tok, calibration=calibration.to_metadata(),
-                 options=options)
+    mapper = fit(
+        source,
+        target,
+        calibration.train,
+        calibration.heldout,
+        source_id=source_id,
+        target_id=target_id,
+        source_tokenizer=tok,
+        target_tokenizer=target_tok,
+        calibration=calibration.to_metadata(),
+        options=options,
+    )
     wall = time.perf_counter() - started
     if args.artifact:
         mapper.save(args.artifact, overwrite=True)
     result = {
-        "samples": calibration.train.shape[0], "heldout": calibration.heldout.shape[0],
-        "seq_len": calibration.train.shape[1], "stride": args.stride, "fit_wall_s": wall,
-        "timings": mapper.metadata["fit"]["timings"], "metrics": mapper.metadata["metrics"],
+        "samples": calibration.train.shape[0],
+        "heldout": calibration.heldout.shape[0],
+        "seq_len": calibration.train.shape[1],
+        "stride": args.stride,
+        "fit_wall_s": wall,
+        "timings": mapper.metadata["fit"]["timings"],
+        "metrics": mapper.metadata["metrics"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "models_rss_mb": rss_models / 1024,
         "k_per_layer": [len(l["sources"]) for l in mapper.layers],
@@ -59,14 +73,34 @@ def fit_once(args) -> dict:
 
 
 def run_fit_subprocess(args, samples: int, artifact: Path | None) -> dict:
-    command = [sys.executable, __file__, "--fit-only", "--samples", str(samples), "--seq-len", str(args.seq_len),
-               "--calib", args.calib, "--stride", str(args.stride), "--k", str(args.k), "--lambda", str(args.lambda_),
-               "--batch-size", str(args.batch_size), "--src", args.src, "--dst", args.dst]
+    command = [
+        sys.executable,
+        __file__,
+        "--fit-only",
+        "--samples",
+        str(samples),
+        "--seq-len",
+        str(args.seq_len),
+        "--calib",
+        args.calib,
+        "--stride",
+        str(args.stride),
+        "--k",
+        str(args.k),
+        "--lambda",
+        str(args.lambda_),
+        "--batch-size",
+        str(args.batch_size),
+        "--src",
+        args.src,
+        "--dst",
+        args.dst,
+    ]
     if artifact:
         command += ["--artifact", str(artifact)]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     line = next(l for l in output.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def evaluate(args, artifact: Path) -> dict:
@@ -81,13 +115,15 @@ def evaluate(args, artifact: Path) -> dict:
     source, tok, source_id = load_model(args.src, dtype="bfloat16")
     target, _, _ = load_model(args.dst, dtype="bfloat16")
     mapper = Mapper.load(artifact, dtype=torch.bfloat16, compute_dtype=args.compute_dtype)
-    calibration = resolve_calibration(args.calib, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
-                                      seq_len=args.seq_len)
+    calibration = resolve_calibration(
+        args.calib, tokenizer=tok, tokenizer_id=source_id, samples=args.samples, seq_len=args.seq_len
+    )
     held = calibration.heldout[: args.eval_sequences]
     result = {"continuation": {}, "timing": None, "compute_dtype": str(args.compute_dtype or "bfloat16")}
     for exact in sorted({0, args.exact_prefix}):
-        metrics = continuation_metrics(mapper, source, target, held, context_len=args.context_len,
-                                       recompute=Recompute(exact_prefix=exact))
+        metrics = continuation_metrics(
+            mapper, source, target, held, context_len=args.context_len, recompute=Recompute(exact_prefix=exact)
+        )
         result["continuation"][f"exact_prefix={exact}"] = metrics.as_dict()
         print(f"continuation exact_prefix={exact}: {metrics}", flush=True)
     lengths = [int(x) for x in args.lengths.split(",")]

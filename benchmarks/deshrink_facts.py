@@ -40,14 +40,18 @@ def main() -> None:
     plain = loaded.mapper
     for label, setting in (("as fitted", "off"), ("de-shrunk K and V", "kv")):
         loaded.mapper = plain.deshrunk(setting)
-        settings = run.RunSettings(loaded.version.tensors_sha256, limit=args.limit, dtype=args.dtype,
-                                   device=loaded.device, deshrink=setting)
+        settings = run.RunSettings(
+            loaded.version.tensors_sha256, limit=args.limit, dtype=args.dtype, device=loaded.device, deshrink=setting
+        )
         tasks = run.build_tasks([args.task], loaded, limit=args.limit, seed=0, context_tokens=(args.context_tokens,))
         outcome = run.evaluate(tasks, variant_list, settings=settings)
         report["results"][label] = outcome.results
         for name, summary in outcome.results.items():
-            shown = {k: v for k, v in summary.items() if k.startswith("acc_") and not k.endswith("_ci")
-                     or k in ("retention", "recomputed_fraction")}
+            shown = {
+                k: v
+                for k, v in summary.items()
+                if k.startswith("acc_") and not k.endswith("_ci") or k in ("retention", "recomputed_fraction")
+            }
             print(f"{label:20s} {name}: " + " ".join(f"{k} {v:.3f}" for k, v in shown.items()), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
 

@@ -30,21 +30,26 @@ def domain_stats(domain, source, target, tok, source_id, args, cache: Path):
     from kvhub.fitting.options import FitOptions
     from kvhub.core.stats import KVStats
 
-    calibration = resolve_calibration(domain, tokenizer=tok, tokenizer_id=source_id, samples=args.samples,
-                                      seq_len=args.seq_len)
+    calibration = resolve_calibration(
+        domain, tokenizer=tok, tokenizer_id=source_id, samples=args.samples, seq_len=args.seq_len
+    )
     weighting = getattr(args, "weighting", "uniform")
     suffix = "" if weighting == "uniform" else f"-{weighting}"
     path = cache / f"{domain}-{calibration.content_hash[:16]}-s{args.stride}{suffix}.safetensors"
     if path.is_file():
         state = load_file(str(path))
-        split = lambda p: KVStats.from_state_dict({k[len(p):]: v for k, v in state.items() if k.startswith(p)})  # noqa: E731
+        split = lambda p: KVStats.from_state_dict({k[len(p) :]: v for k, v in state.items() if k.startswith(p)})  # noqa: E731
         return split("train."), split("heldout."), calibration
     options = FitOptions(stride=args.stride, batch_size=4, weighting=weighting)
-    train, heldout = accumulate(source, target, calibration.train, calibration.heldout, options=options,
-                                progress=None, job="domain-matrix")
+    train, heldout = accumulate(
+        source, target, calibration.train, calibration.heldout, options=options, progress=None, job="domain-matrix"
+    )
     cache.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{p}{k}": v.contiguous() for p, s in (("train.", train), ("heldout.", heldout))
-               for k, v in s.state_dict().items()}
+    tensors = {
+        f"{p}{k}": v.contiguous()
+        for p, s in (("train.", train), ("heldout.", heldout))
+        for k, v in s.state_dict().items()
+    }
     save_file(tensors, str(path))
     return train, heldout, calibration
 
@@ -103,8 +108,12 @@ def main() -> None:
         train, heldout, calibration = stats[fit_domain]
         solution = solve(train, heldout)
         fixed = solve(train, heldout, top_k=4, ridge_lambda=0.01)  # the paper's lambda, a mid-size k
-        row = {"fit": fit_domain, "auto": mean_r2(solution, heldout), "k4_lambda0.01": mean_r2(fixed, heldout),
-               "auto_k": [len(l.sources) for l in solution.layers]}
+        row = {
+            "fit": fit_domain,
+            "auto": mean_r2(solution, heldout),
+            "k4_lambda0.01": mean_r2(fixed, heldout),
+            "auto_k": [len(l.sources) for l in solution.layers],
+        }
         report["fixed_vs_auto"].append(row)
         print(json.dumps(row), flush=True)
         mapper = build_mapper(solution, *fps, calibration.to_metadata(), train, heldout, FitOptions(stride=args.stride))

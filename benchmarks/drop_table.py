@@ -38,27 +38,78 @@ def rows(results: dict) -> list[list[str]]:
             continue
         n, share = handoff["n"], f"{100 * handoff.get('recomputed_fraction', float('nan')):.1f}"
         if "gap_closed_mapped" in handoff:  # the gist
-            out.append([name, n, "1", f"{plain['gap_closed_mapped']:.2f}" if plain else "",
-                        f"{handoff['gap_closed_mapped']:.2f}",
-                        f"{handoff['gap_closed_drop']:.2f}", f"{handoff['gap_closed_control']:.2f}", "0",
-                        _ci(handoff, "gap_closed_map_minus_drop"), "gap closed"])
+            out.append(
+                [
+                    name,
+                    n,
+                    "1",
+                    f"{plain['gap_closed_mapped']:.2f}" if plain else "",
+                    f"{handoff['gap_closed_mapped']:.2f}",
+                    f"{handoff['gap_closed_drop']:.2f}",
+                    f"{handoff['gap_closed_control']:.2f}",
+                    "0",
+                    _ci(handoff, "gap_closed_map_minus_drop"),
+                    "gap closed",
+                ]
+            )
         elif "acc_reselect" in handoff:  # the follow-up turn
             common = [f"{handoff['acc_own']:.2f}", f"{plain['acc_mapped']:.2f}" if plain else ""]
-            out.append([f"{name}, turn 2 as turn 1 left it", n, *common, f"{handoff['acc_mapped']:.2f}",
-                        f"{handoff['acc_drop']:.2f}", "", f"{handoff['acc_floor']:.2f}", _ci(handoff, "map_minus_drop"),
-                        share])
-            out.append([f"{name}, re-selected at turn 2", n, *common, f"{handoff['acc_reselect']:.2f}",
-                        f"{handoff['acc_drop_reselect']:.2f}", f"{handoff['acc_control']:.2f}",
-                        f"{handoff['acc_floor']:.2f}", _ci(handoff, "reselect_minus_drop_reselect"),
-                        f"{share} + up to 8"])
+            out.append(
+                [
+                    f"{name}, turn 2 as turn 1 left it",
+                    n,
+                    *common,
+                    f"{handoff['acc_mapped']:.2f}",
+                    f"{handoff['acc_drop']:.2f}",
+                    "",
+                    f"{handoff['acc_floor']:.2f}",
+                    _ci(handoff, "map_minus_drop"),
+                    share,
+                ]
+            )
+            out.append(
+                [
+                    f"{name}, re-selected at turn 2",
+                    n,
+                    *common,
+                    f"{handoff['acc_reselect']:.2f}",
+                    f"{handoff['acc_drop_reselect']:.2f}",
+                    f"{handoff['acc_control']:.2f}",
+                    f"{handoff['acc_floor']:.2f}",
+                    _ci(handoff, "reselect_minus_drop_reselect"),
+                    f"{share} + up to 8",
+                ]
+            )
         elif "acc_control" in handoff:  # facts, RULER-style
-            out.append([name, n, f"{handoff['acc_own']:.2f}", f"{plain['acc_mapped']:.2f}" if plain else "",
-                        f"{handoff['acc_mapped']:.2f}", f"{handoff['acc_drop']:.2f}", f"{handoff['acc_control']:.2f}",
-                        f"{handoff['acc_floor']:.2f}", _ci(handoff, "map_minus_drop"), share])
+            out.append(
+                [
+                    name,
+                    n,
+                    f"{handoff['acc_own']:.2f}",
+                    f"{plain['acc_mapped']:.2f}" if plain else "",
+                    f"{handoff['acc_mapped']:.2f}",
+                    f"{handoff['acc_drop']:.2f}",
+                    f"{handoff['acc_control']:.2f}",
+                    f"{handoff['acc_floor']:.2f}",
+                    _ci(handoff, "map_minus_drop"),
+                    share,
+                ]
+            )
         elif "acc_drop" in handoff:  # multiple choice
-            out.append([name, n, f"{handoff['acc_own']:.3f}", f"{plain['acc_mapped']:.3f}" if plain else "",
-                        f"{handoff['acc_mapped']:.3f}", f"{handoff['acc_drop']:.3f}", "",
-                        f"(source {handoff['acc_source']:.3f})", _ci(handoff, "map_minus_drop"), "accuracy"])
+            out.append(
+                [
+                    name,
+                    n,
+                    f"{handoff['acc_own']:.3f}",
+                    f"{plain['acc_mapped']:.3f}" if plain else "",
+                    f"{handoff['acc_mapped']:.3f}",
+                    f"{handoff['acc_drop']:.3f}",
+                    "",
+                    f"(source {handoff['acc_source']:.3f})",
+                    _ci(handoff, "map_minus_drop"),
+                    "accuracy",
+                ]
+            )
     return out
 
 
@@ -66,7 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("documents", nargs="+")
     args = parser.parse_args()
-    print("| task | n | own | map | default handoff | drop | control | floor | handoff - drop [95% CI] | recomputed % |")
+    print(
+        "| task | n | own | map | default handoff | drop | control | floor | handoff - drop [95% CI] | recomputed % |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in args.documents:
         with open(path) as handle:

@@ -90,8 +90,9 @@ def deshrunk_map(mapper, setting: str):
     kvhub.core.deshrink becomes 1/R^2."""
     if setting != "kv^1":
         return mapper.deshrunk(setting)
-    layers = [{**layer, "r2_k": max(layer["r2_k"], 0) ** 2, "r2_v": max(layer["r2_v"], 0) ** 2}
-              for layer in mapper.layers]
+    layers = [
+        {**layer, "r2_k": max(layer["r2_k"], 0) ** 2, "r2_v": max(layer["r2_v"], 0) ** 2} for layer in mapper.layers
+    ]
     return type(mapper)(mapper.tensors, {**mapper.metadata, "layers": layers}, dtype=mapper.dtype, deshrink="kv")
 
 
@@ -102,8 +103,9 @@ def key_scales(mapper, lever: Lever) -> dict[int, float]:
 
 
 @torch.no_grad()
-def lever_cache(lever: Lever, which, *, source, target, tokenizer, context, source_cache, exact_layers_kv, scales,
-                own=None):
+def lever_cache(
+    lever: Lever, which, *, source, target, tokenizer, context, source_cache, exact_layers_kv, scales, own=None
+):
     """The handoff cache of ``context`` under ``lever`` with mapper ``which``; (cache, recomputed token count)."""
     tokens = context.shape[1]
     spec = lever.spec.capped(tokens)
@@ -113,13 +115,28 @@ def lever_cache(lever: Lever, which, *, source, target, tokenizer, context, sour
             layer.keys, layer.values = (t.clone() for t in exact_layers_kv[index])
         elif scales.get(index, 1.0) != 1.0:
             layer.keys = layer.keys * scales[index]
-    positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source, target_model=target,
-                              source_cache=source_cache, tokenizer=tokenizer)
+    positions = recompute_set(
+        spec,
+        context=context,
+        mapped_cache=cache,
+        source_model=source,
+        target_model=target,
+        source_cache=source_cache,
+        tokenizer=tokenizer,
+    )
     mapped = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers] if lever.calibrate else None
     recompute_positions(target, cache, context, positions)
     if lever.calibrate:
-        context_calibrate(cache, mapped, positions, lever.calibrate, target=target, prefix=spec.exact_prefix,
-                          suffix=spec.exact_suffix, own=own)
+        context_calibrate(
+            cache,
+            mapped,
+            positions,
+            lever.calibrate,
+            target=target,
+            prefix=spec.exact_prefix,
+            suffix=spec.exact_suffix,
+            own=own,
+        )
     return cache, positions.numel()
 
 
@@ -172,8 +189,16 @@ def greedy_answer(target, cache, last_token: int, steps: int) -> list[int]:
     answer, token = [], last_token
     for _ in range(steps):
         past = cache.get_seq_length()
-        logits = target(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[past]]), use_cache=True,
-                        **cache_kwargs(target, cache)).logits[0, -1].float()
+        logits = (
+            target(
+                input_ids=torch.tensor([[token]]),
+                position_ids=torch.tensor([[past]]),
+                use_cache=True,
+                **cache_kwargs(target, cache),
+            )
+            .logits[0, -1]
+            .float()
+        )
         logits[eos] = -math.inf
         token = int(logits.argmax())
         answer.append(token)
@@ -201,10 +226,14 @@ def item_reference(item, *, target, source, cache_dir: Path):
 
 def summarize(rows: list[dict]) -> dict:
     mean = {c: sum(r[c] for r in rows) / len(rows) for c in ("own", "floor", "mapped", "control")}
-    return {"n": len(rows), **{f"nll_{c}": v for c, v in mean.items()},
-            "gap_closed_mapped": gap_closed(mean, "mapped"), "gap_closed_control": gap_closed(mean, "control"),
-            "per_item_mapped": [gap_closed(r, "mapped") for r in rows],
-            "cost": sum(r["cost"] for r in rows) / len(rows)}
+    return {
+        "n": len(rows),
+        **{f"nll_{c}": v for c, v in mean.items()},
+        "gap_closed_mapped": gap_closed(mean, "mapped"),
+        "gap_closed_control": gap_closed(mean, "control"),
+        "per_item_mapped": [gap_closed(r, "mapped") for r in rows],
+        "cost": sum(r["cost"] for r in rows) / len(rows),
+    }
 
 
 def main() -> None:
@@ -236,15 +265,17 @@ def main() -> None:
     report = json.loads(out_path.read_text()) if out_path.exists() else {}
     report.setdefault("runs", {})
     key = f"{args.mapper} @ {args.context_tokens}"
-    run = report["runs"].setdefault(key, {"mapper": args.mapper, "context_tokens": args.context_tokens,
-                                          "command": " ".join(sys.argv), "kinds": {}})
+    run = report["runs"].setdefault(
+        key, {"mapper": args.mapper, "context_tokens": args.context_tokens, "command": " ".join(sys.argv), "kinds": {}}
+    )
     for kind in args.kinds.split(","):
         items = gist_items(kind, tokenizer, context_tokens=args.context_tokens, n=args.n, seed=0)
         rows = {lever.name: [] for lever in levers}
         for item in items:
             started = time.time()
-            answer, nll_own, nll_floor, source_cache = item_reference(item, target=target, source=source,
-                                                                      cache_dir=cache_dir)
+            answer, nll_own, nll_floor, source_cache = item_reference(
+                item, target=target, source=source, cache_dir=cache_dir
+            )
             context = torch.tensor([item.prompt_ids[:-1]])
             tail = [item.prompt_ids[-1]] + answer
             most = max(lever.exact_layers for lever in levers)
@@ -254,10 +285,18 @@ def main() -> None:
                 row = {"own": nll_own, "floor": nll_floor}
                 real = maps[lever.deshrink]
                 for condition, which in (("mapped", real), ("control", control)):
-                    cache, recomputed = lever_cache(lever, which, source=source, target=target, tokenizer=tokenizer,
-                                                    context=context, source_cache=source_cache,
-                                                    exact_layers_kv=exact_kv, scales=key_scales(mapper, lever),
-                                                    own=own_cache)
+                    cache, recomputed = lever_cache(
+                        lever,
+                        which,
+                        source=source,
+                        target=target,
+                        tokenizer=tokenizer,
+                        context=context,
+                        source_cache=source_cache,
+                        exact_layers_kv=exact_kv,
+                        scales=key_scales(mapper, lever),
+                        own=own_cache,
+                    )
                     row[condition] = answer_nll(target, cache, tail, len(answer))
                 row["cost"] = lever.cost(context.shape[1], recomputed, layers)
                 rows[lever.name].append(row)
@@ -265,8 +304,10 @@ def main() -> None:
         run["kinds"].setdefault(kind, {}).update({name: summarize(r) for name, r in rows.items()})
         out_path.write_text(json.dumps(report, indent=1))
         for name, summary in run["kinds"][kind].items():
-            print(f"{kind:9s} {name:44s} gap closed {summary['gap_closed_mapped']:+.2f} "
-                  f"(control {summary['gap_closed_control']:+.2f}) cost {summary['cost']:.1%}")
+            print(
+                f"{kind:9s} {name:44s} gap closed {summary['gap_closed_mapped']:+.2f} "
+                f"(control {summary['gap_closed_control']:+.2f}) cost {summary['cost']:.1%}"
+            )
 
 
 if __name__ == "__main__":

@@ -43,22 +43,47 @@ from gpu_scale import Timer, build_model, random_mapper  # the same model builde
 
 # Qwen2.5-7B(-Instruct / -Coder) config.json, the fields that shape the model (kvhub ships no 7B config)
 QWEN25_7B = {
-    "_name_or_path": "Qwen/Qwen2.5-7B-Instruct", "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-    "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False,
-    "sliding_window": 131072, "max_window_layers": 28, "bos_token_id": 151643, "eos_token_id": 151645,
+    "_name_or_path": "Qwen/Qwen2.5-7B-Instruct",
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": 131072,
+    "max_window_layers": 28,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
 }
 PAIRS = {  # name -> (source, target): a config kvhub ships, or a config dict
     "qwen2.5-0.5b->7b": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", QWEN25_7B),
     "qwen2.5-1.5b->7b": ("Qwen/Qwen2.5-Coder-1.5B-Instruct", QWEN25_7B),
     "qwen3-14b->32b": ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B"),
 }
-TINY = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 4096,
-        "bos_token_id": 1, "eos_token_id": 2}
-WEIGHTS_NOTE = ("random weights of the real configs (no download on the device) and random k=4 mappers: "
-                "the times are real, the selection's choice and the outputs are not")
+TINY = {
+    "num_hidden_layers": 3,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+WEIGHTS_NOTE = (
+    "random weights of the real configs (no download on the device) and random k=4 mappers: "
+    "the times are real, the selection's choice and the outputs are not"
+)
 
 
 def config_of(spec, *, tiny: bool, depth: int = 0) -> dict:
@@ -94,8 +119,9 @@ def escalate(mapper, source, target, ids: torch.Tensor, source_cache) -> int:
     from kvhub.serving.spec import HANDOFF
 
     tokens = ids.shape[1] - 1
-    cache, recomputed = prepare_cache_counted(mapper, source, target, ids, recompute=HANDOFF.capped(tokens),
-                                              source_cache=source_cache)
+    cache, recomputed = prepare_cache_counted(
+        mapper, source, target, ids, recompute=HANDOFF.capped(tokens), source_cache=source_cache
+    )
     position = torch.full((1, 1), tokens, device=ids.device)
     target(input_ids=ids[:, -1:], position_ids=position, logits_to_keep=1, **cache_kwargs(target, cache))
     return int(recomputed.numel())
@@ -111,18 +137,23 @@ def measure_length(mapper, source, target, *, length: int, repeats: int, device)
     source_prefill = timer(lambda: holder.update(cache=run_model(source, ids[:, :-1])))
     source_cache = holder.pop("cache")
     counts = []
-    ops = {"own": lambda: target(input_ids=ids, logits_to_keep=1),
-           "escalation": lambda: counts.append(escalate(mapper, source, target, ids, source_cache)),
-           "map_only": lambda: mapper.transfer(source_cache, dtype=target.dtype)}
+    ops = {
+        "own": lambda: target(input_ids=ids, logits_to_keep=1),
+        "escalation": lambda: counts.append(escalate(mapper, source, target, ids, source_cache)),
+        "map_only": lambda: mapper.transfer(source_cache, dtype=target.dtype),
+    }
     for fn in ops.values():
         fn()  # warm-up
     samples = {name: [] for name in ops}
     for _ in range(repeats):
         for name, fn in ops.items():  # alternating, so drift hits every condition alike
             samples[name].append(timer(fn))
-    row = {"tokens": length, "source_prefill_s": source_prefill,
-           **{f"{name}_median_s": statistics.median(values) for name, values in samples.items()},
-           **{f"{name}_s": values for name, values in samples.items()}}
+    row = {
+        "tokens": length,
+        "source_prefill_s": source_prefill,
+        **{f"{name}_median_s": statistics.median(values) for name, values in samples.items()},
+        **{f"{name}_s": values for name, values in samples.items()},
+    }
     row["recomputed_tokens"] = counts[-1]
     row["exact_fraction"] = (counts[-1] + 1) / (length - 1)  # the recomputed ones and the last token, as handoff counts
     row["speedup"] = row["own_median_s"] / row["escalation_median_s"]
@@ -130,8 +161,9 @@ def measure_length(mapper, source, target, *, length: int, repeats: int, device)
     return row
 
 
-def run_pair(name: str, *, tiny: bool, lengths: list[int], repeats: int, device, dtype, started: float,
-             budget_s: float) -> dict:
+def run_pair(
+    name: str, *, tiny: bool, lengths: list[int], repeats: int, device, dtype, started: float, budget_s: float
+) -> dict:
     source_spec, target_spec = PAIRS[name]
     out = {"source": model_name(source_spec), "target": model_name(target_spec), "lengths": []}
     if time.perf_counter() - started > budget_s:
@@ -146,8 +178,7 @@ def run_pair(name: str, *, tiny: bool, lengths: list[int], repeats: int, device,
             if time.perf_counter() - started > budget_s:
                 out["lengths"].append({"tokens": length, "skipped": f"past the {budget_s:.0f} s budget"})
                 continue
-            out["lengths"].append(measure_length(mapper, source, target, length=length, repeats=repeats,
-                                                 device=device))
+            out["lengths"].append(measure_length(mapper, source, target, length=length, repeats=repeats, device=device))
     del source, target, mapper
     gc.collect()
     if device.type == "cuda":
@@ -165,8 +196,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", default=None, help="context lengths [1024,4096,16384; tiny: 48]")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="start no pair or length after this many seconds (the run stays under 8 minutes)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="start no pair or length after this many seconds (the run stays under 8 minutes)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     from kvhub.dtypes import parse_dtype
@@ -178,20 +213,44 @@ def main(argv=None) -> dict:
     unknown = sorted(set(names) - set(PAIRS))
     if unknown:
         parser.error(f"unknown pairs {unknown}; known: {', '.join(PAIRS)}")
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else f"cpu ({torch.get_num_threads()} threads)",
-              "tiny": args.tiny, "weights": WEIGHTS_NOTE, "dtype": args.dtype, "repeats": args.repeats,
-              "recompute": "handoff default: exact_prefix=4, exact_suffix=16, exact_budget=0.08, select=source",
-              "torch": torch.__version__, "pairs": {}}
+    report = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "tiny": args.tiny,
+        "weights": WEIGHTS_NOTE,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "recompute": "handoff default: exact_prefix=4, exact_suffix=16, exact_budget=0.08, select=source",
+        "torch": torch.__version__,
+        "pairs": {},
+    }
     for name in names:
-        report["pairs"][name] = run_pair(name, tiny=args.tiny, lengths=lengths, repeats=args.repeats, device=device,
-                                         dtype=parse_dtype(args.dtype), started=started, budget_s=args.budget_s)
+        report["pairs"][name] = run_pair(
+            name,
+            tiny=args.tiny,
+            lengths=lengths,
+            repeats=args.repeats,
+            device=device,
+            dtype=parse_dtype(args.dtype),
+            started=started,
+            budget_s=args.budget_s,
+        )
     report["wall_s"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({name: [{k: row.get(k) for k in ("tokens", "own_median_s", "escalation_median_s", "speedup",
-                                                        "skipped")} for row in pair.get("lengths", [])]
-                      for name, pair in report["pairs"].items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                name: [
+                    {k: row.get(k) for k in ("tokens", "own_median_s", "escalation_median_s", "speedup", "skipped")}
+                    for row in pair.get("lengths", [])
+                ]
+                for name, pair in report["pairs"].items()
+            },
+            indent=1,
+        )
+    )
     return report
 
 

@@ -37,12 +37,30 @@ import torch
 
 SRC, DST = "Qwen/Qwen3-14B", "Qwen/Qwen3-32B"
 SCALED = {  # per model: the real config with these fields replaced (ratios of depth and width roughly kept)
-    SRC: {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 16, "intermediate_size": 192, "vocab_size": 512, "max_position_embeddings": 4096,
-          "bos_token_id": 1, "eos_token_id": 2},
-    DST: {"num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
-          "head_dim": 16, "intermediate_size": 288, "vocab_size": 512, "max_position_embeddings": 4096,
-          "bos_token_id": 1, "eos_token_id": 2},
+    SRC: {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 192,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    DST: {
+        "num_hidden_layers": 6,
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 288,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 
 
@@ -100,15 +118,29 @@ def random_mapper(source, target, *, k: int, seed: int, device: torch.device):
     layers = []
     for m in range(layout.dst_layers):
         sources = sorted(torch.randperm(layout.src_layers, generator=gen)[:k].tolist())
-        maps = [LinearMap([(torch.randn(k * layout.src_width, layout.dst_width, generator=gen)
-                            / math.sqrt(k * layout.src_width), None)], torch.zeros(layout.dst_width), 0.01)
-                for _ in "kv"]
+        maps = [
+            LinearMap(
+                [
+                    (
+                        torch.randn(k * layout.src_width, layout.dst_width, generator=gen)
+                        / math.sqrt(k * layout.src_width),
+                        None,
+                    )
+                ],
+                torch.zeros(layout.dst_width),
+                0.01,
+            )
+            for _ in "kv"
+        ]
         layers.append(LayerSolution(m, sources, *maps))
     probe = torch.zeros(layout.src_layers, layout.dst_layers)
     solution = Solution(layers, probe, probe, k, 0.01, "fixed")
     counts = KVStats.__new__(KVStats)  # build_mapper reads the row counts and the target means only
     counts.layout = layout
-    counts.k, counts.v = Moments(0, layout.dst_layers * layout.dst_width), Moments(0, layout.dst_layers * layout.dst_width)
+    counts.k, counts.v = (
+        Moments(0, layout.dst_layers * layout.dst_width),
+        Moments(0, layout.dst_layers * layout.dst_width),
+    )
     fingerprints = []
     for model, name in ((source, SRC), (target, DST)):
         fp = model_fingerprint(model.config, model_id=name)
@@ -132,9 +164,14 @@ def measure_capture(source, target, *, batch: int, seq_len: int, stride: int, de
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     seconds = timer(lambda: capture_pair(source, target, ids, rotaries, options))
-    out = {"batch": batch, "seq_len": seq_len, "stride": stride, "seconds": seconds,
-           "tokens_per_s": batch * seq_len / seconds,
-           "plan_device_peak_bytes": plan.memory["weights"] + plan.memory["activations"]}
+    out = {
+        "batch": batch,
+        "seq_len": seq_len,
+        "stride": stride,
+        "seconds": seconds,
+        "tokens_per_s": batch * seq_len / seconds,
+        "plan_device_peak_bytes": plan.memory["weights"] + plan.memory["activations"],
+    }
     if device.type == "cuda":
         out["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_vs_plan"] = out["peak_bytes"] / out["plan_device_peak_bytes"]
@@ -149,8 +186,10 @@ def measure_transfer(mapper, source, target, *, lengths, repeats: int, device) -
         ids = torch.randint(0, target.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
         ids = ids.to(device)
         source_cache = run_model(source, ids[:, :-1])
-        ops = {"transfer": lambda cache=source_cache: mapper.transfer(cache),
-               "prefill": lambda ids=ids: run_model(target, ids[:, :-1])}
+        ops = {
+            "transfer": lambda cache=source_cache: mapper.transfer(cache),
+            "prefill": lambda ids=ids: run_model(target, ids[:, :-1]),
+        }
         for fn in ops.values():
             fn()  # warm-up
         samples = {name: [] for name in ops}
@@ -164,8 +203,9 @@ def measure_transfer(mapper, source, target, *, lengths, repeats: int, device) -
     return rows
 
 
-def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, batches: int, stride: int,
-                       device) -> dict:
+def measure_statistics(
+    source_shape, target_shape, *, layers: int, rows: int, batches: int, stride: int, device
+) -> dict:
     from kvhub.core.stats import KVStats, Layout
 
     src_layers, dst_layers = min(layers, source_shape.layers), min(layers, target_shape.layers)
@@ -181,10 +221,15 @@ def measure_statistics(source_shape, target_shape, *, layers: int, rows: int, ba
     full_p = source_shape.layers * source_shape.kv_width
     full_q = target_shape.layers * target_shape.kv_width
     rate = flops / seconds
-    return {"layout": [src_layers, layout.src_width, dst_layers, layout.dst_width], "rows": rows * batches,
-            "seconds": seconds, "rows_per_s": rows * batches / seconds, "flop_per_s": rate,
-            "full_layout_rows_per_s": rate / (4 * (full_p * full_p + full_p * full_q)),
-            "full_layout_tokens_per_s": stride * rate / (4 * (full_p * full_p + full_p * full_q))}
+    return {
+        "layout": [src_layers, layout.src_width, dst_layers, layout.dst_width],
+        "rows": rows * batches,
+        "seconds": seconds,
+        "rows_per_s": rows * batches / seconds,
+        "flop_per_s": rate,
+        "full_layout_rows_per_s": rate / (4 * (full_p * full_p + full_p * full_q)),
+        "full_layout_tokens_per_s": stride * rate / (4 * (full_p * full_p + full_p * full_q)),
+    }
 
 
 def measure_solve(source_shape, target_shape, *, layers: int, rows: int, device, plan_seconds: float) -> dict:
@@ -200,13 +245,20 @@ def measure_solve(source_shape, target_shape, *, layers: int, rows: int, device,
         for start in range(0, count, 4096):
             n = min(4096, count - start)
             x = [torch.randn(n, layout.src_width, generator=gen, device=device) for _ in range(layout.src_layers)]
-            y = [x[(m * 7) % layout.src_layers] @ mix + 0.1 * torch.randn(n, layout.dst_width, generator=gen,
-                                                                           device=device) for m in range(layers)]
+            y = [
+                x[(m * 7) % layout.src_layers] @ mix
+                + 0.1 * torch.randn(n, layout.dst_width, generator=gen, device=device)
+                for m in range(layers)
+            ]
             stats.update(x, x, y, y)
         splits.append(stats)
     seconds = Timer(device)(lambda: solve(*splits))
-    return {"layout": [layout.src_layers, layout.src_width, layers, layout.dst_width], "train_rows": rows,
-            "seconds": seconds, "plan_seconds": plan_seconds}
+    return {
+        "layout": [layout.src_layers, layout.src_width, layers, layout.dst_width],
+        "train_rows": rows,
+        "seconds": seconds,
+        "plan_seconds": plan_seconds,
+    }
 
 
 def main(argv=None) -> dict:
@@ -219,8 +271,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq-len", type=int, default=None, help="capture sequence length [2048; scaled: 128]")
     parser.add_argument("--stride", type=int, default=4)
     parser.add_argument("--stats-layers", type=int, default=8, help="source and target layers of the statistics timing")
-    parser.add_argument("--solve-layers", type=int, default=8, help="target layers of the solved share [8: 1 rank of 8]")
-    parser.add_argument("--solve-rows", type=int, default=None, help="train rows of the solved share [32768; scaled 512]")
+    parser.add_argument(
+        "--solve-layers", type=int, default=8, help="target layers of the solved share [8: 1 rank of 8]"
+    )
+    parser.add_argument(
+        "--solve-rows", type=int, default=None, help="train rows of the solved share [32768; scaled 512]"
+    )
     parser.add_argument("--ranks", type=int, default=8, help="ranks of the planned job whose share is solved")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -235,34 +291,69 @@ def main(argv=None) -> dict:
     shapes = [ModelShape.from_config(cfgs[m], model_id=m) for m in (SRC, DST)]
     profile = device_profile("cuda" if device.type == "cuda" else "cpu")
     dtype = torch.bfloat16
-    capture_plan = plan_fit(*shapes, workload_for(samples=args.batch, seq_len=seq_len, stride=args.stride,
-                                                  batch_size=args.batch), profile, ranks=1)
-    job_plan = plan_fit(*shapes, workload_for(samples=256, seq_len=seq_len, stride=args.stride, batch_size=args.batch),
-                        profile, ranks=args.ranks)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
-              "scaled": scaled, "configs": {m: {k: cfgs[m][k] for k in SCALED[m]} for m in (SRC, DST)},
-              "torch": torch.__version__}
+    capture_plan = plan_fit(
+        *shapes,
+        workload_for(samples=args.batch, seq_len=seq_len, stride=args.stride, batch_size=args.batch),
+        profile,
+        ranks=1,
+    )
+    job_plan = plan_fit(
+        *shapes,
+        workload_for(samples=256, seq_len=seq_len, stride=args.stride, batch_size=args.batch),
+        profile,
+        ranks=args.ranks,
+    )
+    report = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "scaled": scaled,
+        "configs": {m: {k: cfgs[m][k] for k in SCALED[m]} for m in (SRC, DST)},
+        "torch": torch.__version__,
+    }
     source = build_model(cfgs[SRC], device=device, dtype=dtype, seed=0)
     target = build_model(cfgs[DST], device=device, dtype=dtype, seed=1)
     report["build_s"] = time.perf_counter() - started
     with torch.no_grad():
-        report["capture"] = measure_capture(source, target, batch=args.batch, seq_len=seq_len, stride=args.stride,
-                                            device=device, plan=capture_plan)
+        report["capture"] = measure_capture(
+            source, target, batch=args.batch, seq_len=seq_len, stride=args.stride, device=device, plan=capture_plan
+        )
         mapper = random_mapper(source, target, k=4, seed=0, device=device)
-        report["transfer"] = measure_transfer(mapper, source, target, lengths=lengths, repeats=args.repeats,
-                                              device=device)
+        report["transfer"] = measure_transfer(
+            mapper, source, target, lengths=lengths, repeats=args.repeats, device=device
+        )
     del source, target, mapper
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    report["statistics"] = measure_statistics(*shapes, layers=args.stats_layers, rows=args.batch * seq_len // args.stride,
-                                              batches=3, stride=args.stride, device=device)
+    report["statistics"] = measure_statistics(
+        *shapes,
+        layers=args.stats_layers,
+        rows=args.batch * seq_len // args.stride,
+        batches=3,
+        stride=args.stride,
+        device=device,
+    )
     solve_layers = min(args.solve_layers, shapes[1].layers)
-    share = plan_fit(*shapes, workload_for(samples=256, seq_len=seq_len, stride=args.stride),
-                     profile, ranks=math.ceil(shapes[1].layers / solve_layers))
-    report["solve"] = measure_solve(*shapes, layers=solve_layers, rows=args.solve_rows or (512 if scaled else 32768),
-                                    device=device, plan_seconds=share.seconds["solve"])
-    report["plan"] = {"ranks": args.ranks, "memory": job_plan.memory, "seconds": job_plan.seconds,
-                      "exchange_bytes": job_plan.exchange_bytes, "advice": job_plan.advice}
+    share = plan_fit(
+        *shapes,
+        workload_for(samples=256, seq_len=seq_len, stride=args.stride),
+        profile,
+        ranks=math.ceil(shapes[1].layers / solve_layers),
+    )
+    report["solve"] = measure_solve(
+        *shapes,
+        layers=solve_layers,
+        rows=args.solve_rows or (512 if scaled else 32768),
+        device=device,
+        plan_seconds=share.seconds["solve"],
+    )
+    report["plan"] = {
+        "ranks": args.ranks,
+        "memory": job_plan.memory,
+        "seconds": job_plan.seconds,
+        "exchange_bytes": job_plan.exchange_bytes,
+        "advice": job_plan.advice,
+    }
     report["wall_s"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -56,8 +56,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", help="comma-separated variant names to run (default: all)")
-    parser.add_argument("--weighting", default="uniform", choices=["uniform", "attention"],
-                        help="token weights of the statistics (attention: by the target's attention)")
+    parser.add_argument(
+        "--weighting",
+        default="uniform",
+        choices=["uniform", "attention"],
+        help="token weights of the statistics (attention: by the target's attention)",
+    )
     parser.add_argument("--save-dense", type=Path, help="also save the 'dense' mapper here (to import and eval)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -78,17 +82,27 @@ def main() -> None:
     cache = cache_root() / "bench" / "stats"
     started = time.perf_counter()
     train, heldout, calibration = domain_stats(args.calib, source, target, tok, source_id, args, cache)
-    print(f"statistics: {time.perf_counter() - started:.0f} s ({train.n} train / {heldout.n} held-out tokens)", flush=True)
+    print(
+        f"statistics: {time.perf_counter() - started:.0f} s ({train.n} train / {heldout.n} held-out tokens)", flush=True
+    )
     plain_heldout = heldout
     if args.weighting != "uniform":  # the same data unweighted, to score every variant by plain R^2 too
         plain = argparse.Namespace(**{**vars(args), "weighting": "uniform"})
         plain_heldout = domain_stats(args.calib, source, target, tok, source_id, plain, cache)[1]
-    fps = pair_fingerprints(source, target, source_id=source_id, target_id=target_id, source_tokenizer=tok,
-                            target_tokenizer=target_tok)
+    fps = pair_fingerprints(
+        source, target, source_id=source_id, target_id=target_id, source_tokenizer=tok, target_tokenizer=target_tok
+    )
     held = calibration.heldout[: args.eval_sequences]
-    report = {"command": " ".join(sys.argv), "calib": args.calib, "samples": args.samples, "seq_len": args.seq_len,
-              "weighting": args.weighting,
-              "train_tokens": train.n, "heldout_tokens": heldout.n, "rows": []}
+    report = {
+        "command": " ".join(sys.argv),
+        "calib": args.calib,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "weighting": args.weighting,
+        "train_tokens": train.n,
+        "heldout_tokens": heldout.n,
+        "rows": [],
+    }
     wanted = set(args.only.split(",")) if args.only else None
     for name, kwargs in variants((1, 2, 3, 4, 6, 8, 12, 16)):
         if wanted and name not in wanted:
@@ -109,10 +123,20 @@ def main() -> None:
         plain_r2 = mean_r2(solution, plain_heldout)
         cont = continuation_metrics(mapper, source, target, held, context_len=args.context_len)
         timing = time_transfer_vs_prefill(mapper, source, target, lengths=[args.tokens], repeats=args.repeats)[0]
-        row = {"variant": name, "weighting": args.weighting, "r2_k": r2_k, "r2_v": r2_v,
-               "r2_k_unweighted": plain_r2[0], "r2_v_unweighted": plain_r2[1], "parameters": mapper.num_parameters(),
-               "artifact_mb": size_mb, "solve_s": solve_s, "k_per_layer": [len(l.sources) for l in solution.layers],
-               **timing, **cont.as_dict()}
+        row = {
+            "variant": name,
+            "weighting": args.weighting,
+            "r2_k": r2_k,
+            "r2_v": r2_v,
+            "r2_k_unweighted": plain_r2[0],
+            "r2_v_unweighted": plain_r2[1],
+            "parameters": mapper.num_parameters(),
+            "artifact_mb": size_mb,
+            "solve_s": solve_s,
+            "k_per_layer": [len(l.sources) for l in solution.layers],
+            **timing,
+            **cont.as_dict(),
+        }
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
     write_report(args.out, report)

@@ -58,8 +58,12 @@ def main(samples, baseline, as_json):
                 a = [float(variants[base][i][metric]["mapped"]) for i in common]
                 b = [float(variants[name][i][metric]["mapped"]) for i in common]
                 diff, interval = paired(a, b)
-                row[metric] = {"baseline": sum(a) / len(a), "variant": sum(b) / len(b), "difference": diff,
-                               "ci95": interval}
+                row[metric] = {
+                    "baseline": sum(a) / len(a),
+                    "variant": sum(b) / len(b),
+                    "difference": diff,
+                    "ci95": interval,
+                }
             rows.append(row)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -68,9 +72,11 @@ def main(samples, baseline, as_json):
         for metric in ("correct", "correct_norm"):
             if metric in row:
                 m = row[metric]
-                click.echo(f"{row['task']} {metric}: {row['variant']} {m['variant']:.3f} vs {row['baseline']} "
-                           f"{m['baseline']:.3f}: {m['difference']:+.3f} [{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] "
-                           f"(n={row['n']})")
+                click.echo(
+                    f"{row['task']} {metric}: {row['variant']} {m['variant']:.3f} vs {row['baseline']} "
+                    f"{m['baseline']:.3f}: {m['difference']:+.3f} [{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] "
+                    f"(n={row['n']})"
+                )
 
 
 if __name__ == "__main__":

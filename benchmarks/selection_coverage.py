@@ -23,8 +23,15 @@ import click
 import torch
 
 from kvhub.core.capture import run_model
-from kvhub.serving.recompute import (SCORES, attention_scores, cropped, query_attention, select_spans, span_ids,
-                                     token_texts)
+from kvhub.serving.recompute import (
+    SCORES,
+    attention_scores,
+    cropped,
+    query_attention,
+    select_spans,
+    span_ids,
+    token_texts,
+)
 
 PREFIX, SUFFIX = 4, 16  # the default handoff's exact prefix and suffix
 
@@ -32,7 +39,7 @@ PREFIX, SUFFIX = 4, 16  # the default handoff's exact prefix and suffix
 def answer_start(prompt: list[int], answer: list[int]) -> int | None:
     """Where the context states the answer: the last occurrence of its tokens before the question."""
     for start in range(len(prompt) - len(answer), -1, -1):
-        if prompt[start:start + len(answer)] == answer:
+        if prompt[start : start + len(answer)] == answer:
             return start
     return None
 
@@ -54,8 +61,13 @@ def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
     torch.manual_seed(0)
     with open_store(db, create=False) as store:
         loaded = load_version(store, ref, device="cpu", dtype="bfloat16")
-    version, mapper, source, target, tokenizer = (loaded.version, loaded.mapper, loaded.source, loaded.target,
-                                                  loaded.tokenizer)
+    version, mapper, source, target, tokenizer = (
+        loaded.version,
+        loaded.mapper,
+        loaded.source,
+        loaded.target,
+        loaded.tokenizer,
+    )
     query_counts = [int(q) for q in query_counts.split(",")]
     budgets = [float(b) for b in budgets.split(",")]
     rows = []
@@ -66,7 +78,7 @@ def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
         counted = 0
         for item in items:
             prompt = item.prompt_ids[:-1]
-            start = answer_start(prompt[:len(prompt) - SUFFIX], item.answer_ids)
+            start = answer_start(prompt[: len(prompt) - SUFFIX], item.answer_ids)
             if start is None:  # the answer is not stated as these tokens: nothing to cover
                 continue
             counted += 1
@@ -76,7 +88,7 @@ def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
             mapped = mapper.transfer(source_cache, dtype=target.dtype)
             spans = span_ids(token_texts(tokenizer, context[0]), max_span=48)
             eligible = torch.ones(tokens, dtype=torch.bool)
-            eligible[:PREFIX] = eligible[tokens - SUFFIX:] = False
+            eligible[:PREFIX] = eligible[tokens - SUFFIX :] = False
             needed = torch.arange(start, start + len(item.answer_ids))
             draw = torch.rand(tokens, generator=torch.Generator().manual_seed(counted))  # control: no signal
             for budget in budgets:
@@ -90,14 +102,26 @@ def main(ref, tasks, context_tokens, limit, query_counts, budgets, db, as_json):
                     chosen = select_spans(scores, spans, round(budget * tokens), eligible=eligible)
                     covered[(who, score, queries, budget)] += bool(torch.isin(needed, chosen).all())
         for (who, score, queries, budget), hits in covered.items():
-            rows.append({"task": task, "context_tokens": context_tokens, "select": who, "score": score,
-                         "queries": queries, "budget": budget, "covered": hits, "items": counted})
+            rows.append(
+                {
+                    "task": task,
+                    "context_tokens": context_tokens,
+                    "select": who,
+                    "score": score,
+                    "queries": queries,
+                    "budget": budget,
+                    "covered": hits,
+                    "items": counted,
+                }
+            )
     if as_json:
         click.echo(json.dumps({"ref": ref, "tensors_sha256": version.tensors_sha256, "rows": rows}, indent=2))
     else:
         for row in rows:
-            click.echo(f"{row['task']:<10} {row['select']:<7} score={row['score']:<4} queries={row['queries']:<3} "
-                       f"budget={row['budget']:<5} covered {row['covered']}/{row['items']}")
+            click.echo(
+                f"{row['task']:<10} {row['select']:<7} score={row['score']:<4} queries={row['queries']:<3} "
+                f"budget={row['budget']:<5} covered {row['covered']}/{row['items']}"
+            )
 
 
 if __name__ == "__main__":

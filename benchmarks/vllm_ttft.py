@@ -62,11 +62,18 @@ def _prompts(args, vocab: int) -> dict[int, list[int]]:
 def _transfer(args, role: str) -> dict:
     from kvhub.serving.launch import transfer_configs
 
-    configs = transfer_configs(kvstore_dir=args.kvstore_dir, source_model=args.source_model, mapper=args.mapper,
-                               mapper_path=None if args.mapper else args.mapper_path, db=args.db,
-                               exact_suffix=args.exact_suffix, exact_budget=args.exact_budget,
-                               kvstore_max_bytes=args.kvstore_max_bytes, min_escalation_tokens=0,
-                               events_path=str(Path(args.kvstore_dir) / "events.jsonl"))
+    configs = transfer_configs(
+        kvstore_dir=args.kvstore_dir,
+        source_model=args.source_model,
+        mapper=args.mapper,
+        mapper_path=None if args.mapper else args.mapper_path,
+        db=args.db,
+        exact_suffix=args.exact_suffix,
+        exact_budget=args.exact_budget,
+        kvstore_max_bytes=args.kvstore_max_bytes,
+        min_escalation_tokens=0,
+        events_path=str(Path(args.kvstore_dir) / "events.jsonl"),
+    )
     return configs[role]
 
 
@@ -77,9 +84,15 @@ def run_engine(args, role: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     model = args.src_path if role == "producer" else args.dst_path
-    options = dict(model=model, dtype=args.dtype, max_model_len=max(args.lengths) + args.new_tokens + 16,
-                   enforce_eager=True, enable_prefix_caching=True, max_num_batched_tokens=max(args.lengths) + 64,
-                   kv_transfer_config=KVTransferConfig(**_transfer(args, role)))
+    options = dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=max(args.lengths) + args.new_tokens + 16,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=max(args.lengths) + 64,
+        kv_transfer_config=KVTransferConfig(**_transfer(args, role)),
+    )
     if role == "consumer":
         from kvhub.serving.launch import WORKER_CLASS
 
@@ -114,15 +127,22 @@ def run_engine(args, role: str) -> dict:
                 seconds, _, reports[mode] = generate(ids, f"bench-{n}", 1, spec)
                 times[mode].append(seconds)
         _, own, _ = generate(ids, f"prefill-gen-{n}", args.new_tokens)
-        row = {"new_tokens": args.new_tokens, "prefill_ttft_s": statistics.median(times["prefill"]),
-               "prefill_ttft_all_s": times["prefill"]}
+        row = {
+            "new_tokens": args.new_tokens,
+            "prefill_ttft_s": statistics.median(times["prefill"]),
+            "prefill_ttft_all_s": times["prefill"],
+        }
         for mode, spec in (("map_only", MAP_ONLY), ("recompute", None)):
             _, escalated, _ = generate(ids, f"bench-{n}", args.new_tokens, spec)
             median = statistics.median(times[mode])
-            row[mode] = {"ttft_s": median, "ttft_all_s": times[mode], "speedup": row["prefill_ttft_s"] / median,
-                         "load": reports[mode], "greedy_identical": own == escalated,
-                         "greedy_agree_prefix": next((i for i, (a, b) in enumerate(zip(own, escalated)) if a != b),
-                                                     len(own))}
+            row[mode] = {
+                "ttft_s": median,
+                "ttft_all_s": times[mode],
+                "speedup": row["prefill_ttft_s"] / median,
+                "load": reports[mode],
+                "greedy_identical": own == escalated,
+                "greedy_agree_prefix": next((i for i, (a, b) in enumerate(zip(own, escalated)) if a != b), len(own)),
+            }
         results[n] = row
     return results
 
@@ -147,10 +167,22 @@ def break_even(lengths: dict[int, dict]) -> dict:
 
 def _spawn(args, role: str) -> dict:
     out = Path(args.kvstore_dir) / f"{role}-result.json"
-    command = [sys.executable, __file__, *sys.argv[1:], "--engine", role, "--engine-out", str(out),
-               "--kvstore-dir", args.kvstore_dir]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}  # CPU backend: KV cache size, instead of a memory share
+    command = [
+        sys.executable,
+        __file__,
+        *sys.argv[1:],
+        "--engine",
+        role,
+        "--engine-out",
+        str(out),
+        "--kvstore-dir",
+        args.kvstore_dir,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
+    }  # CPU backend: KV cache size, instead of a memory share
     subprocess.run(command, check=True, env=env)
     return json.loads(out.read_text())
 
@@ -161,8 +193,11 @@ def _tiny(args) -> None:
     from tests.serving.test_vllm_connector import make_family
 
     directory = Path(args.tiny)
-    paths = make_family(directory) if not (directory / "dst").exists() else {
-        "source": str(directory / "src"), "target": str(directory / "dst"), "db": str(directory / "kvhub.db")}
+    paths = (
+        make_family(directory)
+        if not (directory / "dst").exists()
+        else {"source": str(directory / "src"), "target": str(directory / "dst"), "db": str(directory / "kvhub.db")}
+    )
     args.src_path, args.dst_path, args.db = paths["source"], paths["target"], paths["db"]
     args.mapper, args.source_model, args.dtype = "src:dst:tiny-calib@latest", "tiny/src", "float32"
 
@@ -184,13 +219,22 @@ def main(argv=None) -> None:
     parser.add_argument("--mapper-path", help="or an artifact directory")
     parser.add_argument("--db", help="kvhub store (default: kvhub's own)")
     parser.add_argument("--source-model", help="the source model's name in the KV store (default: --src)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192],
-                        help="prompt lengths in tokens (default: the break-even curve)")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[512, 1024, 2048, 4096, 8192],
+        help="prompt lengths in tokens (default: the break-even curve)",
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="TTFT measurements per length and mode (median)")
     parser.add_argument("--exact-suffix", type=int, default=16, help="prompt tokens vLLM always computes itself")
-    parser.add_argument("--exact-budget", type=float, default=None,
-                        help="the consumer's recompute budget (default: the connector's, 0.08)")
+    parser.add_argument(
+        "--exact-budget",
+        type=float,
+        default=None,
+        help="the consumer's recompute budget (default: the connector's, 0.08)",
+    )
     parser.add_argument("--block-size", type=int, help="vLLM block size (default: vLLM's)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--text", help="a text file for the prompts (default: seeded random token ids)")
@@ -212,11 +256,17 @@ def main(argv=None) -> None:
         return
     producer = _spawn(args, "producer")
     consumer = _spawn(args, "consumer")
-    report = {"src": args.src_path, "dst": args.dst_path, "mapper": args.mapper or args.mapper_path,
-              "dtype": args.dtype, "exact_suffix": args.exact_suffix,
-              "exact_budget": args.exact_budget, "cpu_threads": os.cpu_count(),
-              "lengths": {str(n): {**producer[str(n)], **consumer[str(n)]} for n in args.lengths},
-              "curve": break_even({n: consumer[str(n)] for n in args.lengths})}
+    report = {
+        "src": args.src_path,
+        "dst": args.dst_path,
+        "mapper": args.mapper or args.mapper_path,
+        "dtype": args.dtype,
+        "exact_suffix": args.exact_suffix,
+        "exact_budget": args.exact_budget,
+        "cpu_threads": os.cpu_count(),
+        "lengths": {str(n): {**producer[str(n)], **consumer[str(n)]} for n in args.lengths},
+        "curve": break_even({n: consumer[str(n)] for n in args.lengths}),
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

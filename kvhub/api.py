@@ -64,8 +64,9 @@ def load(
 
     dtype = _one_dtype(dtype, torch_dtype)
     ref = Ref.of(src, dst, calibration=calib, version=version, alias=alias)
-    hub = dict(hub_repo=hub_repo, revision=revision, token=token, cache_dir=cache_dir,
-               local_files_only=local_files_only)
+    hub = dict(
+        hub_repo=hub_repo, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
+    )
     if revision is not None:  # a Hub revision: the store numbers its versions its own way
         directory, found = _resolve_hub(ref, miss=None, db=db, **hub)
     else:
@@ -81,8 +82,9 @@ def load(
 def _one_dtype(dtype, torch_dtype):
     """``dtype``, or ``torch_dtype`` (the transformers spelling of the same thing); ConfigError for two."""
     if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
-        raise ConfigError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; torch_dtype is another name "
-                          "for dtype, give one")
+        raise ConfigError(
+            f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree; torch_dtype is another name for dtype, give one"
+        )
     return dtype if dtype is not None else torch_dtype
 
 
@@ -108,31 +110,49 @@ def _resolve_hub(ref: Ref, *, miss: NotFoundError | None, hub_repo=None, db=None
 
     if (hub_repo is None and not configured_namespaces()) or ref.alias not in (None, LATEST):
         if miss is None:
-            raise ConfigError(f"revision={hub.get('revision')!r} names a revision on the Hub; say where with "
-                              f"hub_repo='owner/name' or {NAMESPACES_ENV}, or pick a store version with version=")
+            raise ConfigError(
+                f"revision={hub.get('revision')!r} names a revision on the Hub; say where with "
+                f"hub_repo='owner/name' or {NAMESPACES_ENV}, or pick a store version with version="
+            )
         raise miss
     with open_store(db) as store:
-        pulled = load_from_hub(store, ref.source, ref.target, calibration=ref.calibration, version=ref.version,
-                               hub_repo=hub_repo, **hub)
+        pulled = load_from_hub(
+            store, ref.source, ref.target, calibration=ref.calibration, version=ref.version, hub_repo=hub_repo, **hub
+        )
         return store.artifact_path(pulled.version), pulled.version.ref
 
 
-def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
-                    cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
-                    device=None, dtype=None, torch_dtype=None, compute_dtype=None,
-                    deshrink: str | None = None) -> Mapper:
+def from_pretrained(
+    name: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    db=None,
+    device=None,
+    dtype=None,
+    torch_dtype=None,
+    compute_dtype=None,
+    deshrink: str | None = None,
+) -> Mapper:
     """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
     text = os.fspath(name)
     dtype = _one_dtype(dtype, torch_dtype)
     if not text.strip():
-        raise ConfigError("the mapper name is empty; pass an artifact directory (\"./mapper\"), a store reference "
-                          "(SRC:DST:CALIB@v3) or a Hub repository (OWNER/NAME@v3)")
+        raise ConfigError(
+            'the mapper name is empty; pass an artifact directory ("./mapper"), a store reference '
+            "(SRC:DST:CALIB@v3) or a Hub repository (OWNER/NAME@v3)"
+        )
     if _is_directory(text):
         if revision is not None:
-            raise ConfigError(f"{text} is a directory, which has no revisions; leave revision out, or name a store "
-                              "reference or a Hub repository")
-        mapper = Mapper.load(Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype,
-                             deshrink=deshrink)
+            raise ConfigError(
+                f"{text} is a directory, which has no revisions; leave revision out, or name a store "
+                "reference or a Hub repository"
+            )
+        mapper = Mapper.load(
+            Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink
+        )
         mapper.ref = _registered_ref(mapper, db)
         return mapper
     from kvhub.store import open_store
@@ -148,8 +168,9 @@ def from_pretrained(name: str | os.PathLike, *, revision: str | None = None, tok
         from kvhub.hub import pull
 
         with open_store(db) as store:
-            version = pull(store, named[0], revision=named[1], token=token, cache_dir=cache_dir,
-                           local_files_only=local_files_only).version
+            version = pull(
+                store, named[0], revision=named[1], token=token, cache_dir=cache_dir, local_files_only=local_files_only
+            ).version
             directory = store.artifact_path(version)
     mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink)
     mapper.ref = version.ref
@@ -187,9 +208,11 @@ def _parse_name(text: str) -> Ref | tuple[str, str | None]:
     if is_repo_id(text.strip().partition("@")[0]):
         return parse_repo_ref(text)  # its own ConfigError for a revision left empty ("owner/name@")
     shown = repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
-    raise ConfigError(f"{shown} is neither an artifact directory, a store reference nor a Hub repository "
-                      f"(OWNER/NAME or OWNER/NAME@v3); for a reference, {SYNTAX_HELP}. Check the spelling, "
-                      "or list what exists with `kvhub list` / `kvhub search`")
+    raise ConfigError(
+        f"{shown} is neither an artifact directory, a store reference nor a Hub repository "
+        f"(OWNER/NAME or OWNER/NAME@v3); for a reference, {SYNTAX_HELP}. Check the spelling, "
+        "or list what exists with `kvhub list` / `kvhub search`"
+    )
 
 
 def _registered_ref(mapper: Mapper, db) -> str | None:
@@ -202,17 +225,36 @@ def _registered_ref(mapper: Mapper, db) -> str | None:
     if path is not None and not path.exists():
         return None
     with open_store(db) as store:
-        found = [v for v in store.versions(source=mapper.source["model_id"], target=mapper.target["model_id"],
-                                           calibration=(mapper.metadata.get("calibration") or {}).get("name"))
-                 if v.tensors_sha256 == mapper.metadata["tensors"]["sha256"]]
+        found = [
+            v
+            for v in store.versions(
+                source=mapper.source["model_id"],
+                target=mapper.target["model_id"],
+                calibration=(mapper.metadata.get("calibration") or {}).get("name"),
+            )
+            if v.tensors_sha256 == mapper.metadata["tensors"]["sha256"]
+        ]
     return found[0].ref if found else None
 
 
-def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, revision: str | None = None,
-                branch: str | None = None, token: str | None = None, db=None,
-                base_model: tuple[str, str] | None = None, card: str = "auto", commit_message: str | None = None,
-                create_pr: bool = False, license: str | None = None, license_name: str | None = None,
-                license_link: str | None = None, figures: str | os.PathLike | None = None):
+def push_to_hub(
+    mapper: Mapper,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    branch: str | None = None,
+    token: str | None = None,
+    db=None,
+    base_model: tuple[str, str] | None = None,
+    card: str = "auto",
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    license: str | None = None,
+    license_name: str | None = None,
+    license_link: str | None = None,
+    figures: str | os.PathLike | None = None,
+):
     """Register ``mapper`` in the store (its version when its tensors are there already), then publish that
     version to ``repo_id`` as one commit tagged ``vN`` (kvhub.hub.push); returns the PushResult."""
     import tempfile
@@ -227,9 +269,21 @@ def push_to_hub(mapper: Mapper, repo_id: str, *, private: bool = False, revision
             with tempfile.TemporaryDirectory(prefix="kvhub-push-") as tmp:
                 artifact = mapper.save(Path(tmp) / "mapper")
                 mapper.ref = store.register(artifact, lineage={"created_by": "Mapper.push_to_hub"}).ref
-        return push(store, mapper.ref, repo_id, private=private, revision=revision, branch=branch, token=token,
-                    base_model=base_model, card=card, commit_message=commit_message, create_pr=create_pr,
-                    license=chosen, figures=figures)
+        return push(
+            store,
+            mapper.ref,
+            repo_id,
+            private=private,
+            revision=revision,
+            branch=branch,
+            token=token,
+            base_model=base_model,
+            card=card,
+            commit_message=commit_message,
+            create_pr=create_pr,
+            license=chosen,
+            figures=figures,
+        )
 
 
 class Mapper(core.Mapper):
@@ -237,10 +291,21 @@ class Mapper(core.Mapper):
     Every mapper :func:`load` and :meth:`from_pretrained` return is one."""
 
     @classmethod
-    def from_pretrained(cls, name: str | os.PathLike, *, revision: str | None = None, token: str | None = None,
-                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, db=None,
-                        device=None, dtype=None, torch_dtype=None, compute_dtype=None,
-                        deshrink: str | None = None) -> "Mapper":
+    def from_pretrained(
+        cls,
+        name: str | os.PathLike,
+        *,
+        revision: str | None = None,
+        token: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        db=None,
+        device=None,
+        dtype=None,
+        torch_dtype=None,
+        compute_dtype=None,
+        deshrink: str | None = None,
+    ) -> "Mapper":
         """The mapper ``name`` designates, verified, with ``ref`` set:
 
         * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
@@ -252,12 +317,23 @@ class Mapper(core.Mapper):
         revision: a store selector or Hub revision when ``name`` has none.  token, cache_dir,
         local_files_only: as huggingface_hub's.  db: store URL or SQLite path.  torch_dtype: dtype's other
         name (see :class:`kvhub.core.mapper.Mapper` for dtypes and ``deshrink``)."""
-        return from_pretrained(name, revision=revision, token=token, cache_dir=cache_dir,
-                               local_files_only=local_files_only, db=db, device=device, dtype=dtype,
-                               torch_dtype=torch_dtype, compute_dtype=compute_dtype, deshrink=deshrink)
+        return from_pretrained(
+            name,
+            revision=revision,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            db=db,
+            device=device,
+            dtype=dtype,
+            torch_dtype=torch_dtype,
+            compute_dtype=compute_dtype,
+            deshrink=deshrink,
+        )
 
-    def save_pretrained(self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None,
-                        **hub_options) -> Path:
+    def save_pretrained(
+        self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None, **hub_options
+    ) -> Path:
         """Write the artifact directory (mapper.json + mapper.safetensors), readable by
         :meth:`from_pretrained` and ``kvhub import``.  An existing kvhub artifact directory is replaced
         (atomically); any other existing directory that is not empty is refused, never overwritten.

@@ -11,8 +11,15 @@ from __future__ import annotations
 from kvhub.errors import ConfigError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-            "fp64": "float64", "double": "float64"}
+_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp64": "float64",
+    "double": "float64",
+}
 _CHOICES = "float32, bfloat16, float16 or float64 (or fp32, bf16, fp16)"
 
 
@@ -60,8 +67,12 @@ def check_device(device, *, what: str = "device") -> None:
     except (RuntimeError, ValueError, TypeError):
         raise ConfigError(f"{what} {device!r} is not a device; use cpu, cuda or cuda:N") from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{what} {device}: CUDA is not available here; use "
-                          + ("--device cpu" if what.startswith("--") else "device='cpu'"))
+        raise ConfigError(
+            f"{what} {device}: CUDA is not available here; use "
+            + ("--device cpu" if what.startswith("--") else "device='cpu'")
+        )
     if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"{what} {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
-                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        raise ConfigError(
+            f"{what} {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+            f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+        )

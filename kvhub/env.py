@@ -38,35 +38,69 @@ class Variable:
 
 
 VARIABLES = (
-    Variable("KVHUB_CACHE", "`$XDG_CACHE_HOME/kvhub` (`~/.cache/kvhub`)",
-             "Root of kvhub's caches: fetched models, corpora, calibration sets, fit checkpoints, evaluation sets "
-             "and per-item evaluation results.", "kvhub.env"),
-    Variable("KVHUB_HOME", "the user data directory (`~/.local/share/kvhub` on Linux)",
-             "Where the default store lives (`kvhub.db`, `artifacts/`). It moves the store, not the caches.",
-             "kvhub.store.location"),
-    Variable("KVHUB_DB_URL", "`$KVHUB_HOME/kvhub.db`",
-             "The store: a SQLAlchemy URL (`postgresql+psycopg://...`) or a SQLite file path. `--db` wins over it.",
-             "kvhub.store.location"),
-    Variable("KVHUB_ARTIFACTS", "`$KVHUB_HOME/artifacts`",
-             "The artifact directory of a server (PostgreSQL) store; a SQLite store keeps its artifacts beside "
-             "its file. Machines sharing one PostgreSQL store share this directory too.", "kvhub.store.location"),
-    Variable("KVHUB_DESHRINK", "`kv`",
-             "How transfer reads the maps when no caller says: `kv`, `v` or `off` (a whole process's default).",
-             "kvhub.env"),
-    Variable("KVHUB_HUB_NAMESPACES", "none",
-             "Comma-separated Hub users or organisations `kvhub.load()` searches when the local store misses.",
-             "kvhub.hub.pull"),
-    Variable("KVHUB_PROGRESS_INTERVAL", "`30`",
-             "Seconds between plain progress lines (off a terminal, or with `HF_HUB_DISABLE_PROGRESS_BARS`).",
-             "kvhub.cli.progress"),
-    Variable("KVHUB_VLLM", "`vllm` on PATH, else `.venv-vllm/bin/vllm`",
-             "The vLLM executable `kvhub serve` launches; `--vllm` wins over it.", "kvhub.serving.launch"),
-    Variable("KVHUB_DIST_TIMEOUT", "`1800`",
-             "Seconds a rank of a distributed fit waits for the others (e.g. for one that died).",
-             "kvhub.fitting.distributed"),
-    Variable("KVHUB_FIT_LAUNCHER", "set by kvhub",
-             "Internal: the pid of the `kvhub fit --distributed` whose torchrun started a rank; the rank exits when it "
-             "dies. Not for users to set.", "kvhub.fitting.distributed"),
+    Variable(
+        "KVHUB_CACHE",
+        "`$XDG_CACHE_HOME/kvhub` (`~/.cache/kvhub`)",
+        "Root of kvhub's caches: fetched models, corpora, calibration sets, fit checkpoints, evaluation sets "
+        "and per-item evaluation results.",
+        "kvhub.env",
+    ),
+    Variable(
+        "KVHUB_HOME",
+        "the user data directory (`~/.local/share/kvhub` on Linux)",
+        "Where the default store lives (`kvhub.db`, `artifacts/`). It moves the store, not the caches.",
+        "kvhub.store.location",
+    ),
+    Variable(
+        "KVHUB_DB_URL",
+        "`$KVHUB_HOME/kvhub.db`",
+        "The store: a SQLAlchemy URL (`postgresql+psycopg://...`) or a SQLite file path. `--db` wins over it.",
+        "kvhub.store.location",
+    ),
+    Variable(
+        "KVHUB_ARTIFACTS",
+        "`$KVHUB_HOME/artifacts`",
+        "The artifact directory of a server (PostgreSQL) store; a SQLite store keeps its artifacts beside "
+        "its file. Machines sharing one PostgreSQL store share this directory too.",
+        "kvhub.store.location",
+    ),
+    Variable(
+        "KVHUB_DESHRINK",
+        "`kv`",
+        "How transfer reads the maps when no caller says: `kv`, `v` or `off` (a whole process's default).",
+        "kvhub.env",
+    ),
+    Variable(
+        "KVHUB_HUB_NAMESPACES",
+        "none",
+        "Comma-separated Hub users or organisations `kvhub.load()` searches when the local store misses.",
+        "kvhub.hub.pull",
+    ),
+    Variable(
+        "KVHUB_PROGRESS_INTERVAL",
+        "`30`",
+        "Seconds between plain progress lines (off a terminal, or with `HF_HUB_DISABLE_PROGRESS_BARS`).",
+        "kvhub.cli.progress",
+    ),
+    Variable(
+        "KVHUB_VLLM",
+        "`vllm` on PATH, else `.venv-vllm/bin/vllm`",
+        "The vLLM executable `kvhub serve` launches; `--vllm` wins over it.",
+        "kvhub.serving.launch",
+    ),
+    Variable(
+        "KVHUB_DIST_TIMEOUT",
+        "`1800`",
+        "Seconds a rank of a distributed fit waits for the others (e.g. for one that died).",
+        "kvhub.fitting.distributed",
+    ),
+    Variable(
+        "KVHUB_FIT_LAUNCHER",
+        "set by kvhub",
+        "Internal: the pid of the `kvhub fit --distributed` whose torchrun started a rank; the rank exits when it "
+        "dies. Not for users to set.",
+        "kvhub.fitting.distributed",
+    ),
 )
 
 

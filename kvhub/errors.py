@@ -226,8 +226,11 @@ class FitInterrupted(Interrupted):
 def exit_codes() -> list[tuple[int, str, str]]:
     """(exit status, what raises it, meaning) of every status the CLI exits with, by status: the one
     table users read (``kvhub --help``, docs/cli.md), built from the ``exit_code`` of the classes above."""
-    rows = [(0, "-", "Success"), (1, "-", "An unexpected error (a bug: please report it)"),
-            (2, "click", "A usage error: unknown option, missing argument")]
+    rows = [
+        (0, "-", "Success"),
+        (1, "-", "An unexpected error (a bug: please report it)"),
+        (2, "click", "A usage error: unknown option, missing argument"),
+    ]
     classes, seen = [KVHubError, Interrupted], set()
     while classes:
         cls = classes.pop(0)

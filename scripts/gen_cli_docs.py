@@ -1,6 +1,6 @@
 """Regenerate docs/cli.md from the click commands' own help (the docstrings are the manual).
 
-    .venv/bin/python scripts/gen_cli_docs.py > docs/cli.md
+.venv/bin/python scripts/gen_cli_docs.py > docs/cli.md
 """
 
 import click
@@ -19,8 +19,12 @@ def walk(command: click.Command, path: list[str], parent: click.Context | None =
 
 
 def render() -> str:
-    lines = ["# kvhub command-line reference", "",
-             "Generated from the commands' help by `scripts/gen_cli_docs.py`; `kvhub COMMAND -h` shows the same.", ""]
+    lines = [
+        "# kvhub command-line reference",
+        "",
+        "Generated from the commands' help by `scripts/gen_cli_docs.py`; `kvhub COMMAND -h` shows the same.",
+        "",
+    ]
     for path, command, ctx in walk(main, ["kvhub"]):
         lines += [f"## {' '.join(path)}", "", "```", command.get_help(ctx), "```", ""]
     return "\n".join(lines)

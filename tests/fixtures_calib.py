@@ -21,12 +21,17 @@ def train_tokenizer(*, vocab_size: int = 600, bos: bool = False, chat_template: 
     from transformers import PreTrainedTokenizerFast
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text(encoding="utf-8")[:6000] for name in ("argparse.py", "textwrap.py", "json/__init__.py")]
+    texts = [
+        (stdlib / name).read_text(encoding="utf-8")[:6000]
+        for name in ("argparse.py", "textwrap.py", "json/__init__.py")
+    ]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<s>"], show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<s>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator(texts, trainer)
@@ -128,9 +133,19 @@ def config_only_model(directory: Path, monkeypatch) -> Path:
 
     monkeypatch.setattr(kvhub.models.loading, "load_model", refuse)
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}))
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+            }
+        )
+    )
     return directory
 
 
@@ -145,9 +160,18 @@ def registered_tiny_family(root: Path):
 
     source, target, tokenizer = save_tiny_family(root)
     ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:12], ids[12:], source_id=str(root / "src"), target_id=str(root / "dst"),
-                 source_tokenizer=tokenizer, target_tokenizer=tokenizer, calibration={"name": "random-ids"},
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids[:12],
+        ids[12:],
+        source_id=str(root / "src"),
+        target_id=str(root / "dst"),
+        source_tokenizer=tokenizer,
+        target_tokenizer=tokenizer,
+        calibration={"name": "random-ids"},
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     mapper.save(root / "mapper")
     db = str(root / "store.db")
     with open_store(db) as store:

@@ -21,8 +21,15 @@ ALICE_TOKEN = "hf_aliceTESTtoken0123456789abcdef"
 BOB_TOKEN = "hf_bobTESTtoken0123456789abcdefgh"
 
 
-def make_artifact(directory: Path, *, seed: int = 0, calibration: str = "legal-docs", src: str = SRC_ID,
-                  dst: str = DST_ID, images: bool = False) -> Path:
+def make_artifact(
+    directory: Path,
+    *,
+    seed: int = 0,
+    calibration: str = "legal-docs",
+    src: str = SRC_ID,
+    dst: str = DST_ID,
+    images: bool = False,
+) -> Path:
     """The store tests' small random mapper (k=1) as an artifact directory, plus a PNG when ``images``."""
     path = make_store_artifact(directory, seed=seed, source=src, target=dst, calibration=calibration)
     if images:
@@ -54,8 +61,9 @@ def hub_env(hub_server, tmp_path, monkeypatch):
     monkeypatch.delenv("KVHUB_HUB_NAMESPACES", raising=False)
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "kvhub-home"))
     monkeypatch.delenv("KVHUB_DB_URL", raising=False)
-    return types.SimpleNamespace(server=hub_server, endpoint=hub_server.endpoint, tmp=tmp_path,
-                                 cache=tmp_path / "hf-cache")
+    return types.SimpleNamespace(
+        server=hub_server, endpoint=hub_server.endpoint, tmp=tmp_path, cache=tmp_path / "hf-cache"
+    )
 
 
 @pytest.fixture

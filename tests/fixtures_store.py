@@ -39,8 +39,16 @@ def store_fingerprint(model_id: str, geometry_of: str | None = None) -> dict:
     return model_fingerprint(config, model_id=model_id, revision="0123abc")
 
 
-def make_store_artifact(directory, *, seed: int = 0, source: str = SRC_ID, target: str = DST_ID,
-                        calibration: str = "legal-docs", metrics: dict | None = None, padding_mb: int = 0) -> Path:
+def make_store_artifact(
+    directory,
+    *,
+    seed: int = 0,
+    source: str = SRC_ID,
+    target: str = DST_ID,
+    calibration: str = "legal-docs",
+    metrics: dict | None = None,
+    padding_mb: int = 0,
+) -> Path:
     """Save a small random Mapper (k=1, every source layer feeding target layer m % 2) and return its dir.
 
     ``seed`` changes the weights (and so the content address); ``padding_mb`` adds an extra file
@@ -59,10 +67,22 @@ def make_store_artifact(directory, *, seed: int = 0, source: str = SRC_ID, targe
         for kind in ("k", "v"):
             tensors[f"{kind}.{m}.weight"] = torch.randn(d_in, d_out, generator=generator)
             tensors[f"{kind}.{m}.bias"] = torch.zeros(d_out)
-        layers.append({"target": m, "sources": [m % src["num_layers"]], "lambda_k": 0.1, "lambda_v": 0.1,
-                       "r2_k": 0.9 - 0.01 * m, "r2_v": 0.8 - 0.01 * m})
+        layers.append(
+            {
+                "target": m,
+                "sources": [m % src["num_layers"]],
+                "lambda_k": 0.1,
+                "lambda_v": 0.1,
+                "r2_k": 0.9 - 0.01 * m,
+                "r2_v": 0.8 - 0.01 * m,
+            }
+        )
     metadata = {
-        "source": src, "target": dst, "layers": layers, "k": 1, "lambda": 0.1,
+        "source": src,
+        "target": dst,
+        "layers": layers,
+        "k": 1,
+        "lambda": 0.1,
         "calibration": {"name": calibration, "version": 1, "content_hash": f"{calibration}-hash", "tokens": 4096},
         "metrics": metrics if metrics is not None else {"heldout_r2_k_mean": 0.89, "heldout_r2_v_mean": 0.79},
     }
@@ -116,8 +136,10 @@ class PostgresCluster:
         if self.user:
             shutil.chown(self.root, user=self.user)
         self._run("initdb", "-D", str(self.root / "data"), "-A", "trust", "-U", "postgres", "--no-sync")
-        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        )
         self._run("pg_ctl", "-D", str(self.root / "data"), "-o", options, "-l", str(self.root / "log"), "-w", "start")
 
     def stop(self) -> None:

@@ -137,15 +137,26 @@ class HubState:
         seed = json.dumps([repo["id"], parent, tree, title, self.counter, time.time()])
         sha = hashlib.sha1(seed.encode()).hexdigest()
         repo["commits"][sha] = {
-            "parent": parent, "tree": tree, "title": title, "message": message, "date": _now(), "author": user,
+            "parent": parent,
+            "tree": tree,
+            "title": title,
+            "message": message,
+            "date": _now(),
+            "author": user,
         }
         repo["last_modified"] = _now()
         return sha
 
     def create_repo(self, repo_id: str, owner: str, private: bool) -> dict:
         repo = {
-            "id": repo_id, "owner": owner, "private": bool(private), "created_at": _now(), "last_modified": _now(),
-            "commits": {}, "branches": {}, "tags": {},
+            "id": repo_id,
+            "owner": owner,
+            "private": bool(private),
+            "created_at": _now(),
+            "last_modified": _now(),
+            "commits": {},
+            "branches": {},
+            "tags": {},
         }
         tree = {".gitattributes": self.put_blob(GITATTRIBUTES)}
         repo["branches"]["main"] = self.new_commit(repo, None, tree, "initial commit", "", owner)
@@ -185,10 +196,19 @@ class HubState:
         tree = repo["commits"][sha]["tree"]
         data = {
             "_id": hashlib.md5(repo["id"].encode()).hexdigest()[:24],
-            "id": repo["id"], "modelId": repo["id"], "author": repo["id"].split("/")[0], "sha": sha,
-            "private": repo["private"], "gated": False, "disabled": False, "downloads": 0, "likes": 0,
-            "createdAt": repo["created_at"], "lastModified": repo["last_modified"],
-            "tags": self.model_tags(card), "library_name": (card or {}).get("library_name"),
+            "id": repo["id"],
+            "modelId": repo["id"],
+            "author": repo["id"].split("/")[0],
+            "sha": sha,
+            "private": repo["private"],
+            "gated": False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "createdAt": repo["created_at"],
+            "lastModified": repo["last_modified"],
+            "tags": self.model_tags(card),
+            "library_name": (card or {}).get("library_name"),
             "siblings": [{"rfilename": path} for path in sorted(tree)],
         }
         if card_data and card is not None:
@@ -246,8 +266,10 @@ class Handler(BaseHTTPRequestHandler):
         with self.state.lock:
             for fault in self.server.faults:
                 if (
-                    fault.kind in kind_filter and fault.method == self.command
-                    and fault.path_contains in self.path and fault.hits < fault.times
+                    fault.kind in kind_filter
+                    and fault.method == self.command
+                    and fault.path_contains in self.path
+                    and fault.hits < fault.times
                 ):
                     fault.hits += 1
                     return fault
@@ -366,8 +388,12 @@ class Handler(BaseHTTPRequestHandler):
         def refs(kind: str, names: dict) -> list[dict]:
             return [{"name": n, "ref": f"refs/{kind}/{n}", "targetCommit": sha} for n, sha in sorted(names.items())]
 
-        return {"branches": refs("heads", repo["branches"]), "tags": refs("tags", repo["tags"]),
-                "converts": [], "pullRequests": []}
+        return {
+            "branches": refs("heads", repo["branches"]),
+            "tags": refs("tags", repo["tags"]),
+            "converts": [],
+            "pullRequests": [],
+        }
 
     def _tree(self, repo: dict, sha: str, prefix: str, query: dict) -> list[dict]:
         tree = repo["commits"][sha]["tree"]
@@ -377,7 +403,7 @@ class Handler(BaseHTTPRequestHandler):
         for path, oid in sorted(tree.items()):
             if not path.startswith(prefix):
                 continue
-            rest = path[len(prefix):]
+            rest = path[len(prefix) :]
             if "/" in rest and not recursive:
                 folders.add(prefix + rest.split("/")[0])
                 continue
@@ -389,8 +415,15 @@ class Handler(BaseHTTPRequestHandler):
         out = []
         while sha is not None:
             commit = repo["commits"][sha]
-            out.append({"id": sha, "title": commit["title"], "message": commit["message"], "date": commit["date"],
-                        "authors": [{"user": commit["author"]}]})
+            out.append(
+                {
+                    "id": sha,
+                    "title": commit["title"],
+                    "message": commit["message"],
+                    "date": commit["date"],
+                    "authors": [{"user": commit["author"]}],
+                }
+            )
             sha = commit["parent"]
         return out
 
@@ -402,8 +435,10 @@ class Handler(BaseHTTPRequestHandler):
     def _preupload(self, repo: dict, revision: str, user: str) -> None:
         payload = json.loads(self._body() or b"{}")
         tree = repo["commits"][self._branch_head(repo, revision)]["tree"]
-        files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": tree.get(f["path"])}
-                 for f in payload.get("files", [])]
+        files = [
+            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": tree.get(f["path"])}
+            for f in payload.get("files", [])
+        ]
         self._json(200, {"files": files, "commitOid": repo["branches"][revision]})
 
     def _commit(self, repo: dict, revision: str, user: str) -> None:

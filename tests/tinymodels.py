@@ -21,21 +21,45 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvhub.core.control import control_mapper  # noqa: F401  (the no-information control; tests import it from here too)
 
 BASE = dict(
-    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=128,
-    vocab_size=128, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=3,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
 )
 
 ROPE_VARIANTS = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
-    "llama3": dict(model_type="llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3": dict(
+        model_type="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "mistral-sliding": dict(model_type="mistral", sliding_window=8, head_dim=16),
-    "gpt_neox-partial": dict(model_type="gpt_neox", rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
-    "yarn": dict(model_type="qwen2", rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}),
+    "gpt_neox-partial": dict(
+        model_type="gpt_neox",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
+    "yarn": dict(
+        model_type="qwen2",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
 }
 
 
@@ -91,8 +115,9 @@ def _expand_o_proj(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Ten
     return out.reshape(hidden, -1)
 
 
-def exact_family_target(source, *, insert_before: tuple[int, ...] = (1,), kv_repeat: int = 2,
-                        double_head_dim: bool = True):
+def exact_family_target(
+    source, *, insert_before: tuple[int, ...] = (1,), kv_repeat: int = 2, double_head_dim: bool = True
+):
     """Build a qwen2/llama target whose K/V are an exact linear function of ``source``'s.
 
     Returns (target, layer_map) where layer_map[m] is the source layer whose K/V target layer m carries.
@@ -103,10 +128,15 @@ def exact_family_target(source, *, insert_before: tuple[int, ...] = (1,), kv_rep
     for l in range(cfg.num_hidden_layers):
         layer_map += [l] * (1 + insert_before.count(l))  # a zero layer copying l, then l itself
     new_head_dim = head_dim * (2 if double_head_dim else 1)
-    tcfg = AutoConfig.for_model(cfg.model_type, **{
-        **{k: v for k, v in cfg.to_dict().items() if k in BASE or k in ("rope_parameters", "attention_bias")},
-        "num_hidden_layers": len(layer_map), "num_key_value_heads": kv_heads * kv_repeat, "head_dim": new_head_dim,
-    })
+    tcfg = AutoConfig.for_model(
+        cfg.model_type,
+        **{
+            **{k: v for k, v in cfg.to_dict().items() if k in BASE or k in ("rope_parameters", "attention_bias")},
+            "num_hidden_layers": len(layer_map),
+            "num_key_value_heads": kv_heads * kv_repeat,
+            "head_dim": new_head_dim,
+        },
+    )
     tcfg._attn_implementation = "eager"
     target = AutoModelForCausalLM.from_config(tcfg).eval()
     state = source.state_dict()
@@ -128,11 +158,19 @@ def exact_family_target(source, *, insert_before: tuple[int, ...] = (1,), kv_rep
 def _copy_layer(state, new, l, m, heads, kv_heads, head_dim, repeat, double, *, zero: bool) -> None:
     src, dst = f"model.layers.{l}.", f"model.layers.{m}."
     scale = math.sqrt(2.0) if double else 1.0
-    for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+    for name in (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ):
         new[dst + name] = state[src + name].clone()
-    for proj, proj_heads, proj_repeat, factor in (("q", heads, 1, scale), ("k", kv_heads, repeat, 1.0),
-                                                  ("v", kv_heads, repeat, 1.0)):
+    for proj, proj_heads, proj_repeat, factor in (
+        ("q", heads, 1, scale),
+        ("k", kv_heads, repeat, 1.0),
+        ("v", kv_heads, repeat, 1.0),
+    ):
         for part in ("weight", "bias"):
             key = f"self_attn.{proj}_proj.{part}"
             if src + key in state:
@@ -142,4 +180,3 @@ def _copy_layer(state, new, l, m, heads, kv_heads, head_dim, repeat, double, *, 
     if zero:
         new[dst + "self_attn.o_proj.weight"].zero_()
         new[dst + "mlp.down_proj.weight"].zero_()
-

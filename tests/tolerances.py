@@ -31,8 +31,15 @@ def rtol(dtype: torch.dtype = torch.float32, terms: int = 1, *, condition: float
     return SAFETY * condition * math.sqrt(terms) * eps(dtype)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype = torch.float32,
-                 terms: int = 1, condition: float = 1.0, msg: str | None = None) -> None:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    terms: int = 1,
+    condition: float = 1.0,
+    msg: str | None = None,
+) -> None:
     """``torch.testing.assert_close`` with rtol = :func:`rtol` and atol = rtol * max|expected|."""
     tolerance = rtol(dtype, terms, condition=condition)
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0

@@ -15,8 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
-_KVHUB_OVER_VLLM = ("kvhub.serving.vllm_connector", "kvhub.serving.connector_scheduler", "kvhub.serving.connector_worker",
-                    "kvhub.serving.connector_meta", "kvhub.serving.forced")
+_KVHUB_OVER_VLLM = (
+    "kvhub.serving.vllm_connector",
+    "kvhub.serving.connector_scheduler",
+    "kvhub.serving.connector_worker",
+    "kvhub.serving.connector_meta",
+    "kvhub.serving.forced",
+)
 
 
 class KVConnectorRole(enum.Enum):
@@ -60,12 +65,18 @@ class AdapterLogitsProcessor:
 def _modules() -> dict[str, types.ModuleType]:
     names = {
         "vllm": {"SamplingParams": SamplingParams},
-        "vllm.distributed": {}, "vllm.distributed.kv_transfer": {}, "vllm.distributed.kv_transfer.kv_connector": {},
+        "vllm.distributed": {},
+        "vllm.distributed.kv_transfer": {},
+        "vllm.distributed.kv_transfer.kv_connector": {},
         "vllm.distributed.kv_transfer.kv_connector.v1": {},
         "vllm.distributed.kv_transfer.kv_connector.v1.base": {
-            "KVConnectorBase_V1": KVConnectorBase_V1, "KVConnectorMetadata": KVConnectorMetadata,
-            "KVConnectorRole": KVConnectorRole, "KVConnectorWorkerMetadata": KVConnectorWorkerMetadata},
-        "vllm.v1": {}, "vllm.v1.sample": {},
+            "KVConnectorBase_V1": KVConnectorBase_V1,
+            "KVConnectorMetadata": KVConnectorMetadata,
+            "KVConnectorRole": KVConnectorRole,
+            "KVConnectorWorkerMetadata": KVConnectorWorkerMetadata,
+        },
+        "vllm.v1": {},
+        "vllm.v1.sample": {},
         "vllm.v1.sample.logits_processor": {"AdapterLogitsProcessor": AdapterLogitsProcessor},
     }
     modules = {}
@@ -101,13 +112,22 @@ def vllm_config(*, role: str, extra: dict, target: dict | None = None, block_siz
     """A stand-in VllmConfig with what the connector reads: the transfer config, block size, served model
     (``target``: the mapper's target fingerprint, so check_target passes)."""
     target = target or {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "model_id": "served"}
-    model = SimpleNamespace(skip_tokenizer_init=True, tokenizer=None, model=target["model_id"],
-                            hf_config=SimpleNamespace(num_hidden_layers=target["num_layers"]),
-                            get_num_kv_heads=lambda parallel: target["num_kv_heads"],
-                            get_head_size=lambda: target["head_dim"])
+    model = SimpleNamespace(
+        skip_tokenizer_init=True,
+        tokenizer=None,
+        model=target["model_id"],
+        hf_config=SimpleNamespace(num_hidden_layers=target["num_layers"]),
+        get_num_kv_heads=lambda parallel: target["num_kv_heads"],
+        get_head_size=lambda: target["head_dim"],
+    )
     transfer = SimpleNamespace(kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
-    return SimpleNamespace(kv_transfer_config=transfer, cache_config=SimpleNamespace(block_size=block_size),
-                           model_config=model, device_config=SimpleNamespace(device="cpu"), parallel_config=None)
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        cache_config=SimpleNamespace(block_size=block_size),
+        model_config=model,
+        device_config=SimpleNamespace(device="cpu"),
+        parallel_config=None,
+    )
 
 
 class BlockManager:
@@ -122,14 +142,26 @@ class BlockManager:
 
 
 def request(request_id: str, prompt: list[int], *, cache_salt=None, params=None):
-    return SimpleNamespace(request_id=request_id, prompt_token_ids=list(prompt), cache_salt=cache_salt,
-                           kv_transfer_params=params)
+    return SimpleNamespace(
+        request_id=request_id, prompt_token_ids=list(prompt), cache_salt=cache_salt, kv_transfer_params=params
+    )
 
 
 def scheduler_output(new_requests: list) -> SimpleNamespace:
     """One step that schedules each request's whole prompt for the first time."""
-    new = [SimpleNamespace(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, num_computed_tokens=0,
-                           block_ids=(list(range(len(r.prompt_token_ids) // 16 + 1)),)) for r in new_requests]
+    new = [
+        SimpleNamespace(
+            req_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            num_computed_tokens=0,
+            block_ids=(list(range(len(r.prompt_token_ids) // 16 + 1)),),
+        )
+        for r in new_requests
+    ]
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, finished_req_ids=set(),
-                           num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in new_requests})
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        finished_req_ids=set(),
+        num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in new_requests},
+    )

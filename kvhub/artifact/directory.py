@@ -35,11 +35,17 @@ def parse_metadata_bytes(data: bytes, *, where: str) -> dict:
     try:
         metadata = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise InvalidArtifactError(f"{where}: {METADATA_FILE} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                                   "the artifact is corrupt, re-fetch it or re-fit the mapper", field="") from None
+        raise InvalidArtifactError(
+            f"{where}: {METADATA_FILE} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "the artifact is corrupt, re-fetch it or re-fit the mapper",
+            field="",
+        ) from None
     except ValueError as exc:
-        raise InvalidArtifactError(f"{where}: {METADATA_FILE} is not valid JSON ({exc}); the artifact is corrupt, "
-                                   "re-fetch it or re-fit the mapper", field="") from None
+        raise InvalidArtifactError(
+            f"{where}: {METADATA_FILE} is not valid JSON ({exc}); the artifact is corrupt, "
+            "re-fetch it or re-fit the mapper",
+            field="",
+        ) from None
     return check_metadata(metadata, where=where)
 
 
@@ -78,15 +84,20 @@ def verify_tensors(directory: str | os.PathLike, metadata: dict) -> TensorFile:
     if found.sha256 != recorded:
         raise _sha_mismatch(path, found.sha256, recorded)
     if found.nonfinite:
-        raise InvalidArtifactError(f"{path}: tensor {', '.join(found.nonfinite[:4])} holds NaN or Inf; the mapper "
-                                   "would produce a broken cache, re-fit it", field="tensors")
+        raise InvalidArtifactError(
+            f"{path}: tensor {', '.join(found.nonfinite[:4])} holds NaN or Inf; the mapper "
+            "would produce a broken cache, re-fit it",
+            field="tensors",
+        )
     check_tensors(found.shapes, metadata, where=str(path))
     return found
 
 
 def _sha_mismatch(path: Path, actual: str | None, recorded: str) -> IntegrityError:
-    return IntegrityError(f"{path} has sha256 {actual}, but mapper.json records {recorded}: the file was modified "
-                          "or corrupted; re-fetch it (kvhub pull) or re-fit")
+    return IntegrityError(
+        f"{path} has sha256 {actual}, but mapper.json records {recorded}: the file was modified "
+        "or corrupted; re-fetch it (kvhub pull) or re-fit"
+    )
 
 
 def read_artifact(directory: str | os.PathLike) -> dict:
@@ -102,8 +113,9 @@ def publishable_files(directory: str | os.PathLike, metadata: dict) -> list[str]
     and figures; each a regular file directly in ``directory`` (links and anything else are skipped)."""
     directory = Path(directory)
     names = [METADATA_FILE, metadata["tensors"]["file"]]
-    names += sorted(p.name for p in directory.iterdir()
-                    if is_figure_name(p.name) and not p.is_symlink() and p.is_file())
+    names += sorted(
+        p.name for p in directory.iterdir() if is_figure_name(p.name) and not p.is_symlink() and p.is_file()
+    )
     return names
 
 
@@ -119,21 +131,25 @@ def write_artifact(directory: str | os.PathLike, tensors: dict, metadata: dict, 
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     nonfinite = sorted(name for name, t in tensors.items() if not bool(torch.isfinite(t).all()))
     if nonfinite:
-        raise NonFiniteError(f"tensor {', '.join(nonfinite[:4])} holds NaN or Inf; not writing {directory} "
-                             "(the fit diverged: try a larger --lambda)")
+        raise NonFiniteError(
+            f"tensor {', '.join(nonfinite[:4])} holds NaN or Inf; not writing {directory} "
+            "(the fit diverged: try a larger --lambda)"
+        )
     with AtomicDirectory(directory, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
         metadata = dict(metadata)
         metadata["format_version"] = format_version_of(shapes)
         metadata.setdefault("kvhub_version", __version__)
-        metadata["tensors"] = {"file": TENSORS_FILE, "sha256": sha256_file(tmp / TENSORS_FILE),
-                               "bytes": (tmp / TENSORS_FILE).stat().st_size}
+        metadata["tensors"] = {
+            "file": TENSORS_FILE,
+            "sha256": sha256_file(tmp / TENSORS_FILE),
+            "bytes": (tmp / TENSORS_FILE).stat().st_size,
+        }
         text = json.dumps(metadata, indent=2, sort_keys=True) + "\n"
         parse_metadata_bytes(text.encode(), where=f"writing {directory}")
         check_tensors(shapes, metadata, where=f"writing {directory}")
         (tmp / METADATA_FILE).write_text(text, encoding="utf-8")
     return metadata
-
 
 
 def replaceable_artifact_dir(directory: str | os.PathLike) -> bool:
@@ -144,10 +160,19 @@ def replaceable_artifact_dir(directory: str | os.PathLike) -> bool:
     if not os.path.lexists(path):
         return False
     names = sorted(p.name for p in path.iterdir()) if path.is_dir() and not path.is_symlink() else None
-    foreign = None if names is None else [n for n in names if not (
-        n in (METADATA_FILE, CARD_FILE) or n.endswith(".safetensors") or is_figure_name(n))]
+    foreign = (
+        None
+        if names is None
+        else [
+            n for n in names if not (n in (METADATA_FILE, CARD_FILE) or n.endswith(".safetensors") or is_figure_name(n))
+        ]
+    )
     if names is None or foreign or (names and METADATA_FILE not in names):
-        what = "is not a directory" if names is None else f"holds {(foreign or names)[0]!r}, which no kvhub artifact has"
-        raise ArtifactError(f"{path} exists and {what}; save_pretrained replaces only a kvhub artifact directory "
-                            "(or an empty one): choose a new directory")
+        what = (
+            "is not a directory" if names is None else f"holds {(foreign or names)[0]!r}, which no kvhub artifact has"
+        )
+        raise ArtifactError(
+            f"{path} exists and {what}; save_pretrained replaces only a kvhub artifact directory "
+            "(or an empty one): choose a new directory"
+        )
     return True

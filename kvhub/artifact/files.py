@@ -81,9 +81,7 @@ class AtomicDirectory:
         self.target = Path(target)
         self.overwrite = overwrite
         if os.path.lexists(self.target) and not overwrite:
-            raise ArtifactError(
-                f"{self.target} already exists; choose another directory or pass overwrite=True"
-            )
+            raise ArtifactError(f"{self.target} already exists; choose another directory or pass overwrite=True")
         self.path: Path | None = None
 
     def __enter__(self) -> Path:
@@ -122,8 +120,10 @@ def open_regular(path: str | os.PathLike):
         raise ArtifactError(f"{path} is missing; the artifact is incomplete, re-fetch or re-fit it") from None
     except OSError as exc:
         if os.path.islink(path):
-            raise ArtifactError(f"{path} is a symbolic link; kvhub reads only regular files of an artifact "
-                                "(replace the link by a copy of the file)") from None
+            raise ArtifactError(
+                f"{path} is a symbolic link; kvhub reads only regular files of an artifact "
+                "(replace the link by a copy of the file)"
+            ) from None
         raise ArtifactError(f"cannot read {path} ({exc.strerror})") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -146,7 +146,8 @@ def regular_files(directory: str | os.PathLike, *, recursive: bool = True) -> di
             if not name.startswith(".") and (current / name).is_symlink():
                 raise ArtifactError(
                     f"{current / name} is a symbolic link; kvhub copies only regular files of an artifact "
-                    "(replace the link by a copy of the file, or remove it)")
+                    "(replace the link by a copy of the file, or remove it)"
+                )
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
         for name in filenames:
             path = current / name
@@ -169,9 +170,11 @@ def copy_regular(source: str | os.PathLike, destination: Path, *, refuse_hard_li
     with open_regular(source) as reader:
         links = os.fstat(reader.fileno()).st_nlink
         if refuse_hard_links and links > 1:
-            raise ArtifactError(f"{source} has {links} hard links (other names for the same file elsewhere); kvhub "
-                                "stores only files that belong to the artifact alone. Replace it by a copy "
-                                "(`cp FILE FILE.new && mv FILE.new FILE`); nothing was stored")
+            raise ArtifactError(
+                f"{source} has {links} hard links (other names for the same file elsewhere); kvhub "
+                "stores only files that belong to the artifact alone. Replace it by a copy "
+                "(`cp FILE FILE.new && mv FILE.new FILE`); nothing was stored"
+            )
         destination.parent.mkdir(parents=True, exist_ok=True)
         with open(destination, "wb") as writer:
             while chunk := reader.read(_CHUNK):

@@ -51,8 +51,10 @@ class MapKind:
     def describe(self, settings: dict | None) -> str:
         """``ridge``, or ``ridge + residual MLP (2 x 256, gelu)``: the one wording of a kind (fit summary, card)."""
         if self.name == "mlp" and settings:
-            return (f"ridge + residual MLP ({settings.get('depth')} x {settings.get('width')}, "
-                    f"{settings.get('activation')})")
+            return (
+                f"ridge + residual MLP ({settings.get('depth')} x {settings.get('width')}, "
+                f"{settings.get('activation')})"
+            )
         return self.summary
 
 
@@ -84,9 +86,16 @@ def _check_mlp(settings: dict) -> tuple[str, str] | None:
 
 MAP_KINDS: dict[str, MapKind] = {
     "ridge": MapKind("ridge", 1, "ridge"),
-    "mlp": MapKind("mlp", 4, "ridge + residual MLP", block="mlp", parts=_mlp_parts, check=_check_mlp,
-                   part_pattern=_MLP_PART,
-                   output_parts=lambda s: (mlp_part(s["depth"], "weight"), mlp_part(s["depth"], "bias"))),
+    "mlp": MapKind(
+        "mlp",
+        4,
+        "ridge + residual MLP",
+        block="mlp",
+        parts=_mlp_parts,
+        check=_check_mlp,
+        part_pattern=_MLP_PART,
+        output_parts=lambda s: (mlp_part(s["depth"], "weight"), mlp_part(s["depth"], "bias")),
+    ),
 }
 
 
@@ -100,7 +109,8 @@ def kind_of(metadata: dict, *, where: str = "this artifact") -> MapKind:
         shown = name if isinstance(name, str) and len(name) <= 64 else str(name)[:64]
         raise FormatVersionError(
             f"{where} holds a map of kind {shown!r}, which this kvhub does not know (it knows "
-            f"{', '.join(MAP_KINDS)}); upgrade with `pip install -U kvhub`")
+            f"{', '.join(MAP_KINDS)}); upgrade with `pip install -U kvhub`"
+        )
     return MAP_KINDS[name]
 
 
@@ -111,5 +121,7 @@ def is_kind_part(part: str) -> bool:
 
 def kind_of_part(part: str) -> MapKind | None:
     """The kind whose tensors include ``part``, None for the linear map's own parts."""
-    return next((kind for kind in MAP_KINDS.values()
-                 if kind.part_pattern is not None and kind.part_pattern.fullmatch(part)), None)
+    return next(
+        (kind for kind in MAP_KINDS.values() if kind.part_pattern is not None and kind.part_pattern.fullmatch(part)),
+        None,
+    )

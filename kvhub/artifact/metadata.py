@@ -62,7 +62,9 @@ class _Fields:
         what = f"field `{path}`" if path else "(the whole document)"
         raise InvalidArtifactError(
             f"{self.where}: {METADATA_FILE} {what} {problem}; the artifact is corrupt or was edited, "
-            "re-fetch it or re-fit the mapper", field=path)
+            "re-fetch it or re-fit the mapper",
+            field=path,
+        )
 
     def _name(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -79,13 +81,16 @@ class _Fields:
         return value
 
     @overload
-    def integer(self, key: str, *, low: int = ..., high: int = ..., required: Literal[True] = ...,
-                null: Literal[False] = ...) -> int: ...
+    def integer(
+        self, key: str, *, low: int = ..., high: int = ..., required: Literal[True] = ..., null: Literal[False] = ...
+    ) -> int: ...
     @overload
-    def integer(self, key: str, *, low: int = ..., high: int = ..., required: bool = ..., null: bool = ...) -> int | None:
-        ...
-    def integer(self, key: str, *, low: int = 0, high: int = 1 << 31, required: bool = True,
-                null: bool = False) -> int | None:
+    def integer(
+        self, key: str, *, low: int = ..., high: int = ..., required: bool = ..., null: bool = ...
+    ) -> int | None: ...
+    def integer(
+        self, key: str, *, low: int = 0, high: int = 1 << 31, required: bool = True, null: bool = False
+    ) -> int | None:
         value = self.get(key, (int, type(None)) if null else (int,), required=required, what="an integer")
         if value is not None and not low <= value < high:
             self.fail(self._name(key), f"must be an integer in {low}..{high - 1}, not {_show(value)}")
@@ -99,8 +104,15 @@ class _Fields:
             self.fail(self._name(key), f"must be >= {low}, not {_show(value)}")
         return value
 
-    def text(self, key: str, *, required: bool = True, null: bool = False, pattern: re.Pattern | None = None,
-             max_length: int = 4096) -> str | None:
+    def text(
+        self,
+        key: str,
+        *,
+        required: bool = True,
+        null: bool = False,
+        pattern: re.Pattern | None = None,
+        max_length: int = 4096,
+    ) -> str | None:
         value = self.get(key, (str, type(None)) if null else (str,), required=required, what="a string")
         if value is None:
             return None
@@ -115,8 +127,11 @@ class _Fields:
         """Refuse a control character (below 0x20, or 0x7f) in the text ``value`` of field ``key``."""
         found = _CONTROL.search(value)
         if found:
-            self.fail(self._name(key), f"{what or 'contains'} the control character {found.group()!r} at position "
-                                       f"{found.start()}; names and ids are one line of printable text")
+            self.fail(
+                self._name(key),
+                f"{what or 'contains'} the control character {found.group()!r} at position "
+                f"{found.start()}; names and ids are one line of printable text",
+            )
 
     @overload
     def child(self, key: str, *, required: Literal[True] = ...) -> "_Fields": ...
@@ -134,11 +149,15 @@ def check_format_version(metadata, *, where: str) -> int:
     version = fields.integer("format_version", low=1, high=1 << 63)
     if version > FORMAT_VERSION:
         kind = metadata.get("kind")
-        named = f" (a map of kind {kind!r})" if isinstance(kind, str) and len(kind) <= 64 and \
-            not _CONTROL.search(kind) else ""
+        named = (
+            f" (a map of kind {kind!r})"
+            if isinstance(kind, str) and len(kind) <= 64 and not _CONTROL.search(kind)
+            else ""
+        )
         raise FormatVersionError(
             f"{where} has artifact format version {version}{named}, this kvhub ({__version__}) reads up to "
-            f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`")
+            f"{FORMAT_VERSION}; upgrade with `pip install -U kvhub`"
+        )
     return version
 
 
@@ -258,18 +277,23 @@ def _check_choice_or_number(fields: _Fields, key: str, *, integer: bool) -> None
     value = fields.obj.get(key)
     if value is None or value == "auto":  # "auto": what older files hold for null
         return
-    ok = isinstance(value, int) and value >= 1 if integer else isinstance(value, (int, float)) and \
-        math.isfinite(value) and value >= 0
+    ok = (
+        isinstance(value, int) and value >= 1
+        if integer
+        else isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    )
     if isinstance(value, bool) or not ok:
         kind = "an integer >= 1" if integer else "a finite number >= 0"
-        fields.fail(key, f"must be {kind}, \"auto\" or null, not {_show(value)}")
+        fields.fail(key, f'must be {kind}, "auto" or null, not {_show(value)}')
 
 
 def _check_layers(fields: _Fields, source: dict, target: dict) -> None:
     layers = fields.get("layers", (list,), what="a list")
     if len(layers) != target["num_layers"]:
-        fields.fail("layers", f"has {len(layers)} entries; the target has {target['num_layers']} layers, "
-                              "each mapped exactly once")
+        fields.fail(
+            "layers",
+            f"has {len(layers)} entries; the target has {target['num_layers']} layers, each mapped exactly once",
+        )
     seen: dict[int, int] = {}
     for index, layer in enumerate(layers):
         entry = _Fields(layer, f"layers[{index}]", fields.where)
@@ -281,16 +305,25 @@ def _check_layers(fields: _Fields, source: dict, target: dict) -> None:
         if not sources or not all(isinstance(s, int) and not isinstance(s, bool) for s in sources):
             entry.fail(f"layers[{index}].sources", f"must be a non-empty list of layer indices, not {_show(sources)}")
         if not all(0 <= s < source["num_layers"] for s in sources) or sorted(set(sources)) != sources:
-            entry.fail(f"layers[{index}].sources", f"must be ascending distinct source layers in "
-                                                   f"0..{source['num_layers'] - 1}, not {_show(sources)}")
+            entry.fail(
+                f"layers[{index}].sources",
+                f"must be ascending distinct source layers in 0..{source['num_layers'] - 1}, not {_show(sources)}",
+            )
         for key in _LAYER_NUMBERS:
             entry.number(key, finite=key.startswith("lambda"), low=0 if key.startswith("lambda") else None)
         entry.integer("k", low=1, required=False, null=True)
 
 
 def _json_type(value) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 

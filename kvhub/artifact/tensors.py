@@ -80,13 +80,23 @@ def _entries(header, data_bytes: int, where: str) -> dict[str, tuple[int, tuple[
     for name, info in header.items():
         if name == "__metadata__":  # safetensors itself refuses anything but {string: string} at load
             if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
-                _fail(where, "has a safetensors __metadata__ that is not an object of strings "
-                             f"({json.dumps(info)[:60]})")
+                _fail(
+                    where, f"has a safetensors __metadata__ that is not an object of strings ({json.dumps(info)[:60]})"
+                )
             continue
-        ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and \
-            isinstance(info.get("data_offsets"), list)
-        numbers = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                             for x in [*info["shape"], *info["data_offsets"]]) and len(info["data_offsets"]) == 2
+        ok = (
+            isinstance(info, dict)
+            and isinstance(info.get("shape"), list)
+            and isinstance(info.get("data_offsets"), list)
+        )
+        numbers = (
+            ok
+            and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                for x in [*info["shape"], *info["data_offsets"]]
+            )
+            and len(info["data_offsets"]) == 2
+        )
         if not numbers:
             _fail(where, f"has a malformed header entry for tensor {name!r}")
         if info.get("dtype") != DTYPE:
@@ -146,8 +156,9 @@ def _part(name: str) -> str:
 
 def is_compressed(shapes: dict[str, tuple[int, ...]]) -> bool:
     """True when some map is low rank (``weight_a``) or head-local (a 3-D ``weight``)."""
-    return any(name.endswith(".weight_a") or (name.endswith(".weight") and len(shape) == 3)
-               for name, shape in shapes.items())
+    return any(
+        name.endswith(".weight_a") or (name.endswith(".weight") and len(shape) == 3) for name, shape in shapes.items()
+    )
 
 
 def has_target_means(shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -187,13 +198,17 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], metadata: dict, *, where: 
                     _fail(where, f"has {mean} of shape {shapes[mean]}, expected ({d_out},)")
     extra = sorted(set(shapes) - expected)
     if extra:
-        _fail(where, f"holds tensors the format does not name ({', '.join(extra[:4])}"
-                     f"{', ...' if len(extra) > 4 else ''})")
+        _fail(
+            where, f"holds tensors the format does not name ({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})"
+        )
     if is_compressed(shapes) and metadata["format_version"] < 2:
         _fail(where, "stores head-local or low-rank maps under format_version 1; they need format version 2")
     if metadata["format_version"] < map_kind.format_version:
-        _fail(where, f"stores {map_kind.name} maps under format_version {metadata['format_version']}; they need "
-                     f"format version {map_kind.format_version}")
+        _fail(
+            where,
+            f"stores {map_kind.name} maps under format_version {metadata['format_version']}; they need "
+            f"format version {map_kind.format_version}",
+        )
 
 
 def _check_kind_parts(shapes, prefix: str, parts: dict[str, tuple[int, ...]], kind: str, where: str) -> set[str]:
@@ -221,18 +236,25 @@ def _check_map(shapes, prefix: str, d_in: int, d_out: int, src: dict, dst: dict,
     rank = factors[0][-1] if len(factors) == 2 else None
     heads_ok = groups >= 1 and src["num_kv_heads"] % groups == 0 and dst["num_kv_heads"] % groups == 0
     if len(factors[0]) == 3 and (groups < 2 or not heads_ok):
-        _fail(where, f"splits {prefix} into {groups} head groups, which do not divide the KV heads "
-                     f"({src['num_kv_heads']} source, {dst['num_kv_heads']} target)")
+        _fail(
+            where,
+            f"splits {prefix} into {groups} head groups, which do not divide the KV heads "
+            f"({src['num_kv_heads']} source, {dst['num_kv_heads']} target)",
+        )
     lead = (groups,) if groups > 1 else ()
     rows, cols = d_in // groups, d_out // groups
     want = [lead + (rows, cols)] if rank is None else [lead + (rows, rank), lead + (rank, cols)]
     if factors != want or (rank is not None and rank < 1):
         names = [dense] if rank is None else list(low_rank)
-        _fail(where, f"has {', '.join(names)} of shape {', '.join(map(str, factors))}, expected "
-                     f"{', '.join(map(str, want))} from the fingerprints' geometry")
+        _fail(
+            where,
+            f"has {', '.join(names)} of shape {', '.join(map(str, factors))}, expected "
+            f"{', '.join(map(str, want))} from the fingerprints' geometry",
+        )
     return {dense} if rank is None else set(low_rank)
 
 
 def _fail(where: str, problem: str):
-    raise InvalidArtifactError(f"{where} {problem}; the artifact is corrupt or inconsistent, re-fetch it or "
-                               "re-fit the mapper", field="tensors")
+    raise InvalidArtifactError(
+        f"{where} {problem}; the artifact is corrupt or inconsistent, re-fetch it or re-fit the mapper", field="tensors"
+    )

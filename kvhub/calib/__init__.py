@@ -7,13 +7,21 @@
 See docs/calibration.md for the catalog, the recipe format and what the content hash covers.
 """
 
-from kvhub.calib.recipe import (DEFAULT_CALIBRATION, Recipe, heldout_count, list_calibration_sets, load_recipe,
-                                recipe_from_spec)
+from kvhub.calib.recipe import (
+    DEFAULT_CALIBRATION,
+    Recipe,
+    heldout_count,
+    list_calibration_sets,
+    load_recipe,
+    recipe_from_spec,
+)
 
 # Building a set tokenizes and packs with torch: those names load on first use, so importing the recipes
 # (kvhub.calib.recipe, or this package) stays torch-free.
-_LAZY = {name: "kvhub.calib.calibration_set"
-         for name in ("CalibrationSet", "fetch_corpus", "resolve_calibration", "source_status")}
+_LAZY = {
+    name: "kvhub.calib.calibration_set"
+    for name in ("CalibrationSet", "fetch_corpus", "resolve_calibration", "source_status")
+}
 
 __all__ = [
     "DEFAULT_CALIBRATION",

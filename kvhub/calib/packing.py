@@ -69,7 +69,7 @@ def default_prefix(tokenizer) -> list[int]:
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
     full = tokenizer(probe)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return list(full[:start])
     return []
 
@@ -128,7 +128,7 @@ class TokenStream:
     def __iter__(self) -> Iterator[list[int]]:
         for index in range(len(self.documents)):
             if index >= len(self.tokens):
-                self._tokenize(self.documents[index:index + _BATCH_DOCUMENTS])
+                self._tokenize(self.documents[index : index + _BATCH_DOCUMENTS])
             yield self.tokens[index]
 
 
@@ -144,12 +144,13 @@ def _fill(stream: Iterator[list[int]], needed: int) -> tuple[list[int], int]:
 
 
 def _windows(buffer: list[int], prefix: list[int], body: int) -> torch.Tensor:
-    rows = [prefix + buffer[i * body:(i + 1) * body] for i in range(len(buffer) // body)]
+    rows = [prefix + buffer[i * body : (i + 1) * body] for i in range(len(buffer) // body)]
     return torch.tensor(rows, dtype=torch.long).reshape(len(rows), len(prefix) + body)  # (rows, T)
 
 
-def pack(tokens, *, prefix: list[int], seq_len: int, samples: int, heldout: int,
-         progress: Progress | None = None) -> Packed | None:
+def pack(
+    tokens, *, prefix: list[int], seq_len: int, samples: int, heldout: int, progress: Progress | None = None
+) -> Packed | None:
     """Pack a token stream into ``heldout`` then ``samples`` sequences; None when it runs out."""
     body = seq_len - len(prefix)
     stream = iter(tokens)

@@ -76,7 +76,7 @@ def _records_jsonl(data: bytes, name: str) -> Iterator[tuple[int, dict]]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{name} line {number} is not JSON ({exc.msg}); fix or remove the line") from exc
         if not isinstance(record, dict):
-            raise ConfigError(f"{name} line {number} is not a JSON object; expected {{\"text\": ...}} per line")
+            raise ConfigError(f'{name} line {number} is not a JSON object; expected {{"text": ...}} per line')
         yield number, record
 
 

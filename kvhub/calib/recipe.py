@@ -179,7 +179,9 @@ def _take(table: dict, key: str, kind: type, default, *, path: str, prefix: str 
         if default is _REQUIRED:
             raise RecipeError(
                 f"{path}: field `{name}` is missing (expected {_TYPE_NAMES[kind]})",
-                path=path, field=name, expected=_TYPE_NAMES[kind],
+                path=path,
+                field=name,
+                expected=_TYPE_NAMES[kind],
             )
         return default
     value = table[key]
@@ -193,7 +195,9 @@ def _take(table: dict, key: str, kind: type, default, *, path: str, prefix: str 
     if not ok:
         raise RecipeError(
             f"{path}: field `{name}` must be {_TYPE_NAMES[kind]}, got {type(value).__name__} {value!r}",
-            path=path, field=name, expected=_TYPE_NAMES[kind],
+            path=path,
+            field=name,
+            expected=_TYPE_NAMES[kind],
         )
     return tuple(value) if kind is tuple else (float(value) if kind is float else value)
 
@@ -220,19 +224,24 @@ def _parse_dataclass(cls, table: dict, *, path: str, prefix: str, required=()):
 def _parse_source(table, *, path: str, index: int) -> Source:
     prefix = f"sources[{index}]."
     if not isinstance(table, dict):
-        raise RecipeError(f"{path}: `sources[{index}]` must be a table",
-                          path=path, field=f"sources[{index}]", expected="a table")
+        raise RecipeError(
+            f"{path}: `sources[{index}]` must be a table", path=path, field=f"sources[{index}]", expected="a table"
+        )
     kind = _take(table, "kind", str, _REQUIRED, path=path, prefix=prefix)
     if kind not in SOURCE_KINDS:
         raise RecipeError(
             f"{path}: field `{prefix}kind` must be one of {', '.join(SOURCE_KINDS)}, got {kind!r}",
-            path=path, field=f"{prefix}kind", expected=f"one of {', '.join(SOURCE_KINDS)}",
+            path=path,
+            field=f"{prefix}kind",
+            expected=f"one of {', '.join(SOURCE_KINDS)}",
         )
     source = _parse_dataclass(Source, table, path=path, prefix=prefix, required=("kind", *_KIND_NEEDS[kind]))
     if source.format not in FORMATS:
         raise RecipeError(
             f"{path}: field `{prefix}format` must be one of {', '.join(FORMATS)}, got {source.format!r}",
-            path=path, field=f"{prefix}format", expected=f"one of {', '.join(FORMATS)}",
+            path=path,
+            field=f"{prefix}format",
+            expected=f"one of {', '.join(FORMATS)}",
         )
     if source.extract:
         try:
@@ -240,7 +249,9 @@ def _parse_source(table, *, path: str, index: int) -> Source:
         except re.error as exc:
             raise RecipeError(
                 f"{path}: field `{prefix}extract` is not a valid regular expression ({exc})",
-                path=path, field=f"{prefix}extract", expected="a regular expression",
+                path=path,
+                field=f"{prefix}extract",
+                expected="a regular expression",
             ) from exc
     return source
 
@@ -260,7 +271,9 @@ def _check_sequences(sequences: Sequences, *, where: str, fields=None) -> None:
             value = getattr(sequences, name)
             raise RecipeError(
                 f"{where}: field `sequences.{name}` must be {expected}, got {value!r}",
-                path=where, field=f"sequences.{name}", expected=expected,
+                path=where,
+                field=f"sequences.{name}",
+                expected=expected,
             )
 
 
@@ -270,14 +283,18 @@ def parse_recipe(data: dict, *, path: str, default_name: str) -> Recipe:
     if not _NAME_RE.match(name):
         raise RecipeError(
             f"{path}: field `name` must be lowercase letters, digits, '.', '_' or '-', got {name!r}",
-            path=path, field="name", expected="a lowercase name",
+            path=path,
+            field="name",
+            expected="a lowercase name",
         )
     sources = data.get("sources", _REQUIRED)
     if sources is _REQUIRED or not isinstance(sources, list) or not sources:
         got = "nothing" if sources is _REQUIRED else repr(sources)[:60]
         raise RecipeError(
             f"{path}: field `sources` must be a non-empty array of tables ([[sources]]), got {got}",
-            path=path, field="sources", expected="an array of tables",
+            path=path,
+            field="sources",
+            expected="an array of tables",
         )
     tables = {}
     for section in ("filters", "sequences"):
@@ -314,6 +331,7 @@ def read_recipe_file(path: str | os.PathLike) -> Recipe:
 # ---------------------------------------------------------------------------------------------------
 # The built-in catalog and specs.
 
+
 def catalog_dir() -> Path:
     """Directory of the built-in recipes (``registry/calibration`` inside the installed package)."""
     from importlib.resources import files
@@ -342,7 +360,8 @@ def _unknown(name: str) -> UnknownCalibrationError:
     return UnknownCalibrationError(
         f"unknown calibration set {name!r}; built-in sets: {', '.join(known)} (`kvhub calib list`). "
         f"To use your own text, {_HOW_TO_ADD}",
-        name=name, known=known,
+        name=name,
+        known=known,
     )
 
 
@@ -360,13 +379,18 @@ def _user_recipe(name: str, source: Source, description: str) -> Recipe:
     if name in builtin_names():
         name = f"local-{name}"
     return Recipe(
-        name=name, version=1, description=description, licence="unknown (user-provided text)",
-        sources=(source,), filters=Filters(min_chars=1), sequences=Sequences(),
+        name=name,
+        version=1,
+        description=description,
+        licence="unknown (user-provided text)",
+        sources=(source,),
+        filters=Filters(min_chars=1),
+        sequences=Sequences(),
     )
 
 
 def _hf_recipe(spec: str) -> Recipe:
-    parts = spec[len("hf:"):].split(":")
+    parts = spec[len("hf:") :].split(":")
     if len(parts) == 3:
         dataset, config, split, text_field = parts[0], "", parts[1], parts[2]
     elif len(parts) == 4:

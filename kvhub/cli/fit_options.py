@@ -38,18 +38,33 @@ def fit_option(name: str, *, help: str | None = None):
     if isinstance(spec.default, bool):
         return click.option(meta["flag"], name, is_flag=True, default=spec.default, help=text)
     if meta["choices"]:
-        return click.option(meta["flag"], name, type=click.Choice(list(meta["choices"])), default=spec.default,
-                            show_default=True, help=text)
+        return click.option(
+            meta["flag"],
+            name,
+            type=click.Choice(list(meta["choices"])),
+            default=spec.default,
+            show_default=True,
+            help=text,
+        )
     default = AUTO if meta["auto"] else spec.default
     metavar = {int: "INTEGER", float: "NUMBER"}[meta["parse"]] + ("|auto" if meta["auto"] else "")
-    return click.option(meta["flag"], name, default=default, show_default=default is not None, metavar=metavar,
-                        callback=_callback(name), help=text)
+    return click.option(
+        meta["flag"],
+        name,
+        default=default,
+        show_default=default is not None,
+        metavar=metavar,
+        callback=_callback(name),
+        help=text,
+    )
 
 
 def fit_options(*names: str):
     """A decorator adding the click options of the knobs ``names``, in that order."""
+
     def decorate(command):
         for name in reversed(names):
             command = fit_option(name)(command)
         return command
+
     return decorate

@@ -11,39 +11,87 @@ from kvhub.cli.output import echo_json, format_number, format_option, print_reco
 
 def token_option(command):
     """--token: a Hub token for this command (default: HF_TOKEN or `hf auth login`); never printed."""
-    return click.option("--token", default=None, metavar="TOKEN",
-                        help="Hub token (default: HF_TOKEN or the `hf auth login` token).")(command)
+    return click.option(
+        "--token", default=None, metavar="TOKEN", help="Hub token (default: HF_TOKEN or the `hf auth login` token)."
+    )(command)
 
 
 @click.command()
 @click.argument("ref")
 @click.option("--repo", "repo_id", required=True, help="Hub repository OWNER/NAME (created if missing).")
 @click.option("--private", is_flag=True, help="Create the repository private (refused if it exists and is public).")
-@click.option("--revision", "--branch", "branch", default="main", show_default=True,
-              help="Branch that receives the commit (created if missing; --branch is its older name).")
-@click.option("--card", type=click.Choice(["auto", "keep", "replace"]), default="auto", show_default=True,
-              help="README.md: auto = replace it unless it was edited on the Hub; keep; replace (also refreshes "
-                   "the card of a version published already, with the evaluations stored since).")
-@click.option("--base-model", default=None, metavar="SRC,DST",
-              help="Hub ids of the source and target models: they name the models in everything published "
-                   "(card, mapper.json, search), needed when the mapper was fitted from local paths.")
-@click.option("--license", "license_id", default=None, metavar="ID",
-              help="The card's licence, a Hub licence id (e.g. the base models' apache-2.0); default: the "
-                   "calibration text's when it is one.")
+@click.option(
+    "--revision",
+    "--branch",
+    "branch",
+    default="main",
+    show_default=True,
+    help="Branch that receives the commit (created if missing; --branch is its older name).",
+)
+@click.option(
+    "--card",
+    type=click.Choice(["auto", "keep", "replace"]),
+    default="auto",
+    show_default=True,
+    help="README.md: auto = replace it unless it was edited on the Hub; keep; replace (also refreshes "
+    "the card of a version published already, with the evaluations stored since).",
+)
+@click.option(
+    "--base-model",
+    default=None,
+    metavar="SRC,DST",
+    help="Hub ids of the source and target models: they name the models in everything published "
+    "(card, mapper.json, search), needed when the mapper was fitted from local paths.",
+)
+@click.option(
+    "--license",
+    "license_id",
+    default=None,
+    metavar="ID",
+    help="The card's licence, a Hub licence id (e.g. the base models' apache-2.0); default: the "
+    "calibration text's when it is one.",
+)
 @click.option("--license-name", default=None, metavar="SLUG", help="With --license other: the licence's name.")
-@click.option("--license-link", default=None, metavar="URL",
-              help="With --license other: a link to the licence text (a URL or a file in the repository).")
-@click.option("--figures", default=None, metavar="DIR", type=click.Path(file_okay=False),
-              help="Add the figures in DIR (e.g. the --out of `kvhub report`) to the commit and the card; for a "
-                   "version published already, they are added with a refreshed card.")
+@click.option(
+    "--license-link",
+    default=None,
+    metavar="URL",
+    help="With --license other: a link to the licence text (a URL or a file in the repository).",
+)
+@click.option(
+    "--figures",
+    default=None,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Add the figures in DIR (e.g. the --out of `kvhub report`) to the commit and the card; for a "
+    "version published already, they are added with a refreshed card.",
+)
 @click.option("--commit-message", default=None, help="Title of the commit (default: kvhub vN: SRC -> DST (CALIB)).")
-@click.option("--create-pr", is_flag=True,
-              help="Open a pull request instead of committing; push again once it is merged to tag the version.")
+@click.option(
+    "--create-pr",
+    is_flag=True,
+    help="Open a pull request instead of committing; push again once it is merged to tag the version.",
+)
 @token_option
 @db_option
 @format_option
-def push(ref, repo_id, private, branch, card, base_model, license_id, license_name, license_link, figures,
-         commit_message, create_pr, token, db, output_format):
+def push(
+    ref,
+    repo_id,
+    private,
+    branch,
+    card,
+    base_model,
+    license_id,
+    license_name,
+    license_link,
+    figures,
+    commit_message,
+    create_pr,
+    token,
+    db,
+    output_format,
+):
     """Publish the mapper version REF to the Hub: one commit, tagged vN.
 
     \b
@@ -65,18 +113,39 @@ def push(ref, repo_id, private, branch, card, base_model, license_id, license_na
     chosen = card_license(license_id, name=license_name, link=license_link)
     with open_db(db, create=False) as store, hub_transfer(f"pushing {ref} to {repo_id}"):
         try:
-            result = push_version(store, ref, repo_id, private=private, revision=branch, card=card, token=token,
-                                  base_model=_base_models(base_model), license=chosen, figures=figures,
-                                  commit_message=commit_message, create_pr=create_pr)
+            result = push_version(
+                store,
+                ref,
+                repo_id,
+                private=private,
+                revision=branch,
+                card=card,
+                token=token,
+                base_model=_base_models(base_model),
+                license=chosen,
+                figures=figures,
+                commit_message=commit_message,
+                create_pr=create_pr,
+            )
         except BaseModelError as exc:
             raise BaseModelError(exc.option_text, option_text=exc.option_text) from None
         full_ref = store.resolve(ref).ref
     for note in result.notes:
         say(note, label="note:")
-    if not print_record({"ref": full_ref, "repo_id": result.repo_id, "tag": result.tag, "commit_sha": result.commit_sha,
-                         "branch": result.branch, "url": result.url, "card": result.card,
-                         "already_published": result.already_published, "pull_request": result.pull_request},
-                        output_format=output_format):
+    if not print_record(
+        {
+            "ref": full_ref,
+            "repo_id": result.repo_id,
+            "tag": result.tag,
+            "commit_sha": result.commit_sha,
+            "branch": result.branch,
+            "url": result.url,
+            "card": result.card,
+            "already_published": result.already_published,
+            "pull_request": result.pull_request,
+        },
+        output_format=output_format,
+    ):
         console.print(_push_line(ref, result), highlight=False, markup=False, soft_wrap=True)
 
 
@@ -85,19 +154,30 @@ def _push_line(ref: str, result) -> str:
     if result.pull_request:
         return f"opened a pull request on {result.repo_id} for {ref}: {result.pull_request}"
     if result.already_published and result.card == "replaced":
-        return (f"refreshed the card of {ref} on {result.repo_id}@{result.branch} (commit {result.commit_sha[:12]}; "
-                f"tag {result.tag} keeps its commit)\n{result.url}")
+        return (
+            f"refreshed the card of {ref} on {result.repo_id}@{result.branch} (commit {result.commit_sha[:12]}; "
+            f"tag {result.tag} keeps its commit)\n{result.url}"
+        )
     if result.already_published:
-        return (f"{ref} is already published as {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]}); "
-                "nothing to do")
-    return (f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on {result.branch}, "
-            f"card {result.card})\n{result.url}")
+        return (
+            f"{ref} is already published as {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]}); "
+            "nothing to do"
+        )
+    return (
+        f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on {result.branch}, "
+        f"card {result.card})\n{result.url}"
+    )
 
 
 @click.command()
 @click.argument("repo", required=False)
-@click.option("--repo", "repo_option", default=None, metavar="OWNER/NAME[@REVISION]",
-              help="The repository, as push names it (the same as the REPO argument).")
+@click.option(
+    "--repo",
+    "repo_option",
+    default=None,
+    metavar="OWNER/NAME[@REVISION]",
+    help="The repository, as push names it (the same as the REPO argument).",
+)
 @click.option("--revision", default=None, help="Branch, tag or commit (same as OWNER/NAME@REVISION; default main).")
 @token_option
 @db_option
@@ -126,18 +206,35 @@ def pull(repo, repo_option, revision, token, db, output_format):
     with open_db(db) as store, hub_transfer(f"pulling {repo}"):
         result = pull_repo(store, repo, revision=revision, token=token)
         reference = store.reference(result.version)
-    if print_record({"ref": result.version.ref, "version": result.version.version, "alias": result.alias,
-                     "repo_id": result.repo_id, "revision": result.revision, "commit_sha": result.commit_sha,
-                     "already_registered": result.already_registered}, output_format=output_format):
+    if print_record(
+        {
+            "ref": result.version.ref,
+            "version": result.version.version,
+            "alias": result.alias,
+            "repo_id": result.repo_id,
+            "revision": result.revision,
+            "commit_sha": result.commit_sha,
+            "already_registered": result.already_registered,
+        },
+        output_format=output_format,
+    ):
         return
-    also = f" (also @{result.alias}: the store's v{result.version.version} is the Hub's {result.revision})" \
-        if result.alias else ""
+    also = (
+        f" (also @{result.alias}: the store's v{result.version.version} is the Hub's {result.revision})"
+        if result.alias
+        else ""
+    )
     if result.already_registered:
-        say(f"{result.repo_id}@{result.revision} is already in the store as {reference}{also}; nothing to do",
-            to=console)
+        say(
+            f"{result.repo_id}@{result.revision} is already in the store as {reference}{also}; nothing to do",
+            to=console,
+        )
     else:
-        say(f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> registered "
-            f"{reference}{also}", to=console)
+        say(
+            f"pulled {result.repo_id}@{result.revision} (commit {result.commit_sha[:12]}) -> registered "
+            f"{reference}{also}",
+            to=console,
+        )
 
 
 @click.command()
@@ -168,12 +265,25 @@ def search(src, dst, calib, author, limit, token, output_format):
     rows = []
     for m in found:
         r2 = [m.metrics.get(f"heldout_r2_{kind}_mean") for kind in ("k", "v")]
-        rows.append([m.repo_id, "private" if m.private else "public", m.source, m.target, m.calibration or "-",
-                     m.version or "-", m.k if m.k is not None else "-",
-                     *(format_number(x, exact=output_format == "tsv") if isinstance(x, (int, float)) else "-"
-                       for x in r2), (m.last_modified or "")[:10]])
-    print_table(["REPOSITORY", "VISIBILITY", "SOURCE", "TARGET", "CALIBRATION", "VERSION", "K", "R2 K", "R2 V",
-                 "UPDATED"], rows, output_format=output_format, right=("K", "R2 K", "R2 V"))
+        rows.append(
+            [
+                m.repo_id,
+                "private" if m.private else "public",
+                m.source,
+                m.target,
+                m.calibration or "-",
+                m.version or "-",
+                m.k if m.k is not None else "-",
+                *(format_number(x, exact=output_format == "tsv") if isinstance(x, (int, float)) else "-" for x in r2),
+                (m.last_modified or "")[:10],
+            ]
+        )
+    print_table(
+        ["REPOSITORY", "VISIBILITY", "SOURCE", "TARGET", "CALIBRATION", "VERSION", "K", "R2 K", "R2 V", "UPDATED"],
+        rows,
+        output_format=output_format,
+        right=("K", "R2 K", "R2 V"),
+    )
 
 
 def _base_models(option: str | None) -> tuple[str, str] | None:
@@ -184,8 +294,10 @@ def _base_models(option: str | None) -> tuple[str, str] | None:
         return None
     parts = [part.strip() for part in option.split(",")]
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--base-model {option!r}: give two Hub model ids, SRC,DST, e.g. "
-                          "--base-model Qwen/Qwen2.5-Coder-0.5B-Instruct,Qwen/Qwen2.5-Coder-1.5B-Instruct")
+        raise ConfigError(
+            f"--base-model {option!r}: give two Hub model ids, SRC,DST, e.g. "
+            "--base-model Qwen/Qwen2.5-Coder-0.5B-Instruct,Qwen/Qwen2.5-Coder-1.5B-Instruct"
+        )
     return parts[0], parts[1]
 
 

@@ -45,8 +45,10 @@ def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
         except ValueError:
             number = math.nan
         if not name.strip() or not math.isfinite(number):
-            raise ConfigError(f"--min-metric {pair!r}: write NAME=VALUE or NAME@TASK=VALUE with a finite number, "
-                              "e.g. heldout_r2_k_mean=0.9 or retention@hellaswag=0.9")
+            raise ConfigError(
+                f"--min-metric {pair!r}: write NAME=VALUE or NAME@TASK=VALUE with a finite number, "
+                "e.g. heldout_r2_k_mean=0.9 or retention@hellaswag=0.9"
+            )
         thresholds[name.strip()] = number
     return thresholds
 
@@ -56,9 +58,14 @@ def _parse_thresholds(pairs: tuple[str, ...]) -> dict[str, float]:
 @click.option("--dst", default=None, help="Target model: full id or short name.")
 @click.option("--calib", default=None, help="Calibration-set name.")
 @click.option("--family", default=None, help="Model family of the source (qwen2, llama, ...).")
-@click.option("--min-metric", "min_metrics", multiple=True, metavar="NAME[@TASK]=VALUE",
-              help="Keep versions with a measurement NAME >= VALUE, on TASK only when given "
-                   "(retention@hellaswag=0.9; repeatable).")
+@click.option(
+    "--min-metric",
+    "min_metrics",
+    multiple=True,
+    metavar="NAME[@TASK]=VALUE",
+    help="Keep versions with a measurement NAME >= VALUE, on TASK only when given "
+    "(retention@hellaswag=0.9; repeatable).",
+)
 @db_option
 @format_option
 def list_versions(src, dst, calib, family, min_metrics, db, output_format):
@@ -75,8 +82,9 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     JSON: one object per version with its whole-mapper metrics.  Before the first fit (no store at
     the default location yet) the listing is empty.
     """
-    versions, metrics = _listed(db, source=src, target=dst, calibration=calib, family=family,
-                                min_metrics=_parse_thresholds(min_metrics))
+    versions, metrics = _listed(
+        db, source=src, target=dst, calibration=calib, family=family, min_metrics=_parse_thresholds(min_metrics)
+    )
     if output_format == "json":
         echo_json([version_json(v, metrics.get(v.id, [])) for v in versions])
         return
@@ -89,14 +97,30 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     for v in versions:
         headline = {m["name"]: m["value"] for m in metrics.get(v.id, []) if m["task"] is None}
         text = v.calibration_text_sha256 or ""
-        rows.append([v.short_ref if short else v.ref, ",".join(v.aliases), _when(v.created_at),
-                     shown(v.k), _lambda(v.ridge_lambda, output_format),
-                     _number(headline.get(_HEADLINE[0]), output_format),
-                     _number(headline.get(_HEADLINE[1]), output_format),
-                     text[:12] if output_format == "table" else text,
-                     format_size(v.artifact_bytes) if output_format == "table" else v.artifact_bytes])
-    columns = ["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V", "TEXT",
-               "SIZE" if output_format == "table" else "BYTES"]
+        rows.append(
+            [
+                v.short_ref if short else v.ref,
+                ",".join(v.aliases),
+                _when(v.created_at),
+                shown(v.k),
+                _lambda(v.ridge_lambda, output_format),
+                _number(headline.get(_HEADLINE[0]), output_format),
+                _number(headline.get(_HEADLINE[1]), output_format),
+                text[:12] if output_format == "table" else text,
+                format_size(v.artifact_bytes) if output_format == "table" else v.artifact_bytes,
+            ]
+        )
+    columns = [
+        "REF",
+        "ALIASES",
+        "CREATED",
+        "K",
+        "LAMBDA",
+        "R2 K",
+        "R2 V",
+        "TEXT",
+        "SIZE" if output_format == "table" else "BYTES",
+    ]
     print_table(columns, rows, output_format=output_format, right=("K", "LAMBDA", "R2 K", "R2 V", "SIZE"))
 
 
@@ -120,12 +144,18 @@ def _listed(db, **filters) -> tuple[list, dict]:
 
 @click.command(epilog=REF_HELP)
 @click.argument("ref")
-@click.option("--layers", "per_layer", is_flag=True,
-              help="Also show every target layer: its source layers, lambdas, held-out R2 and per-layer metrics.")
+@click.option(
+    "--layers",
+    "per_layer",
+    is_flag=True,
+    help="Also show every target layer: its source layers, lambdas, held-out R2 and per-layer metrics.",
+)
 @click.option("--verify", is_flag=True, help="Also hash every file of the artifact.")
-@click.option("--history", is_flag=True,
-              help="Every measurement, oldest first, instead of the newest per metric, task (and variant), split "
-                   "and layer.")
+@click.option(
+    "--history",
+    is_flag=True,
+    help="Every measurement, oldest first, instead of the newest per metric, task (and variant), split and layer.",
+)
 @db_option
 @format_option
 def show(ref, per_layer, verify, history, db, output_format):
@@ -156,29 +186,53 @@ def show(ref, per_layer, verify, history, db, output_format):
 
 
 def _print_description(data: dict, *, per_layer: bool, output_format: str, history: bool = False) -> None:
-    metrics = sorted(data["metrics"], key=lambda m: (m["layer"] is not None, m["name"], m["task"] or "",
-                                                     m["layer"] or 0))
+    metrics = sorted(
+        data["metrics"], key=lambda m: (m["layer"] is not None, m["name"], m["task"] or "", m["layer"] or 0)
+    )
     shown = [m for m in metrics if per_layer or m["layer"] is None]
     if output_format == "tsv":  # FIELD<TAB>VALUE; --history adds each measurement's n and time (reruns apart)
         rows = [list(row) + (["", ""] if history else []) for row in _overview_rows(data)]
-        rows += [[_metric_key(m), _number(m["value"], "tsv")]
-                 + (["" if m["n"] is None else m["n"], m["measured_at"]] if history else []) for m in shown]
+        rows += [
+            [_metric_key(m), _number(m["value"], "tsv")]
+            + (["" if m["n"] is None else m["n"], m["measured_at"]] if history else [])
+            for m in shown
+        ]
         print_table(["field", "value", "n", "measured"] if history else None, rows, output_format="tsv")
         return
     print_table(None, [list(row) for row in _overview_rows(data)])
     if per_layer:
-        layer_rows = [[layer.get("target"), ",".join(map(str, layer.get("sources", []))),
-                       _number(layer.get("lambda_k")), _number(layer.get("lambda_v")),
-                       _number(layer.get("r2_k")), _number(layer.get("r2_v"))] for layer in data["selected_layers"]]
+        layer_rows = [
+            [
+                layer.get("target"),
+                ",".join(map(str, layer.get("sources", []))),
+                _number(layer.get("lambda_k")),
+                _number(layer.get("lambda_v")),
+                _number(layer.get("r2_k")),
+                _number(layer.get("r2_v")),
+            ]
+            for layer in data["selected_layers"]
+        ]
         click.echo()
         print_table(["TARGET", "SOURCES", "LAMBDA K", "LAMBDA V", "R2 K", "R2 V"], layer_rows, title="selected layers")
     click.echo()
-    metric_rows = [[m["name"], _number(m["value"]), m["split"] or "", m["task"] or "",
-                    "" if m["layer"] is None else m["layer"], "" if m["n"] is None else m["n"],
-                    m["measured_at"][:16]] for m in shown]
+    metric_rows = [
+        [
+            m["name"],
+            _number(m["value"]),
+            m["split"] or "",
+            m["task"] or "",
+            "" if m["layer"] is None else m["layer"],
+            "" if m["n"] is None else m["n"],
+            m["measured_at"][:16],
+        ]
+        for m in shown
+    ]
     hidden = len(metrics) - len(shown)
-    print_table(["NAME", "VALUE", "SPLIT", "TASK", "LAYER", "N", "MEASURED"], metric_rows,
-                title="metrics" + (f" ({hidden} per-layer values: --layers)" if hidden else ""))
+    print_table(
+        ["NAME", "VALUE", "SPLIT", "TASK", "LAYER", "N", "MEASURED"],
+        metric_rows,
+        title="metrics" + (f" ({hidden} per-layer values: --layers)" if hidden else ""),
+    )
 
 
 def _metric_key(metric: dict) -> str:
@@ -202,26 +256,35 @@ def _overview_rows(data: dict) -> list[tuple[str, str]]:
         ("created", data["created_at"]),
         ("source", f"{src['name']} @ {src['revision'] or '-'} ({src['model_type']}, {geometry.format(**src)})"),
         ("target", f"{dst['name']} @ {dst['revision'] or '-'} ({dst['model_type']}, {geometry.format(**dst)})"),
-        ("calibration", f"{calib['name']} v{calib['version']} ({calib['tokens']} tokens, "
-                        f"text {corpus_hash(calib.get('recipe')) or '-':.12}, set {str(calib['content_hash']):.12})"),
-        ("k / lambda", f"{shown(data['k'])} / "
-                       f"{_lambda(data['ridge_lambda'])}"
-                       + (" (chosen per target layer: --layers)" if auto else "")),
+        (
+            "calibration",
+            f"{calib['name']} v{calib['version']} ({calib['tokens']} tokens, "
+            f"text {corpus_hash(calib.get('recipe')) or '-':.12}, set {str(calib['content_hash']):.12})",
+        ),
+        (
+            "k / lambda",
+            f"{shown(data['k'])} / "
+            f"{_lambda(data['ridge_lambda'])}" + (" (chosen per target layer: --layers)" if auto else ""),
+        ),
         ("artifact", f"{data['artifact_path']} ({format_size(data['artifact_bytes'])})"),
         ("sha256", data["artifact_sha256"]),
         ("tensors sha256", data["tensors_sha256"]),
         ("written by", f"kvhub {data['kvhub_version']}, artifact format {data['format_version']}"),
         ("lineage", json.dumps(data["lineage"], sort_keys=True) if data["lineage"] else "-"),
     ]
-    rows += [("published", f"{p['repo_id']}@{p['revision']} (commit {str(p['commit_sha'])[:12]}, "
-                           f"{p['published_at'][:16]})") for p in data["publications"]]
+    rows += [
+        ("published", f"{p['repo_id']}@{p['revision']} (commit {str(p['commit_sha'])[:12]}, {p['published_at'][:16]})")
+        for p in data["publications"]
+    ]
     return rows
 
 
 @click.command("diff", epilog=REF_HELP)
 @click.argument("ref_a", metavar="REF1")
 @click.argument("ref_b", metavar="REF2")
-@click.option("--layers", "per_layer", is_flag=True, help="Also compare every target layer: source layers and held-out R2.")
+@click.option(
+    "--layers", "per_layer", is_flag=True, help="Also compare every target layer: source layers and held-out R2."
+)
 @db_option
 @format_option
 def diff(ref_a, ref_b, per_layer, db, output_format):
@@ -243,10 +306,17 @@ def diff(ref_a, ref_b, per_layer, db, output_format):
     if output_format == "json":
         echo_json({"refs": [first["ref"], second["ref"]], "rows": rows})
         return
-    table = [[row["field"], _shown(row["a"], output_format), _shown(row["b"], output_format),
-              _number(row["delta"], output_format), "*" if row["changed"] else ""] for row in rows]
-    print_table(["FIELD", "REF1", "REF2", "DELTA", "CHANGED"], table, output_format=output_format,
-                right=("DELTA",))
+    table = [
+        [
+            row["field"],
+            _shown(row["a"], output_format),
+            _shown(row["b"], output_format),
+            _number(row["delta"], output_format),
+            "*" if row["changed"] else "",
+        ]
+        for row in rows
+    ]
+    print_table(["FIELD", "REF1", "REF2", "DELTA", "CHANGED"], table, output_format=output_format, right=("DELTA",))
 
 
 def _shown(value, output_format: str) -> str:

@@ -86,6 +86,7 @@ def _attach() -> None:
     eval_serve_cmd.attach(main)  # eval-serve
     main.add_command(fetch_cmd.fetch)  # fetch models, evals
     from kvhub.cli import serve_cmd  # its own import line: the one above is shared with other command families
+
     serve_cmd.attach(main)  # serve
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
-DB_HELP = ("Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data "
-           "dir). Commands that only read refuse a path where no store exists.")
+DB_HELP = (
+    "Store URL or SQLite path (default: $KVHUB_DB_URL, else $KVHUB_HOME/kvhub.db, else the user data "
+    "dir). Commands that only read refuse a path where no store exists."
+)
 
 db_option = click.option("--db", default=None, metavar="URL", help=DB_HELP)
 
@@ -30,17 +32,26 @@ def open_db(db: str | None, *, create: bool = True):
 
 def output_path_option(directory: str):
     """``--output-path``; ``directory``: what a directory PATH gets (the results file under it)."""
-    return click.option("--output-path", "--out", "output_path", type=click.Path(path_type=Path), default=None,
-                        metavar="PATH",
-                        help="Also write the results document: PATH ending in .json is the file, else a directory "
-                             f"that gets {directory}.  --out is the same option (fit's and report's name).")
+    return click.option(
+        "--output-path",
+        "--out",
+        "output_path",
+        type=click.Path(path_type=Path),
+        default=None,
+        metavar="PATH",
+        help="Also write the results document: PATH ending in .json is the file, else a directory "
+        f"that gets {directory}.  --out is the same option (fit's and report's name).",
+    )
 
 
 def log_samples_option(record: str):
     """``--log-samples``; ``record``: what one item's record holds."""
-    return click.option("--log-samples", is_flag=True,
-                        help=f"With --output-path: write every item's record ({record}) to samples_<task>_<date>.jsonl "
-                             "beside the results.")
+    return click.option(
+        "--log-samples",
+        is_flag=True,
+        help=f"With --output-path: write every item's record ({record}) to samples_<task>_<date>.jsonl "
+        "beside the results.",
+    )
 
 
 def one_value(argument_value, option_value, *, what: str, argument: str, option: str):

@@ -23,8 +23,13 @@ FORMATS = ("table", "json", "tsv")
 def format_option(command):
     """Add ``--format {table,json,tsv}`` and its alias ``--json``; the command receives ``output_format``."""
 
-    @click.option("--format", "output_format", type=click.Choice(FORMATS), default=None,
-                  help="Output: table (people; never wrapped when piped), json, or tsv.  [default: table]")
+    @click.option(
+        "--format",
+        "output_format",
+        type=click.Choice(FORMATS),
+        default=None,
+        help="Output: table (people; never wrapped when piped), json, or tsv.  [default: table]",
+    )
     @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
     @functools.wraps(command)
     def wrapper(*args, output_format=None, as_json=False, **kwargs):
@@ -82,6 +87,7 @@ def _cell(value) -> str:
 
 def tsv_lines(columns: list[str], rows: list[list]) -> list[str]:
     """Header and rows as tab-separated lines (tabs and line breaks inside cells become spaces)."""
+
     def clean(value) -> str:
         return " ".join(_cell(value).replace("\t", " ").splitlines())
 
@@ -95,12 +101,22 @@ def plain_lines(columns: list[str] | None, rows: list[list], *, right: tuple[str
         return []
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     names = columns or [""] * len(widths)
-    return ["  ".join(cell.rjust(width) if name in right else cell.ljust(width)
-                      for cell, width, name in zip(row, widths, names)).rstrip() for row in table]
+    return [
+        "  ".join(
+            cell.rjust(width) if name in right else cell.ljust(width) for cell, width, name in zip(row, widths, names)
+        ).rstrip()
+        for row in table
+    ]
 
 
-def print_table(columns: list[str] | None, rows: list[list], *, output_format: str = "table", title: str | None = None,
-                right: tuple[str, ...] = ()) -> None:
+def print_table(
+    columns: list[str] | None,
+    rows: list[list],
+    *,
+    output_format: str = "table",
+    title: str | None = None,
+    right: tuple[str, ...] = (),
+) -> None:
     """Print rows as a table (``columns`` None: a headerless two-column overview) or as TSV.
 
     ``right``: the columns aligned right (numbers).  Cell text is always shown verbatim (no markup).
@@ -120,8 +136,13 @@ def print_table(columns: list[str] | None, rows: list[list], *, output_format: s
     table = Table(box=None, header_style="bold", show_header=columns is not None, title=title, title_justify="left")
     for index, name in enumerate(columns or ["", ""]):
         overview_label = columns is None and index == 0
-        table.add_column(name, overflow="fold", justify="right" if name in right else "left",
-                         style="bold" if overview_label else None, no_wrap=overview_label)
+        table.add_column(
+            name,
+            overflow="fold",
+            justify="right" if name in right else "left",
+            style="bold" if overview_label else None,
+            no_wrap=overview_label,
+        )
     for row in rows:
         table.add_row(*(plain(_cell(cell)) for cell in row))
     _print_whole(table)
@@ -140,8 +161,13 @@ def _print_whole(table) -> None:
     from rich.console import Console
 
     # Console.print(width=) never exceeds the console's width: a console as wide as the table, same file
-    wide = Console(file=console.file, width=natural, force_terminal=True, color_system=console.color_system,
-                   no_color=console.no_color)
+    wide = Console(
+        file=console.file,
+        width=natural,
+        force_terminal=True,
+        color_system=console.color_system,
+        no_color=console.no_color,
+    )
     wide.print(table, crop=False)
 
 

@@ -23,24 +23,53 @@ def _finite(ctx, param, value: float | None):
 @click.option("--src", required=True, help="Source model: Hub id, known model name, model directory or config.json.")
 @click.option("--dst", required=True, help="Target model, as --src.")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Training sequences [recipe default: 64].")
-@click.option("--heldout", type=click.IntRange(min=0), default=None,
-              help="Held-out sequences [default: a 20% share, as calibration recipes do].")
+@click.option(
+    "--heldout",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Held-out sequences [default: a 20% share, as calibration recipes do].",
+)
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence [recipe default: 512].")
 @fit_options("stride", "batch_size")
 @fit_option("top_k", help="Source layers per target layer, or 'auto' (costed at the largest k of the grid).")
-@click.option("--ranks", type=click.IntRange(min=1), default=None,
-              help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits in one pass, else in "
-                   "two].")
-@click.option("--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present].")
+@click.option(
+    "--ranks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Plan for this many ranks [default: the fewest of 1, 2, 4, 8 that fits in one pass, else in two].",
+)
+@click.option(
+    "--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present]."
+)
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
 @fit_options("statistics", "candidates")
-@click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
-              callback=_finite,
-              help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
-                   "machine's for cpu].")
+@click.option(
+    "--host-memory",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="GIB",
+    callback=_finite,
+    help="RAM of the machine that holds the statistics, in GiB [default: the device profile's; this "
+    "machine's for cpu].",
+)
 @format_option
-def plan(src, dst, samples, heldout, seq_len, stride, batch_size, top_k, ranks, device, dtype, statistics, candidates,
-         host_memory, output_format):
+def plan(
+    src,
+    dst,
+    samples,
+    heldout,
+    seq_len,
+    stride,
+    batch_size,
+    top_k,
+    ranks,
+    device,
+    dtype,
+    statistics,
+    candidates,
+    host_memory,
+    output_format,
+):
     """Plan a fit of SRC -> DST: memory per rank, artifact size, FLOPs, time, mode and rank count.
 
     \b
@@ -53,20 +82,29 @@ def plan(src, dst, samples, heldout, seq_len, stride, batch_size, top_k, ranks, 
     here, and refuses a fit that does not fit the machine, with this command's advice.
     """
     from kvhub.errors import FitError
-    from kvhub.fitting.plan import (GIB, device_profile, plan_fit, recommend, shape_of, too_few_observations,
-                                    workload_for)
+    from kvhub.fitting.plan import (
+        GIB,
+        device_profile,
+        plan_fit,
+        recommend,
+        shape_of,
+        too_few_observations,
+        workload_for,
+    )
 
     source, target = shape_of(src), shape_of(dst)
-    workload = workload_for(samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size,
-                            k=top_k, dtype=dtype)
+    workload = workload_for(
+        samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size, k=top_k, dtype=dtype
+    )
     _warn_past_positions(workload.seq_len, source, target)
     profile = device_profile(device or _default_device())
     if host_memory is not None:  # a CPU device is its own host
         field = "host_memory" if profile.gpu else "memory"
         profile = dataclasses.replace(profile, **{field: int(host_memory * GIB)})
     if ranks or candidates:
-        result = plan_fit(source, target, workload, profile, ranks=ranks or 1, statistics=statistics,
-                          candidates=candidates)
+        result = plan_fit(
+            source, target, workload, profile, ranks=ranks or 1, statistics=statistics, candidates=candidates
+        )
     else:
         result = recommend(source, target, workload, profile, statistics=statistics)
     problem = too_few_observations(source, workload)
@@ -84,9 +122,12 @@ def _warn_past_positions(seq_len: int, *shapes) -> None:
     """A sequence longer than a model's max_position_embeddings: planned (RoPE scaling may allow it), with a warning."""
     for shape in shapes:
         if shape.max_positions is not None and seq_len > shape.max_positions:
-            say(f"--seq-len {seq_len} is longer than the {shape.max_positions} positions of {shape.model_id} "
+            say(
+                f"--seq-len {seq_len} is longer than the {shape.max_positions} positions of {shape.model_id} "
                 "(max_position_embeddings); a fit that long runs the model past what it was trained on",
-                label="warning:", style="yellow")
+                label="warning:",
+                style="yellow",
+            )
 
 
 def _default_device() -> str:
@@ -114,8 +155,10 @@ def _memory_rows(result, *, grouped: bool = True) -> list[list[str]]:
     if not device.gpu:
         rows = [["RAM", name, gib(memory[key]), ""] for key, name in parts.items()]
         rows += [["RAM", name, gib(memory[key]), ""] for name, key in host_parts]
-        return rows + [["RAM", "peak per rank", gib(memory["peak"]), ""],
-                       ["RAM", f"all {result.ranks} rank(s)", gib(memory["peak"] * result.ranks), gib(device.memory)]]
+        return rows + [
+            ["RAM", "peak per rank", gib(memory["peak"]), ""],
+            ["RAM", f"all {result.ranks} rank(s)", gib(memory["peak"] * result.ranks), gib(device.memory)],
+        ]
     on_host = min(result.ranks, device.devices_per_host)
     rows = [["device", name, gib(memory[key]), ""] for key, name in parts.items()]
     rows.append(["device", "peak per rank", gib(memory["device_peak"]), gib(device.memory)])
@@ -146,14 +189,24 @@ def _print_plan(result, *, problem: str | None, searched: bool) -> None:
 
     w = result.workload
     say(_verdict(result, problem=problem, searched=searched), label="verdict:", style="bold", to=console)
-    say(f"{result.source.model_id} -> {result.target.model_id}: {w.samples} + {w.heldout} sequences x {w.seq_len} "
+    say(
+        f"{result.source.model_id} -> {result.target.model_id}: {w.samples} + {w.heldout} sequences x {w.seq_len} "
         f"tokens, stride {w.stride}, batch {w.batch_size}, k {result.k}{' (auto: largest)' if w.k is None else ''}, "
-        f"{w.dtype}", to=console)
-    print_table(MEMORY_COLUMNS, _memory_rows(result), title=f"memory per rank, {result.ranks} rank(s) of "
-                f"{result.device.name}", right=("GiB", "limit GiB"))
-    say(f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
+        f"{w.dtype}",
+        to=console,
+    )
+    print_table(
+        MEMORY_COLUMNS,
+        _memory_rows(result),
+        title=f"memory per rank, {result.ranks} rank(s) of {result.device.name}",
+        right=("GiB", "limit GiB"),
+    )
+    say(
+        f"artifact {result.artifact_bytes / GIB:,.2f} GiB; calibration forward {result.flops['forward']:.3g} FLOPs "
         f"(all ranks), statistics {result.flops['statistics']:.3g} and solve {result.flops['solve']:.3g} FLOPs per "
-        f"rank; exchange {result.exchange_bytes / GIB:,.2f} GiB received per rank", to=console)
+        f"rank; exchange {result.exchange_bytes / GIB:,.2f} GiB received per rank",
+        to=console,
+    )
     seconds = result.seconds
     say("estimated time (h:mm:ss): " + ", ".join(f"{name} {_clock(seconds[name])}" for name in seconds), to=console)
     say(f"statistics: {result.statistics.describe()}", to=console)

@@ -125,8 +125,9 @@ class LineProgress:
 
     def __call__(self, description: str, completed: int, total: int | None) -> None:
         now = self.clock()
-        step = self.steps.setdefault(description.split(":")[0], {"start": now, "shown": None, "finished": False,
-                                                                 "base": completed})
+        step = self.steps.setdefault(
+            description.split(":")[0], {"start": now, "shown": None, "finished": False, "base": completed}
+        )
         finished = total is not None and completed >= total
         due = step["shown"] is None or now - step["shown"] >= self.interval
         if step["finished"] or not (due or finished):
@@ -156,16 +157,24 @@ def progress_callback(unit: str = "tok/s") -> Iterator[Progress]:
     if not bars_wanted():
         yield LineProgress(unit, interval=_interval())
         return
-    columns = (TextColumn("{task.description}", markup=False), BarColumn(), CountColumn(),
-               RateColumn(unit), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        CountColumn(),
+        RateColumn(unit),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
     with RichProgress(*columns, console=err_console, transient=False) as bar:
         tasks: dict[str, int] = {}
 
         def callback(description: str, completed: int, total: int | None) -> None:
             key = description.split(":")[0]
             if key not in tasks:
-                tasks[key] = bar.add_task(description, total=total, completed=completed,
-                                          unit=unit_of(description, unit))
+                tasks[key] = bar.add_task(
+                    description, total=total, completed=completed, unit=unit_of(description, unit)
+                )
             bar.update(tasks[key], description=description, completed=completed, total=total)
 
         yield callback

@@ -85,20 +85,26 @@ def rm(ref, force, db, output_format):
     with open_db(db, create=False) as store:
         if parsed.version is None and parsed.alias is None:
             latest = store.resolve(parsed.with_selector(alias="latest"))  # names what exists (or why not)
-            raise ConfigError(f"{ref!r} names no version; `kvhub rm` removes exactly one: add it, e.g. "
-                              f"`kvhub rm {ref}@v{latest.version}` (the latest; `kvhub list --src {parsed.source}` "
-                              "shows them all)")
+            raise ConfigError(
+                f"{ref!r} names no version; `kvhub rm` removes exactly one: add it, e.g. "
+                f"`kvhub rm {ref}@v{latest.version}` (the latest; `kvhub list --src {parsed.source}` "
+                "shows them all)"
+            )
         version = store.remove(ref, force=force)
-    if not print_record({"ref": json_ref(version), "removed": True, "bytes": version.artifact_bytes},
-                        output_format=output_format):
+    if not print_record(
+        {"ref": json_ref(version), "removed": True, "bytes": version.artifact_bytes}, output_format=output_format
+    ):
         say(f"removed {version.ref} ({format_size(version.artifact_bytes)})")
 
 
 @click.command()
 @click.option("--dry-run", is_flag=True, help="Only report what would be removed.")
-@click.option("--hub-cache", is_flag=True,
-              help="Also delete the Hugging Face cache's copies of pulled mappers that the store holds (a pull keeps "
-                   "both; the cache's copy only serves an offline re-pull).")
+@click.option(
+    "--hub-cache",
+    is_flag=True,
+    help="Also delete the Hugging Face cache's copies of pulled mappers that the store holds (a pull keeps "
+    "both; the cache's copy only serves an offline re-pull).",
+)
 @db_option
 @format_option
 def gc(dry_run, hub_cache, db, output_format):
@@ -114,21 +120,34 @@ def gc(dry_run, hub_cache, db, output_format):
     with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
         copies = _hub_cache_copies(store, dry_run=dry_run) if hub_cache else []
-    if print_record({"dry_run": report.dry_run, "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
-                     "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
-                     "missing": report.missing, "bytes": report.bytes,
-                     "hub_cache": [dict(repo_id=c.repo_id, commit=c.commit, ref=c.ref, bytes=c.bytes) for c in copies]},
-                    output_format=output_format):
+    if print_record(
+        {
+            "dry_run": report.dry_run,
+            "artifacts": [dict(location=l, bytes=b) for l, b in report.artifacts],
+            "temporaries": [dict(name=n, bytes=b) for n, b in report.temporaries],
+            "missing": report.missing,
+            "bytes": report.bytes,
+            "hub_cache": [dict(repo_id=c.repo_id, commit=c.commit, ref=c.ref, bytes=c.bytes) for c in copies],
+        },
+        output_format=output_format,
+    ):
         return
     verb = "would remove" if dry_run else "removed"
-    say(f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
-        f"leftovers ({format_size(report.bytes)})")
+    say(
+        f"{verb} {len(report.artifacts)} unreferenced artifacts and {len(report.temporaries)} "
+        f"leftovers ({format_size(report.bytes)})"
+    )
     if hub_cache:
-        say(f"{verb} {len(copies)} copies of pulled mappers from the Hugging Face cache "
-            f"({format_size(sum(c.bytes for c in copies))})")
+        say(
+            f"{verb} {len(copies)} copies of pulled mappers from the Hugging Face cache "
+            f"({format_size(sum(c.bytes for c in copies))})"
+        )
     for location in report.missing:
-        say(f"{location} is referenced but missing; re-import it or `kvhub rm` its version", label="warning:",
-            style="yellow")
+        say(
+            f"{location} is referenced but missing; re-import it or `kvhub rm` its version",
+            label="warning:",
+            style="yellow",
+        )
 
 
 def _hub_cache_copies(store, *, dry_run: bool) -> list:
@@ -147,8 +166,13 @@ def _hub_cache_copies(store, *, dry_run: bool) -> list:
 @click.command("export", epilog=REF_HELP)
 @click.argument("ref")
 @click.argument("directory", type=click.Path(file_okay=False), required=False)
-@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
-              help="The directory, as fit and report name it (the same as the DIRECTORY argument).")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The directory, as fit and report name it (the same as the DIRECTORY argument).",
+)
 @click.option("--force", is_flag=True, help="Replace DIRECTORY if it exists.")
 @db_option
 @format_option
@@ -193,8 +217,11 @@ def import_artifact(directory, db, output_format):
         reference = store.reference(version)
     if print_record(dict(version_json(version), already_registered=existing is not None), output_format=output_format):
         return
-    say(f"{directory} holds the tensors of {reference}; nothing to do" if existing is not None
-        else f"registered {reference}")
+    say(
+        f"{directory} holds the tensors of {reference}; nothing to do"
+        if existing is not None
+        else f"registered {reference}"
+    )
 
 
 # ---- schema --------------------------------------------------------------------------------------
@@ -235,8 +262,16 @@ def current(db, output_format):
     url = resolve_db_url(db)
     require_existing(url)
     revision, head = schema_status(url)
-    if print_record({"url": display_url(url), "current": revision, "head": head, "up_to_date": revision == head,
-                     "newer_than_kvhub": not is_known_revision(revision)}, output_format=output_format):
+    if print_record(
+        {
+            "url": display_url(url),
+            "current": revision,
+            "head": head,
+            "up_to_date": revision == head,
+            "newer_than_kvhub": not is_known_revision(revision),
+        },
+        output_format=output_format,
+    ):
         return
     if not is_known_revision(revision):
         state = f"(newer than this kvhub's {head}: upgrade kvhub, `pip install -U kvhub`)"

@@ -96,8 +96,13 @@ def run_model(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
     cache = DynamicCache()  # no config: sliding-window layers keep the whole context
     body = model.base_model
-    body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-         **cache_kwargs(body, cache))
+    body(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        **cache_kwargs(body, cache),
+    )
     if not cache.layers:
         raise UnsupportedModelError(
             f"{model.config.model_type} left its cache empty: transformers {_transformers_version()} did not "
@@ -164,8 +169,9 @@ def _flatten_kept(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 # ---- attention weights ----------------------------------------------------------------------------
 @torch.no_grad()
-def token_attention_weights(model, input_ids: torch.Tensor, *, cap: float = 10.0, stride: int = 1,
-                            skip_first: int = 0) -> torch.Tensor:
+def token_attention_weights(
+    model, input_ids: torch.Tensor, *, cap: float = 10.0, stride: int = 1, skip_first: int = 0
+) -> torch.Tensor:
     """Attention weights w_t (module docstring) of (B, T) unpadded ids, from one eager forward.
 
     Returns (B, T) fp32 on the model's device: w_t at the positions :func:`token_mask` keeps, 0 elsewhere.
@@ -228,7 +234,9 @@ class AttentionMass:
             mass = scale @ per_query  # (B, Tk): sum_i (i + 1) A[i, t]
             self.total = mass if self.total is None else self.total + mass.to(self.total.device)
             if self.per_query:
-                self.by_query = per_query if self.by_query is None else self.by_query + per_query.to(self.by_query.device)
+                self.by_query = (
+                    per_query if self.by_query is None else self.by_query + per_query.to(self.by_query.device)
+                )
             self.terms += probs.shape[1]
 
         return reduce

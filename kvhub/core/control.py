@@ -40,8 +40,9 @@ def control_mapper(mapper):
                     "mean of the target's K/V (target_mean tensors, written by kvhub >= 0.2 fits), so it has no "
                     "no-information control; refit it with `kvhub fit` to get one"
                 )
-            tensors[tensor_name(prefix, "weight")] = torch.zeros(width_in, mean.shape[0], dtype=mean.dtype,
-                                                                 device=mean.device)  # (d_in, d_out)
+            tensors[tensor_name(prefix, "weight")] = torch.zeros(
+                width_in, mean.shape[0], dtype=mean.dtype, device=mean.device
+            )  # (d_in, d_out)
             tensors[tensor_name(prefix, "bias")] = mean.clone()
             tensors[tensor_name(prefix, "target_mean")] = mean.clone()
         layers.append({**layer, "sources": layer["sources"][:1], "r2_k": 0.0, "r2_v": 0.0})

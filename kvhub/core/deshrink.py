@@ -23,8 +23,10 @@ def check_deshrink(value, *, what: str = "deshrink") -> str | None:
     """``value`` when it is one of :data:`DESHRINK` or None, else ConfigError naming ``what`` (the option, key or
     variable the value came from) and the choices."""
     if value is not None and value not in DESHRINK:
-        raise ConfigError(f"{what}={value!r}: use one of {', '.join(DESHRINK)} ('kv': keys and values, 'v': values "
-                          "only, 'off': the maps as fitted)")
+        raise ConfigError(
+            f"{what}={value!r}: use one of {', '.join(DESHRINK)} ('kv': keys and values, 'v': values "
+            "only, 'off': the maps as fitted)"
+        )
     return value
 
 
@@ -34,13 +36,16 @@ def deshrink_setting(value: str | None, tensors, layers: list[dict]) -> str:
     the artifact allows it: ``$KVHUB_DESHRINK`` when set (how benchmarks measured before this default
     reproduce: ``KVHUB_DESHRINK=off``), else DESHRINK_DEFAULT, and "off" without target_mean tensors
     (older artifacts map as fitted)."""
-    has_means = all(tensor_name(map_prefix(kind, layer["target"]), "target_mean") in tensors
-                    for layer in layers for kind in "kv")
+    has_means = all(
+        tensor_name(map_prefix(kind, layer["target"]), "target_mean") in tensors for layer in layers for kind in "kv"
+    )
     if value is None:
         chosen = check_deshrink(deshrink_override(), what="KVHUB_DESHRINK") or DESHRINK_DEFAULT
         return chosen if has_means else "off"
     check_deshrink(value)
     if value != "off" and not has_means:
-        raise ConfigError(f"deshrink={value!r} needs the calibration mean of the target's K/V (target_mean "
-                          "tensors, written by fits of artifact format 3); refit this mapper, or use deshrink='off'")
+        raise ConfigError(
+            f"deshrink={value!r} needs the calibration mean of the target's K/V (target_mean "
+            "tensors, written by fits of artifact format 3); refit this mapper, or use deshrink='off'"
+        )
     return value

@@ -16,9 +16,20 @@ from kvhub.artifact import json_sha256 as _sha256_json  # the format owns how co
 from kvhub.core.rope import SUPPORTED_MODEL_TYPES, check_supported
 
 _VOLATILE_KEYS = {
-    "_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",
-    "_attn_implementation_autoset", "_attn_implementation", "use_cache", "quantization_config",
-    "architectures", "output_attentions", "output_hidden_states", "return_dict",
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_commit_hash",
+    "_attn_implementation_autoset",
+    "_attn_implementation",
+    "use_cache",
+    "quantization_config",
+    "architectures",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
 }
 
 

@@ -34,10 +34,21 @@ WHAT_IT_CACHES = {  # layer type -> what it keeps instead of per-token K/V (the 
     "mlp": "no cache (feed-forward only), so its layer numbers are not attention layers",
     "moe": "no cache (feed-forward only), so its layer numbers are not attention layers",
 }
-_ALIASES = {"attention": "full_attention", "global": "full_attention", "full": "full_attention",
-            "local": "sliding_attention", "sliding": "sliding_attention", "linear": "linear_attention"}
-_RECURRENT_MODEL_TYPES = {"mamba": "mamba", "mamba2": "mamba", "falcon_mamba": "mamba", "xlstm": "xlstm",
-                          "rwkv": "rwkv"}
+_ALIASES = {
+    "attention": "full_attention",
+    "global": "full_attention",
+    "full": "full_attention",
+    "local": "sliding_attention",
+    "sliding": "sliding_attention",
+    "linear": "linear_attention",
+}
+_RECURRENT_MODEL_TYPES = {
+    "mamba": "mamba",
+    "mamba2": "mamba",
+    "falcon_mamba": "mamba",
+    "xlstm": "xlstm",
+    "rwkv": "rwkv",
+}
 _PATTERN = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}  # Nemotron-H hybrid_override_pattern
 
 
@@ -120,8 +131,10 @@ def check_attention_layers(config, *, name: str | None = None) -> None:
     model_type = str(_field(inner, "model_type") or _field(config, "model_type") or "this model")
     who = f"{name} ({model_type})" if name else model_type
     total = len(layer_types(config))
-    parts = [f"{kind} layers ({_count(indices, total)}), which cache {WHAT_IT_CACHES.get(kind, 'no per-token K/V')}"
-             for kind, indices in refused.items()]
+    parts = [
+        f"{kind} layers ({_count(indices, total)}), which cache {WHAT_IT_CACHES.get(kind, 'no per-token K/V')}"
+        for kind, indices in refused.items()
+    ]
     raise UnsupportedModelError(
         f"{who} has {'; and '.join(parts)}. kvhub maps per-token attention caches only (full or sliding-window "
         "attention layers in every layer): such a state at the last token depends on every earlier token, so "

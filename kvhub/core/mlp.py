@@ -52,8 +52,10 @@ def residual(parts: list[torch.Tensor], layers: Layers, activation: str) -> torc
 def residual_term(parts: list[torch.Tensor], prefix: str, settings: dict, weight) -> torch.Tensor:
     """r(x) of the map ``prefix`` (``k.3``) of an ``mlp`` mapper, its layers read through ``weight(name)``
     (the Mapper's cast, de-shrunk tensors): the term :data:`kvhub.core.mapper.RESIDUALS` adds for ``mlp``."""
-    layers = [(weight(tensor_name(prefix, mlp_part(i, "weight"))), weight(tensor_name(prefix, mlp_part(i, "bias"))))
-              for i in range(settings["depth"] + 1)]
+    layers = [
+        (weight(tensor_name(prefix, mlp_part(i, "weight"))), weight(tensor_name(prefix, mlp_part(i, "bias"))))
+        for i in range(settings["depth"] + 1)
+    ]
     return residual(parts, layers, settings["activation"])
 
 
@@ -125,14 +127,22 @@ def _sse(x, target, params, activation: str, chunk: int = 8192) -> float:
     """sum((target - r(x))^2) in fp64, over row chunks of at most ``chunk``."""
     total = 0.0
     for start in range(0, x.shape[0], chunk):
-        diff = target[start:start + chunk] - _forward(x[start:start + chunk], params, activation)
+        diff = target[start : start + chunk] - _forward(x[start : start + chunk], params, activation)
         total += float(diff.double().square().sum())
     return total
 
 
-def train_residual(x: torch.Tensor, y: torch.Tensor, base: torch.Tensor, x_heldout: torch.Tensor,
-                   y_heldout: torch.Tensor, base_heldout: torch.Tensor, *, schedule: Schedule,
-                   device: torch.device | str = "cpu") -> Trained:
+def train_residual(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    base: torch.Tensor,
+    x_heldout: torch.Tensor,
+    y_heldout: torch.Tensor,
+    base_heldout: torch.Tensor,
+    *,
+    schedule: Schedule,
+    device: torch.device | str = "cpu",
+) -> Trained:
     """Train r on training rows x (N, d_in), y (N, d_out) with ridge predictions ``base`` (N, d_out), stopping
     early on the held-out rows (M, ...); see the module docstring.  Inputs are read, never changed."""
     generator = torch.Generator().manual_seed(schedule.seed)
@@ -143,8 +153,11 @@ def train_residual(x: torch.Tensor, y: torch.Tensor, base: torch.Tensor, x_heldo
     target = ((y - base) / scale).to(device)
     inputs_heldout = ((x_heldout - mean) / std).to(device)
     target_heldout = ((y_heldout - base_heldout) / scale).to(device)
-    params = [t.to(device).requires_grad_() for layer in init_layers(x.shape[1], y.shape[1], schedule, generator)
-              for t in layer]
+    params = [
+        t.to(device).requires_grad_()
+        for layer in init_layers(x.shape[1], y.shape[1], schedule, generator)
+        for t in layer
+    ]
     best, epochs = _fit(params, inputs, target, inputs_heldout, target_heldout, schedule, generator)
     best_params, best_epoch, best_sse = best
     train_sse = _sse(inputs, target, best_params, schedule.activation)
@@ -152,10 +165,14 @@ def train_residual(x: torch.Tensor, y: torch.Tensor, base: torch.Tensor, x_heldo
     ridge_sse = float((y_heldout - base_heldout).double().square().sum())
     elements = max(y.numel(), 1), max(y_heldout.numel(), 1)
     return Trained(
-        layers=_fold([p.detach().cpu() for p in best_params], mean, std, scale), epochs=epochs,
-        best_epoch=best_epoch, train_loss=train_sse * scale ** 2 / elements[0],
-        heldout_loss=best_sse * scale ** 2 / elements[1], heldout_r2=1 - best_sse * scale ** 2 / total_heldout,
-        ridge_heldout_r2=1 - ridge_sse / total_heldout)
+        layers=_fold([p.detach().cpu() for p in best_params], mean, std, scale),
+        epochs=epochs,
+        best_epoch=best_epoch,
+        train_loss=train_sse * scale**2 / elements[0],
+        heldout_loss=best_sse * scale**2 / elements[1],
+        heldout_r2=1 - best_sse * scale**2 / total_heldout,
+        ridge_heldout_r2=1 - ridge_sse / total_heldout,
+    )
 
 
 def _fit(params, inputs, target, inputs_heldout, target_heldout, schedule: Schedule, generator):
@@ -166,7 +183,7 @@ def _fit(params, inputs, target, inputs_heldout, target_heldout, schedule: Sched
     for epoch in range(1, schedule.epochs + 1):
         order = torch.randperm(inputs.shape[0], generator=generator).to(inputs.device)
         for start in range(0, inputs.shape[0], schedule.batch_size):
-            rows = order[start:start + schedule.batch_size]
+            rows = order[start : start + schedule.batch_size]
             loss = F.mse_loss(_forward(inputs[rows], params, schedule.activation), target[rows])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

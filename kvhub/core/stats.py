@@ -47,8 +47,15 @@ class Moments:
     (B, p/B, p/B).  Cxx and Cxy are ``dtype`` (fp64 or fp32), everything else fp64, all on ``device``.
     """
 
-    def __init__(self, p: int, q: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = F64,
-                 gram_blocks: int | None = None):
+    def __init__(
+        self,
+        p: int,
+        q: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = F64,
+        gram_blocks: int | None = None,
+    ):
         if dtype not in ACCUMULATOR_DTYPES.values():
             raise ConfigError(f"statistics accumulate in float64 or float32, not {dtype}")
         if gram_blocks is not None and (gram_blocks < 1 or p % gram_blocks):
@@ -150,8 +157,9 @@ class Moments:
     def merge_(self, other: "Moments") -> "Moments":
         """In-place Chan merge: self <- stats(self data + other data) (same p, q, Gram layout)."""
         if other.cxx.shape != self.cxx.shape or other.cxy.shape != self.cxy.shape:
-            raise IncompatibleError(f"cannot merge moments of shapes {tuple(other.cxx.shape)} into "
-                                    f"{tuple(self.cxx.shape)}")
+            raise IncompatibleError(
+                f"cannot merge moments of shapes {tuple(other.cxx.shape)} into {tuple(self.cxx.shape)}"
+            )
         n = self.n + other.n
         if other.weight_sum == 0:  # no rows, or rows of zero weight: only the row count changes
             self.n = n
@@ -194,8 +202,11 @@ class Moments:
         return {
             f"{prefix}n": torch.tensor(self.n, dtype=torch.int64),
             f"{prefix}weight_sum": torch.tensor(self.weight_sum, dtype=F64),
-            f"{prefix}mean_x": self.mean_x, f"{prefix}mean_y": self.mean_y,
-            f"{prefix}cxx": self.cxx, f"{prefix}cxy": self.cxy, f"{prefix}syy": self.syy,
+            f"{prefix}mean_x": self.mean_x,
+            f"{prefix}mean_y": self.mean_y,
+            f"{prefix}cxx": self.cxx,
+            f"{prefix}cxy": self.cxy,
+            f"{prefix}syy": self.syy,
         }
 
     @classmethod
@@ -251,8 +262,9 @@ class KVStats:
     source layer's own block only: what the probe needs).  ``dtype``: of the Gram and cross totals.
     """
 
-    def __init__(self, layout: Layout, *, device: torch.device | str = "cpu", dtype: torch.dtype = F64,
-                 gram: str = "full"):
+    def __init__(
+        self, layout: Layout, *, device: torch.device | str = "cpu", dtype: torch.dtype = F64, gram: str = "full"
+    ):
         if gram not in GRAMS:
             raise ConfigError(f"gram must be one of {GRAMS}, got {gram!r}")
         self.layout = layout
@@ -274,8 +286,9 @@ class KVStats:
         """Bytes of the K and V accumulators."""
         return self.k.nbytes() + self.v.nbytes()
 
-    def update(self, source_keys, source_values, target_keys, target_values, *,
-               weights: torch.Tensor | None = None) -> None:
+    def update(
+        self, source_keys, source_values, target_keys, target_values, *, weights: torch.Tensor | None = None
+    ) -> None:
         """Add one batch: lists of per-layer (N, width) blocks, as returned by kvhub.core.capture.
 
         ``weights`` (N,) >= 0 weigh each row in both the K and the V moments (None: all 1).
@@ -285,8 +298,10 @@ class KVStats:
 
     def merge(self, other: "KVStats") -> "KVStats":
         if other.layout != self.layout or other.gram != self.gram:
-            raise IncompatibleError(f"cannot merge statistics of layouts {self.layout} ({self.gram} Gram) and "
-                                    f"{other.layout} ({other.gram} Gram)")
+            raise IncompatibleError(
+                f"cannot merge statistics of layouts {self.layout} ({self.gram} Gram) and "
+                f"{other.layout} ({other.gram} Gram)"
+            )
         out = KVStats.__new__(KVStats)
         out.layout = self.layout
         out.k, out.v = self.k.merge(other.k), self.v.merge(other.v)

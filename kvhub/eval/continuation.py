@@ -49,28 +49,35 @@ def _logits_after(target, cache, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def window_sample(mapper, source, target, ids: torch.Tensor, *, context_len: int, recompute: Recompute = Recompute(),
-                  tokenizer=None) -> dict:
+def window_sample(
+    mapper, source, target, ids: torch.Tensor, *, context_len: int, recompute: Recompute = Recompute(), tokenizer=None
+) -> dict:
     """One sequence's figures: tokens scored, summed NLL per condition (own / mapped / no_context), the share of
     next-token top-1 agreement and the mean KL(own || mapped).  ids: (1, T) with T > context_len >= 2; the
     mapped cache recomputes ``recompute`` (capped to the context; ``tokenizer`` for sentence spans)."""
     device = next(target.parameters()).device
     ids = ids.to(device)
-    tail = ids[:, context_len - 1:]  # token c-1 onwards: what the target consumes
+    tail = ids[:, context_len - 1 :]  # token c-1 onwards: what the target consumes
     labels = ids[:, context_len:]
-    own_logits = target(input_ids=ids).logits.float()[:, context_len - 1: -1]
+    own_logits = target(input_ids=ids).logits.float()[:, context_len - 1 : -1]
     spec = recompute.capped(context_len - 1)
-    mapped_cache = prepare_cache(mapper, source, target, ids[:, :context_len], recompute=spec,
-                                 tokenizer=tokenizer if spec.selective else None)
+    mapped_cache = prepare_cache(
+        mapper, source, target, ids[:, :context_len], recompute=spec, tokenizer=tokenizer if spec.selective else None
+    )
     map_logits = _logits_after(target, mapped_cache, tail)[:, :-1]
     none_logits = _logits_after(target, None, tail)[:, :-1]
     own_logp, map_logp = F.log_softmax(own_logits, -1), F.log_softmax(map_logits, -1)
     tokens = labels.shape[1]
-    nll = {name: float(F.cross_entropy(logits[0], labels[0], reduction="sum"))
-           for name, logits in (("own", own_logits), ("mapped", map_logits), ("no_context", none_logits))}
-    return {"tokens": tokens, **{f"nll_{k}": v for k, v in nll.items()},
-            "agreement": float((own_logits.argmax(-1) == map_logits.argmax(-1)).sum()) / tokens,
-            "kl": float((own_logp.exp() * (own_logp - map_logp)).sum()) / tokens}
+    nll = {
+        name: float(F.cross_entropy(logits[0], labels[0], reduction="sum"))
+        for name, logits in (("own", own_logits), ("mapped", map_logits), ("no_context", none_logits))
+    }
+    return {
+        "tokens": tokens,
+        **{f"nll_{k}": v for k, v in nll.items()},
+        "agreement": float((own_logits.argmax(-1) == map_logits.argmax(-1)).sum()) / tokens,
+        "kl": float((own_logp.exp() * (own_logp - map_logp)).sum()) / tokens,
+    }
 
 
 def aggregate(samples: list[dict]) -> ContinuationMetrics:
@@ -78,18 +85,40 @@ def aggregate(samples: list[dict]) -> ContinuationMetrics:
     count = sum(s["tokens"] for s in samples)
     total = lambda key: sum(s[key] * (s["tokens"] if key in ("agreement", "kl") else 1) for s in samples)  # noqa: E731
     exp = lambda key: float(torch.tensor(total(key) / count).exp())  # noqa: E731
-    return ContinuationMetrics(len(samples), count, total("agreement") / count, total("kl") / count, exp("nll_own"),
-                               exp("nll_mapped"), exp("nll_no_context"), samples=samples)
+    return ContinuationMetrics(
+        len(samples),
+        count,
+        total("agreement") / count,
+        total("kl") / count,
+        exp("nll_own"),
+        exp("nll_mapped"),
+        exp("nll_no_context"),
+        samples=samples,
+    )
 
 
 @torch.no_grad()
-def continuation_metrics(mapper, source, target, sequences: torch.Tensor, *, context_len: int,
-                         recompute: Recompute = Recompute(), tokenizer=None) -> ContinuationMetrics:
+def continuation_metrics(
+    mapper,
+    source,
+    target,
+    sequences: torch.Tensor,
+    *,
+    context_len: int,
+    recompute: Recompute = Recompute(),
+    tokenizer=None,
+) -> ContinuationMetrics:
     """See the module docstring.  sequences: (N, T) ids with T > context_len >= 2; ``recompute``: the exact
     recompute of each mapped cache (any :class:`~kvhub.serving.spec.Recompute`, selective ones included)."""
-    samples = [{"index": index, **window_sample(mapper, source, target, row[None], context_len=context_len,
-                                                 recompute=recompute, tokenizer=tokenizer)}
-               for index, row in enumerate(sequences)]
+    samples = [
+        {
+            "index": index,
+            **window_sample(
+                mapper, source, target, row[None], context_len=context_len, recompute=recompute, tokenizer=tokenizer
+            ),
+        }
+        for index, row in enumerate(sequences)
+    ]
     return aggregate(samples)
 
 
@@ -99,9 +128,17 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048), repeats: int = 5,
-                             vocab: int | None = None, seed: int = 0,
-                             recompute: Recompute = Recompute()) -> list[dict]:
+def time_transfer_vs_prefill(
+    mapper,
+    source,
+    target,
+    *,
+    lengths=(256, 1024, 2048),
+    repeats: int = 5,
+    vocab: int | None = None,
+    seed: int = 0,
+    recompute: Recompute = Recompute(),
+) -> list[dict]:
     """Median/p90 seconds per context length of four operations, interleaved in one run:
 
     - ``transfer``: mapper.transfer of the source cache (which exists already when a stack escalates);
@@ -122,8 +159,9 @@ def time_transfer_vs_prefill(mapper, source, target, *, lengths=(256, 1024, 2048
 
         def handoff_step():
             if recompute.name():  # any recompute at all
-                cache = prepare_cache(mapper, source, target, ids, recompute=recompute.capped(length - 1),
-                                      source_cache=source_cache)
+                cache = prepare_cache(
+                    mapper, source, target, ids, recompute=recompute.capped(length - 1), source_cache=source_cache
+                )
             else:
                 cache = mapper.transfer(source_cache)
             logits = target(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
@@ -176,7 +214,14 @@ _TIMING_METRICS = ("speedup", "ttft_speedup", "transfer_median_s", "prefill_medi
 
 def timing_metric_rows(rows: list[dict], *, device: str, dtype: str, variant: str, repeats: int) -> list[dict]:
     """Store rows of :func:`time_transfer_vs_prefill`'s rows: task ``bench:<device>:<dtype>:<tokens>[@variant]``."""
-    return [{"name": name, "value": float(row[name]), "split": "bench", "n": repeats,
-             "task": f"bench:{device}:{dtype}:{row['tokens']}" + (f"@{variant}" if variant else "")}
-            for row in rows for name in _TIMING_METRICS]
-
+    return [
+        {
+            "name": name,
+            "value": float(row[name]),
+            "split": "bench",
+            "n": repeats,
+            "task": f"bench:{device}:{dtype}:{row['tokens']}" + (f"@{variant}" if variant else ""),
+        }
+        for row in rows
+        for name in _TIMING_METRICS
+    ]

@@ -29,13 +29,33 @@ import random
 import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
-from kvhub.eval.longctx import (_COLOURS, _THINGS, DEPTHS, FLOOR_TOKENS, RecallItem, RecallScore, _answer_ids,
-                                _count, _haystack, answer_score)
+from kvhub.eval.longctx import (
+    _COLOURS,
+    _THINGS,
+    DEPTHS,
+    FLOOR_TOKENS,
+    RecallItem,
+    RecallScore,
+    _answer_ids,
+    _count,
+    _haystack,
+    answer_score,
+)
 
 FOLLOWUP_CONDITIONS = ("own", "mapped", "reselect", "drop", "drop_reselect", "control", "source", "floor")
 FOLLOWUP_PAIRS = (("reselect", "drop"), ("reselect", "drop_reselect"), ("reselect", "control"), ("mapped", "drop"))
-_PEOPLE = ("Dr. Okafor", "Ms. Lindqvist", "Mr. Haddad", "Dr. Petrenko", "Ms. Castellano", "Mr. Nakamura",
-           "Dr. Oyelaran", "Ms. Brandt", "Mr. Quispe", "Dr. Varga")
+_PEOPLE = (
+    "Dr. Okafor",
+    "Ms. Lindqvist",
+    "Mr. Haddad",
+    "Dr. Petrenko",
+    "Ms. Castellano",
+    "Mr. Nakamura",
+    "Dr. Oyelaran",
+    "Ms. Brandt",
+    "Mr. Quispe",
+    "Dr. Varga",
+)
 
 
 # ---- items ------------------------------------------------------------------------------------------
@@ -51,17 +71,25 @@ def followup_items(tokenizer, filler: list[str], *, context_tokens: int, n: int,
         room_sentence = f"The meeting with {person} is in room {room}."
         depth = DEPTHS[i % len(DEPTHS)]
         inserts = [(depth, code_sentence), (DEPTHS[(i + 2) % len(DEPTHS)], room_sentence)]
-        turn1 = (f"\n\nQuestion: What is the access code for the {colour} {thing} vault?\n"
-                 f"Answer: The access code for the {colour} {thing} vault is")
-        turn2 = (f" {code}.\n\nQuestion: In which room is the meeting with {person}?\n"
-                 f"Answer: The meeting with {person} is in room")
+        turn1 = (
+            f"\n\nQuestion: What is the access code for the {colour} {thing} vault?\n"
+            f"Answer: The access code for the {colour} {thing} vault is"
+        )
+        turn2 = (
+            f" {code}.\n\nQuestion: In which room is the meeting with {person}?\n"
+            f"Answer: The meeting with {person} is in room"
+        )
         stated = sum(_count(tokenizer, text) for text in (code_sentence, room_sentence, turn1, turn2))
         body = _haystack(tokenizer, filler, rng, context_tokens - stated, inserts)
         escalation = tokenizer(body + turn1, add_special_tokens=False)["input_ids"]
         prompt = tokenizer(body + turn1 + turn2, add_special_tokens=False)["input_ids"]
         answer = _answer_ids(tokenizer, body + turn1 + turn2, " " + room)
-        meta = {"context_tokens": len(prompt), "escalation_tokens": len(escalation) - 1, "depth": depth,
-                "room_at": _find(prompt[:len(escalation) - 1], answer)}
+        meta = {
+            "context_tokens": len(prompt),
+            "escalation_tokens": len(escalation) - 1,
+            "depth": depth,
+            "room_at": _find(prompt[: len(escalation) - 1], answer),
+        }
         items.append(RecallItem(f"followup-{context_tokens}-{i}", prompt, answer, room, meta))
     return items
 
@@ -69,7 +97,7 @@ def followup_items(tokenizer, filler: list[str], *, context_tokens: int, n: int,
 def _find(ids: list[int], needle: list[int]) -> list[int]:
     """Positions of the last occurrence of ``needle`` in ``ids`` ([] when absent)."""
     for start in range(len(ids) - len(needle), -1, -1):
-        if ids[start:start + len(needle)] == needle:
+        if ids[start : start + len(needle)] == needle:
             return list(range(start, start + len(needle)))
     return []
 
@@ -80,8 +108,9 @@ def _read(model, cache, ids: torch.Tensor, start: int) -> None:
     """The model reads ``ids`` (1, R) at positions start.. over ``cache`` (the turns after the escalation)."""
     device = next(model.parameters()).device
     positions = torch.arange(start, start + ids.shape[1], device=device)[None]
-    model.base_model(input_ids=ids.to(device), position_ids=positions, use_cache=True,
-                     **cache_kwargs(model.base_model, cache))
+    model.base_model(
+        input_ids=ids.to(device), position_ids=positions, use_cache=True, **cache_kwargs(model.base_model, cache)
+    )
 
 
 @torch.no_grad()
@@ -101,25 +130,45 @@ def score_followup_item(item: RecallItem, *, mapper, control, source, target, to
     floor = torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)
     shared["floor"] = answer_score(target, run_model(target, floor), final_tail, len(answer))
     source_cache = run_model(source, conversation)
-    escalation = torch.tensor([prompt[:escalated + 1]], device=device)
+    escalation = torch.tensor([prompt[: escalated + 1]], device=device)
     out = []
     for spec in variants:
         spec, result = spec.capped(escalated), dict(shared)
         for name, which in (("mapped", mapper), ("control", control)):
-            cache, r1 = prepare_cache_counted(which, source, target, escalation, recompute=spec, tokenizer=tokenizer,
-                                              source_cache=cropped(source_cache, escalated))
+            cache, r1 = prepare_cache_counted(
+                which,
+                source,
+                target,
+                escalation,
+                recompute=spec,
+                tokenizer=tokenizer,
+                source_cache=cropped(source_cache, escalated),
+            )
             if name == "mapped":
                 result["mapped"] = answer_score(target, cropped(cache, escalated), turns_tail, len(answer))
                 held = r1
             _read(target, cache, conversation[:, escalated:], escalated)
-            r2 = reselect_turn(target, cache, conversation, spec, context_tokens=escalated, held=r1,
-                               source_model=source, source_cache=source_cache,
-                               tokenizer=tokenizer) if spec.selective else r1[:0]
+            r2 = (
+                reselect_turn(
+                    target,
+                    cache,
+                    conversation,
+                    spec,
+                    context_tokens=escalated,
+                    held=r1,
+                    source_model=source,
+                    source_cache=source_cache,
+                    tokenizer=tokenizer,
+                )
+                if spec.selective
+                else r1[:0]
+            )
             result["reselect" if name == "mapped" else "control"] = answer_score(target, cache, final_tail, len(answer))
             if name == "mapped":
                 added = r2
-        result["drop"] = answer_score(target, drop.drop_cache(target, context, held), turns_tail, len(answer),
-                                      start=escalated)
+        result["drop"] = answer_score(
+            target, drop.drop_cache(target, context, held), turns_tail, len(answer), start=escalated
+        )
         kept = drop.drop_cache(target, context, held)
         drop.extend(target, kept, conversation[:, escalated:], torch.arange(escalated, last))
         drop.add_context_tokens(target, kept, context, added)
@@ -130,11 +179,22 @@ def score_followup_item(item: RecallItem, *, mapper, control, source, target, to
     for result, held, added in out:
         result["source"] = source_result
         room = item.meta["room_at"]
-        meta = {**item.meta, "reselected": int(added.numel()),
-                "room_in_r1": sum(p in set(held.tolist()) for p in room) / len(room) if room else None}
+        meta = {
+            **item.meta,
+            "reselected": int(added.numel()),
+            "room_in_r1": sum(p in set(held.tolist()) for p in room) / len(room) if room else None,
+        }
         ordered = {c: result[c] for c in FOLLOWUP_CONDITIONS}
-        scores.append(RecallScore(
-            id=item.id, exact={c: r[0] for c, r in ordered.items()}, token_acc={c: r[1] for c, r in ordered.items()},
-            logp={c: r[2] for c, r in ordered.items()}, recomputed=int(held.numel()), meta=meta,
-            predicted={c: tokenizer.decode(r[3]) for c, r in ordered.items()}, gold=item.answer))
+        scores.append(
+            RecallScore(
+                id=item.id,
+                exact={c: r[0] for c, r in ordered.items()},
+                token_acc={c: r[1] for c, r in ordered.items()},
+                logp={c: r[2] for c, r in ordered.items()},
+                recomputed=int(held.numel()),
+                meta=meta,
+                predicted={c: tokenizer.decode(r[3]) for c, r in ordered.items()},
+                gold=item.answer,
+            )
+        )
     return scores

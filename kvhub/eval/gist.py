@@ -60,8 +60,9 @@ class GistScore:
 
 
 # ---- items -----------------------------------------------------------------------------------------
-def gist_items(kind: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
-               filler: list[str] | None = None) -> list[GistItem]:
+def gist_items(
+    kind: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0, filler: list[str] | None = None
+) -> list[GistItem]:
     """``n`` items of ``kind``: a chat of ~``context_tokens`` tokens then "summarize what we discussed"; a
     document then "summarize the text above"; a code file prefix to be continued."""
     if kind not in GIST_KINDS:
@@ -71,15 +72,19 @@ def gist_items(kind: str, tokenizer, *, context_tokens: int, n: int, seed: int =
     from kvhub.eval import longctx
 
     if kind == "code":
-        return [GistItem(f"gist-code-{context_tokens}-{i}", item.prompt_ids, {**item.meta, "kind": kind})
-                for i, item in enumerate(longctx.code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed))]
+        return [
+            GistItem(f"gist-code-{context_tokens}-{i}", item.prompt_ids, {**item.meta, "kind": kind})
+            for i, item in enumerate(longctx.code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed))
+        ]
     filler = filler if filler is not None else longctx.filler_paragraphs(seed=seed)
     rng = random.Random(f"gist-{kind}-{seed}-{context_tokens}")
     build = _chat if kind == "chat" else _document
     items = []
     for i in range(n):
         prompt = build(tokenizer, filler, rng, context_tokens)
-        items.append(GistItem(f"gist-{kind}-{context_tokens}-{i}", prompt, {"kind": kind, "context_tokens": len(prompt)}))
+        items.append(
+            GistItem(f"gist-{kind}-{context_tokens}-{i}", prompt, {"kind": kind, "context_tokens": len(prompt)})
+        )
     return items
 
 
@@ -87,8 +92,10 @@ def _chat(tokenizer, filler, rng, context_tokens) -> list[int]:
     messages, used = [], 0
     while used < context_tokens:
         paragraph = rng.choice(filler)
-        messages += [{"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat do you make of it?"},
-                     {"role": "assistant", "content": paragraph.split(". ")[0].strip().rstrip(".") + "."}]
+        messages += [
+            {"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat do you make of it?"},
+            {"role": "assistant", "content": paragraph.split(". ")[0].strip().rstrip(".") + "."},
+        ]
         used += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"]) + 40  # + the reply and template
     messages.append({"role": "user", "content": "Summarize what we discussed in this conversation, briefly."})
     return _templated(tokenizer, messages)
@@ -106,7 +113,9 @@ def _document(tokenizer, filler, rng, context_tokens) -> list[int]:
 
 def _templated(tokenizer, messages) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("the gist's chat and document items need a tokenizer with a chat template (an instruct model)")
+        raise ConfigError(
+            "the gist's chat and document items need a tokenizer with a chat template (an instruct model)"
+        )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -117,9 +126,15 @@ def own_answer(target, prompt_ids: list[int], *, answer_tokens: int = ANSWER_TOK
     """The target's greedy answer from its own prefill of the prompt (``answer_tokens`` tokens, eos kept)."""
     device = next(target.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_tokens, do_sample=False,
-                          min_new_tokens=answer_tokens, pad_token_id=target.config.eos_token_id or 0)
-    return out[0, ids.shape[1]:].tolist()
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=answer_tokens,
+        do_sample=False,
+        min_new_tokens=answer_tokens,
+        pad_token_id=target.config.eos_token_id or 0,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def answer_nll(model, cache, tail_ids: list[int], answers: int, *, start: int | None = None) -> float:
@@ -132,8 +147,9 @@ def answer_nll(model, cache, tail_ids: list[int], answers: int, *, start: int | 
 
 
 @torch.no_grad()
-def score_gist_item(item: GistItem, *, mapper, control, source, target, tokenizer, variants,
-                    answer_tokens: int = ANSWER_TOKENS) -> list[GistScore]:
+def score_gist_item(
+    item: GistItem, *, mapper, control, source, target, tokenizer, variants, answer_tokens: int = ANSWER_TOKENS
+) -> list[GistScore]:
     """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared)."""
     from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
@@ -143,9 +159,12 @@ def score_gist_item(item: GistItem, *, mapper, control, source, target, tokenize
     tail = [prompt[-1]] + answer
     device = next(target.parameters()).device
     context = torch.tensor([prompt[:-1]], device=device)
-    shared = {"own": answer_nll(target, run_model(target, context), tail, len(answer)),
-              "floor": answer_nll(target, run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)),
-                                  tail, len(answer))}
+    shared = {
+        "own": answer_nll(target, run_model(target, context), tail, len(answer)),
+        "floor": answer_nll(
+            target, run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)), tail, len(answer)
+        ),
+    }
     source_cache = run_model(source, context)
     ids = torch.tensor([prompt], device=device)
     scores = []
@@ -153,12 +172,14 @@ def score_gist_item(item: GistItem, *, mapper, control, source, target, tokenize
         spec = spec.capped(len(prompt) - 1)
         nll = dict(shared)
         for name, which in (("mapped", mapper), ("control", control)):
-            cache, positions = prepare_cache_counted(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
-                                                     source_cache=source_cache)
+            cache, positions = prepare_cache_counted(
+                which, source, target, ids, recompute=spec, tokenizer=tokenizer, source_cache=source_cache
+            )
             nll[name] = answer_nll(target, cache, tail, len(answer))
             if name == "mapped":  # the same positions, nothing mapped
-                nll["drop"] = answer_nll(target, drop_cache(target, context, positions), tail, len(answer),
-                                         start=context.shape[1])
+                nll["drop"] = answer_nll(
+                    target, drop_cache(target, context, positions), tail, len(answer), start=context.shape[1]
+                )
         scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}))
     return scores
 
@@ -195,8 +216,9 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     for key, value in point.items():
         values = sorted(b[key] for b in boot if not math.isnan(b[key]))
         out[key] = value
-        out[f"{key}_ci"] = ([values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
-                            if values else [math.nan, math.nan])
+        out[f"{key}_ci"] = (
+            [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]] if values else [math.nan, math.nan]
+        )
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
     return out
 
@@ -216,30 +238,55 @@ class GistTask:
     def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
         from kvhub.core.control import control_mapper
 
-        self.kind, self.loaded, self.context_tokens, self.limit, self.seed = (task.removeprefix("gist-"), loaded,
-                                                                              context_tokens, limit, seed)
+        self.kind, self.loaded, self.context_tokens, self.limit, self.seed = (
+            task.removeprefix("gist-"),
+            loaded,
+            context_tokens,
+            limit,
+            seed,
+        )
         self.name = f"{task}-{context_tokens}"
         self.control = control_mapper(loaded.mapper)
         self.read_score = read_gist_score
 
     def items(self) -> list[GistItem]:
-        return gist_items(self.kind, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
-                          seed=self.seed)
+        return gist_items(
+            self.kind, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
+        )
 
     def score(self, item: GistItem, variants) -> list[GistScore]:
         loaded = self.loaded
-        return score_gist_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
-                               target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+        return score_gist_item(
+            item,
+            mapper=loaded.mapper,
+            control=self.control,
+            source=loaded.source,
+            target=loaded.target,
+            tokenizer=loaded.tokenizer,
+            variants=list(variants),
+        )
 
     def summarize(self, scores: list[GistScore]) -> dict:
         return summarize_gist(scores, seed=self.seed)
 
     def record(self, variant: str, item: GistItem, score: GistScore) -> dict:
-        return {"task": self.name, "variant": variant, "doc_id": item.id, "nll": score.nll, "answer": score.answer,
-                "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control")}, "meta": item.meta}
+        return {
+            "task": self.name,
+            "variant": variant,
+            "doc_id": item.id,
+            "nll": score.nll,
+            "answer": score.answer,
+            "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control")},
+            "meta": item.meta,
+        }
 
     def dataset(self, items) -> dict:
         from kvhub.eval.results import items_sha256
 
-        return {"name": self.name, "origin": f"built by kvhub.eval.gist (seed {self.seed})",
-                "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}
+        return {
+            "name": self.name,
+            "origin": f"built by kvhub.eval.gist (seed {self.seed})",
+            "context_tokens": self.context_tokens,
+            "n": len(items),
+            "sha256": items_sha256(items),
+        }

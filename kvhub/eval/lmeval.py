@@ -62,9 +62,25 @@ LMEVAL_CONDITIONS = ("mapped", "own", "source", "control")
 CHOICES_PER_PASS = 32  # continuations of one context run in one forward pass
 
 
-DEFAULTS = dict(mapper=None, condition="mapped", exact_prefix=0, exact_suffix=0, exact_budget=0.0, select="source",
-                deshrink=None, dtype="bfloat16", device=None, db=None, source=None, target=None, max_length=None,
-                max_gen_toks=256, rolling_chunk=64, batch_size=None, max_batch_size=None)
+DEFAULTS = dict(
+    mapper=None,
+    condition="mapped",
+    exact_prefix=0,
+    exact_suffix=0,
+    exact_budget=0.0,
+    select="source",
+    deshrink=None,
+    dtype="bfloat16",
+    device=None,
+    db=None,
+    source=None,
+    target=None,
+    max_length=None,
+    max_gen_toks=256,
+    rolling_chunk=64,
+    batch_size=None,
+    max_batch_size=None,
+)
 
 
 def check_model_args(model_args: dict) -> dict:
@@ -75,21 +91,28 @@ def check_model_args(model_args: dict) -> dict:
 
     unknown = sorted(set(model_args) - set(DEFAULTS))
     if unknown:
-        raise ConfigError(f"unknown model_args for --model kvhub: {', '.join(unknown)}; known: "
-                          f"{', '.join(k for k in DEFAULTS if k not in ('batch_size', 'max_batch_size'))}")
+        raise ConfigError(
+            f"unknown model_args for --model kvhub: {', '.join(unknown)}; known: "
+            f"{', '.join(k for k in DEFAULTS if k not in ('batch_size', 'max_batch_size'))}"
+        )
     args = {**DEFAULTS, **{k: v for k, v in model_args.items() if v is not None}}
     if not args["mapper"]:
-        raise ConfigError("--model kvhub needs the mapper: --model_args mapper=SRC:DST:CALIB@v3 (a store "
-                          "reference, an artifact directory or a Hub repository OWNER/NAME@v3)")
+        raise ConfigError(
+            "--model kvhub needs the mapper: --model_args mapper=SRC:DST:CALIB@v3 (a store "
+            "reference, an artifact directory or a Hub repository OWNER/NAME@v3)"
+        )
     if args["condition"] not in LMEVAL_CONDITIONS:
         raise ConfigError(f"unknown condition {args['condition']!r}; use one of {', '.join(LMEVAL_CONDITIONS)}")
     for name in ("max_gen_toks", "rolling_chunk"):
         args[name] = _number(name, args[name], int, minimum=1)
     if args["max_length"] is not None:
         args["max_length"] = _number("max_length", args["max_length"], int, minimum=2)
-    args["recompute"] = Recompute(_number("exact_prefix", args["exact_prefix"], int),
-                                  _number("exact_suffix", args["exact_suffix"], int),
-                                  _number("exact_budget", args["exact_budget"], float), str(args["select"]))
+    args["recompute"] = Recompute(
+        _number("exact_prefix", args["exact_prefix"], int),
+        _number("exact_suffix", args["exact_suffix"], int),
+        _number("exact_budget", args["exact_budget"], float),
+        str(args["select"]),
+    )
     args["dtype"] = dtype_name(args["dtype"])
     args["mapper"] = str(args["mapper"])
     check_deshrink(args["deshrink"])
@@ -106,8 +129,15 @@ class KVHubLM(TemplateLM or object):
         args = check_model_args({"mapper": mapper, **model_args})
         self.condition, self.recompute = args["condition"], args["recompute"]
         self.batch_size = args["batch_size"]  # accepted for lm-eval's sake: requests are batched by shared context
-        self._load(args["mapper"], dtype=args["dtype"], device=args["device"], db=args["db"], source=args["source"],
-                   target=args["target"], deshrink=args["deshrink"])
+        self._load(
+            args["mapper"],
+            dtype=args["dtype"],
+            device=args["device"],
+            db=args["db"],
+            source=args["source"],
+            target=args["target"],
+            deshrink=args["deshrink"],
+        )
         self._max_length = args["max_length"] or int(getattr(self.target.config, "max_position_embeddings", 2048))
         self.max_gen_toks, self.rolling_chunk = args["max_gen_toks"], args["rolling_chunk"]
         if self.rolling_chunk >= self._max_length:
@@ -139,8 +169,9 @@ class KVHubLM(TemplateLM or object):
             raise ConfigError(f"device={device} but CUDA is not available here; use device=cpu")
         self.dtype_name = dtype
         self.mapper = from_pretrained(ref, db=db, device=device, dtype=dtype, deshrink=deshrink)
-        self.source, self.tokenizer, _ = load_model(source or self.mapper.source["model_id"], device=device,
-                                                    dtype=self.dtype_name)
+        self.source, self.tokenizer, _ = load_model(
+            source or self.mapper.source["model_id"], device=device, dtype=self.dtype_name
+        )
         self.target, _, _ = load_model(target or self.mapper.target["model_id"], device=device, dtype=self.dtype_name)
         if self.tokenizer is None:
             raise ConfigError(f"{source or self.mapper.source['model_id']} has no tokenizer files; lm-eval needs one")
@@ -183,13 +214,24 @@ class KVHubLM(TemplateLM or object):
 
         longest = max(len(c) for c in continuations)
         if longest > self.max_length:
-            raise ConfigError(f"a continuation of {longest} tokens exceeds max_length={self.max_length}; raise "
-                              "max_length in --model_args if the models take longer inputs")
-        context = context[-(self.max_length + 1 - longest):]  # the models see at most max_length tokens
+            raise ConfigError(
+                f"a continuation of {longest} tokens exceeds max_length={self.max_length}; raise "
+                "max_length in --model_args if the models take longer inputs"
+            )
+        context = context[-(self.max_length + 1 - longest) :]  # the models see at most max_length tokens
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
         condition = {"own": "own", "source": "source"}.get(self.condition, "mapped")  # control: mapped, control map
-        return score_continuations(context, continuations, condition=condition, source=self.source, target=self.target, mapper=self.mapper,
-                                   recompute=self.recompute, tokenizer=self.tokenizer, pad_id=pad)
+        return score_continuations(
+            context,
+            continuations,
+            condition=condition,
+            source=self.source,
+            target=self.target,
+            mapper=self.mapper,
+            recompute=self.recompute,
+            tokenizer=self.tokenizer,
+            pad_id=pad,
+        )
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: ((context, continuation) strings or None, context ids, continuation ids), in order."""
@@ -201,7 +243,7 @@ class KVHubLM(TemplateLM or object):
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         for context, indices in tqdm(groups.items(), disable=disable_tqdm, desc=f"kvhub {self.condition}"):
             for start in range(0, len(indices), CHOICES_PER_PASS):
-                chunk = indices[start:start + CHOICES_PER_PASS]
+                chunk = indices[start : start + CHOICES_PER_PASS]
                 scores = self._score(list(context), [requests[i][2] for i in chunk])
                 for i, score in zip(chunk, scores):
                     results[i] = score
@@ -215,8 +257,9 @@ class KVHubLM(TemplateLM or object):
         totals = []
         for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc=f"kvhub {self.condition} rolling"):
             chunks = self.rolling_chunks(self.tok_encode(text))
-            total = sum(score for score, _ in self._loglikelihood_tokens([(None, c, p) for c, p in chunks],
-                                                                         disable_tqdm=True))
+            total = sum(
+                score for score, _ in self._loglikelihood_tokens([(None, c, p) for c, p in chunks], disable_tqdm=True)
+            )
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             totals.append(total)
         return totals
@@ -226,8 +269,10 @@ class KVHubLM(TemplateLM or object):
         after the eos token and every earlier token (at most max_length tokens in all)."""
         full = [self.prefix_token_id] + tokens
         history = self.max_length + 1 - self.rolling_chunk
-        return [(full[max(0, start + 1 - history):start + 1], tokens[start:start + self.rolling_chunk])
-                for start in range(0, len(tokens), self.rolling_chunk)]
+        return [
+            (full[max(0, start + 1 - history) : start + 1], tokens[start : start + self.rolling_chunk])
+            for start in range(0, len(tokens), self.rolling_chunk)
+        ]
 
     # ---- generation -------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -236,18 +281,21 @@ class KVHubLM(TemplateLM or object):
 
         out = []
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        for context, gen_kwargs in tqdm([r.args for r in requests], disable=disable_tqdm,
-                                        desc=f"kvhub {self.condition} generate"):
+        for context, gen_kwargs in tqdm(
+            [r.args for r in requests], disable=disable_tqdm, desc=f"kvhub {self.condition} generate"
+        ):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             if kwargs.get("do_sample"):
-                raise ConfigError("kvhub's lm-eval model decodes greedily; run the task with "
-                                  "--gen_kwargs do_sample=False")
+                raise ConfigError(
+                    "kvhub's lm-eval model decodes greedily; run the task with --gen_kwargs do_sample=False"
+                )
             until = handle_stop_sequences(kwargs.get("until"), eos=eos)
             max_new = int(kwargs["max_gen_toks"])
             if max_new >= self.max_length:
-                raise ConfigError(f"max_gen_toks={max_new} leaves no room for a context within max_length="
-                                  f"{self.max_length}")
-            ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+                raise ConfigError(
+                    f"max_gen_toks={max_new} leaves no room for a context within max_length={self.max_length}"
+                )
+            ids = self.tok_encode(context)[-(self.max_length - max_new) :] or [self.prefix_token_id]
             text = self.tok_decode(self._generate(ids, max_new, until))
             text = postprocess_generated_text(text, until, None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
@@ -262,16 +310,27 @@ class KVHubLM(TemplateLM or object):
         from kvhub.serving.handoff import handoff
 
         prompt = torch.tensor([ids], device=self.device)
-        kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=self.eot_token_id,
-                      pad_token_id=self.eot_token_id,
-                      stopping_criteria=StoppingCriteriaList([_StopStrings(self.tokenizer, until, len(ids))]))
+        kwargs = dict(
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=self.eot_token_id,
+            pad_token_id=self.eot_token_id,
+            stopping_criteria=StoppingCriteriaList([_StopStrings(self.tokenizer, until, len(ids))]),
+        )
         if self.condition in ("mapped", "control") and len(ids) >= 2:
-            output = handoff(self.mapper, self.source, self.target, prompt, recompute=self.recompute,
-                             tokenizer=self.tokenizer if self.recompute.selective else None, **kwargs)  # checked at load
+            output = handoff(
+                self.mapper,
+                self.source,
+                self.target,
+                prompt,
+                recompute=self.recompute,
+                tokenizer=self.tokenizer if self.recompute.selective else None,
+                **kwargs,
+            )  # checked at load
         else:  # own, source, or a one-token prompt (nothing to map)
             model = self.source if self.condition == "source" else self.target
             output = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
-        return output[0, len(ids):].tolist()
+        return output[0, len(ids) :].tolist()
 
 
 def _number(name: str, value, kind, *, minimum=0):
@@ -281,8 +340,9 @@ def _number(name: str, value, kind, *, minimum=0):
     except (TypeError, ValueError):
         number = None
     if number is None or number < minimum or (kind is int and number != float(value)):
-        raise ConfigError(f"model_args {name}={value!r}: expected a{'n integer' if kind is int else ' number'} "
-                          f">= {minimum}")
+        raise ConfigError(
+            f"model_args {name}={value!r}: expected a{'n integer' if kind is int else ' number'} >= {minimum}"
+        )
     return number
 
 
@@ -293,7 +353,7 @@ class _StopStrings:
         self.tokenizer, self.stops, self.start = tokenizer, [s for s in stops if s], start
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        text = self.tokenizer.decode(input_ids[0, self.start:], skip_special_tokens=False)
+        text = self.tokenizer.decode(input_ids[0, self.start :], skip_special_tokens=False)
         done = any(stop in text for stop in self.stops)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
@@ -348,13 +408,15 @@ def _mapper_arg(model_args) -> str | None:
 def help_preface() -> str:
     """What ``kvhub-lm-eval -h`` says before lm-eval's own help: the kvhub model and its model_args."""
     names = [k for k in DEFAULTS if k not in ("batch_size", "max_batch_size")]
-    return ("kvhub-lm-eval: lm-eval's command line with one more model, --model kvhub: the target model scored "
-            "from a kvhub mapper's mapped cache.\n"
-            f"  --model_args mapper=REF[,KEY=VALUE...]   keys: {', '.join(names)}\n"
-            f"  condition: {' | '.join(LMEVAL_CONDITIONS)} (default mapped)\n"
-            "  e.g. kvhub-lm-eval --model kvhub --model_args mapper=src:dst:legal-docs@v1 --tasks hellaswag "
-            "--limit 100\n"
-            "  (docs/guide.md, 'Any lm-eval task'; lm-eval's own help follows)\n")
+    return (
+        "kvhub-lm-eval: lm-eval's command line with one more model, --model kvhub: the target model scored "
+        "from a kvhub mapper's mapped cache.\n"
+        f"  --model_args mapper=REF[,KEY=VALUE...]   keys: {', '.join(names)}\n"
+        f"  condition: {' | '.join(LMEVAL_CONDITIONS)} (default mapped)\n"
+        "  e.g. kvhub-lm-eval --model kvhub --model_args mapper=src:dst:legal-docs@v1 --tasks hellaswag "
+        "--limit 100\n"
+        "  (docs/guide.md, 'Any lm-eval task'; lm-eval's own help follows)\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,8 +47,20 @@ FLOOR_TOKENS = 32
 CODE_PACKAGES = ("click", "rich", "sqlalchemy")
 
 _COLOURS = ("red", "blue", "green", "amber", "violet", "silver", "golden", "black", "white", "orange", "grey", "teal")
-_THINGS = ("harbour", "granite", "orchard", "lantern", "compass", "falcon", "meadow", "quarry", "beacon", "willow",
-           "cobalt", "summit")
+_THINGS = (
+    "harbour",
+    "granite",
+    "orchard",
+    "lantern",
+    "compass",
+    "falcon",
+    "meadow",
+    "quarry",
+    "beacon",
+    "willow",
+    "cobalt",
+    "summit",
+)
 _CHAT_THINGS = ("locker number", "badge number", "flight booking code", "parcel tracking number", "room number")
 
 
@@ -64,8 +76,16 @@ class RecallItem:
 
 
 # ---- building items ----------------------------------------------------------------------------------
-def fact_items(tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0,
-               facts_per_context: tuple[int, ...] = (1, 2, 3), depths: tuple[float, ...] = DEPTHS) -> list[RecallItem]:
+def fact_items(
+    tokenizer,
+    filler: list[str],
+    *,
+    context_tokens: int,
+    n: int,
+    seed: int = 0,
+    facts_per_context: tuple[int, ...] = (1, 2, 3),
+    depths: tuple[float, ...] = DEPTHS,
+) -> list[RecallItem]:
     """Passkey items: item i has ``facts_per_context[i % len]`` facts, the asked one at ``depths[i % len]``
     (3 and 5 values: every 15 items hold each pair once, and any first n are balanced in both)."""
     rng = random.Random(f"facts-{seed}-{context_tokens}")
@@ -77,14 +97,23 @@ def fact_items(tokenizer, filler: list[str], *, context_tokens: int, n: int, see
         sentences = [f"The access code for the {c} {t} vault is {code}." for (c, t), code in zip(vaults, codes)]
         where = [depth] + [rng.uniform(0.05, 0.95) for _ in vaults[1:]]
         colour, thing = vaults[0]
-        question = (f"\n\nQuestion: What is the access code for the {colour} {thing} vault?\n"
-                    f"Answer: The access code for the {colour} {thing} vault is")
+        question = (
+            f"\n\nQuestion: What is the access code for the {colour} {thing} vault?\n"
+            f"Answer: The access code for the {colour} {thing} vault is"
+        )
         stated = sum(_count(tokenizer, text) for text in sentences + [question])
         body = _haystack(tokenizer, filler, rng, context_tokens - stated, list(zip(where, sentences)))
         prompt = tokenizer(body + question, add_special_tokens=False)["input_ids"]
         answer = _answer_ids(tokenizer, body + question, " " + codes[0])
-        items.append(RecallItem(f"facts-{context_tokens}-{i}", prompt, answer, codes[0],
-                                {"context_tokens": len(prompt), "depth": depth, "facts": count}))
+        items.append(
+            RecallItem(
+                f"facts-{context_tokens}-{i}",
+                prompt,
+                answer,
+                codes[0],
+                {"context_tokens": len(prompt), "depth": depth, "facts": count},
+            )
+        )
     return items
 
 
@@ -96,25 +125,37 @@ def multiturn_items(tokenizer, filler: list[str], *, context_tokens: int, n: int
     items = []
     for i in range(n):
         thing, value = _CHAT_THINGS[i % len(_CHAT_THINGS)], str(rng.randrange(1000, 10_000))
-        messages = [{"role": "user", "content": f"Please remember this: my {thing} is {value}."},
-                    {"role": "assistant", "content": "Noted. What else can I help you with?"}]
+        messages = [
+            {"role": "user", "content": f"Please remember this: my {thing} is {value}."},
+            {"role": "assistant", "content": "Noted. What else can I help you with?"},
+        ]
         used = 0
         while used < context_tokens:
             paragraph = rng.choice(filler)
-            messages += [{"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat happens next?"},
-                         {"role": "assistant", "content": _first_sentence(paragraph)}]
+            messages += [
+                {"role": "user", "content": f"Here is a passage:\n{paragraph}\nWhat happens next?"},
+                {"role": "assistant", "content": _first_sentence(paragraph)},
+            ]
             used += _count(tokenizer, paragraph) + 30
         messages.append({"role": "user", "content": f"What is my {thing}? Reply with the number only."})
         prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         answer = _answer_ids(tokenizer, prompt_text, value)
-        items.append(RecallItem(f"multiturn-{context_tokens}-{i}", prompt, answer, value,
-                                {"context_tokens": len(prompt), "turns": len(messages) // 2}))
+        items.append(
+            RecallItem(
+                f"multiturn-{context_tokens}-{i}",
+                prompt,
+                answer,
+                value,
+                {"context_tokens": len(prompt), "turns": len(messages) // 2},
+            )
+        )
     return items
 
 
-def code_items(tokenizer, *, context_tokens: int, n: int, seed: int = 0,
-               packages: tuple[str, ...] = CODE_PACKAGES) -> list[RecallItem]:
+def code_items(
+    tokenizer, *, context_tokens: int, n: int, seed: int = 0, packages: tuple[str, ...] = CODE_PACKAGES
+) -> list[RecallItem]:
     """Next-line items: ~``context_tokens`` of a Python file, then its next non-trivial line."""
     files = _code_files(packages)
     rng = random.Random(f"code-{seed}-{context_tokens}")
@@ -140,11 +181,20 @@ def code_items(tokenizer, *, context_tokens: int, n: int, seed: int = 0,
             continue
         text = tokenizer.decode(answer)
         relative = path.name if not path.parent.name else f"{path.parent.name}/{path.name}"
-        items.append(RecallItem(f"code-{context_tokens}-{relative}:{follow + 1}", prompt, answer, text,
-                                {"context_tokens": len(prompt), "file": relative}))
+        items.append(
+            RecallItem(
+                f"code-{context_tokens}-{relative}:{follow + 1}",
+                prompt,
+                answer,
+                text,
+                {"context_tokens": len(prompt), "file": relative},
+            )
+        )
     if len(items) < n:
-        raise ConfigError(f"found only {len(items)} Python files of {', '.join(packages)} with {context_tokens}+ "
-                          "tokens; ask for fewer items or shorter contexts")
+        raise ConfigError(
+            f"found only {len(items)} Python files of {', '.join(packages)} with {context_tokens}+ "
+            "tokens; ask for fewer items or shorter contexts"
+        )
     return items
 
 
@@ -182,7 +232,7 @@ def _answer_ids(tokenizer, prompt_text: str, answer: str) -> list[int]:
     whole = tokenizer(prompt_text + answer, add_special_tokens=False)["input_ids"]
     if whole[: len(prompt)] != prompt:
         raise ConfigError(f"the answer {answer!r} merges with the end of its prompt; the item cannot be scored")
-    return whole[len(prompt):]
+    return whole[len(prompt) :]
 
 
 def _first_sentence(text: str) -> str:
@@ -246,8 +296,9 @@ class RecallScore:
 
 
 @torch.no_grad()
-def answer_score(model, cache, tail_ids: list[int], answers: int, *,
-                 start: int | None = None) -> tuple[int, float, float, list[int]]:
+def answer_score(
+    model, cache, tail_ids: list[int], answers: int, *, start: int | None = None
+) -> tuple[int, float, float, list[int]]:
     """(exact, token accuracy, log-likelihood, argmax ids) of the last ``answers`` of ``tail_ids`` continuing
     ``cache`` (which holds everything before tail_ids[0]); the cache grows.  ``start``: the position of
     tail_ids[0] when the cache holds fewer entries than positions (a drop cache); default its length."""
@@ -255,8 +306,10 @@ def answer_score(model, cache, tail_ids: list[int], answers: int, *,
     ids = torch.tensor([tail_ids], device=device)
     past = cache.get_seq_length() if start is None else start
     positions = torch.arange(past, past + ids.shape[1], device=device).unsqueeze(0)
-    logits = model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
-    predicted = logits[-answers - 1:-1]  # (A, V): the positions that predict the answer tokens
+    logits = (
+        model(input_ids=ids, position_ids=positions, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
+    )
+    predicted = logits[-answers - 1 : -1]  # (A, V): the positions that predict the answer tokens
     target = ids[0, -answers:]
     hits = predicted.argmax(-1) == target
     logp = F.log_softmax(predicted, -1).gather(1, target[:, None]).sum()
@@ -283,8 +336,9 @@ def score_recall_item(item: RecallItem, *, mapper, control, source, target, toke
         spec = spec.capped(len(prompt) - 1)
         result = dict(shared)
         for name, which in (("mapped", mapper), ("control", control)):
-            cache, positions = prepare_cache_counted(which, source, target, ids, recompute=spec, tokenizer=tokenizer,
-                                                     source_cache=source_cache)
+            cache, positions = prepare_cache_counted(
+                which, source, target, ids, recompute=spec, tokenizer=tokenizer, source_cache=source_cache
+            )
             result[name] = answer_score(target, cache, tail, len(answer))
             if name == "mapped":  # the count of the mapped handoff (the control selects from another cache)
                 recomputed.append(int(positions.numel()))
@@ -302,16 +356,27 @@ def recall_score(item: RecallItem, result: dict, recomputed: int, tokenizer) -> 
     :data:`LONG_CONDITIONS` order)."""
     result = {c: result[c] for c in LONG_CONDITIONS if c in result}
     return RecallScore(
-        id=item.id, exact={c: r[0] for c, r in result.items()}, token_acc={c: r[1] for c, r in result.items()},
-        logp={c: r[2] for c, r in result.items()}, recomputed=recomputed, meta=item.meta,
-        predicted={c: tokenizer.decode(r[3]) for c, r in result.items()}, gold=item.answer)
+        id=item.id,
+        exact={c: r[0] for c, r in result.items()},
+        token_acc={c: r[1] for c, r in result.items()},
+        logp={c: r[2] for c, r in result.items()},
+        recomputed=recomputed,
+        meta=item.meta,
+        predicted={c: tokenizer.decode(r[3]) for c, r in result.items()},
+        gold=item.answer,
+    )
 
 
 RECALL_PAIRS = (("mapped", "control"), ("mapped", "drop"))
 
 
-def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int = 1000,
-                     pairs: tuple[tuple[str, str], ...] = RECALL_PAIRS) -> dict:
+def summarize_recall(
+    scores: list[RecallScore],
+    *,
+    seed: int = 0,
+    resamples: int = 1000,
+    pairs: tuple[tuple[str, str], ...] = RECALL_PAIRS,
+) -> dict:
     """Exact-match accuracy per condition with bootstrap 95% intervals; retention = mapped / own, and the paired
     differences of ``pairs`` (``map_minus_control``: the map's own contribution; ``map_minus_drop``: what the
     map adds over keeping the recomputed tokens alone), each with its interval; mean token accuracy.  Conditions absent from the scores
@@ -338,8 +403,9 @@ def summarize_recall(scores: list[RecallScore], *, seed: int = 0, resamples: int
     for key, value in point.items():
         values = sorted(b[key] for b in boot if not math.isnan(b[key]))
         out[key] = value
-        out[f"{key}_ci"] = ([values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
-                            if values else [math.nan, math.nan])
+        out[f"{key}_ci"] = (
+            [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]] if values else [math.nan, math.nan]
+        )
     for c in conditions:
         out[f"token_acc_{c}"] = sum(s.token_acc[c] for s in scores) / n
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n

@@ -42,8 +42,12 @@ class PerplexityTask:
         from kvhub.eval.textsets import windows_sha256
 
         held, dataset = self._calibration_windows() if self.calib is not None else self._text_windows()
-        dataset.update(n=int(held.shape[0]), seq_len=int(held.shape[1]), context_len=int(held.shape[1]) // 2,
-                       sha256=windows_sha256(held))
+        dataset.update(
+            n=int(held.shape[0]),
+            seq_len=int(held.shape[1]),
+            context_len=int(held.shape[1]) // 2,
+            sha256=windows_sha256(held),
+        )
         return [Window(index, row.tolist()) for index, row in enumerate(held)], dataset
 
     def _text_windows(self):
@@ -58,11 +62,19 @@ class PerplexityTask:
 
         mapper = self.loaded.mapper
         calibration = mapper.metadata.get("calibration", {})
-        built = resolve_calibration(self.calib, tokenizer=self.loaded.tokenizer, tokenizer_id=mapper.source["model_id"],
-                                    samples=calibration.get("sequences"), seq_len=calibration.get("seq_len"))
+        built = resolve_calibration(
+            self.calib,
+            tokenizer=self.loaded.tokenizer,
+            tokenizer_id=mapper.source["model_id"],
+            samples=calibration.get("sequences"),
+            seq_len=calibration.get("seq_len"),
+        )
         held = built.heldout[: max(1, min(self.limit, built.heldout.shape[0]))]
-        return held, {"name": f"calibration:{built.name}", "origin": "held-out split of a calibration set",
-                      "calibration_sha256": built.content_hash}
+        return held, {
+            "name": f"calibration:{built.name}",
+            "origin": "held-out split of a calibration set",
+            "calibration_sha256": built.content_hash,
+        }
 
     def items(self) -> list[Window]:
         return self._windows
@@ -72,10 +84,20 @@ class PerplexityTask:
 
         loaded = self.loaded
         ids = torch.tensor([window.ids])
-        return [WindowScore(window_sample(loaded.mapper, loaded.source, loaded.target, ids,
-                                          context_len=self._dataset["context_len"], recompute=spec,
-                                          tokenizer=loaded.tokenizer))
-                for spec in variants]
+        return [
+            WindowScore(
+                window_sample(
+                    loaded.mapper,
+                    loaded.source,
+                    loaded.target,
+                    ids,
+                    context_len=self._dataset["context_len"],
+                    recompute=spec,
+                    tokenizer=loaded.tokenizer,
+                )
+            )
+            for spec in variants
+        ]
 
     def summarize(self, scores: list[WindowScore]) -> dict:
         metrics = aggregate([dict(s) for s in scores])

@@ -31,8 +31,9 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"kvhub report draws its figures with matplotlib, which is not installed here: "
-                          f"{PLOTS_EXTRA}") from exc
+        raise ConfigError(
+            f"kvhub report draws its figures with matplotlib, which is not installed here: {PLOTS_EXTRA}"
+        ) from exc
 
 
 def _pyplot():
@@ -68,9 +69,14 @@ def layer_series(metadata: dict) -> dict[str, list]:
         grid = probe.get(kind)
         return max(grid[s][layer["target"]] for s in layer["sources"]) if grid else math.nan
 
-    return {"layers": [l["target"] for l in layers], "r2_k": [_number(l.get("r2_k")) for l in layers],
-            "r2_v": [_number(l.get("r2_v")) for l in layers], "k": [len(l["sources"]) for l in layers],
-            "probe_k": [best_probe("k", l) for l in layers], "probe_v": [best_probe("v", l) for l in layers]}
+    return {
+        "layers": [l["target"] for l in layers],
+        "r2_k": [_number(l.get("r2_k")) for l in layers],
+        "r2_v": [_number(l.get("r2_v")) for l in layers],
+        "k": [len(l["sources"]) for l in layers],
+        "probe_k": [best_probe("k", l) for l in layers],
+        "probe_v": [best_probe("v", l) for l in layers],
+    }
 
 
 def retention_series(results: dict[str, dict]) -> dict[str, list]:
@@ -97,8 +103,15 @@ def r2_heatmap_figure(metadata: dict):
     for ax, kind in zip(axes, ("k", "v")):
         image = ax.imshow(probe[kind], aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=1)
         for layer in metadata["layers"]:  # small hollow rings: with k = 8-24 per layer the cells stay readable
-            ax.scatter([layer["target"]] * len(layer["sources"]), layer["sources"], s=9, marker="o",
-                       facecolors="none", edgecolors="white", linewidths=0.7)
+            ax.scatter(
+                [layer["target"]] * len(layer["sources"]),
+                layer["sources"],
+                s=9,
+                marker="o",
+                facecolors="none",
+                edgecolors="white",
+                linewidths=0.7,
+            )
         ax.set_title(f"{kind.upper()}: rings = source layers the stored map reads")
         ax.set_xlabel("target layer")
         ax.set_ylabel("source layer")
@@ -115,6 +128,7 @@ def r2_heatmap_figure(metadata: dict):
 
 def mapper_name(metadata: dict) -> str:
     """'SRC -> DST (CALIB)' with the models' short names: which mapper a figure shows."""
+
     def short(role: str) -> str:
         return str((metadata.get(role) or {}).get("model_id", "?")).rstrip("/").split("/")[-1]
 
@@ -130,8 +144,16 @@ def layer_r2_figure(metadata: dict):
     xs = data["layers"]
     # V dashed with large hollow squares over K's solid line and filled dots: both visible when equal
     ax.plot(xs, data["r2_k"], "-o", color="tab:blue", markersize=5, label="K")
-    ax.plot(xs, data["r2_v"], "--s", color="tab:orange", markersize=9, markerfacecolor="none", markeredgewidth=1.5,
-            label="V")
+    ax.plot(
+        xs,
+        data["r2_v"],
+        "--s",
+        color="tab:orange",
+        markersize=9,
+        markerfacecolor="none",
+        markeredgewidth=1.5,
+        label="V",
+    )
     if structure:
         ax.plot(xs, data["probe_k"], ":", color="tab:blue", alpha=0.6, label="K, full-rank probe (best source read)")
         ax.plot(xs, data["probe_v"], "-.", color="tab:orange", alpha=0.6, label="V, full-rank probe (best source read)")
@@ -143,8 +165,10 @@ def layer_r2_figure(metadata: dict):
     _integer_ticks(ax.xaxis)
     ax.set_xlabel("target layer (numbers: k, the source layers read)")
     ax.set_ylabel("held-out R²")
-    ax.set_title(f"{mapper_name(metadata)}: held-out R² of the stored maps per target layer"
-                 + (f" ({structure})" if structure else ""))
+    ax.set_title(
+        f"{mapper_name(metadata)}: held-out R² of the stored maps per target layer"
+        + (f" ({structure})" if structure else "")
+    )
     ax.legend(fontsize=8)
     return fig
 
@@ -172,8 +196,15 @@ def retention_figure(results: dict[str, dict]):
         offset = (index - (len(conditions) - 1) / 2) * width
         cis = [ci or [v, v] for ci, v in zip(data[f"acc_{condition}_ci"], data[f"acc_{condition}"])]
         lows, highs = _errors(data[f"acc_{condition}"], cis)
-        right.bar([p + offset for p in positions], data[f"acc_{condition}"], width, capsize=3, label=condition,
-                  color=CONDITION_COLOURS[condition], yerr=[lows, highs] if any(lows + highs) else None)
+        right.bar(
+            [p + offset for p in positions],
+            data[f"acc_{condition}"],
+            width,
+            capsize=3,
+            label=condition,
+            color=CONDITION_COLOURS[condition],
+            yerr=[lows, highs] if any(lows + highs) else None,
+        )
     right.set_xticks(positions, tasks, rotation=20, ha="right")
     right.set_ylabel("accuracy")
     right.set_title("Accuracy per condition")

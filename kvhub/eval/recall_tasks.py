@@ -14,13 +14,23 @@ import functools
 from kvhub.errors import ConfigError
 from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
 from kvhub.eval.followup import FOLLOWUP_CONDITIONS, FOLLOWUP_PAIRS, followup_items, score_followup_item
-from kvhub.eval.longctx import (LONG_CONDITIONS, RecallItem, RecallScore, code_items, fact_items, filler_paragraphs,
-                                multiturn_items, score_recall_item, summarize_recall)
+from kvhub.eval.longctx import (
+    LONG_CONDITIONS,
+    RecallItem,
+    RecallScore,
+    code_items,
+    fact_items,
+    filler_paragraphs,
+    multiturn_items,
+    score_recall_item,
+    summarize_recall,
+)
 from kvhub.eval.ruler import ruler_items
 
 
-def build_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0,
-                filler: list[str] | None = None) -> list[RecallItem]:
+def build_items(
+    task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0, filler: list[str] | None = None
+) -> list[RecallItem]:
     """``n`` seeded items of the long-context ``task`` of about ``context_tokens`` tokens."""
     if task not in LONG_TASKS:
         raise ConfigError(f"unknown long-context task {task!r}; use one of {', '.join(LONG_TASKS)}")
@@ -48,13 +58,21 @@ class RecallTask:
         self.read_score = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
 
     def items(self) -> list[RecallItem]:
-        return build_items(self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit,
-                           seed=self.seed)
+        return build_items(
+            self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
+        )
 
     def score(self, item: RecallItem, variants) -> list[RecallScore]:
         loaded = self.loaded
-        return score_recall_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
-                                 target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+        return score_recall_item(
+            item,
+            mapper=loaded.mapper,
+            control=self.control,
+            source=loaded.source,
+            target=loaded.target,
+            tokenizer=loaded.tokenizer,
+            variants=list(variants),
+        )
 
     def summarize(self, scores: list[RecallScore]) -> dict:
         return summarize_recall(scores, seed=self.seed)
@@ -67,8 +85,13 @@ class RecallTask:
     def dataset(self, items) -> dict:
         from kvhub.eval.results import items_sha256
 
-        return {"name": self.name, "origin": f"built by kvhub.eval.longctx (seed {self.seed})",
-                "context_tokens": self.context_tokens, "n": len(items), "sha256": items_sha256(items)}
+        return {
+            "name": self.name,
+            "origin": f"built by kvhub.eval.longctx (seed {self.seed})",
+            "context_tokens": self.context_tokens,
+            "n": len(items),
+            "sha256": items_sha256(items),
+        }
 
 
 class FollowupTask(RecallTask):
@@ -80,8 +103,15 @@ class FollowupTask(RecallTask):
 
     def score(self, item: RecallItem, variants) -> list[RecallScore]:
         loaded = self.loaded
-        return score_followup_item(item, mapper=loaded.mapper, control=self.control, source=loaded.source,
-                                   target=loaded.target, tokenizer=loaded.tokenizer, variants=list(variants))
+        return score_followup_item(
+            item,
+            mapper=loaded.mapper,
+            control=self.control,
+            source=loaded.source,
+            target=loaded.target,
+            tokenizer=loaded.tokenizer,
+            variants=list(variants),
+        )
 
     def summarize(self, scores: list[RecallScore]) -> dict:
         """summarize_recall over every item, and again (keys prefixed ``missed_``) over the items whose room
@@ -92,6 +122,11 @@ class FollowupTask(RecallTask):
         missed = [s for s in scores if (s.meta.get("room_in_r1") or 0.0) < 1.0]
         if missed:
             subset = summarize_recall(missed, seed=self.seed, pairs=FOLLOWUP_PAIRS)
-            summary.update({f"missed_{key}": value for key, value in subset.items() if key.startswith(("n", "acc_"))
-                            or "_minus_" in key})
+            summary.update(
+                {
+                    f"missed_{key}": value
+                    for key, value in subset.items()
+                    if key.startswith(("n", "acc_")) or "_minus_" in key
+                }
+            )
         return summary

@@ -38,15 +38,26 @@ def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: d
     layer_r2(metadata, out / "layer_r2.png")
     metrics = metadata.get("metrics", {})
     structure = compressed_structure(metadata)
-    lines = [f"# {reference}", "", f"- source: {version.source}", f"- target: {version.target}",
-             f"- calibration: {version.calibration}", f"- maps: {structure or 'dense, full rank'}", "",
-             f"Held-out R² of the stored maps (mean over target layers): K "
-             f"{metrics.get('heldout_r2_k_mean', float('nan')):.3f}, "
-             f"V {metrics.get('heldout_r2_v_mean', float('nan')):.3f}.",
-             "", "![per-layer R²](layer_r2.png)", "",
-             "The probe below (full-rank maps from one source layer) chose the source layers"
-             + (f"; it is not the R² of these {structure} maps." if structure else "."), "",
-             "![R² heatmap](r2_heatmap.png)", ""]
+    lines = [
+        f"# {reference}",
+        "",
+        f"- source: {version.source}",
+        f"- target: {version.target}",
+        f"- calibration: {version.calibration}",
+        f"- maps: {structure or 'dense, full rank'}",
+        "",
+        f"Held-out R² of the stored maps (mean over target layers): K "
+        f"{metrics.get('heldout_r2_k_mean', float('nan')):.3f}, "
+        f"V {metrics.get('heldout_r2_v_mean', float('nan')):.3f}.",
+        "",
+        "![per-layer R²](layer_r2.png)",
+        "",
+        "The probe below (full-rank maps from one source layer) chose the source layers"
+        + (f"; it is not the R² of these {structure} maps." if structure else "."),
+        "",
+        "![R² heatmap](r2_heatmap.png)",
+        "",
+    ]
     if tasks:
         retention_chart(tasks, out / "retention.png")
         lines += _task_table(tasks) + ["", "![retention](retention.png)"]
@@ -62,7 +73,9 @@ def _task_table(tasks: dict) -> list[str]:
     lines = ["| task | n | own | mapped | source | retention [95% CI] |", "| --- | --- | --- | --- | --- | --- |"]
     for task, r in sorted(tasks.items()):
         low, high = r.get("retention_ci", [float("nan")] * 2)
-        lines.append(f"| {task} | {r.get('n', '')} | {r['acc_own']:.3f} | {r['acc_mapped']:.3f} | "
-                     f"{r.get('acc_source', float('nan')):.3f} | {r.get('retention', float('nan')):.3f} "
-                     f"[{low:.2f}, {high:.2f}] |")
+        lines.append(
+            f"| {task} | {r.get('n', '')} | {r['acc_own']:.3f} | {r['acc_mapped']:.3f} | "
+            f"{r.get('acc_source', float('nan')):.3f} | {r.get('retention', float('nan')):.3f} "
+            f"[{low:.2f}, {high:.2f}] |"
+        )
     return lines

@@ -48,9 +48,19 @@ def document(ref: str, results: dict, config: dict) -> dict:
     Numbers that are not finite (gap closed when own == source) become null: the JSON stays strict."""
     from kvhub import __version__
 
-    return finite({"ref": ref, "results": results,
-                   "config": {"model": "kvhub", "mapper": ref, **config, "kvhub_version": __version__,
-                              "date": config.get("date") or now()}})
+    return finite(
+        {
+            "ref": ref,
+            "results": results,
+            "config": {
+                "model": "kvhub",
+                "mapper": ref,
+                **config,
+                "kvhub_version": __version__,
+                "date": config.get("date") or now(),
+            },
+        }
+    )
 
 
 def finite(value):
@@ -74,8 +84,9 @@ def output_files(output_path: str | Path, ref: str, date: str) -> tuple[Path, Pa
     return folder / f"results_{date}.json", folder
 
 
-def write(doc: dict, samples: dict[str, list[dict]] | None, output_path: str | Path, *,
-          folder_name: str | None = None) -> list[Path]:
+def write(
+    doc: dict, samples: dict[str, list[dict]] | None, output_path: str | Path, *, folder_name: str | None = None
+) -> list[Path]:
     """Write the document (and per-task samples, when given) under ``output_path``; returns the files.
     ``folder_name`` (default: the document's ref) names the folder under a directory ``output_path``."""
     results_file, folder = output_files(output_path, folder_name or doc["ref"], doc["config"]["date"])
@@ -96,24 +107,48 @@ def write(doc: dict, samples: dict[str, list[dict]] | None, output_path: str | P
 def choice_record(task: str, variant: str, item, score) -> dict:
     """A multiple-choice item: gold, each condition's pick, correctness and per-choice log-likelihoods."""
     logprobs = score.logprobs or {}
-    return {"task": task, "variant": variant, "doc_id": item.id, "gold": item.label,
-            "gold_text": item.continuations[item.label] if 0 <= item.label < len(item.continuations) else None,
-            "prediction": score.predictions(),
-            "correct": {c: getattr(score, f"correct_{c}") for c in ("own", "mapped", "source")},
-            "correct_norm": {c: getattr(score, f"correct_norm_{c}") for c in ("own", "mapped", "source")},
-            "logprobs": logprobs, "agree_next": score.agree_next, "kl_next": score.kl_next,
-            "attn_cosine": score.attn_cosine, "context": item.context, "choices": item.continuations}
+    return {
+        "task": task,
+        "variant": variant,
+        "doc_id": item.id,
+        "gold": item.label,
+        "gold_text": item.continuations[item.label] if 0 <= item.label < len(item.continuations) else None,
+        "prediction": score.predictions(),
+        "correct": {c: getattr(score, f"correct_{c}") for c in ("own", "mapped", "source")},
+        "correct_norm": {c: getattr(score, f"correct_norm_{c}") for c in ("own", "mapped", "source")},
+        "logprobs": logprobs,
+        "agree_next": score.agree_next,
+        "kl_next": score.kl_next,
+        "attn_cosine": score.attn_cosine,
+        "context": item.context,
+        "choices": item.continuations,
+    }
 
 
 def recall_record(task: str, variant: str, item, score) -> dict:
     """A long-context item: the answer, each condition's teacher-forced prediction, exactness and scores."""
-    return {"task": task, "variant": variant, "doc_id": item.id, "gold": item.answer, "prediction": score.predicted,
-            "correct": score.exact, "token_acc": score.token_acc, "logprobs": score.logp,
-            "recomputed": score.recomputed, "meta": item.meta}
+    return {
+        "task": task,
+        "variant": variant,
+        "doc_id": item.id,
+        "gold": item.answer,
+        "prediction": score.predicted,
+        "correct": score.exact,
+        "token_acc": score.token_acc,
+        "logprobs": score.logp,
+        "recomputed": score.recomputed,
+        "meta": item.meta,
+    }
 
 
 def window_record(task: str, variant: str, sample: dict) -> dict:
     """A perplexity window: token count, summed NLL of the scored half per condition, agreement, KL."""
-    return {"task": task, "variant": variant, "doc_id": sample["index"], "tokens": sample["tokens"],
-            "nll": {c: sample[f"nll_{c}"] for c in ("own", "mapped", "no_context")},
-            "agreement": sample["agreement"], "kl": sample["kl"]}
+    return {
+        "task": task,
+        "variant": variant,
+        "doc_id": sample["index"],
+        "tokens": sample["tokens"],
+        "nll": {c: sample[f"nll_{c}"] for c in ("own", "mapped", "no_context")},
+        "agreement": sample["agreement"],
+        "kl": sample["kl"],
+    }

@@ -19,8 +19,9 @@ from kvhub.artifact import json_sha256
 from kvhub.progress import Progress, report
 
 
-def results_file(tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str,
-                 deshrink: str = "off") -> Path:
+def results_file(
+    tensors_sha256: str, task: str, *, seed: int, variant: str, dtype: str, device: str, deshrink: str = "off"
+) -> Path:
     """Where the per-item results of one (mapper, task, seed, variant, dtype, device, deshrink) live (files
     of maps as fitted keep the key they had before deshrink existed)."""
     from kvhub.env import cache_root
@@ -70,8 +71,9 @@ def read_done(path: Path, from_dict: Callable[[dict], object]) -> dict:
     return done
 
 
-def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict], object],
-                progress: Progress | None = None) -> list[list]:
+def score_items(
+    items, paths: list[Path], scorer, *, from_dict: Callable[[dict], object], progress: Progress | None = None
+) -> list[list]:
     """Per item, one score per variant (``paths[i]`` caches variant i).
 
     ``scorer(item, indices)`` scores the variants an item still lacks (returns one score per index,
@@ -84,7 +86,9 @@ def score_items(items, paths: list[Path], scorer, *, from_dict: Callable[[dict],
     scores = []
     try:
         for index, item in enumerate(items):
-            report(progress, "items", index, len(items))  # an item's id ('0', 'hellaswag/validation/548') reads as noise
+            report(
+                progress, "items", index, len(items)
+            )  # an item's id ('0', 'hellaswag/validation/548') reads as noise
             key = item_key(item)
             missing = [i for i in range(len(paths)) if key not in done[i]]
             if missing:

@@ -32,8 +32,28 @@ NEEDLES = 4
 HOPS = 4
 COMMON = 3
 
-_KEYS = ("harbour", "lantern", "compass", "falcon", "meadow", "quarry", "beacon", "willow", "cobalt", "summit",
-         "granite", "orchard", "pepper", "saddle", "thimble", "anchor", "canyon", "dolphin", "ember", "fjord")
+_KEYS = (
+    "harbour",
+    "lantern",
+    "compass",
+    "falcon",
+    "meadow",
+    "quarry",
+    "beacon",
+    "willow",
+    "cobalt",
+    "summit",
+    "granite",
+    "orchard",
+    "pepper",
+    "saddle",
+    "thimble",
+    "anchor",
+    "canyon",
+    "dolphin",
+    "ember",
+    "fjord",
+)
 
 
 @dataclass
@@ -51,8 +71,9 @@ class PressRow:
 
 
 # ---- rows -------------------------------------------------------------------------------------------
-def niah_multikey_row(tokenizer, filler: list[str], rng: random.Random, *, context_tokens: int,
-                      needles: int = NEEDLES) -> PressRow:
+def niah_multikey_row(
+    tokenizer, filler: list[str], rng: random.Random, *, context_tokens: int, needles: int = NEEDLES
+) -> PressRow:
     keys = rng.sample(_KEYS, needles)
     values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
     sentences = [f"One of the special magic numbers for {key} is: {value}." for key, value in zip(keys, values)]
@@ -74,8 +95,10 @@ def vt_row(tokenizer, filler: list[str], rng: random.Random, *, context_tokens: 
         depths = sorted(rng.uniform(0.05, 0.95) for _ in statements)
         inserts += list(zip(depths, statements))
     question = f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above."
-    prefix = (f"\nAnswer: According to the chain of variable assignments in the text above, {hops} variables are "
-              f"assigned the value {value}, they are:")
+    prefix = (
+        f"\nAnswer: According to the chain of variable assignments in the text above, {hops} variables are "
+        f"assigned the value {value}, they are:"
+    )
     context = _context(tokenizer, filler, rng, context_tokens, inserts, question + prefix)
     return PressRow(context, question, prefix, " " + " ".join(chains[0]), 8 * hops)
 
@@ -122,7 +145,9 @@ def list_words(filler: list[str], *, limit: int = 400) -> list[str]:
 
 
 # ---- items ------------------------------------------------------------------------------------------
-def press_rows(task: str, tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0) -> list[PressRow]:
+def press_rows(
+    task: str, tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0
+) -> list[PressRow]:
     """``n`` rows of ``task`` (one of :data:`RULER_TASKS`) of about ``context_tokens`` tokens each."""
     if task not in RULER_TASKS:
         raise ConfigError(f"unknown RULER-style task {task!r}; use one of {', '.join(RULER_TASKS)}")
@@ -139,9 +164,13 @@ def row_item(row: PressRow, tokenizer, item_id: str) -> RecallItem:
     prompt_text = row.context + row.question + row.answer_prefix
     prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     answer = _answer_ids(tokenizer, prompt_text, row.answer)
-    return RecallItem(item_id, prompt, answer, row.answer.strip(), {"context_tokens": len(prompt), "row": row.as_dict()})
+    return RecallItem(
+        item_id, prompt, answer, row.answer.strip(), {"context_tokens": len(prompt), "row": row.as_dict()}
+    )
 
 
-def ruler_items(task: str, tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0) -> list[RecallItem]:
+def ruler_items(
+    task: str, tokenizer, filler: list[str], *, context_tokens: int, n: int, seed: int = 0
+) -> list[RecallItem]:
     rows = press_rows(task, tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)
     return [row_item(row, tokenizer, f"{task}-{context_tokens}-{i}") for i, row in enumerate(rows)]

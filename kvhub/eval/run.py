@@ -42,8 +42,9 @@ class LoadedVersion:
         return str(next(self.target.parameters()).device)
 
 
-def load_version(store, ref: str, *, device: str | None = None, dtype: str | None = None,
-                 deshrink: str | None = None) -> LoadedVersion:
+def load_version(
+    store, ref: str, *, device: str | None = None, dtype: str | None = None, deshrink: str | None = None
+) -> LoadedVersion:
     """Resolve ``ref`` in ``store`` and load its mapper (transferring with ``deshrink``, see
     :mod:`kvhub.core.deshrink`) and the two models it was fitted for."""
     from kvhub.core.mapper import Mapper
@@ -62,9 +63,13 @@ def variants(*, exact_prefixes=(0,), exact_suffixes=(0,), exact_budgets=(0.0,), 
     explicit ``specs`` (:meth:`Recompute.parse` text); duplicates dropped, order kept."""
     from kvhub.serving.spec import Recompute
 
-    found = [Recompute(p, s, b, select)
-             for p in exact_prefixes for s in exact_suffixes for b in exact_budgets
-             for select in (selects if b > 0 else selects[:1])]
+    found = [
+        Recompute(p, s, b, select)
+        for p in exact_prefixes
+        for s in exact_suffixes
+        for b in exact_budgets
+        for select in (selects if b > 0 else selects[:1])
+    ]
     found += [parse_variant(spec) for spec in specs]
     unique = {}
     for variant in found:
@@ -85,9 +90,14 @@ def parse_variant(text: str):
 
 def variant_config(variant) -> dict:
     """A variant as the results document lists it (and as each of its summaries is labelled)."""
-    return {"name": variant.name(), "exact_prefix": variant.exact_prefix, "exact_suffix": variant.exact_suffix,
-            "exact_budget": variant.exact_budget, "select": variant.select if variant.selective else None,
-            "score": variant.score if variant.selective else None}
+    return {
+        "name": variant.name(),
+        "exact_prefix": variant.exact_prefix,
+        "exact_suffix": variant.exact_suffix,
+        "exact_budget": variant.exact_budget,
+        "select": variant.select if variant.selective else None,
+        "score": variant.score if variant.selective else None,
+    }
 
 
 # ---- the task protocol and its loop --------------------------------------------------------------------
@@ -146,19 +156,44 @@ def run_task(task: Task, variant_list: list, *, settings: RunSettings, progress:
     from kvhub.eval.results_cache import results_file, score_items, variant_key
 
     items = task.items()
-    paths = [results_file(settings.tensors_sha256, task.name, seed=settings.seed, variant=variant_key(v),
-                          dtype=settings.dtype, device=settings.device, deshrink=settings.deshrink)
-             for v in variant_list]
-    scores = score_items(items, paths, lambda item, indices: task.score(item, [variant_list[i] for i in indices]),
-                         from_dict=task.read_score, progress=progress)
+    paths = [
+        results_file(
+            settings.tensors_sha256,
+            task.name,
+            seed=settings.seed,
+            variant=variant_key(v),
+            dtype=settings.dtype,
+            device=settings.device,
+            deshrink=settings.deshrink,
+        )
+        for v in variant_list
+    ]
+    scores = score_items(
+        items,
+        paths,
+        lambda item, indices: task.score(item, [variant_list[i] for i in indices]),
+        from_dict=task.read_score,
+        progress=progress,
+    )
     summaries = {}
     for i, variant in enumerate(variant_list):
         config = variant_config(variant)
         labels = {k: config[k] for k in ("exact_prefix", "exact_suffix", "exact_budget", "select")}
-        summaries[settings.label(variant.name())] = {**task.summarize([row[i] for row in scores]),
-                                                     "variant": config["name"], "deshrink": settings.deshrink, **labels}
-    records = ([task.record(settings.label(v.name()), item, row[i]) for i, v in enumerate(variant_list)
-                for item, row in zip(items, scores)] if settings.log_samples else [])
+        summaries[settings.label(variant.name())] = {
+            **task.summarize([row[i] for row in scores]),
+            "variant": config["name"],
+            "deshrink": settings.deshrink,
+            **labels,
+        }
+    records = (
+        [
+            task.record(settings.label(v.name()), item, row[i])
+            for i, v in enumerate(variant_list)
+            for item, row in zip(items, scores)
+        ]
+        if settings.log_samples
+        else []
+    )
     return TaskOutcome(summaries, task.dataset(items), records)
 
 
@@ -171,8 +206,13 @@ class Evaluation:
     samples: dict[str, list] = field(default_factory=dict)
 
 
-def evaluate(tasks: list[Task], variant_list: list, *, settings: RunSettings,
-             progress: Callable[[], contextlib.AbstractContextManager] | None = None) -> Evaluation:
+def evaluate(
+    tasks: list[Task],
+    variant_list: list,
+    *,
+    settings: RunSettings,
+    progress: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> Evaluation:
     """:func:`run_task` for every task; ``progress()`` opens one progress callback per task."""
     out = Evaluation()
     for task in tasks:
@@ -184,9 +224,18 @@ def evaluate(tasks: list[Task], variant_list: list, *, settings: RunSettings,
     return out
 
 
-def build_tasks(names, loaded: LoadedVersion, *, limit: int, seed: int, context_tokens=(1024,),
-                ppl_text: str = "lambada", ppl_seq_len: int = 256, ppl_calib: str | None = None,
-                items: dict | None = None) -> list[Task]:
+def build_tasks(
+    names,
+    loaded: LoadedVersion,
+    *,
+    limit: int,
+    seed: int,
+    context_tokens=(1024,),
+    ppl_text: str = "lambada",
+    ppl_seq_len: int = 256,
+    ppl_calib: str | None = None,
+    items: dict | None = None,
+) -> list[Task]:
     """The tasks ``names`` (:mod:`kvhub.eval.catalog`) over ``loaded``: one per long-context / gist task and
     context length.  ``items``: multiple-choice items already read (task -> items)."""
     from kvhub.eval.gist import GistTask
@@ -216,11 +265,21 @@ def results_config(loaded: LoadedVersion, variant_list: list, *, settings: RunSe
     from kvhub.eval.results import now
 
     version = loaded.version
-    return {"source": version.source, "target": version.target, "calibration": version.calibration,
-            "tensors_sha256": version.tensors_sha256, "dtype": settings.dtype, "device": settings.device,
-            "seed": settings.seed, "limit": settings.limit, "deshrink": settings.deshrink,
-            "variants": [variant_config(v) for v in variant_list],
-            "tasks": list(tasks), "datasets": datasets, "date": now()}
+    return {
+        "source": version.source,
+        "target": version.target,
+        "calibration": version.calibration,
+        "tensors_sha256": version.tensors_sha256,
+        "dtype": settings.dtype,
+        "device": settings.device,
+        "seed": settings.seed,
+        "limit": settings.limit,
+        "deshrink": settings.deshrink,
+        "variants": [variant_config(v) for v in variant_list],
+        "tasks": list(tasks),
+        "datasets": datasets,
+        "date": now(),
+    }
 
 
 _COUNTS = ("n", "exact_prefix", "exact_suffix", "exact_budget", "sequences")  # labels, not measurements
@@ -236,8 +295,10 @@ def metric_rows(name: str, summary: dict, *, seed: int) -> list[dict]:
             if math.isfinite(value):
                 rows.append({"name": key, "value": float(value), **base})
         elif key.endswith("_ci") and isinstance(value, list) and all(math.isfinite(v) for v in value):
-            rows += [{"name": f"{key}_low", "value": float(value[0]), **base},
-                     {"name": f"{key}_high", "value": float(value[1]), **base}]
+            rows += [
+                {"name": f"{key}_low", "value": float(value[0]), **base},
+                {"name": f"{key}_high", "value": float(value[1]), **base},
+            ]
     return rows
 
 
@@ -247,14 +308,18 @@ def check_context_length(metadata: dict, context_tokens, *, option: str = "--con
     ``option``: the command's option that gave the lengths (bench's is --lengths)."""
     from kvhub.errors import ConfigError
 
-    limits = {side: ((metadata.get(side) or {}).get("config") or {}).get("max_position_embeddings")
-              for side in ("source", "target")}
+    limits = {
+        side: ((metadata.get(side) or {}).get("config") or {}).get("max_position_embeddings")
+        for side in ("source", "target")
+    }
     known = {side: limit for side, limit in limits.items() if isinstance(limit, int)}
     if not known or not context_tokens:
         return
     side, limit = min(known.items(), key=lambda kv: kv[1])
     longest = max(context_tokens)
     if longest > limit:
-        raise ConfigError(f"{option} {longest} exceeds the {side} model's context length ({limit} tokens, "
-                          f"max_position_embeddings of {metadata[side].get('model_id')}); use {option} "
-                          f"{limit // 2} or another length up to {limit}")
+        raise ConfigError(
+            f"{option} {longest} exceeds the {side} model's context length ({limit} tokens, "
+            f"max_position_embeddings of {metadata[side].get('model_id')}); use {option} "
+            f"{limit // 2} or another length up to {limit}"
+        )

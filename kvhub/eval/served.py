@@ -75,11 +75,15 @@ def base_url(url: str, *, option: str = "URL") -> str:
     trimmed = url.strip().rstrip("/")
     parts = urllib.parse.urlsplit(trimmed)
     if parts.scheme not in ("http", "https") or not parts.netloc or not parts.path.endswith("/v1"):
-        raise ConfigError(f"{option} {redacted(url)!r} is not an OpenAI base URL like http://127.0.0.1:8001/v1; "
-                          "`kvhub serve --json` prints both servers' URLs")
+        raise ConfigError(
+            f"{option} {redacted(url)!r} is not an OpenAI base URL like http://127.0.0.1:8001/v1; "
+            "`kvhub serve --json` prints both servers' URLs"
+        )
     if "@" in parts.netloc:
-        raise ConfigError(f"{option} {redacted(url)!r} names a user (and password) in the URL, which kvhub eval-serve "
-                          "never sends; give the server's URL without them")
+        raise ConfigError(
+            f"{option} {redacted(url)!r} names a user (and password) in the URL, which kvhub eval-serve "
+            "never sends; give the server's URL without them"
+        )
     return trimmed
 
 
@@ -159,14 +163,28 @@ class Endpoint:
         url = base_url(url, option=option)
         return cls(url, model or served_models(url, timeout=timeout)[0], timeout)
 
-    def complete(self, prompt_ids: list[int], *, max_tokens: int, cache_salt: str,
-                 kv_transfer_params: dict | None = None, logprobs: bool = False,
-                 vllm_xargs: dict | None = None) -> Completion:
+    def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        cache_salt: str,
+        kv_transfer_params: dict | None = None,
+        logprobs: bool = False,
+        vllm_xargs: dict | None = None,
+    ) -> Completion:
         """Greedy ``max_tokens`` tokens after ``prompt_ids`` (EOS ignored), in the namespace ``cache_salt``;
         ``logprobs``: with the log-probability of each generated token; ``vllm_xargs``: vLLM's extension
         parameters (kvhub.serving.forced reads one)."""
-        body = {"model": self.model, "prompt": [int(i) for i in prompt_ids], "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True, "cache_salt": cache_salt}
+        body = {
+            "model": self.model,
+            "prompt": [int(i) for i in prompt_ids],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "cache_salt": cache_salt,
+        }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         if logprobs:
@@ -184,7 +202,9 @@ class Endpoint:
         params = params if isinstance(params, dict) else {}
         _check_exact_tokens(url, params, prompt_tokens=len(body["prompt"]))
         if not isinstance(text, str):
-            raise ServeError(f"{url} answered a choices[0].text that is not a string: {_detail(json.dumps(text).encode())}")
+            raise ServeError(
+                f"{url} answered a choices[0].text that is not a string: {_detail(json.dumps(text).encode())}"
+            )
         return Completion(_token_ids(url, token_ids), text, params, _token_logprobs(url, choice) if logprobs else None)
 
 
@@ -193,10 +213,13 @@ def _token_ids(url: str, value) -> list[int] | None:
     floats, booleans, negative or out-of-range numbers): nothing is truncated or guessed."""
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID
-                                              for i in value):
-        raise ServeError(f"{url} answered choices[0].token_ids that are not token ids (a list of integers from 0 to "
-                         f"{MAX_TOKEN_ID}): {_detail(_dumps(value))}; is it a vLLM server (`kvhub serve`)?")
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in value
+    ):
+        raise ServeError(
+            f"{url} answered choices[0].token_ids that are not token ids (a list of integers from 0 to "
+            f"{MAX_TOKEN_ID}): {_detail(_dumps(value))}; is it a vLLM server (`kvhub serve`)?"
+        )
     return value
 
 
@@ -207,9 +230,11 @@ def _check_exact_tokens(url: str, params: dict, *, prompt_tokens: int) -> None:
         return
     count = transfer["exact_tokens"]
     if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= prompt_tokens:
-        raise ServeError(f"{url} reported kv_transfer_params.kvhub.exact_tokens={_detail(_dumps(count))} for a prompt "
-                         f"of {prompt_tokens} tokens (it must be a whole number from 0 to {prompt_tokens}); the large "
-                         "server's connector is not kvhub's, or is broken")
+        raise ServeError(
+            f"{url} reported kv_transfer_params.kvhub.exact_tokens={_detail(_dumps(count))} for a prompt "
+            f"of {prompt_tokens} tokens (it must be a whole number from 0 to {prompt_tokens}); the large "
+            "server's connector is not kvhub's, or is broken"
+        )
 
 
 def _token_logprobs(url: str, choice: dict) -> list[float]:
@@ -217,12 +242,16 @@ def _token_logprobs(url: str, choice: dict) -> list[float]:
     not log-probabilities (above 0, or not finite: +3.0 would score as a negative NLL, -inf as a null one)."""
     values = (choice.get("logprobs") or {}).get("token_logprobs") if isinstance(choice, dict) else None
     if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        raise ServeError(f"{url} answered without choices[0].logprobs.token_logprobs (asked with logprobs=1): "
-                         f"{_detail(_dumps(choice))}")
+        raise ServeError(
+            f"{url} answered without choices[0].logprobs.token_logprobs (asked with logprobs=1): "
+            f"{_detail(_dumps(choice))}"
+        )
     bad = [v for v in values if not (math.isfinite(v) and v <= 0.0)]
     if bad:
-        raise ServeError(f"{url} answered token_logprobs that are not log-probabilities (finite and at most 0): "
-                         f"{_detail(_dumps(bad[:5]))}; the scores would be meaningless")
+        raise ServeError(
+            f"{url} answered token_logprobs that are not log-probabilities (finite and at most 0): "
+            f"{_detail(_dumps(bad[:5]))}; the scores would be meaningless"
+        )
     return [float(v) for v in values]
 
 
@@ -271,8 +300,10 @@ def _read_body(url: str, response, *, deadline: float) -> bytes:
             return b"".join(pieces)
         size += len(piece)
         if size > MAX_BODY_BYTES:
-            raise ServeError(f"{url} answered more than {MAX_BODY_BYTES >> 20} MiB, far more than a completion; "
-                             "is it an OpenAI-compatible server (`kvhub serve`)?")
+            raise ServeError(
+                f"{url} answered more than {MAX_BODY_BYTES >> 20} MiB, far more than a completion; "
+                "is it an OpenAI-compatible server (`kvhub serve`)?"
+            )
         pieces.append(piece)
 
 
@@ -286,7 +317,7 @@ def _read_error(error: urllib.error.HTTPError) -> bytes:
 def _detail(raw: bytes) -> str:
     """The start of an answer's body on one line, control characters shown escaped (``\\x1b``: a server's
     bytes never drive the terminal): an OpenAI error's message when there is one."""
-    text = raw[:64 * _DETAIL_CHARS].decode("utf-8", errors="replace")
+    text = raw[: 64 * _DETAIL_CHARS].decode("utf-8", errors="replace")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):
@@ -302,14 +333,18 @@ def _detail(raw: bytes) -> str:
 
 def _unreachable(url: str, reason, timeout: float) -> ServeError:
     if isinstance(reason, ConnectionRefusedError):
-        return ServeError(f"nothing answers at {url}: the server is not running; start the pair with "
-                          "`kvhub serve` (its --json line prints both URLs)")
+        return ServeError(
+            f"nothing answers at {url}: the server is not running; start the pair with "
+            "`kvhub serve` (its --json line prints both URLs)"
+        )
     url = redacted(url)
     if isinstance(reason, TimeoutError):
-        return ServeError(f"{url} did not answer within {timeout:g} s; is the server busy or stuck? "
-                          "A longer --timeout waits more")
-    return ServeError(f"cannot reach {url}: {' '.join(str(reason).split())}; check the URL and that "
-                      "`kvhub serve` is running there")
+        return ServeError(
+            f"{url} did not answer within {timeout:g} s; is the server busy or stuck? A longer --timeout waits more"
+        )
+    return ServeError(
+        f"cannot reach {url}: {' '.join(str(reason).split())}; check the URL and that `kvhub serve` is running there"
+    )
 
 
 # ---- scoring -----------------------------------------------------------------------------------------
@@ -347,8 +382,9 @@ def leading_agreement(generated: list[int], reference: list[int]) -> int:
     return count
 
 
-def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tokenizer,
-                      agreement_tokens: int = AGREEMENT_TOKENS) -> ServedScore:
+def score_served_item(
+    item: RecallItem, *, small: Endpoint, large: Endpoint, tokenizer, agreement_tokens: int = AGREEMENT_TOKENS
+) -> ServedScore:
     """``item`` under the five conditions (module docstring), one request at a time."""
     from kvhub.eval.longctx import FLOOR_TOKENS, RecallScore
 
@@ -359,22 +395,32 @@ def score_served_item(item: RecallItem, *, small: Endpoint, large: Endpoint, tok
     completions["source"] = small.complete(prompt, max_tokens=len(answer), cache_salt=tenant)
     completions["own"] = large.complete(prompt, max_tokens=longer, cache_salt=new_tenant())
     completions["mapped"] = large.complete(prompt, max_tokens=longer, cache_salt=tenant)
-    completions["control"] = large.complete(prompt, max_tokens=longer, cache_salt=tenant,
-                                            kv_transfer_params=dict(CONTROL_PARAMS))
+    completions["control"] = large.complete(
+        prompt, max_tokens=longer, cache_salt=tenant, kv_transfer_params=dict(CONTROL_PARAMS)
+    )
     completions["floor"] = large.complete(prompt[-FLOOR_TOKENS:], max_tokens=len(answer), cache_salt=new_tenant())
     ids = {c: completion.ids(tokenizer) for c, completion in completions.items()}
     conditions = SERVED_CONDITIONS
     head = {c: ids[c][: len(answer)] for c in conditions}
     recomputed = completions["mapped"].recomputed_tokens
     recall = RecallScore(
-        id=item.id, exact={c: int(head[c] == answer) for c in conditions},
-        token_acc={c: token_accuracy(head[c], answer) for c in conditions}, logp={c: 0.0 for c in conditions},
-        recomputed=recomputed or 0, meta=item.meta, predicted={c: tokenizer.decode(head[c]) for c in conditions},
-        gold=item.answer)
+        id=item.id,
+        exact={c: int(head[c] == answer) for c in conditions},
+        token_acc={c: token_accuracy(head[c], answer) for c in conditions},
+        logp={c: 0.0 for c in conditions},
+        recomputed=recomputed or 0,
+        meta=item.meta,
+        predicted={c: tokenizer.decode(head[c]) for c in conditions},
+        gold=item.answer,
+    )
     own = ids["own"][:agreement_tokens]
-    return ServedScore(recall, agree_mapped=leading_agreement(ids["mapped"][:agreement_tokens], own),
-                       agree_control=leading_agreement(ids["control"][:agreement_tokens], own),
-                       transfer_reported=recomputed is not None, deshrink=completions["mapped"].deshrink)
+    return ServedScore(
+        recall,
+        agree_mapped=leading_agreement(ids["mapped"][:agreement_tokens], own),
+        agree_control=leading_agreement(ids["control"][:agreement_tokens], own),
+        transfer_reported=recomputed is not None,
+        deshrink=completions["mapped"].deshrink,
+    )
 
 
 def summarize_served(scores: list[ServedScore], *, seed: int = 0) -> dict:
@@ -396,14 +442,27 @@ def served_record(task: str, item: RecallItem, score: ServedScore) -> dict:
     """``--log-samples``' record of one item: :func:`kvhub.eval.results.recall_record` plus the agreement."""
     from kvhub.eval.results import recall_record
 
-    return {**recall_record(task, "served", item, score.recall),
-            "agreement": {"mapped": score.agree_mapped, "control": score.agree_control},
-            "transfer_reported": score.transfer_reported}
+    return {
+        **recall_record(task, "served", item, score.recall),
+        "agreement": {"mapped": score.agree_mapped, "control": score.agree_control},
+        "transfer_reported": score.transfer_reported,
+    }
 
 
-def evaluate_served(small: Endpoint, large: Endpoint, tokenizer, *, task: str, context_tokens: int, limit: int = 30,
-                    seed: int = 0, agreement_tokens: int = AGREEMENT_TOKENS, log_samples: bool = False,
-                    items: list[RecallItem] | None = None, progress: Progress | None = None) -> dict:
+def evaluate_served(
+    small: Endpoint,
+    large: Endpoint,
+    tokenizer,
+    *,
+    task: str,
+    context_tokens: int,
+    limit: int = 30,
+    seed: int = 0,
+    agreement_tokens: int = AGREEMENT_TOKENS,
+    log_samples: bool = False,
+    items: list[RecallItem] | None = None,
+    progress: Progress | None = None,
+) -> dict:
     """Score ``task`` at ``context_tokens`` on a running pair (``items``: these instead of ``limit`` built ones).
 
     Returns :func:`summarize_served`'s summary (``kvhub eval``'s long-context keys: acc_own, acc_mapped,
@@ -420,10 +479,16 @@ def evaluate_served(small: Endpoint, large: Endpoint, tokenizer, *, task: str, c
     scores = []
     for index, item in enumerate(items):
         report(progress, f"{name}: {item.id}", index, len(items))
-        scores.append(score_served_item(item, small=small, large=large, tokenizer=tokenizer,
-                                        agreement_tokens=agreement_tokens))
-        log.debug("%s: exact %s, agreement mapped %d control %d", item.id, scores[-1].recall.exact,
-                  scores[-1].agree_mapped, scores[-1].agree_control)
+        scores.append(
+            score_served_item(item, small=small, large=large, tokenizer=tokenizer, agreement_tokens=agreement_tokens)
+        )
+        log.debug(
+            "%s: exact %s, agreement mapped %d control %d",
+            item.id,
+            scores[-1].recall.exact,
+            scores[-1].agree_mapped,
+            scores[-1].agree_control,
+        )
     report(progress, f"{name}: done", len(items), len(items))
     summary = summarize_served(scores, seed=seed)
     summary.update(task=task, requested_context_tokens=context_tokens, agreement_tokens=agreement_tokens)

@@ -39,26 +39,40 @@ from kvhub.serving.launch import FORCE_KEY, FORCED_PROCESSOR
 log = logging.getLogger("kvhub.eval.served")
 
 
-
 def mean_nll(completion: Completion) -> float:
     return -sum(completion.logprobs) / len(completion.logprobs)
 
 
-def forced(endpoint: Endpoint, prompt_ids: list[int], answer: list[int], *, cache_salt: str,
-           kv_transfer_params: dict | None = None) -> Completion:
+def forced(
+    endpoint: Endpoint,
+    prompt_ids: list[int],
+    answer: list[int],
+    *,
+    cache_salt: str,
+    kv_transfer_params: dict | None = None,
+) -> Completion:
     """``answer`` generated under force after ``prompt_ids``, with its log-probabilities; ServeError when the
     server generated other ids (no kvhub logits processor: not started by ``kvhub serve``)."""
-    completion = endpoint.complete(prompt_ids, max_tokens=len(answer), cache_salt=cache_salt, logprobs=True,
-                                   kv_transfer_params=kv_transfer_params, vllm_xargs={FORCE_KEY: list(answer)})
+    completion = endpoint.complete(
+        prompt_ids,
+        max_tokens=len(answer),
+        cache_salt=cache_salt,
+        logprobs=True,
+        kv_transfer_params=kv_transfer_params,
+        vllm_xargs={FORCE_KEY: list(answer)},
+    )
     if completion.token_ids != list(answer) or len(completion.logprobs) != len(answer):
-        raise ServeError(f"{endpoint.url} did not generate the answer it was asked to score (vllm_xargs.{FORCE_KEY}): "
-                         "its vLLM runs without kvhub's logits processor; start the pair with `kvhub serve`, or "
-                         f"add --logits-processors {FORCED_PROCESSOR} to the large server's `vllm serve`")
+        raise ServeError(
+            f"{endpoint.url} did not generate the answer it was asked to score (vllm_xargs.{FORCE_KEY}): "
+            "its vLLM runs without kvhub's logits processor; start the pair with `kvhub serve`, or "
+            f"add --logits-processors {FORCED_PROCESSOR} to the large server's `vllm serve`"
+        )
     return completion
 
 
-def score_served_gist_item(item: GistItem, *, small: Endpoint, large: Endpoint,
-                           answer_tokens: int = ANSWER_TOKENS) -> GistScore:
+def score_served_gist_item(
+    item: GistItem, *, small: Endpoint, large: Endpoint, answer_tokens: int = ANSWER_TOKENS
+) -> GistScore:
     """``item`` under the conditions of the module docstring, one request at a time."""
     prompt = item.prompt_ids
     tenant = new_tenant()
@@ -72,19 +86,45 @@ def score_served_gist_item(item: GistItem, *, small: Endpoint, large: Endpoint,
     floor = forced(large, prompt[-FLOOR_TOKENS:], answer, cache_salt=new_tenant())
     nll = {"own": mean_nll(own), "mapped": mean_nll(mapped), "control": mean_nll(control), "floor": mean_nll(floor)}
     exact = mapped.recomputed_tokens
-    return GistScore(item.id, nll, answer, {**item.meta, "variant": "served", "exact_tokens": exact,
-                                            "context_positions": len(prompt) - 1, "deshrink": mapped.deshrink})
+    return GistScore(
+        item.id,
+        nll,
+        answer,
+        {
+            **item.meta,
+            "variant": "served",
+            "exact_tokens": exact,
+            "context_positions": len(prompt) - 1,
+            "deshrink": mapped.deshrink,
+        },
+    )
 
 
 def served_gist_record(task: str, item: GistItem, score: GistScore) -> dict:
     """``--log-samples``' record of one item, as ``kvhub eval``'s gist records."""
-    return {"task": task, "variant": "served", "doc_id": item.id, "nll": score.nll, "answer": score.answer,
-            "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "control")}, "meta": score.meta}
+    return {
+        "task": task,
+        "variant": "served",
+        "doc_id": item.id,
+        "nll": score.nll,
+        "answer": score.answer,
+        "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "control")},
+        "meta": score.meta,
+    }
 
 
-def evaluate_served_gist(small: Endpoint, large: Endpoint, *, task: str, context_tokens: int, items: list[GistItem],
-                         seed: int = 0, answer_tokens: int = ANSWER_TOKENS, log_samples: bool = False,
-                         progress: Progress | None = None) -> dict:
+def evaluate_served_gist(
+    small: Endpoint,
+    large: Endpoint,
+    *,
+    task: str,
+    context_tokens: int,
+    items: list[GistItem],
+    seed: int = 0,
+    answer_tokens: int = ANSWER_TOKENS,
+    log_samples: bool = False,
+    progress: Progress | None = None,
+) -> dict:
     """:func:`~kvhub.eval.gist.summarize_gist` of ``items`` scored on a running pair, with ``task``,
     ``requested_context_tokens``, ``answer_tokens``, ``recomputed_fraction`` (the mapped requests' exact
     positions over their context positions, summed; NaN when no transfer was reported),
@@ -99,10 +139,18 @@ def evaluate_served_gist(small: Endpoint, large: Endpoint, *, task: str, context
     report(progress, f"{name}: done", len(items), len(items))
     summary = summarize_gist(scores, seed=seed)
     reported = [s.meta for s in scores if s.meta["exact_tokens"] is not None]
-    summary["recomputed_fraction"] = (sum(m["exact_tokens"] for m in reported)
-                                      / sum(m["context_positions"] for m in reported) if reported else float("nan"))
-    summary.update(task=task, requested_context_tokens=context_tokens, answer_tokens=answer_tokens,
-                   transfers_reported=len(reported), deshrink=reported_deshrink(s.meta["deshrink"] for s in scores))
+    summary["recomputed_fraction"] = (
+        sum(m["exact_tokens"] for m in reported) / sum(m["context_positions"] for m in reported)
+        if reported
+        else float("nan")
+    )
+    summary.update(
+        task=task,
+        requested_context_tokens=context_tokens,
+        answer_tokens=answer_tokens,
+        transfers_reported=len(reported),
+        deshrink=reported_deshrink(s.meta["deshrink"] for s in scores),
+    )
     if log_samples:
         summary["samples"] = [served_gist_record(name, item, score) for item, score in zip(items, scores)]
     return summary

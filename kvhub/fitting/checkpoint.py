@@ -45,14 +45,27 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "heldout")
 
 
-def job_identity(source_fp: dict, target_fp: dict, train_ids: torch.Tensor, heldout_ids: torch.Tensor | None,
-                 options, *, rank: int = 0, world: int = 1) -> str:
+def job_identity(
+    source_fp: dict,
+    target_fp: dict,
+    train_ids: torch.Tensor,
+    heldout_ids: torch.Tensor | None,
+    options,
+    *,
+    rank: int = 0,
+    world: int = 1,
+) -> str:
     """The identity of a fit's statistics (module docstring); ``options`` is a FitOptions."""
     record = {
-        "source": source_fp["config_hash"], "target": target_fp["config_hash"], "stride": options.stride,
-        "skip_first": options.skip_first, "batch_size": options.batch_size, "weighting": options.weighting,
+        "source": source_fp["config_hash"],
+        "target": target_fp["config_hash"],
+        "stride": options.stride,
+        "skip_first": options.skip_first,
+        "batch_size": options.batch_size,
+        "weighting": options.weighting,
         "weight_cap": options.weight_cap if options.weighting == "attention" else None,
-        "rank": rank, "world": world,
+        "rank": rank,
+        "world": world,
     }
     if getattr(options, "map_kind", "ridge") != "ridge":  # its row samples are checkpointed with the statistics
         record["map"] = {"kind": options.map_kind, "tokens": options.mlp_tokens}
@@ -109,10 +122,16 @@ def save(path: Path, job: str, mode: StatisticsMode, state: FitState) -> None:
 
     if Path(path).is_dir():
         return
-    tensors = {f"{name}.{key}": t.contiguous().cpu() for name, s in state.stats.items()
-               for key, t in s.state_dict().items()}
-    header = {"job": job, "statistics": mode.to_json(), "pass": str(state.pass_index),
-              "batches_done": str(state.batches_done), "kvhub_version": __version__}
+    tensors = {
+        f"{name}.{key}": t.contiguous().cpu() for name, s in state.stats.items() for key, t in s.state_dict().items()
+    }
+    header = {
+        "job": job,
+        "statistics": mode.to_json(),
+        "pass": str(state.pass_index),
+        "batches_done": str(state.batches_done),
+        "kvhub_version": __version__,
+    }
     if state.candidates is not None:
         header["candidates"] = ",".join(map(str, state.candidates))
     if state.probe is not None:
@@ -138,8 +157,9 @@ def saved_mode(path: Path | None, job: str) -> StatisticsMode | None:
         return None
 
 
-def read_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int,
-                then: str = "starting over") -> Header | None:
+def read_header(
+    path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int, then: str = "starting over"
+) -> Header | None:
     """The checked header of the checkpoint at ``path`` if a fit of ``job`` in ``mode`` can resume it.
 
     ``layout``: the statistics of pass 1 (every source layer; the fit's, or a rank's, target layers);
@@ -152,8 +172,17 @@ def read_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: La
         return None
 
 
-def load(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int,
-         device: torch.device | str = "cpu", then: str = "starting over", samples: dict | None = None) -> FitState | None:
+def load(
+    path: Path | None,
+    job: str,
+    mode: StatisticsMode,
+    *,
+    layout: Layout,
+    batches: int,
+    device: torch.device | str = "cpu",
+    then: str = "starting over",
+    samples: dict | None = None,
+) -> FitState | None:
     """The state the checkpoint at ``path`` holds if a fit of ``job`` in ``mode`` can resume it (``layout``,
     ``batches``, ``then``: as for :func:`read_header`), its tensors on ``device``; None: nothing to resume
     (a warning says why when there was a checkpoint of this fit).  ``samples``: the fit's empty reservoirs
@@ -197,8 +226,9 @@ def _mode(header: dict) -> StatisticsMode:
         raise _Damaged(f"has unreadable statistics {header.get('statistics')!r} ({exc})") from exc
 
 
-def _checked_header(path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout,
-                    batches: int) -> Header | None:
+def _checked_header(
+    path: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, batches: int
+) -> Header | None:
     header = _own_header(path, job)
     if header is None:
         return None
@@ -233,12 +263,13 @@ def _candidates(header: dict, pass_index: int, mode: StatisticsMode, src_layers:
         raise _Damaged(f"has candidates {text!r}, not comma-separated source layers")
     chosen = [int(c) for c in layers]
     if chosen != sorted(set(chosen)) or chosen[-1] >= src_layers or len(chosen) > budget:
-        raise _Damaged(f"has candidates {text!r}, not at most {budget} ascending source layers of "
-                       f"0..{src_layers - 1}")
+        raise _Damaged(f"has candidates {text!r}, not at most {budget} ascending source layers of 0..{src_layers - 1}")
     return chosen
 
 
-def _expected(header: Header, mode: StatisticsMode, layout: Layout, samples: dict | None = None) -> dict[str, torch.Tensor]:
+def _expected(
+    header: Header, mode: StatisticsMode, layout: Layout, samples: dict | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint with ``header`` holds, as meta tensors of their shape and dtype: the
     state_dict of empty statistics of the pass's layout (pass 2: the candidates' source layers), and in
     pass 2 the probe grids (Ls, target layers)."""
@@ -252,13 +283,15 @@ def _expected(header: Header, mode: StatisticsMode, layout: Layout, samples: dic
         grid = torch.empty(layout.src_layers, layout.dst_layers, dtype=torch.float64, device="meta")
         expected.update({"probe.k": grid, "probe.v": grid})
     for split, reservoir in (samples or {}).items():
-        expected.update({f"sample.{split}.{key}": torch.empty_like(t, device="meta")
-                         for key, t in reservoir.state_dict().items()})
+        expected.update(
+            {f"sample.{split}.{key}": torch.empty_like(t, device="meta") for key, t in reservoir.state_dict().items()}
+        )
     return expected
 
 
-def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout, device,
-                samples: dict | None = None) -> FitState:
+def _read_state(
+    path: Path, header: Header, mode: StatisticsMode, layout: Layout, device, samples: dict | None = None
+) -> FitState:
     """The checkpoint's tensors, each checked against :func:`_expected`; ``samples`` filled from it."""
     from safetensors import SafetensorError, safe_open
 
@@ -274,10 +307,12 @@ def _read_state(path: Path, header: Header, mode: StatisticsMode, layout: Layout
         raise _Damaged(f"does not read as safetensors ({exc})") from exc
     for split, reservoir in (samples or {}).items():
         prefix = f"sample.{split}."
-        reservoir.load_state_dict({k[len(prefix):]: state.pop(k) for k in list(state) if k.startswith(prefix)})
+        reservoir.load_state_dict({k[len(prefix) :]: state.pop(k) for k in list(state) if k.startswith(prefix)})
     state = {key: t.to(device) for key, t in state.items()}
-    stats = {name: KVStats.from_state_dict({k[len(name) + 1:]: v for k, v in state.items()
-                                            if k.startswith(f"{name}.")}) for name in SPLITS}
+    stats = {
+        name: KVStats.from_state_dict({k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}.")})
+        for name in SPLITS
+    }
     probe = (state["probe.k"], state["probe.v"]) if header.pass_index == 2 else None
     return FitState(stats, header.pass_index, header.batches_done, header.candidates, probe, samples)
 

@@ -42,8 +42,18 @@ from kvhub.core.stats import KVStats, Layout, Moments
 from kvhub.errors import ConfigError
 from kvhub.fitting import checkpoint as checkpoints
 from kvhub.fitting.checkpoint import FitState, job_identity
-from kvhub.fitting.fit import (build_mapper, capture_pair, fit_batches, layout_for, pair_fingerprints, resuming_line,
-                               solve_statistics, statistics_mode, structure_for, with_stride)
+from kvhub.fitting.fit import (
+    build_mapper,
+    capture_pair,
+    fit_batches,
+    layout_for,
+    pair_fingerprints,
+    resuming_line,
+    solve_statistics,
+    statistics_mode,
+    structure_for,
+    with_stride,
+)
 from kvhub.fitting.mlp_fit import check_options
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
@@ -121,32 +131,68 @@ def init_group(device: str | None = None) -> Group:
 def owned_layers(layers: int, rank: int, world: int) -> list[int]:
     """Target layers of ``rank``: contiguous blocks, the first ``layers % world`` ranks one layer more."""
     if world > layers:
-        raise ConfigError(f"{world} ranks for {layers} target layers: every rank needs a target layer; "
-                          f"run at most {layers} processes")
+        raise ConfigError(
+            f"{world} ranks for {layers} target layers: every rank needs a target layer; run at most {layers} processes"
+        )
     size, extra = divmod(layers, world)
     start = rank * size + min(rank, extra)
     return list(range(start, start + size + (1 if rank < extra else 0)))
 
 
-def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout_ids: torch.Tensor | None, *,
-                    group: Group, source_id: str, target_id: str, source_tokenizer=None, target_tokenizer=None,
-                    calibration: dict | None = None, options: FitOptions | None = None,
-                    progress: Progress | None = None, notify=None):
+def fit_distributed(
+    source_model,
+    target_model,
+    train_ids: torch.Tensor,
+    heldout_ids: torch.Tensor | None,
+    *,
+    group: Group,
+    source_id: str,
+    target_id: str,
+    source_tokenizer=None,
+    target_tokenizer=None,
+    calibration: dict | None = None,
+    options: FitOptions | None = None,
+    progress: Progress | None = None,
+    notify=None,
+):
     """:func:`kvhub.fitting.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
     token ids and options; returns the Mapper on rank 0 and None on the others.  ``notify(line)``: rank 0's
     status lines (resuming from a checkpoint); default: the log."""
     options = with_stride(options or FitOptions())
     check_options(options, heldout_sequences=1, distributed=True)  # --map mlp: one process only
-    source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
-                                             source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
+    source_fp, target_fp = pair_fingerprints(
+        source_model,
+        target_model,
+        source_id=source_id,
+        target_id=target_id,
+        source_tokenizer=source_tokenizer,
+        target_tokenizer=target_tokenizer,
+    )
     job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
     mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job)
-    state, owned = accumulate_sharded(source_model, target_model, train_ids, heldout_ids, group=group,
-                                      options=options, progress=progress, job=job, mode=mode, notify=notify)
+    state, owned = accumulate_sharded(
+        source_model,
+        target_model,
+        train_ids,
+        heldout_ids,
+        group=group,
+        options=options,
+        progress=progress,
+        job=job,
+        mode=mode,
+        notify=notify,
+    )
     layout = layout_for(source_model.config, target_model.config)
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
-    part = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
-                            targets=owned, progress=progress)
+    part = solve_statistics(
+        state,
+        mode,
+        options=options,
+        structure=structure,
+        src_layers=layout.src_layers,
+        targets=owned,
+        progress=progress,
+    )
     for layer in part.layers:
         layer.target = owned[layer.target]
     train, heldout = state.stats["train"], state.stats["heldout"]
@@ -163,8 +209,9 @@ def fit_distributed(source_model, target_model, train_ids: torch.Tensor, heldout
     return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options, statistics=mode)
 
 
-def _agreed_mode(group: Group, source_model, target_model, train_ids, heldout_ids, options: FitOptions,
-                 job: str) -> StatisticsMode:
+def _agreed_mode(
+    group: Group, source_model, target_model, train_ids, heldout_ids, options: FitOptions, job: str
+) -> StatisticsMode:
     """Rank 0's :func:`kvhub.fitting.fit.statistics_mode` (read against its latest checkpoint generation
     whose header reads), on every rank."""
     import torch.distributed as dist
@@ -173,16 +220,32 @@ def _agreed_mode(group: Group, source_model, target_model, train_ids, heldout_id
     if group.is_main:
         generations = _rank_paths(group, options.checkpoint) if options.checkpoint else (None,)
         readable = [path for path in generations if checkpoints.saved_mode(path, job) is not None]
-        chosen[0] = statistics_mode(source_model, target_model, train_ids, heldout_ids,
-                                    dataclasses.replace(options, checkpoint=(readable or [None])[0]), job=job,
-                                    ranks=group.world)
+        chosen[0] = statistics_mode(
+            source_model,
+            target_model,
+            train_ids,
+            heldout_ids,
+            dataclasses.replace(options, checkpoint=(readable or [None])[0]),
+            job=job,
+            ranks=group.world,
+        )
     dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
 
 
-def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, group: Group, options: FitOptions,
-                       progress: Progress | None, job: str,
-                       mode: StatisticsMode = ONE_PASS, notify=None) -> tuple[FitState, list[int]]:
+def accumulate_sharded(
+    source_model,
+    target_model,
+    train_ids,
+    heldout_ids,
+    *,
+    group: Group,
+    options: FitOptions,
+    progress: Progress | None,
+    job: str,
+    mode: StatisticsMode = ONE_PASS,
+    notify=None,
+) -> tuple[FitState, list[int]]:
     """This rank's statistics over its owned target layers (after every pass of ``mode``), and those layers."""
     layout = layout_for(source_model.config, target_model.config)
     owned = owned_layers(layout.dst_layers, group.rank, group.world)
@@ -195,8 +258,20 @@ def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, gr
         options.timings.setdefault(key, 0.0)
 
     def run(state: FitState, label: str) -> None:
-        _run_steps(source_model, target_model, batches, state, layout, columns, rotaries, group=group,
-                   options=options, progress=progress, label=label, save=save)
+        _run_steps(
+            source_model,
+            target_model,
+            batches,
+            state,
+            layout,
+            columns,
+            rotaries,
+            group=group,
+            options=options,
+            progress=progress,
+            label=label,
+            save=save,
+        )
 
     steps = -(-len(batches) // group.world)
     resumed = _resume(group, options.checkpoint, job, mode, layout=local, steps=steps)
@@ -206,8 +281,21 @@ def accumulate_sharded(source_model, target_model, train_ids, heldout_ids, *, gr
     return state, owned
 
 
-def _run_steps(source_model, target_model, batches, state: FitState, layout: Layout, columns: torch.Tensor,
-               rotaries, *, group: Group, options: FitOptions, progress: Progress | None, label: str, save) -> None:
+def _run_steps(
+    source_model,
+    target_model,
+    batches,
+    state: FitState,
+    layout: Layout,
+    columns: torch.Tensor,
+    rotaries,
+    *,
+    group: Group,
+    options: FitOptions,
+    progress: Progress | None,
+    label: str,
+    save,
+) -> None:
     """The steps of one pass after ``state.batches_done``: capture this rank's batch, all-gather every
     rank's rows, merge them in batch order (source columns of ``state.candidates`` only, when set)."""
     steps = -(-len(batches) // group.world)
@@ -262,8 +350,15 @@ def _all_gather_rows(group: Group, rows: torch.Tensor | None, width: int) -> lis
     return [block[: int(count)] for block, count in zip(out, counts)]
 
 
-def _update(stats: KVStats, rows: torch.Tensor, width: tuple[int, int], columns: torch.Tensor,
-            sources: torch.Tensor | None, *, weighted: bool) -> None:
+def _update(
+    stats: KVStats,
+    rows: torch.Tensor,
+    width: tuple[int, int],
+    columns: torch.Tensor,
+    sources: torch.Tensor | None,
+    *,
+    weighted: bool,
+) -> None:
     """Merge gathered rows into ``stats``: the owned target ``columns`` and the ``sources`` columns of X
     (None: all)."""
     p, q = width
@@ -294,8 +389,9 @@ def _save_generation(group: Group, checkpoint: Path, job: str, mode: StatisticsM
     dist.barrier()
 
 
-def _resume(group: Group, checkpoint: Path | None, job: str, mode: StatisticsMode, *, layout: Layout,
-            steps: int) -> FitState | None:
+def _resume(
+    group: Group, checkpoint: Path | None, job: str, mode: StatisticsMode, *, layout: Layout, steps: int
+) -> FitState | None:
     """The latest checkpoint generation every rank has and reads (None: start over), by (pass, step).
 
     ``layout``: this rank's statistics in pass 1; ``steps``: the steps of a pass.  Headers are read first,
@@ -353,9 +449,16 @@ def _assemble(parts: list[Solution]) -> Solution:
     first = parts[0]
     notes = list(dict.fromkeys(note for part in parts for note in part.notes))
     chosen_by = "held-out R^2" if any(p.chosen_by == "held-out R^2" for p in parts) else first.chosen_by
-    return Solution([layer for part in parts for layer in part.layers],
-                    torch.cat([p.probe_r2_k for p in parts], dim=1), torch.cat([p.probe_r2_v for p in parts], dim=1),
-                    first.top_k, first.ridge_lambda, chosen_by, notes, first.structure)
+    return Solution(
+        [layer for part in parts for layer in part.layers],
+        torch.cat([p.probe_r2_k for p in parts], dim=1),
+        torch.cat([p.probe_r2_v for p in parts], dim=1),
+        first.top_k,
+        first.ridge_lambda,
+        chosen_by,
+        notes,
+        first.structure,
+    )
 
 
 def _means_only(layout: Layout, means: list[torch.Tensor], train: KVStats, heldout: KVStats) -> KVStats:

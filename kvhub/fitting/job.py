@@ -75,21 +75,26 @@ def check_device(device: str | None) -> None:
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N (h100, h200 and "
-                          "a100 are profiles of `kvhub plan --device`, not devices to run on)") from None
+        raise ConfigError(
+            f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N (h100, h200 and "
+            "a100 are profiles of `kvhub plan --device`, not devices to run on)"
+        ) from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: this machine has no CUDA device; use --device cpu")
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
-                          f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        raise ConfigError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
+            f"cuda:0..cuda:{torch.cuda.device_count() - 1}"
+        )
 
 
 def _no_progress(unit: str) -> ContextManager:
     return nullcontext(None)
 
 
-def prepare(request: FitRequest, *, notify: Notify | None = None,
-            progress: ProgressFactory | None = None) -> PreparedFit:
+def prepare(
+    request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None
+) -> PreparedFit:
     """Load both models (checking they share a tokenizer) and the calibration set; build the options."""
     from kvhub.calib import resolve_calibration
     from kvhub.core.fingerprint import tokenizer_hash
@@ -102,34 +107,67 @@ def prepare(request: FitRequest, *, notify: Notify | None = None,
     notify(f"loading {request.src} and {request.dst}")
     source, source_tok, source_id = load_model(request.src, device=request.device, dtype=request.dtype)
     target, target_tok, target_id = load_model(request.dst, device=request.device, dtype=request.dtype)
-    check_same_tokenizer({"model_id": source_id, "tokenizer_hash": tokenizer_hash(source_tok)},
-                         {"model_id": target_id, "tokenizer_hash": tokenizer_hash(target_tok)})
+    check_same_tokenizer(
+        {"model_id": source_id, "tokenizer_hash": tokenizer_hash(source_tok)},
+        {"model_id": target_id, "tokenizer_hash": tokenizer_hash(target_tok)},
+    )
     with progress("items") as callback:
-        calibration = resolve_calibration(request.calib, tokenizer=source_tok, tokenizer_id=source_id,
-                                          samples=request.samples, seq_len=request.seq_len, seed=request.seed,
-                                          progress=callback)
+        calibration = resolve_calibration(
+            request.calib,
+            tokenizer=source_tok,
+            tokenizer_id=source_id,
+            samples=request.samples,
+            seq_len=request.seq_len,
+            seed=request.seed,
+            progress=callback,
+        )
     stride = request.options.stride or calibration.stride
     meta = calibration.to_metadata()
     meta["stride"] = stride
-    options = request.options.replace(stride=stride, checkpoint=checkpoint_path(
-        source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting))
+    options = request.options.replace(
+        stride=stride,
+        checkpoint=checkpoint_path(
+            source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting
+        ),
+    )
     sweep_temporaries(options.checkpoint.parent)  # what fits killed mid-save left
-    notify(calibration_line(meta, train=calibration.train.shape[0], heldout=calibration.heldout.shape[0],
-                            tokens=calibration.train.shape[1], stride=stride, series=request.name))
+    notify(
+        calibration_line(
+            meta,
+            train=calibration.train.shape[0],
+            heldout=calibration.heldout.shape[0],
+            tokens=calibration.train.shape[1],
+            stride=stride,
+            series=request.name,
+        )
+    )
     if request.name is not None:  # the series name travels in mapper.json (export, push and pull keep it)
         meta["name"] = request.name
-    return PreparedFit(source, target, source_tok, target_tok, source_id, target_id, calibration.train,
-                       calibration.heldout, meta, options)
+    return PreparedFit(
+        source,
+        target,
+        source_tok,
+        target_tok,
+        source_id,
+        target_id,
+        calibration.train,
+        calibration.heldout,
+        meta,
+        options,
+    )
 
 
-def calibration_line(meta: dict, *, train: int, heldout: int, tokens: int, stride: int,
-                     series: str | None = None) -> str:
+def calibration_line(
+    meta: dict, *, train: int, heldout: int, tokens: int, stride: int, series: str | None = None
+) -> str:
     """fit's calibration line, naming the series the mapper is filed under (``series``: --name, else the
     set's own name).  Its hashes are labelled as list and show label them: text (the sha256 of the
     documents, one per series) and set (the built sequences, which change with the size)."""
-    return (f"calibration {series or meta['name']} (text {meta.get('corpus_hash') or '-':.12}, set "
-            f"{meta.get('content_hash', ''):.12}): {train} train + {heldout} held-out sequences x {tokens} tokens, "
-            f"stride {stride}")
+    return (
+        f"calibration {series or meta['name']} (text {meta.get('corpus_hash') or '-':.12}, set "
+        f"{meta.get('content_hash', ''):.12}): {train} train + {heldout} held-out sequences x {tokens} tokens, "
+        f"stride {stride}"
+    )
 
 
 def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = None):
@@ -143,18 +181,34 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
 
     try:
         source, target = shape_of(request.src), shape_of(request.dst)
-        sequences = recipe_from_spec(request.calib).with_sequences(
-            samples=request.samples, seq_len=request.seq_len, seed=request.seed).sequences
+        sequences = (
+            recipe_from_spec(request.calib)
+            .with_sequences(samples=request.samples, seq_len=request.seq_len, seed=request.seed)
+            .sequences
+        )
     except ConfigError as exc:
         log.info("no plan before loading the models: %s", exc)
         return None
     options = request.options
-    workload = Workload(samples=sequences.samples, heldout=sequences.heldout_samples, seq_len=sequences.seq_len,
-                        stride=options.stride or sequences.stride, batch_size=options.batch_size, k=options.top_k,
-                        dtype=request.dtype)
+    workload = Workload(
+        samples=sequences.samples,
+        heldout=sequences.heldout_samples,
+        seq_len=sequences.seq_len,
+        stride=options.stride or sequences.stride,
+        batch_size=options.batch_size,
+        k=options.top_k,
+        dtype=request.dtype,
+    )
     device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return plan_fit(source, target, workload, machine_profile(device, available=available), ranks=ranks,
-                    statistics=options.statistics, candidates=options.candidates)
+    return plan_fit(
+        source,
+        target,
+        workload,
+        machine_profile(device, available=available),
+        ranks=ranks,
+        statistics=options.statistics,
+        candidates=options.candidates,
+    )
 
 
 def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = None):
@@ -164,9 +218,11 @@ def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = N
 
     plan = plan_for(request, ranks=ranks, available=available)
     if plan is not None and not plan.fits:
-        raise ConfigError(f"{request.src} -> {request.dst}: {plan.advice} (the memory free now). "
-                          f"`kvhub plan --src {request.src} --dst {request.dst}` shows the memory table; "
-                          "kvhub fit --ignore-plan tries anyway")
+        raise ConfigError(
+            f"{request.src} -> {request.dst}: {plan.advice} (the memory free now). "
+            f"`kvhub plan --src {request.src} --dst {request.dst}` shows the memory table; "
+            "kvhub fit --ignore-plan tries anyway"
+        )
     return plan
 
 
@@ -185,10 +241,20 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
         discard(job.options.checkpoint)
         discard(mlp_checkpoint(job.options.checkpoint))
     with (progress or _no_progress)("tok/s") as callback:
-        mapper = fit(job.source, job.target, job.train, job.heldout, source_id=job.source_id,
-                     target_id=job.target_id, source_tokenizer=job.source_tokenizer,
-                     target_tokenizer=job.target_tokenizer, calibration=job.calibration, options=job.options,
-                     progress=callback, notify=notify)
+        mapper = fit(
+            job.source,
+            job.target,
+            job.train,
+            job.heldout,
+            source_id=job.source_id,
+            target_id=job.target_id,
+            source_tokenizer=job.source_tokenizer,
+            target_tokenizer=job.target_tokenizer,
+            calibration=job.calibration,
+            options=job.options,
+            progress=callback,
+            notify=notify,
+        )
     _record_where(mapper, job)
     discard(job.options.checkpoint)
     discard(mlp_checkpoint(job.options.checkpoint))
@@ -199,12 +265,14 @@ def _record_where(mapper, job) -> None:
     """mapper.json's fit block also says where the fit ran: the models' dtype and device type (what the
     statistics were computed from; `kvhub diff` compares them)."""
     parameter = next(job.source.parameters())
-    mapper.metadata.setdefault("fit", {}).update(dtype=str(parameter.dtype).removeprefix("torch."),
-                                                 device=parameter.device.type)
+    mapper.metadata.setdefault("fit", {}).update(
+        dtype=str(parameter.dtype).removeprefix("torch."), device=parameter.device.type
+    )
 
 
-def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | None = None,
-                             progress: ProgressFactory | None = None):
+def fit_by_names_distributed(
+    request: FitRequest, *, group, notify: Notify | None = None, progress: ProgressFactory | None = None
+):
     """The fit on every rank of ``group`` (:mod:`kvhub.fitting.distributed`); rank 0 returns the Mapper, the others None.
 
     Rank 0 prepares first (so the calibration set is built into the cache once), then the others.
@@ -228,11 +296,21 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
         remove_checkpoints(group, job.options.checkpoint)
         dist.barrier()
     with (progress or _no_progress)("tok/s") as callback:
-        mapper = fit_distributed(job.source, job.target, job.train, job.heldout, group=group,
-                                 source_id=job.source_id, target_id=job.target_id,
-                                 source_tokenizer=job.source_tokenizer, target_tokenizer=job.target_tokenizer,
-                                 calibration=job.calibration, options=job.options, progress=callback,
-                                 notify=notify)
+        mapper = fit_distributed(
+            job.source,
+            job.target,
+            job.train,
+            job.heldout,
+            group=group,
+            source_id=job.source_id,
+            target_id=job.target_id,
+            source_tokenizer=job.source_tokenizer,
+            target_tokenizer=job.target_tokenizer,
+            calibration=job.calibration,
+            options=job.options,
+            progress=callback,
+            notify=notify,
+        )
     if mapper is not None:
         _record_where(mapper, job)
     dist.barrier()
@@ -240,12 +318,23 @@ def fit_by_names_distributed(request: FitRequest, *, group, notify: Notify | Non
     return mapper
 
 
-def checkpoint_path(source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int,
-                    weighting: str = "uniform") -> Path:
+def checkpoint_path(
+    source_id: str, target_id: str, calibration: dict, stride: int, batch_size: int, weighting: str = "uniform"
+) -> Path:
     """``<cache>/checkpoints/<key>.safetensors``, keyed by the models, the calibration tokens and the options
     (what is in the file is checked against :func:`kvhub.fitting.checkpoint.job_identity` when it is read)."""
     from kvhub.env import cache_root
 
-    key = json_sha256([source_id, target_id, calibration.get("content_hash"), calibration.get("sequences"),
-                       calibration.get("heldout_sequences"), stride, batch_size, weighting])
+    key = json_sha256(
+        [
+            source_id,
+            target_id,
+            calibration.get("content_hash"),
+            calibration.get("sequences"),
+            calibration.get("heldout_sequences"),
+            stride,
+            batch_size,
+            weighting,
+        ]
+    )
     return cache_root() / "checkpoints" / f"{key[:24]}.safetensors"

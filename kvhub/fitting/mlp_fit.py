@@ -43,8 +43,7 @@ _RESULT_FIELDS = ("epochs", "best_epoch", "train_loss", "heldout_loss", "heldout
 
 def schedule_of(options) -> Schedule:
     """The training schedule a FitOptions asks for."""
-    return Schedule(width=options.mlp_width, depth=options.mlp_depth, epochs=options.mlp_epochs,
-                    seed=options.mlp_seed)
+    return Schedule(width=options.mlp_width, depth=options.mlp_depth, epochs=options.mlp_epochs, seed=options.mlp_seed)
 
 
 def check_options(options, *, heldout_sequences: int, distributed: bool = False) -> None:
@@ -53,15 +52,27 @@ def check_options(options, *, heldout_sequences: int, distributed: bool = False)
     if options.map_kind == "ridge":
         return
     if distributed:
-        raise ConfigError(f"--map {options.map_kind} does not run distributed yet (its MLPs train on rows sampled in "
-                          "one process); fit it without --distributed / torchrun, on one GPU or CPU")
+        raise ConfigError(
+            f"--map {options.map_kind} does not run distributed yet (its MLPs train on rows sampled in "
+            "one process); fit it without --distributed / torchrun, on one GPU or CPU"
+        )
     if heldout_sequences < 1:
-        raise ConfigError(f"--map {options.map_kind} needs held-out calibration sequences: its MLPs stop early on "
-                          "them; use a calibration set with a held-out split")
+        raise ConfigError(
+            f"--map {options.map_kind} needs held-out calibration sequences: its MLPs stop early on "
+            "them; use a calibration set with a held-out split"
+        )
 
 
-def train_maps(solution: Solution, samples: dict[str, Reservoir], layout: Layout, options, *, job: str,
-               device: torch.device | str = "cpu", progress: Progress | None = None) -> dict[int, dict[str, Trained]]:
+def train_maps(
+    solution: Solution,
+    samples: dict[str, Reservoir],
+    layout: Layout,
+    options,
+    *,
+    job: str,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+) -> dict[int, dict[str, Trained]]:
     """{target layer: {"k": Trained, "v": Trained}} for every layer of ``solution``, resuming from and
     checkpointing to :func:`checkpoint_path` of ``options.checkpoint`` (module docstring)."""
     schedule = schedule_of(options)
@@ -71,8 +82,12 @@ def train_maps(solution: Solution, samples: dict[str, Reservoir], layout: Layout
     if done:
         log.info("MLP training resumes: target layers %s already trained", sorted(done))
     for count, layer in enumerate(solution.layers):
-        report(progress, f"mlp: target layer {layer.target} ({count + 1}/{len(solution.layers)})", count,
-               len(solution.layers))
+        report(
+            progress,
+            f"mlp: target layer {layer.target} ({count + 1}/{len(solution.layers)})",
+            count,
+            len(solution.layers),
+        )
         if layer.target not in done:
             done[layer.target] = {kind: _train(layer, kind, samples, layout, schedule, device) for kind in KINDS}
             if path is not None:
@@ -81,8 +96,9 @@ def train_maps(solution: Solution, samples: dict[str, Reservoir], layout: Layout
     return done
 
 
-def _train(layer: LayerSolution, kind: str, samples: dict[str, Reservoir], layout: Layout, schedule: Schedule,
-           device) -> Trained:
+def _train(
+    layer: LayerSolution, kind: str, samples: dict[str, Reservoir], layout: Layout, schedule: Schedule, device
+) -> Trained:
     """Train the residual MLP of one map: inputs, targets and ridge predictions from the reservoirs."""
     linear = layer.k_map if kind == "k" else layer.v_map
     weight = linear.dense(len(layer.sources), layout.src_width).float()  # (d_in, d_out)
@@ -96,13 +112,19 @@ def _train(layer: LayerSolution, kind: str, samples: dict[str, Reservoir], layou
         splits += [x, y, torch.addmm(bias, x, weight)]
     seeded = dataclasses.replace(schedule, seed=schedule.seed + 2 * layer.target + KINDS.index(kind))
     trained = train_residual(*splits, schedule=seeded, device=device)
-    log.info("mlp %s.%d: held-out R^2 %.4f (ridge %.4f), best epoch %d of %d", kind, layer.target,
-             trained.heldout_r2, trained.ridge_heldout_r2, trained.best_epoch, trained.epochs)
+    log.info(
+        "mlp %s.%d: held-out R^2 %.4f (ridge %.4f), best epoch %d of %d",
+        kind,
+        layer.target,
+        trained.heldout_r2,
+        trained.ridge_heldout_r2,
+        trained.best_epoch,
+        trained.epochs,
+    )
     return trained
 
 
-def with_mlps(mapper: Mapper, trained: dict[int, dict[str, Trained]], samples: dict[str, Reservoir],
-              options) -> Mapper:
+def with_mlps(mapper: Mapper, trained: dict[int, dict[str, Trained]], samples: dict[str, Reservoir], options) -> Mapper:
     """A new Mapper: ``mapper``'s ridge maps plus the trained MLPs, its metadata of kind ``mlp`` (the
     ``mlp`` block, per layer ``r2_*`` of the MLP map and ``ridge_r2_*``, the metrics recomputed)."""
     schedule = schedule_of(options)
@@ -113,17 +135,32 @@ def with_mlps(mapper: Mapper, trained: dict[int, dict[str, Trained]], samples: d
         for kind in KINDS:
             result = trained[layer["target"]][kind]
             tensors.update(tensors_of(map_prefix(kind, layer["target"]), result.layers))
-            entry.update({f"r2_{kind}": result.heldout_r2, f"ridge_r2_{kind}": result.ridge_heldout_r2,
-                          f"mlp_epochs_{kind}": result.epochs, f"mlp_best_epoch_{kind}": result.best_epoch})
+            entry.update(
+                {
+                    f"r2_{kind}": result.heldout_r2,
+                    f"ridge_r2_{kind}": result.ridge_heldout_r2,
+                    f"mlp_epochs_{kind}": result.epochs,
+                    f"mlp_best_epoch_{kind}": result.best_epoch,
+                }
+            )
             losses[kind]["train"].append(result.train_loss)
             losses[kind]["heldout"].append(result.heldout_loss)
         layers.append(entry)
-    settings = {**dataclasses.asdict(schedule), "losses": losses,
-                "tokens": {split: reservoir.size for split, reservoir in samples.items()}}
+    settings = {
+        **dataclasses.asdict(schedule),
+        "losses": losses,
+        "tokens": {split: reservoir.size for split, reservoir in samples.items()},
+    }
     fit_block = mapper.metadata["fit"]
     timings = {**fit_block["timings"], "mlp_s": round(options.timings.get("mlp_s", 0.0), 3)}
-    metadata = {**mapper.metadata, "kind": "mlp", MAP_KINDS["mlp"].block: settings, "layers": layers,
-                "metrics": {**mapper.metadata["metrics"], **_metrics(layers)}, "fit": {**fit_block, "timings": timings}}
+    metadata = {
+        **mapper.metadata,
+        "kind": "mlp",
+        MAP_KINDS["mlp"].block: settings,
+        "layers": layers,
+        "metrics": {**mapper.metadata["metrics"], **_metrics(layers)},
+        "fit": {**fit_block, "timings": timings},
+    }
     return Mapper(tensors, json.loads(json.dumps(metadata)), dtype=mapper.dtype, compute_dtype=mapper.compute_dtype)
 
 
@@ -139,8 +176,13 @@ def _metrics(layers: list[dict]) -> dict[str, float]:
     out = {}
     for kind in KINDS:
         mlp, ridge = [l[f"r2_{kind}"] for l in layers], [l[f"ridge_r2_{kind}"] for l in layers]
-        out.update({f"heldout_r2_{kind}_mean": sum(mlp) / len(mlp), f"heldout_r2_{kind}_min": min(mlp),
-                    f"ridge_heldout_r2_{kind}_mean": sum(ridge) / len(ridge)})
+        out.update(
+            {
+                f"heldout_r2_{kind}_mean": sum(mlp) / len(mlp),
+                f"heldout_r2_{kind}_min": min(mlp),
+                f"ridge_heldout_r2_{kind}_mean": sum(ridge) / len(ridge),
+            }
+        )
     return out
 
 
@@ -163,8 +205,12 @@ def _save(path: Path, job: str, schedule: Schedule, done: dict[int, dict[str, Tr
         for kind, trained in maps.items():
             tensors.update(tensors_of(map_prefix(kind, target), trained.layers))
             results[f"{kind}.{target}"] = {name: getattr(trained, name) for name in _RESULT_FIELDS}
-    header = {"job": job, "schedule": json.dumps(dataclasses.asdict(schedule), sort_keys=True),
-              "results": json.dumps(results, sort_keys=True), "kvhub_version": __version__}
+    header = {
+        "job": job,
+        "schedule": json.dumps(dataclasses.asdict(schedule), sort_keys=True),
+        "results": json.dumps(results, sort_keys=True),
+        "kvhub_version": __version__,
+    }
     atomic_write_bytes(path, to_bytes(tensors, metadata=header))
 
 
@@ -178,8 +224,9 @@ def _load(path: Path | None, job: str, schedule: Schedule, solution: Solution, l
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = handle.metadata() or {}
-            if header.get("job") != job or header.get("schedule") != json.dumps(dataclasses.asdict(schedule),
-                                                                                sort_keys=True):
+            if header.get("job") != job or header.get("schedule") != json.dumps(
+                dataclasses.asdict(schedule), sort_keys=True
+            ):
                 log.warning("MLP checkpoint %s belongs to another fit; training every layer", path)
                 return {}
             results = json.loads(header["results"])

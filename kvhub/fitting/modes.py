@@ -52,8 +52,10 @@ class StatisticsMode:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"two-pass {name} must be a positive integer, got {value!r}")
         if self.candidates is not None and self.top_k_max is not None and self.top_k_max > self.candidates:
-            raise ConfigError(f"two-pass statistics keeping {self.candidates} candidate source layers cannot "
-                              f"solve k up to {self.top_k_max}; keep more candidates or lower --k")
+            raise ConfigError(
+                f"two-pass statistics keeping {self.candidates} candidate source layers cannot "
+                f"solve k up to {self.top_k_max}; keep more candidates or lower --k"
+            )
 
     @property
     def torch_dtype(self):
@@ -66,8 +68,10 @@ class StatisticsMode:
         grid value the candidates and the source layers allow."""
         if isinstance(top_k, int):
             if self.top_k_max is not None and top_k > self.top_k_max:
-                raise ConfigError(f"k={top_k} is more than the {self.top_k_max} source layers per target layer "
-                                  "the two-pass statistics keep; lower --k or keep more candidates")
+                raise ConfigError(
+                    f"k={top_k} is more than the {self.top_k_max} source layers per target layer "
+                    "the two-pass statistics keep; lower --k or keep more candidates"
+                )
             return top_k if self.top_k_max is None else self.top_k_max
         if self.top_k_max is not None:
             return self.top_k_max
@@ -105,5 +109,7 @@ def pass_bytes(src_layers: int, src_width: int, q_owned: int, mode: StatisticsMo
     if mode.passes == 1:
         return (statistics_bytes(p, q_owned, dtype=mode.dtype),)
     kept = min(src_layers, mode.candidates or src_layers) * src_width
-    return (statistics_bytes(p, q_owned, gram_entries=p * src_width, dtype=mode.dtype),
-            statistics_bytes(kept, q_owned, dtype=mode.dtype))
+    return (
+        statistics_bytes(p, q_owned, gram_entries=p * src_width, dtype=mode.dtype),
+        statistics_bytes(kept, q_owned, dtype=mode.dtype),
+    )

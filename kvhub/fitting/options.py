@@ -65,6 +65,7 @@ def _flag(value) -> str | None:
 def _one_of(choices: tuple[str, ...]) -> Callable:
     def rule(value) -> str | None:
         return None if value in choices else "one of " + ", ".join(choices)
+
     return rule
 
 
@@ -72,13 +73,32 @@ def _mode(value) -> str | None:
     return None if isinstance(value, StatisticsMode) or value in MODES else "one of " + ", ".join(MODES)
 
 
-def knob(default, *, flag: str | None, help: str, rule: Callable, parse: Callable | None = None,
-         auto: bool = False, choices: tuple[str, ...] | None = None, in_fit_block: bool = False):
+def knob(
+    default,
+    *,
+    flag: str | None,
+    help: str,
+    rule: Callable,
+    parse: Callable | None = None,
+    auto: bool = False,
+    choices: tuple[str, ...] | None = None,
+    in_fit_block: bool = False,
+):
     """A FitOptions field.  flag: its command-line option (None: Python only); parse: text -> value for the
     command line; auto: None is spelled "auto"; choices: the values the command line offers; in_fit_block:
     recorded in mapper.json's ``fit`` block."""
-    return field(default=default, metadata={"flag": flag, "help": help, "rule": rule, "parse": parse, "auto": auto,
-                                            "choices": choices, "in_fit_block": in_fit_block})
+    return field(
+        default=default,
+        metadata={
+            "flag": flag,
+            "help": help,
+            "rule": rule,
+            "parse": parse,
+            "auto": auto,
+            "choices": choices,
+            "in_fit_block": in_fit_block,
+        },
+    )
 
 
 @dataclass
@@ -87,55 +107,121 @@ class FitOptions:
     keeps its state, not knobs: the checkpoint file, how often it is written, and the timings."""
 
     top_k: int | None = knob(
-        None, flag="--k", parse=int, auto=True, rule=_positive_integer,
-        help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).")
+        None,
+        flag="--k",
+        parse=int,
+        auto=True,
+        rule=_positive_integer,
+        help="Source layers per target layer, or 'auto' (chosen per layer on held-out R^2).",
+    )
     ridge_lambda: float | None = knob(
-        None, flag="--lambda", parse=float, auto=True, rule=_non_negative_number,
-        help="Ridge strength relative to the mean Gram diagonal, or 'auto' (chosen per layer on held-out R^2).")
+        None,
+        flag="--lambda",
+        parse=float,
+        auto=True,
+        rule=_non_negative_number,
+        help="Ridge strength relative to the mean Gram diagonal, or 'auto' (chosen per layer on held-out R^2).",
+    )
     stride: int | None = knob(
-        None, flag="--stride", parse=int, rule=_positive_integer, in_fit_block=True,
-        help="Keep every s-th token for the statistics [default: the calibration recipe's; paper: 4].")
-    batch_size: int = knob(4, flag="--batch-size", parse=int, rule=_positive_integer, in_fit_block=True,
-                           help="Sequences per forward pass.")
+        None,
+        flag="--stride",
+        parse=int,
+        rule=_positive_integer,
+        in_fit_block=True,
+        help="Keep every s-th token for the statistics [default: the calibration recipe's; paper: 4].",
+    )
+    batch_size: int = knob(
+        4, flag="--batch-size", parse=int, rule=_positive_integer, in_fit_block=True, help="Sequences per forward pass."
+    )
     weighting: str = knob(
-        "uniform", flag="--weighting", choices=WEIGHTINGS, rule=_one_of(WEIGHTINGS), in_fit_block=True,
+        "uniform",
+        flag="--weighting",
+        choices=WEIGHTINGS,
+        rule=_one_of(WEIGHTINGS),
+        in_fit_block=True,
         help="How much each calibration token counts in the fit: 'uniform', or 'attention' = by the attention the "
-             "target model pays it (capped at 10x uniform, against attention sinks). 'attention' runs the target's "
-             "forward passes with eager attention, which is slower and needs more memory.")
-    weight_cap: float = knob(10.0, flag=None, rule=_positive_number, in_fit_block=True,
-                             help="Cap of a token's attention weight, in multiples of uniform.")
+        "target model pays it (capped at 10x uniform, against attention sinks). 'attention' runs the target's "
+        "forward passes with eager attention, which is slower and needs more memory.",
+    )
+    weight_cap: float = knob(
+        10.0,
+        flag=None,
+        rule=_positive_number,
+        in_fit_block=True,
+        help="Cap of a token's attention weight, in multiples of uniform.",
+    )
     head_local: bool = knob(
-        False, flag="--head-local", rule=_flag,
+        False,
+        flag="--head-local",
+        rule=_flag,
         help="Compressed maps: each target KV head group reads only its source head group (gcd of the KV head "
-             "counts groups; that many times fewer weights).")
-    rank: int | None = knob(None, flag="--rank", parse=int, rule=_positive_integer,
-                            help="Compressed maps: reduced-rank ridge of this rank per target layer (and head group).")
-    skip_first: int = knob(0, flag=None, rule=_non_negative_integer, in_fit_block=True,
-                           help="Tokens at the start of each sequence left out of the statistics.")
+        "counts groups; that many times fewer weights).",
+    )
+    rank: int | None = knob(
+        None,
+        flag="--rank",
+        parse=int,
+        rule=_positive_integer,
+        help="Compressed maps: reduced-rank ridge of this rank per target layer (and head group).",
+    )
+    skip_first: int = knob(
+        0,
+        flag=None,
+        rule=_non_negative_integer,
+        in_fit_block=True,
+        help="Tokens at the start of each sequence left out of the statistics.",
+    )
     statistics: str | StatisticsMode = knob(
-        "auto", flag="--stats", choices=MODES, rule=_mode,
+        "auto",
+        flag="--stats",
+        choices=MODES,
+        rule=_mode,
         help="How the statistics are accumulated: 'one-pass' (every source layer's full statistics), 'two-pass' "
-             "(a probe pass over per-layer blocks picks candidate source layers, a second pass keeps only those: "
-             "for pairs whose full statistics do not fit), or 'auto' (what kvhub plan says fits the memory free now).")
+        "(a probe pass over per-layer blocks picks candidate source layers, a second pass keeps only those: "
+        "for pairs whose full statistics do not fit), or 'auto' (what kvhub plan says fits the memory free now).",
+    )
     candidates: int | None = knob(
-        None, flag="--candidates", parse=int, rule=_positive_integer,
+        None,
+        flag="--candidates",
+        parse=int,
+        rule=_positive_integer,
         help="Two-pass statistics: the most source layers pass 2 keeps (per process) [default: as many as the "
-             "plan fits].")
+        "plan fits].",
+    )
     map_kind: str = knob(
-        DEFAULT_KIND, flag="--map", choices=tuple(MAP_KINDS), rule=_one_of(tuple(MAP_KINDS)),
+        DEFAULT_KIND,
+        flag="--map",
+        choices=tuple(MAP_KINDS),
+        rule=_one_of(tuple(MAP_KINDS)),
         help="Map kind: 'ridge' (the closed-form linear map), or 'mlp' = that map plus a residual MLP per target "
-             "layer and K/V, trained on sampled calibration rows with early stopping on the held-out ones (for "
-             "pairs where ridge's held-out R^2 stays low; slower, see docs/guide.md).")
-    mlp_width: int = knob(256, flag="--mlp-width", parse=int, rule=_positive_integer,
-                          help="--map mlp: width of the residual MLP's hidden layers.")
-    mlp_depth: int = knob(2, flag="--mlp-depth", parse=int, rule=_positive_integer,
-                          help="--map mlp: hidden layers of the residual MLP.")
+        "layer and K/V, trained on sampled calibration rows with early stopping on the held-out ones (for "
+        "pairs where ridge's held-out R^2 stays low; slower, see docs/guide.md).",
+    )
+    mlp_width: int = knob(
+        256,
+        flag="--mlp-width",
+        parse=int,
+        rule=_positive_integer,
+        help="--map mlp: width of the residual MLP's hidden layers.",
+    )
+    mlp_depth: int = knob(
+        2, flag="--mlp-depth", parse=int, rule=_positive_integer, help="--map mlp: hidden layers of the residual MLP."
+    )
     mlp_tokens: int = knob(
-        8192, flag="--mlp-tokens", parse=int, rule=_positive_integer,
+        8192,
+        flag="--mlp-tokens",
+        parse=int,
+        rule=_positive_integer,
         help="--map mlp: calibration rows (tokens) per split kept to train the MLPs on, evenly spread; memory "
-             "grows with it (4 bytes x tokens x every layer's K and V width, both models).")
-    mlp_epochs: int = knob(100, flag="--mlp-epochs", parse=int, rule=_positive_integer,
-                           help="--map mlp: most epochs per MLP (early stopping usually ends sooner).")
+        "grows with it (4 bytes x tokens x every layer's K and V width, both models).",
+    )
+    mlp_epochs: int = knob(
+        100,
+        flag="--mlp-epochs",
+        parse=int,
+        rule=_positive_integer,
+        help="--map mlp: most epochs per MLP (early stopping usually ends sooner).",
+    )
     mlp_seed: int = knob(0, flag=None, rule=_non_negative_integer, help="--map mlp: seed of the MLPs' training.")
 
     checkpoint: Path | None = None
@@ -150,9 +236,13 @@ class FitOptions:
             problem = check(spec.name, value)
             if problem:
                 raise ConfigError(problem)
-        if self.candidates is not None and (self.statistics == "one-pass" or isinstance(self.statistics, StatisticsMode)):
-            raise ConfigError("--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats "
-                              "two-pass (a StatisticsMode carries its own)")
+        if self.candidates is not None and (
+            self.statistics == "one-pass" or isinstance(self.statistics, StatisticsMode)
+        ):
+            raise ConfigError(
+                "--candidates sets what a two-pass fit's second pass keeps; drop it or use --stats "
+                "two-pass (a StatisticsMode carries its own)"
+            )
 
     def fit_block(self) -> dict:
         """The knobs mapper.json records under ``fit`` (k and lambda are top-level; head_local and rank are

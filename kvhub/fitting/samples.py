@@ -48,8 +48,10 @@ class Reservoir:
         """Copy the kept rows of one batch whose first sequence is ``first_sequence`` of the split."""
         start = first_sequence * self.rows_per_sequence
         if source.tokens % self.rows_per_sequence:
-            raise FitError(f"a batch gave {source.tokens} rows, not a multiple of {self.rows_per_sequence} per "
-                           "sequence: --map mlp samples rows of unpadded sequences only")
+            raise FitError(
+                f"a batch gave {source.tokens} rows, not a multiple of {self.rows_per_sequence} per "
+                "sequence: --map mlp samples rows of unpadded sequences only"
+            )
         low, high = (int(i) for i in torch.searchsorted(self.rows, torch.tensor([start, start + source.tokens])))
         local = self.rows[low:high] - start  # (n_batch,) rows of this batch
         if not len(local):
@@ -68,13 +70,19 @@ class Reservoir:
         self.tensors = {name: state[name] for name in NAMES}
 
 
-def reservoirs(layout: Layout, splits: dict[str, torch.Tensor], *, capacity: int, stride: int,
-               skip_first: int) -> dict[str, Reservoir]:
+def reservoirs(
+    layout: Layout, splits: dict[str, torch.Tensor], *, capacity: int, stride: int, skip_first: int
+) -> dict[str, Reservoir]:
     """An empty Reservoir per split of ``splits`` ({name: (N, T) ids})."""
-    return {name: Reservoir(layout, rows_per_sequence=rows_per_sequence(ids.shape[1], stride=stride,
-                                                                        skip_first=skip_first),
-                            sequences=ids.shape[0], capacity=capacity)
-            for name, ids in splits.items()}
+    return {
+        name: Reservoir(
+            layout,
+            rows_per_sequence=rows_per_sequence(ids.shape[1], stride=stride, skip_first=skip_first),
+            sequences=ids.shape[0],
+            capacity=capacity,
+        )
+        for name, ids in splits.items()
+    }
 
 
 def first_sequence(batches: list[tuple[str, torch.Tensor]], index: int) -> int:

@@ -40,8 +40,10 @@ class ModelShape:
         """The shape a transformers config (a dict) describes; ConfigError naming a missing or wrong field."""
         name = model_id or (config.get("_name_or_path") if isinstance(config, dict) else None) or "the model"
         if not isinstance(config, dict):
-            raise ConfigError(f"config of {name} is {type(config).__name__}, not a JSON object; kvhub plan reads "
-                              "decoder configs (transformers config.json)")
+            raise ConfigError(
+                f"config of {name} is {type(config).__name__}, not a JSON object; kvhub plan reads "
+                "decoder configs (transformers config.json)"
+            )
         if config.get("text_config"):  # a multimodal config: the decoder's part
             if not isinstance(config["text_config"], dict):
                 raise ConfigError(f"config of {name}: `text_config` must be a JSON object")
@@ -51,14 +53,21 @@ class ModelShape:
         heads, hidden = field("num_attention_heads"), field("hidden_size")
         head_dim = field("head_dim", required=False) or hidden // heads
         if head_dim < 1:
-            raise ConfigError(f"config of {name}: hidden_size {hidden} is smaller than num_attention_heads {heads}; "
-                              "set head_dim or fix the config")
+            raise ConfigError(
+                f"config of {name}: hidden_size {hidden} is smaller than num_attention_heads {heads}; "
+                "set head_dim or fix the config"
+            )
         model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else ""
         return cls(
             model_id=model_id or config.get("_name_or_path") or model_type,
-            model_type=model_type, layers=field("num_hidden_layers"), hidden=hidden, heads=heads,
-            kv_heads=field("num_key_value_heads", required=False) or heads, head_dim=head_dim,
-            intermediate=field("intermediate_size"), vocab=field("vocab_size"),
+            model_type=model_type,
+            layers=field("num_hidden_layers"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=field("num_key_value_heads", required=False) or heads,
+            head_dim=head_dim,
+            intermediate=field("intermediate_size"),
+            vocab=field("vocab_size"),
             tied=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type.startswith("qwen3"),
@@ -86,8 +95,10 @@ class ModelShape:
 
     def forward_flops(self, tokens: int) -> int:
         """Matmul FLOPs of the model body over one sequence of ``tokens`` tokens (module docstring)."""
-        return (2 * tokens * self.layers * self.matmul_parameters()
-                + 4 * self.layers * self.heads * self.head_dim * tokens * tokens)
+        return (
+            2 * tokens * self.layers * self.matmul_parameters()
+            + 4 * self.layers * self.heads * self.head_dim * tokens * tokens
+        )
 
 
 def _positive_or_none(value) -> int | None:
@@ -99,12 +110,14 @@ def _geometry_field(config: dict, name: str, key: str, *, required: bool = True)
     value = config.get(key)
     if value is None:
         if required:
-            raise ConfigError(f"config of {name} has no {key!r}; kvhub plan reads decoder configs "
-                              "(transformers config.json)")
+            raise ConfigError(
+                f"config of {name} has no {key!r}; kvhub plan reads decoder configs (transformers config.json)"
+            )
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"config of {name}: `{key}` is {json.dumps(value)[:40]}, not a positive integer; "
-                          "fix the config.json")
+        raise ConfigError(
+            f"config of {name}: `{key}` is {json.dumps(value)[:40]}, not a positive integer; fix the config.json"
+        )
     return value
 
 
@@ -151,9 +164,11 @@ def load_config(spec: str) -> tuple[dict, str]:
     if isinstance(cached, str):
         return _read_config(Path(cached)), str(spec)
     shipped_ids = sorted({c["_name_or_path"] for c in shipped_configs().values() if c.get("_name_or_path")})
-    raise ConfigError(f"no config for {spec!r}: pass a config.json path or model directory, a model kvhub ships a "
-                      f"config for ({', '.join(shipped_ids)}), "
-                      "or a Hub id whose config is in the Hugging Face cache")
+    raise ConfigError(
+        f"no config for {spec!r}: pass a config.json path or model directory, a model kvhub ships a "
+        f"config for ({', '.join(shipped_ids)}), "
+        "or a Hub id whose config is in the Hugging Face cache"
+    )
 
 
 def _read_config(path: Path) -> dict:
@@ -163,8 +178,9 @@ def _read_config(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"{path} is not a readable JSON config ({exc}); pass a transformers config.json") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object; pass a transformers "
-                          "config.json")
+        raise ConfigError(
+            f"{path} holds a JSON {type(config).__name__}, not an object; pass a transformers config.json"
+        )
     return config
 
 

@@ -33,17 +33,23 @@ from kvhub.fitting.modes import StatisticsMode
 log = logging.getLogger(__name__)
 
 
-def run_passes(state: FitState | None, layout: Layout, mode: StatisticsMode, *, top_k: int | None,
-               run: Callable[[FitState, str], None], save: Callable[[FitState], None] | None,
-               samples: dict | None = None) -> FitState:
+def run_passes(
+    state: FitState | None,
+    layout: Layout,
+    mode: StatisticsMode,
+    *,
+    top_k: int | None,
+    run: Callable[[FitState, str], None],
+    save: Callable[[FitState], None] | None,
+    samples: dict | None = None,
+) -> FitState:
     """Every pass of ``mode`` from ``state`` (None: the start, with the reservoirs ``samples``, which pass 1
     fills) over ``layout`` (a rank's target layers): ``run(state, label)`` merges a pass's remaining
     batches; ``save(state)`` checkpoints the start of pass 2, so a restarted fit never runs pass 1 again.
     Returns the last pass's state."""
     if state is None:
         gram = "diagonal" if mode.passes == 2 else "full"
-        state = FitState({name: KVStats(layout, dtype=mode.torch_dtype, gram=gram) for name in SPLITS},
-                         samples=samples)
+        state = FitState({name: KVStats(layout, dtype=mode.torch_dtype, gram=gram) for name in SPLITS}, samples=samples)
     if state.pass_index == 1:
         run(state, "capture" if mode.passes == 1 else "capture pass 1")
         if mode.passes == 1:
@@ -64,8 +70,7 @@ def second_pass(state: FitState, mode: StatisticsMode, *, top_k: int | str) -> F
     layout = train.layout
     probe_k, probe_v = probe_r2(train, heldout if heldout.n > 0 else None)
     depth = mode.depth(top_k, TOP_K_GRID, layout.src_layers)
-    candidates = candidate_sources(probe_k, probe_v, range(layout.dst_layers), depth=depth,
-                                   max_layers=mode.candidates)
+    candidates = candidate_sources(probe_k, probe_v, range(layout.dst_layers), depth=depth, max_layers=mode.candidates)
     log.info("two-pass statistics: pass 2 keeps source layers %s of %d", candidates, layout.src_layers)
     state.stats.clear()
     del train, heldout
@@ -74,23 +79,39 @@ def second_pass(state: FitState, mode: StatisticsMode, *, top_k: int | str) -> F
     return FitState(stats, pass_index=2, candidates=candidates, probe=(probe_k, probe_v), samples=state.samples)
 
 
-def solve_candidates(state: FitState, mode: StatisticsMode, *, top_k: int | None, ridge_lambda: float | None,
-                     structure: Structure, src_layers: int, targets: list[int] | None = None,
-                     progress=None) -> Solution:
+def solve_candidates(
+    state: FitState,
+    mode: StatisticsMode,
+    *,
+    top_k: int | None,
+    ridge_lambda: float | None,
+    structure: Structure,
+    src_layers: int,
+    targets: list[int] | None = None,
+    progress=None,
+) -> Solution:
     """The solve on pass 2's statistics, with source layers numbered as in the model (module docstring);
     ``progress`` as in :func:`kvhub.core.solve.solve`."""
     candidates = state.candidates
     depth = mode.depth(top_k, TOP_K_GRID, src_layers)
     grid = tuple(c for c in TOP_K_GRID if c <= depth)
     train, heldout = state.stats["train"], state.stats["heldout"]
-    solution = solve(train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, top_k_grid=grid, structure=structure,
-                     progress=progress)
+    solution = solve(
+        train, heldout, top_k=top_k, ridge_lambda=ridge_lambda, top_k_grid=grid, structure=structure, progress=progress
+    )
     for layer in solution.layers:
         layer.sources = [candidates[i] for i in layer.sources]  # ascending: candidates are
     solution.probe_r2_k, solution.probe_r2_v = state.probe
-    scope = "" if not targets else (f" for target layer {targets[0]}" if len(targets) == 1
-                                    else f" for target layers {targets[0]}-{targets[-1]}")
-    solution.notes.append(f"two-pass statistics ({mode.dtype}): pass 2 kept source layers "
-                          f"{','.join(map(str, candidates))} ({len(candidates)} of {src_layers}){scope}; "
-                          f"k at most {depth}")
+    scope = (
+        ""
+        if not targets
+        else (
+            f" for target layer {targets[0]}" if len(targets) == 1 else f" for target layers {targets[0]}-{targets[-1]}"
+        )
+    )
+    solution.notes.append(
+        f"two-pass statistics ({mode.dtype}): pass 2 kept source layers "
+        f"{','.join(map(str, candidates))} ({len(candidates)} of {src_layers}){scope}; "
+        f"k at most {depth}"
+    )
     return solution

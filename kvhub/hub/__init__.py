@@ -23,7 +23,20 @@ from kvhub.hub.search import HubMapper, search
 from kvhub.hub.verify import same_model, verify_artifact
 
 __all__ = [
-    "CARD_MODES", "NAMESPACES_ENV", "HubMapper", "HubSettings", "PullResult", "PushResult",
-    "configured_namespaces", "hub_settings", "load_from_hub", "parse_repo_ref", "pull", "push", "same_model",
-    "search", "verify_artifact", "version_tag",
+    "CARD_MODES",
+    "NAMESPACES_ENV",
+    "HubMapper",
+    "HubSettings",
+    "PullResult",
+    "PushResult",
+    "configured_namespaces",
+    "hub_settings",
+    "load_from_hub",
+    "parse_repo_ref",
+    "pull",
+    "push",
+    "same_model",
+    "search",
+    "verify_artifact",
+    "version_tag",
 ]

@@ -35,7 +35,13 @@ from kvhub.artifact.kinds import kind_of
 from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.errors import ConfigError
 from kvhub.hub.evaluations import (
-    _TASK_DATASETS, bench_section, calibration_dataset, evaluation_results, evaluations_table, fmt, hub_datasets,
+    _TASK_DATASETS,
+    bench_section,
+    calibration_dataset,
+    evaluation_results,
+    evaluations_table,
+    fmt,
+    hub_datasets,
     latest,
 )
 from kvhub.hub.identity import base_models, published_metadata
@@ -45,9 +51,16 @@ _MARKER = re.compile(r"\n<!-- kvhub-card sha256:([0-9a-f]{64}) -->\n?\Z")
 RELATION = "adapter"
 
 
-def model_card(metadata: dict, *, repo_id: str, version_tag: str, images: Iterable[str] = (),
-               base_model: tuple[str, str] | None = None, measurements: Iterable[dict] = (),
-               license: CardLicense | None = None) -> str:
+def model_card(
+    metadata: dict,
+    *,
+    repo_id: str,
+    version_tag: str,
+    images: Iterable[str] = (),
+    base_model: tuple[str, str] | None = None,
+    measurements: Iterable[dict] = (),
+    license: CardLicense | None = None,
+) -> str:
     """README.md text for the artifact described by ``metadata`` (mapper.json), pushed as ``version_tag``.
 
     ``images``: file names (relative to the artifact directory) shown in a "Figures" section.
@@ -59,10 +72,9 @@ def model_card(metadata: dict, *, repo_id: str, version_tag: str, images: Iterab
     newest = latest(measurements)
     bases = base_models(metadata, base_model)
     metadata = published_metadata(metadata, bases)
-    text = _front_matter(metadata, repo_id=repo_id, version_tag=version_tag, base_model=bases,
-                         evaluations=newest, license=license) + _body(
-        metadata, repo_id=repo_id, version_tag=version_tag, images=sorted(images), measurements=newest
-    )
+    text = _front_matter(
+        metadata, repo_id=repo_id, version_tag=version_tag, base_model=bases, evaluations=newest, license=license
+    ) + _body(metadata, repo_id=repo_id, version_tag=version_tag, images=sorted(images), measurements=newest)
     digest = hashlib.sha256(text.encode()).hexdigest()
     return f"{text}\n{MARKER_PREFIX}{digest} -->\n"
 
@@ -109,9 +121,25 @@ def _numbers(obj, prefix: str = "") -> list[tuple[str, float]]:
 
 # ---- what the Hub indexes: base models, licence, datasets ----------------------------------------
 # Hub licence identifiers a calibration licence may start with (a default when the publisher names none)
-_HUB_LICENSES = {"apache-2.0", "mit", "cc0-1.0", "cc-by-4.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "cc-by-sa-3.0",
-                 "bsd-2-clause", "bsd-3-clause", "gpl-2.0", "gpl-3.0", "lgpl-3.0", "mpl-2.0", "unlicense",
-                 "odc-by", "pddl", "openrail"}
+_HUB_LICENSES = {
+    "apache-2.0",
+    "mit",
+    "cc0-1.0",
+    "cc-by-4.0",
+    "cc-by-sa-4.0",
+    "cc-by-nc-4.0",
+    "cc-by-sa-3.0",
+    "bsd-2-clause",
+    "bsd-3-clause",
+    "gpl-2.0",
+    "gpl-3.0",
+    "lgpl-3.0",
+    "mpl-2.0",
+    "unlicense",
+    "odc-by",
+    "pddl",
+    "openrail",
+}
 _LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")
 
 
@@ -129,20 +157,26 @@ def card_license(license: str | None, *, name: str | None = None, link: str | No
     for "other" a licence name (a slug) and a link to its text (a URL or a file in the repository)."""
     if license is None:
         if name or link:
-            raise ConfigError("a licence name or link was given without a licence; pass the licence \"other\" "
-                              "with them, or a Hub licence id such as apache-2.0 alone")
+            raise ConfigError(
+                'a licence name or link was given without a licence; pass the licence "other" '
+                "with them, or a Hub licence id such as apache-2.0 alone"
+            )
         return None
     license = license.strip().lower()
     if not _LICENSE_ID.fullmatch(license):
-        raise ConfigError(f"licence {license!r} is not a Hub licence id; write one such as apache-2.0, mit, "
-                          "llama3.1 or other (https://huggingface.co/docs/hub/repositories-licenses)")
+        raise ConfigError(
+            f"licence {license!r} is not a Hub licence id; write one such as apache-2.0, mit, "
+            "llama3.1 or other (https://huggingface.co/docs/hub/repositories-licenses)"
+        )
     if license != "other":
         if name or link:
-            raise ConfigError(f"a licence name and link go with the licence \"other\" only, not {license!r}")
+            raise ConfigError(f'a licence name and link go with the licence "other" only, not {license!r}')
         return CardLicense(license)
     if not (name and _LICENSE_ID.fullmatch(name) and link and link.strip()):
-        raise ConfigError("the licence \"other\" needs a licence name (a slug such as my-licence) and a link to "
-                          "its text (a URL, or a file in the repository such as LICENSE)")
+        raise ConfigError(
+            'the licence "other" needs a licence name (a slug such as my-licence) and a link to '
+            "its text (a URL, or a file in the repository such as LICENSE)"
+        )
     return CardLicense("other", name, link.strip())
 
 
@@ -155,8 +189,15 @@ def default_license(metadata: dict) -> CardLicense | None:
     return CardLicense(first) if first in _HUB_LICENSES else None
 
 
-def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model: tuple[str, str],
-                  evaluations: dict, license: CardLicense | None) -> str:
+def _front_matter(
+    metadata: dict,
+    *,
+    repo_id: str,
+    version_tag: str,
+    base_model: tuple[str, str],
+    evaluations: dict,
+    license: CardLicense | None,
+) -> str:
     from huggingface_hub import EvalResult, ModelCardData
 
     source, target = metadata["source"], metadata["target"]
@@ -167,17 +208,30 @@ def _front_matter(metadata: dict, *, repo_id: str, version_tag: str, base_model:
     held_out = calibration_dataset(calibration)
     results = [  # held-out R^2: an index entry only when the calibration text is one Hub dataset
         EvalResult(
-            task_type="kv-cache-mapping", task_name="KV-cache mapping", dataset_type=held_out[0],
-            dataset_name=f"{calib_name} (held-out documents)", dataset_config=held_out[1], dataset_split=held_out[2],
-            metric_type=name, metric_name=name, metric_value=value,
+            task_type="kv-cache-mapping",
+            task_name="KV-cache mapping",
+            dataset_type=held_out[0],
+            dataset_name=f"{calib_name} (held-out documents)",
+            dataset_config=held_out[1],
+            dataset_split=held_out[2],
+            metric_type=name,
+            metric_name=name,
+            metric_value=value,
         )
         for name, value in _numbers(metadata.get("metrics") or {})
         if name.startswith("heldout_r2") and held_out is not None
     ]
     results += [  # a legacy mapper.json ``evaluation`` block ({task: {metric: value}}), on Hub datasets only
-        EvalResult(task_type="kv-cache-transfer", task_name=name.split(".")[0], dataset_type=dataset[0],
-                   dataset_name=name.split(".")[0], dataset_config=dataset[1], dataset_split=dataset[2],
-                   metric_type=name.split(".", 1)[-1], metric_value=value)
+        EvalResult(
+            task_type="kv-cache-transfer",
+            task_name=name.split(".")[0],
+            dataset_type=dataset[0],
+            dataset_name=name.split(".")[0],
+            dataset_config=dataset[1],
+            dataset_split=dataset[2],
+            metric_type=name.split(".", 1)[-1],
+            metric_value=value,
+        )
         for name, value in _numbers(metadata.get("evaluation") or {})
         if (dataset := _TASK_DATASETS.get(name.split(".")[0])) is not None
     ]
@@ -264,8 +318,10 @@ def _residual_clause(metadata: dict) -> str:
     if kind_of(metadata).name != "mlp":
         return ""
     settings = metadata.get("mlp") or {}
-    return (f", each plus a residual MLP ({settings.get('depth')} x {settings.get('width')}, "
-            f"{settings.get('activation')}) trained on calibration rows")
+    return (
+        f", each plus a residual MLP ({settings.get('depth')} x {settings.get('width')}, "
+        f"{settings.get('activation')}) trained on calibration rows"
+    )
 
 
 def _short(digest: str | None) -> str:

@@ -45,11 +45,14 @@ def hub_settings(*, cache_dir: str | os.PathLike | None = None, local_files_only
 
     _one_line_per_record()
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    cache = cache_dir or os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE
+    cache = (
+        cache_dir
+        or os.environ.get("HF_HUB_CACHE")
+        or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE)
     )
-    return HubSettings(endpoint=endpoint, offline=local_files_only or hub_offline(),
-                       cache_dir=os.path.expanduser(os.fspath(cache)))
+    return HubSettings(
+        endpoint=endpoint, offline=local_files_only or hub_offline(), cache_dir=os.path.expanduser(os.fspath(cache))
+    )
 
 
 def _api(settings: HubSettings, token: str | None):
@@ -130,8 +133,10 @@ def parse_repo_ref(text: str) -> tuple[str, str | None]:
         shown = repr(text) if len(text) <= 120 else repr(text[:117]) + "..."
         raise ConfigError(f"{shown} is not a Hub repository; write it as OWNER/NAME or OWNER/NAME@REVISION")
     if at and not revision.strip():  # "owner/name@" would otherwise pull main
-        raise ConfigError(f"{text!r} ends with '@' but names no revision; write OWNER/NAME (the head of main) or "
-                          "OWNER/NAME@REVISION (a tag such as v3, a branch or a commit)")
+        raise ConfigError(
+            f"{text!r} ends with '@' but names no revision; write OWNER/NAME (the head of main) or "
+            "OWNER/NAME@REVISION (a tag such as v3, a branch or a commit)"
+        )
     return repo_id, revision or None
 
 
@@ -148,8 +153,15 @@ def _server_status(exc: BaseException) -> int | None:
 
 
 @contextlib.contextmanager
-def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None, token: str | None = None,
-               settings: HubSettings | None = None, aftermath: str = "") -> Iterator[None]:
+def hub_errors(
+    action: str,
+    *,
+    repo_id: str | None,
+    revision: str | None = None,
+    token: str | None = None,
+    settings: HubSettings | None = None,
+    aftermath: str = "",
+) -> Iterator[None]:
     """Translate huggingface_hub/httpx failures into kvhub errors with a next step (tokens redacted)."""
     import httpx2
     from huggingface_hub import errors as hf
@@ -167,47 +179,74 @@ def hub_errors(action: str, *, repo_id: str | None, revision: str | None = None,
             raise HubOfflineError(
                 f"{action} {where}: HF_HUB_OFFLINE=1 (or local_files_only=True) and it is not in the local cache; "
                 "unset HF_HUB_OFFLINE (or pull it once while online) and retry",
-                repo_id=repo_id, revision=revision) from None
+                repo_id=repo_id,
+                revision=revision,
+            ) from None
         if (status := _server_status(exc)) is not None and status >= 500:
-            raise HubError(f"{action} {where}: the Hub failed on its side ({status}) and nothing is cached; retry "
-                           f"in a few minutes (https://status.huggingface.co){tail}") from None
-        raise HubError(f"{action} {where}: cannot reach {endpoint} and nothing is cached "
-                       f"({_redact(str(exc).splitlines()[0], token)}); check the network and retry{tail}") from None
+            raise HubError(
+                f"{action} {where}: the Hub failed on its side ({status}) and nothing is cached; retry "
+                f"in a few minutes (https://status.huggingface.co){tail}"
+            ) from None
+        raise HubError(
+            f"{action} {where}: cannot reach {endpoint} and nothing is cached "
+            f"({_redact(str(exc).splitlines()[0], token)}); check the network and retry{tail}"
+        ) from None
     except hf.RevisionNotFoundError:
         raise HubRevisionNotFoundError(
             f"{repo_id} has no revision {revision!r}; `kvhub search` or the repo's tags list what exists",
-            repo_id=repo_id, revision=revision) from None
+            repo_id=repo_id,
+            revision=revision,
+        ) from None
     except hf.RepositoryNotFoundError as exc:
         if exc.response is not None and exc.response.status_code == 401 and not _current_token(token):
             raise HubAuthError(
                 f"{action} {repo_id}: the Hub does not show this repository without a token: it is private "
                 "(or does not exist); set HF_TOKEN or run `hf auth login` and retry",
-                repo_id=repo_id, revision=revision) from None
+                repo_id=repo_id,
+                revision=revision,
+            ) from None
         raise HubRepoNotFoundError(
             f"{action} {repo_id}: repository not found on {endpoint} (or it is private and your token cannot "
-            "see it); check the name", repo_id=repo_id, revision=revision) from None
+            "see it); check the name",
+            repo_id=repo_id,
+            revision=revision,
+        ) from None
     except hf.HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
         message = _redact(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc), token)
         if status == 401:
-            fix = ("pass a valid one (--token, token=)" if token else
-                   "set a valid HF_TOKEN or run `hf auth login`")  # the token given is the one to fix
-            raise HubAuthError(f"{action} {where}: the Hub rejected the token{' given' if token else ''} ({message}); "
-                               f"{fix}", repo_id=repo_id, revision=revision) from None
+            fix = (
+                "pass a valid one (--token, token=)" if token else "set a valid HF_TOKEN or run `hf auth login`"
+            )  # the token given is the one to fix
+            raise HubAuthError(
+                f"{action} {where}: the Hub rejected the token{' given' if token else ''} ({message}); {fix}",
+                repo_id=repo_id,
+                revision=revision,
+            ) from None
         if status == 403:
-            raise HubAuthError(f"{action} {where}: your token may not do this ({message}); use a token with write "
-                               f"access to {str(repo_id).split('/')[0]}", repo_id=repo_id, revision=revision) from None
+            raise HubAuthError(
+                f"{action} {where}: your token may not do this ({message}); use a token with write "
+                f"access to {str(repo_id).split('/')[0]}",
+                repo_id=repo_id,
+                revision=revision,
+            ) from None
         if status is not None and status >= 500:
-            raise HubError(f"{action} {where}: the Hub failed on its side ({status}: {message}); retry in a few "
-                           f"minutes (https://status.huggingface.co){tail}") from None
-        raise HubError(f"{action} {where}: the Hub answered {status} ({message}); check the repository name and "
-                       f"revision, then retry{tail}") from None
+            raise HubError(
+                f"{action} {where}: the Hub failed on its side ({status}: {message}); retry in a few "
+                f"minutes (https://status.huggingface.co){tail}"
+            ) from None
+        raise HubError(
+            f"{action} {where}: the Hub answered {status} ({message}); check the repository name and "
+            f"revision, then retry{tail}"
+        ) from None
     except ValueError as exc:  # huggingface_hub's own refusals, e.g. a file name that leaves the download folder
-        raise HubError(f"{action} {where}: huggingface_hub refused it ({_redact(str(exc).strip()[:300], token)}); "
-                       "the repository holds something kvhub will not use (such as a file name with `..` or an "
-                       f"absolute path): pull another revision or repository{tail}") from None
+        raise HubError(
+            f"{action} {where}: huggingface_hub refused it ({_redact(str(exc).strip()[:300], token)}); "
+            "the repository holds something kvhub will not use (such as a file name with `..` or an "
+            f"absolute path): pull another revision or repository{tail}"
+        ) from None
     except httpx2.HTTPError as exc:
-        raise HubError(f"{action} {where}: the connection to {endpoint} failed ({type(exc).__name__}: "
-                       f"{_redact(str(exc), token)}){tail}") from None
-
-
+        raise HubError(
+            f"{action} {where}: the connection to {endpoint} failed ({type(exc).__name__}: "
+            f"{_redact(str(exc), token)}){tail}"
+        ) from None

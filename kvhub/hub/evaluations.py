@@ -51,11 +51,22 @@ def hub_datasets(calibration: dict) -> list[str]:
 
 # What kvhub.eval's metric names measure: PREFIX_CONDITION, e.g. acc_own, ppl_no_context, nll_control
 _QUANTITIES = {"acc": "accuracy", "ppl": "perplexity", "nll": "NLL"}
-_CONDITIONS = {"own": "target's own cache", "mapped": "mapped cache", "source": "source model",
-               "control": "control map (no information)", "no_context": "no context", "floor": "no context"}
-_NAMED = {"retention": "retention (mapped / own accuracy)", "gap_closed": "gap closed", "agreement":
-          "next-token agreement, mapped vs own", "agree_next": "next-token agreement, mapped vs own",
-          "kl": "KL(own || mapped) per token", "attn_cosine": "attention cosine, mapped vs own"}
+_CONDITIONS = {
+    "own": "target's own cache",
+    "mapped": "mapped cache",
+    "source": "source model",
+    "control": "control map (no information)",
+    "no_context": "no context",
+    "floor": "no context",
+}
+_NAMED = {
+    "retention": "retention (mapped / own accuracy)",
+    "gap_closed": "gap closed",
+    "agreement": "next-token agreement, mapped vs own",
+    "agree_next": "next-token agreement, mapped vs own",
+    "kl": "KL(own || mapped) per token",
+    "attn_cosine": "attention cosine, mapped vs own",
+}
 _VARIANT_FREE = ("own", "source", "no_context", "floor")  # conditions the recompute variant does not change
 _COUNTS = ("n", "tokens", "items", "context_tokens")  # how much was measured: a column, never a metric
 _BENCH_METRICS = ("transfer_median_s", "prefill_median_s", "speedup", "ttft_speedup")
@@ -98,7 +109,7 @@ def metric_label(name: str) -> str:
     if quantity in _QUANTITIES and condition in _CONDITIONS:
         return f"{_QUANTITIES[quantity]}, {_CONDITIONS[condition]}"
     if name.startswith("gap_closed_"):
-        return f"gap closed, {name[len('gap_closed_'):].replace('_', ' ')}"
+        return f"gap closed, {name[len('gap_closed_') :].replace('_', ' ')}"
     return name.replace("_", " ")
 
 
@@ -124,9 +135,9 @@ def _interval(name: str) -> tuple[str, str] | None:
 def _task_dataset(base: str, calibration: dict) -> tuple[str, str | None, str] | None:
     """(Hub dataset id, config, split) an evaluation task read, or None for local or synthetic data:
     'hellaswag', 'ppl:lambada/64', 'ppl:calibration:NAME/64' (a calibration set with an hf: source)."""
-    name = base[len("ppl:"):].rsplit("/", 1)[0] if base.startswith("ppl:") else base
+    name = base[len("ppl:") :].rsplit("/", 1)[0] if base.startswith("ppl:") else base
     if name.startswith("calibration:"):
-        return calibration_dataset(calibration) if name[len("calibration:"):] == calibration.get("name") else None
+        return calibration_dataset(calibration) if name[len("calibration:") :] == calibration.get("name") else None
     return _TASK_DATASETS.get(name)
 
 
@@ -146,21 +157,32 @@ def evaluation_results(evaluations: dict, calibration: dict) -> list:
             continue
         seen.add(key)
         label = _labelled(name, variant)
-        results.append(EvalResult(
-            task_type="kv-cache-transfer", task_name=f"KV-cache transfer: {base}", dataset_type=dataset[0],
-            dataset_name=base, dataset_config=dataset[1], dataset_split=dataset[2], metric_type=name,
-            metric_name=label, metric_value=metric["value"],
-            metric_config=None if _variant_free(name) else variant,
-            metric_args={"variant": None if _variant_free(name) else variant, "n": metric.get("n")},
-        ))
+        results.append(
+            EvalResult(
+                task_type="kv-cache-transfer",
+                task_name=f"KV-cache transfer: {base}",
+                dataset_type=dataset[0],
+                dataset_name=base,
+                dataset_config=dataset[1],
+                dataset_split=dataset[2],
+                metric_type=name,
+                metric_name=label,
+                metric_value=metric["value"],
+                metric_config=None if _variant_free(name) else variant,
+                metric_args={"variant": None if _variant_free(name) else variant, "n": metric.get("n")},
+            )
+        )
     return results
 
 
 def evaluations_table(measurements: dict) -> str:
     """Every stored `kvhub eval` metric (tasks, perplexity, long context, their controls), with its 95%
     interval when one was stored, per task and recompute variant."""
-    bounds = {(task, *_interval(name)): m["value"] for (split, task, name), m in measurements.items()
-              if split == "eval" and _interval(name) is not None}
+    bounds = {
+        (task, *_interval(name)): m["value"]
+        for (split, task, name), m in measurements.items()
+        if split == "eval" and _interval(name) is not None
+    }
     lines, seen = [], set()
     for (split, task, name), m in sorted(measurements.items()):
         if split != "eval" or _interval(name) is not None or name in _COUNTS:
@@ -172,13 +194,18 @@ def evaluations_table(measurements: dict) -> str:
             seen.add((base, name))
         low, high = bounds.get((task, name, "low")), bounds.get((task, name, "high"))
         interval = f"[{fmt(low)}, {fmt(high)}]" if low is not None and high is not None else "-"
-        lines.append(f"| {base} | {'-' if _variant_free(name) else variant} | {metric_label(name)} | {fmt(m['value'])} "
-                     f"| {interval} | {fmt(m.get('n'))} |")
+        lines.append(
+            f"| {base} | {'-' if _variant_free(name) else variant} | {metric_label(name)} | {fmt(m['value'])} "
+            f"| {interval} | {fmt(m.get('n'))} |"
+        )
     if not lines:
         return ""
-    return ("\nEvaluations (`kvhub eval`; variant = what the target recomputes exactly, - where it does not "
-            "matter):\n\n| task | variant | metric | value | 95% CI | n |\n| --- | --- | --- | --- | --- | --- |\n"
-            + "\n".join(lines) + "\n")
+    return (
+        "\nEvaluations (`kvhub eval`; variant = what the target recomputes exactly, - where it does not "
+        "matter):\n\n| task | variant | metric | value | 95% CI | n |\n| --- | --- | --- | --- | --- | --- |\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def _bench_order(task: str) -> tuple:
@@ -200,8 +227,13 @@ def bench_section(measurements: dict) -> str:
     for task, values in sorted(runs.items(), key=lambda item: _bench_order(item[0])):
         where, _, variant = task.partition("@")
         _, device, dtype, tokens = (where.split(":") + ["", "", "", ""])[:4]
-        lines.append(f"| {device} | {dtype} | {tokens} | {variant or 'map alone'} | "
-                     + " | ".join(fmt(values.get(name)) for name in _BENCH_METRICS) + " |")
-    return ("## Speed\n\nMapping the source's cache vs the target re-reading the context (`kvhub bench`, medians):\n\n"
-            "| device | dtype | context tokens | recomputed (variant) | transfer s | re-prefill s | speedup | TTFT speedup |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(lines) + "\n")
+        lines.append(
+            f"| {device} | {dtype} | {tokens} | {variant or 'map alone'} | "
+            + " | ".join(fmt(values.get(name)) for name in _BENCH_METRICS)
+            + " |"
+        )
+    return (
+        "## Speed\n\nMapping the source's cache vs the target re-reading the context (`kvhub bench`, medians):\n\n"
+        "| device | dtype | context tokens | recomputed (variant) | transfer s | re-prefill s | speedup | TTFT speedup |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(lines) + "\n"
+    )

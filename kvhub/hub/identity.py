@@ -52,18 +52,22 @@ def base_models(metadata: dict, override: tuple[str, str] | None = None) -> tupl
     if override is not None:
         bad = [name for name in override if not is_hub_id(name)]
         if bad:
-            raise ConfigError(f"base model {bad[0]!r} is not a Hub model id; write OWNER/NAME, e.g. "
-                              "Qwen/Qwen2.5-Coder-0.5B-Instruct")
+            raise ConfigError(
+                f"base model {bad[0]!r} is not a Hub model id; write OWNER/NAME, e.g. Qwen/Qwen2.5-Coder-0.5B-Instruct"
+            )
         return override[0], override[1]
     ids = []
     for role in ("source", "target"):
         model_id = metadata[role]["model_id"]
         hub_id = model_id if is_hub_id(model_id) else _known_hub_id(model_id)
         if hub_id is None:
-            what = (f"the {role} model is the local path {model_id}, which is no known model and must not be "
-                    "published; name the Hub ids it was downloaded from")
-            raise BaseModelError(f"{what}: base_model=(SRC_ID, DST_ID)",
-                                 option_text=f"{what}: --base-model SRC_ID,DST_ID")
+            what = (
+                f"the {role} model is the local path {model_id}, which is no known model and must not be "
+                "published; name the Hub ids it was downloaded from"
+            )
+            raise BaseModelError(
+                f"{what}: base_model=(SRC_ID, DST_ID)", option_text=f"{what}: --base-model SRC_ID,DST_ID"
+            )
         ids.append(hub_id)
     return ids[0], ids[1]
 
@@ -93,7 +97,7 @@ def _public_source(source):
     """'path:/home/ann/corpus (40 documents)' -> 'path:corpus (40 documents)'; other kinds unchanged."""
     if not (isinstance(source, str) and source.startswith("path:")):
         return source
-    return "path:" + _DIRECTORY_PREFIX.sub("", source[len("path:"):])
+    return "path:" + _DIRECTORY_PREFIX.sub("", source[len("path:") :])
 
 
 def _replace_strings(obj, renamed: dict[str, str]):

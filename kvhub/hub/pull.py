@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING
 
 from kvhub import __version__
 from kvhub.artifact import (
-    CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, TENSORS_FILE, copy_regular, is_figure_name, parse_metadata_bytes,
+    CARD_FILE,
+    FIGURE_SUFFIXES,
+    METADATA_FILE,
+    TENSORS_FILE,
+    copy_regular,
+    is_figure_name,
+    parse_metadata_bytes,
 )
 from kvhub.errors import (
     ArtifactError,
@@ -52,9 +58,18 @@ class PullResult:
     alias: str | None = None  # ``hub-vN`` when the store numbers the version differently from the Hub
 
 
-def pull(store, repo: str, *, revision: str | None = None, token: str | None = None, source: str | None = None,
-         target: str | None = None, calibration: str | None = None, cache_dir: str | os.PathLike | None = None,
-         local_files_only: bool = False) -> PullResult:
+def pull(
+    store,
+    repo: str,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    source: str | None = None,
+    target: str | None = None,
+    calibration: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+) -> PullResult:
     """Download ``repo`` ('owner/name[@revision]'), verify it, and register it with its provenance.
 
     Verification (format version, sha256, fingerprints; and when given, the source/target model and
@@ -75,12 +90,16 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             snapshot = Path(_snapshot(settings, repo_id, revision, token))
         except RevisionNotFoundError:
             hint = _refs_hint(settings, repo_id, token)
-            raise HubRevisionNotFoundError(f"{repo_id} has no revision {revision!r}{hint}", repo_id=repo_id,
-                                           revision=revision) from None
+            raise HubRevisionNotFoundError(
+                f"{repo_id} has no revision {revision!r}{hint}", repo_id=repo_id, revision=revision
+            ) from None
         commit = snapshot.name
         if not os.path.lexists(snapshot / METADATA_FILE):
-            raise HubRepoNotFoundError(f"{repo_id}@{revision} has no {METADATA_FILE}: it is not a kvhub mapper "
-                                       "repository", repo_id=repo_id, revision=revision)
+            raise HubRepoNotFoundError(
+                f"{repo_id}@{revision} has no {METADATA_FILE}: it is not a kvhub mapper repository",
+                repo_id=repo_id,
+                revision=revision,
+            )
         label = revision if settings.offline else _best_label(settings, repo_id, revision, commit, token)
         _remember_tag(snapshot, label, commit)
     with store.staging(prefix="pull-") as tmp:  # in the store's .tmp: gc removes what a kill leaves
@@ -94,11 +113,12 @@ def pull(store, repo: str, *, revision: str | None = None, token: str | None = N
             raise
         except ArtifactError as exc:  # bad bytes: drop them so the next pull downloads afresh
             _purge_cached_snapshot(snapshot)
-            raise type(exc)(f"pull {repo_id}@{revision} (commit {commit[:12]}) refused: {exc}. The download was "
-                            "removed from the cache and nothing was registered; run the same `kvhub pull` again, "
-                            "and if it fails again the files on the Hub are damaged") from None
-        version, already, alias = _register(store, staged, metadata, repo_id=repo_id, revision=label,
-                                            commit=commit)
+            raise type(exc)(
+                f"pull {repo_id}@{revision} (commit {commit[:12]}) refused: {exc}. The download was "
+                "removed from the cache and nothing was registered; run the same `kvhub pull` again, "
+                "and if it fails again the files on the Hub are damaged"
+            ) from None
+        version, already, alias = _register(store, staged, metadata, repo_id=repo_id, revision=label, commit=commit)
     if not any(p["repo_id"] == repo_id and p["commit_sha"] == commit for p in store.publications(version)):
         store.add_publication(version, repo_id, label, commit)
     return PullResult(version, repo_id, label, commit, already_registered=already, metadata=metadata, alias=alias)
@@ -109,9 +129,15 @@ def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | N
     from huggingface_hub import snapshot_download
 
     return snapshot_download(
-        repo_id, revision=revision, allow_patterns=_PULL_PATTERNS, cache_dir=settings.cache_dir,
-        endpoint=settings.endpoint, token=token, local_files_only=settings.offline,
-        library_name="kvhub", library_version=__version__,
+        repo_id,
+        revision=revision,
+        allow_patterns=_PULL_PATTERNS,
+        cache_dir=settings.cache_dir,
+        endpoint=settings.endpoint,
+        token=token,
+        local_files_only=settings.offline,
+        library_name="kvhub",
+        library_version=__version__,
     )
 
 
@@ -130,8 +156,9 @@ def _best_label(settings: HubSettings, repo_id: str, revision: str, commit: str,
     if tag_number(revision) is not None:
         return revision
     refs = _api(settings, token).list_repo_refs(repo_id)
-    tags = sorted((r.name for r in refs.tags if r.target_commit == commit and tag_number(r.name) is not None),
-                  key=tag_number)
+    tags = sorted(
+        (r.name for r in refs.tags if r.target_commit == commit and tag_number(r.name) is not None), key=tag_number
+    )
     return tags[-1] if tags else revision
 
 
@@ -167,8 +194,11 @@ def _stage(snapshot: Path, staged: Path) -> None:
     staged.mkdir()
     shown = _card_images(snapshot / CARD_FILE)
     for path in sorted(snapshot.iterdir()):
-        if (path.name in (METADATA_FILE, CARD_FILE) or path.name.endswith(".safetensors")
-                or (is_figure_name(path.name) and path.name in shown)):
+        if (
+            path.name in (METADATA_FILE, CARD_FILE)
+            or path.name.endswith(".safetensors")
+            or (is_figure_name(path.name) and path.name in shown)
+        ):
             copy_regular(_cached_blob(snapshot, path), staged / path.name)
 
 
@@ -215,8 +245,10 @@ def _cached_blob(snapshot: Path, path: Path) -> Path:
     blob = path.resolve()
     blobs = (snapshot.parent.parent / "blobs").resolve()
     if blob.parent != blobs:
-        raise IntegrityError(f"{path} links outside the Hugging Face cache's blobs ({blob}); the cache was "
-                             "tampered with: delete it (`hf cache delete`) and pull again")
+        raise IntegrityError(
+            f"{path} links outside the Hugging Face cache's blobs ({blob}); the cache was "
+            "tampered with: delete it (`hf cache delete`) and pull again"
+        )
     return blob
 
 
@@ -225,9 +257,19 @@ def configured_namespaces() -> list[str]:
     return [ns.strip() for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns.strip()]
 
 
-def load_from_hub(store, source: str, target: str, *, calibration: str | None = None, version: int | None = None,
-                  hub_repo: str | None = None, token: str | None = None, revision: str | None = None,
-                  cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> PullResult:
+def load_from_hub(
+    store,
+    source: str,
+    target: str,
+    *,
+    calibration: str | None = None,
+    version: int | None = None,
+    hub_repo: str | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+) -> PullResult:
     """Find a mapper for (source, target[, calibration]) on the Hub, pull it, register it.
 
     Where it looks: ``hub_repo`` ('owner/name[@revision]') if given, else every namespace in
@@ -237,36 +279,53 @@ def load_from_hub(store, source: str, target: str, *, calibration: str | None = 
     :func:`pull`.  Raises NotFoundError (naming what was searched) when nothing matches.
     """
     wanted_rev = revision or (f"v{version}" if version is not None else None)
-    fetch = dict(token=token, source=source, target=target, calibration=calibration, cache_dir=cache_dir,
-                 local_files_only=local_files_only)
+    fetch = dict(
+        token=token,
+        source=source,
+        target=target,
+        calibration=calibration,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
     if hub_repo is not None:
         repo_id, in_ref = parse_repo_ref(hub_repo)
         return pull(store, repo_id, revision=in_ref or wanted_rev, **fetch)
     namespaces = configured_namespaces()
     if not namespaces:
-        raise NotFoundError(f"no mapper for {source} -> {target} in the store, and no Hub source to try: pass "
-                            f"hub_repo='owner/name' or set {NAMESPACES_ENV}=owner1,owner2")
+        raise NotFoundError(
+            f"no mapper for {source} -> {target} in the store, and no Hub source to try: pass "
+            f"hub_repo='owner/name' or set {NAMESPACES_ENV}=owner1,owner2"
+        )
     settings = hub_settings(cache_dir=cache_dir, local_files_only=local_files_only)
-    candidates = (_cached_candidates(settings, namespaces, source, target, calibration, wanted_rev) if settings.offline
-                  else [m.repo_id for ns in namespaces
-                        for m in search(source=source, target=target, calibration=calibration, author=ns,
-                                        token=token)])
+    candidates = (
+        _cached_candidates(settings, namespaces, source, target, calibration, wanted_rev)
+        if settings.offline
+        else [
+            m.repo_id
+            for ns in namespaces
+            for m in search(source=source, target=target, calibration=calibration, author=ns, token=token)
+        ]
+    )
     for repo_id in candidates:
         try:
             return pull(store, repo_id, revision=wanted_rev, **fetch)
         except (HubRevisionNotFoundError, IncompatibleError) as exc:
             logger.info("skipping %s: %s", repo_id, exc)
     where = "the local Hugging Face cache" if settings.offline else "the Hub"
-    raise NotFoundError(f"no mapper for {source} -> {target}"
-                        f"{f' ({calibration})' if calibration else ''}{f' {wanted_rev}' if wanted_rev else ''} "
-                        f"in the store or in {where} under {', '.join(namespaces)}; fit one with `kvhub fit`")
+    raise NotFoundError(
+        f"no mapper for {source} -> {target}"
+        f"{f' ({calibration})' if calibration else ''}{f' {wanted_rev}' if wanted_rev else ''} "
+        f"in the store or in {where} under {', '.join(namespaces)}; fit one with `kvhub fit`"
+    )
 
 
 def _check_calibration(repo_id: str, metadata: dict, calibration: str | None) -> None:
     have = (metadata.get("calibration") or {}).get("name")
     if calibration is not None and (have or "").lower() != calibration.lower():
-        raise IncompatibleError(f"{repo_id} was calibrated on {have!r}, not {calibration!r}; "
-                                "pass the repository that holds that calibration set")
+        raise IncompatibleError(
+            f"{repo_id} was calibrated on {have!r}, not {calibration!r}; "
+            "pass the repository that holds that calibration set"
+        )
 
 
 def _check_card(repo_id: str, staged: Path, metadata: dict) -> None:
@@ -279,13 +338,23 @@ def _check_card(repo_id: str, staged: Path, metadata: dict) -> None:
     block = read_front_matter((staged / CARD_FILE).read_text(encoding="utf-8", errors="replace")).get("kvhub")
     claimed = block.get("tensors_sha256") if isinstance(block, dict) else None
     if claimed is not None and claimed != metadata["tensors"]["sha256"]:
-        logger.warning("%s: README.md describes tensors %s, but mapper.json (verified) holds %s; the card is stale "
-                       "or misleading, trust `kvhub show` of the pulled version", repo_id, str(claimed)[:12],
-                       metadata["tensors"]["sha256"][:12])
+        logger.warning(
+            "%s: README.md describes tensors %s, but mapper.json (verified) holds %s; the card is stale "
+            "or misleading, trust `kvhub show` of the pulled version",
+            repo_id,
+            str(claimed)[:12],
+            metadata["tensors"]["sha256"][:12],
+        )
 
 
-def _cached_candidates(settings: HubSettings, namespaces: list[str], source: str, target: str,
-                       calibration: str | None, revision: str | None) -> list[str]:
+def _cached_candidates(
+    settings: HubSettings,
+    namespaces: list[str],
+    source: str,
+    target: str,
+    calibration: str | None,
+    revision: str | None,
+) -> list[str]:
     """Repositories of ``namespaces`` whose cached snapshot at ``revision`` (default main) matches the pair."""
     found = []
     for ns in namespaces:
@@ -301,5 +370,5 @@ def _cached_candidates(settings: HubSettings, namespaces: list[str], source: str
                 continue
             src, dst, calib = series_key(metadata)
             if same_model(src, source) and same_model(dst, target) and calibration in (None, calib):
-                found.append(folder.name[len("models--"):].replace("--", "/", 1))
+                found.append(folder.name[len("models--") :].replace("--", "/", 1))
     return found

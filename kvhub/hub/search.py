@@ -27,13 +27,19 @@ class HubMapper:
     last_modified: str | None = None
 
 
-def search(*, source: str | None = None, target: str | None = None, calibration: str | None = None,
-           author: str | None = None, token: str | None = None, limit: int = 100) -> list[HubMapper]:
+def search(
+    *,
+    source: str | None = None,
+    target: str | None = None,
+    calibration: str | None = None,
+    author: str | None = None,
+    token: str | None = None,
+    limit: int = 100,
+) -> list[HubMapper]:
     """Mappers on the Hub (library_name kvhub) for a model pair, newest first; filters are optional."""
     settings = hub_settings()
     if settings.offline:
-        raise HubOfflineError("search: HF_HUB_OFFLINE=1 and searching needs the Hub; unset it and retry",
-                              repo_id=None)
+        raise HubOfflineError("search: HF_HUB_OFFLINE=1 and searching needs the Hub; unset it and retry", repo_id=None)
     filters = ["kvhub", *(f"base_model:{m}" for m in (source, target) if m and "/" in m)]  # Hub tags: full ids
     found = []
     with hub_errors("search", repo_id=author or "the Hub", token=token, settings=settings):
@@ -66,9 +72,15 @@ def _from_card(info, card: dict) -> HubMapper | None:
     k = block.get("k") if isinstance(block.get("k"), (int, str, type(None))) else None
     numbers = {str(n): v for n, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return HubMapper(
-        repo_id=info.id, source=source, target=target, calibration=calibration.get("name"),
-        version=block.get("version"), k=k, metrics=numbers,
-        private=bool(info.private), last_modified=info.last_modified.isoformat() if info.last_modified else None,
+        repo_id=info.id,
+        source=source,
+        target=target,
+        calibration=calibration.get("name"),
+        version=block.get("version"),
+        k=k,
+        metrics=numbers,
+        private=bool(info.private),
+        last_modified=info.last_modified.isoformat() if info.last_modified else None,
     )
 
 
@@ -82,8 +94,8 @@ def _skip(info, why: str) -> None:
 
 
 def _matches(mapper: HubMapper, source: str | None, target: str | None, calibration: str | None) -> bool:
-    return ((source is None or same_model(mapper.source, source))
-            and (target is None or same_model(mapper.target, target))
-            and (calibration is None or (mapper.calibration or "").lower() == calibration.lower()))
-
-
+    return (
+        (source is None or same_model(mapper.source, source))
+        and (target is None or same_model(mapper.target, target))
+        and (calibration is None or (mapper.calibration or "").lower() == calibration.lower())
+    )

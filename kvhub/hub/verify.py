@@ -18,8 +18,10 @@ def verify_artifact(directory: str | os.PathLike, *, source: str | None = None, 
     metadata = read_artifact(directory)
     for role, wanted in (("source", source), ("target", target)):
         if wanted is not None and not same_model(metadata[role]["model_id"], wanted):
-            raise IncompatibleError(f"{directory} maps {metadata['source']['model_id']} -> "
-                                    f"{metadata['target']['model_id']}, not the {role} {wanted} you asked for")
+            raise IncompatibleError(
+                f"{directory} maps {metadata['source']['model_id']} -> "
+                f"{metadata['target']['model_id']}, not the {role} {wanted} you asked for"
+            )
     return metadata
 
 

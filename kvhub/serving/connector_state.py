@@ -55,18 +55,28 @@ class ConnectorState:
     def event(self, event: str, request_id: str, **fields) -> None:
         self.counters[event] += 1
         if event == "fallback":
-            log.info("kvhub %s: request %s is prefilled normally: %s (%d fallbacks so far)", self.role_name,
-                     request_id, fields.get("reason"), self.counters[event])
+            log.info(
+                "kvhub %s: request %s is prefilled normally: %s (%d fallbacks so far)",
+                self.role_name,
+                request_id,
+                fields.get("reason"),
+                self.counters[event],
+            )
         if self.events_path:
-            line = json.dumps({"time": time.time(), "role": self.role_name, "event": event,
-                               "request_id": request_id, **fields})
+            line = json.dumps(
+                {"time": time.time(), "role": self.role_name, "event": event, "request_id": request_id, **fields}
+            )
             try:
                 with self._lock, open(self.events_path, "a") as f:
                     f.write(line + "\n")
             except OSError as exc:  # the events file is a log: losing a line never touches the request
                 if not self.counters["events_lost"]:
-                    log.warning("kvhub %s: cannot append to events_path %s (%s); events are lost until it is "
-                                "writable again", self.role_name, self.events_path, exc)
+                    log.warning(
+                        "kvhub %s: cannot append to events_path %s (%s); events are lost until it is writable again",
+                        self.role_name,
+                        self.events_path,
+                        exc,
+                    )
                 self.counters["events_lost"] += 1
 
     def isolation_key(self, request) -> str | None:

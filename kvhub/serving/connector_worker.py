@@ -75,8 +75,11 @@ class ConnectorWorker:
         recompute the spec's tokens over them (:mod:`kvhub.serving.engine_pass`), all before vLLM's forward
         pass, which computes [end, n).  Any failure: the blocks are reported for vLLM to prefill, visibly."""
         meta = self._metadata()
-        self._layers = {_layer_number(name): layer for name, layer in forward_context.no_compile_layers.items()
-                        if hasattr(layer, "kv_cache") and _LAYER_NUMBER.search(name)}
+        self._layers = {
+            _layer_number(name): layer
+            for name, layer in forward_context.no_compile_layers.items()
+            if hasattr(layer, "kv_cache") and _LAYER_NUMBER.search(name)
+        }
         for job in meta.loads:
             try:
                 report = self._load_job(job)
@@ -96,33 +99,45 @@ class ConnectorWorker:
             raise IncompatibleError("the stored source KV was evicted before it could be pinned")
         mapper = self._control_mapper() if job.control else state.mapper
         device = mapper.device
-        keys, values = state.kvstore.read(job.pin, token_ids=job.prompt_ids[:job.end], start=job.start, end=job.end,
-                                          device=device)
+        keys, values = state.kvstore.read(
+            job.pin, token_ids=job.prompt_ids[: job.end], start=job.start, end=job.end, device=device
+        )
         source = mapper.source
-        if len(keys) != source["num_layers"] or keys[0].shape[1:] != (source["num_kv_heads"], job.end - job.start,
-                                                                       source["head_dim"]):
-            raise IncompatibleError(f"stored KV of shape {len(keys)} x {tuple(keys[0].shape)} is not "
-                                    f"{source['model_id']}'s; check source_model on both engines")
+        if len(keys) != source["num_layers"] or keys[0].shape[1:] != (
+            source["num_kv_heads"],
+            job.end - job.start,
+            source["head_dim"],
+        ):
+            raise IncompatibleError(
+                f"stored KV of shape {len(keys)} x {tuple(keys[0].shape)} is not "
+                f"{source['model_id']}'s; check source_model on both engines"
+            )
         positions = torch.arange(job.start, job.end, device=device).unsqueeze(0)  # (1, T): absolute positions
         dtype = next(iter(self._layers.values())).kv_cache.dtype
         mapped = mapper.map_layers(keys, values, positions, dtype=dtype)
         if not all(bool(torch.isfinite(k).all() and torch.isfinite(v).all()) for k, v in mapped):
             raise IncompatibleError("the mapped KV holds Inf/NaN (damaged stored KV or mapper); not written")
-        slots = torch.tensor(job.slots[job.start:], dtype=torch.long)
+        slots = torch.tensor(job.slots[job.start :], dtype=torch.long)
         for m, (k, v) in enumerate(mapped):  # k, v: (1, H, T, D)
             self._write(m, k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
         state.event("mapped", job.request_id, tokens=job.end - job.start, control=job.control)
         state.event("written", job.request_id, layers=len(mapped))
         tokens = len(job.prompt_ids)
         none = torch.empty(0, dtype=torch.long)  # mapped only: the engine computes the tail [end, n) alone
-        report = {"mapped_tokens": job.end - job.start, "deshrink": state.mapper.deshrink,
-                  **load_counts(none, exact_positions(none, end=job.end, tokens=tokens), tokens=tokens)}
+        report = {
+            "mapped_tokens": job.end - job.start,
+            "deshrink": state.mapper.deshrink,
+            **load_counts(none, exact_positions(none, end=job.end, tokens=tokens), tokens=tokens),
+        }
         spec = job.recompute.capped(tokens - 1)
         if not (spec.exact_prefix > job.start or spec.selective):
             return report
         if self.engine is None:
-            state.event("recompute_skipped", job.request_id,
-                        reason=f"no model attached: run the engine with --worker-cls {WORKER_CLASS}")
+            state.event(
+                "recompute_skipped",
+                job.request_id,
+                reason=f"no model attached: run the engine with --worker-cls {WORKER_CLASS}",
+            )
             return {**report, "recompute_skipped": "no model attached"}
         return {**report, **self._recompute_job(job, spec)}
 
@@ -130,9 +145,13 @@ class ConnectorWorker:
         """Write (N, H, D) keys and values of layer ``number`` at ``slots`` (N,) with the backend's writer."""
         layer = self._layers[number]
         device = layer.kv_cache.device
-        layer.impl.do_kv_cache_update(layer, keys.to(device, layer.kv_cache.dtype).contiguous(),
-                                      values.to(device, layer.kv_cache.dtype).contiguous(), layer.kv_cache,
-                                      slots.to(device))
+        layer.impl.do_kv_cache_update(
+            layer,
+            keys.to(device, layer.kv_cache.dtype).contiguous(),
+            values.to(device, layer.kv_cache.dtype).contiguous(),
+            layer.kv_cache,
+            slots.to(device),
+        )
 
     def _recompute_job(self, job: LoadJob, spec: Recompute) -> dict:
         started = time.perf_counter()
@@ -146,17 +165,29 @@ class ConnectorWorker:
                 cache[number] = self._layout(layer, layer.kv_cache).gather(layer.kv_cache, slots)
             return cache[number]
 
-        done = recompute_request(self.engine, spec, prompt_ids=job.prompt_ids, start=job.start, end=job.end,
-                                 cached=cached, tokenizer=self._span_tokenizer())
+        done = recompute_request(
+            self.engine,
+            spec,
+            prompt_ids=job.prompt_ids,
+            start=job.start,
+            end=job.end,
+            cached=cached,
+            tokenizer=self._span_tokenizer(),
+        )
         slots = context_slots[done.positions]
         for number, (keys, values) in enumerate(done.fresh):
             if not bool(torch.isfinite(keys).all() and torch.isfinite(values).all()):
                 raise IncompatibleError(f"the recomputed KV of layer {number} holds Inf/NaN; not written")
             self._write(number, keys, values, slots)
         tokens = len(job.prompt_ids)
-        report = {"exact_prefix_tokens": done.prefix, "selected_tokens": done.selected,
-                  "prefill_tokens": tokens - job.end, **load_counts(done.positions, done.exact, tokens=tokens),
-                  "recompute_s": round(time.perf_counter() - started, 4), "recompute": spec.name()}
+        report = {
+            "exact_prefix_tokens": done.prefix,
+            "selected_tokens": done.selected,
+            "prefill_tokens": tokens - job.end,
+            **load_counts(done.positions, done.exact, tokens=tokens),
+            "recompute_s": round(time.perf_counter() - started, 4),
+            "recompute": spec.name(),
+        }
         self.state.event("recomputed", job.request_id, **report)
         return report
 
@@ -211,8 +242,13 @@ class ConnectorWorker:
                 if "error" in layers:
                     raise UnsupportedModelError(layers["error"])
                 ordered = [layers[l] for l in range(len(layers))]
-                state.kvstore.put(isolation_key=job.isolation_key, source_model=state.source_model,
-                                  token_ids=job.token_ids, keys=[k for k, _ in ordered], values=[v for _, v in ordered])
+                state.kvstore.put(
+                    isolation_key=job.isolation_key,
+                    source_model=state.source_model,
+                    token_ids=job.token_ids,
+                    keys=[k for k, _ in ordered],
+                    values=[v for _, v in ordered],
+                )
                 state.event("saved", job.request_id, tokens=len(job.token_ids))
             except Exception as exc:  # noqa: BLE001 - a failed save only costs a later cache miss
                 state.event("save_failed", job.request_id, reason=f"{type(exc).__name__}: {exc}")

@@ -60,8 +60,13 @@ def extend(target_model, cache, ids: torch.Tensor, positions: torch.Tensor) -> N
     allowed = torch.cat([to_cache, to_new], dim=1)  # (R, N + R)
     dtype = target_model.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    target_model.base_model(input_ids=ids.to(device), position_ids=positions[None], attention_mask=mask[None, None],
-                            use_cache=True, **cache_kwargs(target_model.base_model, cache))
+    target_model.base_model(
+        input_ids=ids.to(device),
+        position_ids=positions[None],
+        attention_mask=mask[None, None],
+        use_cache=True,
+        **cache_kwargs(target_model.base_model, cache),
+    )
     setattr(cache, _POSITIONS, torch.cat([cached.cpu(), positions.cpu()]))
 
 

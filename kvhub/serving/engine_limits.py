@@ -25,24 +25,35 @@ from kvhub.errors import ConfigError
 
 # vllm serve's flags that split one engine's model (and so its KV cache) over several ranks
 PARALLEL_FLAGS = {
-    "--tensor-parallel-size": "tensor", "-tp": "tensor",
-    "--pipeline-parallel-size": "pipeline", "-pp": "pipeline",
-    "--decode-context-parallel-size": "decode context", "-dcp": "decode context",
-    "--prefill-context-parallel-size": "prefill context", "-pcp": "prefill context",
+    "--tensor-parallel-size": "tensor",
+    "-tp": "tensor",
+    "--pipeline-parallel-size": "pipeline",
+    "-pp": "pipeline",
+    "--decode-context-parallel-size": "decode context",
+    "-dcp": "decode context",
+    "--prefill-context-parallel-size": "prefill context",
+    "-pcp": "prefill context",
 }
-PARALLEL_FIELDS = {"tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline",
-                   "decode_context_parallel_size": "decode context",
-                   "prefill_context_parallel_size": "prefill context"}
+PARALLEL_FIELDS = {
+    "tensor_parallel_size": "tensor",
+    "pipeline_parallel_size": "pipeline",
+    "decode_context_parallel_size": "decode context",
+    "prefill_context_parallel_size": "prefill context",
+}
 
-WHY_ONE_RANK = ("the kvhub connector needs each engine's KV cache on one rank: under tensor parallelism each "
-                "worker holds only its shard of the KV heads, and the connector neither gathers the source's "
-                "heads nor writes a per-rank slice of the mapped ones")
+WHY_ONE_RANK = (
+    "the kvhub connector needs each engine's KV cache on one rank: under tensor parallelism each "
+    "worker holds only its shard of the KV heads, and the connector neither gathers the source's "
+    "heads nor writes a per-rank slice of the mapped ones"
+)
 
 
 def parallel_refusal(kind: str, size: int, *, origin: str) -> ConfigError:
-    return ConfigError(f"{origin}: {kind} parallel size {size} is not supported; {WHY_ONE_RANK}. Serve each model "
-                       "on one GPU (a model too large for one GPU cannot be a kvhub cascade's engine yet), or run "
-                       "several single-GPU replicas (data parallelism) instead")
+    return ConfigError(
+        f"{origin}: {kind} parallel size {size} is not supported; {WHY_ONE_RANK}. Serve each model "
+        "on one GPU (a model too large for one GPU cannot be a kvhub cascade's engine yet), or run "
+        "several single-GPU replicas (data parallelism) instead"
+    )
 
 
 def check_parallel_args(args: Sequence[str]) -> None:

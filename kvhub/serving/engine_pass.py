@@ -44,9 +44,16 @@ class PassResult:
     attention: torch.Tensor | None
 
 
-def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                     cached_keys: torch.Tensor, cached_values: torch.Tensor, *, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cached_keys: torch.Tensor,
+    cached_values: torch.Tensor,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the pass's N tokens over the cache with their own K/V placed at ``positions``.
 
     query (N, H_q, D); key, value (N, H_kv, D); positions (N,) sorted, unique; cached_keys / cached_values
@@ -78,36 +85,47 @@ class EnginePass:
         layers = getattr(body, "layers", None)
         embed = getattr(body, "embed_input_ids", None) or getattr(body, "embed_tokens", None)
         if layers is None or embed is None:
-            raise UnsupportedModelError(f"{type(model).__name__} has no decoder layers / token embedding where "
-                                        "kvhub looks (model.layers, model.embed_input_ids); the recompute cannot run it")
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no decoder layers / token embedding where "
+                "kvhub looks (model.layers, model.embed_input_ids); the recompute cannot run it"
+            )
         start, end = getattr(body, "start_layer", 0), getattr(body, "end_layer", len(layers))
         if (start, end) != (0, len(layers)):
-            raise UnsupportedModelError("the recompute runs every decoder layer in one process: pipeline "
-                                        "parallelism is not supported")
+            raise UnsupportedModelError(
+                "the recompute runs every decoder layer in one process: pipeline parallelism is not supported"
+            )
         self.layers = list(layers)
         self.embed = embed
         for index, layer in enumerate(self.layers):
             attn = getattr(getattr(layer, "self_attn", None), "attn", None)
             if attn is None or not hasattr(attn, "num_heads"):
-                raise UnsupportedModelError(f"decoder layer {index} ({type(layer).__name__}) has no self_attn.attn; "
-                                            "the recompute supports Llama/Qwen2/Qwen3/Mistral-style layers")
+                raise UnsupportedModelError(
+                    f"decoder layer {index} ({type(layer).__name__}) has no self_attn.attn; "
+                    "the recompute supports Llama/Qwen2/Qwen3/Mistral-style layers"
+                )
             impl = getattr(attn, "impl", None)
             window = getattr(impl, "sliding_window", None)
-            if window not in (None, (-1, -1), -1) or getattr(impl, "logits_soft_cap", None) or \
-                    getattr(impl, "alibi_slopes", None) is not None:
-                raise UnsupportedModelError(f"attention layer {index} uses a sliding window, soft cap or ALiBi; the "
-                                            "recompute's masked pass is plain causal attention: use exact_budget=0")
+            if (
+                window not in (None, (-1, -1), -1)
+                or getattr(impl, "logits_soft_cap", None)
+                or getattr(impl, "alibi_slopes", None) is not None
+            ):
+                raise UnsupportedModelError(
+                    f"attention layer {index} uses a sliding window, soft cap or ALiBi; the "
+                    "recompute's masked pass is plain causal attention: use exact_budget=0"
+                )
 
     @torch.no_grad()
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, cached: ContextKV, *,
-            attention_rows: int = 0) -> PassResult:
+    def run(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, cached: ContextKV, *, attention_rows: int = 0
+    ) -> PassResult:
         """One pass of ``token_ids`` (N,) at ``positions`` (N,, sorted) over ``cached(layer)``; with
         ``attention_rows`` = Q > 0 also the attention of the last Q tokens on the cached positions."""
         fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
         attention = [None]
 
         def attend(index: int, attn):
-            scale = float(getattr(getattr(attn, "impl", None), "scale", None) or attn.head_size ** -0.5)
+            scale = float(getattr(getattr(attn, "impl", None), "scale", None) or attn.head_size**-0.5)
 
             def forward(query, key, value, *args, **kwargs):
                 n = query.shape[0]
@@ -118,7 +136,7 @@ class EnginePass:
                 out, probs = masked_attention(q, k, v, positions, keys, values, scale=scale)
                 fresh.append((k.clone(), v.clone()))
                 if attention_rows:
-                    rows = probs[:, -attention_rows:, :keys.shape[1]].mean(0)  # (Q, L): heads averaged
+                    rows = probs[:, -attention_rows:, : keys.shape[1]].mean(0)  # (Q, L): heads averaged
                     attention[0] = rows if attention[0] is None else attention[0] + rows
                 return out.reshape(n, -1).to(query.dtype)
 
@@ -170,12 +188,16 @@ def load_counts(recomputed: torch.Tensor, exact: torch.Tensor, *, tokens: int) -
     """A load's report for an n-token prompt (``tokens`` = n), counted from the positions themselves:
     ``recomputed_tokens`` by the masked pass (R), ``exact_tokens`` by the large model in all (:func:`exact_positions`)
     and ``exact_fraction``, their share of the n - 1 context positions, as kvhub.handoff's reports count them."""
-    return {"recomputed_tokens": int(recomputed.numel()), "exact_tokens": int(exact.numel()),
-            "exact_fraction": exact.numel() / max(1, tokens - 1)}
+    return {
+        "recomputed_tokens": int(recomputed.numel()),
+        "exact_tokens": int(exact.numel()),
+        "exact_fraction": exact.numel() / max(1, tokens - 1),
+    }
 
 
-def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start: int, end: int,
-                      cached: ContextKV, tokenizer=None) -> Recomputed:
+def recompute_request(
+    engine: EnginePass, spec, *, prompt_ids: list[int], start: int, end: int, cached: ContextKV, tokenizer=None
+) -> Recomputed:
     """The recompute of one request whose cache holds [0, end) (mapped from ``start`` on, the engine's own
     before it); the engine computes [end, n) itself afterwards.
 
@@ -208,8 +230,10 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
             return attention_scores(attention.float().cpu(), eligible, score=spec.score)
         if spec.select == "random":
             return random_scores(ids[:end])
-        raise UnsupportedModelError(f"select={spec.select!r} needs what only kvhub.handoff has; inside vLLM use "
-                                    "select=target (or random, the control)")
+        raise UnsupportedModelError(
+            f"select={spec.select!r} needs what only kvhub.handoff has; inside vLLM use "
+            "select=target (or random, the control)"
+        )
 
     selected = choose_spans(spec, ids[:end], budget, eligible=eligible, scores=scores, tokenizer=tokenizer)
     positions = torch.unique(torch.cat([prefix, selected]))
@@ -217,5 +241,10 @@ def recompute_request(engine: EnginePass, spec, *, prompt_ids: list[int], start:
     if positions.numel():
         device = cached(0)[0].device
         fresh = engine.run(ids[positions].to(device), positions.to(device), cached).fresh
-    return Recomputed(positions, prefix=prefix.numel(), selected=positions.numel() - prefix.numel(), fresh=fresh,
-                      exact=exact_positions(positions, end=end, tokens=tokens))
+    return Recomputed(
+        positions,
+        prefix=prefix.numel(),
+        selected=positions.numel() - prefix.numel(),
+        fresh=fresh,
+        exact=exact_positions(positions, end=end, tokens=tokens),
+    )

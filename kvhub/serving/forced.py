@@ -35,15 +35,20 @@ def forced_ids(params: SamplingParams) -> list[int] | None:
     if extra is None:
         return None
     if not isinstance(extra, dict):
-        raise ValueError(f"vllm_xargs must be a JSON object (like {{\"{FORCE_KEY}\": [id, ...]}}), got "
-                         f"{type(extra).__name__}")
+        raise ValueError(
+            f'vllm_xargs must be a JSON object (like {{"{FORCE_KEY}": [id, ...]}}), got {type(extra).__name__}'
+        )
     ids = extra.get(FORCE_KEY)
     if ids is None:
         return None
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                       and 0 <= i <= MAX_TOKEN_ID for i in ids):
-        raise ValueError(f"vllm_xargs.{FORCE_KEY} must be a non-empty list of token ids (integers from 0 to "
-                         f"{MAX_TOKEN_ID})")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in ids)
+    ):
+        raise ValueError(
+            f"vllm_xargs.{FORCE_KEY} must be a non-empty list of token ids (integers from 0 to {MAX_TOKEN_ID})"
+        )
     return ids
 
 
@@ -69,8 +74,13 @@ class ForcedTokens(AdapterLogitsProcessor):
         if self.vocab_size is not None and max(ids) >= self.vocab_size:
             # validate_params runs in the API server, which does not know the vocabulary; raising here, inside
             # the engine's step, would fail every request of the batch: this one is not forced, and says so
-            log.error("kvhub forced tokens: vllm_xargs.%s names id %d, beyond this model's vocabulary of %d; the "
-                      "request is generated without forcing", FORCE_KEY, max(ids), self.vocab_size)
+            log.error(
+                "kvhub forced tokens: vllm_xargs.%s names id %d, beyond this model's vocabulary of %d; the "
+                "request is generated without forcing",
+                FORCE_KEY,
+                max(ids),
+                self.vocab_size,
+            )
             return None
 
         def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -28,17 +28,29 @@ from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.core.fingerprint import kv_geometry
 from kvhub.core.layer_kinds import check_attention_layers
 from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
-from kvhub.serving.spec import (DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX,
-                               DEFAULT_SELECT)
-
+from kvhub.serving.spec import DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX, DEFAULT_SELECT
 
 
 # Config fields whose change changes a model's KV cache (or the context it encodes): check_models compares
 # them with the fingerprint's recorded config, wherever both configs have them.
 COMPATIBILITY_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "rms_norm_eps", "hidden_act",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "rms_norm_eps",
+    "hidden_act",
 )
 
 
@@ -86,8 +98,16 @@ def _check_config(side: str, fingerprint: dict, config) -> None:
 
 
 @torch.no_grad()
-def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *, recompute: Recompute | None = None,
-                  tokenizer=None, source_cache=None):
+def prepare_cache(
+    mapper,
+    source_model,
+    target_model,
+    input_ids: torch.Tensor,
+    *,
+    recompute: Recompute | None = None,
+    tokenizer=None,
+    source_cache=None,
+):
     """Target cache for input_ids[:, :-1]: mapped from the source, then the context tokens ``recompute``
     (a :class:`~kvhub.serving.spec.Recompute`; None: map only) names recomputed by the target itself over
     the mapped rest (:mod:`kvhub.serving.recompute`).
@@ -98,13 +118,28 @@ def prepare_cache(mapper, source_model, target_model, input_ids: torch.Tensor, *
     Returns a target DynamicCache of n-1 positions (:func:`prepare_cache_counted` also says which
     positions the target recomputed).
     """
-    return prepare_cache_counted(mapper, source_model, target_model, input_ids, recompute=recompute or Recompute(),
-                                 tokenizer=tokenizer, source_cache=source_cache)[0]
+    return prepare_cache_counted(
+        mapper,
+        source_model,
+        target_model,
+        input_ids,
+        recompute=recompute or Recompute(),
+        tokenizer=tokenizer,
+        source_cache=source_cache,
+    )[0]
 
 
 @torch.no_grad()
-def prepare_cache_counted(mapper, source_model, target_model, input_ids: torch.Tensor, *, recompute: Recompute,
-                          tokenizer=None, source_cache=None):
+def prepare_cache_counted(
+    mapper,
+    source_model,
+    target_model,
+    input_ids: torch.Tensor,
+    *,
+    recompute: Recompute,
+    tokenizer=None,
+    source_cache=None,
+):
     """(:func:`prepare_cache`'s cache, the context positions (sorted, long, on the CPU) the target recomputed
     exactly): what a report counts as recomputed, rather than what the spec asked for (whole spans are taken
     while they fit the budget, so a selection can hold fewer tokens)."""
@@ -124,14 +159,23 @@ def prepare_cache_counted(mapper, source_model, target_model, input_ids: torch.T
     source_cache = run_model(source_model, context) if source_cache is None else source_cache
     if mapper.windowed_target():
         if spec.selective:
-            raise ConfigError("selective recompute needs a target whose layers all keep the whole context; "
-                              f"{mapper.target['model_id']} has sliding-window layers: use exact_budget=0")
+            raise ConfigError(
+                "selective recompute needs a target whose layers all keep the whole context; "
+                f"{mapper.target['model_id']} has sliding-window layers: use exact_budget=0"
+            )
         cache = _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec)
         return cache, torch.cat([torch.arange(spec.exact_prefix), torch.arange(tokens - spec.exact_suffix, tokens)])
     whole = source_cache if source_cache.get_seq_length() == tokens else cropped(source_cache, tokens)
     cache = mapper.transfer(whole, dtype=target_model.dtype)
-    positions = recompute_set(spec, context=context, mapped_cache=cache, source_model=source_model,
-                              target_model=target_model, source_cache=source_cache, tokenizer=tokenizer)
+    positions = recompute_set(
+        spec,
+        context=context,
+        mapped_cache=cache,
+        source_model=source_model,
+        target_model=target_model,
+        source_cache=source_cache,
+        tokenizer=tokenizer,
+    )
     recompute_positions(target_model, cache, context, positions)
     return cache, positions.cpu()
 
@@ -144,24 +188,38 @@ def _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec: R
     mapped_end = tokens - spec.exact_suffix
     cache = mapper.transfer(cropped(source_cache, mapped_end), dtype=target_model.dtype)
     if spec.exact_prefix:
-        exact = run_model(target_model, context[:, :spec.exact_prefix])
+        exact = run_model(target_model, context[:, : spec.exact_prefix])
         for mapped, own in zip(cache.layers, exact.layers):
             if mapped.keys.shape[-2] == mapped_end:  # sliding layers past their window keep no prefix
-                mapped.keys[:, :, :spec.exact_prefix] = own.keys.to(mapped.keys.dtype)
-                mapped.values[:, :, :spec.exact_prefix] = own.values.to(mapped.values.dtype)
+                mapped.keys[:, :, : spec.exact_prefix] = own.keys.to(mapped.keys.dtype)
+                mapped.values[:, :, : spec.exact_prefix] = own.values.to(mapped.values.dtype)
     if spec.exact_suffix:
         device = next(target_model.parameters()).device
         positions = torch.arange(mapped_end, tokens, device=device).expand(context.shape[0], -1)
-        target_model.base_model(input_ids=context[:, mapped_end:].to(device), position_ids=positions,
-                                use_cache=True, **cache_kwargs(target_model.base_model, cache))
+        target_model.base_model(
+            input_ids=context[:, mapped_end:].to(device),
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(target_model.base_model, cache),
+        )
     return cache
 
 
 @torch.no_grad()
-def handoff(mapper, source_model, target_model, input_ids: torch.Tensor | None = None, *,
-            exact_prefix: int = DEFAULT_EXACT_PREFIX, exact_suffix: int = DEFAULT_EXACT_SUFFIX,
-            exact_budget: float | None = None, select: str = DEFAULT_SELECT, recompute: Recompute | None = None,
-            tokenizer=None, **generate_kwargs) -> torch.Tensor:
+def handoff(
+    mapper,
+    source_model,
+    target_model,
+    input_ids: torch.Tensor | None = None,
+    *,
+    exact_prefix: int = DEFAULT_EXACT_PREFIX,
+    exact_suffix: int = DEFAULT_EXACT_SUFFIX,
+    exact_budget: float | None = None,
+    select: str = DEFAULT_SELECT,
+    recompute: Recompute | None = None,
+    tokenizer=None,
+    **generate_kwargs,
+) -> torch.Tensor:
     """Generate with the target from a mapped cache; returns ``target_model.generate``'s output ids.
 
     input_ids: (B, n), no padding; what the tokenizer returns may be passed as is
@@ -183,30 +241,37 @@ def handoff(mapper, source_model, target_model, input_ids: torch.Tensor | None =
     if exact_budget is None:  # the default; a target with sliding-window layers cannot address positions
         exact_budget = 0.0 if mapper.windowed_target() else DEFAULT_EXACT_BUDGET
     spec = (recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)).capped(input_ids.shape[1] - 1)
-    rows = [input_ids[i:i + 1] for i in range(input_ids.shape[0])] if spec.selective else [input_ids]
-    caches = [prepare_cache(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer)
-              for row in rows]
+    rows = [input_ids[i : i + 1] for i in range(input_ids.shape[0])] if spec.selective else [input_ids]
+    caches = [
+        prepare_cache(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer) for row in rows
+    ]
     cache = caches[0] if len(caches) == 1 else _stacked(caches)
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     attention_mask = torch.ones_like(input_ids)
-    return target_model.generate(input_ids, attention_mask=attention_mask, **cache_kwargs(target_model, cache),
-                                 **generate_kwargs)
+    return target_model.generate(
+        input_ids, attention_mask=attention_mask, **cache_kwargs(target_model, cache), **generate_kwargs
+    )
 
 
 def _prompt_ids(input_ids, attention_mask) -> torch.Tensor:
     """The (B, n) prompt ids handoff takes, checked: TypeError for text or a missing prompt (naming what to
     pass), ConfigError for a mask that pads (the mapped cache has no padding positions)."""
     if not isinstance(input_ids, torch.Tensor):
-        got = ("text" if isinstance(input_ids, str) else "no input_ids" if input_ids is None
-               else type(input_ids).__name__)
-        raise TypeError(f"handoff takes token ids, got {got}: pass input_ids as a (batch, n) tensor, e.g. "
-                        "handoff(mapper, source, target, **tokenizer(text, return_tensors='pt'), max_new_tokens=32)")
+        got = (
+            "text" if isinstance(input_ids, str) else "no input_ids" if input_ids is None else type(input_ids).__name__
+        )
+        raise TypeError(
+            f"handoff takes token ids, got {got}: pass input_ids as a (batch, n) tensor, e.g. "
+            "handoff(mapper, source, target, **tokenizer(text, return_tensors='pt'), max_new_tokens=32)"
+        )
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if attention_mask is not None and not bool((torch.as_tensor(attention_mask) != 0).all()):
-        raise ConfigError("handoff takes unpadded prompts (its mapped cache has no padding positions), but the "
-                          "attention_mask pads some rows: hand off one prompt per call, or prompts of one length")
+        raise ConfigError(
+            "handoff takes unpadded prompts (its mapped cache has no padding positions), but the "
+            "attention_mask pads some rows: hand off one prompt per call, or prompts of one length"
+        )
     return input_ids
 
 
@@ -216,6 +281,9 @@ def _stacked(caches):
 
     out = DynamicCache()
     for index in range(len(caches[0].layers)):
-        out.update(torch.cat([c.layers[index].keys for c in caches]), torch.cat([c.layers[index].values for c in caches]),
-                   index)
+        out.update(
+            torch.cat([c.layers[index].keys for c in caches]),
+            torch.cat([c.layers[index].values for c in caches]),
+            index,
+        )
     return out

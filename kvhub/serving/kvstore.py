@@ -50,9 +50,23 @@ import torch
 
 from kvhub.errors import ConfigError, IncompatibleError, KVStoreError
 from kvhub.serving.kvstore_files import (
-    ENTRY_NAME, READ_NO_FOLLOW, atomic_write_bytes, check_layers, entry_layers, entry_tensors, is_real_dir,
-    names_entry_of, open_entry, probe_writable, read_index, read_regular_file, read_token_ids, scandir, token_tensor,
-    unlink_quietly, write_error,
+    ENTRY_NAME,
+    READ_NO_FOLLOW,
+    atomic_write_bytes,
+    check_layers,
+    entry_layers,
+    entry_tensors,
+    is_real_dir,
+    names_entry_of,
+    open_entry,
+    probe_writable,
+    read_index,
+    read_regular_file,
+    read_token_ids,
+    scandir,
+    token_tensor,
+    unlink_quietly,
+    write_error,
 )
 
 log = logging.getLogger(__name__)
@@ -146,7 +160,7 @@ class KVStore:
         state = hashlib.sha256(namespace.encode()).digest()
         hashes = []
         for start in range(0, len(data) - step + 1, step):
-            state = hashlib.sha256(state + data[start:start + step]).digest()
+            state = hashlib.sha256(state + data[start : start + step]).digest()
             hashes.append(state.hex()[:40])
         return hashes
 
@@ -164,8 +178,15 @@ class KVStore:
         return None
 
     # ---- writing -------------------------------------------------------------------------------
-    def put(self, *, isolation_key: str, source_model: str, token_ids: list[int],
-            keys: list[torch.Tensor], values: list[torch.Tensor]) -> Path | None:
+    def put(
+        self,
+        *,
+        isolation_key: str,
+        source_model: str,
+        token_ids: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> Path | None:
         """Store one prompt's KV: keys[l], values[l] (H, T, D) for T = len(token_ids), one pair per layer.
 
         Returns the entry, or None when the prompt is shorter than one chunk (nothing to index).
@@ -186,11 +207,16 @@ class KVStore:
             raise write_error(self.root, exc, "creating a namespace directory") from exc
         dirs = self._namespace_dirs(namespace)
         if dirs is None:
-            raise KVStoreError(f"KV store {self.root}: {directory} or a directory in it is not a plain directory "
-                               "(a symbolic link?); nothing stored; remove it, the next put recreates it")
+            raise KVStoreError(
+                f"KV store {self.root}: {directory} or a directory in it is not a plain directory "
+                "(a symbolic link?); nothing stored; remove it, the next put recreates it"
+            )
         entry = dirs[0] / f"{hashes[-1]}-{len(token_ids)}.safetensors"
-        self._write_entry(entry, entry_tensors(token_ids, keys, values),
-                          metadata={"source_model": source_model, "layers": str(len(keys))})
+        self._write_entry(
+            entry,
+            entry_tensors(token_ids, keys, values),
+            metadata={"source_model": source_model, "layers": str(len(keys))},
+        )
         try:
             for prefix in hashes:
                 atomic_write_bytes(dirs[1] / prefix, entry.name.encode())
@@ -311,8 +337,9 @@ class KVStore:
                 pass
 
     # ---- reading -------------------------------------------------------------------------------
-    def longest_prefix(self, *, isolation_key: str, source_model: str, token_ids: list[int],
-                       max_tokens: int | None = None) -> StoredPrefix | None:
+    def longest_prefix(
+        self, *, isolation_key: str, source_model: str, token_ids: list[int], max_tokens: int | None = None
+    ) -> StoredPrefix | None:
         """The longest chunk-aligned prefix of ``token_ids`` (at most ``max_tokens``) that is stored.
 
         Only entries of this (isolation key, source model) namespace are ever returned; a bad index
@@ -320,7 +347,7 @@ class KVStore:
         """
         namespace = self.namespace(isolation_key, source_model)
         if max_tokens is not None:
-            token_ids = token_ids[:max(0, _integer(max_tokens, "max_tokens"))]
+            token_ids = token_ids[: max(0, _integer(max_tokens, "max_tokens"))]
         hashes = self.prefix_hashes(namespace, token_ids)
         dirs = self._namespace_dirs(namespace) if hashes else None
         if dirs is None:
@@ -332,8 +359,12 @@ class KVStore:
             if name is None:
                 continue
             if not names_entry_of(name, count * self.chunk_tokens):
-                log.warning("KV store %s: index file %s names %r, not an entry of its namespace; removed",
-                            self.root, index, name[:100])
+                log.warning(
+                    "KV store %s: index file %s names %r, not an entry of its namespace; removed",
+                    self.root,
+                    index,
+                    name[:100],
+                )
                 unlink_quietly(index)
                 continue
             try:
@@ -382,9 +413,14 @@ class KVStore:
     def _is_entry_path(self, entry: Path) -> bool:
         """``entry`` is root/ns/<namespace>/entries/<entry name> with every directory a real one."""
         namespace = entry.parent.parent
-        return (bool(ENTRY_NAME.fullmatch(entry.name)) and entry.parent.name == "entries"
-                and bool(_NAMESPACE.fullmatch(namespace.name)) and namespace.parent == self.root / "ns"
-                and self._namespace_dirs(namespace.name) is not None and is_real_dir(self.root / "pins"))
+        return (
+            bool(ENTRY_NAME.fullmatch(entry.name))
+            and entry.parent.name == "entries"
+            and bool(_NAMESPACE.fullmatch(namespace.name))
+            and namespace.parent == self.root / "ns"
+            and self._namespace_dirs(namespace.name) is not None
+            and is_real_dir(self.root / "pins")
+        )
 
     @staticmethod
     def release(pin: str | os.PathLike) -> None:
@@ -396,8 +432,9 @@ class KVStore:
         path.unlink(missing_ok=True)
 
     @staticmethod
-    def read(entry: str | os.PathLike, *, token_ids: list[int], start: int, end: int,
-             device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def read(
+        entry: str | os.PathLike, *, token_ids: list[int], start: int, end: int, device: torch.device | str = "cpu"
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Rows [start, end) of every layer: keys[l], values[l] (1, H, end - start, D) on ``device``.
 
         ``token_ids`` are the prompt's first ``end`` (or more) tokens; the entry must hold exactly them
@@ -412,17 +449,19 @@ class KVStore:
             with open_entry(entry) as f:
                 stored = f.get_tensor("token_ids")
                 if stored.shape[0] < end or stored[:end].tolist() != list(token_ids[:end]):
-                    raise IncompatibleError(f"KV store entry {entry} does not hold the first {end} tokens of "
-                                            "this prompt")
+                    raise IncompatibleError(
+                        f"KV store entry {entry} does not hold the first {end} tokens of this prompt"
+                    )
                 layers = entry_layers(f)
                 keys = [f.get_slice(f"keys.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
-                values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device)
-                          for l in range(layers)]
+                values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
         except (IncompatibleError, FileNotFoundError):
             raise
         except Exception as exc:  # safetensors, int() and torch errors of a foreign file
-            raise IncompatibleError(f"KV store entry {entry} is damaged or not a kvhub entry "
-                                    f"({type(exc).__name__}: {exc}); delete it, the store is only a cache") from exc
+            raise IncompatibleError(
+                f"KV store entry {entry} is damaged or not a kvhub entry "
+                f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
+            ) from exc
         return keys, values
 
     def total_bytes(self) -> int:

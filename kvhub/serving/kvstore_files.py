@@ -56,20 +56,25 @@ def check_layers(keys, values, tokens: int) -> None:
     if not isinstance(keys, (list, tuple)) or not isinstance(values, (list, tuple)):
         raise IncompatibleError("keys and values must be lists of tensors, one per layer")
     if len(keys) != len(values) or not keys:
-        raise IncompatibleError(f"{len(keys)} layers of keys but {len(values)} layers of values; pass one "
-                                "(keys, values) pair per layer, at least one")
+        raise IncompatibleError(
+            f"{len(keys)} layers of keys but {len(values)} layers of values; pass one "
+            "(keys, values) pair per layer, at least one"
+        )
     for index, (k, v) in enumerate(zip(keys, values)):
         if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            raise IncompatibleError(f"layer {index}: keys and values must be tensors, got "
-                                    f"{type(k).__name__} / {type(v).__name__}")
+            raise IncompatibleError(
+                f"layer {index}: keys and values must be tensors, got {type(k).__name__} / {type(v).__name__}"
+            )
         if k.dim() != 3 or k.shape != v.shape or k.shape[1] != tokens:
             raise IncompatibleError(
                 f"layer {index}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not cover "
                 f"{tokens} tokens as (heads, tokens, head_dim)"
             )
         if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
-            raise IncompatibleError(f"layer {index}: the keys or values hold Inf/NaN; a damaged prefill is not "
-                                    "stored (the load path would refuse it later anyway)")
+            raise IncompatibleError(
+                f"layer {index}: the keys or values hold Inf/NaN; a damaged prefill is not "
+                "stored (the load path would refuse it later anyway)"
+            )
 
 
 def entry_tensors(token_ids, keys, values) -> dict[str, torch.Tensor]:

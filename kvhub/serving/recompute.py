@@ -83,8 +83,15 @@ def budget_tokens(spec: Recompute, context_tokens: int) -> int:
     return round(spec.exact_budget * context_tokens)
 
 
-def choose_spans(spec: Recompute, ids: torch.Tensor, budget: int, *, eligible: torch.Tensor,
-                 scores: Callable[[], torch.Tensor], tokenizer=None) -> torch.Tensor:
+def choose_spans(
+    spec: Recompute,
+    ids: torch.Tensor,
+    budget: int,
+    *,
+    eligible: torch.Tensor,
+    scores: Callable[[], torch.Tensor],
+    tokenizer=None,
+) -> torch.Tensor:
     """S: the positions (sorted, long) of whole spans of ``ids`` (T,) taken by ``scores()`` (T,) under
     ``budget`` tokens among the ``eligible`` (T,) ones (:func:`select_spans`).  ``scores`` runs only when
     there is something to choose (its pass costs a forward)."""
@@ -93,8 +100,9 @@ def choose_spans(spec: Recompute, ids: torch.Tensor, budget: int, *, eligible: t
     return select_spans(scores(), spans_of(spec, ids, tokenizer), budget, eligible=eligible)
 
 
-def select_spans(scores: torch.Tensor, spans: torch.Tensor, budget_tokens: int, *,
-                 eligible: torch.Tensor) -> torch.Tensor:
+def select_spans(
+    scores: torch.Tensor, spans: torch.Tensor, budget_tokens: int, *, eligible: torch.Tensor
+) -> torch.Tensor:
     """Positions (sorted, long) of whole spans taken by descending best eligible score while they fit
     ``budget_tokens``.  scores, spans, eligible: (T,); ineligible tokens are never taken."""
     if budget_tokens <= 0 or not bool(eligible.any()):
@@ -124,8 +132,12 @@ def query_attention(model, context: torch.Tensor, cache, *, queries: int) -> tor
     device = next(model.parameters()).device
     positions = torch.arange(start, tokens, device=device).unsqueeze(0)
     with AttentionMass(model, per_query=True) as mass:
-        model.base_model(input_ids=context[:, start:].to(device), position_ids=positions, use_cache=True,
-                         **cache_kwargs(model.base_model, cache))
+        model.base_model(
+            input_ids=context[:, start:].to(device),
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(model.base_model, cache),
+        )
     return (mass.by_query[0] / mass.terms).float().cpu()  # (Q, T)
 
 
@@ -157,8 +169,12 @@ def first_layers_kv(model, context: torch.Tensor, layers: int = 1) -> list[tuple
     handle = model.base_model.layers[layers - 1].register_forward_hook(stop)
     try:
         positions = torch.arange(context.shape[1], device=device).unsqueeze(0)
-        model.base_model(input_ids=context.to(device), position_ids=positions, use_cache=True,
-                         **cache_kwargs(model.base_model, cache))
+        model.base_model(
+            input_ids=context.to(device),
+            position_ids=positions,
+            use_cache=True,
+            **cache_kwargs(model.base_model, cache),
+        )
     except _Stop:
         pass
     finally:
@@ -168,6 +184,7 @@ def first_layers_kv(model, context: torch.Tensor, layers: int = 1) -> list[tuple
 
 def deviation_scores(mapped_cache, exact_keys: torch.Tensor, exact_values: torch.Tensor) -> torch.Tensor:
     """(T,) relative squared error of the mapped layer-0 K and V against the exact ones, summed."""
+
     def rel(mapped, exact):
         mapped, exact = mapped[0].float(), exact[0].float().to(mapped.device)  # (H, T, D)
         error = (mapped - exact).pow(2).sum((0, 2))
@@ -186,8 +203,10 @@ def recompute_positions(target_model, cache, context: torch.Tensor, positions: t
     if positions.numel() == 0:
         return
     if any(getattr(layer, "sliding_window", None) for layer in cache.layers):
-        raise ConfigError("selective recompute needs full-attention cache layers; this target has sliding-window "
-                          "layers: use exact_budget=0 (map only) for it")
+        raise ConfigError(
+            "selective recompute needs full-attention cache layers; this target has sliding-window "
+            "layers: use exact_budget=0 (map only) for it"
+        )
     device = next(target_model.parameters()).device
     tokens, count = context.shape[1], positions.numel()
     positions = positions.to(device)
@@ -198,9 +217,13 @@ def recompute_positions(target_model, cache, context: torch.Tensor, positions: t
     allowed = torch.cat([to_cache, to_new], dim=1)  # (R, T + R)
     dtype = target_model.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    target_model.base_model(input_ids=context[:, positions.cpu()].to(device), position_ids=positions.unsqueeze(0),
-                            attention_mask=mask[None, None], use_cache=True,
-                            **cache_kwargs(target_model.base_model, cache))
+    target_model.base_model(
+        input_ids=context[:, positions.cpu()].to(device),
+        position_ids=positions.unsqueeze(0),
+        attention_mask=mask[None, None],
+        use_cache=True,
+        **cache_kwargs(target_model.base_model, cache),
+    )
     for layer in cache.layers:
         keys, values = layer.keys, layer.values  # (1, H, T + R, D)
         layer.keys = keys[:, :, :tokens].index_copy(2, positions, keys[:, :, tokens:])
@@ -209,8 +232,9 @@ def recompute_positions(target_model, cache, context: torch.Tensor, positions: t
 
 # ---- the whole step ------------------------------------------------------------------------------
 @torch.no_grad()
-def recompute_set(spec: Recompute, *, context: torch.Tensor, mapped_cache, source_model, target_model,
-                  source_cache, tokenizer=None) -> torch.Tensor:
+def recompute_set(
+    spec: Recompute, *, context: torch.Tensor, mapped_cache, source_model, target_model, source_cache, tokenizer=None
+) -> torch.Tensor:
     """Sorted positions R = prefix U selected spans U suffix of ``context`` (B, T) to recompute.
 
     ``mapped_cache``: the target cache mapped from the source (before any recompute);
@@ -224,15 +248,23 @@ def recompute_set(spec: Recompute, *, context: torch.Tensor, mapped_cache, sourc
     eligible[prefix], eligible[suffix] = False, False
     budget = budget_tokens(spec, tokens)
     if budget > 0 and bool(eligible.any()) and context.shape[0] != 1:
-        raise ConfigError("selective recompute (exact_budget > 0) chooses tokens per sequence: pass one "
-                          "sequence at a time (batch 1)")
-    selected = choose_spans(spec, context[0], budget, eligible=eligible, tokenizer=tokenizer, scores=lambda: _scores(
-        spec, context, mapped_cache, source_model, target_model, source_cache, eligible))
+        raise ConfigError(
+            "selective recompute (exact_budget > 0) chooses tokens per sequence: pass one sequence at a time (batch 1)"
+        )
+    selected = choose_spans(
+        spec,
+        context[0],
+        budget,
+        eligible=eligible,
+        tokenizer=tokenizer,
+        scores=lambda: _scores(spec, context, mapped_cache, source_model, target_model, source_cache, eligible),
+    )
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
-def _scores(spec: Recompute, context, mapped_cache, source_model, target_model, source_cache,
-            eligible: torch.Tensor) -> torch.Tensor:
+def _scores(
+    spec: Recompute, context, mapped_cache, source_model, target_model, source_cache, eligible: torch.Tensor
+) -> torch.Tensor:
     tokens = context.shape[1]
     queries = max(1, min(spec.queries, tokens - 1))
     if spec.select in ("source", "target"):
@@ -269,8 +301,10 @@ def cropped(cache, tokens: int):
     from transformers import DynamicCache
 
     if cache.get_seq_length() < tokens:
-        raise ConfigError(f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map; "
-                          "pass the source model's cache of the whole context (or source_cache=None)")
+        raise ConfigError(
+            f"the source cache holds {cache.get_seq_length()} positions, fewer than the {tokens} to map; "
+            "pass the source model's cache of the whole context (or source_cache=None)"
+        )
     out = DynamicCache()
     for index, layer in enumerate(cache.layers):
         out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], index)

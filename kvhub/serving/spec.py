@@ -86,13 +86,17 @@ class Recompute:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
             if key.strip() not in FIELDS or not value:
-                raise ConfigError(f"cannot read {part!r} in the recompute spec {text!r}; use e.g. "
-                                  "'exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=source'")
+                raise ConfigError(
+                    f"cannot read {part!r} in the recompute spec {text!r}; use e.g. "
+                    "'exact_prefix=4,exact_suffix=16,exact_budget=0.1,select=source'"
+                )
             values[key.strip()] = value.strip()
         return cls.from_options(values, base=base, origin=repr(text))
 
     @classmethod
-    def from_options(cls, options: dict, *, base: "Recompute | None" = None, origin: str = "the options") -> "Recompute":
+    def from_options(
+        cls, options: dict, *, base: "Recompute | None" = None, origin: str = "the options"
+    ) -> "Recompute":
         """``base`` (default: ``Recompute()``) with the spec fields found in ``options`` (numbers may be given as
         text, as in a config file); other keys are ignored.  ConfigError names the bad value."""
         values: dict[str, Any] = {}
@@ -122,8 +126,9 @@ def _field_value(key: str, kind: str, value, *, origin: str):
     try:
         number = int(value) if kind == "int" and not isinstance(value, float) else float(value)
     except ValueError:
-        raise ConfigError(f"{key} in {origin} must be {'a whole number' if kind == 'int' else 'a number'}, "
-                          f"got {value!r}") from None
+        raise ConfigError(
+            f"{key} in {origin} must be {'a whole number' if kind == 'int' else 'a number'}, got {value!r}"
+        ) from None
     if kind == "int":
         if isinstance(number, float):
             raise ConfigError(f"{key} in {origin} must be a whole number, got {value!r}")

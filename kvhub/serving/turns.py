@@ -16,14 +16,28 @@ from __future__ import annotations
 
 import torch
 
-from kvhub.serving.recompute import (attention_scores, budget_tokens, choose_spans, cropped, query_attention,
-                                     recompute_positions)
+from kvhub.serving.recompute import (
+    attention_scores,
+    budget_tokens,
+    choose_spans,
+    cropped,
+    query_attention,
+    recompute_positions,
+)
 from kvhub.serving.spec import Recompute
 
 
 @torch.no_grad()
-def next_turn_positions(spec: Recompute, *, ids: torch.Tensor, context_tokens: int, held: torch.Tensor,
-                        source_model, source_cache, tokenizer=None) -> torch.Tensor:
+def next_turn_positions(
+    spec: Recompute,
+    *,
+    ids: torch.Tensor,
+    context_tokens: int,
+    held: torch.Tensor,
+    source_model,
+    source_cache,
+    tokenizer=None,
+) -> torch.Tensor:
     """Context positions (sorted, long, CPU) to recompute for a new turn.
 
     ids: (1, N) the conversation so far minus the prompt's last token (N > context_tokens);
@@ -39,20 +53,43 @@ def next_turn_positions(spec: Recompute, *, ids: torch.Tensor, context_tokens: i
         attention = query_attention(source_model, ids, cropped(source_cache, tokens - queries), queries=queries)
         return attention_scores(attention[:, :context_tokens], eligible, score=spec.score)
 
-    return choose_spans(spec, ids[0, :context_tokens].cpu(), budget_tokens(spec, context_tokens), eligible=eligible,
-                        scores=scores, tokenizer=tokenizer)
+    return choose_spans(
+        spec,
+        ids[0, :context_tokens].cpu(),
+        budget_tokens(spec, context_tokens),
+        eligible=eligible,
+        scores=scores,
+        tokenizer=tokenizer,
+    )
 
 
 @torch.no_grad()
-def reselect_turn(target_model, cache, conversation: torch.Tensor, spec: Recompute, *, context_tokens: int,
-                  held: torch.Tensor, source_model, source_cache, tokenizer=None) -> torch.Tensor:
+def reselect_turn(
+    target_model,
+    cache,
+    conversation: torch.Tensor,
+    spec: Recompute,
+    *,
+    context_tokens: int,
+    held: torch.Tensor,
+    source_model,
+    source_cache,
+    tokenizer=None,
+) -> torch.Tensor:
     """Make the context spans a new turn points at exact in the target's ``cache`` (module docstring).
 
     conversation: (1, N) ids the cache covers (the escalated context, then the turns since); held: the
     context positions already exact; source_cache: the source's cache of at least conversation[:, :N - queries].
     Returns the positions recomputed (sorted, long, CPU); the caller adds them to ``held``.
     """
-    positions = next_turn_positions(spec, ids=conversation, context_tokens=context_tokens, held=held,
-                                    source_model=source_model, source_cache=source_cache, tokenizer=tokenizer)
+    positions = next_turn_positions(
+        spec,
+        ids=conversation,
+        context_tokens=context_tokens,
+        held=held,
+        source_model=source_model,
+        source_cache=source_cache,
+        tokenizer=tokenizer,
+    )
     recompute_positions(target_model, cache, conversation, positions)
     return positions

@@ -51,8 +51,14 @@ import logging
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvhub.errors import ConfigError
-from kvhub.serving.connector_config import (check_serving_spec, check_target, events_file, load_mapper, read_config,
-                                            worker_device)
+from kvhub.serving.connector_config import (
+    check_serving_spec,
+    check_target,
+    events_file,
+    load_mapper,
+    read_config,
+    worker_device,
+)
 from kvhub.serving.connector_scheduler import ConnectorScheduler
 from kvhub.serving.connector_state import ConnectorState
 from kvhub.serving.connector_worker import ConnectorWorker
@@ -75,13 +81,17 @@ class KVHubConnector(KVConnectorBase_V1):
             raise ConfigError(f"KVHubConnector runs as {' or '.join(ROLES.values())}, not {transfer.kv_role!r}")
         is_producer = transfer.kv_role == ROLES["producer"]
         self.state = ConnectorState(
-            role_name="producer" if is_producer else "consumer", block_size=vllm_config.cache_config.block_size,
-            recompute=config["recompute"], require_isolation_key=config["require_isolation_key"],
+            role_name="producer" if is_producer else "consumer",
+            block_size=vllm_config.cache_config.block_size,
+            recompute=config["recompute"],
+            require_isolation_key=config["require_isolation_key"],
             isolation_source=config["isolation_key_source"],
-            kvstore=KVStore(config["kvstore_dir"], max_bytes=config["kvstore_max_bytes"],
-                            chunk_tokens=config["chunk_tokens"]),
+            kvstore=KVStore(
+                config["kvstore_dir"], max_bytes=config["kvstore_max_bytes"], chunk_tokens=config["chunk_tokens"]
+            ),
             events_path=events_file(config.get("events_path")),
-            min_escalation_tokens=config.get("min_escalation_tokens", 0))
+            min_escalation_tokens=config.get("min_escalation_tokens", 0),
+        )
         if is_producer:
             self.state.source_model = config.get("source_model") or vllm_config.model_config.model
         else:
@@ -92,8 +102,9 @@ class KVHubConnector(KVConnectorBase_V1):
             self.connector_scheduler = ConnectorScheduler(self.state, lambda: self._kv_cache_manager)
         else:
             tokenizer = None if vllm_config.model_config.skip_tokenizer_init else vllm_config.model_config.tokenizer
-            self.connector_worker = ConnectorWorker(self.state, metadata=self._get_connector_metadata,
-                                                    tokenizer_name=tokenizer)
+            self.connector_worker = ConnectorWorker(
+                self.state, metadata=self._get_connector_metadata, tokenizer_name=tokenizer
+            )
 
     def _init_consumer(self, vllm_config, config: dict) -> None:
         state = self.state
@@ -108,8 +119,11 @@ class KVHubConnector(KVConnectorBase_V1):
             log.error("kvhub consumer disabled, every request falls back to prefill: %s", state.refusal)
         check_serving_spec(state.recompute, origin="kv_connector_extra_config")
         if vllm_config.kv_transfer_config.kv_load_failure_policy != LOAD_FAILURE_POLICY:
-            log.warning("kvhub consumer: set kv_load_failure_policy=%r so a failed map falls back to prefill instead "
-                        "of failing the request", LOAD_FAILURE_POLICY)
+            log.warning(
+                "kvhub consumer: set kv_load_failure_policy=%r so a failed map falls back to prefill instead "
+                "of failing the request",
+                LOAD_FAILURE_POLICY,
+            )
 
     @property
     def counters(self):

@@ -33,7 +33,9 @@ class KVHubWorker(_PlatformWorker):
         connector = get_kv_transfer_group()
         attach = getattr(connector, "attach_model", None)
         if attach is None:
-            log.warning("kvhub worker: the configured KV connector %s takes no model; nothing attached",
-                        type(connector).__name__)
+            log.warning(
+                "kvhub worker: the configured KV connector %s takes no model; nothing attached",
+                type(connector).__name__,
+            )
             return
         attach(self.get_model())

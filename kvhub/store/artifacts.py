@@ -111,8 +111,10 @@ def _open_lock(lock: Path) -> int:
 
 
 def _refused_entry(path: Path, what: str) -> StoreError:
-    return StoreError(f"{path} is {what}; the artifact store holds only real directories and files. Nothing was "
-                      f"read or deleted; remove it (`rm {path}`) and run the command again")
+    return StoreError(
+        f"{path} is {what}; the artifact store holds only real directories and files. Nothing was "
+        f"read or deleted; remove it (`rm {path}`) and run the command again"
+    )
 
 
 def _remove_tree(path: Path) -> None:
@@ -139,8 +141,10 @@ class ArtifactStore:
         """
         path = self._entry(location)
         if path.is_symlink():
-            raise StoreError(f"{path} is a symbolic link; the artifact store holds only real directories. "
-                             "Nothing was read or deleted; remove the version (`kvhub rm REF`) and re-import it")
+            raise StoreError(
+                f"{path} is a symbolic link; the artifact store holds only real directories. "
+                "Nothing was read or deleted; remove the version (`kvhub rm REF`) and re-import it"
+            )
         return path
 
     def _entry(self, location: str) -> Path:
@@ -150,12 +154,15 @@ class ArtifactStore:
             raise StoreError(
                 f"the store's database names the artifact location {location!r}, which is not a content address "
                 f"inside {self.root}; the row was edited by hand or by another program. Nothing was read or "
-                "deleted; remove the version (`kvhub rm REF`) and re-import or pull it")
+                "deleted; remove the version (`kvhub rm REF`) and re-import or pull it"
+            )
         path = self.root / location
         for parent in (self.root / OBJECTS_DIR, path.parent):
             if parent.is_symlink():
-                raise StoreError(f"{parent} is a symbolic link; the artifact store holds only real directories. "
-                                 "Nothing was read or deleted; replace the link by a directory")
+                raise StoreError(
+                    f"{parent} is a symbolic link; the artifact store holds only real directories. "
+                    "Nothing was read or deleted; replace the link by a directory"
+                )
         return path
 
     @staticmethod
@@ -172,9 +179,12 @@ class ArtifactStore:
         objects = self.root / OBJECTS_DIR
         if not objects.is_dir():
             return []
-        found = (f"{OBJECTS_DIR}/{prefix.name}/{entry.name}"
-                 for prefix in objects.iterdir() if prefix.is_dir() and not prefix.is_symlink()
-                 for entry in prefix.iterdir())
+        found = (
+            f"{OBJECTS_DIR}/{prefix.name}/{entry.name}"
+            for prefix in objects.iterdir()
+            if prefix.is_dir() and not prefix.is_symlink()
+            for entry in prefix.iterdir()
+        )
         return sorted(location for location in found if _LOCATION.fullmatch(location))
 
     def temporaries(self) -> list[Path]:
@@ -242,8 +252,9 @@ class ArtifactStore:
         except OSError as exc:
             if os.path.islink(lock):
                 raise _refused_entry(lock, "a symbolic link") from None
-            raise StoreError(f"cannot open the store's lock file {lock} ({exc.strerror}); check that the store "
-                             "directory is writable") from None
+            raise StoreError(
+                f"cannot open the store's lock file {lock} ({exc.strerror}); check that the store directory is writable"
+            ) from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise _refused_entry(lock, "not a regular file")
@@ -301,8 +312,10 @@ class ArtifactStore:
         except OSError as exc:
             if exc.errno not in _NO_SPACE:
                 raise
-            raise StoreError(f"no space left on {self.root}; nothing was stored. Free some space (`kvhub gc` "
-                             "removes unreferenced artifacts) and import again") from exc
+            raise StoreError(
+                f"no space left on {self.root}; nothing was stored. Free some space (`kvhub gc` "
+                "removes unreferenced artifacts) and import again"
+            ) from exc
         finally:
             if os.path.lexists(tmp):
                 _remove_tree(tmp)

@@ -12,8 +12,16 @@ def compare_versions(a: dict, b: dict, *, per_layer: bool) -> list[dict]:
     each target layer's sources and per-layer metrics.  ``delta`` is b - a where both are numbers."""
     left, right = _fields(a, per_layer), _fields(b, per_layer)
     names = list(left) + [name for name in right if name not in left]
-    return [{"field": name, "a": left.get(name), "b": right.get(name), "delta": _delta(left.get(name), right.get(name)),
-             "changed": left.get(name) != right.get(name)} for name in names]
+    return [
+        {
+            "field": name,
+            "a": left.get(name),
+            "b": right.get(name),
+            "delta": _delta(left.get(name), right.get(name)),
+            "changed": left.get(name) != right.get(name),
+        }
+        for name in names
+    ]
 
 
 def _delta(x, y):
@@ -25,13 +33,21 @@ def _fields(data: dict, per_layer: bool) -> dict:
     """{field: value} of one version as `kvhub diff` compares it (plain values, never formatted)."""
     calibration = data["calibration_set"]
     fields = {
-        "ref": data["ref"], "created": data["created_at"][:16], "aliases": ", ".join(data["aliases"]) or "-",
-        "source": data["source_model"]["name"], "target": data["target_model"]["name"],
-        "calibration": calibration["name"], "calibration text": corpus_hash(calibration.get("recipe")),
-        "calibration content": calibration["content_hash"], "calibration tokens": calibration["tokens"],
+        "ref": data["ref"],
+        "created": data["created_at"][:16],
+        "aliases": ", ".join(data["aliases"]) or "-",
+        "source": data["source_model"]["name"],
+        "target": data["target_model"]["name"],
+        "calibration": calibration["name"],
+        "calibration text": corpus_hash(calibration.get("recipe")),
+        "calibration content": calibration["content_hash"],
+        "calibration tokens": calibration["tokens"],
         **_calibration_size(calibration.get("recipe") or {}),
-        "k": shown(data["k"]), "lambda": shown(data["ridge_lambda"]), **_fit_block(data),
-        "tensors sha256": data["tensors_sha256"], "written by": f"kvhub {data['kvhub_version']}",
+        "k": shown(data["k"]),
+        "lambda": shown(data["ridge_lambda"]),
+        **_fit_block(data),
+        "tensors sha256": data["tensors_sha256"],
+        "written by": f"kvhub {data['kvhub_version']}",
     }
     for m in data["metrics"]:
         if m["layer"] is None or per_layer:
@@ -60,8 +76,10 @@ def _fit_block(data: dict) -> dict:
         block = read_metadata(Path(data["artifact_path"])).get("fit") or {}
     except (KVHubError, OSError, KeyError):
         return {}
-    return {f"fit {key.replace('_', ' ')}": value if not isinstance(value, (dict, list)) else str(value)
-            for key, value in sorted(block.items())}
+    return {
+        f"fit {key.replace('_', ' ')}": value if not isinstance(value, (dict, list)) else str(value)
+        for key, value in sorted(block.items())
+    }
 
 
 def _metric_label(metric: dict) -> str:

@@ -83,9 +83,11 @@ def full_folder(url: str, exc: DBAPIError) -> Path | None:
 
 
 def no_space_error(folder: Path) -> StoreError:
-    return StoreError(f"no space left on {folder}; nothing was written. Free some space there (`kvhub gc` "
-                      "removes unreferenced artifacts and leftovers of interrupted writes) and run the command "
-                      "again")
+    return StoreError(
+        f"no space left on {folder}; nothing was written. Free some space there (`kvhub gc` "
+        "removes unreferenced artifacts and leftovers of interrupted writes) and run the command "
+        "again"
+    )
 
 
 def out_of_space_folder(engine: Engine) -> Path | None:
@@ -100,8 +102,10 @@ def is_read_only(engine: Engine) -> bool:
 
 
 def read_only_error(url: str) -> StoreError:
-    return StoreError(f"the store at {display_url(url)} is read-only (no write permission, or a read-only mount): "
-                      "list, show and load work, this command writes; run it where the store is writable")
+    return StoreError(
+        f"the store at {display_url(url)} is read-only (no write permission, or a read-only mount): "
+        "list, show and load work, this command writes; run it where the store is writable"
+    )
 
 
 def _writable(path: Path) -> bool:
@@ -134,12 +138,16 @@ def _sqlite_engine(url: str, *, foreign_keys: bool, out_of_space: bool = False) 
     if path is not None and out_of_space:
         # SQLite cannot grow the -shm file, so no locking: a fresh connection each time reads the file as it is
         uri = f"file:{quote(str(path))}?mode=ro&immutable=1"
-        engine = create_engine(url, poolclass=NullPool, creator=lambda: sqlite3.connect(
-            uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False))
+        engine = create_engine(
+            url,
+            poolclass=NullPool,
+            creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False),
+        )
     elif path is not None and read_only:
         uri = _read_only_uri(path)
-        engine = create_engine(url, creator=lambda: sqlite3.connect(
-            uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False))
+        engine = create_engine(
+            url, creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False)
+        )
     else:
         if path is not None:
             try:

@@ -16,7 +16,11 @@ from sqlalchemy.orm import Session
 
 from kvhub import __version__
 from kvhub.artifact import (  # noqa: F401
-    METADATA_FILE, SUPPORTED_FORMAT_VERSIONS, json_sha256, read_metadata, verify_tensors,
+    METADATA_FILE,
+    SUPPORTED_FORMAT_VERSIONS,
+    json_sha256,
+    read_metadata,
+    verify_tensors,
 )
 from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
 from kvhub.store.artifacts import StoredArtifact
@@ -68,9 +72,11 @@ def check_storable(metadata: dict) -> None:
     """What the store needs beyond the format: a calibration-set name (its series key) and every field
     within its column's length."""
     if not metadata["calibration"].get("name"):
-        raise InvalidArtifactError(f"{METADATA_FILE} names no calibration set (calibration.name); the store files "
-                                   "versions under it: re-fit the mapper with a calibration set",
-                                   field="calibration.name")
+        raise InvalidArtifactError(
+            f"{METADATA_FILE} names no calibration set (calibration.name); the store files "
+            "versions under it: re-fit the mapper with a calibration set",
+            field="calibration.name",
+        )
     name = metadata["calibration"]["name"]
     try:
         check_calibration_name(name)
@@ -88,26 +94,36 @@ def check_lengths(metadata: dict) -> None:
     would refuse the row only after the artifact was copied; SQLite would keep it silently)."""
     fields = [("kvhub_version", metadata.get("kvhub_version"), VersionRow.kvhub_version)]
     for role in ("source", "target"):
-        for key, column in (("model_type", ModelRow.model_type), ("family", ModelRow.family),
-                            ("config_hash", ModelRow.config_hash), ("tokenizer_hash", ModelRow.tokenizer_hash)):
+        for key, column in (
+            ("model_type", ModelRow.model_type),
+            ("family", ModelRow.family),
+            ("config_hash", ModelRow.config_hash),
+            ("tokenizer_hash", ModelRow.tokenizer_hash),
+        ):
             fields.append((f"{role}.{key}", metadata[role].get(key), column))
     calibration = metadata["calibration"]
-    fields += [("calibration.version", calibration.get("version"), CalibrationSetRow.version),
-               ("calibration.content_hash", calibration.get("content_hash"), CalibrationSetRow.content_hash)]
+    fields += [
+        ("calibration.version", calibration.get("version"), CalibrationSetRow.version),
+        ("calibration.content_hash", calibration.get("content_hash"), CalibrationSetRow.content_hash),
+    ]
     fields += [(f"metrics.{m['name']}", m["name"], MetricRow.name) for m in metadata_metrics(metadata)]
     for name, value, column in fields:
         limit = _limit(column)
         if value is not None and limit is not None and len(str(value)) > limit:
             raise InvalidArtifactError(
                 f"{METADATA_FILE} field `{name}` is {len(str(value))} characters long; the store keeps at most "
-                f"{limit}: shorten it (nothing was stored)", field=name)
+                f"{limit}: shorten it (nothing was stored)",
+                field=name,
+            )
 
 
 # ---- get-or-create (a concurrent insert of the same row raises IntegrityError; the caller retries) ---
 def model_row(session: Session, fingerprint: dict) -> ModelRow:
     identity = _identity(
-        fingerprint["model_id"], fingerprint.get("revision"),
-        fingerprint["config_hash"], fingerprint.get("tokenizer_hash"),
+        fingerprint["model_id"],
+        fingerprint.get("revision"),
+        fingerprint["config_hash"],
+        fingerprint.get("tokenizer_hash"),
     )
     row = session.scalar(select(ModelRow).where(ModelRow.identity_sha256 == identity))
     if row is None:
@@ -198,8 +214,9 @@ def set_alias(session: Session, series_id: int, name: str, version_id: int) -> N
 
 
 # ---- the version row -----------------------------------------------------------------------------
-def insert_version(session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None,
-                   preferred_version: int | None = None) -> int:
+def insert_version(
+    session: Session, metadata: dict, stored: StoredArtifact, lineage: dict | None, preferred_version: int | None = None
+) -> int:
     """Insert the next version of the artifact's triple (numbered ``preferred_version`` when that is
     free, see :func:`next_version`) and its metrics, and point ``latest`` at the highest version; returns
     its id.
@@ -251,8 +268,12 @@ def map_kind_columns(metadata: dict) -> dict:
     settings = metadata.get("mlp") if kind == "mlp" else None
     if not isinstance(settings, dict):
         return {"map_kind": kind}
-    return {"map_kind": kind, "mlp_width": settings.get("width"), "mlp_depth": settings.get("depth"),
-            "mlp_losses": settings.get("losses")}
+    return {
+        "map_kind": kind,
+        "mlp_width": settings.get("width"),
+        "mlp_depth": settings.get("depth"),
+        "mlp_losses": settings.get("losses"),
+    }
 
 
 def check_same_text(session: Session, metadata: dict) -> None:
@@ -261,11 +282,18 @@ def check_same_text(session: Session, metadata: dict) -> None:
     new = corpus_hash(metadata["calibration"])
     if new is None:
         return
-    key = (SeriesRow.source_name == metadata["source"]["model_id"],
-           SeriesRow.target_name == metadata["target"]["model_id"],
-           SeriesRow.calibration_name == metadata["calibration"]["name"])
-    query = (select(VersionRow.version, CalibrationSetRow.recipe).join(VersionRow.series)
-             .join(VersionRow.calibration_set).where(*key).order_by(VersionRow.version))
+    key = (
+        SeriesRow.source_name == metadata["source"]["model_id"],
+        SeriesRow.target_name == metadata["target"]["model_id"],
+        SeriesRow.calibration_name == metadata["calibration"]["name"],
+    )
+    query = (
+        select(VersionRow.version, CalibrationSetRow.recipe)
+        .join(VersionRow.series)
+        .join(VersionRow.calibration_set)
+        .where(*key)
+        .order_by(VersionRow.version)
+    )
     for number, recipe in session.execute(query).all():
         old = corpus_hash(recipe)
         if old is not None and old != new:
@@ -281,11 +309,18 @@ def check_same_text(session: Session, metadata: dict) -> None:
 def find_same_tensors(session: Session, metadata: dict) -> VersionRow | None:
     """The oldest version of the artifact's series (source, target, calibration names) whose tensor
     file has the same sha256: identical weights are one version, whatever else mapper.json says."""
-    key = (SeriesRow.source_name == metadata["source"]["model_id"],
-           SeriesRow.target_name == metadata["target"]["model_id"],
-           SeriesRow.calibration_name == metadata["calibration"]["name"])
-    query = (select(VersionRow).join(VersionRow.series).where(*key)
-             .where(VersionRow.tensors_sha256 == metadata["tensors"]["sha256"]).order_by(VersionRow.version))
+    key = (
+        SeriesRow.source_name == metadata["source"]["model_id"],
+        SeriesRow.target_name == metadata["target"]["model_id"],
+        SeriesRow.calibration_name == metadata["calibration"]["name"],
+    )
+    query = (
+        select(VersionRow)
+        .join(VersionRow.series)
+        .where(*key)
+        .where(VersionRow.tensors_sha256 == metadata["tensors"]["sha256"])
+        .order_by(VersionRow.version)
+    )
     return session.scalars(query.limit(1)).first()
 
 
@@ -322,8 +357,7 @@ def metric_row(version_id: int, metric: dict, *, kvhub_version: str) -> MetricRo
     for key, column in (("name", MetricRow.name), ("split", MetricRow.split), ("task", MetricRow.task)):
         text, limit = metric.get(key), _limit(column)
         if text is not None and (not isinstance(text, str) or (limit is not None and len(text) > limit)):
-            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {limit} "
-                              "characters")
+            raise ConfigError(f"metric {key} {str(text)[:40]!r} must be a string of at most {limit} characters")
     for key in ("layer", "n", "seed"):
         number = metric.get(key)
         if number is not None and (isinstance(number, bool) or not isinstance(number, int) or abs(number) >= 1 << 62):

@@ -69,9 +69,11 @@ def require_existing(url: str) -> None:
     except ArgumentError:  # not a URL at all: opening it says so (kvhub.store.engine)
         return
     if path is not None and not path.exists():
-        raise NotFoundError(f"no kvhub store at {path}; check --db / KVHUB_DB_URL / KVHUB_HOME (a new store is "
-                            "created only by commands that write one: `kvhub fit`, `kvhub import`, `kvhub pull`, "
-                            "`kvhub db upgrade`)")
+        raise NotFoundError(
+            f"no kvhub store at {path}; check --db / KVHUB_DB_URL / KVHUB_HOME (a new store is "
+            "created only by commands that write one: `kvhub fit`, `kvhub import`, `kvhub pull`, "
+            "`kvhub db upgrade`)"
+        )
 
 
 def sqlite_url(path: Path) -> str:

@@ -25,15 +25,29 @@ def live_series(session: Session) -> list[SeriesRow]:
 def find_series(session: Session, ref: Ref) -> SeriesRow:
     """The one triple ``ref`` names (its selector is ignored here)."""
     series = live_series(session)
-    series, sources = _narrow(series, "source_name", match_model_names(ref.source, [s.source_name for s in series]),
-                              miss=f"no mapper from model {ref.source!r} in the store", what="sources")
-    series, targets = _narrow(series, "target_name", match_model_names(ref.target, [s.target_name for s in series]),
-                              miss=f"no mapper from {_one_of(sources)} to {ref.target!r}", what="targets")
+    series, sources = _narrow(
+        series,
+        "source_name",
+        match_model_names(ref.source, [s.source_name for s in series]),
+        miss=f"no mapper from model {ref.source!r} in the store",
+        what="sources",
+    )
+    series, targets = _narrow(
+        series,
+        "target_name",
+        match_model_names(ref.target, [s.target_name for s in series]),
+        miss=f"no mapper from {_one_of(sources)} to {ref.target!r}",
+        what="targets",
+    )
     if ref.calibration is not None:
         series, _ = _narrow(
-            series, "calibration_name", match_calibration_names(ref.calibration, [s.calibration_name for s in series]),
+            series,
+            "calibration_name",
+            match_calibration_names(ref.calibration, [s.calibration_name for s in series]),
             miss=f"no mapper from {_one_of(sources)} to {_one_of(targets)} fitted on calibration set "
-                 f"{ref.calibration!r}", what="calibration sets")
+            f"{ref.calibration!r}",
+            what="calibration sets",
+        )
     if len(series) > 1:
         raise _ambiguity(ref, series)
     return series[0]
@@ -78,14 +92,16 @@ def select_version(session: Session, series: SeriesRow, *, version: int | None, 
     if version is not None:
         row = session.scalar(versions_query().where(VersionRow.series_id == series.id, VersionRow.version == version))
         if row is None:
-            raise NotFoundError(f"{where} has no version v{version} ({_version_listing(session, series)}); "
-                                f"name one of those, or @latest for the newest (`kvhub list` shows them)")
+            raise NotFoundError(
+                f"{where} has no version v{version} ({_version_listing(session, series)}); "
+                f"name one of those, or @latest for the newest (`kvhub list` shows them)"
+            )
         return row
     for name in [alias] if alias is not None else [PRODUCTION, LATEST]:
         row = session.scalar(
-            versions_query().join(AliasRow, AliasRow.version_id == VersionRow.id).where(
-                AliasRow.series_id == series.id, AliasRow.name == name
-            )
+            versions_query()
+            .join(AliasRow, AliasRow.version_id == VersionRow.id)
+            .where(AliasRow.series_id == series.id, AliasRow.name == name)
         )
         if row is not None:
             return row
@@ -103,8 +119,9 @@ def _version_listing(session: Session, series: SeriesRow) -> str:
 
 def versions_query():
     """SELECT of version rows with their series, source model and calibration set loaded."""
-    return select(VersionRow).options(joinedload(VersionRow.series), joinedload(VersionRow.source_model),
-                                      joinedload(VersionRow.calibration_set))
+    return select(VersionRow).options(
+        joinedload(VersionRow.series), joinedload(VersionRow.source_model), joinedload(VersionRow.calibration_set)
+    )
 
 
 def resolve_row(session: Session, ref: Ref) -> VersionRow:

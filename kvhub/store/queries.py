@@ -11,12 +11,30 @@ from kvhub.store.records import MapperVersion, as_utc, version_record
 from kvhub.store.refs import match_calibration_names, match_model_names
 from kvhub.store.tables import CalibrationSetRow, MetricRow, ModelRow, PublicationRow, SeriesRow, VersionRow
 
-_MODEL_FIELDS = ("name", "revision", "model_type", "family", "config_hash", "tokenizer_hash", "num_layers",
-                 "num_kv_heads", "head_dim", "rope", "layer_types")
+_MODEL_FIELDS = (
+    "name",
+    "revision",
+    "model_type",
+    "family",
+    "config_hash",
+    "tokenizer_hash",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "rope",
+    "layer_types",
+)
 
 
-def list_versions(session: Session, *, source: str | None, target: str | None, calibration: str | None,
-                  family: str | None, min_metrics: dict[str, float]) -> list[MapperVersion]:
+def list_versions(
+    session: Session,
+    *,
+    source: str | None,
+    target: str | None,
+    calibration: str | None,
+    family: str | None,
+    min_metrics: dict[str, float],
+) -> list[MapperVersion]:
     """Versions matching every filter (see Store.versions), by triple then version number."""
     query = lookup.versions_query().join(VersionRow.series)
     series = session.scalars(select(SeriesRow)).all()
@@ -47,14 +65,18 @@ def check_metric_key(session: Session, key: str) -> tuple[str, str | None]:
     name, _, task = key.partition("@")
     known = sorted(session.scalars(select(MetricRow.name).distinct()).all())
     if name not in known:
-        raise ConfigError(f"--min-metric {key!r}: no version has a metric {name!r} ({_shown('metrics', known)}); "
-                          "`kvhub show REF` lists a version's metrics")
+        raise ConfigError(
+            f"--min-metric {key!r}: no version has a metric {name!r} ({_shown('metrics', known)}); "
+            "`kvhub show REF` lists a version's metrics"
+        )
     if not task:
         return name, None
     tasks = sorted(t for t in session.scalars(select(MetricRow.task).where(MetricRow.name == name).distinct()) if t)
     if task not in tasks:
-        raise ConfigError(f"--min-metric {key!r}: {name!r} was never measured on task {task!r} "
-                          f"({_shown('tasks', tasks)}); write NAME@TASK=VALUE with one of those")
+        raise ConfigError(
+            f"--min-metric {key!r}: {name!r} was never measured on task {task!r} "
+            f"({_shown('tasks', tasks)}); write NAME@TASK=VALUE with one of those"
+        )
     return name, task
 
 
@@ -85,8 +107,11 @@ def metrics_of(session: Session, version_id: int, names: list[str] | None) -> li
 
 def mapper_metrics(session: Session, version_ids: list[int]) -> dict[int, list[dict]]:
     """{version id: [metric dict]} of whole-mapper measurements (no layer), oldest first."""
-    query = (select(MetricRow).where(MetricRow.version_id.in_(version_ids), MetricRow.layer.is_(None))
-             .order_by(MetricRow.measured_at, MetricRow.id))
+    query = (
+        select(MetricRow)
+        .where(MetricRow.version_id.in_(version_ids), MetricRow.layer.is_(None))
+        .order_by(MetricRow.measured_at, MetricRow.id)
+    )
     found: dict[int, list[dict]] = {}
     for row in session.scalars(query):
         found.setdefault(row.version_id, []).append(metric_dict(row))
@@ -126,19 +151,32 @@ def describe_row(session: Session, row: VersionRow) -> dict:
 
 def metric_dict(row: MetricRow) -> dict:
     return {
-        "name": row.name, "value": row.value, "split": row.split, "task": row.task, "layer": row.layer,
-        "n": row.n, "seed": row.seed, "measured_at": as_utc(row.measured_at).isoformat(),
+        "name": row.name,
+        "value": row.value,
+        "split": row.split,
+        "task": row.task,
+        "layer": row.layer,
+        "n": row.n,
+        "seed": row.seed,
+        "measured_at": as_utc(row.measured_at).isoformat(),
         "kvhub_version": row.kvhub_version,
     }
 
 
 def publication_dict(row: PublicationRow) -> dict:
     return {
-        "repo_id": row.repo_id, "revision": row.revision, "commit_sha": row.commit_sha,
+        "repo_id": row.repo_id,
+        "revision": row.revision,
+        "commit_sha": row.commit_sha,
         "published_at": as_utc(row.published_at).isoformat(),
     }
 
 
 def calibration_dict(row: CalibrationSetRow) -> dict:
-    return {"name": row.name, "version": row.version, "content_hash": row.content_hash, "tokens": row.tokens,
-            "recipe": row.recipe}
+    return {
+        "name": row.name,
+        "version": row.version,
+        "content_hash": row.content_hash,
+        "tokens": row.tokens,
+        "recipe": row.recipe,
+    }

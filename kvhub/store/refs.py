@@ -55,8 +55,15 @@ class Ref:
         return cls(parts[0].strip(), parts[1].strip(), calibration, version, alias)
 
     @classmethod
-    def of(cls, source: str, target: str, *, calibration: str | None = None, version: int | str | None = None,
-           alias: str | None = None) -> "Ref":
+    def of(
+        cls,
+        source: str,
+        target: str,
+        *,
+        calibration: str | None = None,
+        version: int | str | None = None,
+        alias: str | None = None,
+    ) -> "Ref":
         """The reference to the parts given one by one (model ids may then contain ':', unlike in text).
 
         ``version`` is a selector (``3``, ``"v3"``, or an alias name such as ``"production"``); ``alias``
@@ -88,10 +95,12 @@ def check_not_url(text: str) -> None:
     reference to a model named ``https``."""
     match = _URL.match(text.strip())
     if match:
-        rest = text.strip()[match.end():]
+        rest = text.strip()[match.end() :]
         example = repr(rest[:80]) if match.group().lower() == "hf://" else "OWNER/NAME@v3"
-        raise ConfigError(f"{text[:120]!r} is a URL, not a mapper reference; a Hub repository is written without a "
-                          f"scheme ({example}), and for a reference, {SYNTAX_HELP}")
+        raise ConfigError(
+            f"{text[:120]!r} is a URL, not a mapper reference; a Hub repository is written without a "
+            f"scheme ({example}), and for a reference, {SYNTAX_HELP}"
+        )
 
 
 def _split_selector(text: str) -> tuple[str, str | None]:
@@ -110,8 +119,10 @@ def parse_selector(selector: str | int) -> tuple[int | None, str | None]:
     if isinstance(selector, int):
         return _version_number(selector), None
     if not isinstance(selector, str):
-        raise ConfigError(f"a version is a number (3), 'v3' or an alias name, not {selector!r} "
-                          f"({type(selector).__name__}); see `kvhub list` for the versions that exist")
+        raise ConfigError(
+            f"a version is a number (3), 'v3' or an alias name, not {selector!r} "
+            f"({type(selector).__name__}); see `kvhub list` for the versions that exist"
+        )
     match = _VERSION_PATTERN.fullmatch(selector.strip())
     if match:
         return _version_number(int(match.group(1))), None
@@ -124,8 +135,9 @@ MAX_VERSION = 2**31 - 1  # the store's version column is a 32-bit integer
 def _version_number(number: int) -> int:
     if isinstance(number, bool) or not 1 <= number <= MAX_VERSION:
         shown = str(number) if len(str(number)) <= 24 else str(number)[:21] + "..."
-        raise ConfigError(f"version numbers run from 1 to {MAX_VERSION}, got {shown}; see `kvhub list` for the "
-                          "versions that exist")
+        raise ConfigError(
+            f"version numbers run from 1 to {MAX_VERSION}, got {shown}; see `kvhub list` for the versions that exist"
+        )
     return number
 
 
@@ -146,8 +158,10 @@ def check_calibration_name(name: str) -> str:
     """Return ``name`` if it can name a series' calibration set (``kvhub fit --name``): a letter or digit,
     then letters, digits, '.', '_', '-' (a reference's ':' and '@' would split it)."""
     if not isinstance(name, str) or not CALIBRATION_NAME_PATTERN.fullmatch(name):
-        raise ConfigError(f"{str(name)[:80]!r} cannot name a calibration set: use a letter or digit followed by "
-                          "letters, digits, '.', '_' or '-' (at most 128 characters), e.g. --name legal-2025")
+        raise ConfigError(
+            f"{str(name)[:80]!r} cannot name a calibration set: use a letter or digit followed by "
+            "letters, digits, '.', '_' or '-' (at most 128 characters), e.g. --name legal-2025"
+        )
     return name
 
 

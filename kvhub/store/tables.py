@@ -132,9 +132,7 @@ class VersionRow(Base):
     version: Mapped[int] = mapped_column(Integer)
     source_model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="RESTRICT"), index=True)
     target_model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="RESTRICT"), index=True)
-    calibration_set_id: Mapped[int] = mapped_column(
-        ForeignKey("calibration_sets.id", ondelete="RESTRICT"), index=True
-    )
+    calibration_set_id: Mapped[int] = mapped_column(ForeignKey("calibration_sets.id", ondelete="RESTRICT"), index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     k: Mapped[int | None] = mapped_column(Integer)
     ridge_lambda: Mapped[float | None] = mapped_column(Float)
@@ -196,9 +194,7 @@ class PublicationRow(Base):
     __tablename__ = "hub_publications"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    version_id: Mapped[int] = mapped_column(
-        ForeignKey("mapper_versions.id", ondelete="CASCADE"), index=True
-    )
+    version_id: Mapped[int] = mapped_column(ForeignKey("mapper_versions.id", ondelete="CASCADE"), index=True)
     repo_id: Mapped[str] = mapped_column(String(256), index=True)
     revision: Mapped[str | None] = mapped_column(String(256))
     commit_sha: Mapped[str | None] = mapped_column(String(64))
@@ -207,6 +203,4 @@ class PublicationRow(Base):
 
 @event.listens_for(VersionRow, "before_update")
 def _refuse_version_update(mapper, connection, target) -> None:
-    raise StoreError(
-        f"mapper version row {target.id} is immutable; register a new version instead of editing this one"
-    )
+    raise StoreError(f"mapper version row {target.id} is immutable; register a new version instead of editing this one")

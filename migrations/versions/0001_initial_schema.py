@@ -85,7 +85,9 @@ def upgrade() -> None:
         sa.Column("created_at", _TZ, nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_mapper_series"),
         sa.UniqueConstraint(
-            "source_name", "target_name", "calibration_name",
+            "source_name",
+            "target_name",
+            "calibration_name",
             name="uq_mapper_series_source_name_target_name_calibration_name",
         ),
     )
@@ -114,19 +116,27 @@ def upgrade() -> None:
         sa.UniqueConstraint("series_id", "version", name="uq_mapper_versions_series_id_version"),
         sa.CheckConstraint("status IN ('ready')", name="ck_mapper_versions_status"),
         sa.ForeignKeyConstraint(
-            ["series_id"], ["mapper_series.id"], ondelete="RESTRICT",
+            ["series_id"],
+            ["mapper_series.id"],
+            ondelete="RESTRICT",
             name="fk_mapper_versions_series_id_mapper_series",
         ),
         sa.ForeignKeyConstraint(
-            ["source_model_id"], ["models.id"], ondelete="RESTRICT",
+            ["source_model_id"],
+            ["models.id"],
+            ondelete="RESTRICT",
             name="fk_mapper_versions_source_model_id_models",
         ),
         sa.ForeignKeyConstraint(
-            ["target_model_id"], ["models.id"], ondelete="RESTRICT",
+            ["target_model_id"],
+            ["models.id"],
+            ondelete="RESTRICT",
             name="fk_mapper_versions_target_model_id_models",
         ),
         sa.ForeignKeyConstraint(
-            ["calibration_set_id"], ["calibration_sets.id"], ondelete="RESTRICT",
+            ["calibration_set_id"],
+            ["calibration_sets.id"],
+            ondelete="RESTRICT",
             name="fk_mapper_versions_calibration_set_id_calibration_sets",
         ),
     )

@@ -29,7 +29,9 @@ def upgrade() -> None:
         sa.Column("published_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_hub_publications"),
         sa.ForeignKeyConstraint(
-            ["version_id"], ["mapper_versions.id"], ondelete="CASCADE",
+            ["version_id"],
+            ["mapper_versions.id"],
+            ondelete="CASCADE",
             name="fk_hub_publications_version_id_mapper_versions",
         ),
     )

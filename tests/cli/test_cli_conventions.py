@@ -40,9 +40,35 @@ def test_fit_from_a_single_txt_file(tiny_model_dirs, env):
     notes = env["tmp"] / "notes.txt"
     notes.write_text("\n\n".join(f"p{i:03d} " * (12 + i % 5) for i in range(60)), encoding="utf-8")
     runner = CliRunner()
-    result = runner.invoke(main, ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(notes), "--samples", "8",
-                                  "--seq-len", "16", "--stride", "1", "--dtype", "float32", "--batch-size", "4",
-                                  "--device", "cpu", "--db", env["db"], "--out", str(env["tmp"] / "m"), "--json"])
+    result = runner.invoke(
+        main,
+        [
+            "fit",
+            "--src",
+            str(src),
+            "--dst",
+            str(dst),
+            "--calib",
+            str(notes),
+            "--samples",
+            "8",
+            "--seq-len",
+            "16",
+            "--stride",
+            "1",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--db",
+            env["db"],
+            "--out",
+            str(env["tmp"] / "m"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     calibration = json.loads((env["tmp"] / "m" / "mapper.json").read_text())["calibration"]
     assert calibration["documents"]["train"] > 1 and calibration["documents"]["heldout"] >= 1
@@ -76,17 +102,27 @@ def test_piped_fit_and_plan_output_is_never_wrapped(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "40")  # as when stderr is on a narrow terminal and stdout is piped
     long_id = "/models/an-unusually-long-directory-name/source-model-0.5B"
     layer = {"target": 0, "sources": [0, 1], "lambda_k": 1e-3, "lambda_v": 1e-3, "r2_k": 0.5, "r2_v": 0.25}
-    mapper = SimpleNamespace(metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []}, layers=[layer],
-                             source={"model_id": long_id}, target={"model_id": long_id + "-target"},
-                             num_parameters=lambda: 10, kind=MAP_KINDS["ridge"], kind_settings=lambda: {})
+    mapper = SimpleNamespace(
+        metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []},
+        layers=[layer],
+        source={"model_id": long_id},
+        target={"model_id": long_id + "-target"},
+        num_parameters=lambda: 10,
+        kind=MAP_KINDS["ridge"],
+        kind_settings=lambda: {},
+    )
     fit_cmd._print_summary(mapper, reference="a:b:c@v1", full_ref="a:b:c@v1", out=None, output_format="table")
     lines = capsys.readouterr().out.splitlines()
     assert f"{long_id} -> {long_id}-target:" in lines
-    assert any(re.fullmatch(r"target layer +source layers +k +lambda K/V +held-out R2 K +held-out R2 V", line)
-               for line in lines)
+    assert any(
+        re.fullmatch(r"target layer +source layers +k +lambda K/V +held-out R2 K +held-out R2 V", line)
+        for line in lines
+    )
     plan = CliRunner().invoke(main, ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B", "--device", "h200"])
-    assert any(line.startswith("mode full on 1 rank(s): fits: device") and line.endswith("GiB")
-               for line in plan.stdout.splitlines())
+    assert any(
+        line.startswith("mode full on 1 rank(s): fits: device") and line.endswith("GiB")
+        for line in plan.stdout.splitlines()
+    )
 
 
 # ---- U14, U23: Ctrl-C and rates ------------------------------------------------------------------
@@ -119,8 +155,15 @@ def test_rates_count_this_run_and_name_their_unit():
 
 
 # ---- U15: one output switch ----------------------------------------------------------------------
-@pytest.mark.parametrize("args", [["calib", "list"], ["calib", "show", "legal-docs"], ["fetch", "models", "--list"],
-                                  ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B", "--device", "h200"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["calib", "list"],
+        ["calib", "show", "legal-docs"],
+        ["fetch", "models", "--list"],
+        ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B", "--device", "h200"],
+    ],
+)
 def test_format_json_and_tsv_everywhere(args, env):
     runner = CliRunner()
     as_json = runner.invoke(main, [*args, "--format", "json"])
@@ -138,8 +181,22 @@ def test_too_few_observations_refused_before_any_forward_pass(config_only, env):
     refused = runner.invoke(main, [*base, "--samples", "4", "--seq-len", "32"])  # 4 x 32/4 = 32 rows, 32 features
     assert refused.exit_code == FitError.exit_code, refused.output
     assert "32 training observations" in refused.stderr and "--samples 5" in refused.stderr
-    plan = runner.invoke(main, ["plan", "--src", str(config_only), "--dst", str(config_only), "--device", "cpu",
-                                "--samples", "4", "--seq-len", "32"])
+    plan = runner.invoke(
+        main,
+        [
+            "plan",
+            "--src",
+            str(config_only),
+            "--dst",
+            str(config_only),
+            "--device",
+            "cpu",
+            "--samples",
+            "4",
+            "--seq-len",
+            "32",
+        ],
+    )
     assert plan.exit_code == FitError.exit_code and plan.stdout.startswith("verdict: kvhub fit would refuse")
 
 

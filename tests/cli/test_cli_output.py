@@ -44,8 +44,11 @@ def test_piped_tables_keep_every_reference_and_name_on_one_line(cli, two_version
     lines = cli("list").stdout.splitlines()
     assert lines[0].split()[:3] == ["REF", "ALIASES", "CREATED"]
     refs = [line.split()[0] for line in lines[1:]]
-    assert refs == ["an-unusually-long-source-model-name-0.5B-Instruct:"
-                    f"an-unusually-long-target-model-name-1.5B-Instruct:legal-docs@v{n}" for n in (1, 2)]
+    assert refs == [
+        "an-unusually-long-source-model-name-0.5B-Instruct:"
+        f"an-unusually-long-target-model-name-1.5B-Instruct:legal-docs@v{n}"
+        for n in (1, 2)
+    ]
     shown = cli("show", f"{two_versions}@v2").stdout
     names = [line.split()[0] for line in shown.splitlines() if line.startswith("heldout_")]
     assert names == ["heldout_r2_k_mean", "heldout_r2_k_mean_excluding_sinks", "heldout_r2_v_mean"]
@@ -57,7 +60,9 @@ def test_tsv_and_json_formats(cli, two_versions):
     assert tsv[0][0] == "REF" and [row[0] for row in tsv[1:]] == [f"{two_versions}@v1", f"{two_versions}@v2"]
     assert len({len(row) for row in tsv}) == 1
     assert cli("list", "--json").stdout == cli("list", "--format", "json").stdout
-    fields = dict(line.split("\t", 1) for line in cli("show", f"{two_versions}@v1", "--format", "tsv").stdout.splitlines())
+    fields = dict(
+        line.split("\t", 1) for line in cli("show", f"{two_versions}@v1", "--format", "tsv").stdout.splitlines()
+    )
     assert fields["ref"] == f"{two_versions}@v1" and float(fields["metric.heldout_r2_v_mean"]) == 0.8
     assert "metric.r2_k.layer0" not in fields
     assert "metric.r2_k.layer0" in cli("show", f"{two_versions}@v1", "--format", "tsv", "--layers").stdout
@@ -95,9 +100,14 @@ def test_rm_without_a_version_refuses_and_says_how(cli, two_versions):
 
 def test_a_mistyped_db_is_never_created_by_read_only_commands(cli, two_versions, tmp_path):
     typo = tmp_path / "store" / "kvhbu.db"
-    for args in (["list"], ["show", two_versions], ["rm", f"{two_versions}@v1"], ["export", two_versions,
-                                                                                     tmp_path / "out"],
-                 ["db", "current"], ["tag", two_versions, "production"]):
+    for args in (
+        ["list"],
+        ["show", two_versions],
+        ["rm", f"{two_versions}@v1"],
+        ["export", two_versions, tmp_path / "out"],
+        ["db", "current"],
+        ["tag", two_versions, "production"],
+    ):
         refused = cli(*args, expect=NotFoundError.exit_code, db_path=typo)
         assert f"no kvhub store at {typo}" in refused.stderr
     assert not typo.exists() and not (tmp_path / "out").exists()
@@ -120,9 +130,15 @@ def test_fit_summary_prints_names_verbatim(capsys):
     from kvhub.artifact.kinds import MAP_KINDS
     from kvhub.cli import fit_cmd
 
-    mapper = SimpleNamespace(metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []}, layers=[],
-                             source={"model_id": "/m/[red]src"}, target={"model_id": "/m/[/]dst"},
-                             num_parameters=lambda: 10, kind=MAP_KINDS["ridge"], kind_settings=lambda: {})
+    mapper = SimpleNamespace(
+        metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []},
+        layers=[],
+        source={"model_id": "/m/[red]src"},
+        target={"model_id": "/m/[/]dst"},
+        num_parameters=lambda: 10,
+        kind=MAP_KINDS["ridge"],
+        kind_settings=lambda: {},
+    )
     reference = "/m/[red]src:/m/[/]dst:calib@v1"
     fit_cmd._print_summary(mapper, reference=reference, full_ref=reference, out=None, output_format="table")
     printed = capsys.readouterr().out

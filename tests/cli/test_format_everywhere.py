@@ -24,15 +24,27 @@ def _ref(store_db):
 # command line (REF, DB and TMP filled in), the header's fields, the field whose cell is checked and its value
 STORE_COMMANDS = [
     pytest.param(["tag", "REF", "prod"], ["alias", "ref"], ("alias", "prod"), id="R3_11-tag"),
-    pytest.param(["untag", "REF", "latest-but-one"], ["ref", "removed_alias"], ("removed_alias", "latest-but-one"),
-                 id="R3_11-untag"),
+    pytest.param(
+        ["untag", "REF", "latest-but-one"],
+        ["ref", "removed_alias"],
+        ("removed_alias", "latest-but-one"),
+        id="R3_11-untag",
+    ),
     pytest.param(["rm", "REF", "--force"], ["bytes", "ref", "removed"], ("removed", "true"), id="R3_11-rm"),
-    pytest.param(["gc", "--dry-run"], ["artifacts", "bytes", "dry_run", "hub_cache", "missing", "temporaries"],
-                 ("dry_run", "true"), id="R3_11-gc-dry-run"),
+    pytest.param(
+        ["gc", "--dry-run"],
+        ["artifacts", "bytes", "dry_run", "hub_cache", "missing", "temporaries"],
+        ("dry_run", "true"),
+        id="R3_11-gc-dry-run",
+    ),
     pytest.param(["export", "REF", "TMP/out"], ["directory", "ref"], ("directory", "TMP/out"), id="R3_11-export"),
     pytest.param(["import", "TMP/artifact"], VERSION_FIELDS, ("already_registered", "true"), id="R3_11-import"),
-    pytest.param(["db", "current"], ["current", "head", "newer_than_kvhub", "up_to_date", "url"],
-                 ("up_to_date", "true"), id="R3_11-db-current"),
+    pytest.param(
+        ["db", "current"],
+        ["current", "head", "newer_than_kvhub", "up_to_date", "url"],
+        ("up_to_date", "true"),
+        id="R3_11-db-current",
+    ),
 ]
 
 
@@ -50,8 +62,9 @@ def test_R3_11_store_commands_print_tsv(tmp_path, command, fields, cell):
     if fields is VERSION_FIELDS:
         as_json = CliRunner().invoke(main, [*filled(command), "--db", str(store_db), "--json"])
         fields = sorted(json.loads(as_json.stdout))
-    result = CliRunner().invoke(main, [*filled(command), "--db", str(store_db), "--format", "tsv"],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, [*filled(command), "--db", str(store_db), "--format", "tsv"], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.splitlines()
     assert header.split("\t") == fields and len(rows) == 1
@@ -64,8 +77,10 @@ def test_R3_11_store_commands_print_tsv(tmp_path, command, fields, cell):
 def test_R3_11_push_and_pull_print_tsv(hub_env, db):  # noqa: F811
     with open_store(db) as store:
         ref = store.register(make_store_artifact(hub_env.tmp / "artifact", seed=1)).ref
-    for args, cell in ((["push", ref, "--repo", "alice/kvmap-tsv"], ("tag", "v1")),
-                       (["pull", "alice/kvmap-tsv@v1"], ("already_registered", "true"))):
+    for args, cell in (
+        (["push", ref, "--repo", "alice/kvmap-tsv"], ("tag", "v1")),
+        (["pull", "alice/kvmap-tsv@v1"], ("already_registered", "true")),
+    ):
         result = run(*args, "--db", db, "--format", "tsv")
         assert result.exit_code == 0, result.output
         header, *rows = result.stdout.splitlines()

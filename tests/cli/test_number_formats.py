@@ -18,18 +18,34 @@ from kvhub.cli.output import format_number
 from kvhub.hub.evaluations import bench_section, fmt
 
 
-@pytest.mark.parametrize("value", [0, 1, 256, 256.0, 0.98553, 0.005814, 0.0004, 2231.4, 0.8, 1.0, -0.25],
-                         ids=lambda v: f"U3_21_{v!r}")
+@pytest.mark.parametrize(
+    "value", [0, 1, 256, 256.0, 0.98553, 0.005814, 0.0004, 2231.4, 0.8, 1.0, -0.25], ids=lambda v: f"U3_21_{v!r}"
+)
 def test_U3_21_the_card_formats_numbers_as_the_tables(value):
     assert fmt(value) == format_number(value)
 
 
 def test_U3_21_nan_is_an_empty_cell_and_ppl_has_three_decimals():
-    results = {"hellaswag": {"n": 4, "acc_own": 0.5, "acc_mapped": 0.5, "acc_source": 0.25, "retention": 1.0,
-                             "retention_ci": [0.5, 1.5], "gap_closed": math.nan, "agree_next": 0.75,
-                             "attn_cosine": math.nan},
-               "ppl:lambada/64": {"n": 8, "ppl_own": 2244.9217, "ppl_mapped": 2301.5, "ppl_no_context": 4000.0,
-                                  "agreement": 0.5}}
+    results = {
+        "hellaswag": {
+            "n": 4,
+            "acc_own": 0.5,
+            "acc_mapped": 0.5,
+            "acc_source": 0.25,
+            "retention": 1.0,
+            "retention_ci": [0.5, 1.5],
+            "gap_closed": math.nan,
+            "agree_next": 0.75,
+            "attn_cosine": math.nan,
+        },
+        "ppl:lambada/64": {
+            "n": 8,
+            "ppl_own": 2244.9217,
+            "ppl_mapped": 2301.5,
+            "ppl_no_context": 4000.0,
+            "agreement": 0.5,
+        },
+    }
     runner = CliRunner()
     with runner.isolation() as (out, _err, *_):
         eval_cmd._print_results("ref", results, output_format="tsv")
@@ -46,10 +62,13 @@ def _fake_bench(monkeypatch, rows):
             return "src:dst:notes@v1"
 
     store = Store()
-    loaded = types.SimpleNamespace(mapper=types.SimpleNamespace(to=lambda **k: None),
-                                   target=types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)])),
-                                   version=types.SimpleNamespace(ref="src:dst:notes@v1"), device="cpu",
-                                   source=None)
+    loaded = types.SimpleNamespace(
+        mapper=types.SimpleNamespace(to=lambda **k: None),
+        target=types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1)])),
+        version=types.SimpleNamespace(ref="src:dst:notes@v1"),
+        device="cpu",
+        source=None,
+    )
     monkeypatch.setattr(eval_cmd, "_load_version", lambda *a, **k: (store, loaded))
     import kvhub.eval.continuation as continuation
 
@@ -57,8 +76,15 @@ def _fake_bench(monkeypatch, rows):
     monkeypatch.setattr(continuation, "timing_metric_rows", lambda *a, **k: [])
 
 
-ROW = {"tokens": 64, "transfer_median_s": 0.0011, "prefill_median_s": 0.002, "speedup": 1.8,
-       "handoff_ttft_median_s": 0.0004, "full_ttft_median_s": 0.003, "ttft_speedup": 7.5}
+ROW = {
+    "tokens": 64,
+    "transfer_median_s": 0.0011,
+    "prefill_median_s": 0.002,
+    "speedup": 1.8,
+    "handoff_ttft_median_s": 0.0004,
+    "full_ttft_median_s": 0.003,
+    "ttft_speedup": 7.5,
+}
 
 
 def test_U3_21_bench_times_share_one_format(monkeypatch):
@@ -73,14 +99,17 @@ def test_U3_25_bench_says_the_map_alone(monkeypatch):
     _fake_bench(monkeypatch, [ROW])
     plain = CliRunner().invoke(main, ["bench", "src:dst:notes@v1", "--lengths", "64", "--format", "tsv"])
     assert "map-alone TTFT s" in plain.stdout.splitlines()[0]
-    handoff = CliRunner().invoke(main, ["bench", "src:dst:notes@v1", "--lengths", "64", "--variant", "handoff",
-                                        "--format", "tsv"])
+    handoff = CliRunner().invoke(
+        main, ["bench", "src:dst:notes@v1", "--lengths", "64", "--variant", "handoff", "--format", "tsv"]
+    )
     assert handoff.exit_code == 0, handoff.output
     assert "handoff TTFT s" in handoff.stdout.splitlines()[0]
 
 
 def test_U3_25_the_cards_speed_rows_name_the_map_alone():
-    measured = {("bench", "bench:cpu:bf16:64", "speedup"): {"value": 2.0},
-                ("bench", "bench:cpu:bf16:64@exact_prefix=4", "speedup"): {"value": 1.5}}
+    measured = {
+        ("bench", "bench:cpu:bf16:64", "speedup"): {"value": 2.0},
+        ("bench", "bench:cpu:bf16:64@exact_prefix=4", "speedup"): {"value": 1.5},
+    }
     rows = [line for line in bench_section(measured).splitlines() if line.startswith("| cpu")]
     assert "| map alone |" in rows[0] and "| exact_prefix=4 |" in rows[1]

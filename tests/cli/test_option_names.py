@@ -14,11 +14,22 @@ from tests.fixtures_hub import register, run
 from tests.fixtures_store import make_store_artifact
 
 
-@pytest.mark.parametrize("command, option", [("eval", "--out"), ("eval", "--output-path"), ("eval-serve", "--out"),
-                                             ("fit", "--out"), ("report", "--out"), ("export", "--out"),
-                                             ("push", "--repo"), ("pull", "--repo"), ("serve", "--repo"),
-                                             ("serve", "--hub-repo")],
-                         ids=lambda v: f"U3_27_{v}")
+@pytest.mark.parametrize(
+    "command, option",
+    [
+        ("eval", "--out"),
+        ("eval", "--output-path"),
+        ("eval-serve", "--out"),
+        ("fit", "--out"),
+        ("report", "--out"),
+        ("export", "--out"),
+        ("push", "--repo"),
+        ("pull", "--repo"),
+        ("serve", "--repo"),
+        ("serve", "--hub-repo"),
+    ],
+    ids=lambda v: f"U3_27_{v}",
+)
 def test_U3_27_each_command_takes_the_common_name(command, option):
     opts = {opt for param in main.commands[command].params for opt in getattr(param, "opts", [])}
     assert option in opts

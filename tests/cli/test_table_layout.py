@@ -16,21 +16,29 @@ REF = "Qwen2.5-Coder-0.5B-Instruct:Qwen2.5-Coder-1.5B-Instruct:legal-docs@v1"
 @pytest.fixture
 def terminal(monkeypatch):
     """A terminal ``columns`` wide as the data console; returns what was printed."""
+
     def make(columns: int):
         buffer = io.StringIO()
-        monkeypatch.setattr(output, "console", DataConsole(file=buffer, force_terminal=True, width=columns,
-                                                            color_system=None))
+        monkeypatch.setattr(
+            output, "console", DataConsole(file=buffer, force_terminal=True, width=columns, color_system=None)
+        )
         return buffer
+
     return make
 
 
 @pytest.mark.parametrize("columns", [80, 120], ids=["U3_6_80", "U3_6_120"])
 def test_U3_6_identifiers_are_never_split(terminal, columns):
     buffer = terminal(columns)
-    rows = [[REF, "production", "2026-12-04 12:53", 8, "auto", "0.750", "0.611", "f82679dc0123", "118.0 MB"],
-            ["acme/kvmap-support", "", "", 1, "0.1", "0.9", "0.8", "", "1.0 MB"]]  # kvhub list's columns
-    output.print_table(["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V", "TEXT", "SIZE"], rows,
-                       right=("K", "LAMBDA", "R2 K", "R2 V", "SIZE"))
+    rows = [
+        [REF, "production", "2026-12-04 12:53", 8, "auto", "0.750", "0.611", "f82679dc0123", "118.0 MB"],
+        ["acme/kvmap-support", "", "", 1, "0.1", "0.9", "0.8", "", "1.0 MB"],
+    ]  # kvhub list's columns
+    output.print_table(
+        ["REF", "ALIASES", "CREATED", "K", "LAMBDA", "R2 K", "R2 V", "TEXT", "SIZE"],
+        rows,
+        right=("K", "LAMBDA", "R2 K", "R2 V", "SIZE"),
+    )
     text = buffer.getvalue()
     for cell in (REF, "production", "2026-12-04 12:53", "acme/kvmap-support"):
         assert cell in text, text

@@ -33,16 +33,19 @@ def _meta(directory: Path) -> dict:
 
 def _edit(change):
     """Damage: change(metadata) edits mapper.json in place (or returns a replacement document)."""
+
     def damage(directory: Path) -> None:
         metadata = _meta(directory)
         replaced = change(metadata)
         (directory / "mapper.json").write_text(json.dumps(metadata if replaced is None else replaced))
+
     return damage
 
 
 def _raw_json(data: bytes):
     def damage(directory: Path) -> None:
         (directory / "mapper.json").write_bytes(data)
+
     return damage
 
 
@@ -57,6 +60,7 @@ def _rehash(directory: Path) -> None:
 
 def _tensors(change):
     """Damage: change(tensors) edits the tensor dict; the file is rewritten and its sha256 recorded."""
+
     def damage(directory: Path) -> None:
         from safetensors.torch import load_file, save_file
 
@@ -64,31 +68,37 @@ def _tensors(change):
         change(tensors)
         save_file(tensors, str(directory / "mapper.safetensors"))
         _rehash(directory)
+
     return damage
 
 
 def _tensor_bytes(change):
     """Damage: change(bytes) -> bytes of the tensor file; its sha256 recorded."""
+
     def damage(directory: Path) -> None:
         path = directory / "mapper.safetensors"
         path.write_bytes(change(path.read_bytes()))
         _rehash(directory)
+
     return damage
 
 
 def _header_edit(change):
     """Damage: change(header dict) edits the safetensors header in place (same data bytes)."""
+
     def edit(data: bytes) -> bytes:
         length = struct.unpack("<Q", data[:8])[0]
-        header = json.loads(data[8:8 + length])
+        header = json.loads(data[8 : 8 + length])
         change(header)
         text = json.dumps(header).encode()
-        return struct.pack("<Q", len(text)) + text + data[8 + length:]
+        return struct.pack("<Q", len(text)) + text + data[8 + length :]
+
     return _tensor_bytes(edit)
 
 
 def _set(path: str, value):
     """mapper.json edit setting a dotted path (``layers.0.target``) to ``value``; ``...`` deletes it."""
+
     def change(metadata):
         *parents, last = path.split(".")
         node = metadata
@@ -99,6 +109,7 @@ def _set(path: str, value):
             del node[key]
         else:
             node[key] = value
+
     return _edit(change)
 
 
@@ -107,6 +118,7 @@ def _link(name: str, target_of):
         target = target_of(directory)
         (directory / name).unlink(missing_ok=True)
         os.symlink(target, directory / name)
+
     return damage
 
 
@@ -171,8 +183,12 @@ ARTIFACT_CASES = [
     # fingerprints
     ("source-missing", _set("source", ...), "`source` is missing", True),
     ("target-config-missing", _set("target.config", ...), "`target.config` is missing", True),
-    ("source-config-edited", _edit(lambda m: m["source"]["config"].update(rope_theta=500000.0)),
-     "does not hash to its config_hash", True),
+    (
+        "source-config-edited",
+        _edit(lambda m: m["source"]["config"].update(rope_theta=500000.0)),
+        "does not hash to its config_hash",
+        True,
+    ),
     ("source-kv-heads-contradict", _set("source.num_kv_heads", 4), "recorded config says 2", True),
     ("target-head-dim-contradict", _set("target.head_dim", 8), "recorded config says 16", True),
     ("num-layers-string", _set("target.num_layers", "3"), "`target.num_layers` must be an integer", True),
@@ -203,18 +219,37 @@ ARTIFACT_CASES = [
     ("bias-inf", _tensors(lambda t: t["v.2.bias"].__setitem__(0, math.inf)), "NaN or Inf", True),
     ("tensor-missing", _tensors(lambda t: t.pop("v.2.bias")), "v.2.bias of shape None", True),
     ("tensor-extra", _tensors(lambda t: t.update(padding=torch.zeros(4))), "does not name (padding)", True),
-    ("tensor-transposed", _tensors(lambda t: t.update({"k.0.weight": t["k.0.weight"].T.contiguous()})),
-     "k.0.weight of shape (32, 16)", True),
+    (
+        "tensor-transposed",
+        _tensors(lambda t: t.update({"k.0.weight": t["k.0.weight"].T.contiguous()})),
+        "k.0.weight of shape (32, 16)",
+        True,
+    ),
     ("tensor-float16", _tensors(lambda t: t.update({"k.0.bias": t["k.0.bias"].half()})), "fp32", True),
-    ("tensor-weight-and-factors", _tensors(lambda t: t.update({"k.0.weight_a": torch.zeros(16, 2),
-                                                               "k.0.weight_b": torch.zeros(2, 32)})),
-     "either k.0.weight or both", True),
-    ("target-mean-wrong-shape", _tensors(lambda t: t.update({"k.0.target_mean": torch.zeros(7)})),
-     "k.0.target_mean of shape (7,)", True),
-    ("head-local-3-groups", _tensors(lambda t: t.update({"k.0.weight": torch.zeros(3, 5, 10)})),
-     "3 head groups, which do not divide", True),
-    ("compressed-under-format-1", _tensors(lambda t: t.update({"k.0.weight": torch.zeros(2, 8, 16)})),
-     "need format version 2", True),
+    (
+        "tensor-weight-and-factors",
+        _tensors(lambda t: t.update({"k.0.weight_a": torch.zeros(16, 2), "k.0.weight_b": torch.zeros(2, 32)})),
+        "either k.0.weight or both",
+        True,
+    ),
+    (
+        "target-mean-wrong-shape",
+        _tensors(lambda t: t.update({"k.0.target_mean": torch.zeros(7)})),
+        "k.0.target_mean of shape (7,)",
+        True,
+    ),
+    (
+        "head-local-3-groups",
+        _tensors(lambda t: t.update({"k.0.weight": torch.zeros(3, 5, 10)})),
+        "3 head groups, which do not divide",
+        True,
+    ),
+    (
+        "compressed-under-format-1",
+        _tensors(lambda t: t.update({"k.0.weight": torch.zeros(2, 8, 16)})),
+        "need format version 2",
+        True,
+    ),
     ("file-truncated", _tensor_bytes(lambda b: b[:-100]), "truncated or padded", True),
     ("file-trailing-bytes", _tensor_bytes(lambda b: b + b"\0" * 8), "truncated or padded", True),
     ("file-empty", _tensor_bytes(lambda b: b""), "not a safetensors file", True),
@@ -285,8 +320,9 @@ def assert_store_empty(db: str, artifacts: Path) -> None:
 
 
 @pytest.mark.parametrize("case_id, damage, words, load_refuses", ARTIFACT_CASES, ids=[c[0] for c in ARTIFACT_CASES])
-def test_damaged_artifact_is_refused_everywhere(case_id, damage, words, load_refuses, good_artifact, bad_store,
-                                                tmp_path):
+def test_damaged_artifact_is_refused_everywhere(
+    case_id, damage, words, load_refuses, good_artifact, bad_store, tmp_path
+):
     directory = _damaged(good_artifact, tmp_path, damage)
     db, artifacts = bad_store
     result = run("import", str(directory), "--db", db)
@@ -409,4 +445,3 @@ def test_huge_version_number_through_the_api(good_artifact, tmp_path):
     run("import", str(good_artifact), "--db", db)
     with pytest.raises(ConfigError, match="version numbers run from 1 to"):
         kvhub.load(SRC_ID, DST_ID, version=99999999999999999999, db=db)
-

@@ -155,8 +155,10 @@ def _hard_linked_tensors(artifact: Path, outside: Path) -> None:
     os.link(artifact / "mapper.safetensors", outside / "other-name.safetensors")
 
 
-R22_CASES = [("figure-linked-to-a-secret", _hard_linked_figure, "leak.png"),
-             ("tensor-file-with-a-second-name", _hard_linked_tensors, "mapper.safetensors")]
+R22_CASES = [
+    ("figure-linked-to-a-secret", _hard_linked_figure, "leak.png"),
+    ("tensor-file-with-a-second-name", _hard_linked_tensors, "mapper.safetensors"),
+]
 
 
 @pytest.mark.parametrize("case_id, link, name", R22_CASES, ids=[c[0] for c in R22_CASES])
@@ -204,9 +206,14 @@ EVAL_CASES = [
     ("output-dir-is-a-file", ["--output-path", "{tmp}/existing.txt"], 2, "exists and is not a directory"),
     ("output-parent-is-a-file", ["--output-path", "{tmp}/existing.txt/out.json"], 2, "exists and is not a directory"),
     ("output-json-is-a-dir", ["--output-path", "{tmp}/x.json"], 2, "is a directory"),
-    pytest.param("output-unwritable", ["--output-path", "{tmp}/locked/out"], 2, "cannot write into",
-                 marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 directory"),
-                 id="output-unwritable"),
+    pytest.param(
+        "output-unwritable",
+        ["--output-path", "{tmp}/locked/out"],
+        2,
+        "cannot write into",
+        marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 directory"),
+        id="output-unwritable",
+    ),
     ("device-quantum", ["--device", "quantum"], 2, "--device 'quantum' is not a device"),
     ("dtype-int8", ["--dtype", "int8"], 2, "unknown dtype 'int8'"),
     ("limit-zero", ["--limit", "0"], 2, "--limit"),
@@ -248,8 +255,16 @@ def test_eval_creates_a_missing_output_directory_before_loading(tmp_path, monkey
 
 
 # ---- R12: kvhub plan -------------------------------------------------------------------------------------
-_CONFIG = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512}
+_CONFIG = {
+    "model_type": "qwen2",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+    "max_position_embeddings": 512,
+}
 
 
 def _config_text(**changes) -> str:
@@ -279,21 +294,55 @@ PLAN_CASES = [
 def test_plan_refuses_bad_numbers_and_configs(case_id, config, extra, words, tmp_path):
     (tmp_path / "src.json").write_text(config)
     (tmp_path / "dst.json").write_text(_config_text())
-    result = run("plan", "--src", str(tmp_path / "src.json"), "--dst", str(tmp_path / "dst.json"), "--device", "cpu",
-                 "--samples", "8", *extra)
+    result = run(
+        "plan",
+        "--src",
+        str(tmp_path / "src.json"),
+        "--dst",
+        str(tmp_path / "dst.json"),
+        "--device",
+        "cpu",
+        "--samples",
+        "8",
+        *extra,
+    )
     assert_clean_exit(result, 2, words)
 
 
 def test_plan_warns_about_a_sequence_past_the_models_positions(tmp_path):
     (tmp_path / "m.json").write_text(_config_text())
-    result = run("plan", "--src", str(tmp_path / "m.json"), "--dst", str(tmp_path / "m.json"), "--device", "cpu",
-                 "--samples", "8", "--seq-len", "1000000000000", "--json")
+    result = run(
+        "plan",
+        "--src",
+        str(tmp_path / "m.json"),
+        "--dst",
+        str(tmp_path / "m.json"),
+        "--device",
+        "cpu",
+        "--samples",
+        "8",
+        "--seq-len",
+        "1000000000000",
+        "--json",
+    )
     assert result.exit_code == 4, result.output  # nothing fits a 10^12-token sequence: plan's verdict (ux-2 U26)
     assert "--seq-len 1000000000000 is longer than the 512 positions" in " ".join(result.stderr.split())
     planned = json.loads(result.stdout)
     assert planned["workload"]["seq_len"] == 10**12 and planned["fits"] is False
-    short = run("plan", "--src", str(tmp_path / "m.json"), "--dst", str(tmp_path / "m.json"), "--device", "cpu",
-                "--samples", "8", "--seq-len", "256", "--json")
+    short = run(
+        "plan",
+        "--src",
+        str(tmp_path / "m.json"),
+        "--dst",
+        str(tmp_path / "m.json"),
+        "--device",
+        "cpu",
+        "--samples",
+        "8",
+        "--seq-len",
+        "256",
+        "--json",
+    )
     assert short.exit_code == 0 and "longer than" not in short.stderr
 
 
@@ -316,8 +365,7 @@ def test_pull_stages_inside_the_stores_tmp_which_gc_cleans(tmp_path, monkeypatch
         assert result.version.version == 1 and not any(tmp.iterdir())  # removed once registered
 
 
-def test_stale_checkpoint_temporaries_are_swept_when_a_fit_starts(tmp_path, monkeypatch, tiny_model_dirs,
-                                                                   text_corpus):
+def test_stale_checkpoint_temporaries_are_swept_when_a_fit_starts(tmp_path, monkeypatch, tiny_model_dirs, text_corpus):
     from kvhub.fitting.checkpoint import sweep_temporaries
 
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
@@ -332,9 +380,33 @@ def test_stale_checkpoint_temporaries_are_swept_when_a_fit_starts(tmp_path, monk
     os.utime(other, (old, old))
     assert sweep_temporaries(checkpoints, older_than_s=10 * 3600) == []
     src, dst = tiny_model_dirs
-    result = run("fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--samples", "12",
-                 "--seq-len", "24", "--stride", "1", "--lambda", "1e-9", "--dtype", "float32", "--batch-size", "1",
-                 "--device", "cpu", "--out", str(tmp_path / "out"), "--db", str(tmp_path / "kvhub.db"))
+    result = run(
+        "fit",
+        "--src",
+        str(src),
+        "--dst",
+        str(dst),
+        "--calib",
+        str(text_corpus),
+        "--samples",
+        "12",
+        "--seq-len",
+        "24",
+        "--stride",
+        "1",
+        "--lambda",
+        "1e-9",
+        "--dtype",
+        "float32",
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path / "out"),
+        "--db",
+        str(tmp_path / "kvhub.db"),
+    )
     assert result.exit_code == 0, result.output
     assert not stale.exists() and fresh.exists() and other.exists()
 
@@ -383,4 +455,3 @@ def test_from_pretrained_refuses_odd_names_before_any_store_or_hub(case_id, name
 def test_store_commands_do_not_read_urls_as_references(tmp_path):
     db, _ = _imported(tmp_path)
     assert_clean_exit(run("show", "https://huggingface.co/o/n", "--db", db), 2, "is a URL, not a mapper reference")
-

@@ -42,8 +42,11 @@ def test_every_environment_variable_is_declared_once_and_documented():
 
     declared = {v.name: v for v in VARIABLES}
     assert len(declared) == len(VARIABLES), "a variable is declared twice"
-    named = {name for path in (ROOT / "kvhub").rglob("*.py")
-             for name in re.findall(r"KVHUB_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
+    named = {
+        name
+        for path in (ROOT / "kvhub").rglob("*.py")
+        for name in re.findall(r"KVHUB_[A-Z0-9_]*[A-Z0-9]", path.read_text())
+    }
     assert named <= set(declared), f"add to kvhub.env.VARIABLES: {sorted(named - set(declared))}"
     for variable in VARIABLES:
         reader = ROOT / (variable.read_by.replace(".", "/") + ".py")
@@ -51,4 +54,5 @@ def test_every_environment_variable_is_declared_once_and_documented():
     assert f"`{DESHRINK_DEFAULT}`" == declared["KVHUB_DESHRINK"].default
     table = _variables_table()
     assert table in (ROOT / "docs" / "configuration.md").read_text(), (
-        "docs/configuration.md is out of step with kvhub.env.VARIABLES; its table is:\n" + table)
+        "docs/configuration.md is out of step with kvhub.env.VARIABLES; its table is:\n" + table
+    )

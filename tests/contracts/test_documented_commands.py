@@ -70,7 +70,7 @@ def shell_commands(line: str) -> list[list[str]]:
             continue
         for stop in ("|", ">", "2>"):
             if stop in words:
-                words = words[:words.index(stop)]
+                words = words[: words.index(stop)]
         commands.append([str(Path(w).expanduser()) if w.startswith("~/") else w for w in words[1:]])
     return commands
 
@@ -84,7 +84,7 @@ def synopsis(words: list[str]) -> tuple[list[str], list[str]]:
         if inner is None:
             break
         optional += re.findall(r"--[\w-]+", inner.group())
-        text = text[:inner.start()] + text[inner.end():]
+        text = text[: inner.start()] + text[inner.end() :]
     return text.split(), optional
 
 
@@ -159,4 +159,6 @@ def test_U3_13_cli_reference_is_the_help():
     for path, command in walk(main, ["kvhub"]):
         section = text.split(f"## {' '.join(path)}\n", 1)[1].split("\n## ", 1)[0]
         assert "-h, --help" in section, f"docs/cli.md shows no -h for {' '.join(path)}: run scripts/gen_cli_docs.py"
-        assert help_text(path, command) in section, f"docs/cli.md's {' '.join(path)} is not its -h: run scripts/gen_cli_docs.py"
+        assert help_text(path, command) in section, (
+            f"docs/cli.md's {' '.join(path)} is not its -h: run scripts/gen_cli_docs.py"
+        )

@@ -55,11 +55,16 @@ def _targets(node: ast.AST, name: str, is_package: bool) -> list[str]:
         base = node.module or ""
         if node.level:
             package = name.split(".") if is_package else name.split(".")[:-1]
-            package = package[:len(package) - node.level + 1]
+            package = package[: len(package) - node.level + 1]
             base = ".".join(package + ([node.module] if node.module else []))
         return [f"{base}.{alias.name}" for alias in node.names] + [base]  # a submodule, or a name in base
-    if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+    if (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
         return [node.args[0].value]
     return []
 
@@ -83,8 +88,10 @@ def edges(source: str, *, name: str, is_package: bool, known) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     """module -> the kvhub modules it imports."""
     known = modules()
-    return {name: edges(path.read_text(), name=name, is_package=path.name == "__init__.py", known=known)
-            for name, path in known.items()}
+    return {
+        name: edges(path.read_text(), name=name, is_package=path.name == "__init__.py", known=known)
+        for name, path in known.items()
+    }
 
 
 def stage_of(module: str) -> int | None:
@@ -146,9 +153,12 @@ def test_every_module_has_a_stage():
 
 
 def test_no_module_imports_from_a_later_stage():
-    upward = [f"{name} ({STAGES[stage_of(name)][0]}) -> {target} ({STAGES[stage_of(target)][0]})"
-              for name, targets in sorted(import_graph().items()) for target in sorted(targets)
-              if stage_of(target) > stage_of(name)]
+    upward = [
+        f"{name} ({STAGES[stage_of(name)][0]}) -> {target} ({STAGES[stage_of(target)][0]})"
+        for name, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        if stage_of(target) > stage_of(name)
+    ]
     assert not upward, "imports from a later stage:\n" + "\n".join(upward)
 
 
@@ -158,8 +168,12 @@ def test_no_import_cycle():
 
 
 def test_the_cycle_finder_finds_a_planted_cycle():
-    planted = {"kvhub.core.mapper": {"kvhub.api"}, "kvhub.api": {"kvhub.hub"}, "kvhub.hub": {"kvhub.core.mapper"},
-               "kvhub.errors": set()}
+    planted = {
+        "kvhub.core.mapper": {"kvhub.api"},
+        "kvhub.api": {"kvhub.hub"},
+        "kvhub.hub": {"kvhub.core.mapper"},
+        "kvhub.errors": set(),
+    }
     assert cycles(planted) == [["kvhub.api", "kvhub.core.mapper", "kvhub.hub"]]
 
 
@@ -171,8 +185,17 @@ def test_no_module_over_500_lines():
 # Modules that import no torch, and must not load it through a package __init__ either: the CLI and the
 # serving launcher read them before any model loads.  A package __init__ is a face (light names, the heavy
 # ones lazily), so importing one of these costs what the module itself imports.
-TORCH_FREE = ["kvhub.serving.spec", "kvhub.serving.launch", "kvhub.serving.connector_config", "kvhub.calib.recipe",
-              "kvhub.fitting.options", "kvhub.core.deshrink", "kvhub.eval.catalog", "kvhub.env", "kvhub.errors"]
+TORCH_FREE = [
+    "kvhub.serving.spec",
+    "kvhub.serving.launch",
+    "kvhub.serving.connector_config",
+    "kvhub.calib.recipe",
+    "kvhub.fitting.options",
+    "kvhub.core.deshrink",
+    "kvhub.eval.catalog",
+    "kvhub.env",
+    "kvhub.errors",
+]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -180,42 +180,56 @@ def test_a_field_longer_than_its_column_is_refused_before_anything_is_copied(sto
 
 # ---- logging and the public API (fresh interpreters: both depend on what was imported before) -----------
 def _python(code: str, tmp_path: Path) -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path, env={**os.environ, "KVHUB_HOME": str(tmp_path / "home"),
-                                                "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "KVHUB_HOME": str(tmp_path / "home"),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        },
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
 
 def test_verbose_logs_debug_for_kvhub_only_never_http_headers(tmp_path):
     """httpcore logs raw response headers at DEBUG (a server may echo the token there); -v must not enable it."""
-    code = ("import logging\nfrom kvhub.cli.main import main\n"
-            "try:\n    main(['-v', 'list'])\nexcept SystemExit:\n    pass\n"
-            "print(logging.getLogger('httpcore.http11').isEnabledFor(logging.DEBUG),"
-            " logging.getLogger('huggingface_hub').isEnabledFor(logging.DEBUG),"
-            " logging.getLogger('kvhub.store').isEnabledFor(logging.DEBUG))")
+    code = (
+        "import logging\nfrom kvhub.cli.main import main\n"
+        "try:\n    main(['-v', 'list'])\nexcept SystemExit:\n    pass\n"
+        "print(logging.getLogger('httpcore.http11').isEnabledFor(logging.DEBUG),"
+        " logging.getLogger('huggingface_hub').isEnabledFor(logging.DEBUG),"
+        " logging.getLogger('kvhub.store').isEnabledFor(logging.DEBUG))"
+    )
     assert _python(code, tmp_path) == "False False True"
 
 
 def test_fit_and_handoff_stay_functions_whatever_was_imported(tmp_path):
-    code = ("import inspect\nfrom kvhub import fit\nimport kvhub, kvhub.fitting.fit, kvhub.serving.handoff\n"
-            "from kvhub import handoff\n"
-            "print(all(inspect.isfunction(f) for f in (fit, handoff, kvhub.fit, kvhub.handoff)))")
+    code = (
+        "import inspect\nfrom kvhub import fit\nimport kvhub, kvhub.fitting.fit, kvhub.serving.handoff\n"
+        "from kvhub import handoff\n"
+        "print(all(inspect.isfunction(f) for f in (fit, handoff, kvhub.fit, kvhub.handoff)))"
+    )
     assert _python(code, tmp_path) == "True"
 
 
 def test_the_store_and_the_hub_check_artifacts_without_torch(tmp_path):
     """kvhub.artifact (the format's one owner) is what the store and the Hub code run; none loads torch."""
-    code = ("import sys\nimport kvhub.artifact, kvhub.store, kvhub.hub\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys\nimport kvhub.artifact, kvhub.store, kvhub.hub\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     assert _python(code, tmp_path) == "[]"
 
 
 def test_the_cli_starts_without_torch(tmp_path):
     """Every command's module is imported to build the CLI; none may load torch or transformers at import
     (kvhub list / show / tag stay fast); they load on the first command that needs them."""
-    code = ("import sys\nimport kvhub.cli.main\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = "import sys\nimport kvhub.cli.main\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     assert _python(code, tmp_path) == "[]"
 
 

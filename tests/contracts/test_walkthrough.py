@@ -25,8 +25,7 @@ def kvhub_lines_only(result, command: str) -> None:
         assert line.strip() and not FOREIGN.search(line), f"kvhub {command} printed {line!r}"
 
 
-def test_fit_eval_report_push_pull_load_handoff(tiny_model_dirs, text_corpus, hub_env, caplog, tmp_path,
-                                                monkeypatch):
+def test_fit_eval_report_push_pull_load_handoff(tiny_model_dirs, text_corpus, hub_env, caplog, tmp_path, monkeypatch):
     import kvhub
     from kvhub.serving.handoff import handoff
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,17 +35,61 @@ def test_fit_eval_report_push_pull_load_handoff(tiny_model_dirs, text_corpus, hu
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))  # its evaluation results stay out of the user's cache
     src, dst = tiny_model_dirs
     db, fresh = str(tmp_path / "mine.db"), str(tmp_path / "fresh.db")
-    fitted = run("fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--samples", "12",
-                 "--seq-len", "24", "--dtype", "float32", "--device", "cpu", "--db", db, "--json")
+    fitted = run(
+        "fit",
+        "--src",
+        str(src),
+        "--dst",
+        str(dst),
+        "--calib",
+        str(text_corpus),
+        "--samples",
+        "12",
+        "--seq-len",
+        "24",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--db",
+        db,
+        "--json",
+    )
     kvhub_lines_only(fitted, "fit")
     ref = json.loads(fitted.stdout)["ref"]
-    evaluated = run("eval", ref, "--task", "ppl", "--ppl-calib", str(text_corpus), "--limit", "2", "--dtype",
-                    "float32", "--device", "cpu", "--db", db)
+    evaluated = run(
+        "eval",
+        ref,
+        "--task",
+        "ppl",
+        "--ppl-calib",
+        str(text_corpus),
+        "--limit",
+        "2",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--db",
+        db,
+    )
     kvhub_lines_only(evaluated, "eval")
     reported = run("report", ref, "--out", str(tmp_path / "report"), "--db", db)
     kvhub_lines_only(reported, "report")
-    pushed = run("push", ref, "--repo", "alice/tiny-kvmap", "--base-model", f"{HUB_SRC},{HUB_DST}",
-                 "--figures", str(tmp_path / "report"), "--license", "apache-2.0", "--db", db)
+    pushed = run(
+        "push",
+        ref,
+        "--repo",
+        "alice/tiny-kvmap",
+        "--base-model",
+        f"{HUB_SRC},{HUB_DST}",
+        "--figures",
+        str(tmp_path / "report"),
+        "--license",
+        "apache-2.0",
+        "--db",
+        db,
+    )
     kvhub_lines_only(pushed, "push")
     card = hub_env.server.file("alice/tiny-kvmap", "v1", "README.md").decode()
     assert "perplexity, mapped cache" in card and "r2_heatmap.png" in card and str(src) not in card

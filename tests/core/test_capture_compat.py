@@ -39,8 +39,9 @@ def test_generate_continues_the_given_cache():
     ids = torch.randint(0, 128, (1, 10))
     cache = run_model(model, ids[:, :-1])
     mask = torch.ones_like(ids)
-    with_cache = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                                **cache_kwargs(model, cache))
+    with_cache = model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **cache_kwargs(model, cache)
+    )
     assert cache.get_seq_length() == 10 + 6 - 1
     assert torch.equal(with_cache, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
 

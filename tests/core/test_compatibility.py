@@ -27,13 +27,16 @@ def test_the_fitted_models_pass(mapper):
     check_models(mapper, _model(SRC_ID), _model(DST_ID))
 
 
-@pytest.mark.parametrize("side, changes, words", [
-    ("source", {"rope_theta": 500000.0}, "source model's config has rope_parameters="),
-    ("target", {"vocab_size": 101}, "target model's config has vocab_size=101"),
-    ("target", {"intermediate_size": 128}, "target model's config has intermediate_size=128"),
-    ("source", {"rms_norm_eps": 1e-3}, "rms_norm_eps=0.001"),
-    ("source", {"num_key_value_heads": 4}, "layers/kv_heads/head_dim (2, 4, 8)"),
-])
+@pytest.mark.parametrize(
+    "side, changes, words",
+    [
+        ("source", {"rope_theta": 500000.0}, "source model's config has rope_parameters="),
+        ("target", {"vocab_size": 101}, "target model's config has vocab_size=101"),
+        ("target", {"intermediate_size": 128}, "target model's config has intermediate_size=128"),
+        ("source", {"rms_norm_eps": 1e-3}, "rms_norm_eps=0.001"),
+        ("source", {"num_key_value_heads": 4}, "layers/kv_heads/head_dim (2, 4, 8)"),
+    ],
+)
 def test_a_model_with_another_config_is_refused_naming_the_field(mapper, side, changes, words):
     source = _model(SRC_ID, **(changes if side == "source" else {}))
     target = _model(DST_ID, **(changes if side == "target" else {}))

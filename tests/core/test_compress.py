@@ -86,8 +86,12 @@ def test_reduced_rank_ridge_meets_its_closed_form_loss():
 def test_solve_rejects_groups_that_do_not_divide_the_widths():
     stats = KVStats(Layout(2, 6, 2, 6))
     gen = torch.Generator().manual_seed(2)
-    stats.update([torch.randn(50, 6, generator=gen)] * 2, [torch.randn(50, 6, generator=gen)] * 2,
-                 [torch.randn(50, 6, generator=gen)] * 2, [torch.randn(50, 6, generator=gen)] * 2)
+    stats.update(
+        [torch.randn(50, 6, generator=gen)] * 2,
+        [torch.randn(50, 6, generator=gen)] * 2,
+        [torch.randn(50, 6, generator=gen)] * 2,
+        [torch.randn(50, 6, generator=gen)] * 2,
+    )
     with pytest.raises(ConfigError, match="head groups"):
         solve(stats, top_k=1, ridge_lambda=0.01, structure=Structure(groups=4))
     with pytest.raises(ConfigError, match="rank"):
@@ -106,8 +110,15 @@ def family():
 
 
 def _fit(source, target, top_k=None, **options):
-    return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-               options=FitOptions(top_k=top_k, ridge_lambda=1e-9, stride=1, batch_size=8, **options))
+    return fit(
+        source,
+        target,
+        _ids(24, 32, 0),
+        _ids(6, 32, 1),
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(top_k=top_k, ridge_lambda=1e-9, stride=1, batch_size=8, **options),
+    )
 
 
 def _greedy(model, ids, cache=None):

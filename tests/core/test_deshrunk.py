@@ -24,8 +24,15 @@ def _ids(n, seed):
 @pytest.fixture(scope="module")
 def fitted():
     source, target = make_model(seed=1, num_hidden_layers=2), make_model(seed=2, num_hidden_layers=3)
-    mapper = fit(source, target, _ids(24, 0), _ids(6, 1), source_id="a", target_id="b",
-                 options=FitOptions(stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        _ids(24, 0),
+        _ids(6, 1),
+        source_id="a",
+        target_id="b",
+        options=FitOptions(stride=1, batch_size=8),
+    )
     return mapper, source
 
 

@@ -9,11 +9,22 @@ from kvhub.dtypes import DTYPE_NAMES, dtype_name, parse_dtype
 from kvhub.errors import ConfigError
 
 
-@pytest.mark.parametrize(("given", "expected"), [
-    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("torch.bfloat16", torch.bfloat16),
-    (" BF16 ", torch.bfloat16), ("fp32", torch.float32), ("float", torch.float32), ("half", torch.float16),
-    ("float16", torch.float16), ("double", torch.float64), (torch.float16, torch.float16), (None, None),
-])
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("torch.bfloat16", torch.bfloat16),
+        (" BF16 ", torch.bfloat16),
+        ("fp32", torch.float32),
+        ("float", torch.float32),
+        ("half", torch.float16),
+        ("float16", torch.float16),
+        ("double", torch.float64),
+        (torch.float16, torch.float16),
+        (None, None),
+    ],
+)
 def test_names_aliases_and_dtypes_parse(given, expected):
     assert parse_dtype(given) is expected
 

@@ -64,8 +64,15 @@ def _ids(n, t, seed):
 
 def _fit(source, target, *, checkpoint=None, **options):
     knobs = {"stride": 1, "batch_size": 8, **MLP, **options}
-    return fit(source, target, _ids(32, 64, 0), _ids(8, 64, 1), source_id="tiny/src", target_id="tiny/dst",
-               options=FitOptions(checkpoint=checkpoint, **knobs))
+    return fit(
+        source,
+        target,
+        _ids(32, 64, 0),
+        _ids(8, 64, 1),
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(checkpoint=checkpoint, **knobs),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +123,11 @@ def test_artifact_round_trip_and_transfer_applies_the_mlp(bent, tmp_path):
     loaded = Mapper.load(directory, deshrink="off")
     assert loaded.kind.name == "mlp" and "k.1.mlp.2.weight" in loaded.tensors
     ids = _ids(2, 40, 9)
-    ridge_only = Mapper({n: t for n, t in loaded.tensors.items() if ".mlp." not in n},
-                        {**loaded.metadata, "kind": "ridge"}, deshrink="off")
+    ridge_only = Mapper(
+        {n: t for n, t in loaded.tensors.items() if ".mlp." not in n},
+        {**loaded.metadata, "kind": "ridge"},
+        deshrink="off",
+    )
     for m in range(2):
         own = _target_rows(target, ids, m)
         with_mlp, ridge = _mapped_rows(loaded, source, ids, m), _mapped_rows(ridge_only, source, ids, m)
@@ -227,8 +237,9 @@ def test_the_card_names_the_kind_and_the_mlp(bent, tmp_path):
     assert "residual MLP (2 x 64, gelu)" in card and "ridge + residual MLP (2 x 64, gelu)" in card
 
 
-def test_cli_fit_map_mlp_registers_the_kind_and_refuses_distributed(tiny_model_dirs, tmp_path, monkeypatch,
-                                                                     text_corpus):
+def test_cli_fit_map_mlp_registers_the_kind_and_refuses_distributed(
+    tiny_model_dirs, tmp_path, monkeypatch, text_corpus
+):
     from click.testing import CliRunner
 
     from kvhub.cli.main import main
@@ -238,9 +249,33 @@ def test_cli_fit_map_mlp_registers_the_kind_and_refuses_distributed(tiny_model_d
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     db = f"sqlite:///{tmp_path / 'store.db'}"
     src, dst = tiny_model_dirs
-    args = ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--samples", "12", "--seq-len",
-            "24", "--stride", "1", "--dtype", "float32", "--device", "cpu", "--db", db, "--map", "mlp",
-            "--mlp-width", "8", "--mlp-epochs", "2"]
+    args = [
+        "fit",
+        "--src",
+        str(src),
+        "--dst",
+        str(dst),
+        "--calib",
+        str(text_corpus),
+        "--samples",
+        "12",
+        "--seq-len",
+        "24",
+        "--stride",
+        "1",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--db",
+        db,
+        "--map",
+        "mlp",
+        "--mlp-width",
+        "8",
+        "--mlp-epochs",
+        "2",
+    ]
     refused = CliRunner().invoke(main, [*args, "--distributed", "2"])
     assert refused.exit_code != 0 and "does not run distributed" in refused.output
     result = CliRunner().invoke(main, [*args, "--json"])
@@ -263,18 +298,30 @@ def test_the_previous_release_refuses_an_mlp_artifact_with_upgrade(bent, tmp_pat
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    if shutil.which("git") is None or subprocess.run(["git", "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
-                                                     cwd=root, capture_output=True).returncode != 0:
+    if (
+        shutil.which("git") is None
+        or subprocess.run(
+            ["git", "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"], cwd=root, capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip(f"needs the git history with commit {PREVIOUS_RELEASE}")
     old = tmp_path / "old"
     old.mkdir()
-    archive = subprocess.run(["git", "archive", PREVIOUS_RELEASE, "kvhub", "registry"], cwd=root,
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", PREVIOUS_RELEASE, "kvhub", "registry"], cwd=root, capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
     artifact = bent[2].save(tmp_path / "m")
     code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, str(artifact)], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(artifact)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode != 0
     assert "FormatVersionError" in done.stderr and "format version 4" in done.stderr and "upgrade" in done.stderr
 

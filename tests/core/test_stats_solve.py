@@ -82,7 +82,8 @@ def test_heldout_r2_from_statistics_matches_direct_computation():
     total = ((y[200:].double() - y[200:].double().mean(0)) ** 2).sum()
     # the statistics' fp32 products over 100 rows against an fp64 computation on the same rows
     assert r2_score(held, torch.arange(4), slice(None), weight, bias) == pytest.approx(
-        float(1 - resid / total), abs=rtol(torch.float32, terms=100))
+        float(1 - resid / total), abs=rtol(torch.float32, terms=100)
+    )
 
 
 def test_planted_map_recovered_with_right_source_layers():
@@ -145,8 +146,8 @@ def test_diagonal_gram_blocks_equal_the_exact_centred_blocks(dtype):
     y = x[:, :5] * 0.3 + torch.randn(600, 5, generator=gen)
     streamed, first, second = (Moments(12, 5, gram_blocks=3, dtype=dtype) for _ in range(3))
     for start in range(0, 600, 50):
-        streamed.update(x[start:start + 50], y[start:start + 50])
-        (first if start < 350 else second).update(x[start:start + 50], y[start:start + 50])
+        streamed.update(x[start : start + 50], y[start : start + 50])
+        (first if start < 350 else second).update(x[start : start + 50], y[start : start + 50])
     merged = first + second
     xc, yc = x.double() - x.double().mean(0), y.double() - y.double().mean(0)
     tolerance = dict(terms=600)  # fp32 products over 600 rows (fp32 totals add 12 roundings: far less)

@@ -23,13 +23,24 @@ WINDOW = 8
 
 
 def _config(layer_types, *, kv_heads, head_dim):
-    return make_config("gemma3_text", num_hidden_layers=len(layer_types), layer_types=list(layer_types),
-                       num_key_value_heads=kv_heads, head_dim=head_dim, sliding_window=WINDOW)
+    return make_config(
+        "gemma3_text",
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        sliding_window=WINDOW,
+    )
 
 
 SOURCE = _config([LOCAL, GLOBAL, LOCAL], kv_heads=2, head_dim=16)
 TARGET = _config([LOCAL, GLOBAL, LOCAL, GLOBAL], kv_heads=4, head_dim=32)
-STRUCTURES = {"dense": {}, "head-local": {"groups": 2}, "low-rank": {"rank": 8}, "head-local-low-rank": {"groups": 2, "rank": 4}}
+STRUCTURES = {
+    "dense": {},
+    "head-local": {"groups": 2},
+    "low-rank": {"rank": 8},
+    "head-local-low-rank": {"groups": 2, "rank": 4},
+}
 
 
 def _random_mapper(source=SOURCE, target=TARGET, *, k=2, groups=None, rank=None, sources=None, seed=0):
@@ -49,8 +60,10 @@ def _random_mapper(source=SOURCE, target=TARGET, *, k=2, groups=None, rank=None,
             tensors[f"{kind}.{m}.bias"] = torch.randn(width_out, generator=gen)
             shapes = [(fan_in, width_out)] if rank is None else [(fan_in, rank), (rank, width_out)]
             if groups is not None:
-                shapes = [(groups, rows // groups if i == 0 else rows, cols // groups if i == len(shapes) - 1 else cols)
-                          for i, (rows, cols) in enumerate(shapes)]
+                shapes = [
+                    (groups, rows // groups if i == 0 else rows, cols // groups if i == len(shapes) - 1 else cols)
+                    for i, (rows, cols) in enumerate(shapes)
+                ]
             names = ["weight"] if rank is None else ["weight_a", "weight_b"]
             for name, shape in zip(names, shapes):
                 tensors[f"{kind}.{m}.{name}"] = torch.randn(*shape, generator=gen) / shape[-2] ** 0.5
@@ -69,7 +82,7 @@ def _source_cache(batch, tokens, *, seed=1, config=SOURCE):
 def _row(cache, row):
     single = DynamicCache()
     for index, layer in enumerate(cache.layers):
-        single.update(layer.keys[row:row + 1].clone(), layer.values[row:row + 1].clone(), index)
+        single.update(layer.keys[row : row + 1].clone(), layer.values[row : row + 1].clone(), index)
     return single
 
 
@@ -86,8 +99,9 @@ def test_identity_maps_round_trip_rope_per_layer_type():
     perm = [[1], [0], [2]]  # local 0 and global 1 swap; local 2 reads itself
     mapper = _random_mapper(SOURCE, SOURCE, sources=perm)
     width = SOURCE.num_key_value_heads * SOURCE.head_dim
-    mapper.tensors = {name: (torch.eye(width) if name.endswith("weight") else torch.zeros(width))
-                      for name in mapper.tensors}
+    mapper.tensors = {
+        name: (torch.eye(width) if name.endswith("weight") else torch.zeros(width)) for name in mapper.tensors
+    }
     cache = _source_cache(2, 12)
     positions = torch.arange(12).expand(2, 12) + torch.tensor([[0], [5]])
     keys = [layer.keys for layer in cache.layers]
@@ -114,8 +128,9 @@ def _dense_equivalent(mapper, kind, m):
     dense = torch.zeros(k * width, groups * cols_per_group)
     for g in range(groups):
         for j in range(k):
-            dense[j * width + g * step:j * width + (g + 1) * step, g * cols_per_group:(g + 1) * cols_per_group] = \
-                weight[g, j * step:(j + 1) * step]
+            dense[j * width + g * step : j * width + (g + 1) * step, g * cols_per_group : (g + 1) * cols_per_group] = (
+                weight[g, j * step : (j + 1) * step]
+            )
     return dense
 
 
@@ -140,10 +155,10 @@ def test_batch_of_three_matches_per_row_transfers(structure):
     batched = mapper.transfer(cache, position_ids=positions)
     assert batched.layers[0].is_sliding and batched.layers[0].keys.shape == (3, 4, WINDOW - 1, 32)
     for row in range(3):
-        alone = mapper.transfer(_row(cache, row), position_ids=positions[row:row + 1])
+        alone = mapper.transfer(_row(cache, row), position_ids=positions[row : row + 1])
         for m, (got, want) in enumerate(zip(batched.layers, alone.layers)):
-            assert_close(got.keys[row:row + 1], want.keys, terms=_gemm_terms(mapper), msg=f"row {row} keys {m}")
-            assert_close(got.values[row:row + 1], want.values, terms=_gemm_terms(mapper), msg=f"row {row} values {m}")
+            assert_close(got.keys[row : row + 1], want.keys, terms=_gemm_terms(mapper), msg=f"row {row} keys {m}")
+            assert_close(got.values[row : row + 1], want.values, terms=_gemm_terms(mapper), msg=f"row {row} values {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -247,8 +262,9 @@ def test_cuda_mapper_takes_a_host_cache_with_one_host_synchronisation():
     for got, want in zip(out.layers, on_cpu.layers):
         for name in ("keys", "values"):
             expected = getattr(want, name)
-            torch.testing.assert_close(getattr(got, name).cpu(), expected, rtol=tolerance,
-                                       atol=tolerance * float(expected.abs().max()))
+            torch.testing.assert_close(
+                getattr(got, name).cpu(), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max())
+            )
     cache.layers[1].values[2, 0, 5, 0] = float("nan")
     with pytest.raises(NonFiniteError, match="source cache layer 1 "):
         gpu.transfer(cache, out=out)

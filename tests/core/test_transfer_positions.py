@@ -29,14 +29,23 @@ def test_transfer_at_offset_positions_is_the_targets_own_cache_there():
     source = make_model("qwen2", num_hidden_layers=2)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     train = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
-    mapper = fit(source, target, train[:12], train[12:], source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        train[:12],
+        train[12:],
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2))
     positions = torch.stack([torch.arange(40, 50), torch.arange(7, 17)])
     handed = []
     real = mapper.map_layers
-    mapper.map_layers = lambda keys, values, position_ids, **kw: (handed.append(position_ids), real(keys, values,
-                                                                                                  position_ids, **kw))[1]
+    mapper.map_layers = lambda keys, values, position_ids, **kw: (
+        handed.append(position_ids),
+        real(keys, values, position_ids, **kw),
+    )[1]
     mapped = mapper.transfer(_cache_at(source, ids, positions), position_ids=positions)
     assert len(handed) == 1 and torch.equal(handed[0].cpu(), positions)
     own = _cache_at(target, ids, positions)

@@ -21,10 +21,14 @@ from kvhub.serving.recompute import Recompute
 from tests.fixtures_calib import train_tokenizer
 from tests.tinymodels import exact_family_target, make_model
 
-FILLER = [f"Paragraph {i} tells how the {w} crossed the river and rested near the old mill." for i, w in
-          enumerate(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 3)]
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+FILLER = [
+    f"Paragraph {i} tells how the {w} crossed the river and rested near the old mill."
+    for i, w in enumerate(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 3)
+]
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,15 @@ def family():
     source = make_model("qwen2", num_hidden_layers=3, vocab_size=600, seed=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     ids = torch.randint(0, 600, (24, 48), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:20], ids[20:], source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids[:20],
+        ids[20:],
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     return source, target, mapper
 
 
@@ -83,8 +94,9 @@ def test_tokens_added_at_a_later_turn_see_only_earlier_positions(family):
     order = drop.entry_positions(together).tolist()
     for added, own in zip(cache.layers, together.layers):
         for index, position in enumerate([10, 11, 12]):
-            torch.testing.assert_close(added.keys[:, :, len(first) + index], own.keys[:, :, order.index(position)],
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                added.keys[:, :, len(first) + index], own.keys[:, :, order.index(position)], atol=1e-4, rtol=1e-4
+            )
     assert drop.entry_positions(cache).tolist() == first.tolist() + later.tolist()
 
 
@@ -94,8 +106,15 @@ def test_facts_score_drop_beside_the_handoff(tokenizer, family):
     source, target, mapper = family
     item = fact_items(tokenizer, FILLER, context_tokens=150, n=1, seed=2)[0]
     variants = [Recompute(2, 4, 1.0, "source"), Recompute(2, 4, 0.1, "source")]
-    whole, part = score_recall_item(item, mapper=mapper, control=control_mapper(mapper), source=source,
-                                    target=target, tokenizer=tokenizer, variants=variants)
+    whole, part = score_recall_item(
+        item,
+        mapper=mapper,
+        control=control_mapper(mapper),
+        source=source,
+        target=target,
+        tokenizer=tokenizer,
+        variants=variants,
+    )
     assert tuple(whole.exact) == LONG_CONDITIONS
     assert whole.logp["drop"] == pytest.approx(whole.logp["own"], abs=1e-3)
     assert abs(part.logp["drop"] - part.logp["own"]) > 1e-2
@@ -105,12 +124,22 @@ def test_facts_score_drop_beside_the_handoff(tokenizer, family):
 def test_gist_scores_drop_and_summarizes_its_gap(tokenizer, family):
     source, target, mapper = family
     item = gist_items("document", tokenizer, context_tokens=120, n=1, seed=0, filler=FILLER)[0]
-    (score,) = score_gist_item(item, mapper=mapper, control=control_mapper(mapper), source=source, target=target,
-                               tokenizer=tokenizer, variants=[Recompute(2, 4, 0.1, "source")], answer_tokens=6)
+    (score,) = score_gist_item(
+        item,
+        mapper=mapper,
+        control=control_mapper(mapper),
+        source=source,
+        target=target,
+        tokenizer=tokenizer,
+        variants=[Recompute(2, 4, 0.1, "source")],
+        answer_tokens=6,
+    )
     assert score.nll["mapped"] == pytest.approx(score.nll["own"], abs=1e-3)
     assert abs(score.nll["drop"] - score.nll["own"]) > 1e-3
-    scores = [GistScore("a", {"own": 1.0, "mapped": 1.5, "drop": 2.5, "control": 2.8, "floor": 3.0}, []),
-              GistScore("b", {"own": 1.0, "mapped": 1.5, "drop": 2.5, "control": 2.8, "floor": 3.0}, [])]
+    scores = [
+        GistScore("a", {"own": 1.0, "mapped": 1.5, "drop": 2.5, "control": 2.8, "floor": 3.0}, []),
+        GistScore("b", {"own": 1.0, "mapped": 1.5, "drop": 2.5, "control": 2.8, "floor": 3.0}, []),
+    ]
     summary = summarize_gist(scores)
     assert summary["gap_closed_mapped"] == pytest.approx(0.75) and summary["gap_closed_drop"] == pytest.approx(0.25)
     assert summary["gap_closed_map_minus_drop"] == pytest.approx(0.5)
@@ -123,7 +152,7 @@ def test_followup_items_ask_turn_two_about_the_other_fact(tokenizer):
     for item in items:
         text = tokenizer.decode(item.prompt_ids)
         assert text.count(f"in room {item.answer}.") == 1 and text.endswith("is in room")
-        escalated = tokenizer.decode(item.prompt_ids[:item.meta["escalation_tokens"] + 1])
+        escalated = tokenizer.decode(item.prompt_ids[: item.meta["escalation_tokens"] + 1])
         assert escalated.endswith("vault is") and "In which room" not in escalated
         room = item.meta["room_at"]
         assert tokenizer.decode([item.prompt_ids[p] for p in room]).strip() == item.answer
@@ -135,8 +164,15 @@ def test_followup_conditions_on_an_exact_family(tokenizer, family):
     source, target, mapper = family
     item = followup_items(tokenizer, FILLER, context_tokens=200, n=1, seed=1)[0]
     variants = [Recompute(2, 4, 0.1, "source"), Recompute(2, 4, 1.0, "source")]
-    part, whole = score_followup_item(item, mapper=mapper, control=control_mapper(mapper), source=source,
-                                      target=target, tokenizer=tokenizer, variants=variants)
+    part, whole = score_followup_item(
+        item,
+        mapper=mapper,
+        control=control_mapper(mapper),
+        source=source,
+        target=target,
+        tokenizer=tokenizer,
+        variants=variants,
+    )
     assert tuple(part.exact) == FOLLOWUP_CONDITIONS
     for condition in ("mapped", "reselect"):
         assert part.logp[condition] == pytest.approx(part.logp["own"], abs=1e-3)

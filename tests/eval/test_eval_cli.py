@@ -14,8 +14,15 @@ from kvhub.cli.main import main
 from kvhub.eval.tasks import Item
 from tests.fixtures_calib import registered_tiny_family
 
-ITEMS = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"], label=i % 3,
-              id=f"hellaswag/validation/{i}") for i in range(2)]
+ITEMS = [
+    Item(
+        context=f"d00{i} d00{i} d011 d011 d012",
+        continuations=[" d013", " d020 d020", " d033"],
+        label=i % 3,
+        id=f"hellaswag/validation/{i}",
+    )
+    for i in range(2)
+]
 PASSAGES = tuple(f"d0{i % 40:02d} d011 d0{(7 * i) % 40:02d} d012 d020 d021 d0{(3 * i) % 40:02d}." for i in range(40))
 
 
@@ -53,22 +60,55 @@ def test_recompute_options_make_the_variants_every_task_scores(env):
     labelled with its own fields.  Planted bugs caught: --select beyond the first ignored, --variant ignored,
     ppl dropping selective variants, summaries labelled from another variant."""
     ref, db = env
-    result = _run("eval", ref, "--db", db, "--device", "cpu", "--dtype", "float32", "--task", "hellaswag",
-                  "--task", "ppl", "--limit", "2", "--ppl-seq-len", "24", "--exact-prefix", "1",
-                  "--exact-budget", "0", "--exact-budget", "0.5", "--select", "source", "--select", "random",
-                  "--variant", "handoff", "--json")
+    result = _run(
+        "eval",
+        ref,
+        "--db",
+        db,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--task",
+        "hellaswag",
+        "--task",
+        "ppl",
+        "--limit",
+        "2",
+        "--ppl-seq-len",
+        "24",
+        "--exact-prefix",
+        "1",
+        "--exact-budget",
+        "0",
+        "--exact-budget",
+        "0.5",
+        "--select",
+        "source",
+        "--select",
+        "random",
+        "--variant",
+        "handoff",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    expected = {"exact_prefix=1": (1, 0, 0.0, None),
-                "exact_prefix=1,exact_budget=0.5,select=source": (1, 0, 0.5, "source"),
-                "exact_prefix=1,exact_budget=0.5,select=random": (1, 0, 0.5, "random"),
-                "exact_prefix=4,exact_suffix=16,exact_budget=0.08,select=source": (4, 16, 0.08, "source")}
+    expected = {
+        "exact_prefix=1": (1, 0, 0.0, None),
+        "exact_prefix=1,exact_budget=0.5,select=source": (1, 0, 0.5, "source"),
+        "exact_prefix=1,exact_budget=0.5,select=random": (1, 0, 0.5, "random"),
+        "exact_prefix=4,exact_suffix=16,exact_budget=0.08,select=source": (4, 16, 0.08, "source"),
+    }
     assert [v["name"] for v in doc["config"]["variants"]] == list(expected)
     for task in ("hellaswag", "ppl:lambada/24"):
         for name, fields in expected.items():
             summary = doc["results"][f"{task}@{name}"]
-            assert (summary["exact_prefix"], summary["exact_suffix"], summary["exact_budget"],
-                    summary["select"]) == fields and summary["variant"] == name
+            assert (
+                summary["exact_prefix"],
+                summary["exact_suffix"],
+                summary["exact_budget"],
+                summary["select"],
+            ) == fields and summary["variant"] == name
             assert summary["n"] == 2
     for name in expected:  # an exact family: the handoff scores as the target's own cache
         assert doc["results"][f"hellaswag@{name}"]["acc_mapped"] == doc["results"][f"hellaswag@{name}"]["acc_own"]
@@ -85,8 +125,25 @@ def test_bench_times_the_recompute_it_is_given(env, monkeypatch):
     seen = []
     real = continuation.prepare_cache
     monkeypatch.setattr(continuation, "prepare_cache", lambda *a, **k: (seen.append(k["recompute"]), real(*a, **k))[1])
-    result = _run("bench", ref, "--db", db, "--device", "cpu", "--dtype", "float32", "--lengths", "16,24",
-                  "--repeats", "1", "--exact-budget", "0.25", "--select", "random", "--json")
+    result = _run(
+        "bench",
+        ref,
+        "--db",
+        db,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--lengths",
+        "16,24",
+        "--repeats",
+        "1",
+        "--exact-budget",
+        "0.25",
+        "--select",
+        "random",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert [row["tokens"] for row in doc["rows"]] == [16, 24]
@@ -94,8 +151,23 @@ def test_bench_times_the_recompute_it_is_given(env, monkeypatch):
     assert seen and {(s.exact_budget, s.select) for s in seen} == {(0.25, "random")}
     shown = json.loads(_run("show", ref, "--db", db, "--json").stdout)
     assert "bench:cpu:float32:16@exact_budget=0.25,select=random" in json.dumps(shown)
-    spec = _run("bench", ref, "--db", db, "--device", "cpu", "--dtype", "float32", "--lengths", "16",
-                "--repeats", "1", "--variant", "exact_suffix=2,exact_budget=0.5,select=target,queries=2", "--json")
+    spec = _run(
+        "bench",
+        ref,
+        "--db",
+        db,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--lengths",
+        "16",
+        "--repeats",
+        "1",
+        "--variant",
+        "exact_suffix=2,exact_budget=0.5,select=target,queries=2",
+        "--json",
+    )
     assert spec.exit_code == 0, spec.output
     assert (seen[-1].exact_suffix, seen[-1].exact_budget, seen[-1].select, seen[-1].queries) == (2, 0.5, "target", 2)
 

@@ -33,6 +33,11 @@ def test_U3_26_item_progress_is_labelled_items(tmp_path):
     heard = []
     items = [types.SimpleNamespace(id=f"hellaswag/validation/{i}") for i in range(3)]
     score = types.SimpleNamespace(as_dict=lambda: {"x": 1})
-    score_items(items, [tmp_path / "v.jsonl"], lambda item, missing: [score for _ in missing],
-                from_dict=lambda d: d, progress=lambda label, done, total: heard.append(label))
+    score_items(
+        items,
+        [tmp_path / "v.jsonl"],
+        lambda item, missing: [score for _ in missing],
+        from_dict=lambda d: d,
+        progress=lambda label, done, total: heard.append(label),
+    )
     assert set(heard) == {"items"}

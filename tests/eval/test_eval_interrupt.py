@@ -14,8 +14,11 @@ from kvhub.eval import run
 
 
 def test_U3_20_interrupted_eval_names_the_resume(monkeypatch):
-    loaded = types.SimpleNamespace(version=types.SimpleNamespace(tensors_sha256="0" * 64),
-                                   mapper=types.SimpleNamespace(deshrink="auto"), device="cpu")
+    loaded = types.SimpleNamespace(
+        version=types.SimpleNamespace(tensors_sha256="0" * 64),
+        mapper=types.SimpleNamespace(deshrink="auto"),
+        device="cpu",
+    )
     monkeypatch.setattr(eval_cmd, "_check_before_loading", lambda *a, **k: {})
     monkeypatch.setattr(eval_cmd, "_load_version", lambda *a, **k: (contextlib.nullcontext(), loaded))
     monkeypatch.setattr(run, "RunSettings", lambda *a, **k: None)

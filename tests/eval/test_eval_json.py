@@ -14,8 +14,15 @@ from kvhub.cli.main import main
 from kvhub.eval.tasks import Item
 from tests.fixtures_calib import train_tokenizer
 
-ITEMS = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"], label=i % 3,
-              id=f"hellaswag/validation/{i}") for i in range(4)]
+ITEMS = [
+    Item(
+        context=f"d00{i} d00{i} d011 d011 d012",
+        continuations=[" d013", " d020 d020", " d033"],
+        label=i % 3,
+        id=f"hellaswag/validation/{i}",
+    )
+    for i in range(4)
+]
 PASSAGES = tuple(f"d0{i % 40:02d} d011 d0{(7 * i) % 40:02d} d012 d020 d021 d0{(3 * i) % 40:02d}." for i in range(60))
 
 
@@ -37,23 +44,64 @@ def env(tmp_path, monkeypatch, text_corpus, tiny_model_dirs):
 
 def _fit(tiny_model_dirs, env, calib: str, out: str, *, samples: int = 12, seq_len: int = 24) -> str:
     src, dst = tiny_model_dirs
-    result = CliRunner().invoke(main, [
-        "fit", "--src", str(src), "--dst", str(dst), "--calib", calib, "--samples", str(samples), "--seq-len",
-        str(seq_len), "--stride", "1", "--lambda", "1e-9", "--dtype", "float32", "--batch-size", "1", "--device", "cpu",
-        "--db", env["db"], "--out", str(env["tmp"] / out), "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "fit",
+            "--src",
+            str(src),
+            "--dst",
+            str(dst),
+            "--calib",
+            calib,
+            "--samples",
+            str(samples),
+            "--seq-len",
+            str(seq_len),
+            "--stride",
+            "1",
+            "--lambda",
+            "1e-9",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "1",
+            "--device",
+            "cpu",
+            "--db",
+            env["db"],
+            "--out",
+            str(env["tmp"] / out),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)["ref"]
 
 
 def _eval(env, *args, ref=None):
-    return CliRunner().invoke(main, ["eval", ref or env["ref"], "--device", "cpu", "--dtype", "float32", "--db",
-                                     env["db"], *args])
+    return CliRunner().invoke(
+        main, ["eval", ref or env["ref"], "--device", "cpu", "--dtype", "float32", "--db", env["db"], *args]
+    )
 
 
 def test_json_is_lm_evals_shape_written_with_samples(env):
     out = env["tmp"] / "results"
-    result = _eval(env, "--task", "hellaswag", "--limit", "4", "--exact-prefix", "0", "--exact-prefix", "2", "--json",
-                   "--output-path", str(out), "--log-samples")
+    result = _eval(
+        env,
+        "--task",
+        "hellaswag",
+        "--limit",
+        "4",
+        "--exact-prefix",
+        "0",
+        "--exact-prefix",
+        "2",
+        "--json",
+        "--output-path",
+        str(out),
+        "--log-samples",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     config = doc["config"]
@@ -115,8 +163,9 @@ def test_item_cache_is_keyed_on_dtype_and_device(env, monkeypatch):
     args = ("--task", "hellaswag", "--limit", "2")
     assert _eval(env, *args).exit_code == 0 and len(calls) == 2
     assert _eval(env, *args).exit_code == 0 and len(calls) == 2  # same dtype and device: from the cache
-    other = CliRunner().invoke(main, ["eval", env["ref"], *args, "--device", "cpu", "--dtype", "bfloat16",
-                                      "--db", env["db"]])
+    other = CliRunner().invoke(
+        main, ["eval", env["ref"], *args, "--device", "cpu", "--dtype", "bfloat16", "--db", env["db"]]
+    )
     assert other.exit_code == 0, other.output
     assert len(calls) == 4  # a bfloat16 run never reuses float32 scores
     assert path != results_file("ab" * 32, "hellaswag", **base, deshrink="kv")
@@ -167,9 +216,15 @@ def test_ppl_scores_one_fixed_text_set_whatever_the_mappers_calibration(env, tin
 
     assert dataset["text_sha256"] == TextSet("lambada", "", PASSAGES).sha256
     out = env["tmp"] / "ppl.json"
-    assert _eval(env, "--task", "ppl", "--limit", "3", "--ppl-seq-len", "32", "--output-path", str(out),
-                 "--log-samples").exit_code == 0
-    windows = [json.loads(line) for line in next(env["tmp"].glob("samples_ppl_lambada_32_*.jsonl")).read_text().splitlines()]
+    assert (
+        _eval(
+            env, "--task", "ppl", "--limit", "3", "--ppl-seq-len", "32", "--output-path", str(out), "--log-samples"
+        ).exit_code
+        == 0
+    )
+    windows = [
+        json.loads(line) for line in next(env["tmp"].glob("samples_ppl_lambada_32_*.jsonl")).read_text().splitlines()
+    ]
     assert [(w["task"], w["doc_id"], w["tokens"]) for w in windows] == [("ppl:lambada/32", i, 16) for i in range(3)]
     total = sum(w["nll"]["own"] for w in windows) / (3 * 16)
     assert a["ppl_own"] == pytest.approx(math.exp(total), rel=1e-5)  # the windows are what the figure scored
@@ -182,8 +237,9 @@ def test_text_set_windows_are_a_fixed_prefix_stream():
     text_set = TextSet("t", "test", PASSAGES)
     three, five = (token_windows(text_set, tokenizer, windows=n, seq_len=16) for n in (3, 5))
     assert three.shape == (3, 16) and five.shape == (5, 16) and bool((five[:3] == three).all())
-    stream = [t for p in PASSAGES[:20] for t in tokenizer(p, add_special_tokens=False)["input_ids"] +
-              [tokenizer.eos_token_id]]
+    stream = [
+        t for p in PASSAGES[:20] for t in tokenizer(p, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
     assert five.flatten().tolist() == stream[:80]
     with pytest.raises(kvhub.errors.ConfigError, match="fewer than one window"):
         token_windows(TextSet("t", "test", ("d001",)), tokenizer, windows=1, seq_len=16)
@@ -211,15 +267,18 @@ def test_output_folder_named_from_a_ref_stays_inside_output_path(tmp_path, ref):
 
 
 def test_the_gist_task_reports_the_gap_closed_beside_the_control_and_stores_it(env):
-    result = _eval(env, "--task", "gist-code", "--context-tokens", "64", "--limit", "1", "--exact-prefix", "2", "--json")
+    result = _eval(
+        env, "--task", "gist-code", "--context-tokens", "64", "--limit", "1", "--exact-prefix", "2", "--json"
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    (name, summary), = doc["results"].items()
+    ((name, summary),) = doc["results"].items()
     assert name == "gist-code-64@exact_prefix=2" and summary["n"] == 1
     for key in ("nll_own", "nll_mapped", "nll_control", "nll_floor", "gap_closed_mapped", "gap_closed_control"):
         assert key in summary
     assert summary["gap_closed_mapped"] == pytest.approx(
-        (summary["nll_floor"] - summary["nll_mapped"]) / (summary["nll_floor"] - summary["nll_own"]))
+        (summary["nll_floor"] - summary["nll_mapped"]) / (summary["nll_floor"] - summary["nll_own"])
+    )
     assert doc["config"]["datasets"]["gist-code-64"]["n"] == 1
     shown = CliRunner().invoke(main, ["show", env["ref"], "--db", env["db"], "--json"])
     assert "gap_closed_mapped" in shown.stdout  # stored as metrics of the version

@@ -34,8 +34,10 @@ ANSWER_TOKENS = 4
 AGREEMENT = 12
 LAYERS = 2  # fewer than tinymodels' 3: every test here decodes a few hundred tokens
 LARGE_NAME = "tiny-large"
-PROMPTS = [f"Note {i}: the {who} crossed the river at dawn, left the {what} by the mill and walked on to"
-           for i, (who, what) in enumerate([("miller", "cart"), ("baker", "basket"), ("weaver", "loom")])]
+PROMPTS = [
+    f"Note {i}: the {who} crossed the river at dawn, left the {what} by the mill and walked on to"
+    for i, (who, what) in enumerate([("miller", "cart"), ("baker", "basket"), ("weaver", "loom")])
+]
 
 
 def save_char_tokenizer(directory) -> None:
@@ -161,8 +163,7 @@ def _start(pair: FakePair, server: str, name: str) -> ThreadingHTTPServer:
             self.wfile.write(payload)
 
         def error(self, status: int, message: str) -> None:
-            self.send(status, {"error": {"message": message, "type": "BadRequestError", "param": None,
-                                         "code": status}})
+            self.send(status, {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}})
 
         def do_GET(self):
             if self.path != "/v1/models":
@@ -179,13 +180,25 @@ def _start(pair: FakePair, server: str, name: str) -> ThreadingHTTPServer:
             if problem:
                 return self.error(400, problem)
             token_ids, logprobs, report = pair.answer(server, body)
-            choice = {"index": 0, "text": pair.tokenizer.decode(token_ids), "token_ids": token_ids,
-                      "finish_reason": "length"}
+            choice = {
+                "index": 0,
+                "text": pair.tokenizer.decode(token_ids),
+                "token_ids": token_ids,
+                "finish_reason": "length",
+            }
             if body.get("logprobs") is not None:
                 choice["logprobs"] = {"token_logprobs": logprobs, "tokens": [chr(t) for t in token_ids]}
-            self.send(200, {"id": "cmpl-0", "object": "text_completion", "model": name, "choices": [choice],
-                            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(token_ids)},
-                            "kv_transfer_params": report})
+            self.send(
+                200,
+                {
+                    "id": "cmpl-0",
+                    "object": "text_completion",
+                    "model": name,
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(token_ids)},
+                    "kv_transfer_params": report,
+                },
+            )
 
     http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     http.daemon_threads = True
@@ -239,8 +252,9 @@ def items(models, tokenizer):
     for index, text in enumerate(PROMPTS):
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         answer = greedy(models["large"], prompt, ANSWER_TOKENS)
-        out.append(RecallItem(f"hand-{index}", prompt, answer, tokenizer.decode(answer),
-                              {"context_tokens": len(prompt)}))
+        out.append(
+            RecallItem(f"hand-{index}", prompt, answer, tokenizer.decode(answer), {"context_tokens": len(prompt)})
+        )
     return out
 
 
@@ -250,10 +264,14 @@ def expected(models, items):
     rows = []
     for item in items:
         longer = max(ANSWER_TOKENS, AGREEMENT)
-        rows.append({"own": greedy(models["large"], item.prompt_ids, longer),
-                     "control": greedy(models["control"], item.prompt_ids, longer),
-                     "source": greedy(models["small"], item.prompt_ids, ANSWER_TOKENS),
-                     "floor": greedy(models["large"], item.prompt_ids[-FLOOR_TOKENS:], ANSWER_TOKENS)})
+        rows.append(
+            {
+                "own": greedy(models["large"], item.prompt_ids, longer),
+                "control": greedy(models["control"], item.prompt_ids, longer),
+                "source": greedy(models["small"], item.prompt_ids, ANSWER_TOKENS),
+                "floor": greedy(models["large"], item.prompt_ids[-FLOOR_TOKENS:], ANSWER_TOKENS),
+            }
+        )
     for row, item in zip(rows, items):  # the known answers below need each condition to be told apart
         assert row["own"][:ANSWER_TOKENS] == item.answer_ids and len(item.prompt_ids) > FLOOR_TOKENS
         assert row["control"][:ANSWER_TOKENS] != item.answer_ids and row["source"] != item.answer_ids
@@ -262,8 +280,9 @@ def expected(models, items):
 
 def _evaluate(pair, tokenizer, items, **options) -> dict:
     small, large = Endpoint(pair.small_url, pair.small_name), Endpoint(pair.large_url, LARGE_NAME)
-    return evaluate_served(small, large, tokenizer, task="hand", context_tokens=64, items=items,
-                           agreement_tokens=AGREEMENT, **options)
+    return evaluate_served(
+        small, large, tokenizer, task="hand", context_tokens=64, items=items, agreement_tokens=AGREEMENT, **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -289,12 +308,20 @@ def test_each_condition_is_scored_from_its_own_request(scored, tokenizer, items,
     fraction = sum(EXACT_TAIL / (len(item.prompt_ids) - 1) for item in items) / len(items)
     assert summary["recomputed_fraction"] == pytest.approx(fraction)
     assert summary["context_tokens"] == sum(len(item.prompt_ids) for item in items) / len(items)
-    assert (summary["task"], summary["requested_context_tokens"], summary["agreement_tokens"]) == ("hand", 64, AGREEMENT)
+    assert (summary["task"], summary["requested_context_tokens"], summary["agreement_tokens"]) == (
+        "hand",
+        64,
+        AGREEMENT,
+    )
     for record, row, item in zip(summary["samples"], expected, items):
         assert record["doc_id"] == item.id and record["gold"] == item.answer
         assert record["prediction"] == {
-            "own": item.answer, "mapped": item.answer, "control": tokenizer.decode(row["control"][:ANSWER_TOKENS]),
-            "source": tokenizer.decode(row["source"]), "floor": tokenizer.decode(row["floor"])}
+            "own": item.answer,
+            "mapped": item.answer,
+            "control": tokenizer.decode(row["control"][:ANSWER_TOKENS]),
+            "source": tokenizer.decode(row["source"]),
+            "floor": tokenizer.decode(row["floor"]),
+        }
         assert record["logprobs"] == {c: 0.0 for c in SERVED_CONDITIONS} and record["recomputed"] == EXACT_TAIL
         assert record["agreement"]["mapped"] == AGREEMENT and record["transfer_reported"]
 
@@ -304,7 +331,7 @@ def test_requests_go_one_at_a_time_small_own_mapped_control_floor(scored, items)
     assert len(requests) == 5 * len(items)
     salts = []
     for index, item in enumerate(items):
-        source, own, mapped, control, floor = requests[5 * index: 5 * index + 5]
+        source, own, mapped, control, floor = requests[5 * index : 5 * index + 5]
         tenant = source[1]
         assert source == ("small", tenant, False, len(item.prompt_ids)) and tenant.startswith(served.TENANT_PREFIX)
         assert own[0] == "large" and own[1] != tenant and not own[2]
@@ -324,8 +351,9 @@ def test_planted_client_bugs_change_the_result(scored, pair, tokenizer, items, m
     def unsalted_mapped(self, prompt_ids, *, max_tokens, cache_salt, kv_transfer_params=None):
         if self.url == pair.large_url and kv_transfer_params is None and (cache_salt, tuple(prompt_ids)) in pair.stored:
             cache_salt = None
-        return complete(self, prompt_ids, max_tokens=max_tokens, cache_salt=cache_salt,
-                        kv_transfer_params=kv_transfer_params)
+        return complete(
+            self, prompt_ids, max_tokens=max_tokens, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params
+        )
 
     monkeypatch.setattr(Endpoint, "complete", unsalted_mapped)
     unsalted = _evaluate(pair, tokenizer, items[:2])
@@ -398,14 +426,40 @@ def test_bad_options_are_refused_before_any_request():
 # ---- the command -------------------------------------------------------------------------------------
 def test_json_document_and_samples(pair, tmp_path):
     out = tmp_path / "results.json"
-    result = _invoke("--small", pair.small_url, "--large", pair.large_url, "--task", "code", "--context-tokens", 64,
-                     "--limit", 1, "--agreement-tokens", 4, "--json", "--output-path", out, "--log-samples")
+    result = _invoke(
+        "--small",
+        pair.small_url,
+        "--large",
+        pair.large_url,
+        "--task",
+        "code",
+        "--context-tokens",
+        64,
+        "--limit",
+        1,
+        "--agreement-tokens",
+        4,
+        "--json",
+        "--output-path",
+        out,
+        "--log-samples",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert json.loads(out.read_text()) == doc
     summary = doc["results"]["code-64"]
-    for key in ("acc_own", "acc_mapped", "acc_control", "acc_source", "acc_floor", "retention_ci",
-                "map_minus_control_ci", "median_agreement_mapped", "median_agreement_control", "recomputed_fraction"):
+    for key in (
+        "acc_own",
+        "acc_mapped",
+        "acc_control",
+        "acc_source",
+        "acc_floor",
+        "retention_ci",
+        "map_minus_control_ci",
+        "median_agreement_mapped",
+        "median_agreement_control",
+        "recomputed_fraction",
+    ):
         assert key in summary, key
     assert summary["n"] == 1 and summary["acc_own"] == summary["acc_mapped"] and summary["transfers_reported"] == 1
     assert summary["median_agreement_mapped"] == summary["agreement_tokens"] == 4  # the stand-in's map is exact
@@ -418,8 +472,20 @@ def test_json_document_and_samples(pair, tmp_path):
 
 
 def test_table_and_a_server_error_through_the_command(pair):
-    args = ("--small", pair.small_url, "--large", pair.large_url, "--task", "code", "--context-tokens", 64,
-            "--limit", 1, "--agreement-tokens", 4)
+    args = (
+        "--small",
+        pair.small_url,
+        "--large",
+        pair.large_url,
+        "--task",
+        "code",
+        "--context-tokens",
+        64,
+        "--limit",
+        1,
+        "--agreement-tokens",
+        4,
+    )
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
     header, row = result.stdout.splitlines()[1:3]

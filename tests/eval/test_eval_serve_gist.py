@@ -18,7 +18,16 @@ from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, GistItem
 from kvhub.eval.served import Endpoint
 from kvhub.eval.served_gist import evaluate_served_gist
 from tests.eval.test_eval_serve import (  # noqa: F401  (pytest fixtures, shared with the facts tests)
-    EXACT_TAIL, LARGE_NAME, PROMPTS, _invoke, decode, models, module_pair, pair, tokenizer, tokenizer_dir,
+    EXACT_TAIL,
+    LARGE_NAME,
+    PROMPTS,
+    _invoke,
+    decode,
+    models,
+    module_pair,
+    pair,
+    tokenizer,
+    tokenizer_dir,
 )
 
 ANSWER = 6  # answer tokens: fewer than the default 48, a tiny model's decode per request
@@ -33,8 +42,9 @@ def items(tokenizer):
 
 def _evaluate(pair, items, **options) -> dict:
     small, large = Endpoint(pair.small_url, pair.small_name), Endpoint(pair.large_url, LARGE_NAME)
-    return evaluate_served_gist(small, large, task="gist-hand", context_tokens=64, items=items,
-                                answer_tokens=ANSWER, **options)
+    return evaluate_served_gist(
+        small, large, task="gist-hand", context_tokens=64, items=items, answer_tokens=ANSWER, **options
+    )
 
 
 def _nll(logprobs: list[float]) -> float:
@@ -46,9 +56,12 @@ def test_each_condition_scores_the_own_answer_teacher_forced(pair, items, models
     for record, item in zip(summary["samples"], items):
         answer, own = decode(models["large"], item.prompt_ids, ANSWER)
         assert record["answer"] == answer
-        expected = {"own": _nll(own), "mapped": _nll(own),
-                    "control": _nll(decode(models["control"], item.prompt_ids, ANSWER, answer)[1]),
-                    "floor": _nll(decode(models["large"], item.prompt_ids[-FLOOR_TOKENS:], ANSWER, answer)[1])}
+        expected = {
+            "own": _nll(own),
+            "mapped": _nll(own),
+            "control": _nll(decode(models["control"], item.prompt_ids, ANSWER, answer)[1]),
+            "floor": _nll(decode(models["large"], item.prompt_ids[-FLOOR_TOKENS:], ANSWER, answer)[1]),
+        }
         assert record["nll"] == pytest.approx(expected, rel=1e-6)
         assert record["gap_closed"]["mapped"] == pytest.approx(1.0)
         assert record["meta"]["exact_tokens"] == EXACT_TAIL
@@ -57,7 +70,8 @@ def test_each_condition_scores_the_own_answer_teacher_forced(pair, items, models
     assert summary["n"] == len(items) and summary["transfers_reported"] == len(items)
     assert summary["deshrink"] == "kv"  # as the large server reported it
     assert summary["recomputed_fraction"] == pytest.approx(
-        EXACT_TAIL * len(items) / sum(len(item.prompt_ids) - 1 for item in items))
+        EXACT_TAIL * len(items) / sum(len(item.prompt_ids) - 1 for item in items)
+    )
     assert (summary["task"], summary["answer_tokens"]) == ("gist-hand", ANSWER)
 
 
@@ -66,7 +80,7 @@ def test_requests_go_one_at_a_time_store_own_mapped_control_floor(pair, items):
     requests = pair.requests
     assert len(requests) == 5 * 2
     for index, item in enumerate(items[:2]):
-        store, own, mapped, control, floor = requests[5 * index: 5 * index + 5]
+        store, own, mapped, control, floor = requests[5 * index : 5 * index + 5]
         tenant = store[1]
         assert store == ("small", tenant, False, len(item.prompt_ids)) and tenant.startswith(served.TENANT_PREFIX)
         assert own[0] == "large" and own[1] != tenant
@@ -88,13 +102,38 @@ def test_a_server_that_does_not_force_is_refused_with_the_fix(pair, items):
 
 def test_the_command_scores_gist_code(pair, tmp_path):
     out = tmp_path / "results.json"
-    result = _invoke("--small", pair.small_url, "--large", pair.large_url, "--task", "gist-code",
-                     "--context-tokens", 64, "--limit", 1, "--json", "--output-path", out)
+    result = _invoke(
+        "--small",
+        pair.small_url,
+        "--large",
+        pair.large_url,
+        "--task",
+        "gist-code",
+        "--context-tokens",
+        64,
+        "--limit",
+        1,
+        "--json",
+        "--output-path",
+        out,
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["results"]["gist-code-64"]
     assert summary["n"] == 1 and summary["answer_tokens"] == ANSWER_TOKENS
-    assert summary["gap_closed_mapped"] == pytest.approx(1.0) and summary["nll_mapped"] == pytest.approx(summary["nll_own"])
-    table = _invoke("--small", pair.small_url, "--large", pair.large_url, "--task", "gist-code",
-                    "--context-tokens", 64, "--limit", 1)
+    assert summary["gap_closed_mapped"] == pytest.approx(1.0) and summary["nll_mapped"] == pytest.approx(
+        summary["nll_own"]
+    )
+    table = _invoke(
+        "--small",
+        pair.small_url,
+        "--large",
+        pair.large_url,
+        "--task",
+        "gist-code",
+        "--context-tokens",
+        64,
+        "--limit",
+        1,
+    )
     assert table.exit_code == 0, table.output
     assert "gap closed [95% CI]" in table.stdout and "gist-code-64" in table.stdout

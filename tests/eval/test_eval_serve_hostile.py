@@ -19,6 +19,7 @@ from kvhub.cli.main import main
 from kvhub.errors import ServeError
 from kvhub.eval import served
 from kvhub.eval.served import Endpoint
+
 NORMAL_EXACT = 3
 
 
@@ -36,10 +37,19 @@ def save_char_tokenizer(directory) -> None:
 def _completion(body: dict, mode: str) -> dict:
     n = body["max_tokens"]
     ids = (body.get("vllm_xargs") or {}).get("kvhub_force") or [65] * n
-    ids = {"str": ["a"] * n, "int": 5, "inf": [float("inf")] * n, "nan": [float("nan")] * n, "big": [2**63] * n,
-           "neg": [-1] * n, "float": [65.7] * n, "bool": [True] * n}.get(mode, ids)
+    ids = {
+        "str": ["a"] * n,
+        "int": 5,
+        "inf": [float("inf")] * n,
+        "nan": [float("nan")] * n,
+        "big": [2**63] * n,
+        "neg": [-1] * n,
+        "float": [65.7] * n,
+        "bool": [True] * n,
+    }.get(mode, ids)
     logprobs = {"poslp": [3.0] * n, "inflp": [float("-inf")] * n, "nanlp": [float("nan")] * n}.get(
-        mode, [-1.0 - i / 10 for i in range(n)])
+        mode, [-1.0 - i / 10 for i in range(n)]
+    )
     out = {"choices": [{"text": "A" * n, "token_ids": ids, "logprobs": {"token_logprobs": logprobs}}]}
     exact = {"exact_neg": -100, "exact_huge": 10**9, "exact_bool": True, "exact_float": 2.5}.get(mode, NORMAL_EXACT)
     if mode != "notransfer":
@@ -71,8 +81,11 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(0.01)
             except OSError:
                 return
-        raw = {"deep": b"[" * 100000 + b"]" * 100000, "ansi": b"\x1b]0;pwned\x07\x1b[2Jnot json",
-               "huge": b" " * (2 << 20) + b"{}"}.get(mode) or json.dumps(obj).encode()
+        raw = {
+            "deep": b"[" * 100000 + b"]" * 100000,
+            "ansi": b"\x1b]0;pwned\x07\x1b[2Jnot json",
+            "huge": b" " * (2 << 20) + b"{}",
+        }.get(mode) or json.dumps(obj).encode()
         status = 500 if mode == "ansi500" else 200
         if mode == "ansi500":
             raw = json.dumps({"error": {"message": "boom \x1b[2J\x1b]0;pwned\x07"}}).encode()
@@ -82,7 +95,7 @@ class _Handler(BaseHTTPRequestHandler):
         step = 4 if mode == "drip" else len(raw)
         try:
             for i in range(0, len(raw), step):
-                self.wfile.write(raw[i:i + step])
+                self.wfile.write(raw[i : i + step])
                 self.wfile.flush()
                 if mode == "drip":
                     time.sleep(0.3)
@@ -116,9 +129,27 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def _run(server, tokenizer_dir, *args, timeout=5):
-    result = CliRunner().invoke(main, ["eval-serve", "--small", server.url, "--large", server.url, "--tokenizer",
-                                       str(tokenizer_dir), "--task", "code", "--context-tokens", "64", "--limit", "1",
-                                       "--timeout", str(timeout), *map(str, args)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval-serve",
+            "--small",
+            server.url,
+            "--large",
+            server.url,
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--task",
+            "code",
+            "--context-tokens",
+            "64",
+            "--limit",
+            "1",
+            "--timeout",
+            str(timeout),
+            *map(str, args),
+        ],
+    )
     return result
 
 
@@ -152,8 +183,11 @@ BAD_ANSWERS = [  # (stub mode, what the one-line error says)
     pytest.param("exact_bool", "exact_tokens=true", id="R3_3-exact-tokens-bool"),
     pytest.param("exact_float", "exact_tokens=2.5", id="R3_3-exact-tokens-float"),
     pytest.param("notransfer", "reported no kvhub transfer", id="R3_3-mapped-without-any-transfer"),
-    pytest.param("ansi", r"answered something that is not JSON: \x1b]0;pwned\x07\x1b[2Jnot json",
-                 id="R3_8-terminal-escapes-in-body"),
+    pytest.param(
+        "ansi",
+        r"answered something that is not JSON: \x1b]0;pwned\x07\x1b[2Jnot json",
+        id="R3_8-terminal-escapes-in-body",
+    ),
     pytest.param("ansi500", r"answered HTTP 500: boom \x1b[2J\x1b]0;pwned\x07", id="R3_8-terminal-escapes-in-error"),
 ]
 
@@ -165,11 +199,14 @@ def test_a_malformed_answer_is_one_line(server, tokenizer_dir, mode, says):
     assert says in line and server.url in line
 
 
-@pytest.mark.parametrize("mode, says", [
-    pytest.param("poslp", "not log-probabilities", id="R3_3-positive-logprob"),
-    pytest.param("inflp", "not log-probabilities", id="R3_3-infinite-logprob"),
-    pytest.param("nanlp", "not log-probabilities", id="R3_3-nan-logprob"),
-])
+@pytest.mark.parametrize(
+    "mode, says",
+    [
+        pytest.param("poslp", "not log-probabilities", id="R3_3-positive-logprob"),
+        pytest.param("inflp", "not log-probabilities", id="R3_3-infinite-logprob"),
+        pytest.param("nanlp", "not log-probabilities", id="R3_3-nan-logprob"),
+    ],
+)
 def test_impossible_log_probabilities_are_refused(server, mode, says):
     """What the gist scores: +3.0 used to give a negative NLL, -inf a null one, both reported with exit 0."""
     server.mode = mode
@@ -185,8 +222,9 @@ def test_R3_5_a_body_past_the_cap_is_refused(server, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [pytest.param("drip", id="R3_5-slow-drip"),
-                                  pytest.param("endless", id="R3_5-endless-stream")])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("drip", id="R3_5-slow-drip"), pytest.param("endless", id="R3_5-endless-stream")]
+)
 def test_timeout_is_a_deadline_for_the_whole_answer(server, tokenizer_dir, mode):
     server.mode = mode
     started = time.monotonic()
@@ -204,8 +242,21 @@ BAD_OPTIONS = [  # (options, what the refusal says): exit 2 before any request
 
 @pytest.mark.parametrize("options, says", BAD_OPTIONS)
 def test_bad_numbers_are_refused_at_parse_time(server, tokenizer_dir, options, says):
-    result = CliRunner().invoke(main, ["eval-serve", "--small", server.url, "--large", server.url, "--tokenizer",
-                                       str(tokenizer_dir), "--task", "code", *options])
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval-serve",
+            "--small",
+            server.url,
+            "--large",
+            server.url,
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--task",
+            "code",
+            *options,
+        ],
+    )
     assert result.exit_code == 2 and says in result.output, result.output
     assert server.requests == []
 
@@ -217,12 +268,15 @@ def test_R3_8_a_password_in_a_url_is_never_echoed(server, tokenizer_dir):
     assert served.redacted("http://u:p@h:1/v1") == "http://***@h:1/v1" and served.redacted("h/v1") == "h/v1"
 
 
-@pytest.mark.parametrize("make_path", [
-    pytest.param(lambda tmp: (tmp / "F").write_text("x") and tmp / "F" / "out.json", id="R3_4-parent-is-a-file"),
-    pytest.param(lambda tmp: tmp / "F.txt" if (tmp / "F.txt").write_text("x") else None, id="R3_4-dir-is-a-file"),
-    pytest.param(lambda tmp: (tmp / "d.json").mkdir() or tmp / "d.json", id="R3_4-json-is-a-directory"),
-    pytest.param(lambda tmp: "/proc/x/out.json", id="R3_4-unwritable"),
-])
+@pytest.mark.parametrize(
+    "make_path",
+    [
+        pytest.param(lambda tmp: (tmp / "F").write_text("x") and tmp / "F" / "out.json", id="R3_4-parent-is-a-file"),
+        pytest.param(lambda tmp: tmp / "F.txt" if (tmp / "F.txt").write_text("x") else None, id="R3_4-dir-is-a-file"),
+        pytest.param(lambda tmp: (tmp / "d.json").mkdir() or tmp / "d.json", id="R3_4-json-is-a-directory"),
+        pytest.param(lambda tmp: "/proc/x/out.json", id="R3_4-unwritable"),
+    ],
+)
 def test_R3_4_output_path_is_checked_before_the_run(server, tokenizer_dir, tmp_path, make_path):
     result = _run(server, tokenizer_dir, "--output-path", make_path(tmp_path))
     assert result.exit_code == 2 and "--output-path" in result.output, result.output

@@ -24,15 +24,24 @@ def _ids(n, t, seed):
 def family():
     source = make_model("qwen2", num_hidden_layers=2, seed=11)
     target, _ = exact_family_target(source, insert_before=(1,))
-    mapper = fit(source, target, _ids(12, 32, 0), _ids(4, 32, 1), source_id="s", target_id="t",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        _ids(12, 32, 0),
+        _ids(4, 32, 1),
+        source_id="s",
+        target_id="t",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     return source, target, mapper
 
 
 def _tolerance(target) -> float:
     """fp32 rounding of the map (fitted over 12 x 32 tokens) and of the target's forward (MLP width per layer)."""
     config = target.config
-    return rtol(torch.float32, terms=12 * 32) + rtol(torch.float32, terms=config.intermediate_size * config.num_hidden_layers)
+    return rtol(torch.float32, terms=12 * 32) + rtol(
+        torch.float32, terms=config.intermediate_size * config.num_hidden_layers
+    )
 
 
 @torch.no_grad()
@@ -66,7 +75,9 @@ def test_zero_information_map_does_not_score_like_the_targets_own_cache(family):
     source, target, mapper = family
     metrics = continuation_metrics(control_mapper(mapper), source, target, _ids(3, 11, 5), context_len=CONTEXT)
     tolerance = _tolerance(target)
-    assert metrics.kl > 1e3 * tolerance and abs(metrics.ppl_mapped - metrics.ppl_own) > 1e3 * tolerance * metrics.ppl_own
+    assert (
+        metrics.kl > 1e3 * tolerance and abs(metrics.ppl_mapped - metrics.ppl_own) > 1e3 * tolerance * metrics.ppl_own
+    )
 
 
 def test_uniform_target_has_perplexity_vocab_size(family):
@@ -75,8 +86,9 @@ def test_uniform_target_has_perplexity_vocab_size(family):
     uniform, _ = exact_family_target(source, insert_before=(1,))
     with torch.no_grad():
         uniform.lm_head.weight.zero_()
-    metrics = continuation_metrics(mapper, source, uniform, _ids(2, 9, 6), context_len=CONTEXT,
-                                   recompute=Recompute(1, 2))
+    metrics = continuation_metrics(
+        mapper, source, uniform, _ids(2, 9, 6), context_len=CONTEXT, recompute=Recompute(1, 2)
+    )
     vocab = uniform.config.vocab_size
     for value in (metrics.ppl_own, metrics.ppl_mapped, metrics.ppl_no_context):
         assert value == pytest.approx(vocab, rel=rtol(torch.float32, terms=vocab))

@@ -10,6 +10,7 @@ from kvhub.eval.gist import GIST_CONDITIONS, GistScore, gap_closed, gist_items, 
 from kvhub.serving.spec import Recompute
 from tests.eval.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures
 
+
 def test_gap_closed_is_one_for_own_zero_for_the_floor_and_negative_below_it():
     nll = {"own": 1.0, "floor": 3.0, "mapped": 1.5, "control": 3.5}
     assert gap_closed(nll, "own") == 1.0 and gap_closed(nll, "floor") == 0.0
@@ -18,8 +19,10 @@ def test_gap_closed_is_one_for_own_zero_for_the_floor_and_negative_below_it():
 
 
 def test_the_summary_is_the_gap_closed_by_the_mean_nlls_with_intervals():
-    scores = [GistScore("a", {"own": 1.0, "floor": 3.0, "mapped": 2.0, "control": 3.0}, [1]),
-              GistScore("b", {"own": 1.0, "floor": 5.0, "mapped": 2.0, "control": 4.0}, [1])]
+    scores = [
+        GistScore("a", {"own": 1.0, "floor": 3.0, "mapped": 2.0, "control": 3.0}, [1]),
+        GistScore("b", {"own": 1.0, "floor": 5.0, "mapped": 2.0, "control": 4.0}, [1]),
+    ]
     summary = summarize_gist(scores)
     assert summary["nll_mapped"] == 2.0 and summary["nll_floor"] == 4.0
     assert summary["gap_closed_mapped"] == pytest.approx(2.0 / 3.0)  # (4 - 2) / (4 - 1), not the mean of ratios
@@ -31,12 +34,15 @@ def test_the_summary_is_the_gap_closed_by_the_mean_nlls_with_intervals():
 
 
 def test_items_ask_about_the_whole_context(tokenizer):
-    chat, document = (gist_items(kind, tokenizer, context_tokens=200, n=2, seed=1, filler=FILLER)[0]
-                      for kind in ("chat", "document"))
+    chat, document = (
+        gist_items(kind, tokenizer, context_tokens=200, n=2, seed=1, filler=FILLER)[0] for kind in ("chat", "document")
+    )
     assert "Summarize what we discussed" in tokenizer.decode(chat.prompt_ids)
     assert tokenizer.decode(document.prompt_ids).rstrip().endswith("<s>assistant")
     assert chat.meta["context_tokens"] >= 200 and document.meta["context_tokens"] >= 200
-    assert gist_items("chat", tokenizer, context_tokens=200, n=2, seed=1, filler=FILLER)[0].prompt_ids == chat.prompt_ids
+    assert (
+        gist_items("chat", tokenizer, context_tokens=200, n=2, seed=1, filler=FILLER)[0].prompt_ids == chat.prompt_ids
+    )
 
 
 def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokenizer, family):
@@ -45,8 +51,16 @@ def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokeniz
     source, target, mapper = family
     item = gist_items("document", tokenizer, context_tokens=120, n=1, seed=0, filler=FILLER)[0]
     variants = [Recompute(), Recompute(0, 0, 1.0, "random", spans="token")]
-    plain, everything = score_gist_item(item, mapper=mapper, control=control_mapper(mapper), source=source,
-                                        target=target, tokenizer=tokenizer, variants=variants, answer_tokens=12)
+    plain, everything = score_gist_item(
+        item,
+        mapper=mapper,
+        control=control_mapper(mapper),
+        source=source,
+        target=target,
+        tokenizer=tokenizer,
+        variants=variants,
+        answer_tokens=12,
+    )
     assert plain.nll["own"] < plain.nll["floor"], plain.nll  # the context informs the answer at all
     assert gap_closed(plain.nll, "mapped") == pytest.approx(1.0, abs=1e-3)
     assert gap_closed(plain.nll, "control") <= 0.05, plain.nll

@@ -51,8 +51,9 @@ def runs(pair, tmp_path_factory):
         out = {}
         for condition in ("own", "mapped", "source", "control"):
             args = f"mapper={ref},db={db},dtype=float32,device=cpu,condition={condition}"
-            out[condition] = lm_eval.simple_evaluate(model="kvhub", model_args=args, tasks=TASKS,
-                                                     task_manager=manager, log_samples=True)
+            out[condition] = lm_eval.simple_evaluate(
+                model="kvhub", model_args=args, tasks=TASKS, task_manager=manager, log_samples=True
+            )
         return out
     finally:
         os.chdir(cwd)
@@ -64,15 +65,18 @@ def _tolerance(target, loglikelihood: float) -> float:
     (fitted over 12 x 32 tokens) and of the target's forward, relative to itself; the sum of those errors is
     that relative error times sum |log p| = |log-likelihood| (every term is negative)."""
     config = target.config
-    relative = rtol(torch.float32, terms=12 * 32) + rtol(torch.float32,
-                                                         terms=config.intermediate_size * config.num_hidden_layers)
+    relative = rtol(torch.float32, terms=12 * 32) + rtol(
+        torch.float32, terms=config.intermediate_size * config.num_hidden_layers
+    )
     return relative * max(1.0, abs(loglikelihood))
 
 
 def _loglikelihoods(run, task) -> list[list[float]]:
     """Per document, the log-likelihood of each request (choice, text or nothing)."""
-    return [[float(r[0][0]) if isinstance(r[0], (tuple, list)) else float(r[0]) for r in s["resps"]]
-            for s in sorted(run["samples"][task], key=lambda s: s["doc_id"])]
+    return [
+        [float(r[0][0]) if isinstance(r[0], (tuple, list)) else float(r[0]) for r in s["resps"]]
+        for s in sorted(run["samples"][task], key=lambda s: s["doc_id"])
+    ]
 
 
 def _direct(model, context: list[int], continuation: list[int]) -> float:
@@ -94,7 +98,9 @@ def _lm(pair, condition="own", **model_args):
 def test_multiple_choice_own_is_the_target_mapped_equals_own_control_differs(pair, runs):
     _, _, source, target = pair
     lm = _lm(pair)
-    own, mapped, control, src = (_loglikelihoods(runs[c], "kvhub_tiny_mc") for c in ("own", "mapped", "control", "source"))
+    own, mapped, control, src = (
+        _loglikelihoods(runs[c], "kvhub_tiny_mc") for c in ("own", "mapped", "control", "source")
+    )
     docs = sorted(runs["own"]["samples"]["kvhub_tiny_mc"], key=lambda s: s["doc_id"])
     differ = 0
     for doc, o, m, c, s in zip(docs, own, mapped, control, src):
@@ -113,8 +119,9 @@ def test_rolling_loglikelihood_is_a_handoff_per_chunk(pair, runs):
     _, _, _, target = pair
     lm = _lm(pair)
     texts = [s["doc"]["text"] for s in sorted(runs["own"]["samples"]["kvhub_tiny_ppl"], key=lambda s: s["doc_id"])]
-    own, mapped, control = ([row[0] for row in _loglikelihoods(runs[c], "kvhub_tiny_ppl")]
-                            for c in ("own", "mapped", "control"))
+    own, mapped, control = (
+        [row[0] for row in _loglikelihoods(runs[c], "kvhub_tiny_ppl")] for c in ("own", "mapped", "control")
+    )
     for text, o, m, c in zip(texts, own, mapped, control):
         tokens = lm.tok_encode(text)
         assert len(tokens) > lm.rolling_chunk  # some chunk continues a mapped cache
@@ -138,14 +145,18 @@ def test_selective_variant_from_model_args_over_the_control_map_and_an_empty_con
     mapped_only = _lm(pair, "control")
     assert recomputed.recompute.exact_budget == 1.0 and recomputed.recompute.select == "target"
     context = "Text wrapping and filling. The TextWrapper instance attributes are public"
-    requests = [Instance("loglikelihood", {}, args, i) for i, args in enumerate([
-        (context, " width."), (context, " height and more."), ("", "import json")])]
+    requests = [
+        Instance("loglikelihood", {}, args, i)
+        for i, args in enumerate([(context, " width."), (context, " height and more."), ("", "import json")])
+    ]
     expected, got, control = (lm.loglikelihood(requests) for lm in (own, recomputed, mapped_only))
     for (o, _), (m, _) in zip(expected, got):
         assert m == pytest.approx(o, abs=_tolerance(target, o))
     assert all(abs(c - o) > 10 * _tolerance(target, o) for (o, _), (c, _) in zip(expected[:2], control[:2]))
     tokens = own.tok_encode("import json")
-    assert expected[2][0] == pytest.approx(_direct(target, [own.eot_token_id], tokens), abs=_tolerance(target, expected[2][0]))
+    assert expected[2][0] == pytest.approx(
+        _direct(target, [own.eot_token_id], tokens), abs=_tolerance(target, expected[2][0])
+    )
     ids = own.tok_encode(context)
     assert recomputed._generate(ids, 6, []) == own._generate(ids, 6, []) != mapped_only._generate(ids, 6, [])
 
@@ -160,7 +171,7 @@ def test_rolling_chunks_predict_every_token_once_within_max_length(pair):
         assert len(context) + len(predicted) - 1 <= lm.max_length  # what the models see
         full = [lm.prefix_token_id] + tokens
         start = full.index(predicted[0]) if predicted[0] in full else None
-        assert full[start - len(context):start] == context  # the tokens right before the chunk
+        assert full[start - len(context) : start] == context  # the tokens right before the chunk
 
 
 def test_greedy_generation_through_the_handoff(pair, runs):
@@ -168,15 +179,23 @@ def test_greedy_generation_through_the_handoff(pair, runs):
     lm = _lm(pair)
     own = [s["resps"][0][0] for s in sorted(runs["own"]["samples"]["kvhub_tiny_gen"], key=lambda s: s["doc_id"])]
     mapped = [s["resps"][0][0] for s in sorted(runs["mapped"]["samples"]["kvhub_tiny_gen"], key=lambda s: s["doc_id"])]
-    control = [s["resps"][0][0] for s in sorted(runs["control"]["samples"]["kvhub_tiny_gen"], key=lambda s: s["doc_id"])]
+    control = [
+        s["resps"][0][0] for s in sorted(runs["control"]["samples"]["kvhub_tiny_gen"], key=lambda s: s["doc_id"])
+    ]
     assert mapped == own and control != own
     docs = sorted(runs["own"]["samples"]["kvhub_tiny_gen"], key=lambda s: s["doc_id"])
     for doc, text in zip(docs, own):
         ids = torch.tensor([lm.tok_encode(doc["doc"]["context"])])
         with torch.no_grad():
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                  pad_token_id=lm.eot_token_id, eos_token_id=lm.eot_token_id)
-        assert text == lm.tok_decode(out[0, ids.shape[1]:].tolist()).split("\n")[0]
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=lm.eot_token_id,
+                eos_token_id=lm.eot_token_id,
+            )
+        assert text == lm.tok_decode(out[0, ids.shape[1] :].tolist()).split("\n")[0]
 
 
 def test_bad_model_args_are_kvhub_errors(pair):
@@ -184,11 +203,17 @@ def test_bad_model_args_are_kvhub_errors(pair):
     from kvhub.eval.lmeval import KVHubLM
 
     ref, db, _, _ = pair
-    for args, message in ((dict(condition="best"), "unknown condition"), (dict(exact_prefix="x"), "exact_prefix"),
-                          (dict(exact_suffix=1.5), "exact_suffix"), (dict(temperature=1), "unknown model_args"),
-                          (dict(mapper=None), "needs the mapper"), (dict(select="nope"), "token selector"),
-                          (dict(dtype="int8"), "dtype"), (dict(rolling_chunk=4096), "rolling_chunk"),
-                          (dict(deshrink="on"), "deshrink=.on.: use one of kv, v, off")):
+    for args, message in (
+        (dict(condition="best"), "unknown condition"),
+        (dict(exact_prefix="x"), "exact_prefix"),
+        (dict(exact_suffix=1.5), "exact_suffix"),
+        (dict(temperature=1), "unknown model_args"),
+        (dict(mapper=None), "needs the mapper"),
+        (dict(select="nope"), "token selector"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(rolling_chunk=4096), "rolling_chunk"),
+        (dict(deshrink="on"), "deshrink=.on.: use one of kv, v, off"),
+    ):
         with pytest.raises(ConfigError, match=message):
             KVHubLM(**{"mapper": ref, "db": db, "device": "cpu", **args})
     with pytest.raises(NotFoundError):
@@ -200,11 +225,28 @@ def test_python_dash_m_runs_lm_evals_command_line(pair, tmp_path):
     writes them; a bad model arg ends with kvhub's message and exit code, no traceback."""
     ref, db, _, _ = pair
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    base = [sys.executable, "-m", "kvhub.eval.lmeval", "--model", "kvhub", "--include_path", "tests/lmeval",
-            "--tasks", "kvhub_tiny_mc", "--limit", "2"]
+    base = [
+        sys.executable,
+        "-m",
+        "kvhub.eval.lmeval",
+        "--model",
+        "kvhub",
+        "--include_path",
+        "tests/lmeval",
+        "--tasks",
+        "kvhub_tiny_mc",
+        "--limit",
+        "2",
+    ]
     args = f"mapper={ref},db={db},dtype=float32,device=cpu,exact_prefix=1,exact_suffix=2"
-    done = subprocess.run(base + ["--model_args", args, "--output_path", str(tmp_path / "out")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        base + ["--model_args", args, "--output_path", str(tmp_path / "out")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = list((tmp_path / "out").rglob("results_*.json"))
     assert len(results) == 1
@@ -216,6 +258,12 @@ def test_python_dash_m_runs_lm_evals_command_line(pair, tmp_path):
     assert written["config"]["model"] == "kvhub" and "acc,none" in written["results"]["kvhub_tiny_mc"]
     assert results[0].parent == tmp_path / "out" / sanitize_model_name(ref)  # named after the mapper, not at random
     assert written["model_name"] == ref
-    bad = subprocess.run(base + ["--model_args", f"mapper={ref},db={db},condition=best"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        base + ["--model_args", f"mapper={ref},db={db},condition=best"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "unknown condition 'best'" in bad.stderr and "Traceback" not in bad.stderr

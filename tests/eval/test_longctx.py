@@ -11,17 +11,26 @@ from kvhub.errors import ConfigError
 from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
 from kvhub.eval.longctx import (
-    LONG_CONDITIONS, RecallScore, code_items, fact_items, multiturn_items, score_recall_item,
+    LONG_CONDITIONS,
+    RecallScore,
+    code_items,
+    fact_items,
+    multiturn_items,
+    score_recall_item,
     summarize_recall,
 )
 from kvhub.serving.recompute import Recompute
 from tests.fixtures_calib import train_tokenizer
 from tests.tinymodels import exact_family_target, make_model
 
-FILLER = [f"Paragraph {i} tells how the {w} crossed the river and rested near the old mill." for i, w in
-          enumerate(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 3)]
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+FILLER = [
+    f"Paragraph {i} tells how the {w} crossed the river and rested near the old mill."
+    for i, w in enumerate(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 3)
+]
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +50,10 @@ def test_fact_items_state_the_asked_code_once_at_its_depth(tokenizer):
         assert abs(depth - item.meta["depth"]) < 0.2, (depth, item.meta)
         assert 280 <= item.meta["context_tokens"] <= 340, item.meta
     assert [i.meta["facts"] for i in items] == [1, 2, 3, 1, 2, 3]
-    assert fact_items(tokenizer, FILLER, context_tokens=300, n=6, seed=1, depths=(0.1, 0.9))[2].prompt_ids == \
-        items[2].prompt_ids  # seeded
+    assert (
+        fact_items(tokenizer, FILLER, context_tokens=300, n=6, seed=1, depths=(0.1, 0.9))[2].prompt_ids
+        == items[2].prompt_ids
+    )  # seeded
 
 
 def test_multiturn_items_ask_for_a_number_stated_in_the_first_turn(tokenizer):
@@ -68,8 +79,14 @@ def test_code_items_continue_a_long_file_prefix_with_its_next_line(tokenizer):
 def test_summary_counts_exact_answers_per_condition_with_intervals():
     def score(own, mapped, control):
         exact = dict(own=own, mapped=mapped, control=control, source=1, floor=0)
-        return RecallScore("x", exact, {c: float(v) for c, v in exact.items()}, {c: 0.0 for c in LONG_CONDITIONS},
-                           recomputed=10, meta={"context_tokens": 101})
+        return RecallScore(
+            "x",
+            exact,
+            {c: float(v) for c, v in exact.items()},
+            {c: 0.0 for c in LONG_CONDITIONS},
+            recomputed=10,
+            meta={"context_tokens": 101},
+        )
 
     summary = summarize_recall([score(1, 1, 0), score(1, 0, 0), score(1, 1, 1), score(0, 0, 0)])
     assert summary["acc_own"] == 0.75 and summary["acc_mapped"] == 0.5 and summary["acc_control"] == 0.25
@@ -84,8 +101,15 @@ def family():
     source = make_model("qwen2", num_hidden_layers=3, vocab_size=600, seed=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     ids = torch.randint(0, 600, (24, 48), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:20], ids[20:], source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids[:20],
+        ids[20:],
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     return source, target, mapper
 
 
@@ -99,10 +123,22 @@ def test_exact_map_scores_like_own_and_the_control_does_not(tokenizer, family):
     Planted bug caught: reporting the spec's p + r + round(b (n - 1)) instead of the count (n + 5 at b = 1)."""
     source, target, mapper = family
     item = fact_items(tokenizer, FILLER, context_tokens=150, n=1, seed=2)[0]
-    variants = [Recompute(), Recompute(2, 4), Recompute(2, 4, 0.1, "source"), Recompute(0, 0, 0.2, "random"),
-                Recompute(2, 4, 1.0, "source")]
-    scores = score_recall_item(item, mapper=mapper, control=control_mapper(mapper), source=source, target=target,
-                               tokenizer=tokenizer, variants=variants)
+    variants = [
+        Recompute(),
+        Recompute(2, 4),
+        Recompute(2, 4, 0.1, "source"),
+        Recompute(0, 0, 0.2, "random"),
+        Recompute(2, 4, 1.0, "source"),
+    ]
+    scores = score_recall_item(
+        item,
+        mapper=mapper,
+        control=control_mapper(mapper),
+        source=source,
+        target=target,
+        tokenizer=tokenizer,
+        variants=variants,
+    )
     assert len(scores) == len(variants)
     for score in scores:
         assert score.exact["mapped"] == score.exact["own"]

@@ -31,19 +31,33 @@ def compressed(tmp_path_factory):
     source = make_model("qwen2", num_hidden_layers=2, seed=11)
     target, _ = exact_family_target(source, insert_before=(1,))
     ids = torch.randint(1, 128, (16, 32), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:12], ids[12:], source_id="tiny-src", target_id="tiny-dst",
-                 calibration={"name": "random-ids"},
-                 options=FitOptions(top_k=1, ridge_lambda=1e-3, rank=2, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids[:12],
+        ids[12:],
+        source_id="tiny-src",
+        target_id="tiny-dst",
+        calibration={"name": "random-ids"},
+        options=FitOptions(top_k=1, ridge_lambda=1e-3, rank=2, stride=1, batch_size=8),
+    )
     root = tmp_path_factory.mktemp("report")
     mapper.save(root / "mapper")
     db = str(root / "store.db")
     with open_store(db) as store:
         version = store.register(root / "mapper")
         for task, (own, mapped, src, retention, (low, high)) in TASKS.items():
-            rows = {"acc_own": own, "acc_mapped": mapped, "acc_source": src, "retention": retention,
-                    "retention_ci_low": low, "retention_ci_high": high}
-            store.add_metrics(version, [{"name": k, "value": v, "task": task, "split": "eval", "n": 50}
-                                        for k, v in rows.items()])
+            rows = {
+                "acc_own": own,
+                "acc_mapped": mapped,
+                "acc_source": src,
+                "retention": retention,
+                "retention_ci_low": low,
+                "retention_ci_high": high,
+            }
+            store.add_metrics(
+                version, [{"name": k, "value": v, "task": task, "split": "eval", "n": 50} for k, v in rows.items()]
+            )
         ref = version.ref
     return db, ref, mapper, source, target, ids[12:]
 
@@ -55,8 +69,9 @@ def _true_r2(mapper, source, target, held) -> dict[int, tuple[float, float]]:
     cache = run_model(source, held)
     positions = torch.arange(held.shape[1])[None]
     as_fitted = mapper.deshrunk("off")
-    mapped = as_fitted.map_layers([l.keys for l in cache.layers], [l.values for l in cache.layers], positions,
-                                  dtype=torch.float32)
+    mapped = as_fitted.map_layers(
+        [l.keys for l in cache.layers], [l.values for l in cache.layers], positions, dtype=torch.float32
+    )
     own = capture(target, held)
     rotary = Rotary.from_model(target)
 

@@ -15,8 +15,9 @@ pytest.importorskip("matplotlib", reason="the report's figures need matplotlib: 
 
 def _run(version, store, *, n: int, value: float) -> None:
     rows = {"acc_own": 0.5, "acc_mapped": value, "acc_source": 0.25, "retention": value / 0.5}
-    store.add_metrics(version, [{"name": k, "value": v, "task": "hellaswag", "split": "eval", "n": n}
-                                for k, v in rows.items()])
+    store.add_metrics(
+        version, [{"name": k, "value": v, "task": "hellaswag", "split": "eval", "n": n} for k, v in rows.items()]
+    )
 
 
 def test_U3_11_report_shows_the_newest_run_and_perplexity(tmp_path, monkeypatch):
@@ -29,8 +30,9 @@ def test_U3_11_report_shows_the_newest_run_and_perplexity(tmp_path, monkeypatch)
         version = store.register(make_store_artifact(tmp_path / "a"))
         _run(version, store, n=8, value=0.375)
         _run(version, store, n=4, value=0.5)
-        store.add_metrics(version, [{"name": "ppl_mapped", "value": 12.5, "task": "ppl:lambada/256", "split": "eval",
-                                     "n": 16}])
+        store.add_metrics(
+            version, [{"name": "ppl_mapped", "value": 12.5, "task": "ppl:lambada/256", "split": "eval", "n": 16}]
+        )
     out = tmp_path / "report"
     result = CliRunner().invoke(main, ["report", version.ref, "--out", str(out), "--db", db])
     assert result.exit_code == 0, result.output

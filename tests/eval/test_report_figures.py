@@ -10,11 +10,14 @@ pytest.importorskip("matplotlib", reason="the report's figures need matplotlib: 
 from kvhub.eval import plots  # noqa: E402
 
 METADATA = {
-    "source": {"model_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}, "target": {"model_id": "Qwen/Qwen2.5-Coder-1.5B-Instruct"},
+    "source": {"model_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"},
+    "target": {"model_id": "Qwen/Qwen2.5-Coder-1.5B-Instruct"},
     "calibration": {"name": "legal-docs"},
     "probe_r2": {"k": [[0.5, 0.6], [0.7, 0.8]], "v": [[0.4, 0.5], [0.6, 0.7]]},
-    "layers": [{"target": 0, "sources": [0, 1], "r2_k": 0.9, "r2_v": 0.8},
-               {"target": 1, "sources": [0, 1], "r2_k": 0.85, "r2_v": 0.75}],
+    "layers": [
+        {"target": 0, "sources": [0, 1], "r2_k": 0.9, "r2_v": 0.8},
+        {"target": 1, "sources": [0, 1], "r2_k": 0.85, "r2_v": 0.75},
+    ],
     "k": 2,
 }
 
@@ -35,12 +38,18 @@ def test_U3_26_layer_figure_names_the_mapper():
 def test_U3_26_retention_has_no_conditions_colour():
     from matplotlib.colors import to_rgba
 
-    results = {"hellaswag": {"acc_own": 0.5, "acc_mapped": 0.4, "acc_source": 0.3, "retention": 0.8,
-                             "retention_ci": [0.6, 1.0]}}
+    results = {
+        "hellaswag": {
+            "acc_own": 0.5,
+            "acc_mapped": 0.4,
+            "acc_source": 0.3,
+            "retention": 0.8,
+            "retention_ci": [0.6, 1.0],
+        }
+    }
     fig = plots.retention_figure(results)
     left, right = fig.axes[:2]
     retention = {tuple(patch.get_facecolor()) for patch in left.patches}
     conditions = {tuple(patch.get_facecolor()) for patch in right.patches}
     assert retention and not retention & conditions
     assert to_rgba(plots.CONDITION_COLOURS["source"]) in conditions
-

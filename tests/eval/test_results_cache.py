@@ -41,6 +41,11 @@ def test_cached_scores_are_reused_only_for_the_same_item_content(tmp_path):
 def test_scoring_without_a_progress_callback(tmp_path):
     """run.evaluate(progress=None) hands score_items no callback: scoring goes on without one (it raised
     TypeError: 'NoneType' object is not callable)."""
-    scores = score_items([_Item("1", "abc")], [tmp_path / "a.jsonl"], lambda item, indices: [_Score(7)],
-                         from_dict=lambda d: _Score(**d), progress=None)
+    scores = score_items(
+        [_Item("1", "abc")],
+        [tmp_path / "a.jsonl"],
+        lambda item, indices: [_Score(7)],
+        from_dict=lambda d: _Score(**d),
+        progress=None,
+    )
     assert [[s.value for s in row] for row in scores] == [[7]]

@@ -11,9 +11,15 @@ from kvhub.eval.recall_tasks import build_items
 from kvhub.eval.ruler import COMMON, HOPS, NEEDLES, press_rows, row_item
 from tests.fixtures_calib import train_tokenizer
 
-FILLER = [f"Paragraph {i} tells how the {w} crossed the river and rested near the old {v} mill." for i, (w, v) in
-          enumerate(zip(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 6,
-                        ["stone", "wooden", "broken", "quiet", "famous", "little"] * 8))]
+FILLER = [
+    f"Paragraph {i} tells how the {w} crossed the river and rested near the old {v} mill."
+    for i, (w, v) in enumerate(
+        zip(
+            ["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 6,
+            ["stone", "wooden", "broken", "quiet", "famous", "little"] * 8,
+        )
+    )
+]
 
 
 @pytest.fixture(scope="module")

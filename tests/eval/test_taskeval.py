@@ -40,21 +40,40 @@ def family():
     source = make_model("qwen2", num_hidden_layers=2, seed=11)
     target, _ = exact_family_target(source, insert_before=(1,))
     ids = torch.randint(1, 128, (16, 32), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:12], ids[12:], source_id="s", target_id="t",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids[:12],
+        ids[12:],
+        source_id="s",
+        target_id="t",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     return source, target, mapper
 
 
 ITEMS = [Item(f"the quick brown fox {i} jumps", [" over", " under the", " x"], i % 3, str(i)) for i in range(6)]
-ITEMS += [Item(f"a cat {i} sat", [" on the mat"] * 2, i % 2, f"w{i}", choice_prefixes=[" down", " up"])
-          for i in range(4)]
+ITEMS += [
+    Item(f"a cat {i} sat", [" on the mat"] * 2, i % 2, f"w{i}", choice_prefixes=[" down", " up"]) for i in range(4)
+]
 
 
 def _scores(mapper, source, target):
     recorder = _AttnRecorder(target)
     try:
-        return [s for it in ITEMS for s in score_item(it, mapper=mapper, source=source, target=target,
-                                                       tokenizer=CharTokenizer(), recorder=recorder, variants=VARIANTS)]
+        return [
+            s
+            for it in ITEMS
+            for s in score_item(
+                it,
+                mapper=mapper,
+                source=source,
+                target=target,
+                tokenizer=CharTokenizer(),
+                recorder=recorder,
+                variants=VARIANTS,
+            )
+        ]
     finally:
         recorder.remove()
 
@@ -63,7 +82,9 @@ def _tolerance(target) -> float:
     """fp32 rounding of the map (fitted over 12 x 32 tokens) and of the target's forward (MLP width per layer):
     KL and 1 - cosine are first order in that relative error at most."""
     config = target.config
-    return rtol(torch.float32, terms=12 * 32) + rtol(torch.float32, terms=config.intermediate_size * config.num_hidden_layers)
+    return rtol(torch.float32, terms=12 * 32) + rtol(
+        torch.float32, terms=config.intermediate_size * config.num_hidden_layers
+    )
 
 
 def test_exact_family_scores_identically_to_own_and_a_control_map_does_not(family):
@@ -82,8 +103,10 @@ def test_exact_family_scores_identically_to_own_and_a_control_map_does_not(famil
 
 
 def test_summary_retention_gap_and_intervals():
-    scores = [ItemScore(str(i), own, mapped, src, own, mapped, src, 1, 0.0, 1.0)
-              for i, (own, mapped, src) in enumerate([(1, 1, 0)] * 6 + [(1, 0, 0)] * 2 + [(0, 0, 0)] * 2)]
+    scores = [
+        ItemScore(str(i), own, mapped, src, own, mapped, src, 1, 0.0, 1.0)
+        for i, (own, mapped, src) in enumerate([(1, 1, 0)] * 6 + [(1, 0, 0)] * 2 + [(0, 0, 0)] * 2)
+    ]
     out = summarize(scores, resamples=200)
     assert out["acc_own"] == 0.8 and out["acc_mapped"] == 0.6 and out["acc_source"] == 0.0
     assert out["retention"] == pytest.approx(0.75) and out["gap_closed"] == pytest.approx(0.75)
@@ -102,7 +125,7 @@ def test_choice_prefixes_are_conditioned_on_not_scored(family):
     item = Item("a cat sat", [" on the mat"] * 2, 0, "w", choice_prefixes=[" down", " up"])
     ctx, pres, conts = _encode(CharTokenizer(), item)
     assert pres[0] != pres[1] and conts[0] == conts[1] and len(ctx) == len("a cat sat")
-    score, = score_item(item, mapper=mapper, source=source, target=target, tokenizer=CharTokenizer())
+    (score,) = score_item(item, mapper=mapper, source=source, target=target, tokenizer=CharTokenizer())
     for condition, model in (("own", target), ("source", source)):
         for i, (pre, cont) in enumerate(zip(pres, conts)):
             ids = torch.tensor([ctx + pre + cont])

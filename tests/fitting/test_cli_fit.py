@@ -21,9 +21,33 @@ def env(tmp_path, monkeypatch, text_corpus):
 
 def _fit_args(tiny_model_dirs, env, out):
     src, dst = tiny_model_dirs
-    return ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(env["corpus"]), "--samples", "12",
-            "--seq-len", "24", "--stride", "1", "--lambda", "1e-9", "--dtype", "float32", "--batch-size", "1",
-            "--device", "cpu", "--db", env["db"], "--out", str(out)]
+    return [
+        "fit",
+        "--src",
+        str(src),
+        "--dst",
+        str(dst),
+        "--calib",
+        str(env["corpus"]),
+        "--samples",
+        "12",
+        "--seq-len",
+        "24",
+        "--stride",
+        "1",
+        "--lambda",
+        "1e-9",
+        "--dtype",
+        "float32",
+        "--batch-size",
+        "1",
+        "--device",
+        "cpu",
+        "--db",
+        env["db"],
+        "--out",
+        str(out),
+    ]
 
 
 def test_fit_registers_exports_and_reports(tiny_model_dirs, env):
@@ -39,14 +63,49 @@ def test_fit_registers_exports_and_reports(tiny_model_dirs, env):
     listed = json.loads(runner.invoke(main, ["list", "--db", env["db"], "--json"]).stdout)
     assert len(listed) == 1
     ref = summary["ref"]
-    bench = runner.invoke(main, ["bench", ref, "--lengths", "16,24", "--repeats", "1", "--dtype", "float32",
-                                 "--device", "cpu", "--db", env["db"], "--json"])
+    bench = runner.invoke(
+        main,
+        [
+            "bench",
+            ref,
+            "--lengths",
+            "16,24",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--db",
+            env["db"],
+            "--json",
+        ],
+    )
     assert bench.exit_code == 0, bench.output
     rows = json.loads(bench.stdout)["rows"]
     assert [r["tokens"] for r in rows] == [16, 24] and all(r["speedup"] > 0 for r in rows)
-    levers = runner.invoke(main, ["bench", ref, "--lengths", "16", "--repeats", "1", "--dtype", "float32",
-                                  "--exact-prefix", "1", "--exact-suffix", "3", "--device", "cpu", "--db", env["db"],
-                                  "--json"])
+    levers = runner.invoke(
+        main,
+        [
+            "bench",
+            ref,
+            "--lengths",
+            "16",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--exact-prefix",
+            "1",
+            "--exact-suffix",
+            "3",
+            "--device",
+            "cpu",
+            "--db",
+            env["db"],
+            "--json",
+        ],
+    )
     assert levers.exit_code == 0, levers.output
     assert json.loads(levers.stdout)["exact_suffix"] == 3
     report = runner.invoke(main, ["report", ref, "--out", str(env["tmp"] / "report"), "--db", env["db"]])
@@ -64,8 +123,10 @@ def test_fit_with_compressed_maps_and_attention_weighting(tiny_model_dirs, env):
     metadata = json.loads((out / "mapper.json").read_text())
     assert metadata["format_version"] == 3 and metadata["structure"]["rank"] == 8  # 3: target_mean stored
     assert metadata["structure"]["head_groups"] > 1 and metadata["fit"]["weighting"] == "attention"
-    assert any(name.endswith(".weight_a") for name in __import__("safetensors").safe_open(
-        str(out / "mapper.safetensors"), "pt").keys())
+    assert any(
+        name.endswith(".weight_a")
+        for name in __import__("safetensors").safe_open(str(out / "mapper.safetensors"), "pt").keys()
+    )
     bad = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "bad") + ["--rank", "0"])
     assert bad.exit_code != 0 and "--rank" in bad.output
 
@@ -126,15 +187,40 @@ def test_eval_stores_metrics_and_resumes_from_item_cache(tiny_model_dirs, env, m
     fitted = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "m") + ["--json"])
     ref = json.loads(fitted.stdout)["ref"]
     # contexts made of the calibration corpus' own words: the fitted map is exact on their span
-    items = [Item(context=f"d00{i} d00{i} d011 d011 d012", continuations=[" d013", " d020 d020", " d033"],
-                  label=i % 3, id=str(i)) for i in range(4)]
+    items = [
+        Item(
+            context=f"d00{i} d00{i} d011 d011 d012",
+            continuations=[" d013", " d020 d020", " d033"],
+            label=i % 3,
+            id=str(i),
+        )
+        for i in range(4)
+    ]
     monkeypatch.setattr(tasks, "load_task", lambda name, limit=None, seed=0: items[:limit])
     calls = []
     real = taskeval.score_item
-    monkeypatch.setattr(taskeval, "score_item",
-                        lambda item, **kw: (calls.append((item.id, kw["variants"])), real(item, **kw))[1])
-    args = ["eval", ref, "--task", "hellaswag", "--limit", "4", "--exact-prefix", "0", "--exact-prefix", "2",
-            "--device", "cpu", "--dtype", "float32", "--db", env["db"], "--json"]
+    monkeypatch.setattr(
+        taskeval, "score_item", lambda item, **kw: (calls.append((item.id, kw["variants"])), real(item, **kw))[1]
+    )
+    args = [
+        "eval",
+        ref,
+        "--task",
+        "hellaswag",
+        "--limit",
+        "4",
+        "--exact-prefix",
+        "0",
+        "--exact-prefix",
+        "2",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--db",
+        env["db"],
+        "--json",
+    ]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     results = json.loads(result.stdout)["results"]
@@ -167,8 +253,9 @@ def test_fit_in_two_passes_and_refuses_candidates_in_one(tiny_model_dirs, env):
     assert abs(1 - summary["metrics"]["heldout_r2_k_mean"]) < rtol(torch.float32, terms=12 * 24)
     metadata = json.loads((out / "mapper.json").read_text())
     assert any(note.startswith("two-pass statistics (float64)") for note in metadata["notes"])
-    refused = runner.invoke(main, _fit_args(tiny_model_dirs, env, env["tmp"] / "no") + ["--stats", "one-pass",
-                                                                                     "--candidates", "2"])
+    refused = runner.invoke(
+        main, _fit_args(tiny_model_dirs, env, env["tmp"] / "no") + ["--stats", "one-pass", "--candidates", "2"]
+    )
     assert refused.exit_code == 2 and "--candidates" in refused.output
 
 
@@ -180,8 +267,17 @@ def test_the_series_name_is_part_of_the_fit_request(tiny_model_dirs, env):
     from kvhub.fitting.options import FitOptions
 
     src, dst = tiny_model_dirs
-    request = FitRequest(src=str(src), dst=str(dst), calib=str(env["corpus"]), name="support-notes", samples=12,
-                         seq_len=24, dtype="float32", device="cpu", options=FitOptions(stride=1, batch_size=1))
+    request = FitRequest(
+        src=str(src),
+        dst=str(dst),
+        calib=str(env["corpus"]),
+        name="support-notes",
+        samples=12,
+        seq_len=24,
+        dtype="float32",
+        device="cpu",
+        options=FitOptions(stride=1, batch_size=1),
+    )
     mapper = fit_by_names(request)
     assert mapper.metadata["calibration"]["name"] == "support-notes"
     assert mapper.metadata["calibration"]["name"] != env["corpus"].stem

@@ -47,8 +47,16 @@ def _rank_main(rank: int, port: int, out: Path, die_at, family, options: FitOpti
 
     from kvhub.fitting.distributed import fit_distributed, init_group
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "KVHUB_DIST_TIMEOUT": "60"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "KVHUB_DIST_TIMEOUT": "60",
+        }
+    )
     torch.set_num_threads(1)
     steps = []
 
@@ -62,9 +70,17 @@ def _rank_main(rank: int, port: int, out: Path, die_at, family, options: FitOpti
     try:
         group = init_group("cpu")
         source, target, train, heldout = family
-        mapper = fit_distributed(source, target, train, heldout, group=group, source_id="src", target_id="dst",
-                                 options=dataclasses.replace(options, checkpoint=out / "checkpoint.safetensors"),
-                                 progress=progress)
+        mapper = fit_distributed(
+            source,
+            target,
+            train,
+            heldout,
+            group=group,
+            source_id="src",
+            target_id="dst",
+            options=dataclasses.replace(options, checkpoint=out / "checkpoint.safetensors"),
+            progress=progress,
+        )
         (out / f"steps.rank{rank}.json").write_text(json.dumps(steps))
         if mapper is not None:
             save_file({k: v.contiguous() for k, v in mapper.tensors.items()}, str(out / "mapper.safetensors"))
@@ -114,7 +130,8 @@ def _assert_same_mapper(out: Path, single) -> None:
         torch.testing.assert_close(tensors[name].double(), expected.double(), rtol=0, atol=1e-10, msg=name)
     distributed_layers = json.loads((out / "layers.json").read_text())
     assert [(l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in distributed_layers] == [
-        (l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in single.layers]
+        (l["target"], l["sources"], l["lambda_k"], l["lambda_v"]) for l in single.layers
+    ]
 
 
 def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
@@ -127,7 +144,9 @@ def test_two_gloo_ranks_equal_one_process_also_after_a_rank_dies(tmp_path):
     assert _run_ranks(tmp_path, family, _options()) == [0, 0]
     for rank in range(2):  # both resumed after the last step every rank had checkpointed
         assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [
-            ["capture", DIE_AT_STEP], ["capture", DIE_AT_STEP + 1]]
+            ["capture", DIE_AT_STEP],
+            ["capture", DIE_AT_STEP + 1],
+        ]
     _assert_same_mapper(tmp_path, single)
     assert single.metadata["chosen_by"] == "held-out R^2"
 
@@ -144,7 +163,10 @@ def test_a_truncated_latest_rank_checkpoint_falls_back_to_the_previous_generatio
     assert _run_ranks(tmp_path, family, _options()) == [0, 0]
     for rank in range(2):
         assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [
-            ["capture", DIE_AT_STEP - 1], ["capture", DIE_AT_STEP], ["capture", DIE_AT_STEP + 1]]
+            ["capture", DIE_AT_STEP - 1],
+            ["capture", DIE_AT_STEP],
+            ["capture", DIE_AT_STEP + 1],
+        ]
     _assert_same_mapper(tmp_path, _single(family, _options()))
 
 
@@ -162,7 +184,10 @@ def test_two_pass_on_two_ranks_equals_one_process_also_after_a_rank_dies_in_pass
     assert _run_ranks(tmp_path, family, options) == [0, 0]
     for rank in range(2):  # pass 1 was not run again; pass 2 resumed at its agreed step
         assert json.loads((tmp_path / f"steps.rank{rank}.json").read_text()) == [
-            ["capture pass 2", 1], ["capture pass 2", 2], ["capture pass 2", 3]]
+            ["capture pass 2", 1],
+            ["capture pass 2", 2],
+            ["capture pass 2", 3],
+        ]
     _assert_same_mapper(tmp_path, single)
     notes = json.loads((tmp_path / "metadata.json").read_text())["notes"]
     assert sum("two-pass statistics" in note for note in notes) == 2  # one per rank, each its own candidates
@@ -179,7 +204,9 @@ def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:
 
     dist.init_process_group("gloo")
     state = _resume(Group(rank, 2, torch.device("cpu")), checkpoint, f"job{rank}", ONE_PASS, layout=layout, steps=4)
-    (checkpoint.parent / f"resumed.rank{rank}.json").write_text(json.dumps([state.batches_done, state.stats["train"].n]))
+    (checkpoint.parent / f"resumed.rank{rank}.json").write_text(
+        json.dumps([state.batches_done, state.stats["train"].n])
+    )
     os._exit(0)
 
 
@@ -196,8 +223,12 @@ def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
     for rank, generations in ((0, (3, 2)), (1, (2, 1))):
         for path, steps in zip(_rank_paths(Group(rank, 2, torch.device("cpu")), checkpoint), generations):
             stats = {"train": KVStats(layout), "heldout": KVStats(layout)}
-            stats["train"].update([torch.randn(steps * 10, 2)], [torch.randn(steps * 10, 2)],
-                                  [torch.randn(steps * 10, 2)], [torch.randn(steps * 10, 2)])
+            stats["train"].update(
+                [torch.randn(steps * 10, 2)],
+                [torch.randn(steps * 10, 2)],
+                [torch.randn(steps * 10, 2)],
+                [torch.randn(steps * 10, 2)],
+            )
             checkpoints.save(path, f"job{rank}", ONE_PASS, FitState(stats, batches_done=steps))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -233,17 +264,46 @@ def test_kvhub_fit_distributed_launches_torchrun_and_registers_once(tmp_path, te
     for name, seed, layers in (("src", 4, 2), ("dst", 5, 3)):
         make_model("qwen2", vocab_size=640, num_hidden_layers=layers, seed=seed).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    env = {**os.environ, "KVHUB_CACHE": str(tmp_path / "cache"), "KVHUB_HOME": str(tmp_path / "home"),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "KVHUB_CACHE": str(tmp_path / "cache"),
+        "KVHUB_HOME": str(tmp_path / "home"),
+        "OMP_NUM_THREADS": "1",
+    }
 
     def kvhub_fit(out, *extra):
-        args = ["fit", "--src", str(tmp_path / "src"), "--dst", str(tmp_path / "dst"), "--calib", str(text_corpus),
-                "--samples", "8", "--seq-len", "24", "--stride", "1", "--dtype", "float32", "--batch-size", "2",
-                "--device", "cpu", "--db", f"sqlite:///{tmp_path / 'store.db'}", "--out", str(out), "--json", *extra]
-        done = subprocess.run([sys.executable, "-m", "kvhub", *args], env=env, capture_output=True, text=True,
-                              timeout=300)
+        args = [
+            "fit",
+            "--src",
+            str(tmp_path / "src"),
+            "--dst",
+            str(tmp_path / "dst"),
+            "--calib",
+            str(text_corpus),
+            "--samples",
+            "8",
+            "--seq-len",
+            "24",
+            "--stride",
+            "1",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--db",
+            f"sqlite:///{tmp_path / 'store.db'}",
+            "--out",
+            str(out),
+            "--json",
+            *extra,
+        ]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvhub", *args], env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout[done.stdout.index("{"):])
+        return json.loads(done.stdout[done.stdout.index("{") :])
 
     distributed = kvhub_fit(tmp_path / "two", "--distributed", "2")
     single = kvhub_fit(tmp_path / "one")

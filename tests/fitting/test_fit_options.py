@@ -79,10 +79,13 @@ def _flags(command: click.Command) -> dict[str, click.Option]:
     return {opt: param for param in command.params for opt in param.opts}
 
 
-@pytest.mark.parametrize("command, names", [
-    (fit_command, [s.name for s in knobs() if s.metadata["flag"]]),
-    (plan_command, ["stride", "batch_size", "top_k", "statistics", "candidates"]),
-])
+@pytest.mark.parametrize(
+    "command, names",
+    [
+        (fit_command, [s.name for s in knobs() if s.metadata["flag"]]),
+        (plan_command, ["stride", "batch_size", "top_k", "statistics", "candidates"]),
+    ],
+)
 def test_click_options_are_made_from_the_fields(command, names):
     """Each knob's flag exists on the command, under the knob's own name, with the knob's default; fit's
     help is the knob's help (a knob added to FitOptions reaches `kvhub fit` by its listing only)."""
@@ -97,20 +100,34 @@ def test_click_options_are_made_from_the_fields(command, names):
             assert option.help == spec.metadata["help"]
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--lambda", "-1"], "--lambda"),
-    (["--lambda", "nan"], "--lambda"),
-    (["--k", "0"], "use a positive integer or 'auto'"),
-    (["--k", "two"], "use a positive integer or 'auto'"),
-    (["--stride", "0"], "use a positive integer"),
-    (["--stats", "one-pass", "--candidates", "2"], "--candidates sets what a two-pass fit"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--lambda", "-1"], "--lambda"),
+        (["--lambda", "nan"], "--lambda"),
+        (["--k", "0"], "use a positive integer or 'auto'"),
+        (["--k", "two"], "use a positive integer or 'auto'"),
+        (["--stride", "0"], "use a positive integer"),
+        (["--stats", "one-pass", "--candidates", "2"], "--candidates sets what a two-pass fit"),
+    ],
+)
 def test_kvhub_fit_refuses_a_bad_knob_before_any_model_loads(args, words, tmp_path, monkeypatch):
     """The models do not exist: a refusal that came after loading would name them instead."""
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
-    result = CliRunner().invoke(main, ["fit", "--src", str(tmp_path / "no-src"), "--dst", str(tmp_path / "no-dst"),
-                                       "--db", f"sqlite:///{tmp_path / 's.db'}", *args])
+    result = CliRunner().invoke(
+        main,
+        [
+            "fit",
+            "--src",
+            str(tmp_path / "no-src"),
+            "--dst",
+            str(tmp_path / "no-dst"),
+            "--db",
+            f"sqlite:///{tmp_path / 's.db'}",
+            *args,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert words in " ".join(result.output.split()) and "no-src" not in result.output
     assert "Traceback" not in result.output and not (tmp_path / "s.db").exists()
@@ -121,10 +138,35 @@ def test_a_fit_without_k_or_lambda_writes_null_and_shows_auto(tiny_model_dirs, t
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     src, dst = tiny_model_dirs
     db = f"sqlite:///{tmp_path / 'store.db'}"
-    result = CliRunner().invoke(main, ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus),
-                                       "--samples", "12", "--seq-len", "24", "--stride", "1", "--dtype", "float32",
-                                       "--batch-size", "2", "--device", "cpu", "--db", db, "--out",
-                                       str(tmp_path / "out"), "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "fit",
+            "--src",
+            str(src),
+            "--dst",
+            str(dst),
+            "--calib",
+            str(text_corpus),
+            "--samples",
+            "12",
+            "--seq-len",
+            "24",
+            "--stride",
+            "1",
+            "--dtype",
+            "float32",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--db",
+            db,
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     metadata = json.loads((tmp_path / "out" / "mapper.json").read_text())
     assert metadata["k"] is None and metadata["lambda"] is None

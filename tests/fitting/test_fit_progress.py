@@ -16,9 +16,16 @@ def test_U3_8_fit_reports_each_target_layer_of_the_solve():
     target, _ = exact_family_target(source, insert_before=(1,))
     ids = torch.randint(0, 640, (8, 16), generator=torch.Generator().manual_seed(0))
     heard = []
-    fit(source, target, ids[:6], ids[6:], source_id="src", target_id="dst",
+    fit(
+        source,
+        target,
+        ids[:6],
+        ids[6:],
+        source_id="src",
+        target_id="dst",
         options=FitOptions(ridge_lambda=1e-6, top_k=1, stride=1, batch_size=4),
-        progress=lambda label, done, total: heard.append((label, done, total)))
+        progress=lambda label, done, total: heard.append((label, done, total)),
+    )
     solve = [(label, done, total) for label, done, total in heard if label.startswith("solve")]
     layers = target.config.num_hidden_layers
     assert [done for _, done, _ in solve] == list(range(layers + 1))

@@ -26,8 +26,23 @@ def test_cpu_scaled_run_writes_every_measurement(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: more threads only contend on a busy machine
     try:
-        gpu_scale.main(["--cpu-scaled", "--lengths", "24,48", "--repeats", "1", "--batch", "2", "--seq-len", "32",
-                        "--solve-rows", "192", "--out", str(out)])
+        gpu_scale.main(
+            [
+                "--cpu-scaled",
+                "--lengths",
+                "24,48",
+                "--repeats",
+                "1",
+                "--batch",
+                "2",
+                "--seq-len",
+                "32",
+                "--solve-rows",
+                "192",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())

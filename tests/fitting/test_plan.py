@@ -24,8 +24,9 @@ def _allocated(stats: KVStats) -> int:
 
 
 @pytest.mark.parametrize("owned", [3, 1])
-@pytest.mark.parametrize("gram,dtype", [("full", "float64"), ("diagonal", "float64"), ("full", "float32"),
-                                        ("diagonal", "float32")])
+@pytest.mark.parametrize(
+    "gram,dtype", [("full", "float64"), ("diagonal", "float64"), ("full", "float32"), ("diagonal", "float32")]
+)
 def test_statistics_bytes_equal_what_kvstats_allocates(owned, gram, dtype):
     layout = Layout(src_layers=2, src_width=24, dst_layers=owned, dst_width=40)
     torch_dtype = getattr(torch, dtype)
@@ -37,10 +38,15 @@ def test_statistics_bytes_equal_what_kvstats_allocates(owned, gram, dtype):
         assert expected == 2 * 2 * 8 * (48 + 48 * 48 + 48 * owned * 40 + 2 * owned * 40)
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {"head_dim": 16}),
-    ("llama", {"num_key_value_heads": 1}),
-])
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("qwen2", {}),
+        ("qwen2", {"tie_word_embeddings": True}),
+        ("qwen3", {"head_dim": 16}),
+        ("llama", {"num_key_value_heads": 1}),
+    ],
+)
 def test_parameters_equal_a_built_models(model_type, overrides):
     model = make_model(model_type, **overrides)
     shape = ModelShape.from_config(model.config.to_dict())
@@ -67,22 +73,38 @@ def test_shipped_configs_give_the_real_shapes():
 
 
 def _tiny_pair():
-    return (ModelShape("s", "qwen2", 2, 64, 4, 2, 16, 128, 128, False, True, False),
-            ModelShape("t", "qwen2", 4, 64, 4, 2, 32, 128, 128, False, True, False))
+    return (
+        ModelShape("s", "qwen2", 2, 64, 4, 2, 16, 128, 128, False, True, False),
+        ModelShape("t", "qwen2", 4, 64, 4, 2, 32, 128, 128, False, True, False),
+    )
 
 
 def test_advice_names_the_rank_count_that_fits():
     source, target = _tiny_pair()
     workload = Workload(samples=8, heldout=2, seq_len=32, stride=1, batch_size=1, k=1, dtype="float32")
-    node = dict(memory=10**12, bf16=1e9, fp32=1e9, fp64=1e9, link=1e9, gpu=True, host_fp32=1e9, host_fp64=1e9,
-                devices_per_host=1)  # one GPU per node: sharding divides each node's statistics
-    one, two = (plan_fit(source, target, workload, DeviceProfile("x", host_memory=10**12, **node), ranks=r)
-                for r in (1, 2))
+    node = dict(
+        memory=10**12,
+        bf16=1e9,
+        fp32=1e9,
+        fp64=1e9,
+        link=1e9,
+        gpu=True,
+        host_fp32=1e9,
+        host_fp64=1e9,
+        devices_per_host=1,
+    )  # one GPU per node: sharding divides each node's statistics
+    one, two = (
+        plan_fit(source, target, workload, DeviceProfile("x", host_memory=10**12, **node), ranks=r) for r in (1, 2)
+    )
     assert two.memory["host_peak"] < one.memory["host_peak"] and two.memory["weights"] == one.memory["weights"]
     device = DeviceProfile("small-host", host_memory=(one.memory["host_peak"] + two.memory["host_peak"]) // 2, **node)
     chosen = recommend(source, target, workload, device)  # fp32 totals on one rank before fp64 on two
-    assert (chosen.ranks, chosen.mode, chosen.statistics, chosen.fits) == (1, "full", StatisticsMode(dtype="float32"),
-                                                                            True)
+    assert (chosen.ranks, chosen.mode, chosen.statistics, chosen.fits) == (
+        1,
+        "full",
+        StatisticsMode(dtype="float32"),
+        True,
+    )
     fp64 = StatisticsMode()
     assert recommend(source, target, workload, dataclasses.replace(device, host_memory=1)).ranks == 8
     refused = plan_fit(source, target, workload, device, ranks=1, statistics=fp64)
@@ -125,8 +147,15 @@ def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
     model = make_model("qwen2")
     for name in ("src", "dst"):
         model.config.save_pretrained(tmp_path / name)  # configs only: a refusal must not load weights
-    request = FitRequest(src=str(tmp_path / "src"), dst=str(tmp_path / "dst"), calib=str(text_corpus), samples=4,
-                         seq_len=16, dtype="float32", device="cpu")
+    request = FitRequest(
+        src=str(tmp_path / "src"),
+        dst=str(tmp_path / "dst"),
+        calib=str(text_corpus),
+        samples=4,
+        seq_len=16,
+        dtype="float32",
+        device="cpu",
+    )
     plan = plan_for(request, available=10**12)
     assert plan.fits and plan.workload.samples == 4 and plan.workload.seq_len == 16 and plan.statistics.passes == 1
     lean = check_plan(request, available=plan.memory["peak"] - 1)  # auto: fp32 totals, still one pass
@@ -169,10 +198,43 @@ def test_two_passes_keep_the_most_candidates_that_fit():
 
 def test_plan_cli_shows_the_two_pass_statistics():
     runner = CliRunner()
-    result = runner.invoke(main, ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B", "--samples", "256",
-                                  "--seq-len", "2048", "--device", "h200", "--host-memory", "64", "--ranks", "1"])
+    result = runner.invoke(
+        main,
+        [
+            "plan",
+            "--src",
+            "Qwen/Qwen3-14B",
+            "--dst",
+            "Qwen/Qwen3-32B",
+            "--samples",
+            "256",
+            "--seq-len",
+            "2048",
+            "--device",
+            "h200",
+            "--host-memory",
+            "64",
+            "--ranks",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "statistics, pass 1" in result.output and "statistics: two passes" in result.output
-    data = json.loads(runner.invoke(main, ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B",
-                                           "--device", "h200", "--stats", "one-pass", "--json"]).stdout)
+    data = json.loads(
+        runner.invoke(
+            main,
+            [
+                "plan",
+                "--src",
+                "Qwen/Qwen3-14B",
+                "--dst",
+                "Qwen/Qwen3-32B",
+                "--device",
+                "h200",
+                "--stats",
+                "one-pass",
+                "--json",
+            ],
+        ).stdout
+    )
     assert data["statistics"] == {"passes": 1, "dtype": "float64", "candidates": None, "top_k_max": None}

@@ -64,9 +64,9 @@ def _split_stats(layout, *, gram="full", sources=None, dtype=torch.float64):
         stats = KVStats(sub, gram=gram, dtype=dtype)
         xs, ys = _planted(layout, n, seed)
         for start in range(0, n, 100):
-            rows = [x[start:start + 100] for x in xs]
+            rows = [x[start : start + 100] for x in xs]
             picked = [rows[l] for l in kept]
-            stats.update(picked, picked, [y[start:start + 100] for y in ys], [y[start:start + 100] for y in ys])
+            stats.update(picked, picked, [y[start : start + 100] for y in ys], [y[start : start + 100] for y in ys])
         out.append(stats)
     return out
 
@@ -91,8 +91,12 @@ def test_solve_on_candidates_equals_the_one_pass_solve():
     candidates = candidate_sources(probe_k, probe_v, range(2), depth=4)
     assert len(candidates) < LAYOUT.src_layers  # a real restriction, not every layer
     mode = StatisticsMode(passes=2, top_k_max=4)
-    state = FitState(dict(zip(("train", "heldout"), _split_stats(LAYOUT, sources=candidates))), pass_index=2,
-                     candidates=candidates, probe=(probe_k, probe_v))
+    state = FitState(
+        dict(zip(("train", "heldout"), _split_stats(LAYOUT, sources=candidates))),
+        pass_index=2,
+        candidates=candidates,
+        probe=(probe_k, probe_v),
+    )
     two = solve_candidates(state, mode, top_k=None, ridge_lambda=None, structure=Structure(), src_layers=8)
     assert [l.sources for l in two.layers] == [l.sources for l in one.layers]
     assert any(len(l.sources) > 1 for l in one.layers)
@@ -143,8 +147,16 @@ def _solve(family, options):
     """The fp64 solution and final statistics of a fit (what kvhub.fitting.fit.fit does before the Mapper)."""
     source, target, train, heldout = family
     layout = layout_for(source.config, target.config)
-    state = accumulate_passes(source, target, fit_batches(train, heldout, options.batch_size), layout,
-                              mode=options.statistics, options=options, progress=None, job="test")
+    state = accumulate_passes(
+        source,
+        target,
+        fit_batches(train, heldout, options.batch_size),
+        layout,
+        mode=options.statistics,
+        options=options,
+        progress=None,
+        job="test",
+    )
     return solve_statistics(state, options.statistics, options=options, structure=Structure(), src_layers=6), state
 
 
@@ -184,8 +196,11 @@ def test_two_pass_fit_equals_one_pass_fit_and_allocates_what_the_plan_says(famil
     workload = Workload(samples=16, heldout=4, seq_len=16, stride=1, batch_size=4, k=2, dtype="float32")
     assert one_peak == plan_fit(*shapes, workload, BIG, statistics=ONE_PASS).memory["statistics"]
     planned = plan_fit(*shapes, workload, BIG, statistics=dataclasses.replace(mode, candidates=len(state.candidates)))
-    assert two_peak == planned.memory["statistics"] == max(planned.memory["statistics_pass1"],
-                                                           planned.memory["statistics_pass2"])
+    assert (
+        two_peak
+        == planned.memory["statistics"]
+        == max(planned.memory["statistics_pass1"], planned.memory["statistics_pass2"])
+    )
     assert two_peak < one_peak  # pass 1 was dropped before pass 2 allocated (else the sum)
 
 
@@ -210,8 +225,9 @@ def test_fit_takes_the_plans_mode(family, monkeypatch):
     shapes = [ModelShape.from_config(m.config.to_dict()) for m in (source, target)]
     workload = Workload(samples=16, heldout=4, seq_len=16, stride=1, batch_size=4, k=2, dtype="float32")
     one32 = plan_fit(*shapes, workload, BIG, statistics=StatisticsMode(dtype="float32"))
-    two = plan_fit(*shapes, workload, BIG, statistics=StatisticsMode(passes=2, dtype="float32", candidates=2,
-                                                                    top_k_max=2))
+    two = plan_fit(
+        *shapes, workload, BIG, statistics=StatisticsMode(passes=2, dtype="float32", candidates=2, top_k_max=2)
+    )
     free = (two.memory["peak"] + one32.memory["peak"]) // 2
     loaded = sum(p.numel() * p.element_size() for m in (source, target) for p in m.parameters())
     monkeypatch.setattr(planning, "free_memory", lambda device: free - loaded)  # the models are loaded already
@@ -270,18 +286,50 @@ def test_a_checkpoint_of_another_mode_is_not_resumed(family, tmp_path):
     progress, _ = _kill_at("capture pass 2", 2)
     two = StatisticsMode(passes=2, candidates=3, top_k_max=2)
     with pytest.raises(Killed):
-        fit(source, target, train, heldout, source_id="a", target_id="b", progress=progress,
-            options=_options(statistics=two, checkpoint=checkpoint, checkpoint_every=1))
+        fit(
+            source,
+            target,
+            train,
+            heldout,
+            source_id="a",
+            target_id="b",
+            progress=progress,
+            options=_options(statistics=two, checkpoint=checkpoint, checkpoint_every=1),
+        )
     progress, seen = _kill_at("never", 0)
-    fit(source, target, train, heldout, source_id="a", target_id="b", progress=progress,
-        options=_options(statistics="one-pass", checkpoint=checkpoint))
+    fit(
+        source,
+        target,
+        train,
+        heldout,
+        source_id="a",
+        target_id="b",
+        progress=progress,
+        options=_options(statistics="one-pass", checkpoint=checkpoint),
+    )
     assert seen[0].startswith("capture: train batch 1/")  # started over, in one pass
     progress, seen = _kill_at("never", 0)
     with pytest.raises(Killed):  # "auto" resumes the checkpoint's mode, whatever the plan says now
-        fit(source, target, train, heldout, source_id="a", target_id="b", progress=_kill_at("capture pass 2", 2)[0],
-            options=_options(statistics=two, checkpoint=checkpoint, checkpoint_every=1))
-    fit(source, target, train, heldout, source_id="a", target_id="b", progress=progress,
-        options=_options(statistics="auto", checkpoint=checkpoint, checkpoint_every=1))
+        fit(
+            source,
+            target,
+            train,
+            heldout,
+            source_id="a",
+            target_id="b",
+            progress=_kill_at("capture pass 2", 2)[0],
+            options=_options(statistics=two, checkpoint=checkpoint, checkpoint_every=1),
+        )
+    fit(
+        source,
+        target,
+        train,
+        heldout,
+        source_id="a",
+        target_id="b",
+        progress=progress,
+        options=_options(statistics="auto", checkpoint=checkpoint, checkpoint_every=1),
+    )
     assert seen[0].startswith("capture pass 2: train batch 2/")
 
 
@@ -303,6 +351,7 @@ def test_fit_options_refuse_candidates_without_two_passes_and_an_unknown_mode():
         with pytest.raises(ConfigError, match="--candidates sets what a two-pass fit"):
             _options(statistics=statistics, candidates=2)
     # raised to Python: the keyword first, then kvhub fit's flag (U3-12)
-    with pytest.raises(ConfigError, match=re.escape(
-            "statistics='three-pass' (kvhub fit --stats): use one of auto, one-pass, two-pass")):
+    with pytest.raises(
+        ConfigError, match=re.escape("statistics='three-pass' (kvhub fit --stats): use one of auto, one-pass, two-pass")
+    ):
         _options(statistics="three-pass")

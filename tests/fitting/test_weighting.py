@@ -90,7 +90,8 @@ def test_weighted_r2_equals_r2_on_repeated_rows():
     held = Moments.from_batch(x[50:], y[50:], weight[50:])
     expanded = Moments.from_batch(*_repeated(x[50:], y[50:], weight[50:]))
     assert r2_score(held, cols, slice(None), coef, bias) == pytest.approx(
-        r2_score(expanded, cols, slice(None), coef, bias), abs=rtol(torch.float32, terms=expanded.n))
+        r2_score(expanded, cols, slice(None), coef, bias), abs=rtol(torch.float32, terms=expanded.n)
+    )
 
 
 def test_state_dict_round_trip_and_old_state_without_weight_sum():
@@ -196,8 +197,15 @@ def test_padded_batch_refused():
 def test_attention_weighted_fit_keeps_an_exact_map_exact():
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8, weighting="attention"))
+    mapper = fit(
+        source,
+        target,
+        _ids(24, 32, 0),
+        _ids(6, 32, 1),
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8, weighting="attention"),
+    )
     assert mapper.metadata["fit"]["weighting"] == "attention" and mapper.metadata["fit"]["weight_cap"] == 10.0
     r2_tol = rtol(torch.float32, terms=6 * 32)  # R^2 from fp32 moment products over the held-out tokens
     assert all(abs(1 - layer["r2_k"]) < r2_tol and abs(1 - layer["r2_v"]) < r2_tol for layer in mapper.layers)
@@ -213,8 +221,15 @@ def test_attention_weighted_fit_keeps_an_exact_map_exact():
 def test_unknown_weighting_refused():
     model = make_model("qwen2", num_hidden_layers=1)
     with pytest.raises(ConfigError, match="weighting"):
-        fit(model, model, _ids(4, 8, 0), None, source_id="a", target_id="a",
-            options=FitOptions(top_k=1, ridge_lambda=0.01, stride=1, weighting="entropy"))
+        fit(
+            model,
+            model,
+            _ids(4, 8, 0),
+            None,
+            source_id="a",
+            target_id="a",
+            options=FitOptions(top_k=1, ridge_lambda=0.01, stride=1, weighting="entropy"),
+        )
 
 
 def test_job_hash_separates_weightings():

@@ -11,14 +11,22 @@ def _eval(task: str, name: str, value, n: int = 4) -> tuple:
     return ("eval", task, name), {"value": value, "n": n}
 
 
-MEASURED = dict([
-    _eval("hellaswag", "acc_own", 0.5), _eval("hellaswag", "acc_source", 0.25), _eval("hellaswag", "acc_mapped", 0.5),
-    _eval("hellaswag", "acc_own_norm", 0.75), _eval("hellaswag", "retention", 1.0),
-    _eval("hellaswag@exact_prefix=4", "acc_own", 0.5), _eval("hellaswag@exact_prefix=4", "acc_source", 0.25),
-    _eval("hellaswag@exact_prefix=4", "acc_own_norm", 0.75), _eval("hellaswag@exact_prefix=4", "acc_mapped", 0.5),
-    _eval("hellaswag@exact_prefix=4", "retention", 1.0), _eval("ppl:lambada/256", "tokens", 512),
-    _eval("ppl:lambada/256", "ppl_mapped", 12.5),
-])
+MEASURED = dict(
+    [
+        _eval("hellaswag", "acc_own", 0.5),
+        _eval("hellaswag", "acc_source", 0.25),
+        _eval("hellaswag", "acc_mapped", 0.5),
+        _eval("hellaswag", "acc_own_norm", 0.75),
+        _eval("hellaswag", "retention", 1.0),
+        _eval("hellaswag@exact_prefix=4", "acc_own", 0.5),
+        _eval("hellaswag@exact_prefix=4", "acc_source", 0.25),
+        _eval("hellaswag@exact_prefix=4", "acc_own_norm", 0.75),
+        _eval("hellaswag@exact_prefix=4", "acc_mapped", 0.5),
+        _eval("hellaswag@exact_prefix=4", "retention", 1.0),
+        _eval("ppl:lambada/256", "tokens", 512),
+        _eval("ppl:lambada/256", "ppl_mapped", 12.5),
+    ]
+)
 
 
 def test_U3_9_own_and_source_rows_appear_once_per_task():

@@ -19,7 +19,6 @@ from tests.fixtures_hub import ALICE_TOKEN, BOB_TOKEN, DST_ID, SRC_ID, make_arti
 pytestmark = pytest.mark.hub
 
 
-
 def publications(db: str, ref: str) -> list[dict]:
     with open_store(db) as store:
         return store.publications(ref)
@@ -39,7 +38,12 @@ def test_push_tags_records_and_second_push_is_a_noop(hub_env, db):
     repo = server.repo("alice/kvmap")
     assert repo["tags"]["v1"] == repo["branches"]["main"] == out["commit_sha"]
     assert set(repo["commits"][out["commit_sha"]]["tree"]) == {
-        ".gitattributes", "mapper.json", "mapper.safetensors", "README.md", "heatmap.png"}
+        ".gitattributes",
+        "mapper.json",
+        "mapper.safetensors",
+        "README.md",
+        "heatmap.png",
+    }
     with open_store(db) as store:
         artifact = store.artifact_path(v1)
     assert server.file("alice/kvmap", "v1", "mapper.safetensors") == (artifact / "mapper.safetensors").read_bytes()
@@ -114,9 +118,11 @@ def test_search_lists_mappers_for_a_pair_from_card_metadata(hub_env, db, monkeyp
     register(db, hub_env.tmp / "a1", seed=1)
     register(db, hub_env.tmp / "c1", seed=3, calibration="code")
     register(db, hub_env.tmp / "r1", seed=4, src=DST_ID, dst=SRC_ID)  # the reverse pair
-    for ref, repo in ((f"{SRC_ID}:{DST_ID}:legal-docs@v1", "alice/kv-legal"),
-                      (f"{SRC_ID}:{DST_ID}:code@v1", "alice/kv-code"),
-                      (f"{DST_ID}:{SRC_ID}:legal-docs@v1", "alice/kv-reverse")):
+    for ref, repo in (
+        (f"{SRC_ID}:{DST_ID}:legal-docs@v1", "alice/kv-legal"),
+        (f"{SRC_ID}:{DST_ID}:code@v1", "alice/kv-code"),
+        (f"{DST_ID}:{SRC_ID}:legal-docs@v1", "alice/kv-reverse"),
+    ):
         assert run("push", ref, "--repo", repo, "--db", db).exit_code == 0, repo
     found = json.loads(run("search", "--src", SRC_ID, "--dst", DST_ID, "--json").stdout)
     assert sorted(m["repo_id"] for m in found) == ["alice/kv-code", "alice/kv-legal"]
@@ -148,8 +154,9 @@ def test_load_falls_back_to_the_hub_then_uses_the_store(hub_env, db, monkeypatch
     with pytest.raises(kvhub.errors.NotFoundError):
         kvhub.load(SRC_ID, DST_ID, db=namespaced)  # no hub_repo, no namespaces: the local miss stands
     monkeypatch.setenv("KVHUB_HUB_NAMESPACES", "bob, alice")
-    by_short_names = kvhub.load("tiny-coder-0.5b-instruct", "tiny-coder-1.5b-instruct", calib="legal-docs",
-                                db=namespaced)
+    by_short_names = kvhub.load(
+        "tiny-coder-0.5b-instruct", "tiny-coder-1.5b-instruct", calib="legal-docs", db=namespaced
+    )
     assert by_short_names.metadata["tensors"]["sha256"] == v1.tensors_sha256
     with pytest.raises(kvhub.errors.NotFoundError, match="bob, alice"):
         kvhub.load(SRC_ID, DST_ID, calib="code", db=str(hub_env.tmp / "ns2.db"))
@@ -214,7 +221,7 @@ def test_private_repo_needs_the_owners_token_and_tokens_never_leak(hub_env, db, 
     Path(constants.HF_TOKEN_PATH).write_text(ALICE_TOKEN)
     alice = run("-v", "pull", "alice/secret@v1", "--db", other)
     assert alice.exit_code == 0, alice.stderr
-    assert run("search", "--src", SRC_ID, "--json").stdout.count("\"repo_id\": \"alice/secret\"") == 1
+    assert run("search", "--src", SRC_ID, "--json").stdout.count('"repo_id": "alice/secret"') == 1
     for result in (pushed, anonymous, bob, rejected, alice):
         for secret in (ALICE_TOKEN, BOB_TOKEN, "hf_revokedTOKEN000000000000000000"):
             assert secret not in result.stdout + result.stderr
@@ -246,8 +253,13 @@ def test_cli_subprocess_reads_hf_endpoint_at_import(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     code = "from kvhub.cli.main import main; main()"
-    push = subprocess.run([sys.executable, "-c", code, "push", v1.ref, "--repo", "alice/sub", "--db", db, "--json"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    push = subprocess.run(
+        [sys.executable, "-c", code, "push", v1.ref, "--repo", "alice/sub", "--db", db, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert push.returncode == 0, push.stderr
     assert hub_env.server.repo("alice/sub")["tags"]["v1"] == json.loads(push.stdout)["commit_sha"]
     assert ALICE_TOKEN not in push.stdout + push.stderr

@@ -21,7 +21,10 @@ from tests.contracts.test_bad_inputs import assert_clean_exit
 pytestmark = pytest.mark.hub
 
 STRUCTURES = {  # name: (head groups, rank); the tiny pair: source width 2 x 8, target 2 x 16, k = 1
-    "dense": (1, None), "head-local": (2, None), "low-rank": (1, 4), "head-local-low-rank": (2, 4),
+    "dense": (1, None),
+    "head-local": (2, None),
+    "low-rank": (1, 4),
+    "head-local-low-rank": (2, 4),
 }
 
 
@@ -103,6 +106,7 @@ def _json_edit(change):
         metadata = json.loads(files["mapper.json"])
         replaced = change(metadata)
         return {**files, "mapper.json": json.dumps(metadata if replaced is None else replaced).encode()}
+
     return craft
 
 
@@ -123,13 +127,21 @@ def _nan_weights(files):
 HUB_CASES = [
     ("metadata-list", lambda f: {**f, "mapper.json": b"[]"}, 5, "must be a JSON object"),
     ("metadata-null", lambda f: {**f, "mapper.json": b"null"}, 5, "must be a JSON object"),
-    ("metadata-not-utf8", lambda f: {**f, "mapper.json": b"{\"a\": \"\xff\"}"}, 5, "not UTF-8"),
+    ("metadata-not-utf8", lambda f: {**f, "mapper.json": b'{"a": "\xff"}'}, 5, "not UTF-8"),
     ("tensors-string", _json_edit(lambda m: m.update(tensors="x")), 5, "`tensors` must be a JSON object"),
     ("layer-index-string", _json_edit(lambda m: m["layers"][0].update(target="0")), 5, "`layers[0].target`"),
-    ("layers-reversed-and-duplicated", _json_edit(lambda m: m["layers"].__setitem__(2, m["layers"][0])), 5,
-     "repeats target layer 0"),
-    ("tensors-file-parent", _json_edit(lambda m: m["tensors"].update(file="../mapper.safetensors")), 5,
-     "plain file name"),
+    (
+        "layers-reversed-and-duplicated",
+        _json_edit(lambda m: m["layers"].__setitem__(2, m["layers"][0])),
+        5,
+        "repeats target layer 0",
+    ),
+    (
+        "tensors-file-parent",
+        _json_edit(lambda m: m["tensors"].update(file="../mapper.safetensors")),
+        5,
+        "plain file name",
+    ),
     ("config-edited", _json_edit(lambda m: m["target"]["config"].update(rope_theta=1.0)), 5, "config_hash"),
     ("format-newer", _json_edit(lambda m: m.update(format_version=FORMAT_VERSION + 1)), 5, "upgrade"),
     ("nan-weights", _nan_weights, 5, "NaN or Inf"),
@@ -153,12 +165,21 @@ def test_pull_refuses_a_crafted_repository(case_id, craft, code, words, good_fil
 
 
 def test_search_skips_a_malicious_card_and_lists_the_rest(good_files, hub_env, db, caplog):
-    assert run("import", str(structured_artifact(hub_env.tmp / "m", groups=1, rank=None, seed=41)),
-               "--db", db).exit_code == 0
-    assert run("push", "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct@v1", "--repo", "alice/kv-good",
-               "--db", db).exit_code == 0
-    for name, block in (("string", '"not a block"'), ("metrics-list", "{metrics: [1, 2], version: v1}"),
-                        ("source-number", "{source: {model_id: 5}}")):
+    assert (
+        run("import", str(structured_artifact(hub_env.tmp / "m", groups=1, rank=None, seed=41)), "--db", db).exit_code
+        == 0
+    )
+    assert (
+        run(
+            "push", "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct@v1", "--repo", "alice/kv-good", "--db", db
+        ).exit_code
+        == 0
+    )
+    for name, block in (
+        ("string", '"not a block"'),
+        ("metrics-list", "{metrics: [1, 2], version: v1}"),
+        ("source-number", "{source: {model_id: 5}}"),
+    ):
         card = f"---\nlibrary_name: kvhub\nbase_model: [a/src, a/dst]\nkvhub: {block}\n---\n# crafted\n"
         publish_raw(hub_env.server, f"alice/kv-bad-{name}", {**good_files, "README.md": card.encode()})
     result = run("search", "--json")
@@ -171,11 +192,18 @@ def test_pull_warns_when_the_card_describes_other_weights(hub_env, db, caplog):
     """mapper.json and the tensors swapped together stay a valid artifact (kvhub trusts the verified
     mapper.json); the stale card that still names the old sha256 is reported."""
     assert run("import", str(make_store_artifact(hub_env.tmp / "a", seed=61)), "--db", db).exit_code == 0
-    assert run("push", "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct@v1", "--repo", "alice/kv-swap",
-               "--db", db).exit_code == 0
+    assert (
+        run(
+            "push", "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct@v1", "--repo", "alice/kv-swap", "--db", db
+        ).exit_code
+        == 0
+    )
     other = make_store_artifact(hub_env.tmp / "b", seed=62)
-    publish_raw(hub_env.server, "alice/kv-swap", {name: (other / name).read_bytes()
-                                                  for name in ("mapper.json", "mapper.safetensors")})
+    publish_raw(
+        hub_env.server,
+        "alice/kv-swap",
+        {name: (other / name).read_bytes() for name in ("mapper.json", "mapper.safetensors")},
+    )
     pulled = run("pull", "alice/kv-swap", "--db", str(hub_env.tmp / "other.db"))
     assert_clean_exit(pulled, 0)
     assert any("README.md describes tensors" in r.getMessage() for r in caplog.records)

@@ -39,8 +39,12 @@ def test_front_matter_follows_hub_conventions(artifact):
 
 def test_front_matter_carries_license_dataset_and_evaluation_when_known(artifact):
     metadata = read_metadata(artifact)
-    metadata = {**metadata, "license": "apache-2.0", "evaluation": {"hellaswag": {"acc": 0.41}},
-                "calibration": {**metadata["calibration"], "hub_dataset": "acme/legal-corpus"}}
+    metadata = {
+        **metadata,
+        "license": "apache-2.0",
+        "evaluation": {"hellaswag": {"acc": 0.41}},
+        "calibration": {**metadata["calibration"], "hub_dataset": "acme/legal-corpus"},
+    }
     meta = read_front_matter(model_card(metadata, repo_id="acme/kvmap", version_tag="v1"))
     assert meta["license"] == "apache-2.0" and meta["datasets"] == ["acme/legal-corpus"]
     [result] = meta["model-index"][0]["results"]
@@ -52,10 +56,18 @@ def test_body_documents_validity_calibration_fit_and_usage(artifact):
     metadata = read_metadata(artifact)
     body = model_card(metadata, repo_id="acme/kvmap", version_tag="v3", images=["heatmap.png"])
     for needle in (
-        f"| source | `{SRC_ID}` | 0123abc", f"| target | `{DST_ID}`",
-        metadata["calibration"]["content_hash"], "k = 1", "lambda = 0.1", "| 2 | 0 | 0.880 | 0.780 |",
-        "| heldout_r2_k_mean | 0.890 |", 'Mapper.from_pretrained("acme/kvmap", revision="v3")', "mapper.transfer(source_cache)",
-        f"Written by kvhub {metadata['kvhub_version']}", metadata["tensors"]["sha256"], "![heatmap.png](heatmap.png)",
+        f"| source | `{SRC_ID}` | 0123abc",
+        f"| target | `{DST_ID}`",
+        metadata["calibration"]["content_hash"],
+        "k = 1",
+        "lambda = 0.1",
+        "| 2 | 0 | 0.880 | 0.780 |",
+        "| heldout_r2_k_mean | 0.890 |",
+        'Mapper.from_pretrained("acme/kvmap", revision="v3")',
+        "mapper.transfer(source_cache)",
+        f"Written by kvhub {metadata['kvhub_version']}",
+        metadata["tensors"]["sha256"],
+        "![heatmap.png](heatmap.png)",
     ):
         assert needle in body, needle
     assert "## Figures" not in model_card(metadata, repo_id="acme/kvmap", version_tag="v3")
@@ -83,17 +95,32 @@ def _rewrite_json(directory, change) -> None:
     path.write_text(json.dumps(metadata))
 
 
-@pytest.mark.parametrize("damage, error, match", [
-    (lambda d: (d / "mapper.safetensors").write_bytes(b"x" + (d / "mapper.safetensors").read_bytes()[1:]),
-     IntegrityError, "sha256"),
-    (lambda d: _rewrite_json(d, lambda m: m.update(format_version=99)), FormatVersionError, "upgrade"),
-    (lambda d: _rewrite_json(d, lambda m: m["target"]["config"].update(num_hidden_layers=30)),
-     IntegrityError, "config_hash"),
-    (lambda d: _rewrite_json(d, lambda m: m["source"].update(num_kv_heads=4)), IntegrityError,
-     "source.num_kv_heads` is 4, but the recorded config says 2"),
-    (lambda d: _rewrite_json(d, lambda m: m["layers"][0].update(sources=[5])), IntegrityError,
-     r"layers\[0\].sources` must be ascending distinct source layers in 0..1"),
-])
+@pytest.mark.parametrize(
+    "damage, error, match",
+    [
+        (
+            lambda d: (d / "mapper.safetensors").write_bytes(b"x" + (d / "mapper.safetensors").read_bytes()[1:]),
+            IntegrityError,
+            "sha256",
+        ),
+        (lambda d: _rewrite_json(d, lambda m: m.update(format_version=99)), FormatVersionError, "upgrade"),
+        (
+            lambda d: _rewrite_json(d, lambda m: m["target"]["config"].update(num_hidden_layers=30)),
+            IntegrityError,
+            "config_hash",
+        ),
+        (
+            lambda d: _rewrite_json(d, lambda m: m["source"].update(num_kv_heads=4)),
+            IntegrityError,
+            "source.num_kv_heads` is 4, but the recorded config says 2",
+        ),
+        (
+            lambda d: _rewrite_json(d, lambda m: m["layers"][0].update(sources=[5])),
+            IntegrityError,
+            r"layers\[0\].sources` must be ascending distinct source layers in 0..1",
+        ),
+    ],
+)
 def test_verify_artifact_refuses_damage(tmp_path, damage, error, match):
     directory = make_artifact(tmp_path / "a", seed=2)
     damage(directory)

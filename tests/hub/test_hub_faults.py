@@ -14,7 +14,6 @@ from tests.fixtures_hub import ALICE_TOKEN, register, run
 pytestmark = pytest.mark.hub
 
 
-
 def kvhub_commits(server, repo_id: str) -> list[dict]:
     return [c for c in server.repo(repo_id)["commits"].values() if c["title"].startswith("kvhub ")]
 
@@ -90,7 +89,8 @@ def test_hand_edited_card_is_kept_by_later_pushes_unless_replaced(hub_env, db):
     generated_v1 = server.file("alice/kvmap", "v1", "README.md")
     edited = generated_v1.decode().replace("It is an approximation", "Tested by ACME. It is an approximation")
     HfApi(endpoint=hub_env.endpoint, token=ALICE_TOKEN).upload_file(
-        path_or_fileobj=edited.encode(), path_in_repo="README.md", repo_id="alice/kvmap", commit_message="edit card")
+        path_or_fileobj=edited.encode(), path_in_repo="README.md", repo_id="alice/kvmap", commit_message="edit card"
+    )
 
     second = run("push", versions[1].ref, "--repo", "alice/kvmap", "--db", db, "--json")
     assert second.exit_code == 0, second.stderr

@@ -16,8 +16,14 @@ from tests.fixtures_hub import DST_ID, SRC_ID, make_artifact, push_two_versions,
 
 pytestmark = pytest.mark.hub
 SERIES = f"{SRC_ID}:{DST_ID}:legal-docs"
-EVALS = [("retention", 0.93), ("acc_own", 0.6), ("acc_mapped", 0.56), ("acc_source", 0.4), ("gap_closed", 0.8),
-         ("retention_ci_low", 0.9)]
+EVALS = [
+    ("retention", 0.93),
+    ("acc_own", 0.6),
+    ("acc_mapped", 0.56),
+    ("acc_source", 0.4),
+    ("gap_closed", 0.8),
+    ("retention_ci_low", 0.9),
+]
 
 
 def _artifact(directory, *, seed: int, source: str = SRC_ID, target: str = DST_ID):
@@ -26,8 +32,11 @@ def _artifact(directory, *, seed: int, source: str = SRC_ID, target: str = DST_I
     metadata = dict(base.metadata)
     metadata["source"] = dict(metadata["source"], model_id=source)
     metadata["target"] = dict(metadata["target"], model_id=target)
-    metadata["calibration"] = dict(metadata["calibration"], licence="CC-BY-SA-4.0",
-                                   sources=["hf:acme/legal-corpus:-:train {text}", "stdlib email/*.py"])
+    metadata["calibration"] = dict(
+        metadata["calibration"],
+        licence="CC-BY-SA-4.0",
+        sources=["hf:acme/legal-corpus:-:train {text}", "stdlib email/*.py"],
+    )
     return Mapper(dict(base.tensors), metadata).save(directory)
 
 
@@ -37,40 +46,59 @@ def test_card_model_index_from_stored_evaluations_reads_back_with_modelcard_load
     with open_store(db) as store:
         version = store.register(_artifact(hub_env.tmp / "a", seed=1))
         variant = "hellaswag@exact_prefix=4,exact_suffix=16"
-        store.add_metrics(version, [{"name": name, "value": value, "task": variant, "split": "eval", "n": 200}
-                                    for name, value in EVALS])
-        store.add_metrics(version, [{"name": "retention", "value": 0.7, "task": "hellaswag", "split": "eval", "n": 200}])
-        store.add_metrics(version, [{"name": "speedup", "value": 12.5, "task": "bench:cpu:bfloat16:2048", "split": "bench",
-                                     "n": 5}])
+        store.add_metrics(
+            version,
+            [{"name": name, "value": value, "task": variant, "split": "eval", "n": 200} for name, value in EVALS],
+        )
+        store.add_metrics(
+            version, [{"name": "retention", "value": 0.7, "task": "hellaswag", "split": "eval", "n": 200}]
+        )
+        store.add_metrics(
+            version, [{"name": "speedup", "value": 12.5, "task": "bench:cpu:bfloat16:2048", "split": "bench", "n": 5}]
+        )
     assert run("push", version.ref, "--repo", "alice/kvmap-card", "--db", db).exit_code == 0
 
-    readme = hf_hub_download("alice/kvmap-card", "README.md", revision="v1", endpoint=hub_env.endpoint,
-                             cache_dir=hub_env.cache)
+    readme = hf_hub_download(
+        "alice/kvmap-card", "README.md", revision="v1", endpoint=hub_env.endpoint, cache_dir=hub_env.cache
+    )
     card = ModelCard.load(readme)
     assert card.data.license == "cc-by-sa-4.0" and card.data.datasets == ["acme/legal-corpus"]
     assert card.data.base_model == [SRC_ID, DST_ID]
-    evals = {(r.dataset_type, r.metric_type, r.metric_config): r for r in card.data.eval_results
-             if r.task_type == "kv-cache-transfer"}
+    evals = {
+        (r.dataset_type, r.metric_type, r.metric_config): r
+        for r in card.data.eval_results
+        if r.task_type == "kv-cache-transfer"
+    }
     variant = "exact_prefix=4,exact_suffix=16"
     assert set(evals) == {("Rowan/hellaswag", name, variant) for name in ("retention", "acc_mapped", "gap_closed")} | {
-        ("Rowan/hellaswag", "retention", "mapped"), ("Rowan/hellaswag", "acc_own", None),
-        ("Rowan/hellaswag", "acc_source", None)}  # own and source once: the variant does not change them
+        ("Rowan/hellaswag", "retention", "mapped"),
+        ("Rowan/hellaswag", "acc_own", None),
+        ("Rowan/hellaswag", "acc_source", None),
+    }  # own and source once: the variant does not change them
     assert {r.dataset_split for r in evals.values()} == {"validation"}
     retention = evals[("Rowan/hellaswag", "retention", "exact_prefix=4,exact_suffix=16")]
-    assert retention.metric_value == 0.93 and retention.metric_args == {"variant": "exact_prefix=4,exact_suffix=16",
-                                                                         "n": 200}
+    assert retention.metric_value == 0.93 and retention.metric_args == {
+        "variant": "exact_prefix=4,exact_suffix=16",
+        "n": 200,
+    }
     assert "| cpu | bfloat16 | 2048 | map alone |" in card.text and "12.5" in card.text  # bench results in the body
 
 
 def test_base_model_is_always_a_hub_id(tmp_path, hub_env, db):
-    local = _artifact(tmp_path / "local", seed=2, source="/data/models/my-finetune-small",
-                      target="/data/models/my-finetune-large")
+    local = _artifact(
+        tmp_path / "local", seed=2, source="/data/models/my-finetune-small", target="/data/models/my-finetune-large"
+    )
     with pytest.raises(ConfigError, match=r"base_model=\(SRC_ID, DST_ID\)") as refused:
         base_models(read_metadata(local))
     assert "--" not in str(refused.value)  # a Python error names no CLI option
-    known = read_metadata(_artifact(tmp_path / "known", seed=3,
-                                    source="/root/.cache/kvhub/models/Qwen2.5-Coder-0.5B-Instruct",
-                                    target="/srv/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+    known = read_metadata(
+        _artifact(
+            tmp_path / "known",
+            seed=3,
+            source="/root/.cache/kvhub/models/Qwen2.5-Coder-0.5B-Instruct",
+            target="/srv/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        )
+    )
     assert base_models(known) == ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct")
     with pytest.raises(ConfigError, match="not a Hub model id"):
         base_models(known, ("./here", "acme/large"))
@@ -102,17 +130,25 @@ def test_pull_keeps_the_hub_version_number_or_aliases_it(hub_env, db):
         assert store.resolve(f"{SERIES}@v2").tensors_sha256 == v2.tensors_sha256
         hub_v1 = store.resolve(f"{SERIES}@hub-v1")
         assert hub_v1.tensors_sha256 == v1.tensors_sha256
-        assert hub_v1.lineage["hub"] == {"repo_id": "alice/kvmap", "revision": "v1",
-                                         "commit_sha": hub_env.server.repo("alice/kvmap")["tags"]["v1"]}
+        assert hub_v1.lineage["hub"] == {
+            "repo_id": "alice/kvmap",
+            "revision": "v1",
+            "commit_sha": hub_env.server.repo("alice/kvmap")["tags"]["v1"],
+        }
     human = run("pull", "alice/kvmap@v1", "--db", other)
     assert "already in the store" in human.stdout and "@hub-v1" in human.stdout
 
 
 def test_licence_and_datasets_in_hub_terms(tmp_path):
     metadata = read_metadata(_artifact(tmp_path / "m", seed=4))
-    psf = dict(metadata, calibration=dict(metadata["calibration"], licence="PSF-2.0 (Python documentation)",
-                                          sources=["stdlib email/*.py"]))
+    psf = dict(
+        metadata,
+        calibration=dict(
+            metadata["calibration"], licence="PSF-2.0 (Python documentation)", sources=["stdlib email/*.py"]
+        ),
+    )
     meta = read_front_matter(model_card(psf, repo_id="a/b", version_tag="v1"))
     assert "license" not in meta  # no Hub licence id: the publisher names one (license=, --license)
     assert "datasets" not in meta and "licence of the calibration text: PSF-2.0" in model_card(
-        psf, repo_id="a/b", version_tag="v1")
+        psf, repo_id="a/b", version_tag="v1"
+    )

@@ -28,11 +28,18 @@ SERIES = f"{HUB_SRC}:{HUB_DST}:corpus"
 def local_artifact(directory, *, seed: int):
     """A mapper as `kvhub fit` leaves it when fitted from local folders: paths in model ids, tokenizer id
     and calibration sources."""
-    base = Mapper.load(make_artifact(directory.parent / f"{directory.name}-base", seed=seed, src=LOCAL_SRC,
-                                     dst=LOCAL_DST, calibration="corpus"))
+    base = Mapper.load(
+        make_artifact(
+            directory.parent / f"{directory.name}-base", seed=seed, src=LOCAL_SRC, dst=LOCAL_DST, calibration="corpus"
+        )
+    )
     metadata = dict(base.metadata)
-    metadata["calibration"] = dict(metadata["calibration"], tokenizer_id=LOCAL_SRC, licence="unknown (user text)",
-                                   sources=["path:/home/ann/work/corpus (40 documents)"])
+    metadata["calibration"] = dict(
+        metadata["calibration"],
+        tokenizer_id=LOCAL_SRC,
+        licence="unknown (user text)",
+        sources=["path:/home/ann/work/corpus (40 documents)"],
+    )
     metadata["metrics"] = dict(metadata["metrics"], train_tokens=288, heldout_tokens=72)
     return Mapper(dict(base.tensors), metadata).save(directory)
 
@@ -45,8 +52,11 @@ def register_local(db: str, directory, *, seed: int = 1):
 def published_text(server, repo_id: str) -> str:
     """Every file of every commit of ``repo_id`` on the server, as text."""
     repo = server.repo(repo_id)
-    return "\n".join(server.state.blob(oid).decode("utf-8", "replace") for commit in repo["commits"].values()
-                     for oid in commit["tree"].values())
+    return "\n".join(
+        server.state.blob(oid).decode("utf-8", "replace")
+        for commit in repo["commits"].values()
+        for oid in commit["tree"].values()
+    )
 
 
 def card_at(hub_env, repo_id: str, revision: str):
@@ -57,8 +67,7 @@ def card_at(hub_env, repo_id: str, revision: str):
 
 def test_hub_ids_given_at_push_are_the_identity_everywhere(hub_env, db, monkeypatch):
     version = register_local(db, hub_env.tmp / "m")
-    pushed = run("push", version.ref, "--repo", "alice/kvmap-tiny", "--base-model", f"{HUB_SRC},{HUB_DST}",
-                 "--db", db)
+    pushed = run("push", version.ref, "--repo", "alice/kvmap-tiny", "--base-model", f"{HUB_SRC},{HUB_DST}", "--db", db)
     assert pushed.exit_code == 0, pushed.stderr
     text = published_text(hub_env.server, "alice/kvmap-tiny")
     assert "/home/ann" not in text and "path:corpus (40 documents)" in text  # U3: no local path published
@@ -86,16 +95,19 @@ def test_every_stored_evaluation_reaches_a_refreshed_card(hub_env, db, tmp_path)
     assert run("push", version.ref, *base).exit_code == 0
     first_tag = hub_env.server.repo("alice/kvmap-evals")["tags"]["v1"]
     with open_store(db) as store:  # evaluations stored after the push (kvhub eval's rows)
-        store.add_metrics(version, [
-            {"name": "acc_own", "value": 0.5, "task": "hellaswag", "split": "eval", "n": 8},
-            {"name": "retention", "value": 0.9, "task": "hellaswag", "split": "eval", "n": 8},
-            {"name": "retention_ci_low", "value": 0.7, "task": "hellaswag", "split": "eval", "n": 8},
-            {"name": "retention_ci_high", "value": 1.0, "task": "hellaswag", "split": "eval", "n": 8},
-            {"name": "ppl_mapped", "value": 31.5, "task": "ppl:lambada/64", "split": "eval", "n": 4},
-            {"name": "ppl_no_context", "value": 88.0, "task": "ppl:lambada/64", "split": "eval", "n": 4},
-            {"name": "ppl_mapped", "value": 12.25, "task": "ppl:calibration:corpus/24", "split": "eval", "n": 3},
-            {"name": "acc_control", "value": 0.0, "task": "facts@exact_suffix=16", "split": "eval", "n": 2},
-        ])
+        store.add_metrics(
+            version,
+            [
+                {"name": "acc_own", "value": 0.5, "task": "hellaswag", "split": "eval", "n": 8},
+                {"name": "retention", "value": 0.9, "task": "hellaswag", "split": "eval", "n": 8},
+                {"name": "retention_ci_low", "value": 0.7, "task": "hellaswag", "split": "eval", "n": 8},
+                {"name": "retention_ci_high", "value": 1.0, "task": "hellaswag", "split": "eval", "n": 8},
+                {"name": "ppl_mapped", "value": 31.5, "task": "ppl:lambada/64", "split": "eval", "n": 4},
+                {"name": "ppl_no_context", "value": 88.0, "task": "ppl:lambada/64", "split": "eval", "n": 4},
+                {"name": "ppl_mapped", "value": 12.25, "task": "ppl:calibration:corpus/24", "split": "eval", "n": 3},
+                {"name": "acc_control", "value": 0.0, "task": "facts@exact_suffix=16", "split": "eval", "n": 2},
+            ],
+        )
     assert "already published" in run("push", version.ref, *base).stdout  # plain re-push: nothing to do
     figures = tmp_path / "report"
     figures.mkdir()
@@ -112,15 +124,20 @@ def test_every_stored_evaluation_reaches_a_refreshed_card(hub_env, db, tmp_path)
 
     card = card_at(hub_env, "alice/kvmap-evals", "main")
     index = {(r.dataset_type, r.dataset_split, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert index == {("Rowan/hellaswag", "validation", "acc_own"): 0.5,
-                     ("Rowan/hellaswag", "validation", "retention"): 0.9,
-                     ("EleutherAI/lambada_openai", "test", "ppl_mapped"): 31.5,
-                     ("EleutherAI/lambada_openai", "test", "ppl_no_context"): 88.0}  # U10, U32: Hub ids, splits
-    for row in ("| hellaswag | mapped | retention (mapped / own accuracy) | 0.900 | [0.700, 1.000] | 8 |",
-                "| ppl:calibration:corpus/24 | mapped | perplexity, mapped cache | 12.250 |",
-                "| facts | exact_suffix=16 | accuracy, control map (no information) | 0.000 |",
-                "| ppl:lambada/64 | - | perplexity, no context | 88 |",
-                "Fitted on 288 train tokens, checked on 72 held-out tokens", "![r2_heatmap.png](r2_heatmap.png)"):
+    assert index == {
+        ("Rowan/hellaswag", "validation", "acc_own"): 0.5,
+        ("Rowan/hellaswag", "validation", "retention"): 0.9,
+        ("EleutherAI/lambada_openai", "test", "ppl_mapped"): 31.5,
+        ("EleutherAI/lambada_openai", "test", "ppl_no_context"): 88.0,
+    }  # U10, U32: Hub ids, splits
+    for row in (
+        "| hellaswag | mapped | retention (mapped / own accuracy) | 0.900 | [0.700, 1.000] | 8 |",
+        "| ppl:calibration:corpus/24 | mapped | perplexity, mapped cache | 12.250 |",
+        "| facts | exact_suffix=16 | accuracy, control map (no information) | 0.000 |",
+        "| ppl:lambada/64 | - | perplexity, no context | 88 |",
+        "Fitted on 288 train tokens, checked on 72 held-out tokens",
+        "![r2_heatmap.png](r2_heatmap.png)",
+    ):
         assert row in card.text, row
     assert "| train_tokens |" not in card.text  # counts are no results (U32)
     again = run("push", version.ref, *base, "--card", "replace", "--json")
@@ -140,16 +157,33 @@ def test_licence_is_the_publishers_choice(hub_env, db):
     base = ["--base-model", f"{HUB_SRC},{HUB_DST}", "--db", db]
     bad = run("push", version.ref, "--repo", "alice/kv-lic", *base, "--license", "other")
     assert bad.exit_code == 2 and "licence name" in bad.stderr and "alice/kv-lic" not in hub_env.server.state.repos
-    ok = run("push", version.ref, "--repo", "alice/kv-lic", *base, "--license", "other", "--license-name",
-             "acme-research", "--license-link", "https://acme.example/licence")
+    ok = run(
+        "push",
+        version.ref,
+        "--repo",
+        "alice/kv-lic",
+        *base,
+        "--license",
+        "other",
+        "--license-name",
+        "acme-research",
+        "--license-link",
+        "https://acme.example/licence",
+    )
     assert ok.exit_code == 0, ok.stderr
     meta = read_front_matter(hub_env.server.file("alice/kv-lic", "v1", "README.md").decode())
     assert (meta["license"], meta["license_name"], meta["license_link"]) == (
-        "other", "acme-research", "https://acme.example/licence")
+        "other",
+        "acme-research",
+        "https://acme.example/licence",
+    )
     mapper = Mapper.from_pretrained(version.ref, db=db)
-    result = mapper.push_to_hub("alice/kv-lic2", db=db, base_model=(HUB_SRC, HUB_DST), license="apache-2.0",
-                                commit_message="first mapper")
-    assert read_front_matter(hub_env.server.file("alice/kv-lic2", "v1", "README.md").decode())["license"] == "apache-2.0"
+    result = mapper.push_to_hub(
+        "alice/kv-lic2", db=db, base_model=(HUB_SRC, HUB_DST), license="apache-2.0", commit_message="first mapper"
+    )
+    assert (
+        read_front_matter(hub_env.server.file("alice/kv-lic2", "v1", "README.md").decode())["license"] == "apache-2.0"
+    )
     assert hub_env.server.repo("alice/kv-lic2")["commits"][result.commit_sha]["title"] == "first mapper"
 
 
@@ -176,8 +210,15 @@ def test_python_api_takes_the_peft_keywords(hub_env, db, go_offline, tmp_path):
     with pytest.raises(ConfigError, match="repo_id") as refused:
         mapper.save_pretrained(tmp_path / "s", push_to_hub=True)
     assert "--" not in str(refused.value)
-    mapper.save_pretrained(tmp_path / "s", push_to_hub=True, repo_id="alice/kv-py", base_model=(HUB_SRC, HUB_DST),
-                           db=db, revision="dev", commit_message="from python")
+    mapper.save_pretrained(
+        tmp_path / "s",
+        push_to_hub=True,
+        repo_id="alice/kv-py",
+        base_model=(HUB_SRC, HUB_DST),
+        db=db,
+        revision="dev",
+        commit_message="from python",
+    )
     repo = hub_env.server.repo("alice/kv-py")
     assert repo["commits"][repo["branches"]["dev"]]["title"] == "from python" and "v1" in repo["tags"]
     mapper.save_pretrained(tmp_path / "s")  # an artifact directory is replaced
@@ -188,24 +229,34 @@ def test_python_api_takes_the_peft_keywords(hub_env, db, go_offline, tmp_path):
     assert "--" not in str(refused.value) and (tmp_path / "notes" / "todo.txt").read_text() == "mine"
 
     cache = tmp_path / "hf-cache-2"
-    loaded = Mapper.from_pretrained("alice/kv-py", revision="v1", cache_dir=cache, db=str(tmp_path / "a.db"),
-                                    torch_dtype=torch.bfloat16)
+    loaded = Mapper.from_pretrained(
+        "alice/kv-py", revision="v1", cache_dir=cache, db=str(tmp_path / "a.db"), torch_dtype=torch.bfloat16
+    )
     assert loaded.dtype == torch.bfloat16 and any(cache.glob("models--alice--kv-py"))
-    by_ids = kvhub.load(HUB_SRC, HUB_DST, hub_repo="alice/kv-py", revision="v1", token=ALICE_TOKEN,
-                        cache_dir=cache, db=str(tmp_path / "b.db"))
+    by_ids = kvhub.load(
+        HUB_SRC,
+        HUB_DST,
+        hub_repo="alice/kv-py",
+        revision="v1",
+        token=ALICE_TOKEN,
+        cache_dir=cache,
+        db=str(tmp_path / "b.db"),
+    )
     assert by_ids.metadata["tensors"]["sha256"] == version.tensors_sha256
     with pytest.raises(ConfigError, match="torch_dtype"):
         kvhub.load(HUB_SRC, HUB_DST, db=str(tmp_path / "b.db"), dtype="float32", torch_dtype="bfloat16")
     go_offline()
-    offline = Mapper.from_pretrained("alice/kv-py@v1", local_files_only=True, cache_dir=cache,
-                                     db=str(tmp_path / "c.db"))
+    offline = Mapper.from_pretrained(
+        "alice/kv-py@v1", local_files_only=True, cache_dir=cache, db=str(tmp_path / "c.db")
+    )
     assert offline.metadata["tensors"]["sha256"] == version.tensors_sha256
 
 
 def test_create_pr_opens_a_pull_request_and_tags_nothing(hub_env, db):
     version = register_local(db, hub_env.tmp / "m")
     result = Mapper.from_pretrained(version.ref, db=db).push_to_hub(
-        "alice/kv-pr", db=db, base_model=(HUB_SRC, HUB_DST), create_pr=True)
+        "alice/kv-pr", db=db, base_model=(HUB_SRC, HUB_DST), create_pr=True
+    )
     assert result.pull_request.endswith("/discussions/1")
     repo = hub_env.server.repo("alice/kv-pr")
     assert repo["tags"] == {} and result.commit_sha in repo["pull_requests"].values()
@@ -221,8 +272,10 @@ def test_a_fresh_repository_says_why_it_starts_at_v3(hub_env, db):
 
 def test_offline_pull_of_a_tag_cached_through_main(hub_env, db, go_offline):
     version = register_local(db, hub_env.tmp / "m")
-    assert run("push", version.ref, "--repo", "alice/kv-off", "--base-model", f"{HUB_SRC},{HUB_DST}",
-               "--db", db).exit_code == 0
+    assert (
+        run("push", version.ref, "--repo", "alice/kv-off", "--base-model", f"{HUB_SRC},{HUB_DST}", "--db", db).exit_code
+        == 0
+    )
     assert run("pull", "alice/kv-off", "--db", str(hub_env.tmp / "warm.db")).exit_code == 0  # main, which is v1
     go_offline()
     pulled = run("pull", "alice/kv-off@v1", "--db", str(hub_env.tmp / "cold.db"), "--json")
@@ -246,8 +299,10 @@ def test_a_hub_warning_is_printed_once_and_a_500_names_the_next_step(hub_env, db
     assert ours.getvalue().count("Trying to resume") == 1 and theirs.getvalue() == ""
 
     version = register_local(db, hub_env.tmp / "m")
-    assert run("push", version.ref, "--repo", "alice/kv-500", "--base-model", f"{HUB_SRC},{HUB_DST}",
-               "--db", db).exit_code == 0
+    assert (
+        run("push", version.ref, "--repo", "alice/kv-500", "--base-model", f"{HUB_SRC},{HUB_DST}", "--db", db).exit_code
+        == 0
+    )
     hub_env.server.add_fault("500", "GET", "/api/models/alice/kv-500", times=100)
     failed = run("pull", "alice/kv-500", "--db", str(hub_env.tmp / "p.db"))
     assert failed.exit_code == 10 and "retry in a few minutes" in failed.stderr

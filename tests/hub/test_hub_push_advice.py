@@ -58,8 +58,9 @@ def test_U3_15_refreshing_an_older_version_names_revision(hub_env, db):
 def test_U3_16_a_rejected_token_option_is_named(hub_env, db, monkeypatch):
     monkeypatch.delenv("HF_TOKEN")
     v1 = register_local(db, hub_env.tmp / "a1", seed=1)
-    result = run("push", v1.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--token", "hf_wrongTOKEN0123456789",
-                 "--db", db)
+    result = run(
+        "push", v1.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--token", "hf_wrongTOKEN0123456789", "--db", db
+    )
     assert result.exit_code == HubAuthError.exit_code, result.output
     assert "--token" in result.stderr and "HF_TOKEN" not in result.stderr
     assert "hf_wrongTOKEN0123456789" not in result.stderr
@@ -71,6 +72,7 @@ def test_U3_19_a_card_without_a_licence_is_pointed_out(hub_env, db):
     assert result.exit_code == 0, result.stderr
     assert "names no licence" in result.stderr and "--license" in result.stderr
     v2 = register_local(db, hub_env.tmp / "a2", seed=2)
-    licensed = run("push", v2.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--license", "apache-2.0",
-                   "--db", db)
+    licensed = run(
+        "push", v2.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--license", "apache-2.0", "--db", db
+    )
     assert licensed.exit_code == 0 and "licence" not in licensed.stderr

@@ -44,8 +44,9 @@ def test_U3_4_a_pull_takes_only_the_figures_the_card_shows(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1, images=True)
     assert run("push", v1.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
     # an older kvhub left another version's figure on the branch
-    HfApi(endpoint=hub_env.endpoint).upload_file(path_or_fileobj=b"\x89PNG\r\n\x1a\nstale", path_in_repo="old.png",
-                                                 repo_id="alice/kvmap")
+    HfApi(endpoint=hub_env.endpoint).upload_file(
+        path_or_fileobj=b"\x89PNG\r\n\x1a\nstale", path_in_repo="old.png", repo_id="alice/kvmap"
+    )
     other = str(hub_env.tmp / "other.db")
     pulled = run("pull", "alice/kvmap", "--db", other, "--format", "json")
     assert pulled.exit_code == 0, pulled.stderr

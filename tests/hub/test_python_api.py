@@ -61,11 +61,17 @@ def test_push_to_hub_then_from_pretrained_by_repository(hub_env):
         assert store.resolve(pulled.ref).lineage["hub"]["repo_id"] == "alice/kvmap-api"
 
 
-@pytest.mark.parametrize(("selector", "match"), [
-    ({"version": 0}, "version numbers run from 1"), ({"version": "v0"}, "version numbers run from 1"),
-    ({"version": 2.5}, "a version is a number"), ({"version": "bad name!"}, "cannot be an alias"),
-    ({"alias": "v3"}, "cannot be an alias"), ({"version": 3, "alias": "production"}, "either a version or an alias"),
-])
+@pytest.mark.parametrize(
+    ("selector", "match"),
+    [
+        ({"version": 0}, "version numbers run from 1"),
+        ({"version": "v0"}, "version numbers run from 1"),
+        ({"version": 2.5}, "a version is a number"),
+        ({"version": "bad name!"}, "cannot be an alias"),
+        ({"alias": "v3"}, "cannot be an alias"),
+        ({"version": 3, "alias": "production"}, "either a version or an alias"),
+    ],
+)
 def test_load_refuses_a_malformed_selector_before_reading_any_store(tmp_path, selector, match):
     with pytest.raises(ConfigError, match=match):
         kvhub.load(SRC_ID, DST_ID, db=str(tmp_path / "store.db"), **selector)
@@ -84,12 +90,18 @@ def test_every_miss_of_load_is_a_not_found_error_with_a_next_step(tmp_path, monk
     with pytest.raises(NotFoundError, match=f"{no_store}.*`kvhub fit`"):
         kvhub.load(SRC_ID, DST_ID, db=db)
     register(db, tmp_path / "a1", seed=1)
-    misses = [({"version": "production"}, "has no alias 'production'; set it with `kvhub tag"),
-              ({"alias": "staging"}, "has no alias 'staging'; set it with `kvhub tag"),
-              ({"calib": "other-docs"}, "other-docs.*`kvhub fit`"),
-              ({"version": 7}, "v7 in the store or in the local Hugging Face cache" if hub_configured
-               else r"has no version v7 \(versions: v1\); name one of those"),
-              ({"src": "someone/else"}, "`kvhub fit`")]
+    misses = [
+        ({"version": "production"}, "has no alias 'production'; set it with `kvhub tag"),
+        ({"alias": "staging"}, "has no alias 'staging'; set it with `kvhub tag"),
+        ({"calib": "other-docs"}, "other-docs.*`kvhub fit`"),
+        (
+            {"version": 7},
+            "v7 in the store or in the local Hugging Face cache"
+            if hub_configured
+            else r"has no version v7 \(versions: v1\); name one of those",
+        ),
+        ({"src": "someone/else"}, "`kvhub fit`"),
+    ]
     for selector, match in misses:
         names = {"src": SRC_ID, "dst": DST_ID, **selector}
         with pytest.raises(NotFoundError, match=match):
@@ -97,11 +109,18 @@ def test_every_miss_of_load_is_a_not_found_error_with_a_next_step(tmp_path, monk
     assert kvhub.load(SRC_ID, DST_ID, db=db, version="latest").ref == f"{SERIES}@v1"
 
 
-@pytest.mark.parametrize(("name", "match"), [
-    ("./not/here", "neither an artifact directory"), ("../up", "neither an artifact directory"),
-    ("a/b/c", "neither an artifact directory"), ("kvmap", "neither an artifact directory"),
-    ("a:b:c:d", "is not a mapper reference"), ("a:b@", "names no version or alias"), ("a:b@v0", "run from 1"),
-])
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("./not/here", "neither an artifact directory"),
+        ("../up", "neither an artifact directory"),
+        ("a/b/c", "neither an artifact directory"),
+        ("kvmap", "neither an artifact directory"),
+        ("a:b:c:d", "is not a mapper reference"),
+        ("a:b@", "names no version or alias"),
+        ("a:b@v0", "run from 1"),
+    ],
+)
 def test_from_pretrained_parses_names_with_the_store_and_hub_parsers(tmp_path, name, match):
     with pytest.raises(ConfigError, match=match):
         kvhub.Mapper.from_pretrained(name, db=str(tmp_path / "store.db"))
@@ -117,9 +136,17 @@ def handoff_family(tmp_path_factory):
 
     source, target, tokenizer = save_tiny_family(tmp_path_factory.mktemp("handoff"))
     ids = torch.randint(0, 640, (16, 32), generator=torch.Generator().manual_seed(0))
-    mapper = fit(source, target, ids[:12], ids[12:], source_id="tiny/src", target_id="tiny/dst",
-                 source_tokenizer=tokenizer, target_tokenizer=tokenizer,
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids[:12],
+        ids[12:],
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        source_tokenizer=tokenizer,
+        target_tokenizer=tokenizer,
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     return mapper, source, target, tokenizer
 
 
@@ -131,8 +158,15 @@ def test_handoff_takes_the_tokenizers_output_as_generate_does(handoff_family):
     inputs = tokenizer("d001 d002 d003 d011 d012 d013 d020 d021", return_tensors="pt")
     want = target.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert torch.equal(kvhub.handoff(mapper, source, target, **inputs, max_new_tokens=4, do_sample=False), want)
-    explicit = kvhub.handoff(mapper, source, target, inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                             max_new_tokens=4, do_sample=False)
+    explicit = kvhub.handoff(
+        mapper,
+        source,
+        target,
+        inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        max_new_tokens=4,
+        do_sample=False,
+    )
     assert torch.equal(explicit, want)
 
 
@@ -144,13 +178,15 @@ def test_handoff_refuses_text_and_padding_naming_what_to_pass(handoff_family):
         kvhub.handoff(mapper, source, target, max_new_tokens=2)
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0]])
     with pytest.raises(ConfigError, match="unpadded"):
-        kvhub.handoff(mapper, source, target, ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
-                      max_new_tokens=2)
+        kvhub.handoff(
+            mapper, source, target, ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), max_new_tokens=2
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-@pytest.mark.parametrize("device,says", [("cuda", "CUDA is not available here; use device='cpu'"),
-                                         ("h100", "'h100' is not a device")])
+@pytest.mark.parametrize(
+    "device,says", [("cuda", "CUDA is not available here; use device='cpu'"), ("h100", "'h100' is not a device")]
+)
 def test_a_device_this_machine_lacks_is_one_clear_error(tmp_path, device, says):
     """ux-2 U5: from_pretrained(..., device='cuda') on a CPU machine said only safetensors' pin_memory error."""
     directory = make_artifact(tmp_path / "a", seed=1)

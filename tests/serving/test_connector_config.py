@@ -21,8 +21,9 @@ def test_bad_counts_are_refused_by_name(value):
         connector.config_count({"kvstore_max_bytes": value}, "kvstore_max_bytes")
 
 
-@pytest.mark.parametrize("old, new", [("store_dir", "kvstore_dir"), ("store_max_bytes", "kvstore_max_bytes"),
-                                      ("exact_tail", "exact_suffix")])
+@pytest.mark.parametrize(
+    "old, new", [("store_dir", "kvstore_dir"), ("store_max_bytes", "kvstore_max_bytes"), ("exact_tail", "exact_suffix")]
+)
 def test_an_old_key_is_refused_with_its_new_name(old, new):
     """A config written before a rename gets one line naming the new key, not "unknown keys [...]" or a
     silently ignored size cap (the serving KV store's keys were store_dir and store_max_bytes)."""
@@ -86,8 +87,11 @@ def test_the_mapper_is_loaded_with_the_configured_deshrink(tmp_path):
 
     meanless = make_store_artifact(tmp_path / "old")  # no target_mean tensors: maps as fitted by default
     plain = Mapper.load(meanless)
-    means = {name.replace(".bias", ".target_mean"): torch.ones_like(t) for name, t in plain.tensors.items()
-             if name.endswith(".bias")}
+    means = {
+        name.replace(".bias", ".target_mean"): torch.ones_like(t)
+        for name, t in plain.tensors.items()
+        if name.endswith(".bias")
+    }
     with_means = Mapper({**plain.tensors, **means}, plain.metadata).save(tmp_path / "new")
     assert connector.load_mapper({"mapper_path": str(with_means)}, device="cpu").deshrink == "kv"
     assert connector.load_mapper({"mapper_path": str(with_means), "deshrink": "off"}, device="cpu").deshrink == "off"
@@ -104,8 +108,14 @@ def test_the_configuration_keys_are_declared_once_and_documented():
     from pathlib import Path
 
     from kvhub.serving import launch
-    from kvhub.serving.connector_config import (EXTRA_CONFIG, EXTRA_DEFAULTS, EXTRA_KEYS, RENAMED_KEYS,
-                                                config_table, read_config)
+    from kvhub.serving.connector_config import (
+        EXTRA_CONFIG,
+        EXTRA_DEFAULTS,
+        EXTRA_KEYS,
+        RENAMED_KEYS,
+        config_table,
+        read_config,
+    )
     from kvhub.serving.spec import FIELDS, SERVING
 
     names = [key.name for key in EXTRA_CONFIG]

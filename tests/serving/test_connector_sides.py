@@ -27,8 +27,9 @@ def _stored(kvstore_dir) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     shape = (src["num_kv_heads"], len(PROMPT), src["head_dim"])
     keys = [torch.randn(*shape, generator=g) for _ in range(src["num_layers"])]
     values = [torch.randn(*shape, generator=g) for _ in range(src["num_layers"])]
-    KVStore(kvstore_dir, max_bytes=1 << 26).put(isolation_key="", source_model=SRC_ID, token_ids=PROMPT,
-                                                keys=keys, values=values)
+    KVStore(kvstore_dir, max_bytes=1 << 26).put(
+        isolation_key="", source_model=SRC_ID, token_ids=PROMPT, keys=keys, values=values
+    )
     return keys, values
 
 
@@ -50,9 +51,13 @@ def _consumer(tmp_path, side: str):
     artifact = tmp_path / "artifact"
     if not artifact.exists():
         make_store_artifact(artifact)
-    options = {"kvstore_dir": str(tmp_path / "kvstore"), "mapper_path": str(artifact), "exact_prefix": 0,
-               "exact_budget": 0,  # maps only: the recompute needs the engine's model
-               "min_escalation_tokens": 0}  # an 80-token prompt: escalated all the same
+    options = {
+        "kvstore_dir": str(tmp_path / "kvstore"),
+        "mapper_path": str(artifact),
+        "exact_prefix": 0,
+        "exact_budget": 0,  # maps only: the recompute needs the engine's model
+        "min_escalation_tokens": 0,
+    }  # an 80-token prompt: escalated all the same
     config = vllm_config(role="kv_consumer", extra=options, target=dict(store_fingerprint(TARGET)))
     connector = KVHubConnector(config, getattr(KVConnectorRole, side))
     connector._kv_cache_manager = BlockManager()
@@ -78,17 +83,20 @@ def test_a_load_crosses_from_the_scheduler_side_to_the_worker_side(tmp_path, vll
 
     target = store_fingerprint(TARGET)
     backends = [_Backend() for _ in range(target["num_layers"])]
-    layers = {f"model.layers.{m}.self_attn.attn": SimpleNamespace(kv_cache=torch.zeros(1), impl=backend)
-              for m, backend in enumerate(backends)}
+    layers = {
+        f"model.layers.{m}.self_attn.attn": SimpleNamespace(kv_cache=torch.zeros(1), impl=backend)
+        for m, backend in enumerate(backends)
+    }
     worker.start_load_kv(SimpleNamespace(no_compile_layers=layers))
     assert worker.get_block_ids_with_load_errors() == set()
 
     mapper = Mapper.load(artifact, device="cpu")
     positions = torch.arange(MATCHED).unsqueeze(0)
-    expected = mapper.map_layers([k[None, :, :MATCHED] for k in keys], [v[None, :, :MATCHED] for v in values],
-                                 positions, dtype=torch.float32)
+    expected = mapper.map_layers(
+        [k[None, :, :MATCHED] for k in keys], [v[None, :, :MATCHED] for v in values], positions, dtype=torch.float32
+    )
     for backend, (k, v) in zip(backends, expected):
-        (written_k, written_v, slots), = backend.writes
+        ((written_k, written_v, slots),) = backend.writes
         assert torch.equal(slots, torch.arange(MATCHED))
         torch.testing.assert_close(written_k, k[0].transpose(0, 1))
         torch.testing.assert_close(written_v, v[0].transpose(0, 1))
@@ -109,8 +117,11 @@ def test_a_load_whose_entry_was_evicted_is_reported_for_prefill(tmp_path, vllm_m
     job = LoadJob("r2", "", PROMPT, 0, MATCHED, list(range(MATCHED)), [0, 1, 2, 3], Recompute())
     worker.bind_connector_metadata(KVHubConnectorMetadata(loads=[job]))
     backend = _Backend()
-    worker.start_load_kv(SimpleNamespace(no_compile_layers={
-        "model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=torch.zeros(1), impl=backend)}))
+    worker.start_load_kv(
+        SimpleNamespace(
+            no_compile_layers={"model.layers.0.self_attn.attn": SimpleNamespace(kv_cache=torch.zeros(1), impl=backend)}
+        )
+    )
     assert worker.get_block_ids_with_load_errors() == {0, 1, 2, 3} and not backend.writes
     assert worker.counters["fallback"] == 1
 

@@ -14,15 +14,23 @@ from kvhub.serving.spec import Recompute
 
 def _qkv(n: int, heads_q: int = 4, heads_kv: int = 2, dim: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, heads_q, dim, generator=g), torch.randn(n, heads_kv, dim, generator=g),
-            torch.randn(n, heads_kv, dim, generator=g))
+    return (
+        torch.randn(n, heads_q, dim, generator=g),
+        torch.randn(n, heads_kv, dim, generator=g),
+        torch.randn(n, heads_kv, dim, generator=g),
+    )
 
 
 def test_with_no_cache_the_pass_is_causal_attention():
     q, k, v = _qkv(7)
     out, probs = masked_attention(q, k, v, torch.arange(7), k[:0].transpose(0, 1), v[:0].transpose(0, 1), scale=0.3)
-    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0),
-                                              v.transpose(0, 1).repeat_interleave(2, 0), is_causal=True, scale=0.3)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1).repeat_interleave(2, 0),
+        v.transpose(0, 1).repeat_interleave(2, 0),
+        is_causal=True,
+        scale=0.3,
+    )
     torch.testing.assert_close(out, expected.transpose(0, 1))
     assert torch.allclose(probs.sum(-1), torch.ones(4, 7))
 
@@ -69,36 +77,57 @@ def test_a_request_recomputes_its_prefix_and_the_spans_its_last_tokens_attend_to
     attention[-1, 30] = 5.0  # the last query looks one token up
     engine = _Recorder(attention)
     spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.1, select="target", spans="token", queries=4)
-    done = recompute_request(engine, spec, prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    done = recompute_request(
+        engine, spec, prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2
+    )
     assert engine.calls[0] == (list(range(48, 60)), 4)  # the selection pass: the tail, its last 4 rows scored
     assert 30 in done.positions.tolist() and done.positions[:4].tolist() == [0, 1, 2, 3]
     assert done.prefix == 4 and done.selected == round(0.1 * 59) and len(done.positions) == 4 + done.selected
     assert engine.calls[1][0] == done.positions.tolist()  # one recompute pass of exactly those positions
     # tokens vLLM already had (its own prefix cache hit, [0, start)) are never recomputed
-    done = recompute_request(_Recorder(attention), spec, prompt_ids=prompt, start=16, end=end,
-                             cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    done = recompute_request(
+        _Recorder(attention), spec, prompt_ids=prompt, start=16, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2
+    )
     assert done.prefix == 0 and min(done.positions.tolist()) >= 16
 
 
 def test_the_random_control_spends_the_same_budget_and_source_is_refused():
     prompt, end = list(range(1, 101)), 80
     spec = Recompute(exact_suffix=20, exact_budget=0.2, select="random", spans="token")
-    done = recompute_request(_Recorder(torch.zeros(1, 80)), spec, prompt_ids=prompt, start=0, end=end,
-                             cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+    done = recompute_request(
+        _Recorder(torch.zeros(1, 80)),
+        spec,
+        prompt_ids=prompt,
+        start=0,
+        end=end,
+        cached=lambda i: (torch.zeros(2, end, 8),) * 2,
+    )
     assert done.selected == round(0.2 * 99) and done.prefix == 0
     from kvhub.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="select=target"):
-        recompute_request(_Recorder(torch.zeros(1, 80)), Recompute(exact_budget=0.2, select="source"),
-                          prompt_ids=prompt, start=0, end=end, cached=lambda i: (torch.zeros(2, end, 8),) * 2)
+        recompute_request(
+            _Recorder(torch.zeros(1, 80)),
+            Recompute(exact_budget=0.2, select="source"),
+            prompt_ids=prompt,
+            start=0,
+            end=end,
+            cached=lambda i: (torch.zeros(2, end, 8),) * 2,
+        )
 
 
 def test_block_rounding_of_the_tail_comes_out_of_the_budget():
     """n = 100, exact suffix 16, but the engine computes [64, 100) = 36 tokens: 20 more than asked, taken
     from round(0.3 * 99) = 30, so 10 are selected; prefix + selected + tail = 4 + 10 + 36 = 50 = 4 + 30 + 16."""
     spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.3, select="random", spans="token")
-    done = recompute_request(_Recorder(torch.zeros(1, 64)), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
-                             cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
+    done = recompute_request(
+        _Recorder(torch.zeros(1, 64)),
+        spec,
+        prompt_ids=list(range(1, 101)),
+        start=0,
+        end=64,
+        cached=lambda i: (torch.zeros(2, 64, 8),) * 2,
+    )
     assert done.selected == 10 and done.prefix == 4
 
 
@@ -112,11 +141,20 @@ def test_a_load_counts_the_positions_it_computed_not_the_spec():
     attention = torch.full((12, 64), 0.01)
     attention[-1, 40] = 5.0
     spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.4, select="target", spans="sentence", queries=4)
-    done = recompute_request(_Recorder(attention), spec, prompt_ids=list(range(1, 101)), start=0, end=64,
-                             cached=lambda i: (torch.zeros(2, 64, 8),) * 2)
+    done = recompute_request(
+        _Recorder(attention),
+        spec,
+        prompt_ids=list(range(1, 101)),
+        start=0,
+        end=64,
+        cached=lambda i: (torch.zeros(2, 64, 8),) * 2,
+    )
     assert done.positions.tolist() == [0, 1, 2, 3] + list(range(32, 48)) and done.selected == 16
     assert done.exact.tolist() == [0, 1, 2, 3] + list(range(32, 48)) + list(range(64, 99))
     assert done.exact.dtype == torch.long and done.exact.device.type == "cpu"
     assert exact_positions(torch.empty(0, dtype=torch.long), end=64, tokens=100).tolist() == list(range(64, 99))
     assert load_counts(done.positions, done.exact, tokens=100) == {
-        "recomputed_tokens": 20, "exact_tokens": 55, "exact_fraction": 55 / 99}
+        "recomputed_tokens": 20,
+        "exact_tokens": 55,
+        "exact_fraction": 55 / 99,
+    }

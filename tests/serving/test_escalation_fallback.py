@@ -31,8 +31,9 @@ def _store(kvstore_dir, prompt: list[int]) -> None:
     shape = (src["num_kv_heads"], len(prompt), src["head_dim"])
     keys = [torch.randn(*shape) for _ in range(src["num_layers"])]
     values = [torch.randn(*shape) for _ in range(src["num_layers"])]
-    KVStore(kvstore_dir, max_bytes=1 << 26).put(isolation_key="alice", source_model=SRC_ID, token_ids=prompt,
-                                                keys=keys, values=values)
+    KVStore(kvstore_dir, max_bytes=1 << 26).put(
+        isolation_key="alice", source_model=SRC_ID, token_ids=prompt, keys=keys, values=values
+    )
 
 
 def _events(path) -> list[dict]:
@@ -66,9 +67,17 @@ def test_a_prompt_below_the_default_is_prefilled_and_says_so(tmp_path, vllm_modu
     consumer = _default_consumer(tmp_path, events_path=str(events))
     matched, response = _ask(consumer, request("short", PROMPT, cache_salt="alice"))
     assert matched == 0
-    assert response == {"kvhub": {
-        "fallback": "prefill", "reason": f"prompt of 80 tokens is below min_escalation_tokens={MIN_ESCALATION_TOKENS}",
-        "prompt_tokens": 80, "mapped_tokens": 0, "prefill_tokens": 80, "exact_tokens": 79, "exact_fraction": 1.0}}
+    assert response == {
+        "kvhub": {
+            "fallback": "prefill",
+            "reason": f"prompt of 80 tokens is below min_escalation_tokens={MIN_ESCALATION_TOKENS}",
+            "prompt_tokens": 80,
+            "mapped_tokens": 0,
+            "prefill_tokens": 80,
+            "exact_tokens": 79,
+            "exact_fraction": 1.0,
+        }
+    }
     assert consumer.counters["fallback"] == 1 and consumer.counters["hit"] == 0
     (fallback,) = _events(events)
     assert fallback["event"] == "fallback" and "below min_escalation_tokens=256" in fallback["reason"]
@@ -79,8 +88,11 @@ def test_a_prompt_below_the_default_is_prefilled_and_says_so(tmp_path, vllm_modu
     assert "fallback" not in response["kvhub"] and consumer.counters["hit"] == 1
 
 
-@pytest.mark.parametrize("threshold, loads", [(81, False), (80, True), (0, True), ("81", False), ("0", True)],
-                         ids=["one-above", "equal", "zero-disables", "digits-above", "digits-zero"])
+@pytest.mark.parametrize(
+    "threshold, loads",
+    [(81, False), (80, True), (0, True), ("81", False), ("0", True)],
+    ids=["one-above", "equal", "zero-disables", "digits-above", "digits-zero"],
+)
 def test_the_threshold_counts_prompt_tokens(tmp_path, vllm_modules, threshold, loads):
     """Fewer than N tokens fall back; N tokens escalate; 0 escalates every prompt."""
     _store_prompt(tmp_path / "kvstore", "alice")
@@ -127,13 +139,23 @@ def _extra(argv: list[str]) -> dict:
     return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
 
 
-@pytest.mark.parametrize("option, consumer", [(["--min-escalation-tokens", "512"], 512),
-                                              (["--min-escalation-tokens", "0"], 0), ([], None)],
-                         ids=["512", "zero", "absent"])
-def test_serve_passes_the_threshold_to_the_large_server_only(mapper_db, tmp_path, fake_vllm, option,  # noqa: F811
-                                                             consumer):
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], *option, "--dry-run",
-                                  "--kv-cache-gib", "2", "--json"))
+@pytest.mark.parametrize(
+    "option, consumer",
+    [(["--min-escalation-tokens", "512"], 512), (["--min-escalation-tokens", "0"], 0), ([], None)],
+    ids=["512", "zero", "absent"],
+)
+def test_serve_passes_the_threshold_to_the_large_server_only(
+    mapper_db,
+    tmp_path,
+    fake_vllm,
+    option,  # noqa: F811
+    consumer,
+):
+    result = _invoke(
+        *_serve_args(
+            mapper_db, tmp_path, fake_vllm, [8001, 8002], *option, "--dry-run", "--kv-cache-gib", "2", "--json"
+        )
+    )
     assert result.exit_code == 0, result.output
     servers = json.loads(result.stdout)["servers"]
     assert "min_escalation_tokens" not in _extra(servers["small"]["argv"])
@@ -142,8 +164,9 @@ def test_serve_passes_the_threshold_to_the_large_server_only(mapper_db, tmp_path
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "many"])
 def test_serve_refuses_a_bad_threshold(mapper_db, tmp_path, fake_vllm, value):  # noqa: F811
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--min-escalation-tokens", value,
-                                  "--dry-run"))
+    result = _invoke(
+        *_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--min-escalation-tokens", value, "--dry-run")
+    )
     assert result.exit_code == 2 and "--min-escalation-tokens" in result.output
 
 
@@ -157,8 +180,10 @@ def test_the_benchmark_reads_the_break_even_length_off_its_curve():
     spec = importlib.util.spec_from_file_location("vllm_ttft", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = {n: {"map_only": {"speedup": m}, "recompute": {"speedup": r}}
-            for n, m, r in [(512, 1.4, 1.2), (1024, 2.0, 0.9), (2048, 3.0, 1.5), (4096, 5.0, 2.5)]}
+    rows = {
+        n: {"map_only": {"speedup": m}, "recompute": {"speedup": r}}
+        for n, m, r in [(512, 1.4, 1.2), (1024, 2.0, 0.9), (2048, 3.0, 1.5), (4096, 5.0, 2.5)]
+    }
     curve = bench.break_even(rows)
     assert curve["map_only"] == {"speedup": {512: 1.4, 1024: 2.0, 2048: 3.0, 4096: 5.0}, "pays_from": 512}
     assert curve["recompute"]["pays_from"] == 2048

@@ -23,8 +23,15 @@ def _ids(n, t, seed):
 
 
 def _fit(source, target, *, k=None, lam=1e-9, **options):
-    return fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-               options=FitOptions(top_k=k, ridge_lambda=lam, stride=1, batch_size=8, **options))
+    return fit(
+        source,
+        target,
+        _ids(24, 32, 0),
+        _ids(6, 32, 1),
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(top_k=k, ridge_lambda=lam, stride=1, batch_size=8, **options),
+    )
 
 
 def _greedy(model, ids, cache=None, n=12):
@@ -65,8 +72,10 @@ def test_exact_family_greedy_generation_identical(qwen_family):
         own = _greedy(target, ids)
         cache = mapper.transfer(run_model(source, ids[:, :-1]))
         assert torch.equal(_greedy(target, ids, cache), own)
-        assert torch.equal(handoff(mapper, source, target, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=12,
-                                   do_sample=False), own)
+        assert torch.equal(
+            handoff(mapper, source, target, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=12, do_sample=False),
+            own,
+        )
 
 
 def test_llama_family_with_two_inserted_layers():
@@ -74,20 +83,27 @@ def test_llama_family_with_two_inserted_layers():
     target, layer_map = exact_family_target(source, insert_before=(0, 2), kv_repeat=1, double_head_dim=True)
     mapper = _fit(source, target)
     assert [l["sources"] for l in mapper.layers] and all(
-        expected in l["sources"] for l, expected in zip(mapper.layers, layer_map))
+        expected in l["sources"] for l, expected in zip(mapper.layers, layer_map)
+    )
     ids = _ids(1, 25, 5)
-    assert torch.equal(handoff(mapper, source, target, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=10,
-                               do_sample=False), _greedy(target, ids, n=10))
+    assert torch.equal(
+        handoff(mapper, source, target, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=10, do_sample=False),
+        _greedy(target, ids, n=10),
+    )
 
 
-@pytest.mark.parametrize("model_type,kwargs", [("qwen3", {"head_dim": 16}), ("mistral", {"sliding_window": 8, "head_dim": 16})])
+@pytest.mark.parametrize(
+    "model_type,kwargs", [("qwen3", {"head_dim": 16}), ("mistral", {"sliding_window": 8, "head_dim": 16})]
+)
 def test_self_map_is_identity(model_type, kwargs):
     model = make_model(model_type, **kwargs)
     mapper = _fit(model, model, k=1)
     assert [l["sources"] for l in mapper.layers] == [[m] for m in range(model.config.num_hidden_layers)]
     ids = _ids(1, 30, 3)
-    assert torch.equal(handoff(mapper, model, model, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=10,
-                               do_sample=False), _greedy(model, ids, n=10))
+    assert torch.equal(
+        handoff(mapper, model, model, ids, exact_prefix=0, exact_suffix=0, max_new_tokens=10, do_sample=False),
+        _greedy(model, ids, n=10),
+    )
 
 
 def test_sliding_window_target_cache_is_windowed():
@@ -125,8 +141,9 @@ def test_exact_prefix_positions_are_the_targets_own_and_the_mapped_ones_are_not(
     source, target, _, mapper = qwen_family
     ids = _ids(1, 30, 21)
     own = run_model(target, ids[:, :-1])
-    cache = prepare_cache(control_mapper(mapper), source, target, ids,
-                          recompute=Recompute(exact_prefix=4, exact_suffix=0))
+    cache = prepare_cache(
+        control_mapper(mapper), source, target, ids, recompute=Recompute(exact_prefix=4, exact_suffix=0)
+    )
     for m, (got, want) in enumerate(zip(cache.layers, own.layers)):
         for name in ("keys", "values"):
             same = _same_positions(getattr(got, name), getattr(want, name), _forward_tol(target))
@@ -175,10 +192,13 @@ def test_handoff_defaults_cap_to_short_prompts(qwen_family):
     source, target, _, mapper = qwen_family
     for n in (3, 11):  # 2 and 10 context tokens
         ids = _ids(1, n, 24)
-        assert torch.equal(handoff(mapper, source, target, ids, max_new_tokens=4, do_sample=False),
-                           _greedy(target, ids, n=4))
-        assert torch.equal(handoff(control_mapper(mapper), source, target, ids, max_new_tokens=4, do_sample=False),
-                           _greedy(target, ids, n=4))
+        assert torch.equal(
+            handoff(mapper, source, target, ids, max_new_tokens=4, do_sample=False), _greedy(target, ids, n=4)
+        )
+        assert torch.equal(
+            handoff(control_mapper(mapper), source, target, ids, max_new_tokens=4, do_sample=False),
+            _greedy(target, ids, n=4),
+        )
     assert (HANDOFF.capped(10).exact_prefix, HANDOFF.capped(10).exact_suffix) == (4, 6)
     assert (HANDOFF.capped(2).exact_prefix, HANDOFF.capped(2).exact_suffix) == (2, 0)
     assert HANDOFF.capped(100) == HANDOFF and Recompute(0, 16).capped(5).exact_suffix == 5
@@ -275,8 +295,9 @@ def test_different_tokenizers_refused_before_any_forward():
     from kvhub.fitting.fit import check_same_tokenizer
 
     with pytest.raises(IncompatibleError, match="a/src.*b/dst|different tokenizers"):
-        check_same_tokenizer({"model_id": "a/src", "tokenizer_hash": "1" * 64},
-                             {"model_id": "b/dst", "tokenizer_hash": "2" * 64})
+        check_same_tokenizer(
+            {"model_id": "a/src", "tokenizer_hash": "1" * 64}, {"model_id": "b/dst", "tokenizer_hash": "2" * 64}
+        )
 
 
 def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
@@ -296,14 +317,32 @@ def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
             raise Killed
 
     with pytest.raises(Killed):
-        fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-            options=FitOptions(top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
-            progress=kill_after_two)
+        fit(
+            source,
+            target,
+            _ids(24, 32, 0),
+            _ids(6, 32, 1),
+            source_id="tiny/src",
+            target_id="tiny/dst",
+            options=FitOptions(
+                top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1
+            ),
+            progress=kill_after_two,
+        )
     assert checkpoint.is_file()
     resumed_calls = []
-    resumed = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                  options=FitOptions(top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1),
-                  progress=lambda *a: resumed_calls.append(a))
+    resumed = fit(
+        source,
+        target,
+        _ids(24, 32, 0),
+        _ids(6, 32, 1),
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(
+            top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1
+        ),
+        progress=lambda *a: resumed_calls.append(a),
+    )
     assert resumed_calls[0][1] == 2 * 8 * 32  # started after the two checkpointed batches
     for name, tensor in clean.tensors.items():  # same batches merged in the same order: the same bits
         assert torch.equal(resumed.tensors[name], tensor), name
@@ -315,9 +354,17 @@ def test_handoff_refuses_another_tokenizer():
 
     model = make_model("qwen2", num_hidden_layers=1, vocab_size=640)
     fitted_with, other = train_tokenizer(vocab_size=600), train_tokenizer(vocab_size=620)
-    mapper = fit(model, model, _ids(12, 16, 0), _ids(4, 16, 1), source_id="a/src", target_id="a/dst",
-                 source_tokenizer=fitted_with, target_tokenizer=fitted_with,
-                 options=FitOptions(top_k=1, ridge_lambda=0.01, stride=1))
+    mapper = fit(
+        model,
+        model,
+        _ids(12, 16, 0),
+        _ids(4, 16, 1),
+        source_id="a/src",
+        target_id="a/dst",
+        source_tokenizer=fitted_with,
+        target_tokenizer=fitted_with,
+        options=FitOptions(top_k=1, ridge_lambda=0.01, stride=1),
+    )
     assert mapper.source["tokenizer_hash"] == tokenizer_hash(fitted_with)
     ids = _ids(1, 10, 2)
     handoff(mapper, model, model, ids, tokenizer=fitted_with, max_new_tokens=2, do_sample=False)

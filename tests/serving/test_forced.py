@@ -40,12 +40,20 @@ def run_engine(model_dir: str) -> dict:
     from kvhub.serving.launch import FORCE_KEY, FORCED_PROCESSOR
 
     assert FORCED_PROCESSOR == f"{ForcedTokens.__module__}:{ForcedTokens.__name__}"  # what kvhub serve passes
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=2,
-              enforce_eager=True, logits_processors=[FORCED_PROCESSOR])
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        enforce_eager=True,
+        logits_processors=[FORCED_PROCESSOR],
+    )
     out = {}
     for name, extra in (("greedy", None), ("forced", {FORCE_KEY: FORCED})):
-        params = SamplingParams(temperature=0.0, max_tokens=len(FORCED), ignore_eos=True, detokenize=False,
-                                logprobs=1, extra_args=extra)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=len(FORCED), ignore_eos=True, detokenize=False, logprobs=1, extra_args=extra
+        )
         result = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
         ids = list(result.token_ids)
         out[name] = {"ids": ids, "logprobs": [step[token].logprob for step, token in zip(result.logprobs, ids)]}
@@ -64,8 +72,14 @@ def test_forced_ids_are_generated_with_the_models_own_logprobs(tmp_path):
     model.save_pretrained(tmp_path / "model")
     out = tmp_path / "out.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, __file__, str(tmp_path / "model"), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, __file__, str(tmp_path / "model"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-6000:]
     result = json.loads(out.read_text())
     with torch.no_grad():

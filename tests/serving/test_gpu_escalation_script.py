@@ -20,8 +20,21 @@ def script():
 
 def test_the_escalation_is_timed_beside_the_targets_own_prefill(script, tmp_path):
     out = tmp_path / "escalation.json"
-    script.main(["--tiny", "--dtype", "float32", "--repeats", "1", "--lengths", "40", "--pairs", "qwen3-14b->32b",
-                 "--out", str(out)])
+    script.main(
+        [
+            "--tiny",
+            "--dtype",
+            "float32",
+            "--repeats",
+            "1",
+            "--lengths",
+            "40",
+            "--pairs",
+            "qwen3-14b->32b",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert "random weights" in report["weights"] and report["tiny"]
     pair = report["pairs"]["qwen3-14b->32b"]

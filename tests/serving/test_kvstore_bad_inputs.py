@@ -32,8 +32,9 @@ def _kv(tokens: int = len(IDS), layers: int = LAYERS):
 def _put(root: Path, *, tenant="alice", ids=IDS, keys=None, values=None, max_bytes=1 << 20):
     keys = _kv(len(ids)) if keys is None else keys
     values = _kv(len(ids)) if values is None else values
-    return _store(root, max_bytes=max_bytes).put(isolation_key=tenant, source_model="src", token_ids=ids, keys=keys,
-                                                 values=values)
+    return _store(root, max_bytes=max_bytes).put(
+        isolation_key=tenant, source_model="src", token_ids=ids, keys=keys, values=values
+    )
 
 
 def _lookup(root: Path, *, tenant="alice", ids=IDS, **options):
@@ -50,6 +51,7 @@ def _in_place_of_store_json(write):
         root.mkdir()
         write(root / "store.json")
         _store(root)
+
     return case
 
 
@@ -92,11 +94,12 @@ def _damaged_entry(damage):
         entry = _put(root)
         damage(entry)
         _read(entry)
+
     return case
 
 
 def _truncate(entry: Path):
-    entry.write_bytes(entry.read_bytes()[:entry.stat().st_size // 2])
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
 
 
 def _swap_for_link(entry: Path):
@@ -119,6 +122,7 @@ def _metadata_says_three_layers(entry: Path):  # what a put of 3 key layers and 
 def _read_rows(start, end):
     def case(root: Path):
         _read(_put(root), start=start, end=end)
+
     return case
 
 
@@ -130,10 +134,18 @@ REFUSED = [
     pytest.param(lambda root: KVStore(root, max_bytes=1.5e9), ConfigError, "whole number", id="max_bytes-float"),
     pytest.param(lambda root: KVStore(root, max_bytes=True), ConfigError, "whole number", id="max_bytes-bool"),
     pytest.param(lambda root: KVStore(root, max_bytes=None), ConfigError, "whole number", id="max_bytes-none"),
-    pytest.param(lambda root: KVStore(root, max_bytes=1 << 20, chunk_tokens=0), ConfigError, "chunk_tokens",
-                 id="chunk_tokens-zero"),
-    pytest.param(lambda root: KVStore(root, max_bytes=1 << 20, chunk_tokens="sixteen"), ConfigError, "chunk_tokens",
-                 id="chunk_tokens-text"),
+    pytest.param(
+        lambda root: KVStore(root, max_bytes=1 << 20, chunk_tokens=0),
+        ConfigError,
+        "chunk_tokens",
+        id="chunk_tokens-zero",
+    ),
+    pytest.param(
+        lambda root: KVStore(root, max_bytes=1 << 20, chunk_tokens="sixteen"),
+        ConfigError,
+        "chunk_tokens",
+        id="chunk_tokens-text",
+    ),
     pytest.param(lambda root: KVStore("", max_bytes=1 << 20), ConfigError, "non-empty path", id="kvstore_dir-empty"),
     pytest.param(lambda root: KVStore(None, max_bytes=1 << 20), ConfigError, "non-empty path", id="kvstore_dir-none"),
     # the constructor: the directory
@@ -141,74 +153,144 @@ REFUSED = [
     pytest.param(_kvstore_dir_under_a_file, ConfigError, "is not a directory", id="kvstore_dir-under-a-file"),
     pytest.param(_pins_is_a_file, ConfigError, "is not a directory", id="pins-a-file"),
     pytest.param(_pins_is_a_link, ConfigError, "is not a directory", id="pins-a-link"),
-    pytest.param(_in_place_of_store_json(lambda p: p.write_text("{\"format\": ")), ConfigError,
-                 "store.json is damaged.*remove it", id="store_json-truncated"),
-    pytest.param(_in_place_of_store_json(lambda p: p.write_text("garbage")), ConfigError, "store.json is damaged",
-                 id="store_json-garbage"),
-    pytest.param(_in_place_of_store_json(lambda p: p.write_bytes(b"\xff\xfe\x00")), ConfigError,
-                 "store.json is damaged", id="store_json-binary"),
-    pytest.param(_in_place_of_store_json(lambda p: p.write_text("")), ConfigError, "store.json is damaged",
-                 id="store_json-empty"),
-    pytest.param(_in_place_of_store_json(lambda p: p.mkdir()), ConfigError, "store.json is damaged",
-                 id="store_json-a-directory"),
-    pytest.param(_in_place_of_store_json(lambda p: p.symlink_to("/dev/zero")), ConfigError,
-                 "store.json is damaged.*symbolic link", id="store_json-a-link"),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.write_text('{"format": ')),
+        ConfigError,
+        "store.json is damaged.*remove it",
+        id="store_json-truncated",
+    ),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.write_text("garbage")),
+        ConfigError,
+        "store.json is damaged",
+        id="store_json-garbage",
+    ),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.write_bytes(b"\xff\xfe\x00")),
+        ConfigError,
+        "store.json is damaged",
+        id="store_json-binary",
+    ),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.write_text("")), ConfigError, "store.json is damaged", id="store_json-empty"
+    ),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.mkdir()), ConfigError, "store.json is damaged", id="store_json-a-directory"
+    ),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.symlink_to("/dev/zero")),
+        ConfigError,
+        "store.json is damaged.*symbolic link",
+        id="store_json-a-link",
+    ),
     pytest.param(_in_place_of_store_json(_fifo), ConfigError, "store.json is damaged", id="store_json-a-fifo"),
-    pytest.param(_in_place_of_store_json(lambda p: p.write_text("[1, 16]")), ConfigError, "was created with",
-                 id="store_json-a-list"),
-    pytest.param(_in_place_of_store_json(lambda p: p.write_text(json.dumps({"format": 1, "chunk_tokens": 8}))),
-                 ConfigError, "same chunk_tokens", id="store_json-other-chunk"),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.write_text("[1, 16]")),
+        ConfigError,
+        "was created with",
+        id="store_json-a-list",
+    ),
+    pytest.param(
+        _in_place_of_store_json(lambda p: p.write_text(json.dumps({"format": 1, "chunk_tokens": 8}))),
+        ConfigError,
+        "same chunk_tokens",
+        id="store_json-other-chunk",
+    ),
     # put: keys and values that do not pair up (K24)
-    pytest.param(lambda root: _put(root, keys=_kv(layers=3), values=_kv(layers=2)), IncompatibleError,
-                 "3 layers of keys but 2 layers of values", id="put-3-key-layers-2-value-layers"),
-    pytest.param(lambda root: _put(root, keys=_kv(layers=1), values=_kv(layers=2)), IncompatibleError,
-                 "1 layers of keys but 2", id="put-1-key-layer-2-value-layers"),
+    pytest.param(
+        lambda root: _put(root, keys=_kv(layers=3), values=_kv(layers=2)),
+        IncompatibleError,
+        "3 layers of keys but 2 layers of values",
+        id="put-3-key-layers-2-value-layers",
+    ),
+    pytest.param(
+        lambda root: _put(root, keys=_kv(layers=1), values=_kv(layers=2)),
+        IncompatibleError,
+        "1 layers of keys but 2",
+        id="put-1-key-layer-2-value-layers",
+    ),
     pytest.param(lambda root: _put(root, keys=[], values=[]), IncompatibleError, "at least one", id="put-no-layers"),
-    pytest.param(lambda root: _put(root, keys=[torch.zeros(HEADS, 16, DIM)] * 2,
-                                   values=[torch.zeros(HEADS, 16, DIM + 1)] * 2), IncompatibleError,
-                 r"keys \(2, 16, 3\) / values \(2, 16, 4\)", id="put-head-dim-mismatch"),
-    pytest.param(lambda root: _put(root, keys=_kv(tokens=15), values=_kv(tokens=15)), IncompatibleError,
-                 "do not cover 16 tokens", id="put-too-few-rows"),
-    pytest.param(lambda root: _put(root, keys=[torch.zeros(16, DIM)] * 2, values=[torch.zeros(16, DIM)] * 2),
-                 IncompatibleError, r"\(heads, tokens, head_dim\)", id="put-2d-tensors"),
-    pytest.param(lambda root: _put(root, keys=[[0.0]] * 2, values=[[0.0]] * 2), IncompatibleError,
-                 "must be tensors", id="put-lists-not-tensors"),
-    pytest.param(lambda root: _put(root, keys=torch.zeros(2, HEADS, 16, DIM), values=_kv()), IncompatibleError,
-                 "lists of tensors", id="put-one-tensor-not-a-list"),
+    pytest.param(
+        lambda root: _put(root, keys=[torch.zeros(HEADS, 16, DIM)] * 2, values=[torch.zeros(HEADS, 16, DIM + 1)] * 2),
+        IncompatibleError,
+        r"keys \(2, 16, 3\) / values \(2, 16, 4\)",
+        id="put-head-dim-mismatch",
+    ),
+    pytest.param(
+        lambda root: _put(root, keys=_kv(tokens=15), values=_kv(tokens=15)),
+        IncompatibleError,
+        "do not cover 16 tokens",
+        id="put-too-few-rows",
+    ),
+    pytest.param(
+        lambda root: _put(root, keys=[torch.zeros(16, DIM)] * 2, values=[torch.zeros(16, DIM)] * 2),
+        IncompatibleError,
+        r"\(heads, tokens, head_dim\)",
+        id="put-2d-tensors",
+    ),
+    pytest.param(
+        lambda root: _put(root, keys=[[0.0]] * 2, values=[[0.0]] * 2),
+        IncompatibleError,
+        "must be tensors",
+        id="put-lists-not-tensors",
+    ),
+    pytest.param(
+        lambda root: _put(root, keys=torch.zeros(2, HEADS, 16, DIM), values=_kv()),
+        IncompatibleError,
+        "lists of tensors",
+        id="put-one-tensor-not-a-list",
+    ),
     # put: token ids and keys of the namespace
-    pytest.param(lambda root: _put(root, ids=[float(t) + 0.5 for t in IDS]), ConfigError, "integers",
-                 id="put-float-token-ids"),
-    pytest.param(lambda root: _put(root, ids=[str(t) for t in IDS]), ConfigError, "integers",
-                 id="put-text-token-ids"),
-    pytest.param(lambda root: _put(root, ids=IDS[:-1] + [2 ** 70]), ConfigError, "int64 range",
-                 id="put-token-id-too-large"),
-    pytest.param(lambda root: _put(root, tenant=None), ConfigError, "isolation_key must be a string",
-                 id="put-isolation-key-none"),
-    pytest.param(lambda root: _put(root, tenant=7), ConfigError, "isolation_key must be a string",
-                 id="put-isolation-key-int"),
+    pytest.param(
+        lambda root: _put(root, ids=[float(t) + 0.5 for t in IDS]), ConfigError, "integers", id="put-float-token-ids"
+    ),
+    pytest.param(lambda root: _put(root, ids=[str(t) for t in IDS]), ConfigError, "integers", id="put-text-token-ids"),
+    pytest.param(
+        lambda root: _put(root, ids=IDS[:-1] + [2**70]), ConfigError, "int64 range", id="put-token-id-too-large"
+    ),
+    pytest.param(
+        lambda root: _put(root, tenant=None), ConfigError, "isolation_key must be a string", id="put-isolation-key-none"
+    ),
+    pytest.param(
+        lambda root: _put(root, tenant=7), ConfigError, "isolation_key must be a string", id="put-isolation-key-int"
+    ),
     # put: a cap below one entry (K20) stores nothing rather than a path to an evicted entry
-    pytest.param(lambda root: _put(root, max_bytes=100), ConfigError, "more than the size cap.*raise kvstore_max_bytes",
-                 id="put-entry-larger-than-cap"),
+    pytest.param(
+        lambda root: _put(root, max_bytes=100),
+        ConfigError,
+        "more than the size cap.*raise kvstore_max_bytes",
+        id="put-entry-larger-than-cap",
+    ),
     # put: a planted link is the KV store's own error (exit 17), not the SQL registry's StoreError
     pytest.param(_namespaces_a_link, KVStoreError, "not a plain directory.*nothing stored", id="put-ns-a-link"),
     # lookups
     pytest.param(lambda root: _lookup(root, ids=[0.5] * 16), ConfigError, "integers", id="lookup-float-token-ids"),
     pytest.param(lambda root: _lookup(root, tenant=None), ConfigError, "isolation_key", id="lookup-isolation-key-none"),
-    pytest.param(lambda root: _lookup(root, max_tokens=2.5), ConfigError, "max_tokens must be an integer",
-                 id="lookup-max-tokens-float"),
-    pytest.param(lambda root: _read(_put(root), start=0, end=8.0), ConfigError, "end must be an integer",
-                 id="read-float-end"),
+    pytest.param(
+        lambda root: _lookup(root, max_tokens=2.5),
+        ConfigError,
+        "max_tokens must be an integer",
+        id="lookup-max-tokens-float",
+    ),
+    pytest.param(
+        lambda root: _read(_put(root), start=0, end=8.0), ConfigError, "end must be an integer", id="read-float-end"
+    ),
     # read: rows
     pytest.param(_read_rows(8, 4), ConfigError, r"0 <= start <= end", id="read-start-after-end"),
     pytest.param(_read_rows(-4, 8), ConfigError, r"0 <= start <= end", id="read-negative-start"),
     pytest.param(_read_rows(0, 17), IncompatibleError, "does not hold the first 17 tokens", id="read-past-the-entry"),
     # read: entries that are not what put writes
     pytest.param(_damaged_entry(_truncate), IncompatibleError, "damaged or not a kvhub entry", id="read-truncated"),
-    pytest.param(_damaged_entry(lambda e: e.write_bytes(b"garbage" * 20)), IncompatibleError, "damaged",
-                 id="read-garbage"),
+    pytest.param(
+        _damaged_entry(lambda e: e.write_bytes(b"garbage" * 20)), IncompatibleError, "damaged", id="read-garbage"
+    ),
     pytest.param(_damaged_entry(lambda e: e.write_bytes(b"")), IncompatibleError, "damaged", id="read-empty"),
-    pytest.param(_damaged_entry(_metadata_says_three_layers), IncompatibleError, "metadata says 3 layers",
-                 id="read-layers-metadata-wrong"),
+    pytest.param(
+        _damaged_entry(_metadata_says_three_layers),
+        IncompatibleError,
+        "metadata says 3 layers",
+        id="read-layers-metadata-wrong",
+    ),
     pytest.param(_damaged_entry(_swap_for_link), IncompatibleError, "symbolic link", id="read-a-link"),
     pytest.param(_damaged_entry(_swap_for_dir), IncompatibleError, "not a regular file", id="read-a-directory"),
     pytest.param(_damaged_entry(lambda e: e.unlink()), FileNotFoundError, "No such file", id="read-gone"),
@@ -223,8 +305,7 @@ def test_refused(tmp_path, case, error, match):
 
 # ---- planted index files of bob that name alice's entry (R2) -------------------------------------------
 def _write(text: str):
-    return lambda index, alice: index.write_text(text.format(alice=alice, ns=alice.parent.parent.name,
-                                                             name=alice.name))
+    return lambda index, alice: index.write_text(text.format(alice=alice, ns=alice.parent.parent.name, name=alice.name))
 
 
 def _link_entry_into_bobs_namespace(index: Path, alice: Path):
@@ -242,8 +323,11 @@ BAD_INDEX = [
     pytest.param(_write("\x00\xff garbage"), True, id="garbage"),
     pytest.param(_write("{ns}-16.safetensors"), True, id="name-of-no-entry"),  # well formed, nothing there
     pytest.param(_write("0" * 40 + "-4.safetensors"), True, id="fewer-tokens-than-the-prefix"),
-    pytest.param(lambda index, alice: index.symlink_to(alice.parent.parent / "index" / index.name), True,
-                 id="index-a-link-to-alices-index"),
+    pytest.param(
+        lambda index, alice: index.symlink_to(alice.parent.parent / "index" / index.name),
+        True,
+        id="index-a-link-to-alices-index",
+    ),
     pytest.param(lambda index, alice: index.mkdir(), False, id="index-a-directory"),
     pytest.param(lambda index, alice: os.mkfifo(index), True, id="index-a-fifo"),
     pytest.param(_link_entry_into_bobs_namespace, True, id="entry-a-link-to-alices"),
@@ -316,4 +400,3 @@ ACCEPTED = [
 @pytest.mark.parametrize("case", ACCEPTED)
 def test_accepted(tmp_path, case):
     case(tmp_path / "store")
-

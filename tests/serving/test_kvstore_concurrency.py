@@ -72,8 +72,7 @@ def _producer(root: str, cap: int, tenant: int, seconds: float, results) -> None
 
 
 def _consumer(root: str, cap: int, seed: int, seconds: float, results) -> None:
-    report = {"role": "consumer", "lookups": 0, "hits": 0, "evicted_before_pin": 0, "wrong_tenant": [],
-              "failures": []}
+    report = {"role": "consumer", "lookups": 0, "hits": 0, "evicted_before_pin": 0, "wrong_tenant": [], "failures": []}
     try:
         import torch
 
@@ -98,9 +97,11 @@ def _consumer(root: str, cap: int, seed: int, seconds: float, results) -> None:
                 finally:
                     KVStore.release(pin)
                 report["hits"] += 1
-                want = _kv(tenant, ids[:found.tokens])
-                if not all(torch.equal(k[0], w) for k, w in zip(keys + values, want[0] + want[1])) \
-                        or len(keys) != LAYERS:
+                want = _kv(tenant, ids[: found.tokens])
+                if (
+                    not all(torch.equal(k[0], w) for k, w in zip(keys + values, want[0] + want[1]))
+                    or len(keys) != LAYERS
+                ):
                     report["wrong_tenant"].append((tenant, str(found.entry), float(keys[0][0, 0, 0, 0])))
             except Exception:  # noqa: BLE001 - every failure is reported to the test
                 report["failures"].append(traceback.format_exc())

@@ -8,8 +8,16 @@ from kvhub.errors import ConfigError
 from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
 from kvhub.serving.handoff import prepare_cache
-from kvhub.serving.recompute import (Recompute, attention_scores, cropped, query_attention,
-                                     recompute_positions, recompute_set, select_spans, span_ids)
+from kvhub.serving.recompute import (
+    Recompute,
+    attention_scores,
+    cropped,
+    query_attention,
+    recompute_positions,
+    recompute_set,
+    select_spans,
+    span_ids,
+)
 from tests.tinymodels import control_mapper, exact_family_target, make_model
 from tests.tolerances import rtol
 
@@ -23,8 +31,15 @@ def family():
     torch.manual_seed(0)
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    mapper = fit(source, target, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/src", target_id="tiny/dst",
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        _ids(24, 32, 0),
+        _ids(6, 32, 1),
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     return source, target, control_mapper(mapper)
 
 
@@ -51,7 +66,13 @@ def test_spec_names_round_trip_and_bad_specs_are_refused():
     assert scored.name() == "exact_prefix=4,exact_budget=0.05,select=target,queries=4,score=sum"
     assert Recompute.parse(scored.name()) == scored
     assert scored.capped(3) == Recompute(exact_prefix=3, exact_budget=0.05, select="target", queries=4, score="sum")
-    for bad in (dict(exact_budget=1.5), dict(select="oracle"), dict(exact_prefix=-1), dict(spans="words"), dict(score="mean")):
+    for bad in (
+        dict(exact_budget=1.5),
+        dict(select="oracle"),
+        dict(exact_prefix=-1),
+        dict(spans="words"),
+        dict(score="mean"),
+    ):
         with pytest.raises(ConfigError):
             Recompute(**bad)
     for text in ("exact_budget=lots", "depth=3", "select"):
@@ -78,8 +99,12 @@ def test_whole_spans_are_taken_by_their_best_token_within_the_budget():
 
 def test_attention_scores_known_answers():
     """Two queries (tokens 4 and 5 of 6) over 6 tokens; token 0 is an exact prefix, token 5 the suffix."""
-    attention = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2, 0.0],    # query 4: spread over the nearby text
-                              [0.5, 0.0, 0.4, 0.0, 0.0, 0.1]])   # query 5: looks token 2 up
+    attention = torch.tensor(
+        [
+            [0.5, 0.1, 0.1, 0.1, 0.2, 0.0],  # query 4: spread over the nearby text
+            [0.5, 0.0, 0.4, 0.0, 0.0, 0.1],
+        ]
+    )  # query 5: looks token 2 up
     eligible = torch.tensor([False, True, True, True, True, False])
     # max: per query, the share of its eligible attention; then the max over queries
     # query 4: (0.1, 0.1, 0.1, 0.2) / 0.5; query 5: (0, 0.4, 0, 0) / 0.4
@@ -128,7 +153,7 @@ def test_masked_pass_equals_recomputing_the_tokens_one_by_one(family):
         from transformers import DynamicCache
 
         step = step or DynamicCache()
-        target.base_model(input_ids=context[:, t:t + 1], position_ids=torch.tensor([[t]]), cache=step, use_cache=True)
+        target.base_model(input_ids=context[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=step, use_cache=True)
         for mine, theirs in zip(reference.layers, step.layers):
             mine.keys[:, :, t], mine.values[:, :, t] = theirs.keys[:, :, t], theirs.values[:, :, t]
     recompute_positions(target, mapped, context, positions)
@@ -144,8 +169,14 @@ def test_untouched_positions_keep_the_mapped_values(family):
     cache = prepare_cache(control, source, target, ids, recompute=spec)
     changed = ~torch.isclose(cache.layers[-1].keys, plain.layers[-1].keys).all(-1).all(1)[0]  # (T,)
     source_cache = run_model(source, ids[:, :-1])
-    expected = recompute_set(spec, context=ids[:, :-1], mapped_cache=control.transfer(source_cache),
-                             source_model=source, target_model=target, source_cache=source_cache)
+    expected = recompute_set(
+        spec,
+        context=ids[:, :-1],
+        mapped_cache=control.transfer(source_cache),
+        source_model=source,
+        target_model=target,
+        source_cache=source_cache,
+    )
     assert torch.nonzero(changed).flatten().tolist() == expected.tolist()
     assert len(expected) == 2 + 3 + round(0.2 * 39)
 
@@ -157,8 +188,14 @@ def test_every_selector_respects_the_budget_and_spares_prefix_and_suffix(family,
     context = ids[:, :-1]
     source_cache = run_model(source, context)
     spec = Recompute(exact_prefix=4, exact_suffix=5, exact_budget=0.25, select=select, spans="token")
-    chosen = recompute_set(spec, context=context, mapped_cache=control.transfer(source_cache), source_model=source,
-                           target_model=target, source_cache=source_cache)
+    chosen = recompute_set(
+        spec,
+        context=context,
+        mapped_cache=control.transfer(source_cache),
+        source_model=source,
+        target_model=target,
+        source_cache=source_cache,
+    )
     middle = [t for t in chosen.tolist() if 4 <= t < 54]
     assert chosen.tolist()[:4] == [0, 1, 2, 3] and chosen.tolist()[-5:] == list(range(54, 59))
     assert len(middle) == round(0.25 * 59)
@@ -189,8 +226,8 @@ def test_batched_handoff_with_selection_prepares_each_row(family):
         return target.generate(row, attention_mask=torch.ones_like(row), **cache_kwargs(target, cache), **generate)
 
     for index in range(2):
-        row = ids[index:index + 1]
-        assert torch.equal(out[index:index + 1], from_cache(row, spec)), f"row {index}"
+        row = ids[index : index + 1]
+        assert torch.equal(out[index : index + 1], from_cache(row, spec)), f"row {index}"
         assert not torch.equal(from_cache(row, Recompute(2, 3)), from_cache(row, spec))  # the selection shows
 
 
@@ -203,14 +240,27 @@ def test_handoff_takes_a_whole_recompute_spec(family):
     ids = _ids(1, 48, 12)
     spec = Recompute.parse("exact_prefix=2,exact_suffix=3,exact_budget=0.25,select=target,queries=4,spans=token")
     cache = prepare_cache(control, source, target, ids, recompute=spec)
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(target, cache), max_new_tokens=6,
-                           do_sample=False, min_new_tokens=6)
+    want = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **cache_kwargs(target, cache),
+        max_new_tokens=6,
+        do_sample=False,
+        min_new_tokens=6,
+    )
     got = handoff(control, source, target, ids, recompute=spec, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(got, want)
-    default = prepare_cache(control, source, target, ids,
-                            recompute=Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.08))
-    from_default = target.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(target, default),
-                                   max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    default = prepare_cache(
+        control, source, target, ids, recompute=Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.08)
+    )
+    from_default = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **cache_kwargs(target, default),
+        max_new_tokens=6,
+        do_sample=False,
+        min_new_tokens=6,
+    )
     assert not torch.equal(from_default, want)  # so the spec, not the defaults, made ``got``
 
 
@@ -226,12 +276,20 @@ def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_sel
     from kvhub.serving.handoff import handoff
 
     model = make_model("mistral", sliding_window=16, head_dim=16)
-    mapper = fit(model, model, _ids(24, 32, 0), _ids(6, 32, 1), source_id="tiny/m", target_id="tiny/m",
-                 options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        model,
+        model,
+        _ids(24, 32, 0),
+        _ids(6, 32, 1),
+        source_id="tiny/m",
+        target_id="tiny/m",
+        options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     assert mapper.windowed_target()
     ids = _ids(1, 13, 4)  # a context of 12 tokens: every layer still holds every position
-    cache = prepare_cache(control_mapper(mapper), model, model, ids,
-                          recompute=Recompute(exact_prefix=3, exact_suffix=4))
+    cache = prepare_cache(
+        control_mapper(mapper), model, model, ids, recompute=Recompute(exact_prefix=3, exact_suffix=4)
+    )
     own = run_model(model, ids[:, :-1])
     tolerance = _tol(model)
     assert cache.get_seq_length() == 12

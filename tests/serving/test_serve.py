@@ -123,8 +123,20 @@ def _invoke(*args: str):
 
 
 def _serve_args(db: str, tmp_path: Path, vllm: Path | None, ports: list[int], *extra: str) -> list[str]:
-    args = ["serve", REF, "--db", db, "--kvstore-dir", str(tmp_path / "kv"), "--log-dir", str(tmp_path / "logs"),
-            "--port-small", str(ports[0]), "--port-large", str(ports[1])]
+    args = [
+        "serve",
+        REF,
+        "--db",
+        db,
+        "--kvstore-dir",
+        str(tmp_path / "kv"),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--port-small",
+        str(ports[0]),
+        "--port-large",
+        str(ports[1]),
+    ]
     return args + (["--vllm", str(vllm)] if vllm else []) + list(extra)
 
 
@@ -159,17 +171,42 @@ def _server_pids(tmp_path: Path, ports) -> list[int]:
 
 # ---- the connector configuration ----------------------------------------------------------------------
 def test_transfer_configs_give_each_role_its_keys(tmp_path):
-    configs = launch.transfer_configs(kvstore_dir=tmp_path / "kv", source_model="org/small", mapper="s:d:c@v2",
-                                      db="sqlite:///x.db", exact_suffix=8, exact_budget=0.1, kvstore_max_bytes=1 << 20,
-                                      events_path="/tmp/e.jsonl", chunk_tokens=None, deshrink="off")
-    shared = {"kv_connector": "KVHubConnector", "kv_connector_module_path": "kvhub.serving.vllm_connector",
-              "kv_load_failure_policy": "recompute"}
-    common = {"kvstore_dir": str(tmp_path / "kv"), "source_model": "org/small", "kvstore_max_bytes": 1 << 20,
-              "events_path": "/tmp/e.jsonl"}
+    configs = launch.transfer_configs(
+        kvstore_dir=tmp_path / "kv",
+        source_model="org/small",
+        mapper="s:d:c@v2",
+        db="sqlite:///x.db",
+        exact_suffix=8,
+        exact_budget=0.1,
+        kvstore_max_bytes=1 << 20,
+        events_path="/tmp/e.jsonl",
+        chunk_tokens=None,
+        deshrink="off",
+    )
+    shared = {
+        "kv_connector": "KVHubConnector",
+        "kv_connector_module_path": "kvhub.serving.vllm_connector",
+        "kv_load_failure_policy": "recompute",
+    }
+    common = {
+        "kvstore_dir": str(tmp_path / "kv"),
+        "source_model": "org/small",
+        "kvstore_max_bytes": 1 << 20,
+        "events_path": "/tmp/e.jsonl",
+    }
     assert configs["producer"] == {**shared, "kv_role": "kv_producer", "kv_connector_extra_config": common}
-    assert configs["consumer"] == {**shared, "kv_role": "kv_consumer", "kv_connector_extra_config": {
-        **common, "mapper": "s:d:c@v2", "db": "sqlite:///x.db", "exact_suffix": 8, "exact_budget": 0.1,
-        "deshrink": "off"}}
+    assert configs["consumer"] == {
+        **shared,
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {
+            **common,
+            "mapper": "s:d:c@v2",
+            "db": "sqlite:///x.db",
+            "exact_suffix": 8,
+            "exact_budget": 0.1,
+            "deshrink": "off",
+        },
+    }
     assert json.loads(json.dumps(configs)) == configs  # what `vllm serve --kv-transfer-config` receives
 
 
@@ -202,16 +239,36 @@ def test_the_contract_names_the_connector_class():
 
 # ---- dry run and bad input ----------------------------------------------------------------------------
 def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--exact-suffix", "8", "--dry-run",
-                                  "--kv-cache-gib", "3",
-                                  "--", "--dtype", "float32", "--max-model-len", "256"))
+    result = _invoke(
+        *_serve_args(
+            mapper_db,
+            tmp_path,
+            fake_vllm,
+            [8001, 8002],
+            "--exact-suffix",
+            "8",
+            "--dry-run",
+            "--kv-cache-gib",
+            "3",
+            "--",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+        )
+    )
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"# kvhub serve, mapper {SRC_ID}:{DST_ID}:legal-docs@v1")
     assert shlex.split(lines[1]) == ["mkdir", "-p", "-m", "700", str(tmp_path / "kv")]
     small, large = shlex.split(lines[3]), shlex.split(lines[5])
-    configs = launch.transfer_configs(kvstore_dir=tmp_path / "kv", source_model=SRC_ID, mapper=f"{SRC_ID}:{DST_ID}"
-                                      ":legal-docs@v1", db=mapper_db, exact_suffix=8)
+    configs = launch.transfer_configs(
+        kvstore_dir=tmp_path / "kv",
+        source_model=SRC_ID,
+        mapper=f"{SRC_ID}:{DST_ID}:legal-docs@v1",
+        db=mapper_db,
+        exact_suffix=8,
+    )
     for argv, model, port, role in ((small, SRC_ID, "8001", "producer"), (large, DST_ID, "8002", "consumer")):
         assert argv[0] == "VLLM_CPU_KVCACHE_SPACE=3"  # each engine's KV cache, so that both fit the host
         argv = argv[1:]
@@ -237,13 +294,16 @@ def test_dry_run_needs_no_kvstore_dir_and_defaults_to_a_private_shared_memory_fo
     assert default.name.startswith("kvhub-") and default.name != "kvhub-"
 
 
-@pytest.mark.parametrize("old, new, value", [("--store-dir", "--kvstore-dir", "{tmp}/kv"),
-                                             ("--store-max-bytes", "--kvstore-max-bytes", "1000")])
+@pytest.mark.parametrize(
+    "old, new, value",
+    [("--store-dir", "--kvstore-dir", "{tmp}/kv"), ("--store-max-bytes", "--kvstore-max-bytes", "1000")],
+)
 def test_an_old_kvstore_option_suggests_its_new_name(mapper_db, tmp_path, fake_vllm, old, new, value):
     """--store-dir and --store-max-bytes are now --kvstore-dir and --kvstore-max-bytes (no alias): the old
     name is a usage error whose first suggestion is the new one, and nothing is created."""
-    result = _invoke("serve", REF, "--db", mapper_db, old, value.format(tmp=tmp_path), "--vllm", str(fake_vllm),
-                     "--dry-run")
+    result = _invoke(
+        "serve", REF, "--db", mapper_db, old, value.format(tmp=tmp_path), "--vllm", str(fake_vllm), "--dry-run"
+    )
     assert result.exit_code == 2, result.output
     assert re.search(f"Did you mean (one of: )?'{new}'", result.output), result.output
     assert not (tmp_path / "kv").exists()
@@ -251,22 +311,38 @@ def test_an_old_kvstore_option_suggests_its_new_name(mapper_db, tmp_path, fake_v
 
 def test_src_dst_options_name_the_same_mapper_as_a_ref(mapper_db, tmp_path, fake_vllm):
     by_ref = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run"))
-    by_options = _invoke("serve", "--src", SRC_ID, "--dst", DST_ID, "--calib", "legal-docs", "--db", mapper_db,
-                         "--kvstore-dir", str(tmp_path / "kv"), "--vllm", str(fake_vllm), "--dry-run")
+    by_options = _invoke(
+        "serve",
+        "--src",
+        SRC_ID,
+        "--dst",
+        DST_ID,
+        "--calib",
+        "legal-docs",
+        "--db",
+        mapper_db,
+        "--kvstore-dir",
+        str(tmp_path / "kv"),
+        "--vllm",
+        str(fake_vllm),
+        "--dry-run",
+    )
     assert by_ref.exit_code == by_options.exit_code == 0, by_ref.output + by_options.output
     assert by_ref.stdout == by_options.stdout
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["nope-src:nope-dst"], 6, "no mapper from model 'nope-src'"),
-    (["a:b:c:d"], 2, "'a:b:c:d' is not a mapper reference"),
-    ([REF, "--src", SRC_ID], 2, "name the mapper once"),
-    ([], 2, "name the mapper to serve: REF or --src and --dst"),
-    ([REF, "--port-large", "8001"], 2, "--port-small and --port-large are both 8001"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["nope-src:nope-dst"], 6, "no mapper from model 'nope-src'"),
+        (["a:b:c:d"], 2, "'a:b:c:d' is not a mapper reference"),
+        ([REF, "--src", SRC_ID], 2, "name the mapper once"),
+        ([], 2, "name the mapper to serve: REF or --src and --dst"),
+        ([REF, "--port-large", "8001"], 2, "--port-small and --port-large are both 8001"),
+    ],
+)
 def test_bad_input_is_a_clear_error(mapper_db, tmp_path, fake_vllm, args, code, message):
-    result = _invoke("serve", *args, "--db", mapper_db, "--kvstore-dir", str(tmp_path / "kv"), "--vllm",
-                     str(fake_vllm))
+    result = _invoke("serve", *args, "--db", mapper_db, "--kvstore-dir", str(tmp_path / "kv"), "--vllm", str(fake_vllm))
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "kv").exists()
@@ -350,8 +426,12 @@ def test_a_server_that_never_answers_times_out(mapper_db, tmp_path, fake_vllm, m
 
 def _start_serve(mapper_db, tmp_path, fake_vllm, ports) -> tuple[subprocess.Popen, dict]:
     """`kvhub serve --json` as a real process; returns it and its ready line."""
-    command = [sys.executable, "-m", "kvhub", *_serve_args(mapper_db, tmp_path, fake_vllm, ports, "--json",
-                                                                    "--timeout", "60")]
+    command = [
+        sys.executable,
+        "-m",
+        "kvhub",
+        *_serve_args(mapper_db, tmp_path, fake_vllm, ports, "--json", "--timeout", "60"),
+    ]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if not line:
@@ -408,8 +488,9 @@ def test_a_server_ignoring_the_stop_signal_is_killed(tmp_path, fake_vllm, monkey
     ports = _free_ports(1)
     monkeypatch.setenv(f"FAKE_VLLM_MODE_{ports[0]}", "stubborn")
     url = launch.base_url("127.0.0.1", ports[0])
-    command = launch.server_command([str(fake_vllm)], model="m", served_model_name="m", host="127.0.0.1",
-                                    port=ports[0], transfer_config={})
+    command = launch.server_command(
+        [str(fake_vllm)], model="m", served_model_name="m", host="127.0.0.1", port=ports[0], transfer_config={}
+    )
     pair = launch.ServerPair([launch.Server("small", command, url, "m", tmp_path / "small.log")], stop_timeout=1)
     with pair:
         pair.start()
@@ -418,8 +499,17 @@ def test_a_server_ignoring_the_stop_signal_is_killed(tmp_path, fake_vllm, monkey
 
 
 def test_dry_run_without_a_mapper_store_is_refused(tmp_path, fake_vllm):
-    result = _invoke("serve", REF, "--db", str(tmp_path / "missing.db"), "--kvstore-dir", str(tmp_path / "kv"),
-                     "--vllm", str(fake_vllm), "--dry-run")
+    result = _invoke(
+        "serve",
+        REF,
+        "--db",
+        str(tmp_path / "missing.db"),
+        "--kvstore-dir",
+        str(tmp_path / "kv"),
+        "--vllm",
+        str(fake_vllm),
+        "--dry-run",
+    )
     assert result.exit_code == 6, result.output
     assert not (tmp_path / "missing.db").exists()
 
@@ -431,19 +521,42 @@ def test_a_store_password_never_reaches_a_command_line(mapper_db, tmp_path, fake
     url = "postgresql+psycopg://postgres:S3cretPW@127.0.0.1:55437/servedb"
     assert serve_cmd._db_channel(url) == (None, {"KVHUB_DB_URL": url})
     assert serve_cmd._db_channel(mapper_db) == (mapper_db, {})
-    assert serve_cmd._masked({"KVHUB_DB_URL": url})["KVHUB_DB_URL"] == "postgresql+psycopg://postgres:***@127.0.0.1:55437/servedb"
-    monkeypatch.setattr(serve_cmd, "_resolve_mapper", lambda *a, **k: (f"{SRC_ID}:{DST_ID}:legal-docs@v1", SRC_ID, DST_ID))
-    result = _invoke("serve", f"{SRC_ID}:{DST_ID}:legal-docs", "--db", url, "--kvstore-dir", str(tmp_path / "kv"),
-                     "--vllm", str(fake_vllm), "--dry-run", "--kv-cache-gib", "2")
+    assert (
+        serve_cmd._masked({"KVHUB_DB_URL": url})["KVHUB_DB_URL"]
+        == "postgresql+psycopg://postgres:***@127.0.0.1:55437/servedb"
+    )
+    monkeypatch.setattr(
+        serve_cmd, "_resolve_mapper", lambda *a, **k: (f"{SRC_ID}:{DST_ID}:legal-docs@v1", SRC_ID, DST_ID)
+    )
+    result = _invoke(
+        "serve",
+        f"{SRC_ID}:{DST_ID}:legal-docs",
+        "--db",
+        url,
+        "--kvstore-dir",
+        str(tmp_path / "kv"),
+        "--vllm",
+        str(fake_vllm),
+        "--dry-run",
+        "--kv-cache-gib",
+        "2",
+    )
     assert result.exit_code == 0, result.output
     assert "S3cretPW" not in result.stdout and "KVHUB_DB_URL=" in result.stdout
 
 
 def test_an_events_file_that_cannot_be_written_is_refused_before_any_server_starts(mapper_db, tmp_path, fake_vllm):
     """R4: --events under a missing directory is a one-line error, not a crash inside vLLM's scheduler."""
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--events",
-                                  str(tmp_path / "missing" / "e.jsonl"), "--dry-run"))
-    assert result.exit_code == ConfigError.exit_code and "--events" in result.output and "cannot be appended to" in result.output
+    result = _invoke(
+        *_serve_args(
+            mapper_db, tmp_path, fake_vllm, [8001, 8002], "--events", str(tmp_path / "missing" / "e.jsonl"), "--dry-run"
+        )
+    )
+    assert (
+        result.exit_code == ConfigError.exit_code
+        and "--events" in result.output
+        and "cannot be appended to" in result.output
+    )
     assert "Traceback" not in result.output
 
 

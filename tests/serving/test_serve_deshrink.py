@@ -18,9 +18,18 @@ DESHRINK_ON_A_MAPPER_WITHOUT_MEANS = [
 
 
 @pytest.mark.parametrize("deshrink, exit_code, text", DESHRINK_ON_A_MAPPER_WITHOUT_MEANS)
-def test_R3_13_serve_dry_run_checks_deshrink(mapper_db, tmp_path, fake_vllm, deshrink, exit_code,  # noqa: F811
-                                             text):
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2",
-                                  "--deshrink", deshrink))
+def test_R3_13_serve_dry_run_checks_deshrink(
+    mapper_db,
+    tmp_path,
+    fake_vllm,
+    deshrink,
+    exit_code,  # noqa: F811
+    text,
+):
+    result = _invoke(
+        *_serve_args(
+            mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2", "--deshrink", deshrink
+        )
+    )
     assert result.exit_code == exit_code, result.output
     assert text in result.output and "Traceback" not in result.output

@@ -17,8 +17,9 @@ def _consumer_db(argv: list[str]) -> str:
 
 
 def test_U3_14_dry_run_json_gives_each_server_as_data(mapper_db, tmp_path, fake_vllm):  # noqa: F811
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2",
-                                  "--json"))
+    result = _invoke(
+        *_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2", "--json")
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert set(out["servers"]) == {"small", "large"} and out["env"] == {"VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -27,8 +28,11 @@ def test_U3_14_dry_run_json_gives_each_server_as_data(mapper_db, tmp_path, fake_
 
 
 def test_U3_14_dry_run_tsv_is_one_line_per_server(mapper_db, tmp_path, fake_vllm):  # noqa: F811
-    result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2",
-                                  "--format", "tsv"))
+    result = _invoke(
+        *_serve_args(
+            mapper_db, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2", "--format", "tsv"
+        )
+    )
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.splitlines()
     assert header.split("\t") == ["server", "env", "command"] and [r.split("\t")[0] for r in rows] == ["small", "large"]
@@ -37,8 +41,9 @@ def test_U3_14_dry_run_tsv_is_one_line_per_server(mapper_db, tmp_path, fake_vllm
 def test_U3_14_a_relative_db_is_printed_absolute(mapper_db, tmp_path, fake_vllm, monkeypatch):  # noqa: F811
     monkeypatch.chdir(tmp_path)
     relative = os.path.relpath(mapper_db, tmp_path)
-    result = _invoke(*_serve_args(relative, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2",
-                                  "--json"))
+    result = _invoke(
+        *_serve_args(relative, tmp_path, fake_vllm, [8001, 8002], "--dry-run", "--kv-cache-gib", "2", "--json")
+    )
     assert result.exit_code == 0, result.output
     argv = json.loads(result.stdout)["servers"]["large"]["argv"]
     assert _consumer_db(argv) == os.path.abspath(mapper_db)

@@ -194,7 +194,7 @@ def test_eviction_removes_a_damaged_entry_and_later_puts_succeed(tmp_path, damag
     _put(store, ids[0])
     damaged = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=ids[0]).entry
     size = damaged.stat().st_size
-    damaged.write_bytes(damaged.read_bytes()[:size // 2] if damage is None else damage)
+    damaged.write_bytes(damaged.read_bytes()[: size // 2] if damage is None else damage)
     os.utime(damaged, (1e9, 1e9))
     store = KVStore(tmp_path, max_bytes=int(1.5 * size), chunk_tokens=4)
     for prompt in ids[1:]:
@@ -238,8 +238,9 @@ def test_the_entry_a_put_returns_is_not_its_own_eviction_victim(tmp_path):
     newer = store.longest_prefix(isolation_key="alice", source_model="src", token_ids=list(range(1, 17))).entry
     os.utime(newer, (4e9, 4e9))  # another engine's clock runs ahead
     keys, values = _kv(16)
-    entry = store.put(isolation_key="alice", source_model="src", token_ids=list(range(101, 117)), keys=keys,
-                      values=values)
+    entry = store.put(
+        isolation_key="alice", source_model="src", token_ids=list(range(101, 117)), keys=keys, values=values
+    )
     assert entry.exists() and not newer.exists()
 
 
@@ -295,16 +296,21 @@ def test_a_read_only_store_directory_is_refused_at_start(tmp_path, monkeypatch):
         KVStore(tmp_path / "new", max_bytes=1 << 20, chunk_tokens=4)
 
 
-@pytest.mark.parametrize("prompt, computed, stored, expected", [
-    (100, 0, 80, (0, 64)),     # min(80, 100 - 16) = 80 -> 64 with 32-token blocks
-    (100, 32, 80, (32, 64)),   # vLLM's own exact prefix-cache hit is kept, only the rest is mapped
-    (100, 64, 80, (64, 64)),   # nothing past the local hit
-    (40, 0, 400, (0, 0)),      # the exact tail leaves less than a block
-    (200, 0, 400, (0, 160)),   # the tail bounds it: 200 - 16 = 184 -> 160
-])
+@pytest.mark.parametrize(
+    "prompt, computed, stored, expected",
+    [
+        (100, 0, 80, (0, 64)),  # min(80, 100 - 16) = 80 -> 64 with 32-token blocks
+        (100, 32, 80, (32, 64)),  # vLLM's own exact prefix-cache hit is kept, only the rest is mapped
+        (100, 64, 80, (64, 64)),  # nothing past the local hit
+        (40, 0, 400, (0, 0)),  # the exact tail leaves less than a block
+        (200, 0, 400, (0, 160)),  # the tail bounds it: 200 - 16 = 184 -> 160
+    ],
+)
 def test_load_plan(prompt, computed, stored, expected):
-    assert load_plan(prompt_tokens=prompt, computed_tokens=computed, stored_tokens=stored, block_size=32,
-                     exact_suffix=16) == expected
+    assert (
+        load_plan(prompt_tokens=prompt, computed_tokens=computed, stored_tokens=stored, block_size=32, exact_suffix=16)
+        == expected
+    )
 
 
 def test_load_plan_always_leaves_one_token_to_compute():
@@ -320,9 +326,9 @@ def _transposed_key_writer(block_size, heads, dim):
         for n, slot in enumerate(slots.tolist()):
             block, offset = divmod(slot, block_size)
             for h in range(heads):
-                keys = view[block, h, :block_size * dim].view(dim, block_size)
+                keys = view[block, h, : block_size * dim].view(dim, block_size)
                 keys[:, offset] = key[n, h]
-                view[block, h, block_size * dim:].view(block_size, dim)[offset] = value[n, h]
+                view[block, h, block_size * dim :].view(block_size, dim)[offset] = value[n, h]
 
     return write
 
@@ -331,8 +337,13 @@ def _transposed_key_writer(block_size, heads, dim):
 def test_probe_finds_a_transposed_layout_and_gather_reads_tokens_back(dtype):
     block_size, heads, dim = 8, 2, 32
     writer = _transposed_key_writer(block_size, heads, dim)
-    layout = probe_layout(writer, torch.zeros(1, heads, block_size, 2 * dim, dtype=dtype), block_size=block_size,
-                          heads=heads, head_dim=dim)
+    layout = probe_layout(
+        writer,
+        torch.zeros(1, heads, block_size, 2 * dim, dtype=dtype),
+        block_size=block_size,
+        heads=heads,
+        head_dim=dim,
+    )
     cache = torch.zeros(5, heads, block_size, 2 * dim, dtype=dtype)
     slots = torch.tensor([3 * 8 + 5, 3 * 8 + 6, 1 * 8 + 0, 4 * 8 + 7])
     key, value = torch.randn(4, heads, dim).to(dtype), torch.randn(4, heads, dim).to(dtype)

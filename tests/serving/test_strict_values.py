@@ -12,29 +12,50 @@ from tests.serving.test_tenant_isolation import MATCHED, PROMPT, _ask, _connecto
 from tests.vllm_standin import SamplingParams, request, vllm_config, vllm_modules  # noqa: F401
 
 
-@pytest.mark.parametrize("key, value", [
-    pytest.param("queries", 2.7, id="R3_7-queries-float"),
-    pytest.param("queries", True, id="R3_7-queries-bool"),
-    pytest.param("exact_prefix", True, id="R3_7-exact-prefix-bool"),
-    pytest.param("exact_suffix", "1.5", id="R3_7-exact-suffix-text-float"),
-    pytest.param("exact_budget", True, id="R3_7-exact-budget-bool"),
-    pytest.param("exact_budget", "nan", id="R3_7-exact-budget-nan"),
-    pytest.param("max_span", [4], id="R3_7-max-span-list"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        pytest.param("queries", 2.7, id="R3_7-queries-float"),
+        pytest.param("queries", True, id="R3_7-queries-bool"),
+        pytest.param("exact_prefix", True, id="R3_7-exact-prefix-bool"),
+        pytest.param("exact_suffix", "1.5", id="R3_7-exact-suffix-text-float"),
+        pytest.param("exact_budget", True, id="R3_7-exact-budget-bool"),
+        pytest.param("exact_budget", "nan", id="R3_7-exact-budget-nan"),
+        pytest.param("max_span", [4], id="R3_7-max-span-list"),
+    ],
+)
 def test_R3_7_config_numbers_are_not_truncated(key, value):
     with pytest.raises(ConfigError, match=key):
         Recompute.from_options({key: value}, origin="kv_connector_extra_config")
 
 
-@pytest.mark.parametrize("key, value, read", [("queries", "3", 3), ("queries", 4, 4), ("exact_budget", "0.2", 0.2),
-                                              ("exact_budget", 1, 1.0), ("exact_prefix", 0, 0)])
+@pytest.mark.parametrize(
+    "key, value, read",
+    [
+        ("queries", "3", 3),
+        ("queries", 4, 4),
+        ("exact_budget", "0.2", 0.2),
+        ("exact_budget", 1, 1.0),
+        ("exact_prefix", 0, 0),
+    ],
+)
 def test_R3_7_numbers_as_text_or_json_still_read(key, value, read):
     assert getattr(Recompute.from_options({key: value}), key) == read
 
 
-@pytest.mark.parametrize("control", ["false", "0", "true", 0, 1, {"a": 1}, [True]],
-                         ids=["R3_7-control-text-false", "R3_7-control-text-0", "R3_7-control-text-true",
-                              "R3_7-control-0", "R3_7-control-1", "R3_7-control-dict", "R3_7-control-list"])
+@pytest.mark.parametrize(
+    "control",
+    ["false", "0", "true", 0, 1, {"a": 1}, [True]],
+    ids=[
+        "R3_7-control-text-false",
+        "R3_7-control-text-0",
+        "R3_7-control-text-true",
+        "R3_7-control-0",
+        "R3_7-control-1",
+        "R3_7-control-dict",
+        "R3_7-control-list",
+    ],
+)
 def test_R3_7_kvhub_control_must_be_a_json_boolean(tmp_path, vllm_modules, control):
     """A client's "false" used to select the control map; now anything but true/false is refused."""
     _store_prompt(tmp_path / "kvstore", "alice")
@@ -51,12 +72,15 @@ def test_R3_7_kvhub_control_booleans_are_read(tmp_path, vllm_modules, control):
     assert matched == MATCHED and response["kvhub"]["control"] is control
 
 
-@pytest.mark.parametrize("extra", [
-    pytest.param({"kvhub_force": [2**70]}, id="R3_9-id-above-int64"),
-    pytest.param({"kvhub_force": [2**31]}, id="R3_9-id-above-32-bits"),
-    pytest.param(["kvhub_force"], id="R3_9-extra-args-list"),
-    pytest.param("kvhub_force", id="R3_9-extra-args-string"),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"kvhub_force": [2**70]}, id="R3_9-id-above-int64"),
+        pytest.param({"kvhub_force": [2**31]}, id="R3_9-id-above-32-bits"),
+        pytest.param(["kvhub_force"], id="R3_9-extra-args-list"),
+        pytest.param("kvhub_force", id="R3_9-extra-args-string"),
+    ],
+)
 def test_R3_9_forced_ids_a_model_cannot_produce_are_a_400(vllm_modules, extra):
     from kvhub.serving.forced import ForcedTokens
 

@@ -28,8 +28,9 @@ def _store_prompt(kvstore_dir, tenant: str) -> None:
     shape = (src["num_kv_heads"], len(PROMPT), src["head_dim"])
     keys = [torch.randn(*shape, generator=g) for _ in range(src["num_layers"])]
     values = [torch.randn(*shape, generator=g) for _ in range(src["num_layers"])]
-    KVStore(kvstore_dir, max_bytes=1 << 26).put(isolation_key=tenant, source_model=SRC_ID, token_ids=PROMPT,
-                                                keys=keys, values=values)
+    KVStore(kvstore_dir, max_bytes=1 << 26).put(
+        isolation_key=tenant, source_model=SRC_ID, token_ids=PROMPT, keys=keys, values=values
+    )
 
 
 def _connector(tmp_path, role: str, **extra):
@@ -60,13 +61,25 @@ def _ask(connector, req) -> tuple[int, dict | None]:
 
 ATTACKS = [  # (connector options, cache_salt, kv_transfer_params): none may reach alice's namespace
     pytest.param({}, "bob-salt", {"kvhub_tenant": "alice-salt"}, id="R3_1-tenant-overrides-salt"),
-    pytest.param({"require_isolation_key": True}, None, {"kvhub_tenant": "alice-salt"},
-                 id="R3_1-tenant-satisfies-require-isolation-key"),
+    pytest.param(
+        {"require_isolation_key": True},
+        None,
+        {"kvhub_tenant": "alice-salt"},
+        id="R3_1-tenant-satisfies-require-isolation-key",
+    ),
     pytest.param({}, None, {"kvhub_tenant": "alice-salt"}, id="R3_1-tenant-without-salt"),
-    pytest.param({"isolation_key_source": "kvhub_tenant"}, "alice-salt", {"kvhub_tenant": "bob-salt"},
-                 id="R3_1-salt-overrides-configured-tenant"),
-    pytest.param({"isolation_key_source": "kvhub_tenant", "require_isolation_key": True}, "alice-salt", {},
-                 id="R3_1-salt-satisfies-require-when-tenant-configured"),
+    pytest.param(
+        {"isolation_key_source": "kvhub_tenant"},
+        "alice-salt",
+        {"kvhub_tenant": "bob-salt"},
+        id="R3_1-salt-overrides-configured-tenant",
+    ),
+    pytest.param(
+        {"isolation_key_source": "kvhub_tenant", "require_isolation_key": True},
+        "alice-salt",
+        {},
+        id="R3_1-salt-satisfies-require-when-tenant-configured",
+    ),
 ]
 
 
@@ -82,8 +95,12 @@ def test_R3_1_a_client_cannot_pick_another_tenants_namespace(tmp_path, vllm_modu
 OWN = [  # the same lookups made by alice herself, the way the server is configured: found
     pytest.param({}, "alice-salt", None, id="R3_1-own-salt"),
     pytest.param({"require_isolation_key": True}, "alice-salt", {"kvhub_control": False}, id="R3_1-own-salt-required"),
-    pytest.param({"isolation_key_source": "kvhub_tenant"}, "bob-salt", {"kvhub_tenant": "alice-salt"},
-                 id="R3_1-own-configured-tenant"),
+    pytest.param(
+        {"isolation_key_source": "kvhub_tenant"},
+        "bob-salt",
+        {"kvhub_tenant": "alice-salt"},
+        id="R3_1-own-configured-tenant",
+    ),
 ]
 
 
@@ -95,8 +112,11 @@ def test_R3_1_the_configured_field_finds_its_own_tenant(tmp_path, vllm_modules, 
     assert matched == MATCHED and response["kvhub"]["mapped_tokens"] == MATCHED
 
 
-@pytest.mark.parametrize("tenant", [0, False, 7, ["alice-salt"], {"a": 1}],
-                         ids=["R3_1-zero", "R3_1-false", "R3_1-int", "R3_1-list", "R3_1-dict"])
+@pytest.mark.parametrize(
+    "tenant",
+    [0, False, 7, ["alice-salt"], {"a": 1}],
+    ids=["R3_1-zero", "R3_1-false", "R3_1-int", "R3_1-list", "R3_1-dict"],
+)
 def test_R3_1_a_tenant_that_is_not_a_string_is_refused_not_shared(tmp_path, vllm_modules, tenant):
     """``kvhub_tenant`` 0 or false used to fall into the shared "" namespace silently."""
     _store_prompt(tmp_path / "kvstore", "")
@@ -126,8 +146,9 @@ def test_R3_1_isolation_key_source_is_checked_at_start(tmp_path, vllm_modules, v
 def test_R3_1_transfer_configs_gives_both_roles_the_same_source(tmp_path):
     from kvhub.serving.launch import transfer_configs
 
-    configs = transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="a:b:c@latest",
-                               isolation_key_source="kvhub_tenant")
+    configs = transfer_configs(
+        kvstore_dir=tmp_path, source_model="s", mapper="a:b:c@latest", isolation_key_source="kvhub_tenant"
+    )
     assert {c["kv_connector_extra_config"]["isolation_key_source"] for c in configs.values()} == {"kvhub_tenant"}
     with pytest.raises(ConfigError, match="isolation_key_source"):
         transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="a:b:c@latest", isolation_key_source="x")

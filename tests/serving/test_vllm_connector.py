@@ -60,21 +60,33 @@ def make_family(directory: Path) -> dict:
     from kvhub.store import open_store
     from tests.tinymodels import exact_family_target, make_model
 
-    source = make_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        num_hidden_layers=3)  # head_dim 32; the target's is 64: both CPU-backend sizes
+    source = make_model(
+        "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3
+    )  # head_dim 32; the target's is 64: both CPU-backend sizes
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    paths = {"source": directory / "src", "target": directory / "dst", "db": directory / "kvhub.db",
-             "kvstore": directory / "kvstore", "events": directory / "events.jsonl"}
+    paths = {
+        "source": directory / "src",
+        "target": directory / "dst",
+        "db": directory / "kvhub.db",
+        "kvstore": directory / "kvstore",
+        "events": directory / "events.jsonl",
+    }
     for name in ("source", "target"):
         model = source if name == "source" else target
         model.config.eos_token_id = None
         model.save_pretrained(paths[name])
     ids = torch.randint(1, 121, (32, 48), generator=torch.Generator().manual_seed(0))
     heldout = torch.randint(1, 121, (8, 48), generator=torch.Generator().manual_seed(1))
-    mapper = fit(source, target, ids, heldout, source_id="tiny/src", target_id="tiny/dst",
-                 calibration={"name": "tiny-calib", "version": "1", "content_hash": "0" * 64,
-                              "tokens": int(ids.numel())},
-                 options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8))
+    mapper = fit(
+        source,
+        target,
+        ids,
+        heldout,
+        source_id="tiny/src",
+        target_id="tiny/dst",
+        calibration={"name": "tiny-calib", "version": "1", "content_hash": "0" * 64, "tokens": int(ids.numel())},
+        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
+    )
     mapper.save(directory / "artifact")
     with open_store(str(paths["db"])) as store:
         store.register(directory / "artifact")
@@ -85,10 +97,16 @@ def _transfer_config(paths: dict, role: str) -> dict:
     from kvhub.serving.launch import transfer_configs
 
     # the engines run without a tokenizer (skip_tokenizer_init): selected spans are single tokens
-    return transfer_configs(kvstore_dir=paths["kvstore"], source_model="tiny/src",
-                            mapper="src:dst:tiny-calib@latest", db=paths["db"], events_path=paths["events"],
-                            kvstore_max_bytes=64 << 20, spans="token",
-                            min_escalation_tokens=0)[role]  # 90-100-token prompts: escalated all the same
+    return transfer_configs(
+        kvstore_dir=paths["kvstore"],
+        source_model="tiny/src",
+        mapper="src:dst:tiny-calib@latest",
+        db=paths["db"],
+        events_path=paths["events"],
+        kvstore_max_bytes=64 << 20,
+        spans="token",
+        min_escalation_tokens=0,
+    )[role]  # 90-100-token prompts: escalated all the same
 
 
 def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) -> list[list[int]]:
@@ -104,18 +122,36 @@ def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) ->
     batched = 64 if role == "producer" else os.environ.get("KVHUB_TEST_MAX_BATCHED")
     chunk = {"max_num_batched_tokens": int(batched)} if batched else {}
     worker = {"worker_cls": WORKER_CLASS} if role == "consumer" else {}
-    llm = LLM(model=paths["source" if role == "producer" else "target"], skip_tokenizer_init=True,
-              dtype="float32", block_size=BLOCK, max_model_len=256, max_num_seqs=4, enforce_eager=True,
-              enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(**_transfer_config(paths, role)),
-              **chunk, **worker)
+    llm = LLM(
+        model=paths["source" if role == "producer" else "target"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_transfer_config=KVTransferConfig(**_transfer_config(paths, role)),
+        **chunk,
+        **worker,
+    )
     outputs = []
     for batch in requests:  # a batch: [(prompt ids, cache_salt, kv_transfer_params or None), ...], one generate call
         prompts = [TokensPrompt(prompt_token_ids=prompt, cache_salt=salt) for prompt, salt, _ in batch]
-        params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
-                                 extra_args={"kv_transfer_params": extra} if extra else None) for _, _, extra in batch]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=NEW_TOKENS,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"kv_transfer_params": extra} if extra else None,
+            )
+            for _, _, extra in batch
+        ]
         results = llm.generate(prompts, params, use_tqdm=False)
-        outputs.append([{"ids": list(r.outputs[0].token_ids), "kvhub": (r.kv_transfer_params or {}).get("kvhub")}
-                        for r in results])
+        outputs.append(
+            [{"ids": list(r.outputs[0].token_ids), "kvhub": (r.kv_transfer_params or {}).get("kvhub")} for r in results]
+        )
     if os.environ.get("KVHUB_TEST_COMPARE_PASS"):
         outputs.append(llm.collective_rpc(compare_engine_pass, args=(paths["target"],)))
     return outputs
@@ -124,8 +160,14 @@ def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) ->
 def _spawn(role: str, paths: dict, requests, timeout: int = 900, env: dict | None = None) -> list:
     out = Path(paths["events"]).with_name(f"{role}-outputs.json")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    done = subprocess.run([sys.executable, __file__, role, json.dumps(paths), json.dumps(requests), str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, __file__, role, json.dumps(paths), json.dumps(requests), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if done.returncode != 0:
         raise AssertionError(f"{role} engine failed (rc {done.returncode}):\n{done.stderr[-6000:]}")
     return json.loads(out.read_text())
@@ -160,17 +202,42 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     _store_random_kv(paths, PROMPT_C, tenant="alice")
     _store_random_kv(paths, PROMPT_E, tenant="alice", scale=float("nan"))  # a damaged entry: never written
 
-    results = _spawn("consumer", paths, [
-        [(PROMPT_A, "other", None)], [(PROMPT_A, "alice", None)], [(PROMPT_A, "alice", None)],
-        [(PROMPT_B, "alice", None)], [(PROMPT_C, "other", None)], [(PROMPT_C, "alice", MAP_ONLY_PARAMS)],
-        [(PROMPT_A, "alice", {"kvhub_control": True, "kvhub_recompute": ALL_EXACT})],
-        [(PROMPT_A, "alice", {"kvhub_control": True, "kvhub_recompute": MAP_ONLY})],
-        # two requests in one engine step, each with its own selection
-        [(PROMPT_A, "alice", {"kvhub_recompute": "exact_budget=0.3,select=target,spans=token"}),
-         (PROMPT_D, "alice", {"kvhub_recompute": "exact_budget=0.2,select=random,spans=token"})],
-        [(PROMPT_D, "other", None)], [(PROMPT_E, "other", None)], [(PROMPT_E, "alice", None)]])
-    (own,), (mapped,), (again,), (unseen,), (own_c,), (random_c,), (control_all,), (control_map,), \
-        (pair_a, pair_d), (own_d,), (own_e,), (damaged_e,) = results
+    results = _spawn(
+        "consumer",
+        paths,
+        [
+            [(PROMPT_A, "other", None)],
+            [(PROMPT_A, "alice", None)],
+            [(PROMPT_A, "alice", None)],
+            [(PROMPT_B, "alice", None)],
+            [(PROMPT_C, "other", None)],
+            [(PROMPT_C, "alice", MAP_ONLY_PARAMS)],
+            [(PROMPT_A, "alice", {"kvhub_control": True, "kvhub_recompute": ALL_EXACT})],
+            [(PROMPT_A, "alice", {"kvhub_control": True, "kvhub_recompute": MAP_ONLY})],
+            # two requests in one engine step, each with its own selection
+            [
+                (PROMPT_A, "alice", {"kvhub_recompute": "exact_budget=0.3,select=target,spans=token"}),
+                (PROMPT_D, "alice", {"kvhub_recompute": "exact_budget=0.2,select=random,spans=token"}),
+            ],
+            [(PROMPT_D, "other", None)],
+            [(PROMPT_E, "other", None)],
+            [(PROMPT_E, "alice", None)],
+        ],
+    )
+    (
+        (own,),
+        (mapped,),
+        (again,),
+        (unseen,),
+        (own_c,),
+        (random_c,),
+        (control_all,),
+        (control_map,),
+        (pair_a, pair_d),
+        (own_d,),
+        (own_e,),
+        (damaged_e,),
+    ) = results
     events = [e for e in _events(paths) if e["role"] == "consumer"]
     decisions = [e for e in events if e["event"] in ("hit", "fallback")]
     assert [e["event"] for e in decisions][:4] == ["fallback", "hit", "hit", "fallback"], decisions
@@ -217,11 +284,22 @@ def test_a_failed_recompute_falls_back_to_prefill_and_the_pass_matches_transform
     paths = make_family(tmp_path)
     _store_random_kv(paths, PROMPT_A, tenant="alice")  # any stored KV: the load fails in its recompute
     _store_random_kv(paths, PROMPT_D, tenant="alice")
-    results = _spawn("consumer", paths, [
-        [(PROMPT_A, "other", None)], [(PROMPT_A, "alice", None)], [(PROMPT_D, "other", None)],
-        [(PROMPT_D, "alice", {"kvhub_control": True, "kvhub_recompute": ALL_EXACT})]],
-        env={"KVHUB_TEST_FAIL_RECOMPUTE": str(len(PROMPT_A)), "KVHUB_TEST_COMPARE_PASS": "1",
-             "KVHUB_TEST_MAX_BATCHED": "16", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    results = _spawn(
+        "consumer",
+        paths,
+        [
+            [(PROMPT_A, "other", None)],
+            [(PROMPT_A, "alice", None)],
+            [(PROMPT_D, "other", None)],
+            [(PROMPT_D, "alice", {"kvhub_control": True, "kvhub_recompute": ALL_EXACT})],
+        ],
+        env={
+            "KVHUB_TEST_FAIL_RECOMPUTE": str(len(PROMPT_A)),
+            "KVHUB_TEST_COMPARE_PASS": "1",
+            "KVHUB_TEST_MAX_BATCHED": "16",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        },
+    )
     (own,), (failed,), (own_d,), (chunked_d,), differences = results
     assert failed["kvhub"]["fallback"] == "RuntimeError: planted recompute failure", failed
     assert failed["ids"] == own["ids"]
@@ -248,8 +326,10 @@ def compare_engine_pass(worker, target_path: str) -> float:
     heads, dim, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 121, (1, 40), generator=generator)
-    cached = [(torch.randn(heads, 40, dim, generator=generator), torch.randn(heads, 40, dim, generator=generator))
-              for _ in range(layers)]
+    cached = [
+        (torch.randn(heads, 40, dim, generator=generator), torch.randn(heads, 40, dim, generator=generator))
+        for _ in range(layers)
+    ]
     cache = DynamicCache()
     for index, (k, v) in enumerate(cached):
         cache.update(k[None].clone(), v[None].clone(), index)
@@ -257,9 +337,13 @@ def compare_engine_pass(worker, target_path: str) -> float:
     recompute_positions(target, cache, ids, positions)
     engine = EnginePass(worker.get_model())
     fresh = engine.run(ids[0, positions], positions, lambda i: cached[i]).fresh
-    return max(max(float((k - layer.keys[0, :, positions].transpose(0, 1)).abs().max()),
-                   float((v - layer.values[0, :, positions].transpose(0, 1)).abs().max()))
-               for (k, v), layer in zip(fresh, cache.layers))
+    return max(
+        max(
+            float((k - layer.keys[0, :, positions].transpose(0, 1)).abs().max()),
+            float((v - layer.values[0, :, positions].transpose(0, 1)).abs().max()),
+        )
+        for (k, v), layer in zip(fresh, cache.layers)
+    )
 
 
 def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str, scale: float = 3.0) -> None:

@@ -28,10 +28,14 @@ from tests.serving.test_vllm_connector import _engine_available, make_family
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK, EXACT_TAIL, NEW_TOKENS, BUDGET = 32, 16, 12, 0.6
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}a:{% endif %}")
-MESSAGES = [{"role": "system", "content": "You answer questions about the kvhub test suite, briefly."},
-            {"role": "user", "content": "Which server computes the prompt first, and which one maps it?"}]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "You answer questions about the kvhub test suite, briefly."},
+    {"role": "user", "content": "Which server computes the prompt first, and which one maps it?"},
+]
 needs_vllm = pytest.mark.skipif(not _engine_available(), reason="vLLM is not installed (scripts/setup-vllm.sh)")
 
 
@@ -44,8 +48,9 @@ def save_char_tokenizer(directory: str) -> None:
     vocab = {"<unk>": 0, **{chr(i): i for i in range(1, 128)}}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
-                            chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", chat_template=CHAT_TEMPLATE).save_pretrained(
+        directory
+    )
 
 
 def _free_ports() -> list[int]:
@@ -56,10 +61,18 @@ def _free_ports() -> list[int]:
 
 
 def _chat(url: str, model: str, salt: str) -> dict:
-    body = {"model": model, "messages": MESSAGES, "cache_salt": salt, "max_tokens": NEW_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    request = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "messages": MESSAGES,
+        "cache_salt": salt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=300) as response:
         return json.load(response)
@@ -98,14 +111,48 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
     for model in ("source", "target"):
         save_char_tokenizer(paths[model])
     ports = _free_ports()
-    command = [sys.executable, "-m", "kvhub", "serve", "src:dst:tiny-calib@latest", "--db", paths["db"],
-               "--kvstore-dir", paths["kvstore"], "--small-model", paths["source"], "--large-model", paths["target"],
-               "--vllm", str(Path(sys.executable).parent / "vllm"), "--events", paths["events"],
-               "--port-small", str(ports[0]), "--port-large", str(ports[1]), "--log-dir", str(tmp_path / "logs"),
-               "--json", "--timeout", "600", "--exact-budget", str(BUDGET),  # room for a whole sentence of chars
-               "--min-escalation-tokens", "0",  # a conversation under the default 256 tokens: escalated all the same
-               "--", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "256", "--max-num-seqs", "4",
-               "--enforce-eager"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvhub",
+        "serve",
+        "src:dst:tiny-calib@latest",
+        "--db",
+        paths["db"],
+        "--kvstore-dir",
+        paths["kvstore"],
+        "--small-model",
+        paths["source"],
+        "--large-model",
+        paths["target"],
+        "--vllm",
+        str(Path(sys.executable).parent / "vllm"),
+        "--events",
+        paths["events"],
+        "--port-small",
+        str(ports[0]),
+        "--port-large",
+        str(ports[1]),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--json",
+        "--timeout",
+        "600",
+        "--exact-budget",
+        str(BUDGET),  # room for a whole sentence of chars
+        "--min-escalation-tokens",
+        "0",  # a conversation under the default 256 tokens: escalated all the same
+        "--",
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--enforce-eager",
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     stderr_path = tmp_path / "serve.stderr"
     with open(stderr_path, "w") as stderr:
@@ -142,8 +189,9 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         assert 0 < report["selected_tokens"] <= round(BUDGET * (len(prompt) - 1)) - rounding
         assert report["prefill_tokens"] == len(prompt) - end
         assert len(own["choices"][0]["token_ids"]) == NEW_TOKENS
-        assert mapped["choices"][0]["token_ids"] == own["choices"][0]["token_ids"], \
+        assert mapped["choices"][0]["token_ids"] == own["choices"][0]["token_ids"], (
             "greedy output from the mapped + recomputed cache differs from the large model's own"
+        )
 
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=120) == 0, stderr_path.read_text()

@@ -52,7 +52,8 @@ def test_U3_12_python_errors_name_python_keywords(tmp_path):
 
 def test_U3_12_export_says_force(two_series, tmp_path):
     (tmp_path / "out").mkdir()
-    result = run("export", "Tiny-Coder-0.5B-Instruct:Tiny-Coder-1.5B-Instruct:code", str(tmp_path / "out"),
-                 "--db", two_series)
+    result = run(
+        "export", "Tiny-Coder-0.5B-Instruct:Tiny-Coder-1.5B-Instruct:code", str(tmp_path / "out"), "--db", two_series
+    )
     assert result.exit_code == ArtifactError.exit_code and "--force" in result.stderr
     assert "overwrite=True" not in result.stderr

@@ -25,8 +25,12 @@ def test_U3_2_text_clash_refused_before_the_models_load(tmp_path, monkeypatch):
     (tmp_path / "fam").mkdir()
     for name in ("src", "dst"):
         config_only_model(tmp_path / "fam" / name, monkeypatch)
-    artifact = make_store_artifact(tmp_path / "v1", source=registered_model_id("./fam/src"),
-                                   target=registered_model_id("./fam/dst"), calibration="support-notes")
+    artifact = make_store_artifact(
+        tmp_path / "v1",
+        source=registered_model_id("./fam/src"),
+        target=registered_model_id("./fam/dst"),
+        calibration="support-notes",
+    )
     metadata = json.loads((artifact / "mapper.json").read_text())
     metadata["calibration"]["corpus_hash"] = "f" * 64  # fitted on another text
     (artifact / "mapper.json").write_text(json.dumps(metadata))
@@ -37,8 +41,27 @@ def test_U3_2_text_clash_refused_before_the_models_load(tmp_path, monkeypatch):
     for i in range(40):
         (notes / f"{i:02d}.txt").write_text(f"note {i} " * 60, encoding="utf-8")
 
-    result = CliRunner().invoke(main, ["fit", "--src", "./fam/src", "--dst", "./fam/dst", "--calib", "./notes",
-                                       "--name", "support-notes", "--samples", "8", "--seq-len", "32",
-                                       "--dtype", "float32", "--device", "cpu"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "fit",
+            "--src",
+            "./fam/src",
+            "--dst",
+            "./fam/dst",
+            "--calib",
+            "./notes",
+            "--name",
+            "support-notes",
+            "--samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == ConfigError.exit_code, result.output  # not config_only_model's AssertionError
     assert "another text" in result.output and "--name support-notes-2" in result.output

@@ -51,8 +51,9 @@ def tiny_tmpfs(tmp_path):
     mount_point.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
     try:
@@ -80,7 +81,9 @@ STORE_ON_A_FULL_DISK = [
     pytest.param("rm", [f"{PAIR}@v1"], StoreError.exit_code, NO_SPACE, id="R3_10-rm"),
     pytest.param("import", ["{artifact}"], StoreError.exit_code, NO_SPACE, id="R3_10-import"),
     pytest.param("list", [], 0, "", id="R3_10-list-reads"),
-    pytest.param("gc", ["--dry-run"], 0, "would remove 0 unreferenced artifacts and 1 leftovers", id="R3_10-gc-dry-run"),
+    pytest.param(
+        "gc", ["--dry-run"], 0, "would remove 0 unreferenced artifacts and 1 leftovers", id="R3_10-gc-dry-run"
+    ),
 ]
 
 
@@ -138,12 +141,16 @@ def test_R3_10_export_enospc_is_a_store_error(tmp_path, monkeypatch):
     assert list((tmp_path / "dest").iterdir()) == []
 
 
-@pytest.mark.parametrize("command, args, exit_code, text", [
-    pytest.param("tag", [f"{PAIR}@v1", "prod"], StoreError.exit_code, NO_SPACE, id="R3_10-tag-simulated"),
-    pytest.param("gc", [], 0, "removed 0 unreferenced artifacts", id="R3_10-gc-simulated"),
-])
-def test_R3_10_sqlite_disk_io_error_on_a_full_disk(tmp_path, monkeypatch, disk_reported_full, command, args,
-                                                   exit_code, text):
+@pytest.mark.parametrize(
+    "command, args, exit_code, text",
+    [
+        pytest.param("tag", [f"{PAIR}@v1", "prod"], StoreError.exit_code, NO_SPACE, id="R3_10-tag-simulated"),
+        pytest.param("gc", [], 0, "removed 0 unreferenced artifacts", id="R3_10-gc-simulated"),
+    ],
+)
+def test_R3_10_sqlite_disk_io_error_on_a_full_disk(
+    tmp_path, monkeypatch, disk_reported_full, command, args, exit_code, text
+):
     """SQLite cannot grow its -shm file on a full disk and says "disk I/O error": the store reopens
     read-only, writes say where space ran out, gc runs."""
     import sqlite3

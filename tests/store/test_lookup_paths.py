@@ -27,7 +27,9 @@ def fitted_by_path(tmp_path, monkeypatch):
     return db, source
 
 
-@pytest.mark.parametrize("spelling", ["./fam/src", "fam/src", "fam/../fam/src/"], ids=["U3_3_dot", "U3_3_bare", "U3_3_dotdot"])
+@pytest.mark.parametrize(
+    "spelling", ["./fam/src", "fam/src", "fam/../fam/src/"], ids=["U3_3_dot", "U3_3_bare", "U3_3_dotdot"]
+)
 def test_U3_3_list_finds_the_relative_path(fitted_by_path, spelling):
     db, source = fitted_by_path
     result = run("list", "--src", spelling, "--db", db, "--format", "tsv")
@@ -56,7 +58,9 @@ def test_U3_3_a_name_that_is_no_path_still_matches_short_names(fitted_by_path):
     assert result.exit_code == 0 and source in result.stdout
 
 
-@pytest.mark.parametrize("manifest", [None, {"hf_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}], ids=["U3_3_plain", "U3_3_fetched"])
+@pytest.mark.parametrize(
+    "manifest", [None, {"hf_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}], ids=["U3_3_plain", "U3_3_fetched"]
+)
 def test_U3_3_lookup_and_fit_name_a_folder_alike(tmp_path, monkeypatch, manifest):
     """The store's rule (it cannot import kvhub.models) is the one fit registers by."""
     import json

@@ -74,25 +74,79 @@ def _fill_first_revision(url: str, stored, metadata: dict) -> None:
     with engine.begin() as connection:
         for pk, side in ((1, "source"), (2, "target")):
             fp = metadata[side]
-            insert("models", id=pk, identity_sha256=f"{pk:064d}", name=fp["model_id"], revision=fp["revision"],
-                   model_type=fp["model_type"], family=fp["family"], config_hash=fp["config_hash"],
-                   tokenizer_hash=None, num_layers=fp["num_layers"], num_kv_heads=fp["num_kv_heads"],
-                   head_dim=fp["head_dim"], rope=fp["rope"], layer_types=fp["layer_types"], fingerprint=fp,
-                   created_at=now)
-        insert("calibration_sets", id=1, identity_sha256="c" * 64, name="legal-docs", version="1",
-               content_hash="legal-docs-hash", tokens=4096, recipe=metadata["calibration"], created_at=now)
-        insert("mapper_series", id=1, source_name=metadata["source"]["model_id"],
-               target_name=metadata["target"]["model_id"], calibration_name="legal-docs", last_version=3,
-               created_at=now)
-        insert("mapper_versions", id=7, series_id=1, version=3, source_model_id=1, target_model_id=2,
-               calibration_set_id=1, created_at=now, k=1, ridge_lambda=0.1, selected_layers=metadata["layers"],
-               artifact_sha256=stored.sha256, tensors_sha256=metadata["tensors"]["sha256"],
-               artifact_bytes=stored.bytes, artifact_location=stored.location, status="ready", format_version=1,
-               kvhub_version="0.0.9", lineage={"command": "kvhub fit"})
+            insert(
+                "models",
+                id=pk,
+                identity_sha256=f"{pk:064d}",
+                name=fp["model_id"],
+                revision=fp["revision"],
+                model_type=fp["model_type"],
+                family=fp["family"],
+                config_hash=fp["config_hash"],
+                tokenizer_hash=None,
+                num_layers=fp["num_layers"],
+                num_kv_heads=fp["num_kv_heads"],
+                head_dim=fp["head_dim"],
+                rope=fp["rope"],
+                layer_types=fp["layer_types"],
+                fingerprint=fp,
+                created_at=now,
+            )
+        insert(
+            "calibration_sets",
+            id=1,
+            identity_sha256="c" * 64,
+            name="legal-docs",
+            version="1",
+            content_hash="legal-docs-hash",
+            tokens=4096,
+            recipe=metadata["calibration"],
+            created_at=now,
+        )
+        insert(
+            "mapper_series",
+            id=1,
+            source_name=metadata["source"]["model_id"],
+            target_name=metadata["target"]["model_id"],
+            calibration_name="legal-docs",
+            last_version=3,
+            created_at=now,
+        )
+        insert(
+            "mapper_versions",
+            id=7,
+            series_id=1,
+            version=3,
+            source_model_id=1,
+            target_model_id=2,
+            calibration_set_id=1,
+            created_at=now,
+            k=1,
+            ridge_lambda=0.1,
+            selected_layers=metadata["layers"],
+            artifact_sha256=stored.sha256,
+            tensors_sha256=metadata["tensors"]["sha256"],
+            artifact_bytes=stored.bytes,
+            artifact_location=stored.location,
+            status="ready",
+            format_version=1,
+            kvhub_version="0.0.9",
+            lineage={"command": "kvhub fit"},
+        )
         insert("aliases", id=1, series_id=1, name="latest", version_id=7, updated_at=now)
         insert("aliases", id=2, series_id=1, name="production", version_id=7, updated_at=now)
-        insert("metrics", id=1, version_id=7, name="heldout_r2_k_mean", value=0.875, split="heldout", task=None,
-               layer=None, measured_at=now, kvhub_version="0.0.9")
+        insert(
+            "metrics",
+            id=1,
+            version_id=7,
+            name="heldout_r2_k_mean",
+            value=0.875,
+            split="heldout",
+            task=None,
+            layer=None,
+            measured_at=now,
+            kvhub_version="0.0.9",
+        )
     engine.dispose()
 
 

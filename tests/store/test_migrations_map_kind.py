@@ -31,13 +31,17 @@ def mlp_artifact(directory: Path, *, seed: int = 0, width: int = 4, depth: int =
         for kind in "kv":
             prefix = map_prefix(kind, layer["target"])
             for i in range(depth + 1):
-                tensors[tensor_name(prefix, mlp_part(i, "weight"))] = torch.randn(widths[i], widths[i + 1],
-                                                                                  generator=generator)
+                tensors[tensor_name(prefix, mlp_part(i, "weight"))] = torch.randn(
+                    widths[i], widths[i + 1], generator=generator
+                )
                 tensors[tensor_name(prefix, mlp_part(i, "bias"))] = torch.zeros(widths[i + 1])
     count = len(base.layers)
     losses = {kind: {"train": [0.5] * count, "heldout": [0.75] * count} for kind in "kv"}
-    metadata = {**base.metadata, "kind": "mlp",
-                "mlp": {"width": width, "depth": depth, "activation": "gelu", "losses": losses}}
+    metadata = {
+        **base.metadata,
+        "kind": "mlp",
+        "mlp": {"width": width, "depth": depth, "activation": "gelu", "losses": losses},
+    }
     return Mapper(tensors, metadata).save(directory)
 
 

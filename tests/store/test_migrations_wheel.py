@@ -33,8 +33,19 @@ def _build_wheel(tmp_path: Path) -> Path:
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, source / name)
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", tmp_path / "dist", source, cwd=tmp_path)
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        tmp_path / "dist",
+        source,
+        cwd=tmp_path,
+    )
     [wheel] = (tmp_path / "dist").glob("kvhub-*.whl")
     return wheel
 
@@ -55,9 +66,14 @@ def test_wheel_holds_registry_and_migrations_inside_kvhub_only(tmp_path):
 
     names = zipfile.ZipFile(_build_wheel(tmp_path)).namelist()
     assert {name.split("/")[0] for name in names} == {"kvhub", "kvhub-0.1.0.dist-info"}
-    for member in ("kvhub/_registry/models.toml", "kvhub/_registry/calibration/legal-docs.toml",
-                   "kvhub/_migrations/env.py", "kvhub/_migrations/alembic.ini", "kvhub/_migrations/script.py.mako",
-                   "kvhub/_migrations/versions/0001_initial_schema.py"):
+    for member in (
+        "kvhub/_registry/models.toml",
+        "kvhub/_registry/calibration/legal-docs.toml",
+        "kvhub/_migrations/env.py",
+        "kvhub/_migrations/alembic.ini",
+        "kvhub/_migrations/script.py.mako",
+        "kvhub/_migrations/versions/0001_initial_schema.py",
+    ):
         assert member in names, member
     configs = [name for name in names if name.startswith("kvhub/_registry/configs/")]
     assert configs and all(name.endswith(".json") for name in configs)
@@ -70,9 +86,11 @@ def test_db_upgrade_works_from_an_installed_wheel(tmp_path):
     env["KVHUB_HOME"] = str(tmp_path / "home")
     work = tmp_path / "elsewhere"  # not the checkout: nothing may be imported from it
     work.mkdir()
-    where = ("import importlib.util, kvhub, kvhub._migrations, kvhub._registry; "
-             "print(kvhub.__file__, kvhub._migrations.__file__, kvhub._registry.__file__); "
-             "print(importlib.util.find_spec('migrations'), importlib.util.find_spec('registry'))")
+    where = (
+        "import importlib.util, kvhub, kvhub._migrations, kvhub._registry; "
+        "print(kvhub.__file__, kvhub._migrations.__file__, kvhub._registry.__file__); "
+        "print(importlib.util.find_spec('migrations'), importlib.util.find_spec('registry'))"
+    )
     located, top_level = _run(venv / "bin" / "python", "-c", where, cwd=work, env=env).stdout.splitlines()
     assert all(path.startswith(str(venv)) for path in located.split()), located
     assert top_level == "None None", f"the wheel installs top-level modules: {top_level}"

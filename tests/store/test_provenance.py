@@ -21,10 +21,37 @@ def test_U3_24_a_fit_records_its_options_dtype_and_device(tiny_model_dirs, tmp_p
     runner = CliRunner()
     refs = []
     for seed in (0, 1):
-        result = runner.invoke(main, ["fit", "--src", str(src), "--dst", str(dst), "--calib", str(text_corpus),
-                                      "--samples", "12", "--seq-len", "24", "--stride", "1", "--lambda", "1e-9",
-                                      "--dtype", "float32", "--batch-size", "4", "--device", "cpu", "--seed", str(seed),
-                                      "--db", db, "--json"])
+        result = runner.invoke(
+            main,
+            [
+                "fit",
+                "--src",
+                str(src),
+                "--dst",
+                str(dst),
+                "--calib",
+                str(text_corpus),
+                "--samples",
+                "12",
+                "--seq-len",
+                "24",
+                "--stride",
+                "1",
+                "--lambda",
+                "1e-9",
+                "--dtype",
+                "float32",
+                "--batch-size",
+                "4",
+                "--device",
+                "cpu",
+                "--seed",
+                str(seed),
+                "--db",
+                db,
+                "--json",
+            ],
+        )
         assert result.exit_code == 0, result.output
         refs.append(json.loads(result.stdout)["ref"])
     with open_store(db) as store:
@@ -46,8 +73,9 @@ def test_U3_24_history_tsv_tells_reruns_apart(tmp_path):
     with open_store(db) as store:
         version = store.register(make_store_artifact(tmp_path / "a"))
         for n in (8, 4):
-            store.add_metrics(version, [{"name": "retention", "value": 1.0, "task": "hellaswag", "split": "eval",
-                                         "n": n}])
+            store.add_metrics(
+                version, [{"name": "retention", "value": 1.0, "task": "hellaswag", "split": "eval", "n": n}]
+            )
     result = CliRunner().invoke(main, ["show", version.ref, "--history", "--format", "tsv", "--db", db])
     assert result.exit_code == 0, result.output
     rows = [line.split("\t") for line in result.stdout.splitlines() if line.startswith("metric.retention")]

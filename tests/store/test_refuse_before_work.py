@@ -50,8 +50,25 @@ def _register(tmp_path, models, *, name: str, text_sha256: str) -> None:
 
 def _fit(models, *args):
     src, dst = models
-    return CliRunner().invoke(main, ["fit", "--src", str(src), "--dst", str(dst), "--samples", "8", "--seq-len", "32",
-                                     "--dtype", "float32", "--device", "cpu", *map(str, args)])
+    return CliRunner().invoke(
+        main,
+        [
+            "fit",
+            "--src",
+            str(src),
+            "--dst",
+            str(dst),
+            "--samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            *map(str, args),
+        ],
+    )
 
 
 def test_R3_6_a_name_holding_another_text_is_refused_before_loading(home, tmp_path, models):
@@ -85,8 +102,17 @@ def test_R3_6_out_is_written_before_registering(home, tmp_path, tiny_model_dirs,
 
     monkeypatch.setattr(kvhub.cli.fit_cmd, "_register", refuse)
     out = tmp_path / "out"
-    result = _fit(tiny_model_dirs, "--calib", _text(tmp_path / "a.txt", "alpha"), "--stride", "1", "--lambda", "1e-6",
-                  "--out", out)
+    result = _fit(
+        tiny_model_dirs,
+        "--calib",
+        _text(tmp_path / "a.txt", "alpha"),
+        "--stride",
+        "1",
+        "--lambda",
+        "1e-6",
+        "--out",
+        out,
+    )
     assert result.exit_code == ConfigError.exit_code, result.output
     assert (out / "mapper.json").is_file()
 
@@ -98,8 +124,11 @@ def test_R3_12_a_built_in_sets_name_over_other_text_is_refused(home, tmp_path, m
     assert "built-in calibration set" in result.output and f"--name {name}-own" in result.output
 
 
-@pytest.mark.parametrize("name", ["my notes; $(id)", "sp ace", 'q"uote', "a:b", "-dash", ""],
-                         ids=["R3_12-shell", "R3_12-space", "R3_12-quote", "R3_12-colon", "R3_12-dash", "R3_12-empty"])
+@pytest.mark.parametrize(
+    "name",
+    ["my notes; $(id)", "sp ace", 'q"uote', "a:b", "-dash", ""],
+    ids=["R3_12-shell", "R3_12-space", "R3_12-quote", "R3_12-colon", "R3_12-dash", "R3_12-empty"],
+)
 def test_R3_12_import_refuses_names_fit_refuses(home, tmp_path, name):
     path = make_store_artifact(tmp_path / "artifact", calibration="ok")
     metadata = json.loads((path / "mapper.json").read_text())

@@ -115,8 +115,13 @@ def test_versions_are_immutable(store, artifact_factory):
 def test_references_accept_full_ids_short_names_and_selectors(store, artifact_factory):
     store.register(artifact_factory(seed=1))
     second = store.register(artifact_factory(seed=2))
-    for ref in (f"{SRC_ID}:{DST_ID}:legal-docs@v2", f"{PAIR}:legal-docs@latest", PAIR.upper(),
-                f"{SRC_ID.lower()}:{DST_ID}@2", f"{PAIR}:LEGAL-DOCS"):
+    for ref in (
+        f"{SRC_ID}:{DST_ID}:legal-docs@v2",
+        f"{PAIR}:legal-docs@latest",
+        PAIR.upper(),
+        f"{SRC_ID.lower()}:{DST_ID}@2",
+        f"{PAIR}:LEGAL-DOCS",
+    ):
         assert store.resolve(ref).id == second.id, ref
     assert store.find(SRC_ID, "tiny-coder-1.5b-instruct", calibration="legal-docs", version="v1").version == 1
     assert store.reference(second) == "Tiny-Coder-0.5B-Instruct:Tiny-Coder-1.5B-Instruct:legal-docs@v2"
@@ -154,13 +159,16 @@ def test_misses_say_what_exists(store, artifact_factory):
         store.resolve(f"{PAIR}@staging")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("a:b:c@v3", Ref("a", "b", "c", 3)),
-    ("a:b@production", Ref("a", "b", None, None, "production")),
-    ("Org/A:Org/B:legal-docs", Ref("Org/A", "Org/B", "legal-docs")),
-    ("/models/a@2024:b", Ref("/models/a@2024", "b")),
-    (" a:b:c@7 ", Ref("a", "b", "c", 7)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a:b:c@v3", Ref("a", "b", "c", 3)),
+        ("a:b@production", Ref("a", "b", None, None, "production")),
+        ("Org/A:Org/B:legal-docs", Ref("Org/A", "Org/B", "legal-docs")),
+        ("/models/a@2024:b", Ref("/models/a@2024", "b")),
+        (" a:b:c@7 ", Ref("a", "b", "c", 7)),
+    ],
+)
 def test_reference_syntax(text, expected):
     assert Ref.parse(text) == expected
     assert Ref.parse(str(expected)) == expected
@@ -250,8 +258,10 @@ def test_gc_removes_orphans_and_never_a_referenced_artifact(store, artifact_fact
 
 def test_two_stores_sharing_an_artifacts_folder_never_collect_each_other(tmp_path, artifact_factory):
     shared = tmp_path / "shared-artifacts"
-    with open_store(tmp_path / "a.db", artifacts_dir=shared) as first, \
-            open_store(tmp_path / "b.db", artifacts_dir=shared) as second:
+    with (
+        open_store(tmp_path / "a.db", artifacts_dir=shared) as first,
+        open_store(tmp_path / "b.db", artifacts_dir=shared) as second,
+    ):
         version = first.register(artifact_factory(seed=1))
         assert first.artifacts_dir != second.artifacts_dir
         assert second.gc().artifacts == []
@@ -319,10 +329,13 @@ def test_export_copies_a_verified_artifact(store, artifact_factory, tmp_path):
 # ---- metrics, publications, listing --------------------------------------------------------------
 def test_metrics_and_publications(store, artifact_factory):
     version = store.register(artifact_factory(seed=1))
-    added = store.add_metrics(version, [
-        {"name": "hellaswag_acc", "value": 0.41, "split": "validation", "task": "hellaswag", "n": 500, "seed": 0},
-        {"name": "attn_cos", "value": 0.97, "split": "heldout", "layer": 1},
-    ])
+    added = store.add_metrics(
+        version,
+        [
+            {"name": "hellaswag_acc", "value": 0.41, "split": "validation", "task": "hellaswag", "n": 500, "seed": 0},
+            {"name": "attn_cos", "value": 0.97, "split": "heldout", "layer": 1},
+        ],
+    )
     assert added == 2
     rows = store.metrics(version, names=["hellaswag_acc"])
     assert rows[0]["task"] == "hellaswag" and rows[0]["n"] == 500 and rows[0]["kvhub_version"]
@@ -332,8 +345,12 @@ def test_metrics_and_publications(store, artifact_factory):
         store.add_metrics(version, [{"name": "bad", "value": 1.0, "colour": "red"}])
     store.add_publication(version, "acme/kvmap", "v1", "c0ffee")
     assert store.publications(f"{PAIR}@v1") == [
-        {"repo_id": "acme/kvmap", "revision": "v1", "commit_sha": "c0ffee",
-         "published_at": store.publications(version)[0]["published_at"]}
+        {
+            "repo_id": "acme/kvmap",
+            "revision": "v1",
+            "commit_sha": "c0ffee",
+            "published_at": store.publications(version)[0]["published_at"],
+        }
     ]
 
 
@@ -382,6 +399,10 @@ def test_row_identities_and_json_hashes_are_pinned():
     from kvhub.store.ingest import _identity
 
     assert _identity("Qwen/Qwen2.5-0.5B", None, "c0ffee", None) == (
-        "6a29b437a07383b3095d0f9a7d6896e75734152e0e50a9a1c4623335307e9953")
-    assert json_sha256({"b": [1, 2], "a": "x"}) == json_sha256({"a": "x", "b": [1, 2]}) == (
-        "5125d018f84d57c49a8d3c2cfa6063d23cc3f4cd7ff13f4fdedfa2c1d3162f30")
+        "6a29b437a07383b3095d0f9a7d6896e75734152e0e50a9a1c4623335307e9953"
+    )
+    assert (
+        json_sha256({"b": [1, 2], "a": "x"})
+        == json_sha256({"a": "x", "b": [1, 2]})
+        == ("5125d018f84d57c49a8d3c2cfa6063d23cc3f4cd7ff13f4fdedfa2c1d3162f30")
+    )

@@ -42,7 +42,9 @@ def test_a_version_through_its_whole_life(kvhub_cli, artifact_factory, tmp_path)
     table = kvhub_cli("list").stdout
     assert f"{PAIR}:legal-docs@v1".lower() in table.lower() and "latest" in table
     listed = json.loads(kvhub_cli("list", "--json", "--min-metric", "heldout_r2_k_mean=0.5").stdout)
-    assert [v["version"] for v in listed] == [1, 2] and {m["name"]: m["value"] for m in listed[0]["metrics"]}["heldout_r2_k_mean"] == 0.89
+    assert [v["version"] for v in listed] == [1, 2] and {m["name"]: m["value"] for m in listed[0]["metrics"]}[
+        "heldout_r2_k_mean"
+    ] == 0.89
 
     kvhub_cli("tag", f"{PAIR}@v1", "production")
     shown = json.loads(kvhub_cli("show", PAIR, "--json").stdout)
@@ -87,7 +89,6 @@ def test_db_commands_create_upgrade_and_report(kvhub_cli, db_url):
     assert "already at" in kvhub_cli("db", "upgrade").stderr
 
 
-
 def test_every_db_option_is_the_shared_one():
     import click
 
@@ -99,8 +100,13 @@ def test_every_db_option_is_the_shared_one():
             if isinstance(command, click.Group):
                 yield from commands(command, (*path, name))
 
-    with_db = {" ".join(path): [p for p in command.params if "--db" in p.opts]
-               for path, command in commands(main) if any("--db" in p.opts for p in command.params)}
-    assert {"list", "show", "tag", "push", "pull", "fit", "db upgrade", "eval", "bench", "report", "serve"} <= set(with_db)
+    with_db = {
+        " ".join(path): [p for p in command.params if "--db" in p.opts]
+        for path, command in commands(main)
+        if any("--db" in p.opts for p in command.params)
+    }
+    assert {"list", "show", "tag", "push", "pull", "fit", "db upgrade", "eval", "bench", "report", "serve"} <= set(
+        with_db
+    )
     for name, [option] in with_db.items():
         assert (option.help, option.metavar, option.default) == (DB_HELP, "URL", None), name

@@ -64,6 +64,7 @@ def _register_and_crash(url, artifacts, artifact, point, stderr_path) -> None:
 
     _stderr_to(stderr_path)
     if point == "mid-copy":  # half of the tensor file written under .tmp
+
         def copy(source, destination, **options):
             destination.parent.mkdir(parents=True, exist_ok=True)
             data = source.read_bytes()
@@ -118,9 +119,12 @@ def test_concurrent_registrations_get_consecutive_versions(db_url, tmp_path, art
     inputs = [artifact_factory(seed=seed) for seed in range(WORKERS)]
     ready, results, go = processes.Queue(), processes.Queue(), processes.Event()
     stderr = [tmp_path / f"stderr-{i}" for i in range(WORKERS)]
-    workers = [processes.Process(target=_register_when_told,
-                                 args=(db_url, artifacts, inputs[i], stderr[i], ready, go, results))
-               for i in range(WORKERS)]
+    workers = [
+        processes.Process(
+            target=_register_when_told, args=(db_url, artifacts, inputs[i], stderr[i], ready, go, results)
+        )
+        for i in range(WORKERS)
+    ]
     for worker in workers:
         worker.start()
     pids = {ready.get(timeout=120) for _ in workers}
@@ -148,9 +152,12 @@ def test_concurrent_first_opens_create_the_schema_once(db_url, tmp_path, artifac
     artifact = artifact_factory(seed=1)
     ready, results, go = processes.Queue(), processes.Queue(), processes.Event()
     go.set()
-    workers = [processes.Process(target=_register_when_told,
-                                 args=(db_url, tmp_path / "a", artifact, tmp_path / f"e{i}", ready, go, results))
-               for i in range(4)]
+    workers = [
+        processes.Process(
+            target=_register_when_told, args=(db_url, tmp_path / "a", artifact, tmp_path / f"e{i}", ready, go, results)
+        )
+        for i in range(4)
+    ]
     for worker in workers:
         worker.start()
     outcomes = [results.get(timeout=120) for _ in workers]
@@ -160,13 +167,15 @@ def test_concurrent_first_opens_create_the_schema_once(db_url, tmp_path, artifac
 
 
 @pytest.mark.parametrize("point, rows", [("mid-copy", 0), ("before-commit", 0), ("after-commit", 1)])
-def test_a_writer_killed_at_each_step_leaves_no_dangling_row(db_url, tmp_path, artifact_factory, processes,
-                                                             point, rows):
+def test_a_writer_killed_at_each_step_leaves_no_dangling_row(
+    db_url, tmp_path, artifact_factory, processes, point, rows
+):
     artifacts = tmp_path / "store-artifacts"
     with open_store(db_url, artifacts_dir=artifacts) as store:
         kept = store.register(artifact_factory(seed=100))
-        worker = processes.Process(target=_register_and_crash,
-                                   args=(db_url, artifacts, artifact_factory(seed=1), point, tmp_path / "err"))
+        worker = processes.Process(
+            target=_register_and_crash, args=(db_url, artifacts, artifact_factory(seed=1), point, tmp_path / "err")
+        )
         worker.start()
         worker.join(timeout=120)
         assert worker.exitcode == -signal.SIGKILL, (tmp_path / "err").read_text()
@@ -195,5 +204,7 @@ def test_writers_killed_at_random_moments_leave_a_consistent_store(db_url, tmp_p
             report = _assert_clean_after_gc(store)
             cleaned += len(report.artifacts) + len(report.temporaries)
         registered = len(store.versions())
-    print(f"\n{rounds} kills at random moments: {registered} of {4 * rounds} artifacts registered, "
-          f"{cleaned} leftovers collected, store consistent after each")
+    print(
+        f"\n{rounds} kills at random moments: {registered} of {4 * rounds} artifacts registered, "
+        f"{cleaned} leftovers collected, store consistent after each"
+    )

@@ -75,8 +75,12 @@ def test_other_text_under_a_used_name_is_refused_and_names_the_option(home, tmp_
             store.register(artifact(tmp_path, 3, text="b"))
         assert "another text" in str(refused.value)
         with pytest.raises(ConfigError, match="--name"):
-            store.check_calibration_text(source="Qwen/Tiny-Coder-0.5B-Instruct", target="Qwen/Tiny-Coder-1.5B-Instruct",
-                                         calibration="legal-docs", text_sha256="b" * 64)
+            store.check_calibration_text(
+                source="Qwen/Tiny-Coder-0.5B-Instruct",
+                target="Qwen/Tiny-Coder-1.5B-Instruct",
+                calibration="legal-docs",
+                text_sha256="b" * 64,
+            )
         assert store.register(artifact(tmp_path, 4, calibration="legal-b", text="b")).calibration == "legal-b"
         assert [v.version for v in store.versions(calibration="legal-docs")] == [1, 2]
         assert not list((store.artifacts_dir / ".tmp").iterdir())  # refused before anything was copied
@@ -84,15 +88,34 @@ def test_other_text_under_a_used_name_is_refused_and_names_the_option(home, tmp_
     assert "a" * 64 in listed and "b" * 64 in listed  # the text's sha256 is listed
 
 
-def test_fit_name_names_the_series_and_other_text_under_it_is_refused(home, tmp_path, tiny_model_dirs, text_corpus, monkeypatch):
+def test_fit_name_names_the_series_and_other_text_under_it_is_refused(
+    home, tmp_path, tiny_model_dirs, text_corpus, monkeypatch
+):
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
     src, dst = tiny_model_dirs
     other = tmp_path / "other"
     other.mkdir()
     for i in range(40):
         (other / f"o{i:03d}.txt").write_text(f"o{i:03d} " * (25 + 3 * (i % 5)), encoding="utf-8")
-    base = ["fit", "--src", src, "--dst", dst, "--samples", "8", "--seq-len", "16", "--stride", "1", "--lambda", "1e-6",
-            "--dtype", "float32", "--device", "cpu"]
+    base = [
+        "fit",
+        "--src",
+        src,
+        "--dst",
+        dst,
+        "--samples",
+        "8",
+        "--seq-len",
+        "16",
+        "--stride",
+        "1",
+        "--lambda",
+        "1e-6",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
     cli(*base, "--calib", text_corpus, "--name", "notes")
     assert [v["calibration"] for v in json.loads(cli("list", "--json").stdout)] == ["notes"]
     refused = cli(*base, "--calib", other, "--name", "notes", expect=ConfigError.exit_code)
@@ -106,8 +129,13 @@ def test_show_has_the_newest_value_per_metric_and_history_on_request(home, tmp_p
     with open_store() as store:
         version = store.register(artifact(tmp_path, 1))
         for value in (0.5, 0.6, 0.75):  # three reruns of one evaluation
-            store.add_metrics(version, [{"name": "retention", "value": value, "task": "hellaswag", "split": "eval"},
-                                        {"name": "n_items", "value": 256.0, "task": "hellaswag", "split": "eval"}])
+            store.add_metrics(
+                version,
+                [
+                    {"name": "retention", "value": value, "task": "hellaswag", "split": "eval"},
+                    {"name": "n_items", "value": 256.0, "task": "hellaswag", "split": "eval"},
+                ],
+            )
     table = cli("show", PAIR).stdout
     assert table.count("retention") == 1 and "0.750" in table and "0.500" not in table
     assert cli("show", PAIR, "--history").stdout.count("retention") == 3
@@ -129,8 +157,14 @@ def test_diff_compares_two_versions_side_by_side(home, tmp_path):
 
 
 def test_one_number_format():
-    assert [format_number(v) for v in (1.0, 0.98553, 256.0, 12, 5e-4, None)] == \
-        ["1.000", "0.986", "256", "12", "5.00e-04", ""]
+    assert [format_number(v) for v in (1.0, 0.98553, 256.0, 12, 5e-4, None)] == [
+        "1.000",
+        "0.986",
+        "256",
+        "12",
+        "5.00e-04",
+        "",
+    ]
     assert format_number(0.98553, exact=True) == "0.98553" and format_number(256.0, exact=True) == "256"
 
 
@@ -161,10 +195,20 @@ def test_advice_is_what_the_commands_accept_and_removed_series_are_gone(home, tm
 def test_min_metric_names_known_metrics_and_scopes_to_a_task(home, tmp_path):
     with open_store() as store:
         first, second = store.register(artifact(tmp_path, 1)), store.register(artifact(tmp_path, 2))
-        store.add_metrics(first, [{"name": "retention", "value": 0.95, "task": "hellaswag"},
-                                  {"name": "retention", "value": 0.2, "task": "facts-1024"}])
-        store.add_metrics(second, [{"name": "retention", "value": 0.5, "task": "hellaswag"},
-                                   {"name": "retention", "value": 0.99, "task": "facts-1024"}])
+        store.add_metrics(
+            first,
+            [
+                {"name": "retention", "value": 0.95, "task": "hellaswag"},
+                {"name": "retention", "value": 0.2, "task": "facts-1024"},
+            ],
+        )
+        store.add_metrics(
+            second,
+            [
+                {"name": "retention", "value": 0.5, "task": "hellaswag"},
+                {"name": "retention", "value": 0.99, "task": "facts-1024"},
+            ],
+        )
     unknown = cli("list", "--min-metric", "r2=0.9", expect=ConfigError.exit_code).stderr
     assert "'r2'" in unknown and "heldout_r2_k_mean" in unknown and "retention" in unknown
     assert "facts-1024" in cli("list", "--min-metric", "retention@arc=0.9", expect=ConfigError.exit_code).stderr
@@ -205,8 +249,11 @@ def test_a_store_kvhub_may_not_write_is_read_read_only(home, tmp_path, monkeypat
             connection.exec_driver_sql("DELETE FROM aliases")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions; the test above covers the read-only "
-                                                "connection through a replaced permission check")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root ignores file permissions; the test above covers the read-only "
+    "connection through a replaced permission check",
+)
 def test_a_chmod_read_only_store_lists_shows_and_loads(home, tmp_path):
     import kvhub
 
