@@ -200,7 +200,7 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert [e["tokens"] for e in saved] == [len(PROMPT_A), len(PROMPT_D)]
 
     _store_random_kv(paths, PROMPT_C, tenant="alice")
-    _store_random_kv(paths, PROMPT_E, tenant="alice", scale=float("nan"))  # a damaged entry: never written
+    _store_random_kv(paths, PROMPT_E, tenant="alice", scale=float("nan"))  # a damaged entry on disk
 
     results = _spawn(
         "consumer",
@@ -268,7 +268,7 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert pair_a["kvhub"]["selected_tokens"] == _budget(0.3, len(PROMPT_A), 64) == 10
     assert pair_d["kvhub"]["selected_tokens"] == _budget(0.2, len(PROMPT_D), 64) == 8
     assert pair_a["ids"] == own["ids"] and pair_d["ids"] == own_d["ids"]
-    # a damaged entry (NaN) is never written: the load falls back, visibly, and vLLM prefills
+    # a damaged entry (NaN on disk) is refused by the load: it falls back, visibly, and vLLM prefills
     assert "NaN" in damaged_e["kvhub"]["fallback"], damaged_e
     assert damaged_e["ids"] == own_e["ids"]
     assert any(e["event"] == "fallback" and "NaN" in e.get("reason", "") for e in events)
@@ -347,13 +347,23 @@ def compare_engine_pass(worker, target_path: str) -> float:
 
 
 def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str, scale: float = 3.0) -> None:
+    """Random source KV for ``prompt``; a non-finite ``scale`` plants a damaged entry (as a disk fault would
+    leave it: ``KVStore.put`` itself refuses Inf/NaN, so its check is bypassed for this one write)."""
+    import math
+
     import torch
 
-    from kvhub.serving import KVStore
+    from kvhub.serving import KVStore, kvstore
 
     store = KVStore(paths["kvstore"], max_bytes=64 << 20)
     noise = [torch.randn(2, len(prompt), 32) * scale for _ in range(2 * 3)]  # the source's 3 layers x (H=2, T, D=32)
-    store.put(isolation_key=tenant, source_model="tiny/src", token_ids=prompt, keys=noise[:3], values=noise[3:])
+    check = kvstore.check_layers
+    if not math.isfinite(scale):
+        kvstore.check_layers = lambda keys, values, tokens: None
+    try:
+        store.put(isolation_key=tenant, source_model="tiny/src", token_ids=prompt, keys=noise[:3], values=noise[3:])
+    finally:
+        kvstore.check_layers = check
 
 
 def _plant_recompute_failure(prompt_tokens: int) -> None:
