@@ -250,9 +250,15 @@ class GistTask:
         self.read_score = read_gist_score
 
     def items(self) -> list[GistItem]:
-        return gist_items(
+        from kvhub.eval.longctx import check_positions
+
+        items = gist_items(
             self.kind, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
         )
+        check_positions(
+            items, (self.loaded.source, self.loaded.target), extra=ANSWER_TOKENS, context_tokens=self.context_tokens
+        )
+        return items
 
     def score(self, item: GistItem, variants) -> list[GistScore]:
         loaded = self.loaded

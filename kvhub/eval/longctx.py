@@ -258,6 +258,27 @@ def _code_files(packages: tuple[str, ...]) -> list[Path]:
     return sorted(files)
 
 
+def check_positions(items, models, *, extra: int, context_tokens: int) -> None:
+    """ConfigError when an item's prompt plus ``extra`` tokens (its answer) runs past a model's
+    ``max_position_embeddings``: built prompts come out longer than --context-tokens (whole paragraphs,
+    the question, a chat template), so the requested length alone does not tell."""
+    limits = [
+        (m.config.max_position_embeddings, m.config.model_type)
+        for m in models
+        if isinstance(getattr(m.config, "max_position_embeddings", None), int)
+    ]
+    if not limits or not items:
+        return
+    limit, kind = min(limits)
+    longest = max(len(item.prompt_ids) for item in items) + extra
+    if longest > limit:
+        raise ConfigError(
+            f"--context-tokens {context_tokens} builds prompts of up to {longest} tokens with their answers, past "
+            f"the {kind} model's {limit} positions (max_position_embeddings); use --context-tokens "
+            f"{max(64, context_tokens - (longest - limit) - 16)} or less"
+        )
+
+
 def filler_paragraphs(*, limit: int = 2000, seed: int = 0) -> list[str]:
     """Filler prose outside every calibration set: HellaSwag contexts with their correct endings."""
     from kvhub.eval.tasks import load_task

@@ -15,6 +15,7 @@ from kvhub.errors import ConfigError
 from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
 from kvhub.eval.followup import FOLLOWUP_CONDITIONS, FOLLOWUP_PAIRS, followup_items, score_followup_item
 from kvhub.eval.longctx import (
+    check_positions,
     LONG_CONDITIONS,
     RecallItem,
     RecallScore,
@@ -58,9 +59,14 @@ class RecallTask:
         self.read_score = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
 
     def items(self) -> list[RecallItem]:
-        return build_items(
+        items = build_items(
             self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
         )
+        longest_answer = max((len(item.answer_ids) for item in items), default=0)
+        check_positions(
+            items, (self.loaded.source, self.loaded.target), extra=longest_answer, context_tokens=self.context_tokens
+        )
+        return items
 
     def score(self, item: RecallItem, variants) -> list[RecallScore]:
         loaded = self.loaded

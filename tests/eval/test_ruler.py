@@ -72,3 +72,26 @@ def test_unknown_task_is_refused_by_name(tokenizer):
     with pytest.raises(ConfigError, match="niah-multikey"):
         press_rows("qa", tokenizer, FILLER, context_tokens=400, n=1)
     assert len(build_items("vt", tokenizer, context_tokens=300, n=2, filler=FILLER)) == 2
+
+
+def test_U3_26_built_prompts_past_the_models_positions_are_refused(tokenizer):
+    """--context-tokens 512 on a 512-position model built 543-token prompts silently; the built items are
+    checked against each model's max_position_embeddings, with their answers.  Planted bug caught: checking
+    the requested length only (512 <= 512 passes)."""
+    from types import SimpleNamespace
+
+    from kvhub.errors import ConfigError
+    from kvhub.eval.longctx import check_positions
+
+    items = press_rows("niah-multikey", tokenizer, FILLER, context_tokens=400, n=2, seed=0)
+    items = [row_item(row, tokenizer, f"x{i}") for i, row in enumerate(items)]
+    longest = max(len(item.prompt_ids) for item in items)
+
+    def model(positions):
+        return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=positions, model_type="qwen2"))
+
+    check_positions(items, (model(4096), model(longest + 12)), extra=12, context_tokens=400)
+    with pytest.raises(ConfigError, match="max_position_embeddings.*--context-tokens"):
+        check_positions(items, (model(4096), model(longest + 11)), extra=12, context_tokens=400)
+    with pytest.raises(ConfigError, match=f"up to {longest + 12} tokens"):
+        check_positions(items, (model(400),), extra=12, context_tokens=400)
