@@ -14,44 +14,9 @@ from kvhub.eval.followup import FOLLOWUP_CONDITIONS, followup_items, score_follo
 from kvhub.eval.gist import GistScore, gist_items, score_gist_item, summarize_gist
 from kvhub.eval.longctx import LONG_CONDITIONS, answer_score, fact_items, score_recall_item
 from kvhub.eval.recall_tasks import FollowupTask
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
 from kvhub.serving import drop
 from kvhub.serving.recompute import Recompute
-from tests.fixtures_calib import train_tokenizer
-from tests.tinymodels import exact_family_target, make_model
-
-FILLER = [
-    f"Paragraph {i} tells how the {w} crossed the river and rested near the old mill."
-    for i, w in enumerate(["miller", "baker", "weaver", "smith", "potter", "tailor", "cooper", "mason"] * 3)
-]
-CHAT = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(vocab_size=600, chat_template=CHAT)
-
-
-@pytest.fixture(scope="module")
-def family():
-    source = make_model("qwen2", num_hidden_layers=3, vocab_size=600, seed=3)
-    target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    ids = torch.randint(0, 600, (24, 48), generator=torch.Generator().manual_seed(0))
-    mapper = fit(
-        source,
-        target,
-        ids[:20],
-        ids[20:],
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
-    )
-    return source, target, mapper
-
+from tests.eval.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures
 
 def _ids(n, seed=0):
     return torch.randint(0, 600, (1, n), generator=torch.Generator().manual_seed(seed))
