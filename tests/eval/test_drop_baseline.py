@@ -18,6 +18,7 @@ from kvhub.serving import drop
 from kvhub.serving.recompute import Recompute
 from tests.eval.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures
 
+
 def _ids(n, seed=0):
     return torch.randint(0, 600, (1, n), generator=torch.Generator().manual_seed(seed))
 
