@@ -127,7 +127,53 @@ def escalate(mapper, source, target, ids: torch.Tensor, source_cache) -> int:
     return int(recomputed.numel())
 
 
-def measure_length(mapper, source, target, *, length: int, repeats: int, device) -> dict:
+def phases(mapper, source, target, ids: torch.Tensor, source_cache, timer) -> dict:
+    """Seconds of each step of one escalation, in :func:`kvhub.serving.handoff.prepare_cache_counted`'s order
+    (the windowed and full-prefill branches aside): ``transfer``; ``select`` (the recompute set: the
+    source's attention pass and the span choice), of which ``attention`` is the pass alone (timed once more
+    on its own); ``recompute`` (the masked pass and the writes); ``first_token`` (the last token's forward)."""
+    from kvhub.core.capture import cache_kwargs
+    from kvhub.serving.recompute import _scores, recompute_positions, recompute_set
+    from kvhub.serving.spec import HANDOFF
+
+    context = ids[:, :-1]
+    tokens = context.shape[1]
+    spec = HANDOFF.capped(tokens)
+    held: dict = {}
+    out = {"transfer": timer(lambda: held.update(cache=mapper.transfer(source_cache, dtype=target.dtype)))}
+    cache = held["cache"]
+    select = dict(context=context, mapped_cache=cache, source_model=source, target_model=target)
+    out["select"] = timer(lambda: held.update(positions=recompute_set(spec, source_cache=source_cache, **select)))
+    eligible = torch.ones(tokens, dtype=torch.bool)
+    out["attention"] = timer(lambda: _scores(spec, context, cache, source, target, source_cache, eligible))
+    out["recompute"] = timer(lambda: recompute_positions(target, cache, context, held["positions"]))
+    position = torch.full((1, 1), tokens, device=ids.device)
+    out["first_token"] = timer(
+        lambda: target(input_ids=ids[:, -1:], position_ids=position, logits_to_keep=1, **cache_kwargs(target, cache))
+    )
+    return out
+
+
+def trace(mapper, source, target, ids: torch.Tensor, source_cache, path: Path) -> None:
+    """torch.profiler's table of one escalation (operators by self device time, then by CPU time) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
+    with profile(activities=activities) as prof:
+        escalate(mapper, source, target, ids, source_cache)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    by_device = "self_cuda_time_total" if ids.is_cuda else "self_cpu_time_total"
+    path.write_text(
+        f"one escalation, {ids.shape[1]} tokens\n\n"
+        + table.table(sort_by=by_device, row_limit=30)
+        + "\n\n"
+        + table.table(sort_by="cpu_time_total", row_limit=30)
+    )
+
+
+def measure_length(mapper, source, target, *, length: int, repeats: int, device, trace_to: Path | None = None) -> dict:
     from kvhub.core.capture import run_model
 
     vocab = min(source.config.vocab_size, target.config.vocab_size)
@@ -154,6 +200,10 @@ def measure_length(mapper, source, target, *, length: int, repeats: int, device)
         **{f"{name}_median_s": statistics.median(values) for name, values in samples.items()},
         **{f"{name}_s": values for name, values in samples.items()},
     }
+    if trace_to is not None:
+        trace(mapper, source, target, ids, source_cache, trace_to)
+    steps = [phases(mapper, source, target, ids, source_cache, timer) for _ in range(repeats)]
+    row["phases_median_s"] = {name: statistics.median(step[name] for step in steps) for name in steps[0]}
     row["recomputed_tokens"] = counts[-1]
     row["exact_fraction"] = (counts[-1] + 1) / (length - 1)  # the recomputed ones and the last token, as handoff counts
     row["speedup"] = row["own_median_s"] / row["escalation_median_s"]
@@ -162,12 +212,26 @@ def measure_length(mapper, source, target, *, length: int, repeats: int, device)
 
 
 def run_pair(
-    name: str, *, tiny: bool, lengths: list[int], repeats: int, device, dtype, started: float, budget_s: float
+    name: str,
+    *,
+    tiny: bool,
+    lengths: list[int],
+    repeats: int,
+    device,
+    dtype,
+    started: float,
+    budget_s: float,
+    out: dict,
+    save,
+    trace_to: Path | None = None,
 ) -> dict:
+    """Measures one pair into ``out`` (already in the report), calling ``save()`` after each length, so a run
+    stopped at its time limit still leaves every length it finished."""
     source_spec, target_spec = PAIRS[name]
-    out = {"source": model_name(source_spec), "target": model_name(target_spec), "lengths": []}
+    out.update(source=model_name(source_spec), target=model_name(target_spec), lengths=[])
     if time.perf_counter() - started > budget_s:
-        return {**out, "skipped": f"past the {budget_s:.0f} s budget before it started"}
+        out["skipped"] = f"past the {budget_s:.0f} s budget before it started"
+        return out
     built = time.perf_counter()
     source = build_model(config_of(source_spec, tiny=tiny), device=device, dtype=dtype, seed=0)
     target = build_model(config_of(target_spec, tiny=tiny, depth=2), device=device, dtype=dtype, seed=1)
@@ -178,7 +242,11 @@ def run_pair(
             if time.perf_counter() - started > budget_s:
                 out["lengths"].append({"tokens": length, "skipped": f"past the {budget_s:.0f} s budget"})
                 continue
-            out["lengths"].append(measure_length(mapper, source, target, length=length, repeats=repeats, device=device))
+            traced = trace_to if length == lengths[-1] else None
+            out["lengths"].append(
+                measure_length(mapper, source, target, length=length, repeats=repeats, device=device, trace_to=traced)
+            )
+            save()
     del source, target, mapper
     gc.collect()
     if device.type == "cuda":
@@ -203,6 +271,12 @@ def main(argv=None) -> dict:
         help="start no pair or length after this many seconds (the run stays under 8 minutes)",
     )
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write torch.profiler's table of one escalation (first pair, longest length)",
+    )
     args = parser.parse_args(argv)
     from kvhub.dtypes import parse_dtype
 
@@ -225,8 +299,15 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "pairs": {},
     }
-    for name in names:
-        report["pairs"][name] = run_pair(
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        report["wall_s"] = time.perf_counter() - started
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    for index, name in enumerate(names):
+        report["pairs"][name] = {}
+        run_pair(
             name,
             tiny=args.tiny,
             lengths=lengths,
@@ -235,10 +316,11 @@ def main(argv=None) -> dict:
             dtype=parse_dtype(args.dtype),
             started=started,
             budget_s=args.budget_s,
+            out=report["pairs"][name],
+            save=save,
+            trace_to=args.trace if index == 0 else None,
         )
-    report["wall_s"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+        save()
     print(
         json.dumps(
             {
