@@ -4,6 +4,9 @@ target's own prefill, side by side, at 7B and 32B shapes (issue 34, item 7).
     python benchmarks/gpu_escalation.py --out "$OUT/gpu_escalation.json"        # one H200: under 8 minutes
     python benchmarks/gpu_escalation.py --tiny --out /tmp/gpu_escalation.json    # the same code, tiny configs, CPU
 
+On a device where kvhub is not installed (nothing can be fetched there), run it from a checkout with
+``PYTHONPATH=.`` after ``ln -s ../registry kvhub/_registry`` (the package data an install provides).
+
 Pairs (:data:`PAIRS`): Qwen2.5-Coder-0.5B and -1.5B -> a Qwen2.5-7B-shaped target (:data:`QWEN25_7B`, the
 published config's shape), and Qwen3-14B -> Qwen3-32B (the configs kvhub ships).  **Every model has random
 weights of the real config, and every mapper random weights with k=4 sources per target layer**: the

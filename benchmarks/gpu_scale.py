@@ -3,6 +3,9 @@
     python benchmarks/gpu_scale.py --out docs/results/gpu_scale.json          # a GPU with >= 120 GiB
     python benchmarks/gpu_scale.py --cpu-scaled --out /tmp/gpu_scale_cpu.json  # the same, configs scaled down
 
+On a device where kvhub is not installed (nothing can be fetched there), run it from a checkout with
+``PYTHONPATH=.`` after ``ln -s ../registry kvhub/_registry`` (the package data an install provides).
+
 Both models are built from the configs kvhub ships (registry/configs: the real Qwen3-14B and -32B, ~92 GB
 of random bf16 weights together; no download), or, with --cpu-scaled, from the same configs scaled
 down (:data:`SCALED`), and the run measures, in this order:
@@ -311,6 +314,12 @@ def main(argv=None) -> dict:
         "configs": {m: {k: cfgs[m][k] for k in SCALED[m]} for m in (SRC, DST)},
         "torch": torch.__version__,
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every stage: a run stopped at its time limit keeps what it measured
+        report["wall_s"] = time.perf_counter() - started
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
     source = build_model(cfgs[SRC], device=device, dtype=dtype, seed=0)
     target = build_model(cfgs[DST], device=device, dtype=dtype, seed=1)
     report["build_s"] = time.perf_counter() - started
@@ -318,10 +327,12 @@ def main(argv=None) -> dict:
         report["capture"] = measure_capture(
             source, target, batch=args.batch, seq_len=seq_len, stride=args.stride, device=device, plan=capture_plan
         )
+        save()
         mapper = random_mapper(source, target, k=4, seed=0, device=device)
         report["transfer"] = measure_transfer(
             mapper, source, target, lengths=lengths, repeats=args.repeats, device=device
         )
+        save()
     del source, target, mapper
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -333,6 +344,7 @@ def main(argv=None) -> dict:
         stride=args.stride,
         device=device,
     )
+    save()
     solve_layers = min(args.solve_layers, shapes[1].layers)
     share = plan_fit(
         *shapes,
@@ -354,9 +366,7 @@ def main(argv=None) -> dict:
         "exchange_bytes": job_plan.exchange_bytes,
         "advice": job_plan.advice,
     }
-    report["wall_s"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save()
     return report
 
 
