@@ -30,7 +30,9 @@ ISOLATION_SOURCES = ("cache_salt", "kvhub_tenant")
 # with the recompute); nothing shorter, and no GPU: docs/serving.md, Short prompts.
 MIN_ESCALATION_TOKENS = 256
 BOTH = ("producer", "consumer")
+PRODUCER = ("producer",)
 CONSUMER = ("consumer",)
+SOURCE_ATTENTION_QUERIES = 16  # the library's Recompute.queries: the rows select=source scores by
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ _RECOMPUTE_HELP = {  # kvhub.serving.spec.Recompute's fields as the consumer rea
     "exact_prefix": "first prompt tokens the large model recomputes over the mapped blocks",
     "exact_suffix": "prompt tokens the large model always computes itself (at least 1)",
     "exact_budget": "fraction of the prompt (n - 1 tokens) recomputed in whole spans; 0 maps only",
-    "select": "what chooses those spans: `target` (its attention) or `random` (the control)",
+    "select": "what chooses those spans: `target` (the large model's attention over the mapped blocks), `source` "
+    "(the small model's, stored by the producer; `target` where an entry has none) or `random` (the control)",
     "spans": "`sentence` (whole sentences / lines) or `token`",
     "queries": "how many last prompt tokens score the prompt",
     "max_span": "the longest span recomputed whole, in tokens",
@@ -136,6 +139,15 @@ EXTRA_CONFIG: tuple[ConfigKey, ...] = (
         'response\'s report says `fallback: "prefill"`; 0 escalates every prompt; see '
         "[Short prompts](#short-prompts-are-prefilled)",
         default=MIN_ESCALATION_TOKENS,
+    ),
+    ConfigKey(
+        "source_attention_queries",
+        PRODUCER,
+        "tokens",
+        "the producer stores, with each prompt's KV, the small model's attention of the prompt's last N tokens "
+        "on it (what the consumer's `select=source` reads; one pass of N tokens, needs `--worker-cls` on the "
+        "producer too); 0 stores none",
+        default=SOURCE_ATTENTION_QUERIES,
     ),
     ConfigKey(
         "require_isolation_key",
@@ -292,12 +304,17 @@ def events_file(path, *, option: str = "kv_connector_extra_config events_path") 
     return str(path)
 
 
+SERVING_SELECTORS = ("target", "source", "random")  # what the consumer can select by (engine_pass.recompute_request)
+
+
 def check_serving_spec(spec: Recompute, *, origin: str) -> None:
-    """Inside vLLM the consumer has only the mapped cache and its own model: select="target" or "random"."""
-    if spec.selective and spec.select not in ("target", "random"):
+    """Inside vLLM the consumer has the mapped cache, its own model and what the producer stored: select=
+    "target", "source" (the small model's attention stored with the KV) or "random"."""
+    if spec.selective and spec.select not in SERVING_SELECTORS:
         raise ConfigError(
-            f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own "
-            "attention over the mapped cache (select=target) or at random (select=random, the control)"
+            f"select={spec.select!r} in {origin}: inside vLLM the consumer selects by its own attention over "
+            "the mapped cache (select=target), by the small model's attention the producer stored "
+            "(select=source) or at random (select=random, the control)"
         )
 
 

@@ -28,7 +28,9 @@ class ConnectorState:
     """One connector's configuration and shared parts.  ``role_name``: "producer" or "consumer";
     ``exact_suffix``: the engine spec's, at least 1 (vLLM computes the last prompt token itself);
     ``mapper`` / ``refusal``: the consumer's mapper, or why it has none (every request then prefills);
-    ``min_escalation_tokens``: the consumer prefills shorter prompts itself (0: none)."""
+    ``min_escalation_tokens``: the consumer prefills shorter prompts itself (0: none);
+    ``source_attention_queries``: the producer stores the attention of each prompt's last that-many tokens
+    with its KV (0: none)."""
 
     role_name: str
     block_size: int
@@ -40,6 +42,7 @@ class ConnectorState:
     source_model: str = ""
     mapper: Any = None
     min_escalation_tokens: int = 0
+    source_attention_queries: int = 0
     refusal: str | None = None
     counters: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock)

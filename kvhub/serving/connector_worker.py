@@ -17,6 +17,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from kvhub.errors import IncompatibleError, UnsupportedModelError
 from kvhub.serving.connector_config import span_tokenizer
 from kvhub.serving.connector_meta import KVHubWorkerMetadata, LoadJob
 from kvhub.serving.connector_state import ConnectorState
-from kvhub.serving.engine_pass import EnginePass, exact_positions, load_counts, recompute_request
+from kvhub.serving.engine_pass import EnginePass, exact_positions, load_counts, prompt_attention, recompute_request
 from kvhub.serving.launch import WORKER_CLASS
 from kvhub.serving.paged import PagedLayout, layer_layout
 from kvhub.serving.spec import Recompute
@@ -53,14 +54,17 @@ class ConnectorWorker:
         self._step_reports: dict[str, dict] = {}  # request id -> its load's report, sent with this step's output
 
     def attach_model(self, model) -> None:
-        """Called by :class:`kvhub.serving.vllm_worker.KVHubWorker` once the model is loaded: the recompute
-        runs its decoder layers.  A model the pass cannot run leaves the consumer mapping only, visibly."""
-        if self.state.is_producer:
+        """Called by :class:`kvhub.serving.vllm_worker.KVHubWorker` once the model is loaded: the consumer's
+        recompute runs its decoder layers, and so does the producer's source attention pass (when
+        ``source_attention_queries`` > 0).  A model the pass cannot run leaves the consumer mapping only and
+        the producer storing KV without attention, visibly."""
+        if self.state.is_producer and not self.state.source_attention_queries:
             return
         try:
             self.engine = EnginePass(model)
         except UnsupportedModelError as exc:
-            log.error("kvhub consumer: no selective recompute for this model, requests are mapped only: %s", exc)
+            what = "stored KV carries no source attention" if self.state.is_producer else "requests are mapped only"
+            log.error("kvhub %s: no engine pass for this model, %s: %s", self.state.role_name, what, exc)
 
     def _control_mapper(self):
         if self._control is None:
@@ -156,6 +160,15 @@ class ConnectorWorker:
     def _recompute_job(self, job: LoadJob, spec: Recompute) -> dict:
         started = time.perf_counter()
         context_slots = torch.tensor(job.slots, dtype=torch.long)
+        source_attention, selector_note = None, {}
+        if spec.selective and spec.select == "source":
+            source_attention = self.state.kvstore.read_attention(
+                job.pin, token_ids=job.prompt_ids[: job.end], end=job.end
+            )
+            if source_attention is None:  # an entry stored without it: the large model's own attention
+                spec = replace(spec, select="target")
+                selector_note = {"select_fallback": "no source attention stored with the KV: select=target"}
+                self.state.event("select_fallback", job.request_id, reason=selector_note["select_fallback"])
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def cached(number: int) -> tuple[torch.Tensor, torch.Tensor]:  # (H, end, D) each, read once per load
@@ -173,6 +186,7 @@ class ConnectorWorker:
             end=job.end,
             cached=cached,
             tokenizer=self._span_tokenizer(),
+            source_attention=source_attention,
         )
         slots = context_slots[done.positions]
         for number, (keys, values) in enumerate(done.fresh):
@@ -187,6 +201,7 @@ class ConnectorWorker:
             **load_counts(done.positions, done.exact, tokens=tokens),
             "recompute_s": round(time.perf_counter() - started, 4),
             "recompute": spec.name(),
+            **selector_note,
         }
         self.state.event("recomputed", job.request_id, **report)
         return report
@@ -231,6 +246,22 @@ class ConnectorWorker:
             self._layouts[key] = layer_layout(layer, kv_layer, block_size=self.state.block_size)
         return self._layouts[key]
 
+    def _prompt_attention(self, request_id: str, token_ids: list[int], layers) -> torch.Tensor | None:
+        """The small model's attention of the prompt's last ``source_attention_queries`` tokens on the prompt
+        (:func:`kvhub.serving.engine_pass.prompt_attention`), stored with its KV for the consumer's
+        ``select=source``; None when off or when the pass fails (the KV is stored all the same, visibly)."""
+        queries = self.state.source_attention_queries
+        if not queries:
+            return None
+        if self.engine is None:
+            _no_attention(request_id, self.state, f"no model attached: run the engine with --worker-cls {WORKER_CLASS}")
+            return None
+        try:
+            return prompt_attention(self.engine, token_ids, lambda number: layers[number], queries=queries)
+        except Exception as exc:  # noqa: BLE001 - the KV is still worth storing; the consumer falls back to target
+            _no_attention(request_id, self.state, f"{type(exc).__name__}: {exc}")
+            return None
+
     def wait_for_save(self) -> None:
         state = self.state
         if not state.is_producer:
@@ -242,17 +273,24 @@ class ConnectorWorker:
                 if "error" in layers:
                     raise UnsupportedModelError(layers["error"])
                 ordered = [layers[l] for l in range(len(layers))]
+                attention = self._prompt_attention(job.request_id, job.token_ids, ordered)
                 state.kvstore.put(
                     isolation_key=job.isolation_key,
                     source_model=state.source_model,
                     token_ids=job.token_ids,
                     keys=[k for k, _ in ordered],
                     values=[v for _, v in ordered],
+                    attention=attention,
                 )
-                state.event("saved", job.request_id, tokens=len(job.token_ids))
+                state.event("saved", job.request_id, tokens=len(job.token_ids), attention=attention is not None)
             except Exception as exc:  # noqa: BLE001 - a failed save only costs a later cache miss
                 state.event("save_failed", job.request_id, reason=f"{type(exc).__name__}: {exc}")
                 log.warning("kvhub: saving request %s failed: %s", job.request_id, exc)
+
+
+def _no_attention(request_id: str, state: ConnectorState, why: str) -> None:
+    state.event("attention_skipped", request_id, reason=why)
+    log.warning("kvhub producer: request %s is stored without source attention: %s", request_id, why)
 
 
 def _layer_number(layer_name: str) -> int:

@@ -195,8 +195,34 @@ def load_counts(recomputed: torch.Tensor, exact: torch.Tensor, *, tokens: int) -
     }
 
 
+def prompt_attention(engine: EnginePass, prompt_ids: list[int], cached: ContextKV, *, queries: int) -> torch.Tensor:
+    """(Q, S) attention of the last Q = min(``queries``, S) tokens of an S-token prompt on its S positions,
+    averaged over layers and heads, float32 on the CPU: the producer's signal for the consumer's
+    ``select=source`` (what :func:`kvhub.serving.recompute.query_attention` reads from the source in the
+    library).  ``cached(layer)``: the prompt's K/V as the producer just computed them; the pass re-runs the
+    last Q tokens over them, which put their own (equal) K/V back at their positions, so each row is the
+    attention the prefill computed."""
+    tokens = len(prompt_ids)
+    count = max(1, min(queries, tokens))
+    device = cached(0)[0].device
+    ids = torch.tensor(prompt_ids[tokens - count :], dtype=torch.long, device=device)
+    positions = torch.arange(tokens - count, tokens, device=device)
+    attention = engine.run(ids, positions, cached, attention_rows=count).attention
+    if attention is None:  # a model with no layers
+        raise UnsupportedModelError("the source attention pass returned no attention rows")
+    return attention.float().cpu()
+
+
 def recompute_request(
-    engine: EnginePass, spec, *, prompt_ids: list[int], start: int, end: int, cached: ContextKV, tokenizer=None
+    engine: EnginePass,
+    spec,
+    *,
+    prompt_ids: list[int],
+    start: int,
+    end: int,
+    cached: ContextKV,
+    tokenizer=None,
+    source_attention: torch.Tensor | None = None,
 ) -> Recomputed:
     """The recompute of one request whose cache holds [0, end) (mapped from ``start`` on, the engine's own
     before it); the engine computes [end, n) itself afterwards.
@@ -230,9 +256,13 @@ def recompute_request(
             return attention_scores(attention.float().cpu(), eligible, score=spec.score)
         if spec.select == "random":
             return random_scores(ids[:end])
+        if spec.select == "source" and source_attention is not None:
+            rows = source_attention[-min(spec.queries, source_attention.shape[0]) :, :end]
+            return attention_scores(rows.float().cpu(), eligible, score=spec.score)
         raise UnsupportedModelError(
-            f"select={spec.select!r} needs what only kvhub.handoff has; inside vLLM use "
-            "select=target (or random, the control)"
+            f"select={spec.select!r} needs what the engine does not have here; inside vLLM use "
+            "select=target, select=source with the small model's attention stored by the producer, "
+            "or random (the control)"
         )
 
     selected = choose_spans(spec, ids[:end], budget, eligible=eligible, scores=scores, tokenizer=tokenizer)

@@ -53,6 +53,7 @@ from kvhub.serving.kvstore_files import (
     ENTRY_NAME,
     READ_NO_FOLLOW,
     atomic_write_bytes,
+    check_attention,
     check_layers,
     entry_layers,
     entry_tensors,
@@ -186,8 +187,10 @@ class KVStore:
         token_ids: list[int],
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
+        attention: torch.Tensor | None = None,
     ) -> Path | None:
-        """Store one prompt's KV: keys[l], values[l] (H, T, D) for T = len(token_ids), one pair per layer.
+        """Store one prompt's KV: keys[l], values[l] (H, T, D) for T = len(token_ids), one pair per layer, and
+        optionally the source's ``attention`` (Q, T) of the prompt's last Q tokens (:meth:`read_attention`).
 
         Returns the entry, or None when the prompt is shorter than one chunk (nothing to index).
         IncompatibleError for keys and values that do not pair up; ConfigError for an entry larger than
@@ -214,7 +217,7 @@ class KVStore:
         entry = dirs[0] / f"{hashes[-1]}-{len(token_ids)}.safetensors"
         self._write_entry(
             entry,
-            entry_tensors(token_ids, keys, values),
+            entry_tensors(token_ids, keys, values, attention),
             metadata={"source_model": source_model, "layers": str(len(keys))},
         )
         try:
@@ -463,6 +466,32 @@ class KVStore:
                 f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
             ) from exc
         return keys, values
+
+    @staticmethod
+    def read_attention(entry: str | os.PathLike, *, token_ids: list[int], end: int) -> torch.Tensor | None:
+        """The source's attention stored with an entry, on its first ``end`` positions: (Q, end) float32 on the
+        CPU, query i being the entry's token T - Q + i; None when the entry holds none.  ``token_ids`` are the
+        prompt's first ``end`` tokens, which the entry must hold (IncompatibleError otherwise); a damaged
+        attention tensor is IncompatibleError, like a damaged entry."""
+        end = _integer(end, "end")
+        try:
+            with open_entry(entry) as f:
+                stored = f.get_tensor("token_ids")
+                if not 0 <= end <= stored.shape[0] or stored[:end].tolist() != list(token_ids[:end]):
+                    raise IncompatibleError(
+                        f"KV store entry {entry} does not hold the first {end} tokens of this prompt"
+                    )
+                if "attention" not in f.keys():
+                    return None
+                attention = check_attention(f.get_tensor("attention"), stored.shape[0])
+        except (IncompatibleError, FileNotFoundError):
+            raise
+        except Exception as exc:  # safetensors and torch errors of a foreign file
+            raise IncompatibleError(
+                f"KV store entry {entry} is damaged or not a kvhub entry "
+                f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
+            ) from exc
+        return attention[:, :end]
 
     def total_bytes(self) -> int:
         return sum(st.st_size for _, st in self._entries())

@@ -4,7 +4,9 @@ The store's directory is shared with other engines, so every file in it is opene
 symbolic link and checked to be a regular file through the open descriptor:
 
 - an entry, ``<h_J>-<T>.safetensors``: ``token_ids`` (T,) int64, ``keys.{l}`` and ``values.{l}`` (H, T, D)
-  per layer, and the metadata ``layers`` (their count) and ``source_model``;
+  per layer, optionally ``attention`` (Q, T) float32 (the source model's attention of the prompt's last Q
+  tokens on each of its T tokens, averaged over layers and heads: what the consumer's ``select=source``
+  reads), and the metadata ``layers`` (their count) and ``source_model``;
 - an index file: text that is the name of one entry;
 - every write goes to a temp file renamed into place, so a reader never sees half a file, and a failed
   write becomes a KVStoreError with the fix its errno suggests.
@@ -77,9 +79,25 @@ def check_layers(keys, values, tokens: int) -> None:
             )
 
 
-def entry_tensors(token_ids, keys, values) -> dict[str, torch.Tensor]:
+def check_attention(attention, tokens: int) -> torch.Tensor:
+    """``attention`` as (Q, T) float32 on the CPU, T = ``tokens``, Q >= 1, finite and non-negative (attention
+    probabilities), else IncompatibleError: what an entry may hold as ``attention``, checked on write and read."""
+    if not isinstance(attention, torch.Tensor) or attention.dim() != 2 or attention.shape[0] < 1:
+        shape = tuple(attention.shape) if isinstance(attention, torch.Tensor) else type(attention).__name__
+        raise IncompatibleError(f"source attention must be a (queries, tokens) tensor, got {shape}")
+    if attention.shape[1] != tokens:
+        raise IncompatibleError(f"source attention covers {attention.shape[1]} tokens, the entry {tokens}")
+    attention = attention.detach().to("cpu", torch.float32).contiguous()
+    if not (bool(torch.isfinite(attention).all()) and bool((attention >= 0).all())):
+        raise IncompatibleError("source attention holds Inf/NaN or negative values; not attention probabilities")
+    return attention
+
+
+def entry_tensors(token_ids, keys, values, attention=None) -> dict[str, torch.Tensor]:
     """The tensors of one entry, on the CPU; a tensor passed twice is copied (safetensors refuses shared memory)."""
     tensors = {"token_ids": token_tensor(token_ids)}
+    if attention is not None:
+        tensors["attention"] = check_attention(attention, len(tensors["token_ids"]))
     seen = set()
     for index, (k, v) in enumerate(zip(keys, values)):
         for name, tensor in ((f"keys.{index}", k), (f"values.{index}", v)):
@@ -160,7 +178,7 @@ def entry_layers(f) -> int:
     """The layer count of an open entry, checked against the tensors it holds."""
     layers = int((f.metadata() or {})["layers"])
     wanted = {"token_ids"} | {f"{kind}.{l}" for kind in ("keys", "values") for l in range(layers)}
-    if layers < 1 or set(f.keys()) != wanted:
+    if layers < 1 or set(f.keys()) - {"attention"} != wanted:
         raise ValueError(f"metadata says {layers} layers, tensors are {sorted(f.keys())[:8]}")
     return layers
 

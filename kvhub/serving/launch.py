@@ -125,13 +125,11 @@ def server_command(
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> list[str]:
     """The argv of one OpenAI-compatible server with the connector: ``launcher`` (:func:`vllm_launcher`)
-    ``serve MODEL ...``; the consumer also gets :data:`WORKER_CLASS` and :data:`FORCED_PROCESSOR`; ``extra_args``
-    go last."""
-    worker = (
-        ["--worker-cls", WORKER_CLASS, "--logits-processors", FORCED_PROCESSOR]
-        if transfer_config.get("kv_role") == ROLES["consumer"]
-        else []
-    )
+    ``serve MODEL ...`` with :data:`WORKER_CLASS` (the consumer's recompute and the producer's source attention
+    run the engine's layers); the consumer also gets :data:`FORCED_PROCESSOR`; ``extra_args`` go last."""
+    worker = ["--worker-cls", WORKER_CLASS]
+    if transfer_config.get("kv_role") == ROLES["consumer"]:
+        worker += ["--logits-processors", FORCED_PROCESSOR]
     return [
         *launcher,
         "serve",

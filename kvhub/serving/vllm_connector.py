@@ -91,6 +91,7 @@ class KVHubConnector(KVConnectorBase_V1):
             ),
             events_path=events_file(config.get("events_path")),
             min_escalation_tokens=config.get("min_escalation_tokens", 0),
+            source_attention_queries=config.get("source_attention_queries", 0) if is_producer else 0,
         )
         if is_producer:
             self.state.source_model = config.get("source_model") or vllm_config.model_config.model

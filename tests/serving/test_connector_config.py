@@ -52,10 +52,11 @@ def test_events_path_is_checked_at_start(tmp_path):
 
 
 def test_only_selectors_the_consumer_can_run_are_accepted():
-    connector.check_serving_spec(Recompute(exact_budget=0.1, select="target"), origin="x")
-    connector.check_serving_spec(Recompute(exact_budget=0.0, select="source"), origin="x")  # nothing selected
-    with pytest.raises(ConfigError, match="select='source'"):
-        connector.check_serving_spec(Recompute(exact_budget=0.1, select="source"), origin="x")
+    for select in ("target", "source", "random"):  # source: the small model's attention the producer stored
+        connector.check_serving_spec(Recompute(exact_budget=0.1, select=select), origin="x")
+    connector.check_serving_spec(Recompute(exact_budget=0.0, select="deviation"), origin="x")  # nothing selected
+    with pytest.raises(ConfigError, match="select='deviation'"):
+        connector.check_serving_spec(Recompute(exact_budget=0.1, select="deviation"), origin="x")
 
 
 def test_a_request_may_carry_its_own_spec_over_the_engines():
@@ -63,7 +64,7 @@ def test_a_request_may_carry_its_own_spec_over_the_engines():
     assert connector.request_spec({}, base=base) is base
     own = connector.request_spec({"kvhub_recompute": "exact_budget=0.2,select=random"}, base=base)
     assert own == Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.2, select="random")
-    for bad in ({"kvhub_recompute": 3}, {"kvhub_recompute": "select=source"}, {"kvhub_recompute": "depth=3"}):
+    for bad in ({"kvhub_recompute": 3}, {"kvhub_recompute": "select=deviation"}, {"kvhub_recompute": "depth=3"}):
         with pytest.raises(ConfigError):
             connector.request_spec(bad, base=base)
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvhub.serving.engine_pass import PassResult, exact_positions, load_counts, masked_attention, recompute_request
+from kvhub.serving.engine_pass import (
+    PassResult,
+    exact_positions,
+    load_counts,
+    masked_attention,
+    prompt_attention,
+    recompute_request,
+)
 from kvhub.serving.spec import Recompute
 
 
@@ -91,7 +98,7 @@ def test_a_request_recomputes_its_prefix_and_the_spans_its_last_tokens_attend_to
     assert done.prefix == 0 and min(done.positions.tolist()) >= 16
 
 
-def test_the_random_control_spends_the_same_budget_and_source_is_refused():
+def test_the_random_control_spends_the_same_budget_and_source_without_attention_is_refused():
     prompt, end = list(range(1, 101)), 80
     spec = Recompute(exact_suffix=20, exact_budget=0.2, select="random", spans="token")
     done = recompute_request(
@@ -105,7 +112,7 @@ def test_the_random_control_spends_the_same_budget_and_source_is_refused():
     assert done.selected == round(0.2 * 99) and done.prefix == 0
     from kvhub.errors import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="select=target"):
+    with pytest.raises(UnsupportedModelError, match="select=source with the small model's attention"):
         recompute_request(
             _Recorder(torch.zeros(1, 80)),
             Recompute(exact_budget=0.2, select="source"),
@@ -158,3 +165,54 @@ def test_a_load_counts_the_positions_it_computed_not_the_spec():
         "exact_tokens": 55,
         "exact_fraction": 55 / 99,
     }
+
+
+def test_rerunning_the_last_tokens_over_their_own_cache_gives_the_prefills_attention_rows():
+    """The producer's source attention (prompt_attention): the last Q tokens re-run at their positions over
+    the prompt's full K/V (their own among it) attend exactly as in the causal prefill: the rows of the
+    full causal softmax, and the output of causal attention (planted: a pass that let them see later
+    tokens, or not at all their own position, differs)."""
+    q, k, v = _qkv(12, seed=4)
+    out, probs = masked_attention(
+        q[-5:], k[-5:], v[-5:], torch.arange(7, 12), k.transpose(0, 1), v.transpose(0, 1), scale=0.4
+    )
+    keys, values = k.transpose(0, 1).repeat_interleave(2, 0), v.transpose(0, 1).repeat_interleave(2, 0)
+    scores = q.transpose(0, 1) @ keys.transpose(1, 2) * 0.4  # (H, 12, 12)
+    causal = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    torch.testing.assert_close(probs, causal[:, -5:])
+    torch.testing.assert_close(out, (causal @ values)[:, -5:].transpose(0, 1))
+
+
+def test_prompt_attention_asks_the_engine_for_the_last_rows_and_returns_them():
+    attention = torch.rand(16, 40)
+    engine = _Recorder(attention)
+    rows = prompt_attention(engine, list(range(1, 41)), lambda i: (torch.zeros(2, 40, 8),) * 2, queries=16)
+    assert engine.calls == [(list(range(24, 40)), 16)]
+    torch.testing.assert_close(rows, attention)
+    short = prompt_attention(
+        _Recorder(attention[:, :6]), list(range(6)), lambda i: (torch.zeros(2, 6, 8),) * 2, queries=16
+    )
+    assert short.shape == (6, 6)  # a prompt shorter than the queries: every token is one
+
+
+def test_select_source_chooses_by_the_stored_attention_and_runs_no_selection_pass():
+    prompt, end = list(range(1, 61)), 48
+    stored = torch.full((16, 60), 0.01)  # the producer's rows over the whole 60-token prompt
+    stored[-2, 20] = 5.0  # one of the last 4 queries looks one token up
+    stored[0, 33] = 9.0  # an older query, outside spec.queries: ignored
+    target = torch.full((12, 48), 0.01)
+    target[-1, 40] = 5.0  # what the large model would have chosen
+    engine = _Recorder(target)
+    spec = Recompute(exact_prefix=4, exact_suffix=16, exact_budget=0.05, select="source", spans="token", queries=4)
+    done = recompute_request(
+        engine,
+        spec,
+        prompt_ids=prompt,
+        start=0,
+        end=end,
+        cached=lambda i: (torch.zeros(2, end, 8),) * 2,
+        source_attention=stored,
+    )
+    chosen = done.positions.tolist()
+    assert 20 in chosen and 33 not in chosen and 40 not in chosen
+    assert [attention_rows for _, attention_rows in engine.calls] == [0]  # the recompute pass only

@@ -273,9 +273,9 @@ def test_dry_run_prints_both_commands(mapper_db, tmp_path, fake_vllm):
         assert argv[0] == "VLLM_CPU_KVCACHE_SPACE=3"  # each engine's KV cache, so that both fit the host
         argv = argv[1:]
         assert argv[:3] == [str(fake_vllm), "serve", model]
-        assert ("--worker-cls" in argv) == (role == "consumer")  # the model reaches the consumer's recompute
-        if role == "consumer":
-            assert argv[argv.index("--worker-cls") + 1] == launch.WORKER_CLASS
+        # the model reaches the consumer's recompute and the producer's source attention pass
+        assert argv[argv.index("--worker-cls") + 1] == launch.WORKER_CLASS
+        assert ("--logits-processors" in argv) == (role == "consumer")
         assert argv[argv.index("--port") + 1] == port and argv[argv.index("--host") + 1] == "127.0.0.1"
         assert argv[argv.index("--served-model-name") + 1] == model
         assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == configs[role]

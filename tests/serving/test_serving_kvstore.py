@@ -31,6 +31,68 @@ def _put(store, ids, *, tenant="alice", model="src", seed=0):
     return keys, values
 
 
+def test_the_source_attention_stored_with_an_entry_reads_back_on_the_loaded_positions(tmp_path):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 15))
+    keys, values = _kv(len(ids))
+    attention = torch.rand(5, len(ids), dtype=torch.float64)
+    entry = store.put(
+        isolation_key="alice", source_model="src", token_ids=ids, keys=keys, values=values, attention=attention
+    )
+    rows = store.read_attention(entry, token_ids=ids, end=8)
+    assert rows.dtype == torch.float32 and rows.shape == (5, 8)
+    torch.testing.assert_close(rows, attention[:, :8].float())
+    assert store.read(entry, token_ids=ids, start=0, end=8)[0][0].shape == (1, HEADS, 8, DIM)  # KV as before
+    plain = store.put(isolation_key="bob", source_model="src", token_ids=ids, keys=keys, values=values)
+    assert store.read_attention(plain, token_ids=ids, end=8) is None  # stored without: the consumer falls back
+    with pytest.raises(IncompatibleError, match="does not hold the first 8 tokens"):
+        store.read_attention(entry, token_ids=[9] * 8, end=8)
+
+
+@pytest.mark.parametrize(
+    "attention, match",
+    [
+        (torch.rand(5, 13), "covers 13 tokens, the entry 14"),
+        (torch.rand(14), r"\(queries, tokens\) tensor"),
+        (torch.full((2, 14), float("nan")), "Inf/NaN or negative"),
+        (-torch.rand(2, 14), "Inf/NaN or negative"),
+    ],
+)
+def test_source_attention_of_the_wrong_shape_or_values_is_refused_on_put_and_nothing_is_stored(
+    tmp_path, attention, match
+):
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    keys, values = _kv(14)
+    with pytest.raises(IncompatibleError, match=match):
+        store.put(
+            isolation_key="a",
+            source_model="src",
+            token_ids=list(range(14)),
+            keys=keys,
+            values=values,
+            attention=attention,
+        )
+    assert store.total_bytes() == 0
+
+
+def test_a_damaged_attention_tensor_on_disk_is_refused_on_read(tmp_path):
+    """Another engine shares the directory: an entry whose attention was rewritten with the wrong width is
+    IncompatibleError (the load falls back), never scores over positions it does not cover."""
+    from safetensors.torch import load_file, save_file
+
+    store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
+    ids = list(range(1, 15))
+    keys, values = _kv(len(ids))
+    entry = store.put(
+        isolation_key="a", source_model="src", token_ids=ids, keys=keys, values=values, attention=torch.rand(3, 14)
+    )
+    tensors = load_file(entry)
+    tensors["attention"] = torch.rand(3, 9)
+    save_file(tensors, entry, metadata={"source_model": "src", "layers": str(LAYERS)})
+    with pytest.raises(IncompatibleError, match="covers 9 tokens"):
+        store.read_attention(entry, token_ids=ids, end=8)
+
+
 def test_longest_prefix_is_chunk_aligned_and_reads_back_exact_rows(tmp_path):
     store = KVStore(tmp_path, max_bytes=1 << 20, chunk_tokens=4)
     ids = list(range(1, 15))  # 14 tokens: chunks end at 4, 8, 12

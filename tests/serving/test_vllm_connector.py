@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -121,7 +122,7 @@ def run_engine(role: str, paths: dict, requests: list[tuple[list[int], str]]) ->
     # KVHUB_TEST_MAX_BATCHED chunks the consumer's prefill too (the tail after a load and recompute)
     batched = 64 if role == "producer" else os.environ.get("KVHUB_TEST_MAX_BATCHED")
     chunk = {"max_num_batched_tokens": int(batched)} if batched else {}
-    worker = {"worker_cls": WORKER_CLASS} if role == "consumer" else {}
+    worker = {"worker_cls": WORKER_CLASS}  # the consumer's recompute, the producer's source attention
     llm = LLM(
         model=paths["source" if role == "producer" else "target"],
         skip_tokenizer_init=True,
@@ -198,6 +199,10 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert len(produced[0][0]["ids"]) == NEW_TOKENS
     saved = [e for e in _events(paths) if e["event"] == "saved"]
     assert [e["tokens"] for e in saved] == [len(PROMPT_A), len(PROMPT_D)]
+    assert all(e["attention"] for e in saved)
+    stored, expected = _stored_attention(paths, PROMPT_A), _source_attention(paths, PROMPT_A, queries=16)
+    assert stored.shape == (16, len(PROMPT_A))
+    torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-5)  # the prefill's attention rows
 
     _store_random_kv(paths, PROMPT_C, tenant="alice")
     _store_random_kv(paths, PROMPT_E, tenant="alice", scale=float("nan"))  # a damaged entry on disk
@@ -222,6 +227,9 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
             [(PROMPT_D, "other", None)],
             [(PROMPT_E, "other", None)],
             [(PROMPT_E, "alice", None)],
+            # by the small model's attention, which the producer stored; C's entry has none: select=target
+            [(PROMPT_A, "alice", {"kvhub_recompute": "exact_budget=0.3,select=source,spans=token"})],
+            [(PROMPT_C, "alice", {"kvhub_recompute": "exact_budget=0.3,select=source,spans=token"})],
         ],
     )
     (
@@ -237,6 +245,8 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
         (own_d,),
         (own_e,),
         (damaged_e,),
+        (source_a,),
+        (source_c,),
     ) = results
     events = [e for e in _events(paths) if e["role"] == "consumer"]
     decisions = [e for e in events if e["event"] in ("hit", "fallback")]
@@ -272,6 +282,11 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert "NaN" in damaged_e["kvhub"]["fallback"], damaged_e
     assert damaged_e["ids"] == own_e["ids"]
     assert any(e["event"] == "fallback" and "NaN" in e.get("reason", "") for e in events)
+    # select=source: the stored attention chooses, the budget is the same, the output the target's own
+    assert source_a["kvhub"]["selected_tokens"] == 10 and "select_fallback" not in source_a["kvhub"], source_a
+    assert source_a["ids"] == own["ids"]
+    assert source_c["kvhub"]["select_fallback"].startswith("no source attention"), source_c
+    assert source_c["kvhub"]["selected_tokens"] == 10
 
 
 @pytest.mark.vllm
@@ -344,6 +359,27 @@ def compare_engine_pass(worker, target_path: str) -> float:
         )
         for (k, v), layer in zip(fresh, cache.layers)
     )
+
+
+def _stored_attention(paths: dict, prompt: list[int]):
+    """The source attention the producer stored with ``prompt``'s KV (tenant alice)."""
+    from kvhub.serving import KVStore
+
+    store = KVStore(paths["kvstore"], max_bytes=64 << 20)
+    found = store.longest_prefix(isolation_key="alice", source_model="tiny/src", token_ids=prompt)
+    assert found is not None and found.tokens == len(prompt) - len(prompt) % 16
+    return store.read_attention(found.entry, token_ids=prompt, end=len(prompt))
+
+
+def _source_attention(paths: dict, prompt: list[int], *, queries: int):
+    """(queries, T) attention of the prompt's last tokens, averaged over layers and heads, by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(paths["source"], dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        out = source(torch.tensor([prompt]), output_attentions=True)
+    return torch.stack([layer[0, :, -queries:] for layer in out.attentions]).mean((0, 1))
 
 
 def _store_random_kv(paths: dict, prompt: list[int], *, tenant: str, scale: float = 3.0) -> None:
