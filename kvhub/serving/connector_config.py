@@ -170,7 +170,7 @@ EXTRA_CONFIG: tuple[ConfigKey, ...] = (
         BOTH,
         "text",
         "append one JSON line per decision (`saved`, `hit`, `mapped`, `written`, `recomputed`, "
-        "`recompute_skipped`, `fallback`, `save_failed`)",
+        "`recompute_skipped`, `select_fallback`, `attention_skipped`, `fallback`, `save_failed`)",
         shown="none",
     ),
 )

@@ -200,6 +200,7 @@ class ConnectorWorker:
             "prefill_tokens": tokens - job.end,
             **load_counts(done.positions, done.exact, tokens=tokens),
             "recompute_s": round(time.perf_counter() - started, 4),
+            **done.profile,
             "recompute": spec.name(),
             **selector_note,
         }

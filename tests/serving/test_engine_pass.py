@@ -30,7 +30,9 @@ def _qkv(n: int, heads_q: int = 4, heads_kv: int = 2, dim: int = 8, seed: int = 
 
 def test_with_no_cache_the_pass_is_causal_attention():
     q, k, v = _qkv(7)
-    out, probs = masked_attention(q, k, v, torch.arange(7), k[:0].transpose(0, 1), v[:0].transpose(0, 1), scale=0.3)
+    out, probs = masked_attention(
+        q, k, v, torch.arange(7), k[:0].transpose(0, 1), v[:0].transpose(0, 1), scale=0.3, attention_rows=7
+    )
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.transpose(0, 1).repeat_interleave(2, 0),
@@ -174,12 +176,12 @@ def test_rerunning_the_last_tokens_over_their_own_cache_gives_the_prefills_atten
     tokens, or not at all their own position, differs)."""
     q, k, v = _qkv(12, seed=4)
     out, probs = masked_attention(
-        q[-5:], k[-5:], v[-5:], torch.arange(7, 12), k.transpose(0, 1), v.transpose(0, 1), scale=0.4
+        q[-5:], k[-5:], v[-5:], torch.arange(7, 12), k.transpose(0, 1), v.transpose(0, 1), scale=0.4, attention_rows=3
     )
     keys, values = k.transpose(0, 1).repeat_interleave(2, 0), v.transpose(0, 1).repeat_interleave(2, 0)
     scores = q.transpose(0, 1) @ keys.transpose(1, 2) * 0.4  # (H, 12, 12)
     causal = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-    torch.testing.assert_close(probs, causal[:, -5:])
+    torch.testing.assert_close(probs, causal[:, -3:])  # the last 3 of the pass's 5 rows
     torch.testing.assert_close(out, (causal @ values)[:, -5:].transpose(0, 1))
 
 
@@ -216,3 +218,18 @@ def test_select_source_chooses_by_the_stored_attention_and_runs_no_selection_pas
     chosen = done.positions.tolist()
     assert 20 in chosen and 33 not in chosen and 40 not in chosen
     assert [attention_rows for _, attention_rows in engine.calls] == [0]  # the recompute pass only
+
+
+def test_in_bf16_the_pass_stays_close_to_the_float32_one_and_keeps_its_dtype():
+    """The engine's dtype end to end (no float32 copy of the layer): bf16 output within bf16 rounding of the
+    float32 pass, probabilities still float32 and normalised."""
+    cached_k, cached_v = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    positions = torch.tensor([3, 10, 40, 64, 65])  # two of them extend the cache
+    q, k, v = (t.repeat(1, 1, 2) for t in _qkv(5, seed=2))
+    exact, exact_rows = masked_attention(q, k, v, positions, cached_k, cached_v, scale=0.25, attention_rows=2)
+    half = [t.bfloat16() for t in (q, k, v, cached_k, cached_v)]
+    out, rows = masked_attention(*half[:3], positions, *half[3:], scale=0.25, attention_rows=2)
+    assert out.dtype == torch.bfloat16 and rows.dtype == torch.float32 and rows.shape == (4, 2, 66)
+    torch.testing.assert_close(out.float(), exact, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(rows, exact_rows, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(rows.sum(-1), torch.ones(4, 2))
