@@ -6,7 +6,11 @@ answer OpenAI chat completions.  A cascade's escalation:
 2. the same messages, same cache_salt, go to the large server: the stored prefix is mapped into its
    blocks, the large model recomputes the first 4 and ~8% of the prompt over them (its worker class hands
    the model to the connector), and (the family is exact) its greedy output is the large model's own;
-3. the same messages as tenant "other": no stored KV there, so the large model prefills: its own output.
+3. the same messages as tenant "other": no stored KV there, so the large model prefills: its own output;
+4. four conversations escalated at once, two selected by the small model's stored attention (select=source):
+   each answer is the large model's own.
+
+Both engines run in vLLM's compiled mode (no --enforce-eager); tests/serving/test_vllm_connector.py runs eager.
 
 Run with scripts/test-vllm.sh (needs .venv-vllm from scripts/setup-vllm.sh); about 3-5 minutes on 2 cores.
 """
@@ -60,15 +64,16 @@ def _free_ports() -> list[int]:
         return [a.getsockname()[1], b.getsockname()[1]]
 
 
-def _chat(url: str, model: str, salt: str) -> dict:
+def _chat(url: str, model: str, salt: str, messages: list[dict] | None = None, params: dict | None = None) -> dict:
     body = {
         "model": model,
-        "messages": MESSAGES,
+        "messages": messages or MESSAGES,
         "cache_salt": salt,
         "max_tokens": NEW_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **({"kv_transfer_params": params} if params else {}),
     }
     request = urllib.request.Request(
         f"{url}/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -102,6 +107,35 @@ def test_the_contract_names_the_class_vllm_loads():
 
     connector = getattr(importlib.import_module(launch.CONNECTOR_MODULE), launch.CONNECTOR_CLASS)
     assert issubclass(connector, KVConnectorBase_V1)
+
+
+def _concurrent_escalations(ready: dict, paths: dict) -> None:
+    """Four conversations escalated at once (four requests in flight on the large server, two selecting by the
+    small model's stored attention, two by the large model's): each answer is the large model's own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    conversations = [
+        [MESSAGES[0], {"role": "user", "content": f"Question {i}: which tenant stored conversation {i}, and why?"}]
+        for i in range(4)
+    ]
+    for messages in conversations:
+        _chat(ready["small"]["url"], "tiny/src", "bob", messages)  # stored under tenant bob
+    own = [_chat(ready["large"]["url"], "tiny/dst", "carol", messages) for messages in conversations]
+    selectors = ["source", "target", "source", "target"]
+    with ThreadPoolExecutor(4) as pool:
+        escalated = list(
+            pool.map(
+                lambda args: _chat(
+                    ready["large"]["url"], "tiny/dst", "bob", args[0], {"kvhub_recompute": f"select={args[1]}"}
+                ),
+                zip(conversations, selectors),
+            )
+        )
+    for mine, theirs, select in zip(escalated, own, selectors):
+        report = mine["kv_transfer_params"]["kvhub"]
+        assert report["mapped_tokens"] > 0 and "fallback" not in report and "select_fallback" not in report, report
+        assert f"select={select}" in report["recompute"], report
+        assert mine["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"], (select, report)
 
 
 @pytest.mark.vllm
@@ -150,8 +184,7 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         "--max-model-len",
         "256",
         "--max-num-seqs",
-        "4",
-        "--enforce-eager",
+        "4",  # no --enforce-eager: both engines run vLLM's compiled mode, the recompute pass beside it
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     stderr_path = tmp_path / "serve.stderr"
@@ -192,6 +225,8 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         assert mapped["choices"][0]["token_ids"] == own["choices"][0]["token_ids"], (
             "greedy output from the mapped + recomputed cache differs from the large model's own"
         )
+
+        _concurrent_escalations(ready, paths)
 
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=120) == 0, stderr_path.read_text()
