@@ -15,8 +15,10 @@ Two engine processes run one after the other (vLLM spawns its engine, so each is
 2. consumer, the large model with the connector as kv_consumer (and kvhub's worker class, so the
    recompute runs): for each length, TTFT (wall time of a 1-token request, median of --repeats) of plain
    prefill (a tenant with no stored KV, so the connector falls back), of the connector mapping only (the
-   request's own spec "exact_prefix=0,exact_budget=0": vLLM computes the suffix) and of the connector's
-   default (map + the first 4 + 8% selected by the large model's attention, recomputed), alternating;
+   request's own spec "exact_prefix=0,exact_budget=0": vLLM computes the suffix), of the connector's
+   default (map + the first 4 + 8% selected by the large model's attention, recomputed) and of the same
+   budget selected by the small model's attention that the producer stored (``recompute_source``: no
+   selection pass on the large model), alternating;
    then greedy generation of --new-tokens each way for agreement with the large model's own.  ``load``
    is what the connector reported for the request (response kv_transfer_params["kvhub"]: mapped,
    recomputed and prefilled token counts).  Each prompt uses its own cache_salt, so vLLM's prefix cache
@@ -93,10 +95,9 @@ def run_engine(args, role: str) -> dict:
         max_num_batched_tokens=max(args.lengths) + 64,
         kv_transfer_config=KVTransferConfig(**_transfer(args, role)),
     )
-    if role == "consumer":
-        from kvhub.serving.launch import WORKER_CLASS
+    from kvhub.serving.launch import WORKER_CLASS
 
-        options["worker_cls"] = WORKER_CLASS  # the model reaches the connector's recompute
+    options["worker_cls"] = WORKER_CLASS  # the model reaches the recompute and the producer's source attention
     if args.block_size:
         options["block_size"] = args.block_size
     if args.tiny:
@@ -119,11 +120,11 @@ def run_engine(args, role: str) -> dict:
         if role == "producer":
             results[n] = {"producer_prefill_s": generate(ids, f"bench-{n}", 1)[0]}
             continue
-        times = {"prefill": [], "map_only": [], "recompute": []}
+        times = {"prefill": [], **{mode: [] for mode in MODES}}
         reports = {}
         for repeat in range(args.repeats):  # mapped blocks never enter the prefix cache, so each repeat maps again
             times["prefill"].append(generate(ids, f"prefill-ttft-{n}-{repeat}", 1)[0])
-            for mode, spec in (("map_only", MAP_ONLY), ("recompute", None)):
+            for mode, spec in MODES.items():
                 seconds, _, reports[mode] = generate(ids, f"bench-{n}", 1, spec)
                 times[mode].append(seconds)
         _, own, _ = generate(ids, f"prefill-gen-{n}", args.new_tokens)
@@ -132,7 +133,7 @@ def run_engine(args, role: str) -> dict:
             "prefill_ttft_s": statistics.median(times["prefill"]),
             "prefill_ttft_all_s": times["prefill"],
         }
-        for mode, spec in (("map_only", MAP_ONLY), ("recompute", None)):
+        for mode, spec in MODES.items():
             _, escalated, _ = generate(ids, f"bench-{n}", args.new_tokens, spec)
             median = statistics.median(times[mode])
             row[mode] = {
@@ -148,13 +149,20 @@ def run_engine(args, role: str) -> dict:
 
 
 MAP_ONLY = "exact_prefix=0,exact_budget=0"  # a request's own recompute spec: map only (vLLM computes the suffix)
+MODES = {  # mode -> the request's own recompute spec (None: the engine's default, select=target)
+    "map_only": MAP_ONLY,
+    "recompute": None,
+    "recompute_source": "select=source",  # the same budget, chosen by the attention the producer stored
+}
 
 
 def break_even(lengths: dict[int, dict]) -> dict:
     """{mode: {"speedup": {n: x}, "pays_from": n or None}} over the consumer's rows: ``pays_from`` is the shortest
     measured n such that the mode beats plain prefill (speedup > 1) at n and at every longer measured length."""
     curve = {}
-    for mode in ("map_only", "recompute"):
+    for mode in MODES:
+        if any(mode not in row for row in lengths.values()):
+            continue
         speedups = {n: round(lengths[n][mode]["speedup"], 2) for n in sorted(lengths)}
         pays_from = None
         for n in sorted(speedups, reverse=True):
