@@ -26,7 +26,14 @@ from kvhub.errors import IncompatibleError, UnsupportedModelError
 from kvhub.serving.connector_config import span_tokenizer
 from kvhub.serving.connector_meta import KVHubWorkerMetadata, LoadJob
 from kvhub.serving.connector_state import ConnectorState
-from kvhub.serving.engine_pass import EnginePass, exact_positions, load_counts, prompt_attention, recompute_request
+from kvhub.serving.engine_pass import (
+    EnginePass,
+    exact_positions,
+    load_counts,
+    prompt_attention,
+    recompute_request,
+    stale_source_attention,
+)
 from kvhub.serving.launch import WORKER_CLASS
 from kvhub.serving.paged import PagedLayout, layer_layout
 from kvhub.serving.spec import Recompute
@@ -165,9 +172,10 @@ class ConnectorWorker:
             source_attention = self.state.kvstore.read_attention(
                 job.pin, token_ids=job.prompt_ids[: job.end], end=job.end
             )
-            if source_attention is None:  # an entry stored without it: the large model's own attention
-                spec = replace(spec, select="target")
-                selector_note = {"select_fallback": "no source attention stored with the KV: select=target"}
+            why = stale_source_attention(source_attention, prompt_tokens=len(job.prompt_ids), spec=spec)
+            if why:  # the large model's own attention instead
+                spec, source_attention = replace(spec, select="target"), None
+                selector_note = {"select_fallback": f"{why}: select=target"}
                 self.state.event("select_fallback", job.request_id, reason=selector_note["select_fallback"])
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

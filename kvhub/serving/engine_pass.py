@@ -235,6 +235,18 @@ def prompt_attention(engine: EnginePass, prompt_ids: list[int], cached: ContextK
     return attention.float().cpu()
 
 
+def stale_source_attention(attention: torch.Tensor | None, *, prompt_tokens: int, spec) -> str:
+    """Why the stored source attention cannot choose for this prompt ("" when it can): none stored, or the
+    stored prompt ends more than ``exact_suffix`` tokens before this one, so its last tokens (the queries)
+    are an earlier turn's, not this prompt's question."""
+    if attention is None:
+        return "no source attention stored with the KV"
+    behind = prompt_tokens - attention.shape[1]
+    if behind > spec.exact_suffix:
+        return f"the stored prompt ends {behind} tokens before this one: its attention is an earlier turn's"
+    return ""
+
+
 def recompute_request(
     engine: EnginePass,
     spec,

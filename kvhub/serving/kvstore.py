@@ -469,10 +469,10 @@ class KVStore:
 
     @staticmethod
     def read_attention(entry: str | os.PathLike, *, token_ids: list[int], end: int) -> torch.Tensor | None:
-        """The source's attention stored with an entry, on its first ``end`` positions: (Q, end) float32 on the
-        CPU, query i being the entry's token T - Q + i; None when the entry holds none.  ``token_ids`` are the
-        prompt's first ``end`` tokens, which the entry must hold (IncompatibleError otherwise); a damaged
-        attention tensor is IncompatibleError, like a damaged entry."""
+        """The source's attention stored with an entry: (Q, T) float32 on the CPU over the entry's T positions,
+        query i being its token T - Q + i; None when the entry holds none.  ``token_ids`` are the prompt's
+        first ``end`` tokens, which the entry must hold (IncompatibleError otherwise); a damaged attention
+        tensor is IncompatibleError, like a damaged entry."""
         end = _integer(end, "end")
         try:
             with open_entry(entry) as f:
@@ -491,7 +491,7 @@ class KVStore:
                 f"KV store entry {entry} is damaged or not a kvhub entry "
                 f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
             ) from exc
-        return attention[:, :end]
+        return attention
 
     def total_bytes(self) -> int:
         return sum(st.st_size for _, st in self._entries())

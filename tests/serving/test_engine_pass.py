@@ -15,6 +15,7 @@ from kvhub.serving.engine_pass import (
     masked_attention,
     prompt_attention,
     recompute_request,
+    stale_source_attention,
 )
 from kvhub.serving.spec import Recompute
 
@@ -233,3 +234,13 @@ def test_in_bf16_the_pass_stays_close_to_the_float32_one_and_keeps_its_dtype():
     torch.testing.assert_close(out.float(), exact, rtol=0.05, atol=0.05)
     torch.testing.assert_close(rows, exact_rows, rtol=0.05, atol=0.02)
     torch.testing.assert_close(rows.sum(-1), torch.ones(4, 2))
+
+
+def test_stored_attention_chooses_only_for_the_prompt_it_was_computed_on():
+    """The stored rows are the stored prompt's last tokens: a prompt that extends it by more than the exact
+    suffix (a later turn) has another question, and the large model's attention chooses instead."""
+    spec = Recompute(exact_suffix=16, exact_budget=0.1, select="source")
+    assert stale_source_attention(torch.rand(16, 100), prompt_tokens=100, spec=spec) == ""
+    assert stale_source_attention(torch.rand(16, 100), prompt_tokens=116, spec=spec) == ""  # the template tail
+    assert "117 tokens before" in stale_source_attention(torch.rand(16, 100), prompt_tokens=217, spec=spec)
+    assert stale_source_attention(None, prompt_tokens=100, spec=spec).startswith("no source attention")

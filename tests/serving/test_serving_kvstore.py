@@ -40,8 +40,8 @@ def test_the_source_attention_stored_with_an_entry_reads_back_on_the_loaded_posi
         isolation_key="alice", source_model="src", token_ids=ids, keys=keys, values=values, attention=attention
     )
     rows = store.read_attention(entry, token_ids=ids, end=8)
-    assert rows.dtype == torch.float32 and rows.shape == (5, 8)
-    torch.testing.assert_close(rows, attention[:, :8].float())
+    assert rows.dtype == torch.float32 and rows.shape == (5, 14)  # over the whole entry: its length says whose question
+    torch.testing.assert_close(rows, attention.float())
     assert store.read(entry, token_ids=ids, start=0, end=8)[0][0].shape == (1, HEADS, 8, DIM)  # KV as before
     plain = store.put(isolation_key="bob", source_model="src", token_ids=ids, keys=keys, values=values)
     assert store.read_attention(plain, token_ids=ids, end=8) is None  # stored without: the consumer falls back
