@@ -248,8 +248,9 @@ def _print_results(ref: str, results: dict, *, output_format: str = "table") -> 
         if task in recall or task in gist:
             continue
         if task.startswith("ppl"):
+            drop = f"drop {_n(r['ppl_drop'])}" if r.get("ppl_drop") is not None else ""
             rows.append([task, r["n"], f"ppl {_n(r['ppl_own'])}", f"ppl {_n(r['ppl_mapped'])}",
-                         f"no ctx {_n(r['ppl_no_context'])}", "", "", _n(r["agreement"]), ""])
+                         f"no ctx {_n(r['ppl_no_context'])}", drop, "", _n(r["agreement"]), ""])
             continue
         low, high = r["retention_ci"]
         rows.append([task, r["n"], _n(r["acc_own"]), _n(r["acc_mapped"]), _n(r["acc_source"]),

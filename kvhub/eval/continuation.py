@@ -2,9 +2,11 @@
 
 Continuation metrics on held-out text: each sequence is cut at ``context_len``; the target predicts
 the remaining tokens (a) from its own cache of the context, (b) from the mapped cache (source over
-tokens [0, c-1), target consumes token c-1 onwards: the handoff), (c) with no context at all.
+tokens [0, c-1), target consumes token c-1 onwards: the handoff), (c) with no context at all, and (d)
+``drop``: the target over only the context positions (b) recomputed exactly, at their true positions,
+the rest dropped (:mod:`kvhub.serving.drop`: the no-fit alternative at the same target compute).
 Reported: next-token top-1 agreement of (b) with (a), KL(a || b) per token, perplexity of the true
-tokens under (a), (b), (c), and the cosine between attention outputs is left to the task evaluation.
+tokens under (a)-(d), and the cosine between attention outputs is left to the task evaluation.
 ``samples`` keeps the same figures per sequence (``kvhub eval --log-samples``).
 
 Speed: :func:`time_transfer_vs_prefill` times ``mapper.transfer`` against the target body
@@ -21,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
-from kvhub.serving.handoff import prepare_cache
+from kvhub.serving.drop import drop_cache
+from kvhub.serving.handoff import prepare_cache, prepare_cache_counted
 from kvhub.serving.spec import Recompute
 
 
@@ -34,6 +37,7 @@ class ContinuationMetrics:
     ppl_own: float
     ppl_mapped: float
     ppl_no_context: float
+    ppl_drop: float | None = None  # None for samples measured before the drop condition
     samples: list[dict] = field(default_factory=list, repr=False)  # per sequence: nll sums, agreement, KL
 
     def as_dict(self) -> dict:
@@ -42,9 +46,12 @@ class ContinuationMetrics:
 
 
 @torch.no_grad()
-def _logits_after(target, cache, ids: torch.Tensor) -> torch.Tensor:
-    """Target logits for ``ids`` continuing ``cache`` (None: fresh).  (B, T, V) fp32."""
+def _logits_after(target, cache, ids: torch.Tensor, *, start: int | None = None) -> torch.Tensor:
+    """Target logits for ``ids`` continuing ``cache`` (None: fresh).  (B, T, V) fp32.  ``start``: the first
+    position of ``ids`` when the cache holds fewer entries than positions (a drop cache)."""
     kwargs = {**cache_kwargs(target, cache), "use_cache": True} if cache is not None else {}
+    if start is not None:
+        kwargs["position_ids"] = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
     return target(input_ids=ids, **kwargs).logits.float()
 
 
@@ -61,16 +68,23 @@ def window_sample(
     labels = ids[:, context_len:]
     own_logits = target(input_ids=ids).logits.float()[:, context_len - 1 : -1]
     spec = recompute.capped(context_len - 1)
-    mapped_cache = prepare_cache(
+    mapped_cache, positions = prepare_cache_counted(
         mapper, source, target, ids[:, :context_len], recompute=spec, tokenizer=tokenizer if spec.selective else None
     )
     map_logits = _logits_after(target, mapped_cache, tail)[:, :-1]
     none_logits = _logits_after(target, None, tail)[:, :-1]
+    kept = drop_cache(target, ids[:, : context_len - 1], positions)  # the same positions, nothing mapped
+    drop_logits = _logits_after(target, kept, tail, start=context_len - 1)[:, :-1]
     own_logp, map_logp = F.log_softmax(own_logits, -1), F.log_softmax(map_logits, -1)
     tokens = labels.shape[1]
     nll = {
         name: float(F.cross_entropy(logits[0], labels[0], reduction="sum"))
-        for name, logits in (("own", own_logits), ("mapped", map_logits), ("no_context", none_logits))
+        for name, logits in (
+            ("own", own_logits),
+            ("mapped", map_logits),
+            ("no_context", none_logits),
+            ("drop", drop_logits),
+        )
     }
     return {
         "tokens": tokens,
@@ -93,6 +107,7 @@ def aggregate(samples: list[dict]) -> ContinuationMetrics:
         exp("nll_own"),
         exp("nll_mapped"),
         exp("nll_no_context"),
+        exp("nll_drop") if all("nll_drop" in s for s in samples) else None,
         samples=samples,
     )
 

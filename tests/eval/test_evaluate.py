@@ -93,3 +93,29 @@ def test_uniform_target_has_perplexity_vocab_size(family):
     for value in (metrics.ppl_own, metrics.ppl_mapped, metrics.ppl_no_context):
         assert value == pytest.approx(vocab, rel=rtol(torch.float32, terms=vocab))
     assert metrics.agreement == 1.0 and metrics.kl == 0.0 and metrics.tokens == 2 * (9 - CONTEXT)
+
+
+def test_drop_perplexity_is_own_when_every_position_is_kept_and_the_kept_tokens_alone_otherwise(family):
+    """``ppl_drop`` (kvhub.serving.drop over the handoff's recompute set): a handoff that recomputes the whole
+    context keeps every position, so drop = own; one that recomputes the first p and last r keeps only those,
+    and each continuation token is scored by one forward over the kept tokens and the tail at their true
+    positions.  Planted bug caught: the tail continuing at |R| instead of c - 1."""
+    source, target, mapper = family
+    sequences = _ids(2, 11, 5)
+    whole = continuation_metrics(
+        control_mapper(mapper), source, target, sequences, context_len=CONTEXT, recompute=Recompute(CONTEXT - 1, 0)
+    )
+    assert whole.ppl_drop == pytest.approx(whole.ppl_own, rel=_tolerance(target))
+    kept = torch.tensor([0, 1, 4])  # exact_prefix=2, exact_suffix=1 over the c - 1 = 5 context tokens
+    metrics = continuation_metrics(mapper, source, target, sequences, context_len=CONTEXT, recompute=Recompute(2, 1))
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for row in sequences:
+            ids = torch.cat([row[kept], row[CONTEXT - 1 :]])[None]
+            positions = torch.cat([kept, torch.arange(CONTEXT - 1, row.shape[0])])[None]
+            logp = torch.log_softmax(target(input_ids=ids, position_ids=positions).logits[0].double(), -1)
+            for index, token in enumerate(row[CONTEXT:].tolist()):
+                nll -= float(logp[len(kept) + index, token])
+                count += 1
+    assert metrics.ppl_drop == pytest.approx(math.exp(nll / count), rel=_tolerance(target))
+    assert abs(metrics.ppl_drop - metrics.ppl_own) > 1e3 * _tolerance(target) * metrics.ppl_own
