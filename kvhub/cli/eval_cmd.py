@@ -105,7 +105,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     `kvhub.handoff` does by default (the first 4 and last 16 tokens and 8% of the context recomputed by
     the target).  Every task scores every variant.
 
-    Every task but `ppl` also scores `drop`, the no-fit alternative: the target prefills only the context tokens
+    Every task also scores `drop`, the no-fit alternative (for `ppl`: `ppl_drop`): the target prefills only the context tokens
     the variant recomputes (same selection, same positions, same target compute) and drops the rest.
 
     The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
