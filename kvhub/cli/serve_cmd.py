@@ -21,6 +21,7 @@ from kvhub.cli.options import db_option
 from kvhub.cli.output import format_option
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.errors import ConfigError
+from kvhub.serving.spec import SERVING_SELECTORS
 
 _SMALL, _LARGE = "small", "large"
 
@@ -67,11 +68,12 @@ class _ServeCommand(click.Command):
 @click.option("--exact-budget", type=click.FloatRange(0, 1), default=None,
               help="Fraction of the prompt, in whole sentences / lines, the large model recomputes over the mapped "
                    "cache (0.08; 0 maps only).")
-@click.option("--select", type=click.Choice(("target", "random")), default=None,
+@click.option("--select", type=click.Choice(SERVING_SELECTORS), default=None,
               help="How --exact-budget chooses: the large model's attention from the prompt's last tokens over the "
-                   "mapped cache (target), or random spans, the no-information control for the signal.")
+                   "mapped cache (target, the default), the small model's, stored with its KV by the small server "
+                   "(source; target for an entry stored without it), or random spans, the no-information control.")
 @click.option("--queries", type=click.IntRange(min=1), default=None,
-              help="Last prompt tokens whose attention scores the context for --select target (16).")
+              help="Last prompt tokens whose attention scores the context for --select target or source (16).")
 @click.option("--deshrink", type=click.Choice(DESHRINK), default=None,
               help=f"How the large server reads the maps: de-shrunk keys and values (kv), values only (v), or as "
                    f"fitted (off) (default $KVHUB_DESHRINK, else {DESHRINK_DEFAULT}, where the mapper stores its "

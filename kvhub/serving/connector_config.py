@@ -20,6 +20,7 @@ from typing import Any
 from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.serving.spec import FIELDS as RECOMPUTE_FIELDS
 from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
+from kvhub.serving.spec import SERVING_SELECTORS
 from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
@@ -302,9 +303,6 @@ def events_file(path, *, option: str = "kv_connector_extra_config events_path") 
             "existing, writable directory"
         ) from exc
     return str(path)
-
-
-SERVING_SELECTORS = ("target", "source", "random")  # what the consumer can select by (engine_pass.recompute_request)
 
 
 def check_serving_spec(spec: Recompute, *, origin: str) -> None:

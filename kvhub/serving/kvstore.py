@@ -53,7 +53,6 @@ from kvhub.serving.kvstore_files import (
     ENTRY_NAME,
     READ_NO_FOLLOW,
     atomic_write_bytes,
-    check_attention,
     check_layers,
     entry_layers,
     entry_tensors,
@@ -61,6 +60,7 @@ from kvhub.serving.kvstore_files import (
     names_entry_of,
     open_entry,
     probe_writable,
+    read_attention,
     read_index,
     read_regular_file,
     read_token_ids,
@@ -467,31 +467,7 @@ class KVStore:
             ) from exc
         return keys, values
 
-    @staticmethod
-    def read_attention(entry: str | os.PathLike, *, token_ids: list[int], end: int) -> torch.Tensor | None:
-        """The source's attention stored with an entry: (Q, T) float32 on the CPU over the entry's T positions,
-        query i being its token T - Q + i; None when the entry holds none.  ``token_ids`` are the prompt's
-        first ``end`` tokens, which the entry must hold (IncompatibleError otherwise); a damaged attention
-        tensor is IncompatibleError, like a damaged entry."""
-        end = _integer(end, "end")
-        try:
-            with open_entry(entry) as f:
-                stored = f.get_tensor("token_ids")
-                if not 0 <= end <= stored.shape[0] or stored[:end].tolist() != list(token_ids[:end]):
-                    raise IncompatibleError(
-                        f"KV store entry {entry} does not hold the first {end} tokens of this prompt"
-                    )
-                if "attention" not in f.keys():
-                    return None
-                attention = check_attention(f.get_tensor("attention"), stored.shape[0])
-        except (IncompatibleError, FileNotFoundError):
-            raise
-        except Exception as exc:  # safetensors and torch errors of a foreign file
-            raise IncompatibleError(
-                f"KV store entry {entry} is damaged or not a kvhub entry "
-                f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
-            ) from exc
-        return attention
+    read_attention = staticmethod(read_attention)  # the source attention stored with an entry, or None
 
     def total_bytes(self) -> int:
         return sum(st.st_size for _, st in self._entries())

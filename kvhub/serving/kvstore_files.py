@@ -183,6 +183,29 @@ def entry_layers(f) -> int:
     return layers
 
 
+def read_attention(entry: str | os.PathLike, *, token_ids: list[int], end: int) -> torch.Tensor | None:
+    """The source's attention stored with an entry: (Q, T) float32 on the CPU over the entry's T positions,
+    query i being its token T - Q + i; None when the entry holds none.  ``token_ids`` are the prompt's
+    first ``end`` tokens, which the entry must hold (IncompatibleError otherwise); a damaged attention
+    tensor is IncompatibleError, like a damaged entry."""
+    try:
+        end = operator.index(end)
+        with open_entry(entry) as f:
+            stored = f.get_tensor("token_ids")
+            if not 0 <= end <= stored.shape[0] or stored[:end].tolist() != list(token_ids[:end]):
+                raise IncompatibleError(f"KV store entry {entry} does not hold the first {end} tokens of this prompt")
+            if "attention" not in f.keys():
+                return None
+            return check_attention(f.get_tensor("attention"), stored.shape[0])
+    except (IncompatibleError, FileNotFoundError):
+        raise
+    except Exception as exc:  # safetensors and torch errors of a foreign file
+        raise IncompatibleError(
+            f"KV store entry {entry} is damaged or not a kvhub entry "
+            f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
+        ) from exc
+
+
 def read_token_ids(path: Path) -> list[int]:
     with open_entry(path) as f:
         return f.get_tensor("token_ids").tolist()

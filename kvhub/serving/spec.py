@@ -24,9 +24,11 @@ DEFAULT_EXACT_PREFIX = 4
 DEFAULT_EXACT_SUFFIX = 16
 DEFAULT_EXACT_BUDGET = 0.08
 DEFAULT_SELECT = "source"
-# Inside vLLM the consumer has no source attention (only the mapped KV reaches it): it selects by the
-# target's own attention from the prompt's last tokens over the mapped cache.
+# Inside vLLM the consumer selects by the target's own attention from the prompt's last tokens over the
+# mapped cache by default; the source's travels with the stored KV (select=source) where the producer stored
+# it.  What the consumer can select by (kvhub.serving.engine_pass.recompute_request):
 SERVING_SELECT = "target"
+SERVING_SELECTORS = ("target", "source", "random")
 
 
 @dataclass(frozen=True)
