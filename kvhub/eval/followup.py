@@ -24,6 +24,8 @@ a follow-up where that share is below 1).
 
 from __future__ import annotations
 
+import copy
+
 import random
 
 import torch
@@ -166,10 +168,9 @@ def score_followup_item(item: RecallItem, *, mapper, control, source, target, to
             result["reselect" if name == "mapped" else "control"] = answer_score(target, cache, final_tail, len(answer))
             if name == "mapped":
                 added = r2
-        result["drop"] = answer_score(
-            target, drop.drop_cache(target, context, held), turns_tail, len(answer), start=escalated
-        )
         kept = drop.drop_cache(target, context, held)
+        # answer_score grows the cache it reads: the plain drop reads a copy, drop_reselect extends the original
+        result["drop"] = answer_score(target, copy.deepcopy(kept), turns_tail, len(answer), start=escalated)
         drop.extend(target, kept, conversation[:, escalated:], torch.arange(escalated, last))
         drop.add_context_tokens(target, kept, context, added)
         result["drop_reselect"] = answer_score(target, kept, final_tail, len(answer), start=last)
