@@ -16,9 +16,9 @@ Two engine processes run one after the other (vLLM spawns its engine, so each is
    recompute runs): for each length, TTFT (wall time of a 1-token request, median of --repeats) of plain
    prefill (a tenant with no stored KV, so the connector falls back), of the connector mapping only (the
    request's own spec "exact_prefix=0,exact_budget=0": vLLM computes the suffix), of the connector's
-   default (map + the first 4 + 8% selected by the large model's attention, recomputed) and of the same
-   budget selected by the small model's attention that the producer stored (``recompute_source``: no
-   selection pass on the large model), alternating;
+   default (map + the first 4 + 8% selected by the small model's attention, which the producer stored,
+   recomputed) and of the same budget selected by the large model's attention over the mapped cache
+   (``recompute_target``: one selection pass more), alternating;
    then greedy generation of --new-tokens each way for agreement with the large model's own.  ``load``
    is what the connector reported for the request (response kv_transfer_params["kvhub"]: mapped,
    recomputed and prefilled token counts).  Each prompt uses its own cache_salt, so vLLM's prefix cache
@@ -149,10 +149,10 @@ def run_engine(args, role: str) -> dict:
 
 
 MAP_ONLY = "exact_prefix=0,exact_budget=0"  # a request's own recompute spec: map only (vLLM computes the suffix)
-MODES = {  # mode -> the request's own recompute spec (None: the engine's default, select=target)
+MODES = {  # mode -> the request's own recompute spec (None: the engine's default, select=source)
     "map_only": MAP_ONLY,
     "recompute": None,
-    "recompute_source": "select=source",  # the same budget, chosen by the attention the producer stored
+    "recompute_target": "select=target",  # the same budget, chosen by the large model's selection pass
 }
 
 

@@ -69,9 +69,10 @@ class _ServeCommand(click.Command):
               help="Fraction of the prompt, in whole sentences / lines, the large model recomputes over the mapped "
                    "cache (0.08; 0 maps only).")
 @click.option("--select", type=click.Choice(SERVING_SELECTORS), default=None,
-              help="How --exact-budget chooses: the large model's attention from the prompt's last tokens over the "
-                   "mapped cache (target, the default), the small model's, stored with its KV by the small server "
-                   "(source; target for an entry stored without it), or random spans, the no-information control.")
+              help="How --exact-budget chooses: the small model's attention, stored with its KV by the small server "
+                   "(source, the default; target for an entry stored without it), the large model's attention from "
+                   "the prompt's last tokens over the mapped cache (target), or random spans, the no-information "
+                   "control.")
 @click.option("--queries", type=click.IntRange(min=1), default=None,
               help="Last prompt tokens whose attention scores the context for --select target or source (16).")
 @click.option("--deshrink", type=click.Choice(DESHRINK), default=None,

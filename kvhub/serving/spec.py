@@ -24,10 +24,12 @@ DEFAULT_EXACT_PREFIX = 4
 DEFAULT_EXACT_SUFFIX = 16
 DEFAULT_EXACT_BUDGET = 0.08
 DEFAULT_SELECT = "source"
-# Inside vLLM the consumer selects by the target's own attention from the prompt's last tokens over the
-# mapped cache by default; the source's travels with the stored KV (select=source) where the producer stored
-# it.  What the consumer can select by (kvhub.serving.engine_pass.recompute_request):
-SERVING_SELECT = "target"
+# Inside vLLM the consumer selects by the small model's attention, which the producer stores with the KV
+# (select=source; the large model's own over the mapped cache, select=target, where an entry has none).
+# Measured through kvhub serve on the same items (docs/serving.md, "Which selector"): facts 1.00 with either
+# (random 0.00), and source skips the large model's selection pass (TTFT 5.7x vs 4.4x at 1k, 6.2x vs 5.6x
+# at 2k).  What the consumer can select by (kvhub.serving.engine_pass.recompute_request):
+SERVING_SELECT = "source"
 SERVING_SELECTORS = ("target", "source", "random")
 
 
