@@ -45,7 +45,7 @@ taken in order of their best token: a fact sentence is recomputed whole, not its
 alone.
 
 Inside vLLM the same choice is made by :func:`kvhub.serving.engine_pass.recompute_request`, over the
-engine's own layers and with the signals the engine has (``target``, ``random``): both take the budget
+engine's own layers and with the signals the engine has (``source`` as the producer stored it, ``target``, ``random``): both take the budget
 from :func:`budget_tokens` and choose by :func:`choose_spans`, so a change to the selection is made here.
 """
 
