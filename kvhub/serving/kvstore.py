@@ -48,7 +48,7 @@ from typing import Iterator
 
 import torch
 
-from kvhub.errors import ConfigError, IncompatibleError, KVStoreError
+from kvhub.errors import ConfigError, KVStoreError
 from kvhub.serving.kvstore_files import (
     ENTRY_NAME,
     READ_NO_FOLLOW,
@@ -58,7 +58,7 @@ from kvhub.serving.kvstore_files import (
     entry_tensors,
     is_real_dir,
     names_entry_of,
-    open_entry,
+    open_prompt_entry,
     probe_writable,
     read_attention,
     read_index,
@@ -448,23 +448,10 @@ class KVStore:
         start, end = _integer(start, "start"), _integer(end, "end")
         if not 0 <= start <= end:
             raise ConfigError(f"rows [{start}, {end}) of a KV store entry: need 0 <= start <= end")
-        try:
-            with open_entry(entry) as f:
-                stored = f.get_tensor("token_ids")
-                if stored.shape[0] < end or stored[:end].tolist() != list(token_ids[:end]):
-                    raise IncompatibleError(
-                        f"KV store entry {entry} does not hold the first {end} tokens of this prompt"
-                    )
-                layers = entry_layers(f)
-                keys = [f.get_slice(f"keys.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
-                values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
-        except (IncompatibleError, FileNotFoundError):
-            raise
-        except Exception as exc:  # safetensors, int() and torch errors of a foreign file
-            raise IncompatibleError(
-                f"KV store entry {entry} is damaged or not a kvhub entry "
-                f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
-            ) from exc
+        with open_prompt_entry(entry, token_ids=token_ids, end=end) as f:
+            layers = entry_layers(f)
+            keys = [f.get_slice(f"keys.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
+            values = [f.get_slice(f"values.{l}")[:, start:end, :].unsqueeze(0).to(device) for l in range(layers)]
         return keys, values
 
     read_attention = staticmethod(read_attention)  # the source attention stored with an entry, or None

@@ -183,27 +183,36 @@ def entry_layers(f) -> int:
     return layers
 
 
-def read_attention(entry: str | os.PathLike, *, token_ids: list[int], end: int) -> torch.Tensor | None:
-    """The source's attention stored with an entry: (Q, T) float32 on the CPU over the entry's T positions,
-    query i being its token T - Q + i; None when the entry holds none.  ``token_ids`` are the prompt's
-    first ``end`` tokens, which the entry must hold (IncompatibleError otherwise); a damaged attention
-    tensor is IncompatibleError, like a damaged entry."""
+@contextmanager
+def open_prompt_entry(entry: str | os.PathLike, *, token_ids: list[int], end: int):
+    """:func:`open_entry`, checked to hold exactly the prompt's first ``end`` tokens (IncompatibleError
+    otherwise: a hash collision or a store written by something else).  Inside the block, safetensors,
+    int() and torch errors of a foreign or damaged file become IncompatibleError too; a missing entry
+    raises FileNotFoundError."""
     try:
-        end = operator.index(end)
         with open_entry(entry) as f:
             stored = f.get_tensor("token_ids")
-            if not 0 <= end <= stored.shape[0] or stored[:end].tolist() != list(token_ids[:end]):
+            if stored.shape[0] < end or stored[:end].tolist() != list(token_ids[:end]):
                 raise IncompatibleError(f"KV store entry {entry} does not hold the first {end} tokens of this prompt")
-            if "attention" not in f.keys():
-                return None
-            return check_attention(f.get_tensor("attention"), stored.shape[0])
+            yield f
     except (IncompatibleError, FileNotFoundError):
         raise
-    except Exception as exc:  # safetensors and torch errors of a foreign file
+    except Exception as exc:  # safetensors, int() and torch errors of a foreign file
         raise IncompatibleError(
             f"KV store entry {entry} is damaged or not a kvhub entry "
             f"({type(exc).__name__}: {exc}); delete it, the store is only a cache"
         ) from exc
+
+
+def read_attention(entry: str | os.PathLike, *, token_ids: list[int], end: int) -> torch.Tensor | None:
+    """The source's attention stored with an entry: (Q, T) float32 on the CPU over the entry's T positions,
+    query i being its token T - Q + i; None when the entry holds none.  ``token_ids`` are the prompt's
+    first ``end`` tokens, which the entry must hold; a damaged attention tensor is IncompatibleError, like
+    a damaged entry (:func:`open_prompt_entry`)."""
+    with open_prompt_entry(entry, token_ids=token_ids, end=operator.index(end)) as f:
+        if "attention" not in f.keys():
+            return None
+        return check_attention(f.get_tensor("attention"), f.get_slice("token_ids").get_shape()[0])
 
 
 def read_token_ids(path: Path) -> list[int]:
