@@ -27,8 +27,9 @@ log = logging.getLogger("kvhub.serving")
 
 ISOLATION_SOURCES = ("cache_salt", "kvhub_tenant")
 # Prompts shorter than this are prefilled, not escalated.  Measured: the library handoff pays at 256 tokens
-# (TTFT 5.6x map only, 2.4x with 4 + 16 exact; docs/benchmarks.md 1b), vLLM on CPU at 1k and 2k (4.1x, 6.2x
-# with the recompute); nothing shorter, and no GPU: docs/serving.md, Short prompts.
+# (TTFT 5.6x map only, 2.4x with 4 + 16 exact; docs/benchmarks.md 1b), vLLM on CPU from 512 tokens (4.0x
+# with the default recompute, the shortest length measured); on an H200 the library path pays only from ~4k:
+# docs/serving.md, Short prompts.
 MIN_ESCALATION_TOKENS = 256
 BOTH = ("producer", "consumer")
 PRODUCER = ("producer",)
