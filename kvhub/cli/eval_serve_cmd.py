@@ -1,5 +1,6 @@
 """``kvhub eval-serve``: score a running ``kvhub serve`` pair over HTTP on the long-context tasks
-(:mod:`kvhub.eval.served`) and the gist tasks (:mod:`kvhub.eval.served_gist`)."""
+(:mod:`kvhub.eval.served`), the gist tasks (:mod:`kvhub.eval.served_gist`) and the turns after an escalation
+(:mod:`kvhub.eval.served_turns`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import click
 from kvhub.cli.console import plain, say
 from kvhub.cli.options import log_samples_option, output_path_option
 from kvhub.cli.output import format_option
-from kvhub.eval.catalog import GIST_TASKS, SERVED_LONG_TASKS
+from kvhub.eval.catalog import GIST_TASKS, SERVED_LONG_TASKS, SERVED_TURN_TASKS
 from kvhub.errors import ConfigError
 
 MAX_CONTEXT_TOKENS = 1 << 20  # longer prompts than any served model takes; 10^8 ran the client out of memory
@@ -74,10 +75,10 @@ _COLUMNS = (
     "tasks",
     multiple=True,
     required=True,
-    type=click.Choice(SERVED_LONG_TASKS + GIST_TASKS),
+    type=click.Choice(SERVED_LONG_TASKS + GIST_TASKS + SERVED_TURN_TASKS),
     help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
     "gist-document or gist-code (the large model's own answer about the whole context, scored "
-    "teacher-forced).",
+    "teacher-forced), or turns (three turns after an escalation: facts and time to first token per turn).",
 )
 @click.option(
     "--context-tokens",
@@ -151,6 +152,12 @@ def eval_serve(
     servers `kvhub serve` starts force tokens; others refuse with a line saying so).  Gap closed =
     (floor - mapped) / (floor - own) of the mean NLL per token.
 
+    Turns: a three-turn conversation, one fact asked per turn, escalated at turn 1; per turn, a timed
+    1-token request (time to first token) and the answer, in four arms: the large server alone (`own`,
+    its prefix cache reused between turns), the escalation with later turns sent to the large server only
+    (`mapped`), every turn relayed through the small server first (`relay`), and the control map
+    (`control`).  docs/eval-serve.md says what each arm sends.
+
     `--json` prints `kvhub eval`'s results document (one entry per task and
     length; config names both servers and models); docs/eval-serve.md lists its keys.
     """
@@ -197,7 +204,8 @@ def eval_serve(
         from kvhub.cli.eval_cmd import print_gist
 
         gist = {name: r for name, r in results.items() if "gap_closed_mapped" in r}
-        recall = {name: r for name, r in results.items() if name not in gist}
+        turns = {name: r for name, r in results.items() if r.get("task") in SERVED_TURN_TASKS}
+        recall = {name: r for name, r in results.items() if name not in gist and name not in turns}
         if recall:
             _print_served(
                 f"{small.model} -> {large.model}: exact answers from long contexts, served",
@@ -206,6 +214,8 @@ def eval_serve(
             )
         if gist:
             print_gist(f"{small.model} -> {large.model}, served", gist, output_format=output_format)
+        if turns:
+            _print_turns(f"{small.model} -> {large.model}: turns after an escalation, served", turns, output_format)
 
 
 def _finite(value: float) -> float:
@@ -233,6 +243,11 @@ def _check_transfers(summary: dict, large_url: str, name: str) -> None:
             label="warning:",
             style="yellow",
         )
+
+
+def _turn_one(summary: dict) -> dict:
+    """A turns summary as :func:`_check_transfers` reads one: turn 1's mapped requests and how many loaded."""
+    return {"n": summary["n"], "transfers_reported": summary["n"] - summary.get("unmapped_mapped_t1", 0)}
 
 
 def _tokenizer(spec: str | None, small_model: str):
@@ -271,6 +286,17 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
                 log_samples=run["log_samples"],
                 progress=callback,
             )
+    elif task in SERVED_TURN_TASKS:
+        from kvhub.eval.served_turns import evaluate_served_turns, turn_items
+
+        builder = "kvhub.eval.served_turns"
+        items = turn_items(tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
+        with progress_callback("items/s") as callback:
+            summary = evaluate_served_turns(
+                small, large, tokenizer, context_tokens=length, limit=run["limit"], items=items, progress=callback
+            )
+        if not run["log_samples"]:
+            summary.pop("samples")
     else:
         from kvhub.eval.recall_tasks import build_items
         from kvhub.eval.served import evaluate_served
@@ -290,7 +316,7 @@ def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tup
                 items=items,
                 progress=callback,
             )
-    _check_transfers(summary, large.url, f"{task}-{length}")
+    _check_transfers(_turn_one(summary) if task in SERVED_TURN_TASKS else summary, large.url, f"{task}-{length}")
     dataset = {
         "name": f"{task}-{length}",
         "origin": f"built by {builder} (seed {run['seed']})",
@@ -323,6 +349,29 @@ def _print_served(title: str, results: dict, *, output_format: str = "table") ->
     print_table(
         list(_COLUMNS), rows, output_format=output_format, title=plain(title), right=_COLUMNS[1:]
     )  # model names: never markup
+
+
+def _print_turns(title: str, results: dict, output_format: str) -> None:
+    from kvhub.cli.output import print_table
+    from kvhub.eval.served_turns import TURN_ARMS
+
+    columns = ["task", "arm", "n", "exact t1 / t2 / t3", "TTFT s t1 / t2 / t3", "own t1 / arm", "conversation s"]
+    rows = []
+    for task, r in results.items():
+        for arm in TURN_ARMS:
+            turns = range(1, r["turns"] + 1)
+            rows.append(
+                [
+                    task,
+                    arm,
+                    r["n"],
+                    " / ".join(f"{r[f'acc_{arm}_t{t}']:.2f}" for t in turns),
+                    " / ".join(f"{r[f'ttft_{arm}_t{t}']:.2f}" for t in turns),
+                    " / ".join(f"{r[f'speedup_{arm}_t{t}']:.1f}x" for t in turns),
+                    f"{r[f'conversation_s_{arm}']:.2f}",
+                ]
+            )
+    print_table(columns, rows, output_format=output_format, title=plain(title), right=columns[2:])
 
 
 def attach(group: click.Group) -> None:

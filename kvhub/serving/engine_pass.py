@@ -29,6 +29,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kvhub.errors import UnsupportedModelError
 
@@ -46,6 +47,9 @@ class PassResult:
     attention: torch.Tensor | None
     seconds: float = 0.0  # the whole pass
     attention_seconds: float = 0.0  # of which in masked_attention (K/V placed, scores, softmax, output)
+
+
+QUERY_CHUNK = 128  # queries per fused attention call; each call reads the keys up to its last query's position
 
 
 def masked_attention(
@@ -67,8 +71,12 @@ def masked_attention(
     last Q queries over the S = max(L, max + 1) positions, float32 (else None).
 
     In the model's dtype (bf16 where the engine serves it): one copy of the layer's K/V with the pass's own
-    placed in it, the query heads of each K/V head batched against it (no copy per query head), the scores
-    softmaxed in float32 (benchmarks/engine_pass_attention.py against the float32 formula it replaced).
+    placed in it, the query heads of each K/V head batched against it (no copy per query head), and the output
+    from the fused ``scaled_dot_product_attention`` with the boolean mask ``j <= t``, over chunks of
+    :data:`QUERY_CHUNK` sorted queries, each against the keys up to its last query's position only (the
+    positions are sorted, so the keys past it are masked for the whole chunk): no float32 score matrix is
+    materialised.  The probability rows, when asked, are computed explicitly for those Q queries alone
+    (benchmarks/engine_pass_attention.py measures this against the formulas it replaced).
     """
     heads_kv, length, dim = cached_keys.shape
     total = max(length, int(positions.max()) + 1)
@@ -81,14 +89,26 @@ def masked_attention(
     keys[:, :length], values[:, :length] = cached_keys, cached_values
     keys[:, positions], values[:, positions] = key.transpose(0, 1).to(dtype), value.transpose(0, 1).to(dtype)
     group = heads_q // heads_kv  # query head h reads K/V head h // group
-    grouped = query.transpose(0, 1).reshape(heads_kv, group * count, dim)
-    scores = (grouped @ keys.transpose(1, 2)).float().view(heads_kv, group, count, total) * scale
-    allowed = torch.arange(total, device=scores.device)[None, :] <= positions[:, None]  # (N, S)
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    out = probs.to(dtype).view(heads_kv, group * count, total) @ values  # (H_kv, group * N, D)
+    grouped = query.transpose(0, 1).reshape(heads_kv, group, count, dim)
+    out = torch.empty_like(grouped)
+    index = torch.arange(total, device=positions.device)
+    for start in range(0, count, QUERY_CHUNK):
+        stop = min(count, start + QUERY_CHUNK)
+        limit = int(positions[stop - 1]) + 1
+        allowed = index[None, :limit] <= positions[start:stop, None]  # (c, limit), the same for every head
+        chunk = grouped[:, :, start:stop].reshape(1, heads_kv, group * (stop - start), dim)
+        done = F.scaled_dot_product_attention(
+            chunk, keys[None, :, :limit], values[None, :, :limit], attn_mask=allowed.repeat(group, 1), scale=scale
+        )
+        out[:, :, start:stop] = done[0].view(heads_kv, group, stop - start, dim)
     out = out.view(heads_q, count, dim).transpose(0, 1)
-    rows = probs.view(heads_q, count, total)[:, count - attention_rows :] if attention_rows else None
-    return out, rows
+    if not attention_rows:
+        return out, None
+    last = grouped[:, :, count - attention_rows :].reshape(heads_kv, group * attention_rows, dim)
+    scores = (last @ keys.transpose(1, 2)).float().view(heads_kv, group, attention_rows, total) * scale
+    allowed = index[None, :] <= positions[count - attention_rows :, None]  # (Q, S)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return out, probs.view(heads_q, attention_rows, total)
 
 
 class EnginePass:

@@ -91,7 +91,8 @@ class FakePair:
     """``kvhub serve``'s two servers, in process.
 
     small: answers with the small model and stores (cache_salt, prompt), as the producer connector stores
-    the prompt's KV.  large: a request whose (cache_salt, prompt) is stored is mapped: with an exact map it
+    the prompt's KV.  large: a request that extends a prompt stored under its cache_salt (the longest such
+    one, as the consumer connector looks up a stored prefix) is mapped: with an exact map it
     answers as the large model itself and reports ``kv_transfer_params {"kvhub": {"exact_tokens": 16}}``;
     with ``kv_transfer_params.kvhub_control`` it answers with the damaged model (the control map carries no
     information about the context).  Any other request is the large model's own prefill, with no report.
@@ -106,6 +107,7 @@ class FakePair:
         self.stored: set[tuple[str | None, tuple[int, ...]]] = set()
         self.requests: list[tuple[str, str | None, bool, int]] = []
         self.forcing = True
+        self.storing = True  # off: the small server stores nothing (a producer without the connector)
         self.lock = threading.Lock()
         self.servers = [_start(self, "small", small_name), _start(self, "large", LARGE_NAME)]
         self.small_url, self.large_url = (_url(server) for server in self.servers)
@@ -117,14 +119,29 @@ class FakePair:
         with self.lock:
             self.requests.append((server, salt, control, len(prompt)))
             report = None
+            stored = max((len(p) for s, p in self.stored if s == salt and prompt[: len(p)] == p), default=0)
             if server == "small":
-                self.stored.add((salt, prompt))
+                if self.storing:
+                    self.stored.add((salt, prompt))
                 model = self.models["small"]
-            elif (salt, prompt) not in self.stored:
+            elif not stored:
                 model = self.models["large"]
             else:
                 model = self.models["control" if control else "large"]
-                report = {"kvhub": {"exact_tokens": min(EXACT_TAIL, len(prompt)), "control": control, "deshrink": "kv"}}
+                tail = len(prompt) - stored  # what the connector's engine prefills after the stored prefix
+                report = {
+                    "kvhub": {
+                        "exact_tokens": min(max(EXACT_TAIL, tail), len(prompt)),
+                        "mapped_tokens": stored - min(EXACT_TAIL, stored) if tail < EXACT_TAIL else stored,
+                        "control": control,
+                        "deshrink": "kv",
+                        **(
+                            {"select_fallback": "an earlier turn's attention: select=target"}
+                            if tail > EXACT_TAIL
+                            else {}
+                        ),
+                    }
+                }
             return (*decode(model, list(prompt), body["max_tokens"], forced), report)
 
     def close(self) -> None:

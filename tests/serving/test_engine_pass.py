@@ -63,6 +63,33 @@ def test_recomputed_tokens_see_cached_tokens_before_them_and_recomputed_ones_up_
         torch.testing.assert_close(out[i], (weights @ values)[:, 0], rtol=1e-5, atol=1e-5)
 
 
+def _explicit(q, k, v, positions, cached_k, cached_v, scale):
+    """The rule written as one dense masked softmax (the formula the fused pass replaced)."""
+    total = max(cached_k.shape[1], int(positions.max()) + 1)
+    keys, values = torch.zeros(cached_k.shape[0], total, cached_k.shape[2]), torch.zeros(cached_k.shape[0], total, 8)
+    keys[:, : cached_k.shape[1]], values[:, : cached_k.shape[1]] = cached_k, cached_v
+    keys[:, positions], values[:, positions] = k.transpose(0, 1), v.transpose(0, 1)
+    group = q.shape[1] // cached_k.shape[0]
+    scores = q.transpose(0, 1) @ keys.repeat_interleave(group, 0).transpose(1, 2) * scale
+    allowed = torch.arange(total)[None, :] <= positions[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (probs @ values.repeat_interleave(group, 0)).transpose(0, 1), probs
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 128])
+def test_chunked_queries_read_only_the_keys_up_to_their_last_position_and_give_the_dense_answer(monkeypatch, chunk):
+    """Chunks of sorted queries each attend to a prefix of the keys: the output (and the asked rows) equal
+    the dense masked softmax whatever the chunk size, with positions scattered and some past the cache."""
+    monkeypatch.setattr("kvhub.serving.engine_pass.QUERY_CHUNK", chunk)
+    cached_k, cached_v = torch.randn(2, 30, 8), torch.randn(2, 30, 8)
+    positions = torch.tensor([0, 4, 5, 11, 17, 18, 29, 30, 31])
+    q, k, v = _qkv(9, seed=3)
+    out, rows = masked_attention(q, k, v, positions, cached_k, cached_v, scale=0.4, attention_rows=3)
+    expected, probs = _explicit(q, k, v, positions, cached_k, cached_v, 0.4)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows, probs[:, -3:], rtol=1e-5, atol=1e-6)
+
+
 def test_positions_past_the_cache_must_extend_it_without_a_gap():
     q, k, v = _qkv(2)
     with pytest.raises(ValueError, match="without a gap"):

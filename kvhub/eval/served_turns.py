@@ -1,0 +1,215 @@
+"""Turns after an escalation, through a running ``kvhub serve`` pair: facts and time to first token per turn.
+
+Each item is a conversation of :data:`TURNS` turns over one context that states one fact per turn at its own
+depth (a vault's access code, a meeting's room, a flight's gate) in filler prose.  Turn t asks for fact t; the
+prompt of turn t + 1 holds turn t's answer, as a chat history holds it.  The escalation happens at turn 1, and
+the conversation continues on the large server.  Each arm has its own ``cache_salt``; requests go one at a time:
+
+=======  ==================================================================================================
+arm      what each turn sends
+=======  ==================================================================================================
+own      the large server alone: turn 1 is its own prefill, later turns reuse its own prefix cache (what a
+         large model that read the conversation from its start pays; no kvhub)
+mapped   turn 1 to the small server (its KV is stored), then each turn to the large one: turn 1 maps the
+         stored KV and recomputes the default selection; a later turn finds turn 1's stored prompt as its
+         prefix, maps it again, and the selection comes from the large model's attention from the new
+         question (the stored source rows are an earlier turn's: ``select_fallback``), the rest prefilled
+relay    each turn to the small server first (1 token: it stores the turn's KV and attention, its own prefix
+         cache reads only the new tokens), then to the large one: each turn maps the whole conversation
+         and selects by the small model's attention from the new question
+control  as mapped, with the no-information control map (``kvhub_control``): the map's own contribution
+=======  ==================================================================================================
+
+Per turn and arm, a 1-token request is timed first (its wall time is the turn's time to first token: the
+escalation's load, recompute and prefill all happen before the first token), then the answer request is
+scored: exact when its first len(answer) greedy tokens are the answer's.  A mapped or relay turn that the
+large server did not load from the KV store (no ``kvhub`` report with ``mapped_tokens``) is counted in
+``unmapped_*``; the summary says so rather than scoring a prefill as an escalation.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from kvhub.errors import ConfigError
+from kvhub.eval.longctx import _COLOURS, _THINGS, DEPTHS, _answer_ids, _count, _haystack, filler_paragraphs
+from kvhub.eval.served import CONTROL_PARAMS, Endpoint, new_tenant
+from kvhub.progress import Progress, report
+
+TURNS = 3
+TURN_ARMS = ("own", "mapped", "relay", "control")
+_CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tromso", "Valparaiso", "Windhoek", "Yerevan", "Zagreb", "Hobart")
+_PEOPLE = ("Dr. Okafor", "Ms. Lindqvist", "Mr. Haddad", "Dr. Petrenko", "Ms. Castellano", "Mr. Nakamura")
+
+
+@dataclass(frozen=True)
+class TurnItem:
+    """prompts[t]: token ids of turn t + 1's prompt (each a prefix of the next); answers[t]: its answer's ids."""
+
+    id: str
+    prompts: list[list[int]]
+    answers: list[list[int]]
+    golds: list[str]
+    meta: dict = field(default_factory=dict)
+
+
+def turn_items(tokenizer, *, context_tokens: int, n: int, seed: int = 0, filler: list[str] | None = None):
+    """``n`` seeded conversations (module docstring) over contexts of about ``context_tokens`` tokens."""
+    filler = filler if filler is not None else filler_paragraphs(seed=seed)
+    rng = random.Random(f"turns-{seed}-{context_tokens}")
+    items = []
+    for i in range(n):
+        colour, thing = rng.choice(_COLOURS), rng.choice(_THINGS)
+        person, city = rng.choice(_PEOPLE), rng.choice(_CITIES)
+        facts = [str(rng.randrange(10_000, 100_000)), str(rng.randrange(100, 1000)), str(rng.randrange(10, 100))]
+        sentences = [
+            f"The access code for the {colour} {thing} vault is {facts[0]}.",
+            f"The meeting with {person} is in room {facts[1]}.",
+            f"The flight to {city} boards at gate {facts[2]}.",
+        ]
+        asks = [
+            (
+                f"What is the access code for the {colour} {thing} vault?",
+                f"The access code for the {colour} {thing} vault is",
+            ),
+            (f"In which room is the meeting with {person}?", f"The meeting with {person} is in room"),
+            (f"At which gate does the flight to {city} board?", f"The flight to {city} boards at gate"),
+        ]
+        questions = [f"\n\nQuestion: {q}\nAnswer: {a}" for q, a in asks]
+        stated = sum(_count(tokenizer, text) for text in sentences + questions) + 8 * TURNS
+        inserts = [(DEPTHS[(i + 2 * k) % len(DEPTHS)], sentence) for k, sentence in enumerate(sentences)]
+        text = _haystack(tokenizer, filler, rng, context_tokens - stated, inserts)
+        prompts, answers = [], []
+        for turn in range(TURNS):
+            if turn:
+                text += f" {facts[turn - 1]}."
+            text += questions[turn]
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            answers.append(_answer_ids(tokenizer, text, " " + facts[turn]))
+        for earlier, later in zip(prompts, prompts[1:]):
+            if later[: len(earlier)] != earlier:
+                raise ConfigError(
+                    "a turn's prompt does not extend the previous one token for token; the item cannot be served"
+                )
+        items.append(
+            TurnItem(f"turns-{context_tokens}-{i}", prompts, answers, facts, {"context_tokens": len(prompts[0])})
+        )
+    return items
+
+
+@dataclass
+class TurnResult:
+    """One arm's turn: exact answer, time to first token, the small server's time (relay) and the load report."""
+
+    exact: int
+    ttft_s: float
+    small_s: float | None
+    load: dict
+
+
+def _timed(endpoint: Endpoint, prompt: list[int], **kwargs) -> tuple[float, dict]:
+    started = time.perf_counter()
+    completion = endpoint.complete(prompt, max_tokens=1, **kwargs)
+    return time.perf_counter() - started, completion.kv_transfer_params.get("kvhub") or {}
+
+
+def _turn(large: Endpoint, prompt, answer, *, tenant: str, control: bool, small_s=None) -> TurnResult:
+    params = {"kv_transfer_params": dict(CONTROL_PARAMS)} if control else {}
+    ttft, load = _timed(large, prompt, cache_salt=tenant, **params)
+    generated = large.complete(prompt, max_tokens=len(answer), cache_salt=tenant, **params).token_ids or []
+    return TurnResult(int(generated[: len(answer)] == answer), ttft, small_s, load if isinstance(load, dict) else {})
+
+
+def score_turn_item(item: TurnItem, *, small: Endpoint, large: Endpoint) -> dict[str, list[TurnResult]]:
+    """Every arm of ``item``, turn by turn (module docstring)."""
+    results: dict[str, list[TurnResult]] = {arm: [] for arm in TURN_ARMS}
+    own, escalated, relayed = new_tenant(), new_tenant(), new_tenant()
+    small.complete(item.prompts[0], max_tokens=1, cache_salt=escalated)  # stores turn 1's KV for mapped / control
+    for prompt, answer in zip(item.prompts, item.answers):
+        results["own"].append(_turn(large, prompt, answer, tenant=own, control=False))
+        results["mapped"].append(_turn(large, prompt, answer, tenant=escalated, control=False))
+        results["control"].append(_turn(large, prompt, answer, tenant=escalated, control=True))
+        small_s, _ = _timed(small, prompt, cache_salt=relayed)
+        results["relay"].append(_turn(large, prompt, answer, tenant=relayed, control=False, small_s=small_s))
+    return results
+
+
+def _median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize_turns(scored: list[dict[str, list[TurnResult]]]) -> dict:
+    """Per arm and turn t (1-based): ``acc_<arm>_t<t>``, ``ttft_<arm>_t<t>`` (median seconds); for the
+    escalating arms ``unmapped_<arm>_t<t>`` (turns the large server did not load), ``select_fallback_<arm>_t<t>``
+    (turns whose selection fell back from the source's attention) and ``recomputed_<arm>_t<t>`` (mean
+    ``exact_tokens``); ``small_s_relay_t<t>``; ``speedup_<arm>_t<t>`` = own's turn-1 time to first token
+    over the arm's, and ``vs_turn1_<arm>_t<t>`` = the arm's turn-t time over its own turn 1 (<= 1: as fast);
+    ``conversation_s_<arm>``: the median over items of the sum of the turns' times to first token."""
+    out: dict = {"n": len(scored), "turns": TURNS}
+    if not scored:
+        return out
+    own_first = _median(item["own"][0].ttft_s for item in scored)
+    for arm in TURN_ARMS:
+        first = _median(item[arm][0].ttft_s for item in scored)
+        for turn in range(TURNS):
+            rows = [item[arm][turn] for item in scored]
+            key = f"{arm}_t{turn + 1}"
+            out[f"acc_{key}"] = sum(r.exact for r in rows) / len(rows)
+            out[f"ttft_{key}"] = _median(r.ttft_s for r in rows)
+            out[f"speedup_{key}"] = own_first / out[f"ttft_{key}"]
+            out[f"vs_turn1_{key}"] = out[f"ttft_{key}"] / first
+            if arm != "own":
+                out[f"unmapped_{key}"] = sum(not r.load.get("mapped_tokens") for r in rows)
+                out[f"select_fallback_{key}"] = sum(bool(r.load.get("select_fallback")) for r in rows)
+                out[f"recomputed_{key}"] = sum(int(r.load.get("exact_tokens") or 0) for r in rows) / len(rows)
+            if arm == "relay":
+                out[f"small_s_{key}"] = _median(r.small_s for r in rows)
+        out[f"conversation_s_{arm}"] = _median(sum(r.ttft_s for r in item[arm]) for item in scored)
+    return out
+
+
+def evaluate_served_turns(
+    small: Endpoint,
+    large: Endpoint,
+    tokenizer,
+    *,
+    context_tokens: int,
+    limit: int,
+    seed: int = 0,
+    items: list[TurnItem] | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """:func:`summarize_turns` of ``limit`` conversations at ``context_tokens`` (or ``items``), with ``task``,
+    ``requested_context_tokens``, ``context_tokens`` (turn 1's mean prompt length) and ``samples``: per item,
+    each arm's exact answers and times per turn."""
+    if items is None:
+        items = turn_items(tokenizer, context_tokens=context_tokens, n=limit, seed=seed)
+    scored = []
+    for index, item in enumerate(items):
+        report(progress, f"turns-{context_tokens}: {item.id}", index, len(items))
+        scored.append(score_turn_item(item, small=small, large=large))
+    report(progress, f"turns-{context_tokens}: done", len(items), len(items))
+    summary = summarize_turns(scored)
+    summary.update(
+        task="turns",
+        requested_context_tokens=context_tokens,
+        context_tokens=sum(len(item.prompts[0]) for item in items) / max(1, len(items)),
+    )
+    summary["samples"] = [
+        {
+            "id": item.id,
+            "gold": item.golds,
+            **{
+                arm: [
+                    {"exact": r.exact, "ttft_s": round(r.ttft_s, 4), "small_s": r.small_s, "load": r.load} for r in rows
+                ]
+                for arm, rows in result.items()
+            },
+        }
+        for item, result in zip(items, scored)
+    ]
+    return summary
