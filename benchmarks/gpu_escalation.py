@@ -136,7 +136,7 @@ def phases(mapper, source, target, ids: torch.Tensor, source_cache, timer) -> di
     source's attention pass and the span choice), of which ``attention`` is the pass alone (timed once more
     on its own); ``recompute`` (the masked pass and the writes); ``first_token`` (the last token's forward)."""
     from kvhub.core.capture import cache_kwargs
-    from kvhub.serving.recompute import _scores, recompute_positions, recompute_set
+    from kvhub.serving.recompute import recompute_positions, recompute_set, selection_scores
     from kvhub.serving.spec import HANDOFF
 
     context = ids[:, :-1]
@@ -148,7 +148,7 @@ def phases(mapper, source, target, ids: torch.Tensor, source_cache, timer) -> di
     select = dict(context=context, mapped_cache=cache, source_model=source, target_model=target)
     out["select"] = timer(lambda: held.update(positions=recompute_set(spec, source_cache=source_cache, **select)))
     eligible = torch.ones(tokens, dtype=torch.bool)
-    out["attention"] = timer(lambda: _scores(spec, context, cache, source, target, source_cache, eligible))
+    out["attention"] = timer(lambda: selection_scores(spec, context, cache, source, target, source_cache, eligible))
     out["recompute"] = timer(lambda: recompute_positions(target, cache, context, held["positions"]))
     position = torch.full((1, 1), tokens, device=ids.device)
     out["first_token"] = timer(

@@ -110,6 +110,7 @@ class ConnectorWorker:
             raise IncompatibleError("the stored source KV was evicted before it could be pinned")
         mapper = self._control_mapper() if job.control else state.mapper
         device = mapper.device
+        began = time.perf_counter()
         keys, values = state.kvstore.read(
             job.pin, token_ids=job.prompt_ids[: job.end], start=job.start, end=job.end, device=device
         )
@@ -123,14 +124,21 @@ class ConnectorWorker:
                 f"stored KV of shape {len(keys)} x {tuple(keys[0].shape)} is not "
                 f"{source['model_id']}'s; check source_model on both engines"
             )
+        read = time.perf_counter()
         positions = torch.arange(job.start, job.end, device=device).unsqueeze(0)  # (1, T): absolute positions
         dtype = next(iter(self._layers.values())).kv_cache.dtype
         mapped = mapper.map_layers(keys, values, positions, dtype=dtype)
         if not all(bool(torch.isfinite(k).all() and torch.isfinite(v).all()) for k, v in mapped):
             raise IncompatibleError("the mapped KV holds Inf/NaN (damaged stored KV or mapper); not written")
+        done_map = time.perf_counter()
         slots = torch.tensor(job.slots[job.start :], dtype=torch.long)
         for m, (k, v) in enumerate(mapped):  # k, v: (1, H, T, D)
             self._write(m, k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
+        timing = {  # where the load's time went before any recompute (seconds)
+            "read_s": round(read - began, 4),
+            "map_s": round(done_map - read, 4),
+            "write_s": round(time.perf_counter() - done_map, 4),
+        }
         state.event("mapped", job.request_id, tokens=job.end - job.start, control=job.control)
         state.event("written", job.request_id, layers=len(mapped))
         tokens = len(job.prompt_ids)
@@ -139,6 +147,7 @@ class ConnectorWorker:
             "mapped_tokens": job.end - job.start,
             "deshrink": state.mapper.deshrink,
             **load_counts(none, exact_positions(none, end=job.end, tokens=tokens), tokens=tokens),
+            **timing,
         }
         spec = job.recompute.capped(tokens - 1)
         if not (spec.exact_prefix > job.start or spec.selective):

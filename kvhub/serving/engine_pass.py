@@ -301,7 +301,9 @@ def recompute_request(
     rounding = max(0, tokens - end - max(spec.exact_suffix, 1))
     budget = max(0, budget_tokens(spec, tokens - 1) - rounding)
 
-    def scores() -> torch.Tensor:  # (end,): the selectors the engine has (kvhub.serving.recompute._scores: all)
+    def scores() -> (
+        torch.Tensor
+    ):  # (end,): the selectors the engine has (kvhub.serving.recompute.selection_scores: all)
         if spec.select == "target":
             device = cached(0)[0].device
             queries = min(spec.queries, tokens - end)

@@ -257,14 +257,19 @@ def recompute_set(
         budget,
         eligible=eligible,
         tokenizer=tokenizer,
-        scores=lambda: _scores(spec, context, mapped_cache, source_model, target_model, source_cache, eligible),
+        scores=lambda: selection_scores(
+            spec, context, mapped_cache, source_model, target_model, source_cache, eligible
+        ),
     )
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
-def _scores(
+def selection_scores(
     spec: Recompute, context, mapped_cache, source_model, target_model, source_cache, eligible: torch.Tensor
 ) -> torch.Tensor:
+    """(T,) the score of each context position under ``spec.select`` (source / target attention from the last
+    ``queries`` tokens, deviation of the mapped first layers, or the seeded random control); what
+    :func:`recompute_set` ranks spans by (benchmarks time it as the selection step)."""
     tokens = context.shape[1]
     queries = max(1, min(spec.queries, tokens - 1))
     if spec.select in ("source", "target"):
