@@ -131,10 +131,12 @@ def vllm_config(*, role: str, extra: dict, target: dict | None = None, block_siz
 
 
 class BlockManager:
-    """The scheduler's KV cache manager as update_state_after_alloc uses it: block ids per request."""
+    """The scheduler's KV cache manager as the consumer uses it: block ids per request, and the block pool's
+    evict_blocks (recorded in ``evicted``)."""
 
     def __init__(self, blocks: int = 64):
-        self.block_pool = SimpleNamespace(evict_blocks=lambda ids: None)
+        self.evicted: list[set[int]] = []  # each evict_blocks call's block ids, in order
+        self.block_pool = SimpleNamespace(evict_blocks=self.evicted.append)
         self.blocks = list(range(blocks))
 
     def get_block_ids(self, request_id):

@@ -17,6 +17,10 @@ mapped   turn 1 to the small server (its KV is stored), then each turn to the la
 relay    each turn to the small server first (1 token: it stores the turn's KV and attention, its own prefix
          cache reads only the new tokens), then to the large one: each turn maps the whole conversation
          and selects by the small model's attention from the new question
+settled  as mapped at turn 1; then, while the answer is read, the same prompt again with ``kvhub_prefill``
+         (1 token: the large model's own exact prefill, nothing loaded; its time is ``settle_s``), so later
+         turns find it in the large server's prefix cache and compute only their new tokens, as own does
+         (their loads are ``unmapped``: nothing is mapped after turn 1)
 control  as mapped, with the no-information control map (``kvhub_control``): the map's own contribution
 =======  ==================================================================================================
 
@@ -40,7 +44,8 @@ from kvhub.eval.served import CONTROL_PARAMS, Endpoint, new_tenant
 from kvhub.progress import Progress, report
 
 TURNS = 3
-TURN_ARMS = ("own", "mapped", "relay", "control")
+TURN_ARMS = ("own", "mapped", "relay", "settled", "control")
+SETTLE_PARAMS = {"kvhub_prefill": True}  # kv_transfer_params: the large model's own prefill, nothing loaded
 _CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tromso", "Valparaiso", "Windhoek", "Yerevan", "Zagreb", "Hobart")
 _PEOPLE = ("Dr. Okafor", "Ms. Lindqvist", "Mr. Haddad", "Dr. Petrenko", "Ms. Castellano", "Mr. Nakamura")
 
@@ -108,6 +113,7 @@ class TurnResult:
     ttft_s: float
     small_s: float | None
     load: dict
+    settle_s: float | None = None  # settled, turn 1: the large model's own prefill sent after the answer
 
 
 def _timed(endpoint: Endpoint, prompt: list[int], **kwargs) -> tuple[float, dict]:
@@ -126,14 +132,20 @@ def _turn(large: Endpoint, prompt, answer, *, tenant: str, control: bool, small_
 def score_turn_item(item: TurnItem, *, small: Endpoint, large: Endpoint) -> dict[str, list[TurnResult]]:
     """Every arm of ``item``, turn by turn (module docstring)."""
     results: dict[str, list[TurnResult]] = {arm: [] for arm in TURN_ARMS}
-    own, escalated, relayed = new_tenant(), new_tenant(), new_tenant()
-    small.complete(item.prompts[0], max_tokens=1, cache_salt=escalated)  # stores turn 1's KV for mapped / control
-    for prompt, answer in zip(item.prompts, item.answers):
+    own, escalated, relayed, settled = new_tenant(), new_tenant(), new_tenant(), new_tenant()
+    for tenant in (escalated, settled):  # turn 1's KV stored for mapped / control, and for settled
+        small.complete(item.prompts[0], max_tokens=1, cache_salt=tenant)
+    for turn, (prompt, answer) in enumerate(zip(item.prompts, item.answers)):
         results["own"].append(_turn(large, prompt, answer, tenant=own, control=False))
         results["mapped"].append(_turn(large, prompt, answer, tenant=escalated, control=False))
         results["control"].append(_turn(large, prompt, answer, tenant=escalated, control=True))
         small_s, _ = _timed(small, prompt, cache_salt=relayed)
         results["relay"].append(_turn(large, prompt, answer, tenant=relayed, control=False, small_s=small_s))
+        results["settled"].append(_turn(large, prompt, answer, tenant=settled, control=False))
+        if turn == 0:
+            results["settled"][0].settle_s, _ = _timed(
+                large, prompt, cache_salt=settled, kv_transfer_params=dict(SETTLE_PARAMS)
+            )
     return results
 
 
@@ -146,7 +158,8 @@ def summarize_turns(scored: list[dict[str, list[TurnResult]]]) -> dict:
     """Per arm and turn t (1-based): ``acc_<arm>_t<t>``, ``ttft_<arm>_t<t>`` (median seconds); for the
     escalating arms ``unmapped_<arm>_t<t>`` (turns the large server did not load), ``select_fallback_<arm>_t<t>``
     (turns whose selection fell back from the source's attention) and ``recomputed_<arm>_t<t>`` (mean
-    ``exact_tokens``); ``small_s_relay_t<t>``; ``speedup_<arm>_t<t>`` = own's turn-1 time to first token
+    ``exact_tokens``); ``small_s_relay_t<t>``; ``settle_s`` (the settled arm's own prefill of turn 1, sent
+    after turn 1's answer, off the turns' path); ``speedup_<arm>_t<t>`` = own's turn-1 time to first token
     over the arm's, and ``vs_turn1_<arm>_t<t>`` = the arm's turn-t time over its own turn 1 (<= 1: as fast);
     ``conversation_s_<arm>``: the median over items of the sum of the turns' times to first token."""
     out: dict = {"n": len(scored), "turns": TURNS}
@@ -168,6 +181,8 @@ def summarize_turns(scored: list[dict[str, list[TurnResult]]]) -> dict:
                 out[f"recomputed_{key}"] = sum(int(r.load.get("exact_tokens") or 0) for r in rows) / len(rows)
             if arm == "relay":
                 out[f"small_s_{key}"] = _median(r.small_s for r in rows)
+        if arm == "settled":
+            out["settle_s"] = _median(item[arm][0].settle_s for item in scored)
         out[f"conversation_s_{arm}"] = _median(sum(r.ttft_s for r in item[arm]) for item in scored)
     return out
 
@@ -205,7 +220,14 @@ def evaluate_served_turns(
             "gold": item.golds,
             **{
                 arm: [
-                    {"exact": r.exact, "ttft_s": round(r.ttft_s, 4), "small_s": r.small_s, "load": r.load} for r in rows
+                    {
+                        "exact": r.exact,
+                        "ttft_s": round(r.ttft_s, 4),
+                        "small_s": r.small_s,
+                        "settle_s": r.settle_s,
+                        "load": r.load,
+                    }
+                    for r in rows
                 ]
                 for arm, rows in result.items()
             },

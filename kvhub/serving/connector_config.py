@@ -400,6 +400,16 @@ def request_control(params: dict) -> bool:
     return value
 
 
+def request_prefill(params: dict) -> bool:
+    """``kv_transfer_params["kvhub_prefill"]``: a JSON boolean (absent: false) asking the large server for its own
+    exact prefill of the prompt, nothing loaded (to settle an escalated conversation into its prefix cache);
+    ConfigError for anything else."""
+    value = params.get("kvhub_prefill", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_transfer_params kvhub_prefill must be true or false (a JSON boolean), got {value!r}")
+    return value
+
+
 def request_spec(params: dict, *, base: Recompute) -> Recompute:
     """The engine's spec ``base``, or a request's own: ``kv_transfer_params["kvhub_recompute"]`` in
     :meth:`Recompute.name`'s words, over ``base``; ConfigError for a bad one (the request is then prefilled)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvhub.errors import ConfigError
-from kvhub.serving.connector_config import request_control
+from kvhub.serving.connector_config import request_control, request_prefill
 from kvhub.serving.connector_meta import KVHubConnectorMetadata, KVHubWorkerMetadata, LoadJob, SaveJob
 from kvhub.serving.connector_state import ConnectorState
 from kvhub.serving.paged import load_plan
@@ -64,6 +64,7 @@ class ConnectorScheduler:
         self._loads: list[LoadJob] = []
         self._load_reports: dict[str, dict] = {}  # request id -> what its load did (returned at its end)
         self._finishing: dict[str, dict] = {}  # reports of requests finished this step (update_connector_output)
+        self._approximate: dict[str, int] = {}  # loaded request id -> index of its first mapped block
 
     # ---- consumer: matching and loading -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -98,11 +99,16 @@ class ConnectorScheduler:
         key = state.isolation_key(request)
         if key is None:
             return "no isolation key (require_isolation_key is set)", None
-        request_control(getattr(request, "kv_transfer_params", None) or {})  # ConfigError now, not after allocation
+        params = getattr(request, "kv_transfer_params", None) or {}
+        request_control(params)  # ConfigError now, not after allocation
         tokens = list(request.prompt_token_ids or [])
         suffix = max(state.request_spec(request).exact_suffix, 1)
-        if len(tokens) < state.min_escalation_tokens:  # below break-even: not even looked up
+        reason = None
+        if request_prefill(params):  # the client settles the conversation: the large model's own KV
+            reason = "the request asked for the large model's own prefill (kvhub_prefill)"
+        elif len(tokens) < state.min_escalation_tokens:  # below break-even: not even looked up
             reason = f"prompt of {len(tokens)} tokens is below min_escalation_tokens={state.min_escalation_tokens}"
+        if reason is not None:
             self._load_reports[request.request_id] = prefill_report(reason, tokens=len(tokens), computed=computed)
             return reason, None
         prefix = state.kvstore.longest_prefix(
@@ -133,8 +139,10 @@ class ConnectorScheduler:
         manager = self._kv_cache_manager()
         block_ids = list(manager.get_block_ids(request.request_id)[0])
         mapped_blocks = block_ids[start // size : end // size]
-        # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them
+        # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them, and
+        # those of every later block of the request, computed over them (_forget_approximate)
         manager.block_pool.evict_blocks(set(mapped_blocks))
+        self._approximate[request.request_id] = start // size
         pin = state.kvstore.pin(prefix)
         if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
             state.event("fallback", request.request_id, reason="stored KV evicted before the load")
@@ -174,6 +182,8 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> KVHubConnectorMetadata:
         meta = KVHubConnectorMetadata(loads=self._loads)
         self._loads = []
+        for request_id, first in self._approximate.items():  # the blocks this step filled (vLLM hashed them)
+            self._forget_approximate(self._kv_cache_manager().get_block_ids(request_id)[0], first)
         if self.state.is_producer:
             meta.saves = self._saves(scheduler_output)
         return meta
@@ -239,8 +249,27 @@ class ConnectorScheduler:
                     target.update(report)
         self._finishing.clear()
 
+    def _forget_approximate(self, block_ids, first: int) -> None:
+        """Drop the prefix-cache hashes of a loaded request's blocks from its first mapped one on.
+
+        vLLM hashes each block by its tokens (and the cache_salt), whatever computed it, and gives it a hash
+        as soon as it is full: the blocks after the mapped ones (the tail vLLM prefilled, the generated tokens)
+        hold KV computed over approximate KV.  They cannot be reached while the mapped blocks' hashes are gone,
+        but once the same tenant prefills the same prefix exactly (``kvhub_prefill``, an evicted KV store
+        entry), its blocks take those hashes again, and vLLM's lookup returns the oldest block of a hash:
+        this request's.  So every such block loses its hash each step and when the request finishes."""
+        if not block_ids:
+            return
+        blocks = list(block_ids)[first:]
+        if blocks:
+            self._kv_cache_manager().block_pool.evict_blocks(set(blocks))
+
     def request_finished(self, request, block_ids):
-        """The load's report goes back to the client as the response's kv_transfer_params["kvhub"]."""
+        """The load's report goes back to the client as the response's kv_transfer_params["kvhub"]; a loaded
+        request's blocks leave the prefix cache (:meth:`_forget_approximate`)."""
+        first = self._approximate.pop(request.request_id, None)
+        if first is not None:
+            self._forget_approximate(block_ids or [], first)
         self._matched.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)

@@ -60,8 +60,9 @@ FORCE_KEY = "kvhub_force"
 ROLES = {"producer": "kv_producer", "consumer": "kv_consumer"}  # kvhub's name -> vLLM's kv_role
 LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead of failing the request
 # Request-level kv_transfer_params the consumer reads: an isolation key, the no-information control map
-# (kvhub.core.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,...").
-REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute")
+# (kvhub.core.control) instead of the mapper, a recompute spec for this request only ("exact_budget=0.2,..."),
+# and the large model's own prefill with nothing loaded (settling an escalated conversation).
+REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute", "kvhub_prefill")
 SETUP_COMMAND = "bash scripts/setup-vllm.sh"
 LOG_TAIL_LINES = 40
 

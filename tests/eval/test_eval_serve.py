@@ -92,7 +92,8 @@ class FakePair:
 
     small: answers with the small model and stores (cache_salt, prompt), as the producer connector stores
     the prompt's KV.  large: a request that extends a prompt stored under its cache_salt (the longest such
-    one, as the consumer connector looks up a stored prefix) is mapped: with an exact map it
+    one, as the consumer connector looks up a stored prefix) is mapped, unless the large model prefilled at
+    least as long a prefix itself under that salt (vLLM's prefix cache) or it asks for ``kvhub_prefill``: with an exact map it
     answers as the large model itself and reports ``kv_transfer_params {"kvhub": {"exact_tokens": 16}}``;
     with ``kv_transfer_params.kvhub_control`` it answers with the damaged model (the control map carries no
     information about the context).  Any other request is the large model's own prefill, with no report.
@@ -108,6 +109,7 @@ class FakePair:
         self.requests: list[tuple[str, str | None, bool, int]] = []
         self.forcing = True
         self.storing = True  # off: the small server stores nothing (a producer without the connector)
+        self.prefilled: set[tuple[str | None, tuple[int, ...]]] = set()  # the large model's own prefills
         self.lock = threading.Lock()
         self.servers = [_start(self, "small", small_name), _start(self, "large", LARGE_NAME)]
         self.small_url, self.large_url = (_url(server) for server in self.servers)
@@ -120,12 +122,17 @@ class FakePair:
             self.requests.append((server, salt, control, len(prompt)))
             report = None
             stored = max((len(p) for s, p in self.stored if s == salt and prompt[: len(p)] == p), default=0)
+            # vLLM's own prefix cache: a stored prefix no longer than what the large model prefilled itself loads nothing
+            own_hit = max((len(p) for s, p in self.prefilled if s == salt and prompt[: len(p)] == p), default=0)
+            if server == "large" and (stored <= own_hit or (body.get("kv_transfer_params") or {}).get("kvhub_prefill")):
+                stored = 0
             if server == "small":
                 if self.storing:
                     self.stored.add((salt, prompt))
                 model = self.models["small"]
             elif not stored:
                 model = self.models["large"]
+                self.prefilled.add((salt, prompt))
             else:
                 model = self.models["control" if control else "large"]
                 tail = len(prompt) - stored  # what the connector's engine prefills after the stored prefix

@@ -49,7 +49,8 @@ def test_every_arm_is_scored_per_turn_and_later_escalated_turns_map_the_stored_p
     summary = evaluate_served_turns(small, large, tokenizer, context_tokens=64, limit=2, items=conversations)
     assert summary["n"] == 2 and summary["turns"] == TURNS and summary["task"] == "turns"
     for turn in range(1, TURNS + 1):
-        assert summary[f"acc_own_t{turn}"] == summary[f"acc_mapped_t{turn}"] == summary[f"acc_relay_t{turn}"] == 1.0
+        for arm in ("own", "mapped", "relay", "settled"):
+            assert summary[f"acc_{arm}_t{turn}"] == 1.0
         expected_control = (
             sum(
                 greedy(models["control"], item.prompts[turn - 1], ANSWER) == item.answers[turn - 1]
@@ -59,13 +60,15 @@ def test_every_arm_is_scored_per_turn_and_later_escalated_turns_map_the_stored_p
         )
         assert summary[f"acc_control_t{turn}"] == expected_control
         assert summary[f"unmapped_mapped_t{turn}"] == summary[f"unmapped_relay_t{turn}"] == 0
+        # settled: turn 1 escalated; later turns hit the large model's own prefill of turn 1, nothing loaded
+        assert summary[f"unmapped_settled_t{turn}"] == (0 if turn == 1 else 2)
         # mapped: turns 2 and 3 extend the stored turn-1 prompt by more than the exact tail; relay stored each turn
         assert summary[f"select_fallback_mapped_t{turn}"] == (0 if turn == 1 else 2)
         assert summary[f"select_fallback_relay_t{turn}"] == 0
         assert summary[f"ttft_mapped_t{turn}"] > 0 and summary[f"small_s_relay_t{turn}"] > 0
     assert summary["vs_turn1_mapped_t1"] == 1.0
     assert summary["speedup_own_t1"] == 1.0
-    assert summary["conversation_s_own"] > 0
+    assert summary["conversation_s_own"] > 0 and summary["settle_s"] > 0
     samples = summary["samples"]
     assert [s["id"] for s in samples] == ["hand-0", "hand-1"] and len(samples[0]["relay"]) == TURNS
 
@@ -77,12 +80,19 @@ def test_the_small_server_sees_turn_one_for_the_escalation_and_every_turn_for_th
     by_salt: dict = {}
     for server, salt, control, length in pair.requests:
         by_salt.setdefault(salt, []).append((server, control, length))
-    assert len(by_salt) == 3  # own, escalated (mapped + control), relay
+    assert len(by_salt) == 4  # own, escalated (mapped + control), relay, settled
     smalls = sorted(
         ([length for server, _, length in requests if server == "small"] for requests in by_salt.values()), key=len
     )
-    assert smalls == [[], lengths[:1], lengths]
+    assert smalls == [[], lengths[:1], lengths[:1], lengths]
     escalated = next(r for r in by_salt.values() if any(control for _, control, _ in r))
+    settled = next(
+        r for r in by_salt.values() if sum(server == "small" for server, _, _ in r) == 1 and r is not escalated
+    )
+    # turn 1: timed + answer + the settling prefill of the same prompt; later turns: timed + answer
+    assert [length for server, _, length in settled if server == "large"] == [lengths[0]] * 3 + [
+        n for n in lengths[1:] for _ in range(2)
+    ]
     # each turn: the timed 1-token request and the answer, with and without the control map
     assert [length for server, _, length in escalated if server == "large"] == [n for n in lengths for _ in range(4)]
 

@@ -19,7 +19,7 @@ from kvhub.serving.connector_config import MIN_ESCALATION_TOKENS
 from tests.fixtures_store import SRC_ID, store_fingerprint
 from tests.serving.test_serve import _invoke, _serve_args, fake_vllm, mapper_db  # noqa: F401  (fixtures)
 from tests.serving.test_tenant_isolation import MATCHED, PROMPT, _ask, _connector, _store_prompt
-from tests.vllm_standin import request, vllm_modules  # noqa: F401
+from tests.vllm_standin import request, scheduler_output, vllm_modules  # noqa: F401
 
 LONG = [(3 * i + 1) % 90 + 1 for i in range(MIN_ESCALATION_TOKENS + 44)]  # 300 tokens: past the default
 
@@ -189,3 +189,43 @@ def test_the_benchmark_reads_the_break_even_length_off_its_curve():
     assert curve["recompute"]["pays_from"] == 2048
     slow = {n: {"map_only": {"speedup": 0.5}, "recompute": {"speedup": 0.5}} for n in (512, 1024)}
     assert bench.break_even(slow)["recompute"]["pays_from"] is None
+
+
+def test_a_request_may_ask_for_the_large_models_own_prefill(tmp_path, vllm_modules):
+    """kvhub_prefill: true loads nothing even though the prompt is stored, and says so; false loads as usual;
+    anything but a JSON boolean is refused (the request is prefilled), never read as true."""
+    _store_prompt(tmp_path / "kvstore", "alice")
+    consumer = _connector(tmp_path, "kv_consumer")
+    matched, response = _ask(consumer, request("settle", PROMPT, cache_salt="alice", params={"kvhub_prefill": True}))
+    assert matched == 0
+    assert response["kvhub"]["fallback"] == "prefill" and "kvhub_prefill" in response["kvhub"]["reason"]
+    assert response["kvhub"]["exact_tokens"] == len(PROMPT) - 1 and response["kvhub"]["mapped_tokens"] == 0
+    matched, response = _ask(consumer, request("load", PROMPT, cache_salt="alice", params={"kvhub_prefill": False}))
+    assert matched == MATCHED and response["kvhub"]["mapped_tokens"] == MATCHED
+    matched, _ = _ask(consumer, request("bad", PROMPT, cache_salt="alice", params={"kvhub_prefill": "yes"}))
+    assert matched == 0
+    assert consumer.counters["fallback"] == 2
+
+
+def test_every_block_of_a_loaded_request_leaves_the_prefix_cache(tmp_path, vllm_modules):
+    """Blocks computed over mapped ones (vLLM's tail, the generated tokens) lose their hashes each step and when
+    the request finishes, from the first mapped block on (vLLM's own prefix hit before it stays); a request
+    that loaded nothing keeps its blocks."""
+    _store_prompt(tmp_path / "kvstore", "alice")
+    consumer = _connector(tmp_path, "kv_consumer")
+    manager = consumer._kv_cache_manager
+    loaded = request("loaded", PROMPT, cache_salt="alice")
+    matched, _ = consumer.get_num_new_matched_tokens(loaded, 16)  # vLLM's own hit: the first 16-token block
+    consumer.update_state_after_alloc(loaded, None, matched)
+    assert manager.evicted == [{1, 2, 3}]  # the mapped blocks [16, 64), at allocation
+    consumer.build_connector_meta(scheduler_output([]))
+    assert manager.evicted[-1] == set(manager.blocks[1:])  # this step: every block of the request after the hit
+    consumer.request_finished(loaded, [0, 1, 2, 3, 4, 5, 6])
+    assert manager.evicted[-1] == {1, 2, 3, 4, 5, 6}
+    count = len(manager.evicted)
+    consumer.build_connector_meta(scheduler_output([]))  # finished: no longer tracked
+    own = request("own", PROMPT, cache_salt="bob")
+    matched, _ = consumer.get_num_new_matched_tokens(own, 0)
+    consumer.update_state_after_alloc(own, None, matched)
+    consumer.request_finished(own, [0, 1, 2])
+    assert matched == 0 and len(manager.evicted) == count

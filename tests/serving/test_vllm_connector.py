@@ -40,6 +40,7 @@ PROMPT_B = [(11 * i + 5) % 120 + 1 for i in range(90)]
 PROMPT_C = [(13 * i + 2) % 120 + 1 for i in range(100)]
 PROMPT_D = [(17 * i + 9) % 120 + 1 for i in range(90)]
 PROMPT_E = [(19 * i + 4) % 120 + 1 for i in range(100)]
+PROMPT_C_LONGER = PROMPT_C + [(23 * i + 6) % 120 + 1 for i in range(30)]  # a later turn of C's conversation
 MAP_ONLY_PARAMS = {"kvhub_recompute": "exact_prefix=0,exact_budget=0"}
 NEW_TOKENS = 12
 
@@ -205,6 +206,7 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-5)  # the prefill's attention rows
 
     _store_random_kv(paths, PROMPT_C, tenant="alice")
+    _store_random_kv(paths, PROMPT_C, tenant="carol")  # garbage to map: its blocks must never serve as exact
     _store_random_kv(paths, PROMPT_E, tenant="alice", scale=float("nan"))  # a damaged entry on disk
 
     results = _spawn(
@@ -230,6 +232,12 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
             # by the small model's attention, which the producer stored; C's entry has none: select=target
             [(PROMPT_A, "alice", {"kvhub_recompute": "exact_budget=0.3,select=source,spans=token"})],
             [(PROMPT_C, "alice", {"kvhub_recompute": "exact_budget=0.3,select=source,spans=token"})],
+            # settling: carol's escalation over garbage KV, then her own exact prefill of the same prompt
+            # (kvhub_prefill), then a longer prompt that hits that prefill in vLLM's prefix cache
+            [(PROMPT_C, "carol", MAP_ONLY_PARAMS)],
+            [(PROMPT_C, "carol", {"kvhub_prefill": True})],
+            [(PROMPT_C_LONGER, "carol", {"kvhub_prefill": True})],
+            [(PROMPT_C_LONGER, "other", None)],
         ],
     )
     (
@@ -247,6 +255,10 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
         (damaged_e,),
         (source_a,),
         (source_c,),
+        (garbage_c,),
+        (settle_c,),
+        (settled_longer,),
+        (own_longer,),
     ) = results
     events = [e for e in _events(paths) if e["role"] == "consumer"]
     decisions = [e for e in events if e["event"] in ("hit", "fallback")]
@@ -287,6 +299,13 @@ def test_consumer_maps_and_recomputes_producer_kv_in_vllm_blocks(tmp_path):
     assert source_a["ids"] == own["ids"]
     assert source_c["kvhub"]["select_fallback"].startswith("no source attention"), source_c
     assert source_c["kvhub"]["selected_tokens"] == 10
+    # kvhub_prefill loads nothing; the blocks vLLM computed over carol's garbage map (its tail [64, 96)) lost
+    # their hashes, so the longer prompt's 96-token prefix hit is her exact prefill's, and its output the own
+    assert garbage_c["kvhub"]["mapped_tokens"] == 64 and garbage_c["ids"] != own_c["ids"]
+    assert settle_c["kvhub"]["fallback"] == "prefill" and "kvhub_prefill" in settle_c["kvhub"]["reason"]
+    assert settle_c["ids"] == own_c["ids"]
+    assert settled_longer["kvhub"]["prefill_tokens"] == len(PROMPT_C_LONGER) - 96, settled_longer
+    assert settled_longer["ids"] == own_longer["ids"]
 
 
 @pytest.mark.vllm
