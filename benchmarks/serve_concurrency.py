@@ -81,7 +81,6 @@ def run(args) -> dict:
         own = _batch(large, prompts, [new_tenant() for _ in items], max_tokens=lengths)
         escalated = _batch(large, prompts, stored, max_tokens=lengths)
 
-
         loads = [c.kv_transfer_params.get("kvhub") or {} for c in escalated["completions"]]
         row = {
             "concurrency": concurrency,
