@@ -153,9 +153,10 @@ def eval_serve(
     (floor - mapped) / (floor - own) of the mean NLL per token.
 
     Turns: a three-turn conversation, one fact asked per turn, escalated at turn 1; per turn, a timed
-    1-token request (time to first token) and the answer, in four arms: the large server alone (`own`,
+    1-token request (time to first token) and the answer, in five arms: the large server alone (`own`,
     its prefix cache reused between turns), the escalation with later turns sent to the large server only
-    (`mapped`), every turn relayed through the small server first (`relay`), and the control map
+    (`mapped`), every turn relayed through the small server first (`relay`), turn 1 settled into the
+    large server's prefix cache by its own prefill (`settled`, kvhub_prefill), and the control map
     (`control`).  docs/eval-serve.md says what each arm sends.
 
     `--json` prints `kvhub eval`'s results document (one entry per task and
