@@ -23,10 +23,12 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
   only and says so on every load.
 * The recompute spec is :class:`kvhub.serving.spec.Recompute`'s fields in ``kv_connector_extra_config``;
   a request may carry its own in ``kv_transfer_params["kvhub_recompute"]`` ("exact_budget=0.2,select=random"),
-  and ``kv_transfer_params["kvhub_control"]`` maps it with the no-information control map (evaluation).
-  The response's ``kv_transfer_params["kvhub"]`` says what was mapped and recomputed.
-* Mapped blocks, recomputed or not, are evicted from vLLM's prefix cache right after allocation: no later
-  request reuses them (or the blocks chained after them) as exact.
+  ``kv_transfer_params["kvhub_control"]`` maps it with the no-information control map (evaluation), and
+  ``kv_transfer_params["kvhub_prefill"]`` loads nothing (the large model's own prefill, to settle a
+  conversation into its prefix cache).  The response's ``kv_transfer_params["kvhub"]`` says what was done.
+* Mapped blocks, recomputed or not, are evicted from vLLM's prefix cache right after allocation, and every
+  later block of the request (computed over them) each step and when it finishes: no later request reuses
+  any of them as exact, even after the same tenant prefilled that prefix exactly.
 * Isolation key: decided by the server's configuration, never by the client: the request's ``cache_salt``
   (default), or ``kv_transfer_params["kvhub_tenant"]`` with ``isolation_key_source="kvhub_tenant"``; else ""
   (one shared namespace; ``require_isolation_key`` turns that off).  A request naming its tenant through the
