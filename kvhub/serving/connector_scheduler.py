@@ -64,7 +64,8 @@ class ConnectorScheduler:
         self._loads: list[LoadJob] = []
         self._load_reports: dict[str, dict] = {}  # request id -> what its load did (returned at its end)
         self._finishing: dict[str, dict] = {}  # reports of requests finished this step (update_connector_output)
-        self._approximate: dict[str, int] = {}  # loaded request id -> index of its first mapped block
+        # loaded request id -> [index of its first mapped block, index of the first block not yet forgotten]
+        self._approximate: dict[str, list[int]] = {}
 
     # ---- consumer: matching and loading -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -142,7 +143,7 @@ class ConnectorScheduler:
         # approximate KV must never be an exact prefix-cache entry: drop the hashes vLLM just gave them, and
         # those of every later block of the request, computed over them (_forget_approximate)
         manager.block_pool.evict_blocks(set(mapped_blocks))
-        self._approximate[request.request_id] = start // size
+        self._approximate[request.request_id] = [start // size, end // size]
         pin = state.kvstore.pin(prefix)
         if pin is None:  # evicted between the match and now: the worker reports the blocks for recompute
             state.event("fallback", request.request_id, reason="stored KV evicted before the load")
@@ -182,8 +183,12 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> KVHubConnectorMetadata:
         meta = KVHubConnectorMetadata(loads=self._loads)
         self._loads = []
-        for request_id, first in self._approximate.items():  # the blocks this step filled (vLLM hashed them)
-            self._forget_approximate(self._kv_cache_manager().get_block_ids(request_id)[0], first)
+        if self._approximate:
+            manager = self._kv_cache_manager()
+            for request_id, marks in self._approximate.items():  # the blocks this step filled (vLLM hashed them)
+                blocks = manager.get_block_ids(request_id)[0]
+                self._forget_approximate(blocks, marks[1])
+                marks[1] = max(marks[1], len(blocks) - 1)  # the last block may fill (and be hashed) later
         if self.state.is_producer:
             meta.saves = self._saves(scheduler_output)
         return meta
@@ -257,19 +262,18 @@ class ConnectorScheduler:
         hold KV computed over approximate KV.  They cannot be reached while the mapped blocks' hashes are gone,
         but once the same tenant prefills the same prefix exactly (``kvhub_prefill``, an evicted KV store
         entry), its blocks take those hashes again, and vLLM's lookup returns the oldest block of a hash:
-        this request's.  So every such block loses its hash each step and when the request finishes."""
-        if not block_ids:
-            return
-        blocks = list(block_ids)[first:]
+        this request's.  So every such block loses its hash in the step that filled it (each step looks only at
+        the blocks from the last one it saw) and, all of them once more, when the request finishes."""
+        blocks = list(block_ids or [])[first:]
         if blocks:
             self._kv_cache_manager().block_pool.evict_blocks(set(blocks))
 
     def request_finished(self, request, block_ids):
         """The load's report goes back to the client as the response's kv_transfer_params["kvhub"]; a loaded
         request's blocks leave the prefix cache (:meth:`_forget_approximate`)."""
-        first = self._approximate.pop(request.request_id, None)
-        if first is not None:
-            self._forget_approximate(block_ids or [], first)
+        marks = self._approximate.pop(request.request_id, None)
+        if marks is not None:  # once more from the first mapped block: nothing vLLM hashed in between is left
+            self._forget_approximate(block_ids, marks[0])
         self._matched.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)

@@ -219,7 +219,9 @@ def test_every_block_of_a_loaded_request_leaves_the_prefix_cache(tmp_path, vllm_
     consumer.update_state_after_alloc(loaded, None, matched)
     assert manager.evicted == [{1, 2, 3}]  # the mapped blocks [16, 64), at allocation
     consumer.build_connector_meta(scheduler_output([]))
-    assert manager.evicted[-1] == set(manager.blocks[1:])  # this step: every block of the request after the hit
+    assert manager.evicted[-1] == set(manager.blocks[4:])  # this step: every block after the mapped ones
+    consumer.build_connector_meta(scheduler_output([]))
+    assert manager.evicted[-1] == {manager.blocks[-1]}  # the next: only the last block, which may have filled
     consumer.request_finished(loaded, [0, 1, 2, 3, 4, 5, 6])
     assert manager.evicted[-1] == {1, 2, 3, 4, 5, 6}
     count = len(manager.evicted)
