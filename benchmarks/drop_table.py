@@ -7,7 +7,11 @@ multiple choice reports accuracy (no floor: the source alone is shown instead). 
 two rows: the turn-1 cache as is, and with turn-2 re-selection (for drop: the newly chosen spans prefilled).
 
     kvhub eval REF --task facts --task followup ... --variant handoff --json > docs/results/drop_1k.json
-    python benchmarks/drop_table.py docs/results/drop_1k.json [more.json ...]
+    python benchmarks/drop_table.py docs/results/drop_1k.json [more.json[=LABEL] ...]
+
+Several documents make one table, task by task (facts, RULER-style, follow-up, gist, multiple choice),
+each row naming its map: LABEL, else the document's map kind (``config.map_kind``; documents older than
+that field: "ridge") and calibration.
 """
 
 from __future__ import annotations
@@ -28,9 +32,26 @@ def _ci(summary: dict, key: str) -> str:
     return f"{summary[key]:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
+ORDER = ("facts", "niah-multikey", "followup", "vt", "cwe", "gist-chat", "gist-document", "hellaswag")
+
+
+def _order(name: str) -> tuple:
+    """Sort key of a task name such as ``facts-1024``: the task's place in ORDER, then the context length."""
+    stem, _, length = name.rpartition("-")
+    if not length.isdigit():
+        stem, length = name, "0"
+    return (ORDER.index(stem) if stem in ORDER else len(ORDER), stem, int(length))
+
+
+def label_of(document: dict) -> str:
+    """``ridge mixed`` / ``mlp mixed``: the map kind and calibration of a kvhub eval document."""
+    config = document.get("config", {})
+    return f"{config.get('map_kind', 'ridge')} {config.get('calibration', '')}".strip()
+
+
 def rows(results: dict) -> list[list[str]]:
     """Markdown cells per task found in ``results`` (a kvhub eval document's ``results``)."""
-    names = sorted({key.split("@")[0] for key in results})
+    names = sorted({key.split("@")[0] for key in results}, key=_order)
     out = []
     for name in names:
         plain, handoff = _pair(results, name)
@@ -113,19 +134,32 @@ def rows(results: dict) -> list[list[str]]:
     return out
 
 
+def table(documents: list[tuple[str, dict]]) -> list[str]:
+    """Markdown lines of one table over (label, document) pairs, task by task, the documents' rows of a
+    task together in the order given."""
+    found = [(_order(cells[0].split(",")[0]), index, label, cells)
+             for index, (label, document) in enumerate(documents) for cells in rows(document["results"])]
+    lines = [
+        "| task | map | n | own | map alone | default handoff | drop | control | floor | handoff - drop [95% CI] "
+        "| recomputed % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for _, _, label, cells in sorted(found, key=lambda row: (row[0], row[1])):
+        lines.append("| " + " | ".join(str(c) for c in [cells[0], label, *cells[1:]]) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("documents", nargs="+")
+    parser.add_argument("documents", nargs="+", help="kvhub eval --json documents, each PATH or PATH=LABEL")
     args = parser.parse_args()
-    print(
-        "| task | n | own | map | default handoff | drop | control | floor | handoff - drop [95% CI] | recomputed % |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for path in args.documents:
+    documents = []
+    for spec in args.documents:
+        path, _, label = spec.partition("=")
         with open(path) as handle:
             document = json.load(handle)
-        for cells in rows(document["results"]):
-            print("| " + " | ".join(str(c) for c in cells) + " |")
+        documents.append((label or label_of(document), document))
+    print("\n".join(table(documents)))
 
 
 if __name__ == "__main__":

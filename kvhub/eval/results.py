@@ -4,7 +4,7 @@ The document (``--json`` on stdout, ``--output-path`` on disk)::
 
     {"ref": "SRC:DST:CALIB@v3",
      "results": {"hellaswag": {"acc_own": ..., "retention": ..., ...}, "hellaswag@exact_prefix=4": {...}},
-     "config": {"model": "kvhub", "mapper": ref, "source": ..., "target": ..., "tensors_sha256": ...,
+     "config": {"model": "kvhub", "mapper": ref, "source": ..., "target": ..., "map_kind": ..., "tensors_sha256": ...,
                 "dtype": ..., "device": ..., "limit": ..., "seed": ..., "variants": [...], "tasks": [...],
                 "datasets": {"hellaswag": {"name": ..., "split": ..., "origin": ..., "sha256": ..., "n": ...}},
                 "kvhub_version": ..., "date": ...}}

@@ -269,6 +269,7 @@ def results_config(loaded: LoadedVersion, variant_list: list, *, settings: RunSe
         "source": version.source,
         "target": version.target,
         "calibration": version.calibration,
+        "map_kind": version.map_kind,
         "tensors_sha256": version.tensors_sha256,
         "dtype": settings.dtype,
         "device": settings.device,
