@@ -45,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--heldout", type=int, default=16,
-                        help="held-out sequences scoring every size (the recipe draws more for a larger size)")
+    parser.add_argument(
+        "--heldout",
+        type=int,
+        default=16,
+        help="held-out sequences scoring every size (the recipe draws more for a larger size)",
+    )
     parser.add_argument("--artifacts", type=Path, default=None, help="save each size's mapper under DIR/n<size>")
     parser.add_argument("--out", type=Path, default=None, help="JSON report")
     args = parser.parse_args(argv)
@@ -59,21 +63,41 @@ def main(argv: list[str] | None = None) -> int:
     from kvhub.fitting.job import FitRequest, prepare
     from kvhub.fitting.options import FitOptions
 
-    request = FitRequest(src=args.src, dst=args.dst, calib=args.calib, samples=sizes[-1], seq_len=args.seq_len,
-                         device=args.device, dtype=args.dtype,
-                         options=FitOptions(stride=args.stride, batch_size=args.batch_size))
+    request = FitRequest(
+        src=args.src,
+        dst=args.dst,
+        calib=args.calib,
+        samples=sizes[-1],
+        seq_len=args.seq_len,
+        device=args.device,
+        dtype=args.dtype,
+        options=FitOptions(stride=args.stride, batch_size=args.batch_size),
+    )
     fit = prepare(request, notify=print)
     fit.heldout = fit.heldout[: args.heldout]
     options = fit.options
-    source_fp, target_fp = pair_fingerprints(fit.source, fit.target, source_id=fit.source_id,
-                                             target_id=fit.target_id, source_tokenizer=fit.source_tokenizer,
-                                             target_tokenizer=fit.target_tokenizer)
+    source_fp, target_fp = pair_fingerprints(
+        fit.source,
+        fit.target,
+        source_id=fit.source_id,
+        target_id=fit.target_id,
+        source_tokenizer=fit.source_tokenizer,
+        target_tokenizer=fit.target_tokenizer,
+    )
     layout = layout_for(fit.source.config, fit.target.config)
     rotaries = (Rotary.from_model(fit.source), Rotary.from_model(fit.target))
     train, heldout = KVStats(layout), KVStats(layout)
-    report = {"src": fit.source_id, "dst": fit.target_id, "calibration": fit.calibration,
-              "heldout_sequences": int(fit.heldout.shape[0]), "seq_len": int(fit.train.shape[1]),
-              "stride": options.stride, "dtype": args.dtype, "threads": _threads(), "sizes": []}
+    report = {
+        "src": fit.source_id,
+        "dst": fit.target_id,
+        "calibration": fit.calibration,
+        "heldout_sequences": int(fit.heldout.shape[0]),
+        "seq_len": int(fit.train.shape[1]),
+        "stride": options.stride,
+        "dtype": args.dtype,
+        "threads": _threads(),
+        "sizes": [],
+    }
 
     def merge(stats: KVStats, ids) -> None:
         src, dst = capture_pair(fit.source, fit.target, ids, rotaries, options)
@@ -94,11 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         solve_started = time.perf_counter()
         solution = solve(train, heldout, structure=Structure())
         solve_s = time.perf_counter() - solve_started
-        row = {"sequences": size, "train_tokens": train.n, "forward_s": round(train_s, 1),
-               "solve_s": round(solve_s, 1), **_r2(solution)}
+        row = {
+            "sequences": size,
+            "train_tokens": train.n,
+            "forward_s": round(train_s, 1),
+            "solve_s": round(solve_s, 1),
+            **_r2(solution),
+        }
         if args.artifacts is not None:
-            mapper = build_mapper(solution, source_fp, target_fp, {**fit.calibration, "samples": size},
-                                  train, heldout, options)
+            mapper = build_mapper(
+                solution, source_fp, target_fp, {**fit.calibration, "samples": size}, train, heldout, options
+            )
             row["artifact"] = str(mapper.save(args.artifacts / f"n{size}", overwrite=True))
         report["sizes"].append(row)
         print(json.dumps(row), flush=True)
@@ -111,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
 def _r2(solution) -> dict:
     keys = [layer.r2_k for layer in solution.layers]
     values = [layer.r2_v for layer in solution.layers]
-    return {"r2_k_mean": round(sum(keys) / len(keys), 4), "r2_v_mean": round(sum(values) / len(values), 4),
-            "r2_k_min": round(min(keys), 4), "r2_v_min": round(min(values), 4),
-            "train_r2_v_mean": round(sum(layer.train_r2_v for layer in solution.layers) / len(values), 4),
-            "k_chosen": sorted({len(layer.sources) for layer in solution.layers})}
+    return {
+        "r2_k_mean": round(sum(keys) / len(keys), 4),
+        "r2_v_mean": round(sum(values) / len(values), 4),
+        "r2_k_min": round(min(keys), 4),
+        "r2_v_min": round(min(values), 4),
+        "train_r2_v_mean": round(sum(layer.train_r2_v for layer in solution.layers) / len(values), 4),
+        "k_chosen": sorted({len(layer.sources) for layer in solution.layers}),
+    }
 
 
 def _threads() -> int:

@@ -137,8 +137,11 @@ def rows(results: dict) -> list[list[str]]:
 def table(documents: list[tuple[str, dict]]) -> list[str]:
     """Markdown lines of one table over (label, document) pairs, task by task, the documents' rows of a
     task together in the order given."""
-    found = [(_order(cells[0].split(",")[0]), index, label, cells)
-             for index, (label, document) in enumerate(documents) for cells in rows(document["results"])]
+    found = [
+        (_order(cells[0].split(",")[0]), index, label, cells)
+        for index, (label, document) in enumerate(documents)
+        for cells in rows(document["results"])
+    ]
     lines = [
         "| task | map | n | own | map alone | default handoff | drop | control | floor | handoff - drop [95% CI] "
         "| recomputed % |",

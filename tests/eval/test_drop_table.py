@@ -15,13 +15,28 @@ def _load():
 
 
 def _facts(mapped: float, drop: float, n: int = 8) -> dict:
-    return {"acc_own": 1.0, "acc_mapped": mapped, "acc_drop": drop, "acc_control": 0.5, "acc_floor": 0.0,
-            "n": n, "recomputed_fraction": 0.099, "map_minus_drop": mapped - drop, "map_minus_drop_ci": [0.0, 0.5]}
+    return {
+        "acc_own": 1.0,
+        "acc_mapped": mapped,
+        "acc_drop": drop,
+        "acc_control": 0.5,
+        "acc_floor": 0.0,
+        "n": n,
+        "recomputed_fraction": 0.099,
+        "map_minus_drop": mapped - drop,
+        "map_minus_drop_ci": [0.0, 0.5],
+    }
 
 
 def _gist(closed: float) -> dict:
-    return {"gap_closed_mapped": closed, "gap_closed_drop": 0.05, "gap_closed_control": 0.07, "n": 8,
-            "gap_closed_map_minus_drop": closed - 0.05, "gap_closed_map_minus_drop_ci": [0.1, 0.9]}
+    return {
+        "gap_closed_mapped": closed,
+        "gap_closed_drop": 0.05,
+        "gap_closed_control": 0.07,
+        "n": 8,
+        "gap_closed_map_minus_drop": closed - 0.05,
+        "gap_closed_map_minus_drop_ci": [0.1, 0.9],
+    }
 
 
 def test_rows_are_grouped_by_task_then_context_then_document():
@@ -29,15 +44,28 @@ def test_rows_are_grouped_by_task_then_context_then_document():
     row keeps the documents' order and names its map.  Planted bugs caught: rows per document instead of per
     task; 4096 sorted before 1024 as strings; the label dropped."""
     table = _load()
-    ridge = {"config": {"map_kind": "ridge", "calibration": "mixed"},
-             "results": {"gist-chat-1024@" + HANDOFF: _gist(0.83), "gist-chat-1024": {"gap_closed_mapped": 0.78},
-                         "facts-4096@" + HANDOFF: _facts(1.0, 1.0, 2), "facts-1024@" + HANDOFF: _facts(1.0, 0.75)}}
-    mlp = {"config": {"map_kind": "mlp", "calibration": "mixed"},
-           "results": {"facts-1024@" + HANDOFF: _facts(0.88, 0.75), "gist-chat-1024@" + HANDOFF: _gist(0.84)}}
+    ridge = {
+        "config": {"map_kind": "ridge", "calibration": "mixed"},
+        "results": {
+            "gist-chat-1024@" + HANDOFF: _gist(0.83),
+            "gist-chat-1024": {"gap_closed_mapped": 0.78},
+            "facts-4096@" + HANDOFF: _facts(1.0, 1.0, 2),
+            "facts-1024@" + HANDOFF: _facts(1.0, 0.75),
+        },
+    }
+    mlp = {
+        "config": {"map_kind": "mlp", "calibration": "mixed"},
+        "results": {"facts-1024@" + HANDOFF: _facts(0.88, 0.75), "gist-chat-1024@" + HANDOFF: _gist(0.84)},
+    }
     lines = table.table([(table.label_of(ridge), ridge), (table.label_of(mlp), mlp)])
     body = [line.split(" | ")[:2] for line in lines[2:]]
-    assert body == [["| facts-1024", "ridge mixed"], ["| facts-1024", "mlp mixed"], ["| facts-4096", "ridge mixed"],
-                    ["| gist-chat-1024", "ridge mixed"], ["| gist-chat-1024", "mlp mixed"]]
+    assert body == [
+        ["| facts-1024", "ridge mixed"],
+        ["| facts-1024", "mlp mixed"],
+        ["| facts-4096", "ridge mixed"],
+        ["| gist-chat-1024", "ridge mixed"],
+        ["| gist-chat-1024", "mlp mixed"],
+    ]
     assert "| 0.83 | 0.05 | 0.07 |" in lines[5] and "+0.78 [+0.10, +0.90]" in lines[5]
 
 

@@ -25,9 +25,32 @@ def test_each_size_is_solved_on_a_prefix_of_one_draw(tiny_model_dirs, text_corpu
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     src, dst = tiny_model_dirs
     out, maps = tmp_path / "scale.json", tmp_path / "maps"
-    _load().main(["--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--sizes", "8,4",
-                  "--seq-len", "24", "--stride", "1", "--heldout", "2", "--batch-size", "3", "--device", "cpu",
-                  "--artifacts", str(maps), "--out", str(out)])
+    _load().main(
+        [
+            "--src",
+            str(src),
+            "--dst",
+            str(dst),
+            "--calib",
+            str(text_corpus),
+            "--sizes",
+            "8,4",
+            "--seq-len",
+            "24",
+            "--stride",
+            "1",
+            "--heldout",
+            "2",
+            "--batch-size",
+            "3",
+            "--device",
+            "cpu",
+            "--artifacts",
+            str(maps),
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert report["heldout_sequences"] == 2 and report["seq_len"] == 24
     rows = report["sizes"]
