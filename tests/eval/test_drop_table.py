@@ -1,17 +1,8 @@
 """benchmarks/drop_table.py: one table over several kvhub eval documents, task by task."""
 
-import importlib.util
-from pathlib import Path
+from tests.benchmark_scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "drop_table.py"
 HANDOFF = "exact_prefix=4,exact_suffix=16,exact_budget=0.08,select=source"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("drop_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _facts(mapped: float, drop: float, n: int = 8) -> dict:
@@ -43,7 +34,7 @@ def test_rows_are_grouped_by_task_then_context_then_document():
     """Tasks follow the table's order (facts before the gist) and lengths ascend; within a task each document's
     row keeps the documents' order and names its map.  Planted bugs caught: rows per document instead of per
     task; 4096 sorted before 1024 as strings; the label dropped."""
-    table = _load()
+    table = load_benchmark("drop_table")
     ridge = {
         "config": {"map_kind": "ridge", "calibration": "mixed"},
         "results": {
@@ -70,4 +61,4 @@ def test_rows_are_grouped_by_task_then_context_then_document():
 
 
 def test_a_document_without_a_map_kind_is_ridge():
-    assert _load().label_of({"config": {"calibration": "legal-docs"}}) == "ridge legal-docs"
+    assert load_benchmark("drop_table").label_of({"config": {"calibration": "legal-docs"}}) == "ridge legal-docs"

@@ -1,17 +1,8 @@
 """benchmarks/calib_scale.py end to end on the tiny exact family: one capture pass, one row per size."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "calib_scale.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("calib_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_each_size_is_solved_on_a_prefix_of_one_draw(tiny_model_dirs, text_corpus, tmp_path, monkeypatch):
@@ -25,7 +16,7 @@ def test_each_size_is_solved_on_a_prefix_of_one_draw(tiny_model_dirs, text_corpu
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     src, dst = tiny_model_dirs
     out, maps = tmp_path / "scale.json", tmp_path / "maps"
-    _load().main(
+    load_benchmark("calib_scale").main(
         [
             "--src",
             str(src),
@@ -67,7 +58,7 @@ def test_each_size_is_solved_on_a_prefix_of_one_draw(tiny_model_dirs, text_corpu
 def test_sizes_must_be_positive_counts():
     import pytest
 
-    scale = _load()
+    scale = load_benchmark("calib_scale")
     assert scale.parse_sizes("64, 16,16") == [16, 64]
     with pytest.raises(SystemExit, match="positive"):
         scale.parse_sizes("0,4")

@@ -1,27 +1,18 @@
 """benchmarks/gpu_scale.py end to end on the CPU with its scaled-down Qwen3-14B/32B configs (a smoke test:
 the GPU run is the same code on the real configs)."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_scale.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_cpu_scaled_run_writes_every_measurement(tmp_path):
     from kvhub.fitting.plan import statistics_bytes
 
-    gpu_scale = _load()
+    gpu_scale = load_benchmark("gpu_scale")
     out = tmp_path / "gpu_scale.json"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: more threads only contend on a busy machine

@@ -1,21 +1,16 @@
 """benchmarks/gpu_escalation.py on the CPU with tiny configs (a smoke test, so the prepared GPU run cannot
 rot: the GPU run is the same code on the real configs)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_escalation.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gpu_escalation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_escalation")
 
 
 def test_the_escalation_is_timed_beside_the_targets_own_prefill(script, tmp_path):
