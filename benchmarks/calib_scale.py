@@ -14,11 +14,19 @@ each size, so a run stopped early keeps what it measured.
 
 The sizes are prefixes of one draw of the largest size (``kvhub fit --samples N`` draws its own N
 sequences), so the rows differ only in how many of the same sequences the solve saw.
+
+With --map mlp the pass also keeps every row (:mod:`kvhub.fitting.samples`: 80 KB a row for the Qwen
+0.5B -> 1.5B pair, 2.6 GB at 64 sequences of 512), and at each size the residual MLPs are trained on the
+first size's rows on top of that size's ridge maps, as ``kvhub fit --map mlp --mlp-tokens <all rows>`` trains
+them (early stopping on every held-out row): the row adds the MLP maps' held-out R^2, the ridge maps' on the
+same rows, the gain and the training seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -51,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         default=16,
         help="held-out sequences scoring every size (the recipe draws more for a larger size)",
     )
+    parser.add_argument(
+        "--map",
+        dest="map_kind",
+        choices=("ridge", "mlp"),
+        default="ridge",
+        help="mlp: also train the residual MLPs at each size (module docstring)",
+    )
+    parser.add_argument("--mlp-epochs", type=int, default=None, help="--map mlp: most epochs per MLP [kvhub fit's]")
     parser.add_argument("--artifacts", type=Path, default=None, help="save each size's mapper under DIR/n<size>")
     parser.add_argument("--out", type=Path, default=None, help="JSON report")
     args = parser.parse_args(argv)
@@ -60,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvhub.core.solve import Structure, solve
     from kvhub.core.stats import KVStats
     from kvhub.fitting.fit import build_mapper, capture_pair, layout_for, pair_fingerprints
+    from kvhub.fitting.samples import reservoirs
     from kvhub.fitting.job import FitRequest, prepare
     from kvhub.fitting.options import FitOptions
 
@@ -75,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     fit = prepare(request, notify=print)
     fit.heldout = fit.heldout[: args.heldout]
-    options = fit.options
+    mlp_knobs = {} if args.mlp_epochs is None else {"mlp_epochs": args.mlp_epochs}
+    options = dataclasses.replace(fit.options, map_kind=args.map_kind, checkpoint=None, **mlp_knobs)
     source_fp, target_fp = pair_fingerprints(
         fit.source,
         fit.target,
@@ -87,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     layout = layout_for(fit.source.config, fit.target.config)
     rotaries = (Rotary.from_model(fit.source), Rotary.from_model(fit.target))
     train, heldout = KVStats(layout), KVStats(layout)
+    kept = None
+    if args.map_kind == "mlp":  # every row of both splits: a size's rows are a prefix of the training rows
+        splits = {"train": fit.train[: sizes[-1]], "heldout": fit.heldout}
+        every = max(int(ids.numel()) for ids in splits.values())
+        kept = reservoirs(layout, splits, capacity=every, stride=options.stride, skip_first=options.skip_first)
     report = {
         "src": fit.source_id,
         "dst": fit.target_id,
@@ -96,16 +119,19 @@ def main(argv: list[str] | None = None) -> int:
         "stride": options.stride,
         "dtype": args.dtype,
         "threads": _threads(),
+        "map": args.map_kind,
         "sizes": [],
     }
 
-    def merge(stats: KVStats, ids) -> None:
+    def merge(stats: KVStats, ids, split: str, first: int) -> None:
         src, dst = capture_pair(fit.source, fit.target, ids, rotaries, options)
         stats.update(src.keys, src.values, dst.keys, dst.values)
+        if kept is not None:
+            kept[split].add(first, src, dst)
 
     started = time.perf_counter()
     for first in range(0, fit.heldout.shape[0], args.batch_size):
-        merge(heldout, fit.heldout[first : first + args.batch_size])
+        merge(heldout, fit.heldout[first : first + args.batch_size], "heldout", first)
     report["heldout_forward_s"] = round(time.perf_counter() - started, 1)
     print(f"held-out: {fit.heldout.shape[0]} sequences in {report['heldout_forward_s']} s", flush=True)
 
@@ -113,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         started = time.perf_counter()
         for first in range(done, size, args.batch_size):
-            merge(train, fit.train[first : min(first + args.batch_size, size)])
+            merge(train, fit.train[first : min(first + args.batch_size, size)], "train", first)
         done, train_s = size, train_s + time.perf_counter() - started
         solve_started = time.perf_counter()
         solution = solve(train, heldout, structure=Structure())
@@ -125,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             "solve_s": round(solve_s, 1),
             **_r2(solution),
         }
+        mapper = build_mapper(
+            solution, source_fp, target_fp, {**fit.calibration, "samples": size}, train, heldout, options
+        )
+        if kept is not None:
+            device = next(fit.source.parameters()).device
+            mapper = _with_mlps(mapper, solution, kept, size, layout, options, row, device=device)
         if args.artifacts is not None:
-            mapper = build_mapper(
-                solution, source_fp, target_fp, {**fit.calibration, "samples": size}, train, heldout, options
-            )
             row["artifact"] = str(mapper.save(args.artifacts / f"n{size}", overwrite=True))
         report["sizes"].append(row)
         print(json.dumps(row), flush=True)
@@ -136,6 +165,39 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def _with_mlps(mapper, solution, kept: dict, size: int, layout, options, row: dict, *, device):
+    """``mapper`` with residual MLPs trained on the first ``size`` sequences' rows (every held-out row for early
+    stopping); their held-out R^2, the ridge maps' on the same rows and the training time go into ``row``."""
+    from kvhub.fitting import mlp_fit
+
+    samples = {"train": _prefix(kept["train"], size), "heldout": kept["heldout"]}
+    started = time.perf_counter()
+    trained = mlp_fit.train_maps(solution, samples, layout, options, job=f"calib_scale:{size}", device=device)
+    options.timings["mlp_s"] = time.perf_counter() - started
+    mapper = mlp_fit.with_mlps(mapper, trained, samples, options)
+    metrics = mapper.metadata["metrics"]
+    for kind in ("k", "v"):
+        row[f"mlp_r2_{kind}_mean"] = round(metrics[f"heldout_r2_{kind}_mean"], 4)
+        row[f"mlp_ridge_r2_{kind}_mean"] = round(metrics[f"ridge_heldout_r2_{kind}_mean"], 4)
+        row[f"mlp_gain_{kind}"] = round(
+            metrics[f"heldout_r2_{kind}_mean"] - metrics[f"ridge_heldout_r2_{kind}_mean"], 4
+        )
+        best = [layer[f"mlp_best_epoch_{kind}"] for layer in mapper.metadata["layers"]]
+        row[f"mlp_layers_improved_{kind}"] = sum(epoch > 0 for epoch in best)
+    row["mlp_train_rows"] = samples["train"].size
+    row["mlp_s"] = round(options.timings["mlp_s"], 1)
+    return mapper
+
+
+def _prefix(reservoir, sequences: int):
+    """The rows of a full reservoir's first ``sequences`` sequences (a view: the same tensors, sliced)."""
+    rows = sequences * reservoir.rows_per_sequence
+    view = copy.copy(reservoir)
+    view.rows = reservoir.rows[:rows]
+    view.tensors = {name: tensor[:rows] for name, tensor in reservoir.tensors.items()}
+    return view
 
 
 def _r2(solution) -> dict:

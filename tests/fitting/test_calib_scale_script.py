@@ -55,6 +55,32 @@ def test_each_size_is_solved_on_a_prefix_of_one_draw(tiny_model_dirs, text_corpu
         assert mapper.metadata["metrics"]["train_tokens"] == row["train_tokens"]
 
 
+def test_mlp_maps_are_trained_on_each_sizes_own_rows(tiny_model_dirs, text_corpus, tmp_path, monkeypatch):
+    """--map mlp: each size's MLPs train on exactly that size's rows (the prefix of the kept rows), never score
+    below the ridge maps on the same held-out rows, and the saved mapper is of kind mlp.  Planted bug caught:
+    training every size on all kept rows (the 4-sequence row would report 8 sequences' rows)."""
+    from kvhub.core.mapper import Mapper
+
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
+    src, dst = tiny_model_dirs
+    out, maps = tmp_path / "scale.json", tmp_path / "maps"
+    load_benchmark("calib_scale").main(
+        ["--src", str(src), "--dst", str(dst), "--calib", str(text_corpus), "--sizes", "4,8", "--seq-len", "24",
+         "--stride", "1", "--heldout", "2", "--batch-size", "3", "--device", "cpu", "--map", "mlp",
+         "--mlp-epochs", "3", "--artifacts", str(maps), "--out", str(out)]
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["map"] == "mlp"
+    for row in report["sizes"]:
+        assert row["mlp_train_rows"] == row["train_tokens"]
+        for kind in ("k", "v"):
+            assert row[f"mlp_r2_{kind}_mean"] >= row[f"mlp_ridge_r2_{kind}_mean"] - 1e-6
+        mapper = Mapper.load(row["artifact"])
+        assert mapper.metadata["kind"] == "mlp"
+        assert mapper.metadata["mlp"]["tokens"]["train"] == row["train_tokens"]
+
+
 def test_sizes_must_be_positive_counts():
     import pytest
 
