@@ -42,7 +42,7 @@ def _finite(ctx, param, value: float | None):
     "--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present]."
 )
 @click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
-@fit_options("statistics", "candidates")
+@fit_options("statistics", "candidates", "map_kind", "mlp_tokens")
 @click.option(
     "--host-memory",
     type=click.FloatRange(min=0, min_open=True),
@@ -67,6 +67,8 @@ def plan(
     dtype,
     statistics,
     candidates,
+    map_kind,
+    mlp_tokens,
     host_memory,
     output_format,
 ):
@@ -94,7 +96,14 @@ def plan(
 
     source, target = shape_of(src), shape_of(dst)
     workload = workload_for(
-        samples=samples, heldout=heldout, seq_len=seq_len, stride=stride, batch_size=batch_size, k=top_k, dtype=dtype
+        samples=samples,
+        heldout=heldout,
+        seq_len=seq_len,
+        stride=stride,
+        batch_size=batch_size,
+        k=top_k,
+        dtype=dtype,
+        mlp_tokens=_kept_rows(map_kind, mlp_tokens),
     )
     _warn_past_positions(workload.seq_len, source, target)
     profile = device_profile(device or _default_device())
@@ -116,6 +125,15 @@ def plan(
         _print_plan(result, problem=problem, searched=not (ranks or candidates))
     if problem is not None or not result.fits:
         raise SystemExit(FitError.exit_code)
+
+
+def _kept_rows(map_kind: str | None, mlp_tokens: int | None) -> int:
+    """The rows per split a fit of ``map_kind`` keeps for its MLPs (0 for ridge), the knob's default when unset."""
+    from kvhub.fitting.options import FitOptions
+
+    if (map_kind or FitOptions().map_kind) == "ridge":
+        return 0
+    return mlp_tokens or FitOptions().mlp_tokens
 
 
 def _warn_past_positions(seq_len: int, *shapes) -> None:
@@ -152,6 +170,8 @@ def _memory_rows(result, *, grouped: bool = True) -> list[list[str]]:
         statistics += [("statistics, pass 1", "statistics_pass1"), ("statistics, pass 2", "statistics_pass2")]
     parts = {"weights": "model weights", "activations": "activations", "exchange": "exchange buffers"}
     host_parts = [*statistics, ("statistics update", "update"), ("solve", "solve")]
+    if memory.get("samples"):
+        host_parts.append(("MLP row samples", "samples"))
     if not device.gpu:
         rows = [["RAM", name, gib(memory[key]), ""] for key, name in parts.items()]
         rows += [["RAM", name, gib(memory[key]), ""] for name, key in host_parts]

@@ -173,7 +173,7 @@ def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: F
     dtype = dtype_name(source_model.dtype)
     workload = Workload(samples=train_ids.shape[0], heldout=0 if heldout_ids is None else heldout_ids.shape[0],
                         seq_len=train_ids.shape[1], stride=options.stride, batch_size=options.batch_size,
-                        k=options.top_k,
+                        k=options.top_k, mlp_tokens=0 if options.map_kind == "ridge" else options.mlp_tokens,
                         dtype=dtype if dtype in DTYPE_BYTES else "float32")
     device = str(next(source_model.parameters()).device)
     loaded = sum(p.numel() * p.element_size() for m in (source_model, target_model) for p in m.parameters())

@@ -198,6 +198,7 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
         batch_size=options.batch_size,
         k=options.top_k,
         dtype=request.dtype,
+        mlp_tokens=0 if options.map_kind == "ridge" else options.mlp_tokens,
     )
     device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan_fit(

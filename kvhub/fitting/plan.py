@@ -19,8 +19,10 @@ and in host memory, where kvhub.fitting.fit keeps the statistics and solves:
                                                             product chunk (kvhub.core.stats)
     solve       8 * max(3*ds^2 + 2*ds*qr,  3*kd^2 + 3*kd*dt),  kd = k*ds
                 (the probe's one-layer ridge against all owned targets; one layer's k-source ridge)
+    samples     --map mlp only: 4*2*(p + q) * (min(Rt, c) + min(Rh, c))   the rows kept to train the MLPs
+                (kvhub.fitting.samples; Rt, Rh: each split's rows, c: --mlp-tokens), held to the end
 
-    device peak = weights + activations + exchange,  host peak = statistics + max(update, solve)
+    device peak = weights + activations + exchange,  host peak = statistics + samples + max(update, solve)
 
 On a CPU both are one pool that the R ranks share; on GPUs each rank has its device, and the ranks
 of one node (up to ``devices_per_host``) share its host memory.
@@ -145,6 +147,7 @@ class Workload:
     batch_size: int = 4
     k: int | None = None  # None: 'auto' (costs are for the largest k of the grid)
     dtype: str = "bfloat16"
+    mlp_tokens: int = 0  # --map mlp: rows kept per split for the MLPs (--mlp-tokens); 0: a ridge fit keeps none
 
     @property
     def rows(self) -> int:
@@ -179,7 +182,7 @@ class Plan:
 
 def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_len: int | None = None,
                  stride: int | None = None, batch_size: int = 4, k: int | None = None,
-                 dtype: str = "bfloat16") -> Workload:
+                 dtype: str = "bfloat16", mlp_tokens: int = 0) -> Workload:
     """A Workload; what is left None takes the calibration recipes' defaults (kvhub.calib.recipe)."""
     from kvhub.calib.recipe import Sequences, heldout_count
 
@@ -190,7 +193,7 @@ def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_
     return Workload(samples=samples,
                     heldout=heldout if heldout is not None else heldout_count(samples, defaults.heldout_fraction),
                     seq_len=seq_len or defaults.seq_len, stride=stride or defaults.stride, batch_size=batch_size,
-                    k=k, dtype=dtype)
+                    k=k, dtype=dtype, mlp_tokens=mlp_tokens)
 
 
 def _k_for(source: ModelShape, workload: Workload) -> int:
@@ -313,6 +316,8 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
     kept = min(source.layers, mode.candidates or source.layers)  # source layers of the solved statistics
     k = min(_k_for(source, workload), mode.top_k_max or source.layers)
     rows_batch = workload.batch_size * math.ceil(workload.seq_len / workload.stride)
+    per_sequence = math.ceil(workload.seq_len / workload.stride)
+    kept_rows = sum(min(n * per_sequence, workload.mlp_tokens) for n in (workload.samples, workload.heldout))
     big = max((source, target), key=lambda m: m.layers * m.kv_width)
     tokens = workload.batch_size * workload.seq_len
     solve_memory, solve_flops = _solve_costs(source, target, k, owned, workload.k is None, kept)
@@ -325,11 +330,12 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
         "statistics": max(passes),
         "update": rows_batch * (p + q) * 20 + p * CHUNK_COLUMNS * 12,
         "solve": solve_memory,
+        "samples": 4 * 2 * (p + q) * kept_rows,
     }
     if mode.passes == 2:
         memory["statistics_pass1"], memory["statistics_pass2"] = passes
     memory["device_peak"] = memory["weights"] + memory["activations"] + memory["exchange"]
-    memory["host_peak"] = memory["statistics"] + max(memory["update"], solve_memory)
+    memory["host_peak"] = memory["statistics"] + memory["samples"] + max(memory["update"], solve_memory)
     memory["peak"] = memory["device_peak"] + memory["host_peak"]
     on_host = min(ranks, device.devices_per_host) if device.gpu else ranks  # ranks sharing one host
     if device.gpu:

@@ -238,3 +238,39 @@ def test_plan_cli_shows_the_two_pass_statistics():
         ).stdout
     )
     assert data["statistics"] == {"passes": 1, "dtype": "float64", "candidates": None, "top_k_max": None}
+
+
+@pytest.mark.parametrize("capacity", [10_000, 50])
+def test_mlp_row_samples_are_what_the_reservoirs_allocate(capacity):
+    """--map mlp keeps rows for its MLPs (kvhub.fitting.samples) to the end of the fit: the plan counts exactly
+    the bytes those reservoirs allocate (all rows, or --mlp-tokens per split), in the host peak; ridge keeps none."""
+    from kvhub.fitting.samples import reservoirs
+
+    src, dst = (
+        ModelShape.from_config(make_model("qwen2").config.to_dict()),
+        shape_of("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+    )
+    layout = Layout(src_layers=src.layers, src_width=src.kv_width, dst_layers=dst.layers, dst_width=dst.kv_width)
+    splits = {"train": torch.zeros(6, 40, dtype=torch.long), "heldout": torch.zeros(2, 40, dtype=torch.long)}
+    kept = reservoirs(layout, splits, capacity=capacity, stride=3, skip_first=0)
+    allocated = sum(t.nbytes for r in kept.values() for t in r.tensors.values())
+    device = DeviceProfile("cpu", memory=64 * 2**30, bf16=1e11, fp32=1e11, fp64=5e10, link=1e9)
+    base = Workload(samples=6, heldout=2, seq_len=40, stride=3)
+    ridge = plan_fit(src, dst, base, device)
+    mlp = plan_fit(src, dst, dataclasses.replace(base, mlp_tokens=capacity), device)
+    assert ridge.memory["samples"] == 0
+    assert mlp.memory["samples"] == allocated > 0
+    assert mlp.memory["host_peak"] - ridge.memory["host_peak"] == allocated
+
+
+def test_plan_cli_counts_the_mlp_row_samples(tmp_path):
+    make_model("qwen2").config.save_pretrained(tmp_path / "src")
+    args = ["plan", "--src", str(tmp_path / "src"), "--dst", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "--device", "cpu"]
+    runner = CliRunner()
+    ridge = json.loads(runner.invoke(main, args + ["--json"]).stdout)
+    mlp = json.loads(runner.invoke(main, args + ["--map", "mlp", "--mlp-tokens", "1024", "--json"]).stdout)
+    assert ridge["memory"]["samples"] == 0 and mlp["workload"]["mlp_tokens"] == 1024
+    assert mlp["memory"]["samples"] > 0
+    table = runner.invoke(main, args + ["--map", "mlp"])
+    assert table.exit_code == 0 and "MLP row samples" in table.output
+    assert "MLP row samples" not in runner.invoke(main, args).output
