@@ -168,11 +168,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _with_mlps(mapper, solution, kept: dict, size: int, layout, options, row: dict, *, device):
-    """``mapper`` with residual MLPs trained on the first ``size`` sequences' rows (every held-out row for early
-    stopping); their held-out R^2, the ridge maps' on the same rows and the training time go into ``row``."""
+    """``mapper`` with residual MLPs trained on the first ``size`` sequences' rows, stopping early on the first
+    half of the held-out sequences; into ``row``: their R^2 there and the ridge maps' (``mlp_r2_*``,
+    ``mlp_ridge_r2_*``: what ``kvhub fit`` reports, the rows early stopping chose on), the same on the other half,
+    which neither training nor stopping saw (``*_unseen``), and the training time."""
     from kvhub.fitting import mlp_fit
 
-    samples = {"train": _prefix(kept["train"], size), "heldout": kept["heldout"]}
+    half = kept["heldout"].size // kept["heldout"].rows_per_sequence // 2
+    unseen = _rows(kept["heldout"], half, None)
+    samples = {"train": _rows(kept["train"], 0, size), "heldout": _rows(kept["heldout"], 0, half)}
     started = time.perf_counter()
     trained = mlp_fit.train_maps(solution, samples, layout, options, job=f"calib_scale:{size}", device=device)
     options.timings["mlp_s"] = time.perf_counter() - started
@@ -186,17 +190,44 @@ def _with_mlps(mapper, solution, kept: dict, size: int, layout, options, row: di
         )
         best = [layer[f"mlp_best_epoch_{kind}"] for layer in mapper.metadata["layers"]]
         row[f"mlp_layers_improved_{kind}"] = sum(epoch > 0 for epoch in best)
+        ridge, mlp = _unseen_r2(solution, trained, unseen, layout, kind, mlp_fit.schedule_of(options).activation)
+        row[f"mlp_r2_{kind}_unseen"], row[f"mlp_ridge_r2_{kind}_unseen"] = round(mlp, 4), round(ridge, 4)
+        row[f"mlp_gain_{kind}_unseen"] = round(mlp - ridge, 4)
     row["mlp_train_rows"] = samples["train"].size
+    row["mlp_stop_rows"], row["mlp_unseen_rows"] = samples["heldout"].size, unseen.size
     row["mlp_s"] = round(options.timings["mlp_s"], 1)
     return mapper
 
 
-def _prefix(reservoir, sequences: int):
-    """The rows of a full reservoir's first ``sequences`` sequences (a view: the same tensors, sliced)."""
-    rows = sequences * reservoir.rows_per_sequence
+def _unseen_r2(solution, trained: dict, rows, layout, kind: str, activation: str) -> tuple[float, float]:
+    """Mean over target layers of the pooled R^2 on ``rows`` of the ridge map and of the MLP map (ridge + r)."""
+    import torch
+
+    from kvhub.core.mlp import residual
+
+    name = "keys" if kind == "k" else "values"
+    ridge, mlp = [], []
+    for layer in solution.layers:
+        linear = layer.k_map if kind == "k" else layer.v_map
+        x = rows.tensors[f"{name}_x"][:, layout.src_columns(layer.sources)]
+        y = rows.tensors[f"{name}_y"][:, layout.dst_columns(layer.target)]
+        base = torch.addmm(linear.bias.float(), x, linear.dense(len(layer.sources), layout.src_width).float())
+        total = float((y - y.mean(0)).double().square().sum())
+        result = trained[layer.target][kind]
+        ridge.append(1 - float((y - base).double().square().sum()) / total)
+        fitted = base + residual([x], result.layers, activation)
+        mlp.append(1 - float((y - fitted).double().square().sum()) / total)
+    return sum(ridge) / len(ridge), sum(mlp) / len(mlp)
+
+
+def _rows(reservoir, first: int, last: int | None):
+    """The rows of a full reservoir's sequences ``first`` .. ``last`` - 1 (None: to the end), as a view."""
+    per = reservoir.rows_per_sequence
     view = copy.copy(reservoir)
-    view.rows = reservoir.rows[:rows]
-    view.tensors = {name: tensor[:rows] for name, tensor in reservoir.tensors.items()}
+    view.rows = reservoir.rows[first * per : None if last is None else last * per]
+    view.tensors = {
+        name: t[first * per : None if last is None else last * per] for name, t in reservoir.tensors.items()
+    }
     return view
 
 

@@ -76,6 +76,8 @@ def test_mlp_maps_are_trained_on_each_sizes_own_rows(tiny_model_dirs, text_corpu
         assert row["mlp_train_rows"] == row["train_tokens"]
         for kind in ("k", "v"):
             assert row[f"mlp_r2_{kind}_mean"] >= row[f"mlp_ridge_r2_{kind}_mean"] - 1e-6
+            assert 0.9 < row[f"mlp_ridge_r2_{kind}_unseen"] <= 1 and 0.9 < row[f"mlp_r2_{kind}_unseen"] <= 1
+        assert row["mlp_stop_rows"] == row["mlp_unseen_rows"] == 24  # 2 held-out sequences: one each
         mapper = Mapper.load(row["artifact"])
         assert mapper.metadata["kind"] == "mlp"
         assert mapper.metadata["mlp"]["tokens"]["train"] == row["train_tokens"]
