@@ -16,8 +16,8 @@ The sizes are prefixes of one draw of the largest size (``kvhub fit --samples N`
 sequences), so the rows differ only in how many of the same sequences the solve saw.
 
 With --map mlp the pass also keeps every row (:mod:`kvhub.fitting.samples`: 80 KB a row for the Qwen
-0.5B -> 1.5B pair, 2.6 GB at 64 sequences of 512), and at each size the residual MLPs are trained on the
-first size's rows on top of that size's ridge maps, as ``kvhub fit --map mlp --mlp-tokens <all rows>`` trains
+0.5B -> 1.5B pair, 2.6 GB at 64 sequences of 512), and at each size the residual MLPs are trained on that
+size's rows on top of that size's ridge maps, as ``kvhub fit --map mlp --mlp-tokens <all rows>`` trains
 them, stopping early on the first half of the held-out sequences: the row adds the MLP maps' held-out R^2
 and the ridge maps' on those rows (what ``kvhub fit`` reports, chosen on them) and on the other half, which
 neither training nor stopping saw (``*_unseen``), the gains and the training seconds.
