@@ -202,21 +202,15 @@ def _with_mlps(mapper, solution, kept: dict, size: int, layout, options, row: di
 
 def _unseen_r2(solution, trained: dict, rows, layout, kind: str, activation: str) -> tuple[float, float]:
     """Mean over target layers of the pooled R^2 on ``rows`` of the ridge map and of the MLP map (ridge + r)."""
-    import torch
-
     from kvhub.core.mlp import residual
+    from kvhub.fitting.mlp_fit import map_rows
 
-    name = "keys" if kind == "k" else "values"
     ridge, mlp = [], []
     for layer in solution.layers:
-        linear = layer.k_map if kind == "k" else layer.v_map
-        x = rows.tensors[f"{name}_x"][:, layout.src_columns(layer.sources)]
-        y = rows.tensors[f"{name}_y"][:, layout.dst_columns(layer.target)]
-        base = torch.addmm(linear.bias.float(), x, linear.dense(len(layer.sources), layout.src_width).float())
+        x, y, base = map_rows(layer, kind, rows, layout)
         total = float((y - y.mean(0)).double().square().sum())
-        result = trained[layer.target][kind]
+        fitted = base + residual([x], trained[layer.target][kind].layers, activation)
         ridge.append(1 - float((y - base).double().square().sum()) / total)
-        fitted = base + residual([x], result.layers, activation)
         mlp.append(1 - float((y - fitted).double().square().sum()) / total)
     return sum(ridge) / len(ridge), sum(mlp) / len(mlp)
 

@@ -100,16 +100,7 @@ def _train(
     layer: LayerSolution, kind: str, samples: dict[str, Reservoir], layout: Layout, schedule: Schedule, device
 ) -> Trained:
     """Train the residual MLP of one map: inputs, targets and ridge predictions from the reservoirs."""
-    linear = layer.k_map if kind == "k" else layer.v_map
-    weight = linear.dense(len(layer.sources), layout.src_width).float()  # (d_in, d_out)
-    bias = linear.bias.float()
-    cols, ycols = layout.src_columns(layer.sources), layout.dst_columns(layer.target)
-    name = "keys" if kind == "k" else "values"
-    splits = []
-    for split in ("train", "heldout"):
-        x = samples[split].tensors[f"{name}_x"][:, cols]  # (n, d_in)
-        y = samples[split].tensors[f"{name}_y"][:, ycols]  # (n, d_out)
-        splits += [x, y, torch.addmm(bias, x, weight)]
+    splits = [t for split in ("train", "heldout") for t in map_rows(layer, kind, samples[split], layout)]
     seeded = dataclasses.replace(schedule, seed=schedule.seed + 2 * layer.target + KINDS.index(kind))
     trained = train_residual(*splits, schedule=seeded, device=device)
     log.info(
@@ -122,6 +113,17 @@ def _train(
         trained.epochs,
     )
     return trained
+
+
+def map_rows(layer: LayerSolution, kind: str, reservoir: Reservoir, layout: Layout):
+    """(x (n, d_in), y (n, d_out), ridge prediction (n, d_out)) of map (``layer``, ``kind``) on a reservoir's rows:
+    its selected source layers' columns, target layer's columns, and x @ W + b of its ridge map."""
+    linear = layer.k_map if kind == "k" else layer.v_map
+    weight = linear.dense(len(layer.sources), layout.src_width).float()  # (d_in, d_out)
+    name = "keys" if kind == "k" else "values"
+    x = reservoir.tensors[f"{name}_x"][:, layout.src_columns(layer.sources)]
+    y = reservoir.tensors[f"{name}_y"][:, layout.dst_columns(layer.target)]
+    return x, y, torch.addmm(linear.bias.float(), x, weight)
 
 
 def with_mlps(mapper: Mapper, trained: dict[int, dict[str, Trained]], samples: dict[str, Reservoir], options) -> Mapper:
