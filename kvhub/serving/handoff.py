@@ -21,13 +21,23 @@ everything unless asked.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError, IncompatibleError
 from kvhub.core.fingerprint import kv_geometry
 from kvhub.core.layer_kinds import check_attention_layers
-from kvhub.serving.recompute import Recompute, cropped, recompute_positions, recompute_set
+from kvhub.core.last_queries import LastQueryAttention
+from kvhub.serving.recompute import (
+    Recompute,
+    budget_tokens,
+    cropped,
+    recompute_positions,
+    recompute_set,
+    selection_queries,
+)
 from kvhub.serving.spec import DEFAULT_EXACT_BUDGET, DEFAULT_EXACT_PREFIX, DEFAULT_EXACT_SUFFIX, DEFAULT_SELECT
 
 
@@ -139,10 +149,65 @@ def prepare_cache_counted(
     recompute: Recompute,
     tokenizer=None,
     source_cache=None,
+    source_attention: torch.Tensor | None = None,
 ):
     """(:func:`prepare_cache`'s cache, the context positions (sorted, long, on the CPU) the target recomputed
     exactly): what a report counts as recomputed, rather than what the spec asked for (whole spans are taken
-    while they fit the budget, so a selection can hold fewer tokens)."""
+    while they fit the budget, so a selection can hold fewer tokens).  ``source_attention``: see
+    :func:`escalate`."""
+    done = escalate(
+        mapper,
+        source_model,
+        target_model,
+        input_ids,
+        recompute=recompute,
+        tokenizer=tokenizer,
+        source_cache=source_cache,
+        source_attention=source_attention,
+        first_logits=False,
+    )
+    return done.cache, done.positions
+
+
+@dataclass
+class Escalation:
+    """What :func:`escalate` built: ``cache``, the target cache of the n-1 context positions; ``positions``, the
+    context positions the target recomputed (sorted, long, CPU); and, when the recompute pass also ran the
+    prompt's last token, ``logits`` (B, V), its first logits, and ``last``, that token's (keys, values)
+    (B, H, 1, D) per layer (not in ``cache``: :func:`generate_from` appends them where generate expects them)."""
+
+    cache: object
+    positions: torch.Tensor
+    logits: torch.Tensor | None = None
+    last: list | None = None
+
+
+@torch.no_grad()
+def escalate(
+    mapper,
+    source_model,
+    target_model,
+    input_ids: torch.Tensor,
+    *,
+    recompute: Recompute,
+    tokenizer=None,
+    source_cache=None,
+    source_attention: torch.Tensor | None = None,
+    first_logits: bool = True,
+) -> Escalation:
+    """The escalation of ``input_ids`` (B, n) to the target: map the source cache of the context (the first n-1
+    tokens), choose what ``recompute`` recomputes, and recompute it in ONE target pass that also runs the last
+    prompt token (``first_logits``), so the first logits need no second forward
+    (:func:`kvhub.serving.recompute.recompute_positions`).
+
+    source_cache: the source's cache of (at least) input_ids[:, :-1] when the caller has it (a serving
+    stack does); else the source prefills the context here, and with select=source the same prefill yields
+    the selection's attention (:class:`kvhub.core.last_queries.LastQueryAttention`), so no second source pass
+    runs.  source_attention: that (Q, T) attention when the caller's prefill collected it (with
+    ``LastQueryAttention(source_model, queries=selection_queries(spec, n - 1))``); else, with a given
+    source_cache, the source runs its last Q tokens again to score.  A target with sliding-window layers and a
+    context recomputed whole return no logits (generate runs the last token, as before).
+    """
     for model in (source_model, target_model):  # hybrids (linear attention, Mamba): refused by layer type
         check_attention_layers(model.config, name=getattr(model.config, "_name_or_path", None) or None)
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
@@ -155,8 +220,9 @@ def prepare_cache_counted(
             raise ConfigError(f"{name} must be in 0..{tokens} (the context minus its last token), got {value}")
     check_models(mapper, source_model, target_model, tokenizer=tokenizer)
     if spec.exact_prefix + spec.exact_suffix >= tokens:  # nothing left to map: the target's own cache
-        return run_model(target_model, context), torch.arange(tokens)
-    source_cache = run_model(source_model, context) if source_cache is None else source_cache
+        return Escalation(run_model(target_model, context), torch.arange(tokens))
+    if source_cache is None:
+        source_cache, source_attention = _source_prefill(source_model, context, spec, windowed=mapper.windowed_target())
     if mapper.windowed_target():
         if spec.selective:
             raise ConfigError(
@@ -164,7 +230,8 @@ def prepare_cache_counted(
                 f"{mapper.target['model_id']} has sliding-window layers: use exact_budget=0"
             )
         cache = _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec)
-        return cache, torch.cat([torch.arange(spec.exact_prefix), torch.arange(tokens - spec.exact_suffix, tokens)])
+        positions = torch.cat([torch.arange(spec.exact_prefix), torch.arange(tokens - spec.exact_suffix, tokens)])
+        return Escalation(cache, positions)
     whole = source_cache if source_cache.get_seq_length() == tokens else cropped(source_cache, tokens)
     cache = mapper.transfer(whole, dtype=target_model.dtype)
     positions = recompute_set(
@@ -175,9 +242,23 @@ def prepare_cache_counted(
         target_model=target_model,
         source_cache=source_cache,
         tokenizer=tokenizer,
+        source_attention=source_attention,
     )
-    recompute_positions(target_model, cache, context, positions)
-    return cache, positions.cpu()
+    first = recompute_positions(
+        target_model, cache, context, positions, last=input_ids[:, -1:] if first_logits else None
+    )
+    logits, last = first if first is not None else (None, None)
+    return Escalation(cache, positions.cpu(), logits, last)
+
+
+def _source_prefill(source_model, context: torch.Tensor, spec: Recompute, *, windowed: bool):
+    """(the source's cache of ``context``, the (Q, T) attention its last Q tokens paid when select=source
+    will choose, else None): one prefill either way."""
+    if not (spec.selective and spec.select == "source" and not windowed and budget_tokens(spec, context.shape[1])):
+        return run_model(source_model, context), None
+    with LastQueryAttention(source_model, queries=selection_queries(spec, context.shape[1])) as scored:
+        cache = run_model(source_model, context)
+    return cache, scored.attention[0]
 
 
 def _windowed_prefix_suffix(mapper, target_model, context, source_cache, spec: Recompute):
@@ -242,16 +323,44 @@ def handoff(
         exact_budget = 0.0 if mapper.windowed_target() else DEFAULT_EXACT_BUDGET
     spec = (recompute or Recompute(exact_prefix, exact_suffix, exact_budget, select)).capped(input_ids.shape[1] - 1)
     rows = [input_ids[i : i + 1] for i in range(input_ids.shape[0])] if spec.selective else [input_ids]
-    caches = [
-        prepare_cache(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer) for row in rows
-    ]
-    cache = caches[0] if len(caches) == 1 else _stacked(caches)
+    done = [escalate(mapper, source_model, target_model, row, recompute=spec, tokenizer=tokenizer) for row in rows]
+    return generate_from(target_model, input_ids, done[0] if len(done) == 1 else _stacked(done), **generate_kwargs)
+
+
+def generate_from(target_model, input_ids: torch.Tensor, escalation: Escalation, **generate_kwargs) -> torch.Tensor:
+    """``target_model.generate(input_ids, ...)`` continuing ``escalation`` (of these ``input_ids`` (B, n)).
+
+    When the escalation computed the first logits, generate's own first forward (the last prompt token over
+    the n-1 cached positions) is answered from them: that one call appends the token's K/V to the cache and
+    returns the logits, so every generation setting (sampling, logits processors, stopping, streamers) applies
+    to the first token exactly as to a forward's.  Any other call goes to the model."""
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
-    attention_mask = torch.ones_like(input_ids)
-    return target_model.generate(
-        input_ids, attention_mask=attention_mask, **cache_kwargs(target_model, cache), **generate_kwargs
-    )
+    cache, kwargs = escalation.cache, {"attention_mask": torch.ones_like(input_ids), **generate_kwargs}
+    if escalation.logits is None:
+        return target_model.generate(input_ids, **cache_kwargs(target_model, cache), **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    own = target_model.__dict__.get("forward")  # an instance forward (accelerate's hooks) stays in place
+    forward, tokens, pending = target_model.forward, input_ids.shape[1] - 1, [True]
+
+    def first(*args, **inputs):
+        ids = inputs.get("input_ids")
+        answer = pending.pop() if pending else False
+        if answer and ids is not None and ids.shape[1] == 1 and cache.get_seq_length() == tokens:
+            for index, (keys, values) in enumerate(escalation.last):
+                cache.update(keys, values, index)
+            return CausalLMOutputWithPast(logits=escalation.logits[:, None], **cache_kwargs(target_model, cache))
+        return forward(*args, **inputs)
+
+    target_model.forward = first
+    try:
+        return target_model.generate(input_ids, **cache_kwargs(target_model, cache), **kwargs)
+    finally:
+        if own is None:
+            del target_model.forward
+        else:
+            target_model.forward = own
 
 
 def _prompt_ids(input_ids, attention_mask) -> torch.Tensor:
@@ -275,15 +384,21 @@ def _prompt_ids(input_ids, attention_mask) -> torch.Tensor:
     return input_ids
 
 
-def _stacked(caches):
-    """One DynamicCache whose batch holds the rows of ``caches`` (same length, full-attention layers)."""
+def _stacked(done: list[Escalation]) -> Escalation:
+    """One Escalation whose batch holds the rows of ``done`` (same length, full-attention layers)."""
     from transformers import DynamicCache
 
-    out = DynamicCache()
-    for index in range(len(caches[0].layers)):
-        out.update(
-            torch.cat([c.layers[index].keys for c in caches]),
-            torch.cat([c.layers[index].values for c in caches]),
+    cache = DynamicCache()
+    for index in range(len(done[0].cache.layers)):
+        cache.update(
+            torch.cat([d.cache.layers[index].keys for d in done]),
+            torch.cat([d.cache.layers[index].values for d in done]),
             index,
         )
-    return out
+    if any(d.logits is None for d in done):
+        return Escalation(cache, done[0].positions)
+    last = [
+        (torch.cat([d.last[i][0] for d in done]), torch.cat([d.last[i][1] for d in done]))
+        for i in range(len(done[0].last))
+    ]
+    return Escalation(cache, done[0].positions, torch.cat([d.logits for d in done]), last)

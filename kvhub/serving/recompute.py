@@ -196,12 +196,23 @@ def deviation_scores(mapped_cache, exact_keys: torch.Tensor, exact_values: torch
 
 # ---- recomputing them ------------------------------------------------------------------------------
 @torch.no_grad()
-def recompute_positions(target_model, cache, context: torch.Tensor, positions: torch.Tensor) -> None:
+def recompute_positions(target_model, cache, context: torch.Tensor, positions: torch.Tensor, *, last=None):
     """Overwrite ``cache`` (a target cache of the T = context.shape[1] tokens) at ``positions`` (sorted,
-    unique, long) with the target's K/V computed over the rest of the cache, in one masked pass
-    (module docstring).  context: (B, T); every row recomputes the same positions."""
-    if positions.numel() == 0:
-        return
+    unique, long) with the target's K/V computed over the rest of the cache, in one pass (module docstring).
+    context: (B, T); every row recomputes the same positions.
+
+    Each layer writes its exact K/V at R into the cache *before* its attention runs, so the module
+    docstring's mask is plain causality in position space: a query at position p sees every cache
+    position j <= p (mapped where j is not in R, this pass's exact K/V where it is), and no (R, T + R)
+    mask over appended copies is built.
+
+    ``last``: (B, 1) ids of the prompt's last token (position T), computed in the same pass over the
+    recomputed cache: returns (logits (B, V) of that token, [(keys, values) (B, H, 1, D) per layer]) and
+    leaves ``cache`` at T positions (what :func:`kvhub.serving.handoff.generate_from` hands to generate);
+    without it, returns None.
+    """
+    if positions.numel() == 0 and last is None:
+        return None
     if any(getattr(layer, "sliding_window", None) for layer in cache.layers):
         raise ConfigError(
             "selective recompute needs full-attention cache layers; this target has sliding-window "
@@ -210,36 +221,71 @@ def recompute_positions(target_model, cache, context: torch.Tensor, positions: t
     device = next(target_model.parameters()).device
     tokens, count = context.shape[1], positions.numel()
     positions = positions.to(device)
-    in_set = torch.zeros(tokens, dtype=torch.bool, device=device)
-    in_set[positions] = True
-    to_cache = (torch.arange(tokens, device=device)[None, :] < positions[:, None]) & ~in_set[None, :]  # (R, T)
-    to_new = torch.ones(count, count, dtype=torch.bool, device=device).tril()  # (R, R)
-    allowed = torch.cat([to_cache, to_new], dim=1)  # (R, T + R)
+    ids = context[:, positions.cpu()].to(device)
+    query_positions = positions
+    if last is not None:
+        ids = torch.cat([ids, last.to(device)], dim=1)
+        query_positions = torch.cat([positions, torch.tensor([tokens], device=device)])
+    keys_at = torch.arange(tokens + (last is not None), device=device)
     dtype = target_model.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    target_model.base_model(
-        input_ids=context[:, positions.cpu()].to(device),
-        position_ids=positions.unsqueeze(0),
-        attention_mask=mask[None, None],
-        use_cache=True,
-        **cache_kwargs(target_model.base_model, cache),
-    )
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values  # (1, H, T + R, D)
-        layer.keys = keys[:, :, :tokens].index_copy(2, positions, keys[:, :, tokens:])
-        layer.values = values[:, :, :tokens].index_copy(2, positions, values[:, :, tokens:])
+    mask = torch.zeros(len(query_positions), len(keys_at), dtype=dtype, device=device)
+    mask.masked_fill_(keys_at[None, :] > query_positions[:, None], torch.finfo(dtype).min)
+    stash: list = []
+    cache.update = _writing_update(cache, positions, count, stash)  # this pass only (removed below)
+    try:
+        model = target_model if last is not None else target_model.base_model
+        extra = {"logits_to_keep": 1} if last is not None else {}
+        output = model(
+            input_ids=ids,
+            position_ids=query_positions.unsqueeze(0),
+            attention_mask=mask[None, None],
+            use_cache=True,
+            **cache_kwargs(model, cache),
+            **extra,
+        )
+    finally:
+        del cache.update
+    return (output.logits[:, -1], stash) if last is not None else None
+
+
+def _writing_update(cache, positions: torch.Tensor, count: int, stash: list):
+    """A ``cache.update`` for :func:`recompute_positions`' pass: the first ``count`` new rows go into the
+    cache at ``positions`` in place; the rest (the last prompt token) is kept in ``stash`` and attended to
+    without entering the cache.  Returns what attention reads: the cache, plus that token."""
+
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        layer = cache.layers[layer_idx]
+        layer.keys.index_copy_(2, positions, key_states[:, :, :count].to(layer.keys.dtype))
+        layer.values.index_copy_(2, positions, value_states[:, :, :count].to(layer.values.dtype))
+        if key_states.shape[2] == count:
+            return layer.keys, layer.values
+        pair = (key_states[:, :, count:].to(layer.keys.dtype), value_states[:, :, count:].to(layer.values.dtype))
+        stash.append(pair)
+        return torch.cat([layer.keys, pair[0]], dim=2), torch.cat([layer.values, pair[1]], dim=2)
+
+    return update
 
 
 # ---- the whole step ------------------------------------------------------------------------------
 @torch.no_grad()
 def recompute_set(
-    spec: Recompute, *, context: torch.Tensor, mapped_cache, source_model, target_model, source_cache, tokenizer=None
+    spec: Recompute,
+    *,
+    context: torch.Tensor,
+    mapped_cache,
+    source_model,
+    target_model,
+    source_cache,
+    tokenizer=None,
+    source_attention: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted positions R = prefix U selected spans U suffix of ``context`` (B, T) to recompute.
 
     ``mapped_cache``: the target cache mapped from the source (before any recompute);
-    ``source_cache``: the source's cache of (at least) the whole context, left untouched.
-    Selection (exact_budget > 0) needs batch 1.
+    ``source_cache``: the source's cache of (at least) the whole context, left untouched;
+    ``source_attention``: for select=source, the (Q, T) attention of the context's last Q tokens that the
+    source's own prefill collected (:class:`kvhub.core.last_queries.LastQueryAttention`), so no second
+    source pass runs; None: that pass runs.  Selection (exact_budget > 0) needs batch 1.
     """
     tokens = context.shape[1]
     prefix = torch.arange(0, spec.exact_prefix)
@@ -258,20 +304,36 @@ def recompute_set(
         eligible=eligible,
         tokenizer=tokenizer,
         scores=lambda: selection_scores(
-            spec, context, mapped_cache, source_model, target_model, source_cache, eligible
+            spec, context, mapped_cache, source_model, target_model, source_cache, eligible, source_attention
         ),
     )
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
 def selection_scores(
-    spec: Recompute, context, mapped_cache, source_model, target_model, source_cache, eligible: torch.Tensor
+    spec: Recompute,
+    context,
+    mapped_cache,
+    source_model,
+    target_model,
+    source_cache,
+    eligible: torch.Tensor,
+    source_attention: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(T,) the score of each context position under ``spec.select`` (source / target attention from the last
     ``queries`` tokens, deviation of the mapped first layers, or the seeded random control); what
-    :func:`recompute_set` ranks spans by (benchmarks time it as the selection step)."""
+    :func:`recompute_set` ranks spans by (benchmarks time it as the selection step).  ``source_attention``:
+    see :func:`recompute_set` (it must come from ``selection_queries(spec, T)`` queries)."""
     tokens = context.shape[1]
-    queries = max(1, min(spec.queries, tokens - 1))
+    queries = selection_queries(spec, tokens)
+    if spec.select == "source" and source_attention is not None:
+        if tuple(source_attention.shape) != (queries, tokens):
+            raise ConfigError(
+                f"source_attention has shape {tuple(source_attention.shape)}; select=source with queries="
+                f"{spec.queries} over {tokens} context tokens needs ({queries}, {tokens}): collect it over the "
+                "context (the prompt less its last token) with LastQueryAttention(source_model, queries=...)"
+            )
+        return attention_scores(source_attention, eligible, score=spec.score)
     if spec.select in ("source", "target"):
         model, cache = (source_model, source_cache) if spec.select == "source" else (target_model, mapped_cache)
         attention = query_attention(model, context, cropped(cache, tokens - queries), queries=queries)
@@ -279,6 +341,11 @@ def selection_scores(
     if spec.select == "deviation":
         return deviation_scores(mapped_cache, *first_layers_kv(target_model, context)[0])
     return random_scores(context[0])
+
+
+def selection_queries(spec: Recompute, context_tokens: int) -> int:
+    """How many last context tokens the attention selectors score with: ``spec.queries``, at most T - 1."""
+    return max(1, min(spec.queries, context_tokens - 1))
 
 
 def random_scores(ids: torch.Tensor) -> torch.Tensor:
