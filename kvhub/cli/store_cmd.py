@@ -119,7 +119,9 @@ def gc(dry_run, hub_cache, db, output_format):
     """
     with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
-        copies = _hub_cache_copies(store, dry_run=dry_run) if hub_cache else []
+        cached = _hub_cache_copies(store, dry_run=dry_run) if hub_cache else None
+    copies = cached.copies if cached is not None else []
+    skipped = cached.skipped if cached is not None else []
     if print_record(
         {
             "dry_run": report.dry_run,
@@ -128,6 +130,9 @@ def gc(dry_run, hub_cache, db, output_format):
             "missing": report.missing,
             "bytes": report.bytes,
             "hub_cache": [dict(repo_id=c.repo_id, commit=c.commit, ref=c.ref, bytes=c.bytes) for c in copies],
+            "hub_cache_skipped": [
+                dict(repo_id=s.repo_id, commit=s.commit, path=s.path, reason=s.reason) for s in skipped
+            ],
         },
         output_format=output_format,
     ):
@@ -142,6 +147,8 @@ def gc(dry_run, hub_cache, db, output_format):
             f"{verb} {len(copies)} copies of pulled mappers from the Hugging Face cache "
             f"({format_size(sum(c.bytes for c in copies))})"
         )
+    for refused in skipped:
+        say(refused.reason, label="warning:", style="yellow")
     for location in report.missing:
         say(
             f"{location} is referenced but missing; re-import it or `kvhub rm` its version",
@@ -150,16 +157,17 @@ def gc(dry_run, hub_cache, db, output_format):
         )
 
 
-def _hub_cache_copies(store, *, dry_run: bool) -> list:
-    """The Hugging Face cache's copies of mappers the store holds; deleted unless ``dry_run``."""
+def _hub_cache_copies(store, *, dry_run: bool):
+    """The Hugging Face cache's copies of mappers the store holds, deleted unless ``dry_run``, and the cached
+    revisions that are not the cache's own layout (neither read nor deleted: kvhub.hub.cache)."""
     from kvhub.hub.cache import drop_copies, stored_copies
     from kvhub.hub.client import hub_settings
 
     cache_dir = hub_settings().cache_dir
-    copies = stored_copies(store, cache_dir=cache_dir)
+    found = stored_copies(store, cache_dir=cache_dir)
     if not dry_run:
-        drop_copies(copies, cache_dir=cache_dir)
-    return copies
+        drop_copies(found.copies, cache_dir=cache_dir)
+    return found
 
 
 # ---- moving artifacts in and out -----------------------------------------------------------------

@@ -27,9 +27,9 @@ from kvhub.errors import (
     HubRepoNotFoundError,
     HubRevisionNotFoundError,
     IncompatibleError,
-    IntegrityError,
     NotFoundError,
 )
+from kvhub.hub.cache import cached_blob, repo_blob
 from kvhub.hub.client import HubSettings, _api, hub_errors, hub_settings, parse_repo_ref
 from kvhub.hub.push import tag_number
 from kvhub.hub.search import search
@@ -178,12 +178,16 @@ def _remember_tag(snapshot: Path, label: str, commit: str) -> None:
 
 
 def _purge_cached_snapshot(snapshot: Path) -> None:
-    """Remove a snapshot folder and the blobs its files point to from the Hugging Face cache."""
+    """Remove a snapshot folder and the blobs its files point to from the Hugging Face cache: only the
+    repository's own blobs (:func:`~kvhub.hub.cache.repo_blob`); a link anywhere else goes with the folder,
+    never what it points to, and a snapshot that is itself a link is unlinked, not emptied."""
+    if snapshot.is_symlink():
+        snapshot.unlink(missing_ok=True)
+        return
     for path in snapshot.rglob("*"):
-        if path.is_symlink():
-            blob = path.resolve()
-            if blob.is_file() and blob.parent.name == "blobs":
-                blob.unlink(missing_ok=True)
+        blob = repo_blob(snapshot, path)
+        if blob is not None:
+            blob.unlink(missing_ok=True)
     shutil.rmtree(snapshot, ignore_errors=True)
     logger.info("dropped %s from the Hugging Face cache after a failed verification", snapshot)
 
@@ -199,7 +203,7 @@ def _stage(snapshot: Path, staged: Path) -> None:
             or path.name.endswith(".safetensors")
             or (is_figure_name(path.name) and path.name in shown)
         ):
-            copy_regular(_cached_blob(snapshot, path), staged / path.name)
+            copy_regular(cached_blob(snapshot, path), staged / path.name)
 
 
 def _card_images(card: Path) -> set[str]:
@@ -207,7 +211,7 @@ def _card_images(card: Path) -> set[str]:
     a branch by an older push are no part of this version."""
     if not card.is_file():
         return set()
-    text = _cached_blob(card.parent, card).read_text(encoding="utf-8", errors="replace")
+    text = cached_blob(card.parent, card).read_text(encoding="utf-8", errors="replace")
     return set(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text))
 
 
@@ -235,21 +239,6 @@ def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: st
         alias = hub_alias(revision)
         version = store.tag(version, alias)
     return version, existing is not None, alias
-
-
-def _cached_blob(snapshot: Path, path: Path) -> Path:
-    """The blob a snapshot entry links to, which must lie in this repository's ``blobs/`` folder of the
-    Hugging Face cache (the only link kvhub follows: the cache's own layout)."""
-    if not path.is_symlink():
-        return path
-    blob = path.resolve()
-    blobs = (snapshot.parent.parent / "blobs").resolve()
-    if blob.parent != blobs:
-        raise IntegrityError(
-            f"{path} links outside the Hugging Face cache's blobs ({blob}); the cache was "
-            "tampered with: delete it (`hf cache delete`) and pull again"
-        )
-    return blob
 
 
 def configured_namespaces() -> list[str]:

@@ -266,11 +266,12 @@ def config_isolation_source(extra: dict, key: str = "isolation_key_source") -> s
 def isolation_key(request, *, source: str, required: bool) -> str | None:
     """The request's isolation key, read from the one field the operator chose (``source``, see
     :func:`config_isolation_source`); the other field never decides the namespace.  "" (the shared
-    namespace) when the field is absent, None when it is absent and ``required``.
+    namespace) when the request names no tenant at all, None then when ``required``.
 
     ConfigError (the request is then neither stored nor loaded) when the request names a tenant through a
-    field this server does not take it from, or gives a key that is not a string: a client must not pick
-    another tenant's namespace, nor fall silently into the shared one."""
+    field this server does not take it from (``kvhub_tenant`` on a ``cache_salt`` server; on a
+    ``kvhub_tenant`` server, a ``cache_salt`` without a non-empty ``kvhub_tenant``), or gives a key that is
+    not a string: a client must not pick another tenant's namespace, nor fall silently into the shared one."""
     params = getattr(request, "kv_transfer_params", None) or {}
     if not isinstance(params, dict):
         raise ConfigError("kv_transfer_params must be a JSON object")
@@ -283,6 +284,12 @@ def isolation_key(request, *, source: str, required: bool) -> str | None:
         key = getattr(request, "cache_salt", None)
     else:
         key = params.get("kvhub_tenant")
+        if not key and getattr(request, "cache_salt", None) is not None:
+            raise ConfigError(
+                "the request names its tenant only by cache_salt, and this server takes it from "
+                "kv_transfer_params.kvhub_tenant (isolation_key_source is kvhub_tenant); have your gateway set "
+                "kvhub_tenant on this route, or serve with isolation_key_source: cache_salt"
+            )
     if key is None:
         key = ""
     if not isinstance(key, str):

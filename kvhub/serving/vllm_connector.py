@@ -32,7 +32,8 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
 * Isolation key: decided by the server's configuration, never by the client: the request's ``cache_salt``
   (default), or ``kv_transfer_params["kvhub_tenant"]`` with ``isolation_key_source="kvhub_tenant"``; else ""
   (one shared namespace; ``require_isolation_key`` turns that off).  A request naming its tenant through the
-  other field is neither stored nor loaded (:func:`~kvhub.serving.connector_config.isolation_key`).
+  other field (with ``kvhub_tenant``: a ``cache_salt`` and no ``kvhub_tenant``) is neither stored nor loaded
+  (:func:`~kvhub.serving.connector_config.isolation_key`).
 * Fallback is never silent (a log line, ``self.counters``, an ``events_path`` JSON line): a failed or
   non-finite map, write or recompute reports its blocks through ``get_block_ids_with_load_errors``, and
   vLLM prefills them (``kv_load_failure_policy="recompute"``).

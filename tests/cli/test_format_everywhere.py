@@ -33,7 +33,7 @@ STORE_COMMANDS = [
     pytest.param(["rm", "REF", "--force"], ["bytes", "ref", "removed"], ("removed", "true"), id="R3_11-rm"),
     pytest.param(
         ["gc", "--dry-run"],
-        ["artifacts", "bytes", "dry_run", "hub_cache", "missing", "temporaries"],
+        ["artifacts", "bytes", "dry_run", "hub_cache", "hub_cache_skipped", "missing", "temporaries"],
         ("dry_run", "true"),
         id="R3_11-gc-dry-run",
     ),

@@ -152,3 +152,71 @@ def test_R3_1_transfer_configs_gives_both_roles_the_same_source(tmp_path):
     assert {c["kv_connector_extra_config"]["isolation_key_source"] for c in configs.values()} == {"kvhub_tenant"}
     with pytest.raises(ConfigError, match="isolation_key_source"):
         transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="a:b:c@latest", isolation_key_source="x")
+
+
+def _named(name: str, by: str, prompt=PROMPT):
+    """A request of tenant ``name``, who names itself by its ``cache_salt`` ("salt") or ``kvhub_tenant`` ("key")."""
+    if by == "salt":
+        return request(name, prompt, cache_salt=name)
+    return request(name, prompt, params={"kvhub_tenant": name})
+
+
+NAMING = [  # (isolation_key_source, how alice and bob name themselves, how carol does)
+    pytest.param("kvhub_tenant", "salt", "salt", id="tenant-source-salt-only"),
+    pytest.param("kvhub_tenant", "key", "key", id="tenant-source-key-only"),
+    pytest.param("kvhub_tenant", "key", "salt", id="tenant-source-mixed-key-then-salt"),
+    pytest.param("kvhub_tenant", "salt", "key", id="tenant-source-mixed-salt-then-key"),
+    pytest.param("cache_salt", "salt", "salt", id="salt-source-salt-only"),
+]
+
+
+@pytest.mark.parametrize("source, savers, carol", NAMING)
+def test_no_tenant_sees_another_tenants_prompt_whatever_field_names_it(tmp_path, vllm_modules, source, savers, carol):
+    """Alice and bob send the same prompt to the producer; whatever the stand-in worker stores for each save
+    job, carol's request with that prompt loads nothing and learns nothing, and bob's own is found when he
+    names himself by the configured field.  With ``isolation_key_source: kvhub_tenant`` a request naming its
+    tenant only by ``cache_salt`` is neither stored nor loaded (``save_failed``/``fallback``), never the
+    shared "" namespace.
+
+    Planted bugs caught: a request with a ``cache_salt`` but no ``kvhub_tenant`` keyed "" in the opt-in mode
+    (bob's prompt matched for carol, and its report returned to her); the salt read as the key in the opt-in
+    mode (a client then picks its namespace); a refused save stored anyway."""
+    producer = _connector(tmp_path, "kv_producer", source_model=SRC_ID, isolation_key_source=source)
+    tenants = [_named("alice-salt", savers), _named("bob-salt", savers)]
+    for req in tenants:
+        producer.on_new_request(req)
+    saves = producer.build_connector_meta(scheduler_output(tenants)).saves
+    for job in saves:  # the worker side stores each job under its key
+        _store_prompt(tmp_path / "kvstore", job.isolation_key)
+    takes_field = savers == "key" or source == "cache_salt"
+    assert sorted(job.isolation_key for job in saves) == (["alice-salt", "bob-salt"] if takes_field else [])
+    assert producer.counters["save_failed"] == (0 if takes_field else 2)
+
+    consumer = _connector(tmp_path, "kv_consumer", isolation_key_source=source)
+    matched, response = _ask(consumer, _named("carol-salt", carol))
+    assert matched == 0 and response is None  # neither a load nor a report that tells a hit from a miss
+    if takes_field:  # the control: bob finds his own prompt through the configured field
+        matched, response = _ask(consumer, _named("bob-salt", savers))
+        assert matched == MATCHED and response["kvhub"]["mapped_tokens"] == MATCHED
+
+
+def test_a_salt_without_kvhub_tenant_is_refused_by_name_when_the_tenant_field_is_configured():
+    """The review's reproduction: two salts, one key "" before; now a ConfigError naming both fields and the fix.
+
+    Planted bugs caught: "" for a salted request in the opt-in mode; a refusal that names neither field."""
+    import types
+
+    from kvhub.serving.connector_config import isolation_key
+
+    for salt in ("bob", "carol"):
+        req = types.SimpleNamespace(cache_salt=salt, kv_transfer_params=None)
+        with pytest.raises(ConfigError, match=r"cache_salt.*isolation_key_source is kvhub_tenant.*kvhub_tenant"):
+            isolation_key(req, source="kvhub_tenant", required=False)
+    req = types.SimpleNamespace(cache_salt=None, kv_transfer_params={"kvhub_tenant": "bob"})
+    assert isolation_key(req, source="kvhub_tenant", required=False) == "bob"
+    assert (
+        isolation_key(
+            types.SimpleNamespace(cache_salt=None, kv_transfer_params=None), source="kvhub_tenant", required=False
+        )
+        == ""
+    )
