@@ -10,7 +10,9 @@ layer also computes, for its last Q query rows only,
     P_lh[i, t] = softmax_t( softcap(q_i . k_t * scaling) )   over the keys t that query may see
                  (t <= p_i, and t > p_i - window for a sliding-window layer; p_i its position)
 
-in fp32 and adds sum_h P_lh[i, t] to ``by_query`` (B, Q, T); ``terms`` counts the (layer, head) pairs.  That is
+in fp32 and :attr:`LastQueryAttention.attention` sums sum_h P_lh[i, t] over the layers, divided by the (layer, head)
+pairs.  A layer keeps only its (Q x T) logits during the prefill; the masks and softmaxes of all layers run in one
+batch afterwards, so the scoring adds a few operators per layer.  That is
 the math of :class:`kvhub.core.capture.AttentionMass` with ``per_query=True`` over the same queries, at a cost
 of one (Q x T) product per layer instead of a model forward.  Queries are the pass's last Q rows, so the pass
 must cover the whole prompt from position 0 (a prefill into an empty cache) for p_i = T - Q + i to hold.
@@ -26,6 +28,9 @@ import sys
 import torch
 
 _PREFIX = "kvhub_last_queries_"
+# Logits held before a group is reduced (elements): the batched softmax of all layers at once, while a 14B
+# source at 16k tokens (48 layers x 40 heads x 16 queries x 16k keys, 0.5G elements) is reduced in parts.
+_HELD_ELEMENTS = 1 << 26
 
 
 def _inner(previous: str, module) -> object:
@@ -64,7 +69,8 @@ class LastQueryAttention:
     def __init__(self, model, *, queries: int):
         self.model = model
         self.queries = queries
-        self.by_query: torch.Tensor | None = None
+        self._logits: dict[tuple, list[torch.Tensor]] = {}  # (scaling, softcap, window, Q) -> per layer logits
+        self._total: torch.Tensor | None = None  # (B, Q, T): the groups already reduced
         self.terms = 0
         self.previous: str = ""
         self._modules: list = []
@@ -87,31 +93,45 @@ class LastQueryAttention:
         self.model.set_attn_implementation(self.previous)
 
     def add(self, query: torch.Tensor, key: torch.Tensor, kwargs: dict, *, window: int | None) -> None:
-        """Add one layer's sum over heads of the last Q rows' probabilities.  query (B, Hq, Tq, D), key
-        (B, Hkv, T, D) as the attention function receives them (RoPE applied, the whole prefix)."""
+        """Keep one layer's logits of the last Q rows: query (B, Hq, Tq, D), key (B, Hkv, T, D) as the attention
+        function receives them (RoPE applied, the whole prefix).  The grouped-query heads of one KV head
+        share a GEMM; the masks and softmaxes of all layers run together in :attr:`attention`."""
         count = min(self.queries, query.shape[2])
-        tokens = key.shape[2]
-        q = query[:, :, -count:].float()  # (B, Hq, Q, D)
-        k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hq, T, D)
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (B, Hq, Q, T)
-        softcap = kwargs.get("softcap")
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        position = torch.arange(tokens - count, tokens, device=key.device)[:, None]  # (Q, 1): p_i
-        keys = torch.arange(tokens, device=key.device)[None, :]
-        hidden = keys > position
-        if window:
-            hidden |= keys <= position - window
-        summed = logits.masked_fill_(hidden, -torch.inf).softmax(-1).sum(1)  # (B, Q, T)
-        self.by_query = summed if self.by_query is None else self.by_query + summed
-        self.terms += query.shape[1]
+        batch, heads, _, dim = query.shape
+        q = query[:, :, -count:].reshape(batch, key.shape[1], -1, dim)  # (B, Hkv, G*Q, D): G query heads per KV head
+        logits = torch.matmul(q, key.transpose(-1, -2))  # (B, Hkv, G*Q, T)
+        scaling = kwargs.get("scaling") or dim**-0.5
+        group = (scaling, kwargs.get("softcap") or None, window or None, count)
+        self._logits.setdefault(group, []).append(logits)
+        self.terms += heads
+        if sum(t.numel() for t in self._logits[group]) > _HELD_ELEMENTS:  # long contexts: reduce what is held
+            self._total = self._reduced({group: self._logits.pop(group)}, self._total)
+
+    @staticmethod
+    def _reduced(groups: dict, total: torch.Tensor | None) -> torch.Tensor | None:
+        """``total`` (B, Q, T) plus the sum over the layers and heads of ``groups`` of their probabilities, each
+        group of alike layers in one batch."""
+        for (scaling, softcap, window, count), layers in groups.items():
+            logits = torch.stack(layers).float() * scaling  # (L, B, Hkv, G*Q, T)
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            tokens = logits.shape[-1]
+            logits = logits.unflatten(3, (-1, count))  # (L, B, Hkv, G, Q, T)
+            position = torch.arange(tokens - count, tokens, device=logits.device)[:, None]  # (Q, 1): p_i
+            keys = torch.arange(tokens, device=logits.device)[None, :]
+            hidden = keys > position
+            if window:
+                hidden |= keys <= position - window
+            summed = logits.masked_fill_(hidden, -torch.inf).softmax(-1).sum((0, 2, 3))  # (B, Q, T)
+            total = summed if total is None else total + summed
+        return total
 
     @property
     def attention(self) -> torch.Tensor:
         """(B, Q, T) fp32 on the host: P[i, t] averaged over layers and heads (what query_attention returns)."""
-        if self.by_query is None:
+        total = self._reduced(self._logits, self._total)
+        if total is None:
             from kvhub.errors import UnsupportedModelError
 
             raise UnsupportedModelError(f"no attention module of {type(self.model).__name__} ran in the prefill")
-        return (self.by_query / self.terms).float().cpu()
+        return (total / self.terms).float().cpu()

@@ -255,13 +255,15 @@ def _writing_update(cache, positions: torch.Tensor, count: int, stash: list):
 
     def update(key_states, value_states, layer_idx, *args, **kwargs):
         layer = cache.layers[layer_idx]
-        layer.keys.index_copy_(2, positions, key_states[:, :, :count].to(layer.keys.dtype))
-        layer.values.index_copy_(2, positions, value_states[:, :, :count].to(layer.values.dtype))
-        if key_states.shape[2] == count:
+        extra = key_states.shape[2] - count
+        keys, last_keys = key_states.split([count, extra], dim=2)
+        values, last_values = value_states.split([count, extra], dim=2)
+        layer.keys.index_copy_(2, positions, keys.to(layer.keys.dtype))
+        layer.values.index_copy_(2, positions, values.to(layer.values.dtype))
+        if not extra:
             return layer.keys, layer.values
-        pair = (key_states[:, :, count:].to(layer.keys.dtype), value_states[:, :, count:].to(layer.values.dtype))
-        stash.append(pair)
-        return torch.cat([layer.keys, pair[0]], dim=2), torch.cat([layer.values, pair[1]], dim=2)
+        stash.append((last_keys.to(layer.keys.dtype), last_values.to(layer.values.dtype)))
+        return torch.cat([layer.keys, stash[-1][0]], dim=2), torch.cat([layer.values, stash[-1][1]], dim=2)
 
     return update
 

@@ -107,13 +107,17 @@ def test_whole_context_recomputed_in_one_pass_is_the_targets_own_prefill(family)
     assert len(last) == target.config.num_hidden_layers and last[0][0].shape[2] == 1
 
 
+@pytest.mark.parametrize("held", [None, 1], ids=["batched", "reduced-per-layer"])
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3", "llama3", "mistral-sliding", "gpt_neox-partial"])
-def test_prefill_attention_equals_the_second_source_pass(variant):
+def test_prefill_attention_equals_the_second_source_pass(variant, held, monkeypatch):
     """LastQueryAttention collects, during the prefill, the attention the last Q queries pay: the same (Q, T)
     matrix the second source pass (query_attention over the cropped cache) measures, in every RoPE / window
     variant, and the prefill's cache is unchanged by it.  Planted bugs caught: queries taken from the first
     rows, a causal mask off by one, a sliding window ignored, GQA heads paired with the wrong KV head,
-    the model's attention implementation not restored."""
+    the model's attention implementation not restored, a group reduced twice or lost when the held logits
+    pass their bound (``held=1``: every layer reduced as it runs)."""
+    if held is not None:
+        monkeypatch.setattr("kvhub.core.last_queries._HELD_ELEMENTS", held)
     model = make_model("qwen2") if variant == "qwen2" else variant_model(variant)
     ids = _ids(1, 36, 11)
     with LastQueryAttention(model, queries=6) as scored:
