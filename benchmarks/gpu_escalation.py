@@ -1,5 +1,5 @@
 """Escalation time to first token on one GPU: the library handoff (map + the default recompute) against the
-target's own prefill, side by side, at 7B and 32B shapes (issue 34, item 7).
+target's own prefill, side by side, at 7B and 32B shapes (issue 34, item 7; issue 45: before and after).
 
     python benchmarks/gpu_escalation.py --out "$OUT/gpu_escalation.json"        # one H200: under 8 minutes
     python benchmarks/gpu_escalation.py --tiny --out /tmp/gpu_escalation.json    # the same code, tiny configs, CPU
@@ -17,13 +17,17 @@ spans of the same budget: the timing of a real selection, not its choice.
 Per pair and context length n, after one warm-up of each, ``--repeats`` alternating samples of:
 
 - ``own``: the target's prefill of the whole prompt to its first logits (``target(ids, logits_to_keep=1)``);
-- ``escalation``: :func:`kvhub.serving.handoff.prepare_cache_counted` with the handoff's default spec
+- ``escalation``: :func:`kvhub.serving.handoff.escalate` with the handoff's default spec
   (:data:`kvhub.serving.spec.HANDOFF`: the first 4 and last 16 tokens and 8% of the context chosen by the
   source's attention, recomputed by the target over the mapped rest) from the source cache a cascade
-  already holds, then the target's forward of the last token to its first logits;
+  already holds and the attention its prefill collected: one target pass, which also yields the first logits;
+- ``before``: the escalation as it was before issue 45 (``benchmarks/escalation_ops.py``'s ``before``: a
+  second source pass to select, the per-layer map, the appended masked pass, a separate first-token forward);
 - ``map_only``: ``mapper.transfer`` of the same source cache (no recompute, no logits).
 
-``source_prefill_s`` (what the cascade paid before escalating) is timed once.  Times are CUDA events
+``operators``: what one run of each dispatches (``escalation_ops.count``; on a GPU, an upper bound on its
+kernel launches).  ``source_prefill_s`` (what the cascade paid before escalating) and ``scoring_s`` (what
+collecting the selection's attention adds to that prefill) are timed once.  Times are CUDA events
 (perf_counter on a CPU).  A pair or length that would start past ``--budget-s`` is recorded as skipped, so
 the run ends in time.  Nothing in kvhub imports this script; tests/serving/test_gpu_escalation_script.py runs it
 with --tiny so it cannot rot.
@@ -42,6 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from escalation_ops import before, count  # the two-pass escalation of issue 45, and the operator counter
 from gpu_scale import Timer, build_model, random_mapper  # the same model builder and timer
 
 # Qwen2.5-7B(-Instruct / -Coder) config.json, the fields that shape the model (kvhub ships no 7B config)
@@ -115,55 +120,64 @@ def named_mapper(source, target, names: tuple[str, str], *, device):
     return mapper
 
 
-def escalate(mapper, source, target, ids: torch.Tensor, source_cache) -> int:
-    """The library escalation to the target's first logits; returns the context positions recomputed."""
-    from kvhub.core.capture import cache_kwargs
-    from kvhub.serving.handoff import prepare_cache_counted
+def escalate(mapper, source, target, ids: torch.Tensor, source_cache, attention) -> int:
+    """The library escalation to the target's first logits (:func:`kvhub.serving.handoff.escalate`: one target
+    pass, selection from the attention the source's prefill collected); returns the context positions
+    recomputed."""
+    from kvhub.serving.handoff import escalate as library_escalate
     from kvhub.serving.spec import HANDOFF
 
-    tokens = ids.shape[1] - 1
-    cache, recomputed = prepare_cache_counted(
-        mapper, source, target, ids, recompute=HANDOFF.capped(tokens), source_cache=source_cache
-    )
-    position = torch.full((1, 1), tokens, device=ids.device)
-    target(input_ids=ids[:, -1:], position_ids=position, logits_to_keep=1, **cache_kwargs(target, cache))
-    return int(recomputed.numel())
+    done = library_escalate(
+        mapper, source, target, ids, recompute=HANDOFF.capped(ids.shape[1] - 1), source_cache=source_cache,
+        source_attention=attention,
+    )  # fmt: skip
+    return int(done.positions.numel())
 
 
-def phases(mapper, source, target, ids: torch.Tensor, source_cache, timer) -> dict:
-    """Seconds of each step of one escalation, in :func:`kvhub.serving.handoff.prepare_cache_counted`'s order
-    (the windowed and full-prefill branches aside): ``transfer``; ``select`` (the recompute set: the
-    source's attention pass and the span choice), of which ``attention`` is the pass alone (timed once more
-    on its own); ``recompute`` (the masked pass and the writes); ``first_token`` (the last token's forward)."""
-    from kvhub.core.capture import cache_kwargs
-    from kvhub.serving.recompute import recompute_positions, recompute_set, selection_scores
+def scored_prefill(source, context: torch.Tensor):
+    """(the source's cache of ``context``, the attention its last queries paid): the prefill a serving stack
+    runs before it escalates, collecting the selection's scores as it goes."""
+    from kvhub.core.capture import run_model
+    from kvhub.core.last_queries import LastQueryAttention
+    from kvhub.serving.recompute import selection_queries
+    from kvhub.serving.spec import HANDOFF
+
+    spec = HANDOFF.capped(context.shape[1])
+    with LastQueryAttention(source, queries=selection_queries(spec, context.shape[1])) as scored:
+        cache = run_model(source, context)
+    return cache, scored.attention[0]
+
+
+def phases(mapper, source, target, ids: torch.Tensor, source_cache, attention, timer) -> dict:
+    """Seconds of each step of one escalation, in :func:`kvhub.serving.handoff.escalate`'s order (the windowed
+    and full-prefill branches aside): ``transfer`` (the map); ``select`` (the span choice from the prefill's
+    attention); ``recompute`` (one target pass: the recomputed positions and the last token's first logits)."""
+    from kvhub.serving.recompute import recompute_positions, recompute_set
     from kvhub.serving.spec import HANDOFF
 
     context = ids[:, :-1]
-    tokens = context.shape[1]
-    spec = HANDOFF.capped(tokens)
+    spec = HANDOFF.capped(context.shape[1])
     held: dict = {}
     out = {"transfer": timer(lambda: held.update(cache=mapper.transfer(source_cache, dtype=target.dtype)))}
-    cache = held["cache"]
-    select = dict(context=context, mapped_cache=cache, source_model=source, target_model=target)
-    out["select"] = timer(lambda: held.update(positions=recompute_set(spec, source_cache=source_cache, **select)))
-    eligible = torch.ones(tokens, dtype=torch.bool)
-    out["attention"] = timer(lambda: selection_scores(spec, context, cache, source, target, source_cache, eligible))
-    out["recompute"] = timer(lambda: recompute_positions(target, cache, context, held["positions"]))
-    position = torch.full((1, 1), tokens, device=ids.device)
-    out["first_token"] = timer(
-        lambda: target(input_ids=ids[:, -1:], position_ids=position, logits_to_keep=1, **cache_kwargs(target, cache))
+    select = dict(context=context, mapped_cache=held["cache"], source_model=source, target_model=target)
+    out["select"] = timer(
+        lambda: held.update(
+            positions=recompute_set(spec, source_cache=source_cache, source_attention=attention, **select)
+        )
+    )
+    out["recompute"] = timer(
+        lambda: recompute_positions(target, held["cache"], context, held["positions"], last=ids[:, -1:])
     )
     return out
 
 
-def trace(mapper, source, target, ids: torch.Tensor, source_cache, path: Path) -> None:
+def trace(mapper, source, target, ids: torch.Tensor, source_cache, attention, path: Path) -> None:
     """torch.profiler's table of one escalation (operators by self device time, then by CPU time) to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.is_cuda else [])
     with profile(activities=activities) as prof:
-        escalate(mapper, source, target, ids, source_cache)
+        escalate(mapper, source, target, ids, source_cache, attention)
         if ids.is_cuda:
             torch.cuda.synchronize()
     table = prof.key_averages()
@@ -178,17 +192,21 @@ def trace(mapper, source, target, ids: torch.Tensor, source_cache, path: Path) -
 
 def measure_length(mapper, source, target, *, length: int, repeats: int, device, trace_to: Path | None = None) -> dict:
     from kvhub.core.capture import run_model
+    from kvhub.serving.spec import HANDOFF
 
     vocab = min(source.config.vocab_size, target.config.vocab_size)
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
     timer = Timer(device)
     holder = {}
     source_prefill = timer(lambda: holder.update(cache=run_model(source, ids[:, :-1])))
-    source_cache = holder.pop("cache")
+    scored_prefill_s = timer(lambda: holder.update(scored=scored_prefill(source, ids[:, :-1])))
+    source_cache, attention = holder.pop("scored")
     counts = []
+    spec = HANDOFF.capped(length - 1)
     ops = {
         "own": lambda: target(input_ids=ids, logits_to_keep=1),
-        "escalation": lambda: counts.append(escalate(mapper, source, target, ids, source_cache)),
+        "escalation": lambda: counts.append(escalate(mapper, source, target, ids, source_cache, attention)),
+        "before": lambda: before(mapper, source, target, ids, source_cache, spec),  # the two-pass path of issue 45
         "map_only": lambda: mapper.transfer(source_cache, dtype=target.dtype),
     }
     for fn in ops.values():
@@ -200,16 +218,19 @@ def measure_length(mapper, source, target, *, length: int, repeats: int, device,
     row = {
         "tokens": length,
         "source_prefill_s": source_prefill,
+        "scoring_s": scored_prefill_s - source_prefill,  # what the selection's scores add to the source's prefill
+        "operators": {name: count(fn)[0] for name, fn in ops.items()},  # dispatched ops: launches or host work
         **{f"{name}_median_s": statistics.median(values) for name, values in samples.items()},
         **{f"{name}_s": values for name, values in samples.items()},
     }
     if trace_to is not None:
-        trace(mapper, source, target, ids, source_cache, trace_to)
-    steps = [phases(mapper, source, target, ids, source_cache, timer) for _ in range(repeats)]
+        trace(mapper, source, target, ids, source_cache, attention, trace_to)
+    steps = [phases(mapper, source, target, ids, source_cache, attention, timer) for _ in range(repeats)]
     row["phases_median_s"] = {name: statistics.median(step[name] for step in steps) for name in steps[0]}
     row["recomputed_tokens"] = counts[-1]
     row["exact_fraction"] = (counts[-1] + 1) / (length - 1)  # the recomputed ones and the last token, as handoff counts
     row["speedup"] = row["own_median_s"] / row["escalation_median_s"]
+    row["speedup_before"] = row["own_median_s"] / row["before_median_s"]
     row["speedup_map_only"] = row["own_median_s"] / row["map_only_median_s"]
     return row
 

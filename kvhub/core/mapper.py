@@ -32,11 +32,13 @@ from kvhub.artifact.kinds import kind_of
 from kvhub.artifact.metadata import shown
 from kvhub.dtypes import check_device, parse_dtype  # parse_dtype is re-exported too
 from kvhub.errors import IncompatibleError, NonFiniteError
+from kvhub.core.batched_map import map_stacked, stacked_maps
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT, deshrink_setting  # noqa: F401  (part of the Mapper's API)
 from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.mlp import residual_term
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
-from kvhub.core.staging import finite as _finite, rows as _rows, stack_on as _stack_on, to_device as _to_device
+from kvhub.core.staging import (finite as _finite, hand_over as _hand_over, rows as _rows, stack_on as _stack_on,
+                                to_device as _to_device)
 from kvhub.core.layer_kinds import check_cache_layers
 
 RESIDUALS = {"mlp": residual_term}  # map kind (kvhub.artifact.kinds) -> the term it adds to the linear map
@@ -106,6 +108,7 @@ class Mapper:
         self._windowed: bool | None = None
         self.deshrink = deshrink_setting(deshrink, tensors, metadata.get("layers", []))
         self._scaled: dict[str, torch.Tensor] | None = None  # the tensors deshrink rescales (_deshrunk_tensors)
+        self._stacks: dict = {}  # (device, compute dtype, deshrink) -> kvhub.core.batched_map.Stack or None
 
     # ---- metadata views -------------------------------------------------------------------------
     @property
@@ -145,6 +148,7 @@ class Mapper:
         if device is not None:
             self.tensors = {name: t.to(device) for name, t in self.tensors.items()}
             self._cast.clear()
+            self._stacks.clear()
             self._scaled = None
         if dtype is not None:
             self.dtype = dtype
@@ -256,12 +260,19 @@ class Mapper:
             dtype = self._check_out(out, batch, tokens, dtype)
         dtype = dtype or self.dtype
         position_ids = _to_device(position_ids, self.device)
-        rows_k, rows_v, finite, checked = self._source_rows(source_keys, source_values, position_ids,
-                                                            self.compute_dtype or dtype)
+        compute = self.compute_dtype or dtype
         kept = [tokens] * len(self.layers) if out is None else [keys.shape[-2] for keys, _ in out]
-        result = self._target_layers(rows_k, rows_v, position_ids, kept, dtype, out)
-        mapped = result if out is None else out
-        mapped_finite = torch.cat([_finite(k.reshape(1, -1)) & _finite(v.reshape(1, -1)) for k, v in mapped])
+        # dense ridge maps of one k and one target RoPE run batched; residual, low-rank, head-local or mixed maps
+        # loop: they do not stack into one GEMM (batched_map.stacked_maps)
+        stack = None if self.kind.name in RESIDUALS else stacked_maps(self, compute, kept)
+        if stack is not None:
+            mapped, finite, checked, mapped_finite = map_stacked(stack, self, source_keys, source_values,
+                                                                 position_ids, dtype, out, _CHUNK_ELEMENTS)
+        else:
+            rows_k, rows_v, finite, checked = self._source_rows(source_keys, source_values, position_ids, compute)
+            result = self._target_layers(rows_k, rows_v, position_ids, kept, dtype, out)
+            mapped = result if out is None else out
+            mapped_finite = torch.cat([_finite(k.reshape(1, -1)) & _finite(v.reshape(1, -1)) for k, v in mapped])
         if not bool(finite.all()):  # the host synchronisation
             bad = min(checked[i] for i in (~finite).nonzero().flatten().tolist())
             raise NonFiniteError(
@@ -433,7 +444,7 @@ class Mapper:
         cache = DynamicCache(config=self._config("target"))
         # each map to its own target layer, whatever the order of mapper.json's `layers` (they cover each once)
         for layer, (keys, values) in sorted(zip(self.layers, mapped), key=lambda pair: pair[0]["target"]):
-            cache.update(keys, values, layer["target"])
+            _hand_over(cache, layer["target"], keys, values)
         return cache
 
     def _out_layers(self, cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

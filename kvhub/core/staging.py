@@ -37,3 +37,23 @@ def rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     g, b, h, t, d = x.shape
     out = torch.empty(g, b, t, h, d, dtype=dtype, device=x.device)
     return out.copy_(x.transpose(2, 3)).view(g, b, t, h * d)  # (G, B, T, H*D)
+
+
+def hand_over(cache, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Give an empty plain layer ``index`` of a transformers ``DynamicCache`` the mapped ``keys`` and ``values``
+    (B, H, T, D) as they are: what ``cache.update`` leaves there, without its concatenation onto empty tensors
+    (a copy of the whole mapped cache and four operators per layer).  Any other layer, or a transformers whose
+    DynamicLayer keeps more state than this, goes through ``update``."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer = cache.layers[index] if index < len(cache.layers) else None
+    if type(layer) is DynamicLayer and not layer.is_initialized and set(vars(layer)) <= _PLAIN_LAYER_STATE:
+        layer.keys, layer.values, layer.device, layer.is_initialized = keys, values, keys.device, True
+        if layer.get_seq_length() == keys.shape[-2]:
+            return
+        layer.keys, layer.values, layer.is_initialized = None, None, False  # not what update leaves: use it
+    cache.update(keys, values, index)
+
+
+# The attributes of transformers' DynamicLayer after lazy initialization (5.16-5.25): hand_over sets them all.
+_PLAIN_LAYER_STATE = {"keys", "values", "device", "is_initialized", "dtype"}

@@ -108,18 +108,24 @@ def select_spans(
     if budget_tokens <= 0 or not bool(eligible.any()):
         return torch.empty(0, dtype=torch.long)
     scores = torch.where(eligible, scores.float(), torch.full_like(scores.float(), -math.inf))
-    best = torch.full((int(spans.max()) + 1,), -math.inf).scatter_reduce(0, spans, scores, "amax")
+    count = int(spans.max()) + 1
+    best = torch.full((count,), -math.inf).scatter_reduce(0, spans, scores, "amax")
+    sizes = torch.bincount(spans[eligible], minlength=count).tolist()  # eligible members per span
+    order, best_list = torch.argsort(best, descending=True).tolist(), best.tolist()
     chosen, used = [], 0
-    for span in torch.argsort(best, descending=True).tolist():
-        if best[span] == -math.inf:
+    for span in order:  # plain Python over the spans: a few operators per selection, not a few per span
+        if best_list[span] == -math.inf:
             break
-        members = torch.nonzero((spans == span) & eligible).flatten()
-        if used + len(members) <= budget_tokens:
-            chosen.append(members)
-            used += len(members)
+        if used + sizes[span] <= budget_tokens:
+            chosen.append(span)
+            used += sizes[span]
         if used >= budget_tokens:
             break
-    return torch.sort(torch.cat(chosen)).values if chosen else torch.empty(0, dtype=torch.long)
+    if not chosen:
+        return torch.empty(0, dtype=torch.long)
+    taken = torch.zeros(count, dtype=torch.bool)
+    taken[chosen] = True
+    return torch.nonzero(taken[spans] & eligible).flatten()  # sorted
 
 
 @torch.no_grad()
