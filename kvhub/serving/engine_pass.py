@@ -288,7 +288,7 @@ def recompute_request(
     computes next; it is not written), or ``select="random"`` (the control for the signal).  The result
     says which positions were recomputed, and which the large model computes in all (``exact``), as counted.
     """
-    from kvhub.serving.recompute import attention_scores, budget_tokens, choose_spans, random_scores
+    from kvhub.serving.recompute import Signals, budget_tokens, choose_spans, selection_scores
 
     tokens = len(prompt_ids)
     ids = torch.tensor(prompt_ids, dtype=torch.long)
@@ -301,30 +301,34 @@ def recompute_request(
     rounding = max(0, tokens - end - max(spec.exact_suffix, 1))
     budget = max(0, budget_tokens(spec, tokens - 1) - rounding)
 
-    def scores() -> (
-        torch.Tensor
-    ):  # (end,): the selectors the engine has (kvhub.serving.recompute.selection_scores: all)
-        if spec.select == "target":
-            device = cached(0)[0].device
-            queries = min(spec.queries, tokens - end)
-            tail = torch.arange(end, tokens, device=device)
-            selection = engine.run(ids[end:].to(device), tail, cached, attention_rows=queries)
-            profile["select_pass_s"] = selection.seconds
-            profile["attention_s"] = profile.get("attention_s", 0.0) + selection.attention_seconds
-            return attention_scores(selection.attention.float().cpu(), eligible, score=spec.score)
-        if spec.select == "random":
-            return random_scores(ids[:end])
-        if spec.select == "source" and source_attention is not None:
-            rows = source_attention[-min(spec.queries, source_attention.shape[0]) :, :end]
-            return attention_scores(rows.float().cpu(), eligible, score=spec.score)
-        raise UnsupportedModelError(
-            f"select={spec.select!r} needs what the engine does not have here; inside vLLM use "
-            "select=target, select=source with the small model's attention stored by the producer, "
-            "or random (the control)"
-        )
+    def target_attention() -> torch.Tensor:  # the selection pass: the tail [end, n) after the mapped cache
+        device = cached(0)[0].device
+        queries = min(spec.queries, tokens - end)
+        tail = torch.arange(end, tokens, device=device)
+        selection = engine.run(ids[end:].to(device), tail, cached, attention_rows=queries)
+        profile["select_pass_s"] = selection.seconds
+        profile["attention_s"] = profile.get("attention_s", 0.0) + selection.attention_seconds
+        return selection.attention
 
+    stored = None
+    if source_attention is not None:
+        stored = source_attention[-min(spec.queries, source_attention.shape[0]) :, :end]
+    signals = Signals(
+        ids=ids[:end],
+        source=None if stored is None else lambda: stored,
+        target=target_attention,
+        unavailable="inside vLLM use select=target, select=source with the small model's attention stored by the "
+        "producer, or random (the control)",
+    )
     profile: dict[str, float] = {}
-    selected = choose_spans(spec, ids[:end], budget, eligible=eligible, scores=scores, tokenizer=tokenizer)
+    selected = choose_spans(
+        spec,
+        ids[:end],
+        budget,
+        eligible=eligible,
+        scores=lambda: selection_scores(spec, signals, eligible),
+        tokenizer=tokenizer,
+    )
     positions = torch.unique(torch.cat([prefix, selected]))
     fresh = []
     if positions.numel():

@@ -54,11 +54,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kvhub.core.capture import AttentionMass, cache_kwargs
-from kvhub.errors import ConfigError
+from kvhub.errors import ConfigError, UnsupportedModelError
 from kvhub.serving.spec import SCORES, SELECTORS, Recompute  # noqa: F401 - re-exported
 
 _SPAN_END = re.compile(r"(\n|[.!?;:]\s*$)")
@@ -305,50 +306,65 @@ def recompute_set(
         raise ConfigError(
             "selective recompute (exact_budget > 0) chooses tokens per sequence: pass one sequence at a time (batch 1)"
         )
+    queries = selection_queries(spec, tokens)
+
+    def source() -> torch.Tensor:  # what the source's prefill collected, or its last Q tokens run again
+        if source_attention is not None:
+            if tuple(source_attention.shape) != (queries, tokens):
+                raise ConfigError(
+                    f"source_attention has shape {tuple(source_attention.shape)}; select=source with queries="
+                    f"{spec.queries} over {tokens} context tokens needs ({queries}, {tokens}): collect it over the "
+                    "context (the prompt less its last token) with LastQueryAttention(source_model, queries=...)"
+                )
+            return source_attention
+        return query_attention(source_model, context, cropped(source_cache, tokens - queries), queries=queries)
+
+    signals = Signals(
+        ids=context[0],
+        source=source,
+        target=lambda: query_attention(target_model, context, cropped(mapped_cache, tokens - queries), queries=queries),
+        deviation=lambda: deviation_scores(mapped_cache, *first_layers_kv(target_model, context)[0]),
+    )
     selected = choose_spans(
         spec,
         context[0],
         budget,
         eligible=eligible,
         tokenizer=tokenizer,
-        scores=lambda: selection_scores(
-            spec, context, mapped_cache, source_model, target_model, source_cache, eligible, source_attention
-        ),
+        scores=lambda: selection_scores(spec, signals, eligible),
     )
     return torch.unique(torch.cat([prefix, selected, suffix]))
 
 
-def selection_scores(
-    spec: Recompute,
-    context,
-    mapped_cache,
-    source_model,
-    target_model,
-    source_cache,
-    eligible: torch.Tensor,
-    source_attention: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(T,) the score of each context position under ``spec.select`` (source / target attention from the last
-    ``queries`` tokens, deviation of the mapped first layers, or the seeded random control); what
-    :func:`recompute_set` ranks spans by (benchmarks time it as the selection step).  ``source_attention``:
-    see :func:`recompute_set` (it must come from ``selection_queries(spec, T)`` queries)."""
-    tokens = context.shape[1]
-    queries = selection_queries(spec, tokens)
-    if spec.select == "source" and source_attention is not None:
-        if tuple(source_attention.shape) != (queries, tokens):
-            raise ConfigError(
-                f"source_attention has shape {tuple(source_attention.shape)}; select=source with queries="
-                f"{spec.queries} over {tokens} context tokens needs ({queries}, {tokens}): collect it over the "
-                "context (the prompt less its last token) with LastQueryAttention(source_model, queries=...)"
-            )
-        return attention_scores(source_attention, eligible, score=spec.score)
-    if spec.select in ("source", "target"):
-        model, cache = (source_model, source_cache) if spec.select == "source" else (target_model, mapped_cache)
-        attention = query_attention(model, context, cropped(cache, tokens - queries), queries=queries)
-        return attention_scores(attention, eligible, score=spec.score)
+@dataclass
+class Signals:
+    """What one side has to score T context tokens with: the library handoff has them all, the serving engine
+    (kvhub.serving.engine_pass) the target's pass and the source attention the producer stored.  ``ids`` (T,):
+    the context (the random control's seed); ``source`` / ``target``: callables returning the (Q, T) attention of
+    that model's last Q context tokens (query i is token T - Q + i); ``deviation``: a callable returning (T,)
+    scores.  A callable runs only when its selector is chosen; None: this side does not have it, and
+    ``unavailable`` says what to use instead."""
+
+    ids: torch.Tensor
+    source: Callable[[], torch.Tensor] | None = None
+    target: Callable[[], torch.Tensor] | None = None
+    deviation: Callable[[], torch.Tensor] | None = None
+    unavailable: str = ""
+
+
+def selection_scores(spec: Recompute, signals: Signals, eligible: torch.Tensor) -> torch.Tensor:
+    """(T,) the score of each context position under ``spec.select`` from what ``signals`` holds (source / target
+    attention reduced by ``spec.score``, deviation of the mapped first layer, or the seeded random control):
+    the one selector dispatch, for the library (:func:`recompute_set`) and inside the engine.  ``eligible``
+    (T,): the tokens the selection may take.  UnsupportedModelError when the side lacks the signal."""
+    if spec.select == "random":
+        return random_scores(signals.ids)
+    signal = getattr(signals, spec.select)
+    if signal is None:
+        raise UnsupportedModelError(f"select={spec.select!r} needs what this side does not have; {signals.unavailable}")
     if spec.select == "deviation":
-        return deviation_scores(mapped_cache, *first_layers_kv(target_model, context)[0])
-    return random_scores(context[0])
+        return signal()
+    return attention_scores(signal().float().cpu(), eligible, score=spec.score)
 
 
 def selection_queries(spec: Recompute, context_tokens: int) -> int:
