@@ -113,8 +113,8 @@ def serve(ctx, ref, src, dst, calib, kvstore_dir, port_small, port_large, host, 
     large server loads exactly that version.  Both servers run until Ctrl-C or SIGTERM, which is
     passed on to both; if one exits, the other is stopped.  Send a conversation to the small server;
     to escalate it, send the same messages with the same cache_salt to the large one, which maps the
-    small server's KV, recomputes the first 4 tokens and 8% of the prompt chosen by its own attention
-    over the mapped cache (a fact stated once comes back), and prefills only the last tokens itself
+    small server's KV, recomputes the first 4 tokens and 8% of the prompt chosen by the small model's
+    attention, stored with its KV (a fact stated once comes back), and prefills only the last tokens itself
     (--exact-prefix/--exact-budget/--select/--exact-suffix; docs/serving.md).  A prompt shorter than
     --min-escalation-tokens (256) is prefilled by the large server instead.
 

@@ -43,7 +43,7 @@ from kvhub.serving.connector_config import (  # EXTRA_DEFAULTS and RENAMED_KEYS 
     config_isolation_source,
     config_tokens,
 )
-from kvhub.serving.spec import SERVING as SERVING_RECOMPUTE
+from kvhub.serving.spec import SERVING
 from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
@@ -84,7 +84,7 @@ def transfer_configs(
     """
     check_extra_keys(options)
     Recompute.from_options(
-        options, base=SERVING_RECOMPUTE, origin="the recompute options"
+        options, base=SERVING, origin="the recompute options"
     )  # ConfigError now, not at load
     config_deshrink(options)
     if options.get("isolation_key_source") is not None:

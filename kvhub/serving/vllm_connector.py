@@ -17,7 +17,8 @@ One class, two roles (vLLM's ``kv_role``), configured through ``kv_connector_ext
   their absolute positions (RoPE stripped and re-applied), writes every layer into the allocated blocks
   with the attention backend's own writer, and then the large model itself recomputes the spec's tokens
   over them (the first ``exact_prefix`` and ``exact_budget`` of the prompt in whole sentences chosen by
-  its own attention from the prompt's last tokens: :mod:`kvhub.serving.engine_pass`, the masked pass of
+  the small model's attention from the prompt's last tokens, which the producer stores with the KV, or with
+  ``select=target`` by its own: :mod:`kvhub.serving.engine_pass`, the masked pass of
   :mod:`kvhub.serving.recompute`), all before vLLM's forward pass computes the rest.  The model comes
   from :class:`kvhub.serving.vllm_worker.KVHubWorker` (``--worker-cls``); without it the consumer maps
   only and says so on every load.
