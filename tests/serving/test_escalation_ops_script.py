@@ -31,3 +31,15 @@ def test_both_paths_are_counted_phase_by_phase_and_agree(script, tmp_path):
     assert row["source_prefill"] > 0 and row["own"] > row["source_prefill"]  # 28 layers against 24
     assert row["first_logits_max_abs_diff"] < 1e-4 and row["same_first_token"]
     assert report["host"]["before"] > 0 and report["host"]["after"] > 0
+
+
+@pytest.mark.realmodel
+def test_the_real_pair_script_runs(tmp_path):
+    """benchmarks/escalation_real.py, smallest: the real Qwen pair (``kvhub fetch models``), one passkey item, one
+    short length.  Planted bugs caught: the selection comparing a path with itself (identical spans counted
+    but no item), gains computed from the wrong medians."""
+    real = load_benchmark("escalation_real")
+    report = real.main(["--items", "1", "--lengths", "96", "--repeats", "1", "--out", str(tmp_path / "real.json")])
+    assert report["selection"]["items"] == 1 and 0 <= report["selection"]["identical_spans"] <= 1
+    (row,) = report["ttft"]
+    assert row["gain_after"] == pytest.approx(row["own_median_s"] / row["after_median_s"], rel=1e-2)
