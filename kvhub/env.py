@@ -8,6 +8,7 @@ environment (a notebook, a test) is honoured:
   ``$KVHUB_HOME`` moves the store, not the caches (:mod:`kvhub.store.location`);
 - :func:`env_flag`: a yes/no environment variable, read as huggingface_hub reads its own;
 - :func:`hub_offline`: whether kvhub must stay off the Hugging Face Hub;
+- :func:`hf_hub_cache`: the Hugging Face cache directory, read now;
 - :func:`deshrink_override`: ``$KVHUB_DESHRINK``, how transfer reads the maps when no caller says
   (:mod:`kvhub.core.deshrink`);
 - :func:`die_with_parent`: the pre-exec hook that ties a child process's life to this one.
@@ -129,6 +130,17 @@ def hub_offline() -> bool:
     from huggingface_hub import constants
 
     return env_flag("HF_HUB_OFFLINE") or bool(constants.HF_HUB_OFFLINE)
+
+
+def hf_hub_cache() -> str:
+    """The Hugging Face cache directory as huggingface_hub would read it now: ``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else the one huggingface_hub read when it was imported."""
+    from huggingface_hub import constants
+
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE
+    )
+    return os.path.expanduser(cache)
 
 
 def die_with_parent() -> Callable[[], object] | None:

@@ -92,6 +92,35 @@ def make_store_artifact(
     return path
 
 
+def mlp_artifact(directory: Path, *, seed: int = 0, width: int = 4, depth: int = 2) -> Path:
+    """A small random mapper of kind mlp (make_store_artifact's maps plus residual MLPs), its ``mlp`` block as
+    ``kvhub fit --map mlp`` writes it (schedule, rows per split, losses per layer)."""
+    import torch
+
+    from kvhub.artifact import map_prefix, tensor_name
+    from kvhub.artifact.kinds import mlp_part
+    from kvhub.core.mapper import Mapper
+
+    base = Mapper.load(make_store_artifact(directory.parent / f"{directory.name}-base", seed=seed))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = dict(base.tensors)
+    d_in, d_out = tensors["k.0.weight"].shape
+    widths = [d_in] + [width] * depth + [d_out]
+    for layer in base.layers:
+        for kind in "kv":
+            prefix = map_prefix(kind, layer["target"])
+            for i in range(depth + 1):
+                tensors[tensor_name(prefix, mlp_part(i, "weight"))] = torch.randn(
+                    widths[i], widths[i + 1], generator=generator
+                )
+                tensors[tensor_name(prefix, mlp_part(i, "bias"))] = torch.zeros(widths[i + 1])
+    count = len(base.layers)
+    losses = {kind: {"train": [0.5] * count, "heldout": [0.75] * count} for kind in "kv"}
+    settings = {"width": width, "depth": depth, "activation": "gelu", "epochs": 100, "patience": 10, "lr": 1e-3}
+    settings.update(batch_size=256, seed=0, tokens={"train": 512, "heldout": 128}, losses=losses)
+    return Mapper(tensors, {**base.metadata, "kind": "mlp", "mlp": settings}).save(directory)
+
+
 @pytest.fixture
 def artifact_factory(tmp_path):
     """``artifact_factory(seed=..., ...)`` -> a fresh artifact directory under tmp_path."""

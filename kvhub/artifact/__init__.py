@@ -43,6 +43,7 @@ from kvhub.artifact.metadata import (
     config_geometry,
     is_plain_file_name,
     json_sha256,
+    parse_json,
 )
 from kvhub.artifact.tensors import (
     TensorFile,
@@ -81,6 +82,7 @@ __all__ = [
     "json_sha256",
     "map_prefix",
     "open_regular",
+    "parse_json",
     "parse_metadata_bytes",
     "publishable_files",
     "read_artifact",

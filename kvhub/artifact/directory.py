@@ -16,8 +16,8 @@ from pathlib import Path
 
 from kvhub import __version__
 from kvhub.errors import ArtifactError, IntegrityError, InvalidArtifactError, NonFiniteError
-from kvhub.artifact.files import AtomicDirectory, open_regular, sha256_file
-from kvhub.artifact.metadata import METADATA_FILE, TENSORS_FILE, check_metadata, is_plain_file_name
+from kvhub.artifact.files import AtomicDirectory, open_regular, refused_when_full, sha256_file
+from kvhub.artifact.metadata import METADATA_FILE, TENSORS_FILE, check_metadata, is_plain_file_name, parse_json
 from kvhub.artifact.tensors import TensorFile, check_tensors, format_version_of, read_tensor_file
 
 CARD_FILE = "README.md"
@@ -33,7 +33,7 @@ def is_figure_name(name: str) -> bool:
 def parse_metadata_bytes(data: bytes, *, where: str) -> dict:
     """mapper.json bytes -> checked metadata (UTF-8, JSON, kvhub.artifact.metadata.check_metadata)."""
     try:
-        metadata = json.loads(data.decode("utf-8"))
+        metadata = parse_json(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise InvalidArtifactError(
             f"{where}: {METADATA_FILE} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
@@ -135,7 +135,13 @@ def write_artifact(directory: str | os.PathLike, tensors: dict, metadata: dict, 
             f"tensor {', '.join(nonfinite[:4])} holds NaN or Inf; not writing {directory} "
             "(the fit diverged: try a larger --lambda)"
         )
-    with AtomicDirectory(directory, overwrite=overwrite) as tmp:
+    folder = Path(directory).absolute().parent
+    full = refused_when_full(
+        folder,
+        then=f"{directory} was not written (nothing half-written is left); free some "
+        "space there or write it to another directory",
+    )
+    with full, AtomicDirectory(directory, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
         metadata = dict(metadata)
         metadata["format_version"] = format_version_of(shapes)

@@ -9,16 +9,47 @@ followed (docs/artifact-format.md, threat model).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import logging
 import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from kvhub.errors import ArtifactError
+from kvhub.errors import ArtifactError, StoreError
 
+log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """A full file system (or quota): an OSError with ENOSPC / EDQUOT, or safetensors' SafetensorError, which
+    carries only the text of the I/O error ("No space left on device (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.errno in NO_SPACE
+    return type(exc).__name__ == "SafetensorError" and ("os error 28" in str(exc) or "No space left" in str(exc))
+
+
+def no_space_error(folder: str | os.PathLike, *, then: str) -> StoreError:
+    """The one wording of a full disk, "no space left on FOLDER; ``then``" (the store, exports, fit outputs, the
+    Hugging Face cache); ``then`` says what was (not) written and the fix."""
+    return StoreError(f"no space left on {folder}; {then}")
+
+
+@contextlib.contextmanager
+def refused_when_full(folder: str | os.PathLike, *, then: str) -> Iterator[None]:
+    """Turn a full disk inside the block (:func:`is_no_space`) into :func:`no_space_error`."""
+    try:
+        yield
+    except Exception as exc:  # only a full disk is translated; anything else is re-raised as it is
+        if not is_no_space(exc):
+            raise
+        raise no_space_error(folder, then=then) from exc
 
 
 def sha256_file(path: str | os.PathLike, *, chunk_bytes: int = 1 << 20) -> str:
@@ -51,6 +82,19 @@ def fsync_tree(path: Path) -> None:
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
     fsync_dir(path)
+
+
+def atomic_write_if_room(path: str | os.PathLike, data: bytes, *, then: str) -> bool:
+    """:func:`atomic_write_bytes` for what the work does not need (a cache entry, a checkpoint): a full disk is a
+    warning, "no space left on DIR; PATH was not written; ``then``", and False (nothing half-written is left)."""
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        log.warning("no space left on %s; %s was not written; %s", Path(path).parent, path, then)
+        return False
+    return True
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -21,30 +21,44 @@ A new kind is an entry here (its name, format version, settings and tensors), it
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
 
-from kvhub.errors import FormatVersionError
+from kvhub.errors import FormatVersionError, InvalidArtifactError
 
 DEFAULT_KIND = "ridge"
 ACTIVATIONS = ("gelu", "relu")  # what kvhub.core.mlp implements
 _MLP_PART = re.compile(r"mlp\.(0|[1-9][0-9]{0,2})\.(weight|bias)")
+_KIND_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")  # how kinds are named: what a later kvhub could add
+# The integer settings of an mlp map, inclusive bounds: mapper.json's ``mlp`` block and ``kvhub fit``'s
+# --mlp-* options (kvhub.fitting.options) both take them from here.
+MLP_INTEGERS = {
+    "width": (1, 1 << 16),
+    "depth": (1, 64),
+    "epochs": (1, 1 << 20),
+    "patience": (1, 1 << 20),
+    "batch_size": (1, 1 << 31),
+    "seed": (0, (1 << 63) - 1),
+}
+MLP_SPLITS = ("train", "heldout")  # the row reservoirs (``tokens``) and losses of each map
 
 
 @dataclass(frozen=True)
 class MapKind:
     """One kind of map.  ``format_version``: the lowest artifact format that holds it; ``block``: the
     mapper.json key of its settings (None: none); ``parts(settings, d_in, d_out)``: the extra tensors of one
-    map, {part: shape}; ``check(settings)``: (key, what is wrong) with its settings block, or None;
-    ``output_parts(settings)``: the parts whose output adds to the linear map's (what de-shrinking scales)."""
+    map, {part: shape}; ``check(settings, target_layers)``: (key, what is wrong) with its settings block, or
+    None; ``output_parts(settings)``: the parts whose output adds to the linear map's (what de-shrinking
+    scales)."""
 
     name: str
     format_version: int
     summary: str
     block: str | None = None
     parts: Callable[[dict, int, int], dict[str, tuple[int, ...]]] = lambda settings, d_in, d_out: {}
-    check: Callable[[dict], tuple[str, str] | None] = lambda settings: None
+    check: Callable[[dict, int], tuple[str, str] | None] = lambda settings, target_layers: None
     part_pattern: re.Pattern | None = None
     output_parts: Callable[[dict], tuple[str, ...]] = lambda settings: ()  # scaled with the map (de-shrinking)
 
@@ -73,15 +87,69 @@ def _mlp_parts(settings: dict, d_in: int, d_out: int) -> dict[str, tuple[int, ..
     return parts
 
 
-def _check_mlp(settings: dict) -> tuple[str, str] | None:
-    width, depth, activation = settings.get("width"), settings.get("depth"), settings.get("activation")
-    if not (isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 1 << 16):
-        return "width", f"must be an integer in 1..65536, not {width!r}"
-    if not (isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 64):
-        return "depth", f"must be an integer in 1..64, not {depth!r}"
-    if activation not in ACTIVATIONS:
-        return "activation", f"must be one of {', '.join(ACTIVATIONS)}, not {activation!r}"
+def mlp_integer_problem(name: str, value) -> str | None:
+    """What setting ``name`` of :data:`MLP_INTEGERS` must be ("an integer in 1..64"), or None when ``value`` is one."""
+    low, high = MLP_INTEGERS[name]
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return None
+    return f"an integer in {low}..{high}"
+
+
+def _check_mlp(settings: dict, target_layers: int) -> tuple[str, str] | None:
+    """The ``mlp`` block: ``width``, ``depth``, ``activation`` (required: they shape the tensors); the training
+    record when present (``epochs``, ``patience``, ``batch_size``, ``seed`` integers in range, ``lr`` a finite
+    number > 0, ``tokens`` {train, heldout: row counts}, ``losses`` {k, v: {train, heldout: one finite MSE >= 0
+    per target layer}}: the store keeps them, tables and JSON show them)."""
+    for name in MLP_INTEGERS:
+        value = settings.get(name)
+        problem = mlp_integer_problem(name, value)
+        if problem and (name in ("width", "depth") or value is not None):
+            return name, f"must be {problem}, not {_shown(value)}"
+    if settings.get("activation") not in ACTIVATIONS:
+        return "activation", f"must be one of {', '.join(ACTIVATIONS)}, not {_shown(settings.get('activation'))}"
+    lr = settings.get("lr")
+    if lr is not None and not (_is_number(lr) and 0 < lr):
+        return "lr", f"must be a finite number > 0, not {_shown(lr)}"
+    tokens = settings.get("tokens")
+    if tokens is not None and not (
+        isinstance(tokens, dict)
+        and set(tokens) <= set(MLP_SPLITS)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62 for n in tokens.values())
+    ):
+        return "tokens", f"must be {{train, heldout: row counts}}, not {_shown(tokens)}"
+    losses = settings.get("losses")
+    return None if losses is None else _check_losses(losses, target_layers)
+
+
+def _check_losses(losses, target_layers: int) -> tuple[str, str] | None:
+    if not isinstance(losses, dict) or set(losses) != {"k", "v"}:
+        return "losses", f"must be {{k, v: {{train, heldout: [one loss per target layer]}}}}, not {_shown(losses)}"
+    for kind in ("k", "v"):
+        splits = losses[kind]
+        if not isinstance(splits, dict) or set(splits) != set(MLP_SPLITS):
+            return f"losses.{kind}", f"must be {{train, heldout: [one loss per target layer]}}, not {_shown(splits)}"
+        for split in MLP_SPLITS:
+            values = splits[split]
+            if not (
+                isinstance(values, list)
+                and len(values) == target_layers
+                and all(_is_number(v) and v >= 0 for v in values)
+            ):
+                return (
+                    f"losses.{kind}.{split}",
+                    f"must be a list of {target_layers} finite numbers >= 0 (one per target layer), not "
+                    f"{_shown(values)}",
+                )
     return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 MAP_KINDS: dict[str, MapKind] = {
@@ -105,10 +173,18 @@ def kind_of(metadata: dict, *, where: str = "this artifact") -> MapKind:
     name = metadata.get("kind", DEFAULT_KIND)
     if name is None:
         name = DEFAULT_KIND
+    if name not in MAP_KINDS and not (isinstance(name, str) and _KIND_NAME.fullmatch(name)):
+        # "", "MLP", " mlp": no kvhub names a kind so, and no upgrade would read it
+        near = [known for known in MAP_KINDS if isinstance(name, str) and name.strip().lower() == known]
+        raise InvalidArtifactError(
+            f"{where}: mapper.json field `kind` is {_shown(name)}, not the name of a map kind (kvhub knows "
+            f"{', '.join(MAP_KINDS)}{f'; did you mean {near[0]!r}?' if near else ''}); the artifact is "
+            "corrupt or was edited, re-fetch it or re-fit the mapper",
+            field="kind",
+        )
     if name not in MAP_KINDS:
-        shown = name if isinstance(name, str) and len(name) <= 64 else str(name)[:64]
         raise FormatVersionError(
-            f"{where} holds a map of kind {shown!r}, which this kvhub does not know (it knows "
+            f"{where} holds a map of kind {name!r}, which this kvhub does not know (it knows "
             f"{', '.join(MAP_KINDS)}); upgrade with `pip install -U kvhub`"
         )
     return MAP_KINDS[name]

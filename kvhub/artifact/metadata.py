@@ -30,7 +30,13 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # newline, tab, escape, ...: they would reach cards, tables and refs
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _FINGERPRINT_INTS = ("num_layers", "num_kv_heads", "head_dim")
-_LAYER_NUMBERS = ("lambda_k", "lambda_v", "r2_k", "r2_v", "train_r2_k", "train_r2_v")
+_LAMBDAS = ("lambda_k", "lambda_v")
+# Per-layer R^2 (held-out, training, and kind mlp's ridge baseline): finite and at most 1 (1 - SSE/SST with
+# SSE >= 0; R2_ROUNDING allows a noiseless fit's rounding).  De-shrinking divides by sqrt(R^2): an Inf or
+# 7.5 would silently turn the map into the calibration mean, a NaN break every transfer.
+R2_FIELDS = ("r2_k", "r2_v", "train_r2_k", "train_r2_v", "ridge_r2_k", "ridge_r2_v")
+R2_ROUNDING = 1e-6
+_LAYER_COUNTS = ("mlp_epochs_k", "mlp_epochs_v", "mlp_best_epoch_k", "mlp_best_epoch_v")  # kind mlp
 
 
 def canonical_json(obj) -> bytes:
@@ -42,6 +48,18 @@ def json_sha256(obj) -> str:
     """sha256 of :func:`canonical_json`: the one canonical-JSON hash (a fingerprint's ``config_hash``, the
     evaluation cache's keys, the items and texts a result was scored on, a fit's checkpoint key)."""
     return hashlib.sha256(canonical_json(obj)).hexdigest()
+
+
+def parse_json(text: str | bytes):
+    """``json.loads``, where a document nested deeper than the parser follows (RecursionError) or too large for
+    memory is a ValueError like any other malformed JSON: what every reader of a file kvhub did not write
+    (mapper.json, a safetensors or checkpoint header) catches."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested deeper than the JSON parser follows") from None
+    except MemoryError:
+        raise ValueError("too large to parse") from None
 
 
 def is_plain_file_name(name) -> bool:
@@ -96,12 +114,16 @@ class _Fields:
             self.fail(self._name(key), f"must be an integer in {low}..{high - 1}, not {_show(value)}")
         return value
 
-    def number(self, key: str, *, finite: bool = True, low: float | None = None) -> float | None:
+    def number(
+        self, key: str, *, finite: bool = True, low: float | None = None, high: float | None = None
+    ) -> float | None:
         value = self.get(key, (int, float, type(None)), required=False, what="a number or null")
         if value is not None and finite and not math.isfinite(value):
             self.fail(self._name(key), f"must be a finite number, not {_show(value)}")
         if value is not None and low is not None and value < low:
             self.fail(self._name(key), f"must be >= {low}, not {_show(value)}")
+        if value is not None and high is not None and value > high:
+            self.fail(self._name(key), f"must be at most {high:g}, not {_show(value)}")
         return value
 
     def text(
@@ -208,9 +230,14 @@ def _check_kind(fields: _Fields, where: str) -> None:
     kind = kind_of(fields.obj, where=where)
     if kind.block is not None:
         settings = fields.child(kind.block)
-        problem = kind.check(settings.obj)
+        problem = kind.check(settings.obj, _target_layers(fields))
         if problem:
             fields.fail(f"{kind.block}.{problem[0]}", problem[1])
+
+
+def _target_layers(fields: _Fields) -> int:
+    """The target's layer count (``target.num_layers`` checked, so the kind's check can count per layer)."""
+    return fields.child("target").integer("num_layers", low=1, high=1 << 20)
 
 
 def _check_fingerprint(fields: _Fields, role: str) -> dict:
@@ -309,8 +336,12 @@ def _check_layers(fields: _Fields, source: dict, target: dict) -> None:
                 f"layers[{index}].sources",
                 f"must be ascending distinct source layers in 0..{source['num_layers'] - 1}, not {_show(sources)}",
             )
-        for key in _LAYER_NUMBERS:
-            entry.number(key, finite=key.startswith("lambda"), low=0 if key.startswith("lambda") else None)
+        for key in _LAMBDAS:
+            entry.number(key, low=0)
+        for key in R2_FIELDS:  # an R^2 (finite, at most 1) or null
+            entry.number(key, high=1 + R2_ROUNDING)
+        for key in _LAYER_COUNTS:
+            entry.integer(key, required=False)
         entry.integer("k", low=1, required=False, null=True)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from kvhub.errors import InvalidArtifactError
 from kvhub.artifact.files import open_regular
 from kvhub.artifact.kinds import is_kind_part, kind_of, kind_of_part
+from kvhub.artifact.metadata import parse_json
 
 DTYPE = "F32"
 HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
@@ -60,7 +61,7 @@ def read_tensor_file(path, *, scan: bool = True, where: str = "") -> TensorFile:
             _fail(where, f"is not a safetensors file (header length {length}, file size {size})")
         raw = handle.read(length)
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = parse_json(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             _fail(where, f"has a safetensors header that is not valid JSON ({exc})")
         entries = _entries(header, size - 8 - length, where)

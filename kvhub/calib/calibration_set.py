@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from kvhub.artifact import atomic_write_bytes, json_sha256
+from kvhub.artifact import json_sha256
+from kvhub.artifact.files import atomic_write_if_room
 from kvhub.errors import ConfigError, CorpusTooSmallError
 from kvhub.progress import Progress
 from kvhub.calib.corpus import cache_root, locate, read_source
@@ -138,7 +139,7 @@ def set_path(name: str, digest: str) -> Path:
     return cache_root() / "calibration" / name / f"{digest}.safetensors"
 
 
-def _save(calibration_set: CalibrationSet, path: Path) -> None:
+def _save(calibration_set: CalibrationSet, path: Path) -> bool:
     from safetensors.torch import save
 
     fields = {
@@ -147,7 +148,8 @@ def _save(calibration_set: CalibrationSet, path: Path) -> None:
         if f.name not in ("train", "heldout", "cache_path")
     }
     tensors = {"train": calibration_set.train.to(torch.int32), "heldout": calibration_set.heldout.to(torch.int32)}
-    atomic_write_bytes(path, save(tensors, metadata={"kvhub_calibration": json.dumps(fields, sort_keys=True)}))
+    data = save(tensors, metadata={"kvhub_calibration": json.dumps(fields, sort_keys=True)})
+    return atomic_write_if_room(path, data, then="the calibration set is used uncached (built again next time)")
 
 
 def _load(path: Path) -> CalibrationSet | None:
@@ -307,8 +309,8 @@ def resolve_calibration(
         notes=packed.notes,
     )
     path = set_path(recipe.name, built_digest)
-    _save(calibration_set, path)
-    calibration_set.cache_path = str(path)
+    if _save(calibration_set, path):
+        calibration_set.cache_path = str(path)
     return calibration_set
 
 

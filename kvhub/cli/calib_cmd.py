@@ -217,7 +217,8 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
         highlight=False,
     )
     console.print(f"content hash {metadata['content_hash']}", highlight=False)
-    console.print(f"cached at {metadata['cache_path']}", highlight=False)
+    if metadata["cache_path"]:  # None: the disk was full (a warning said so)
+        console.print(f"cached at {metadata['cache_path']}", highlight=False)
 
 
 def attach(main: click.Group) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, say
-from kvhub.cli.options import db_option, log_samples_option, open_db, output_path_option
+from kvhub.cli.options import (chosen_dtype, db_option, dtype_option, log_samples_option, open_db,
+                                output_path_option)
 from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_record, print_table
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
@@ -90,7 +91,7 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
                    "means; kvhub.core.deshrink). "
                    "Results of a non-default setting are named with it.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
-@click.option("--dtype", default="bfloat16", show_default=True, help="dtype of both models and the mapped cache.")
+@dtype_option("dtype of both models and the mapped cache.")
 @db_option
 @output_path_option("<ref>/results_<date>.json (lm-eval's layout)")
 @log_samples_option("id, gold, each condition's prediction and scores")
@@ -141,6 +142,7 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
                                 exact_budgets=exact_budgets, selects=selects, specs=specs)
     items = _check_before_loading(tasks, limit=limit, seed=seed, ppl_text=ppl_text, ppl_calib=ppl_calib,
                                   log_samples=log_samples, output_path=output_path, device=device, dtype=dtype)
+    dtype = chosen_dtype(dtype, device)
     long_lengths = context_tokens if set(tasks) & set(LONG_TASKS + GIST_TASKS) else ()
     store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths,
                                   deshrink=deshrink)
@@ -336,7 +338,7 @@ def _lengths(ctx, param, value: str) -> list[int]:
               help="A full recompute spec instead of the four options above, e.g. 'exact_prefix=4,exact_suffix=16,"
                    "exact_budget=0.08,select=target,queries=4', or 'handoff' for kvhub.handoff's defaults.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
-@click.option("--dtype", default="bfloat16", show_default=True)
+@dtype_option("dtype of both models and the mapped cache.")
 @db_option
 @format_option
 def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, select, spec, device, dtype, db,
@@ -352,6 +354,7 @@ def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, selec
                           "--exact-budget, or put them into the --variant text")
     recompute = parse_variant(spec) if spec is not None else recompute
     _check_device_and_dtype(device, dtype)
+    dtype = chosen_dtype(dtype, device)
     store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=lengths,
                                   lengths_option="--lengths")  # beyond the models' positions: refused, not timed
     with store:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvhub.cli.console import console, say
-from kvhub.cli.options import db_option, open_db
+from kvhub.cli.options import chosen_dtype, db_option, dtype_option, open_db
 from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.cli.fit_options import fit_options
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
@@ -43,7 +43,7 @@ from kvhub.env import die_with_parent
     default=None,
     help="torch device for the forward passes: cpu, cuda or cuda:N [default: cuda if available, else cpu].",
 )
-@click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype for the forward passes.")
+@dtype_option("Model dtype for the forward passes.")
 @fit_options("batch_size")
 @click.option("--seed", type=int, help="Seed of the calibration sampling (overrides the recipe).")
 @click.option("--restart", is_flag=True, help="Ignore a checkpoint of an interrupted run of the same fit.")
@@ -113,7 +113,7 @@ def fit(
         seq_len=seq_len,
         seed=seed,
         device=device,
-        dtype=dtype,
+        dtype=chosen_dtype(dtype, device, quiet=launched_rank()),  # the launcher said it once
         restart=restart,
         options=FitOptions(**knobs),
     )

@@ -3,9 +3,12 @@ and rule are declared there once; ``kvhub fit`` and ``kvhub plan`` take them fro
 
 from __future__ import annotations
 
-import click
+import functools
 
-from kvhub.fitting.options import AUTO, auto_or, knob_field, what_to_use
+import click
+from click.core import ParameterSource
+
+from kvhub.fitting.options import AUTO, MLP_KNOBS, auto_or, check_mlp_knobs, knob_field, what_to_use
 
 
 def _callback(name: str):
@@ -60,11 +63,26 @@ def fit_option(name: str, *, help: str | None = None):
 
 
 def fit_options(*names: str):
-    """A decorator adding the click options of the knobs ``names``, in that order."""
+    """A decorator adding the click options of the knobs ``names``, in that order.  With ``map_kind`` among
+    them, an --mlp-* option of ``names`` given without ``--map mlp`` is refused (even at its default value)."""
 
     def decorate(command):
+        mlp_names = [name for name in names if name in MLP_KNOBS]
+        if "map_kind" in names and mlp_names:
+            command = _mlp_options_need_mlp(command, mlp_names)
         for name in reversed(names):
             command = fit_option(name)(command)
         return command
 
     return decorate
+
+
+def _mlp_options_need_mlp(command, names: list[str]):
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        context = click.get_current_context()
+        given = [name for name in names if context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)]
+        check_mlp_knobs(kwargs["map_kind"], given)
+        return command(*args, **kwargs)
+
+    return wrapper

@@ -41,15 +41,17 @@ def token_option(command):
     default=None,
     metavar="SRC,DST",
     help="Hub ids of the source and target models: they name the models in everything published "
-    "(card, mapper.json, search), needed when the mapper was fitted from local paths.",
+    "(card, mapper.json, search), needed when the mapper was fitted from local paths (a series' next "
+    "version reuses those of its last push to the repository). Checked against the mapper's fingerprints "
+    "where their configs can be read offline.",
 )
 @click.option(
     "--license",
     "license_id",
     default=None,
     metavar="ID",
-    help="The card's licence, a Hub licence id (e.g. the base models' apache-2.0); default: the "
-    "calibration text's when it is one.",
+    help="The card's licence, a Hub licence id (e.g. the base models' apache-2.0); default: the licence of "
+    "the series' last push to the repository, else the calibration text's when it is one.",
 )
 @click.option("--license-name", default=None, metavar="SLUG", help="With --license other: the licence's name.")
 @click.option(

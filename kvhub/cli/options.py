@@ -1,6 +1,7 @@
 """Options more than one command family shares: ``--db`` and the store it names, and REF_HELP, the epilog of
 the commands that take a reference; the results document's ``--output-path`` and ``--log-samples``
-(``kvhub eval``, ``kvhub eval-serve``)."""
+(``kvhub eval``, ``kvhub eval-serve``); ``--dtype`` of the commands that run both models (fit, eval, bench) and
+the dtype it leaves to this machine (:func:`chosen_dtype`)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,27 @@ def one_value(argument_value, option_value, *, what: str, argument: str, option:
     if not (argument_value or option_value):
         raise click.UsageError(f"give {what}: {argument} or {option}")
     return argument_value or option_value
+
+
+def dtype_option(help_text: str):
+    """``--dtype``, default None: :func:`chosen_dtype` picks it for the device."""
+    return click.option(
+        "--dtype",
+        default=None,
+        help=f"{help_text} [default: bfloat16; float32 on a CPU that emulates bf16 (no avx512_bf16/amx_bf16 "
+        "in /proc/cpuinfo), with a note saying so].",
+    )
+
+
+def chosen_dtype(dtype: str | None, device: str | None, *, quiet: bool = False) -> str:
+    """``--dtype`` as given, else the one the forward passes on ``device`` run fastest in
+    (:func:`kvhub.dtypes.default_dtype`), whose note (a CPU that emulates bf16) is said on stderr unless ``quiet``."""
+    if dtype is not None:
+        return dtype
+    from kvhub.cli.console import say
+    from kvhub.dtypes import default_dtype
+
+    dtype, note = default_dtype(device)
+    if note and not quiet:
+        say(note, label="note:")
+    return dtype

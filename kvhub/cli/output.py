@@ -16,6 +16,7 @@ import click
 
 from kvhub.artifact.metadata import shown
 from kvhub.cli.console import console, plain
+from kvhub.eval.results import finite
 
 FORMATS = ("table", "json", "tsv")
 
@@ -56,8 +57,9 @@ def version_json(version, metrics: list[dict] | None = None) -> dict:
 
 
 def echo_json(data) -> None:
-    """``data`` as indented JSON with sorted keys on stdout."""
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    """``data`` as indented JSON with sorted keys on stdout; NaN and infinities as null (strict JSON, whatever
+    a store row or a file held)."""
+    click.echo(json.dumps(finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
 
 
 def print_record(data: dict, *, output_format: str) -> bool:
@@ -77,8 +79,8 @@ def print_record(data: dict, *, output_format: str) -> bool:
 
 def _json_cell(value):
     if isinstance(value, (bool, dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return value
+        return json.dumps(finite(value), sort_keys=True, separators=(",", ":"), default=str, allow_nan=False)
+    return finite(value)
 
 
 def _cell(value) -> str:

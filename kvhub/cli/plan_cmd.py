@@ -41,7 +41,12 @@ def _finite(ctx, param, value: float | None):
 @click.option(
     "--device", default=None, help="cpu, cuda (the local GPU), h100, h200 or a100 [default: cuda if present]."
 )
-@click.option("--dtype", default="bfloat16", show_default=True, help="Model dtype of the forward passes.")
+@click.option(
+    "--dtype",
+    default=None,
+    help="Model dtype of the forward passes [default: what kvhub fit takes there: bfloat16, or float32 on a "
+    "CPU that emulates bf16 (no avx512_bf16/amx_bf16)].",
+)
 @fit_options("statistics", "candidates", "map_kind", "mlp_tokens")
 @click.option(
     "--host-memory",
@@ -95,6 +100,7 @@ def plan(
     )
 
     source, target = shape_of(src), shape_of(dst)
+    profile = device_profile(device or _default_device())
     workload = workload_for(
         samples=samples,
         heldout=heldout,
@@ -102,11 +108,10 @@ def plan(
         stride=stride,
         batch_size=batch_size,
         k=top_k,
-        dtype=dtype,
+        dtype=_plan_dtype(dtype, gpu=profile.gpu),
         mlp_tokens=_kept_rows(map_kind, mlp_tokens),
     )
     _warn_past_positions(workload.seq_len, source, target)
-    profile = device_profile(device or _default_device())
     if host_memory is not None:  # a CPU device is its own host
         field = "host_memory" if profile.gpu else "memory"
         profile = dataclasses.replace(profile, **{field: int(host_memory * GIB)})
@@ -146,6 +151,22 @@ def _warn_past_positions(seq_len: int, *shapes) -> None:
                 label="warning:",
                 style="yellow",
             )
+
+
+def _plan_dtype(dtype: str | None, *, gpu: bool) -> str:
+    """--dtype, else what kvhub fit takes on that device (kvhub.dtypes.default_dtype); on a CPU that emulates
+    bf16 one line says so, since the time then depends on the dtype about 3x."""
+    from kvhub.dtypes import EMULATED_BF16, canonical_name, cpu_native_bf16, default_dtype
+
+    if gpu:
+        return dtype or "bfloat16"
+    if dtype is None:
+        dtype, note = default_dtype("cpu")
+        if note:
+            say(note, label="note:")
+    elif canonical_name(dtype) == "bfloat16" and cpu_native_bf16() is False:
+        say(f"{EMULATED_BF16}: --dtype {dtype} is costed at that rate; float32 is about 3x faster here", label="note:")
+    return dtype
 
 
 def _default_device() -> str:

@@ -5,8 +5,11 @@ On a terminal: one Rich bar per step (the description up to its first ``:``).  A
 log, a file, ``2>&1 | tee``), or with ``HF_HUB_DISABLE_PROGRESS_BARS`` set: plain lines on stderr,
 one per step every ``KVHUB_PROGRESS_INTERVAL`` seconds (default 30) and when a step completes, so a
 10-minute fit in a CI log says how far it is without carriage-return bars.  Rates are ``<unit>/s``
-(:func:`kvhub.progress.unit_of`) and count only this run's work: a fit resumed from a checkpoint starts
-its step at the checkpointed count, which neither the rate nor the eta takes as done now.
+(:func:`kvhub.progress.unit_of`; below one a second, seconds per unit: ``2.9 s/item``) and count only this
+run's work: a fit resumed from a checkpoint starts its step at the checkpointed count, which neither the
+rate nor the eta takes as done now.  Bars and lines compute both alike, from the step's elapsed time, so
+they show from the first update on however long a step takes (Rich's own speed looks back only 30 s,
+which left a capture of 3-minute batches with no rate and no eta for its whole run).
 
 Other libraries' bars: transformers' (weight loading, GGUF conversion) are switched off while kvhub
 loads a model (kvhub.models.loading.quiet_loading); huggingface_hub's are switched off off a terminal,
@@ -23,7 +26,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 from rich.text import Text
 
@@ -35,22 +38,50 @@ INTERVAL_ENV = "KVHUB_PROGRESS_INTERVAL"
 _DEFAULT_INTERVAL_S = 30.0
 
 
-def per_second(unit: str) -> str:
-    """``tok`` -> ``tok/s`` (a unit given as ``tok/s`` stays)."""
-    return unit if unit.endswith("/s") else f"{unit}/s"
+def rate_text(rate: float, unit: str) -> str:
+    """``3,100 tok/s``; below one unit a second the seconds one takes: ``2.9 s/item`` (not ``0 items/s``)."""
+    base = unit.removesuffix("/s")
+    if rate >= 1:
+        return f"{rate:,.0f} {base}/s"
+    return f"{1 / rate:,.1f} s/{base[:-1] if base.endswith('s') else base}"
+
+
+def rate_and_eta(done_now: int, remaining: int | None, elapsed: float) -> tuple[float | None, float | None]:
+    """(units per second, seconds left) from what this run did in ``elapsed`` seconds; None before any."""
+    if elapsed <= 0 or done_now <= 0:
+        return None, None
+    rate = done_now / elapsed
+    return rate, (remaining / rate if remaining else None)
+
+
+def _task_progress(task) -> tuple[float | None, float | None]:
+    """A Rich task's (rate, eta) over its whole elapsed time, counted from its first value (field ``base``)."""
+    elapsed = task.finished_time if task.finished else task.elapsed
+    remaining = None if task.total is None else max(0, task.total - task.completed)
+    return rate_and_eta(task.completed - task.fields.get("base", 0), remaining, elapsed or 0.0)
 
 
 class RateColumn(ProgressColumn):
-    """Units per second of this run (Rich's speed counts the increments after a task's first value)."""
+    """Units per second of this run, from the step's first update on (:func:`rate_and_eta`)."""
 
     def __init__(self, unit: str = "tok/s"):
         super().__init__()
         self.unit = unit
 
     def render(self, task) -> Text:
-        speed = task.finished_speed or task.speed
-        unit = per_second(task.fields.get("unit", self.unit))
-        return Text("" if speed is None else f"{speed:,.0f} {unit}", style="progress.data.speed")
+        rate, _ = _task_progress(task)
+        unit = task.fields.get("unit", self.unit)
+        return Text("" if rate is None else rate_text(rate, unit), style="progress.data.speed")
+
+
+class EtaColumn(ProgressColumn):
+    """Time left at this run's rate so far (``-:--:--`` before the first unit is done)."""
+
+    def render(self, task) -> Text:
+        _, eta = _task_progress(task)
+        if task.finished:
+            return Text("0:00", style="progress.remaining")
+        return Text("-:--:--" if eta is None else _clock(eta), style="progress.remaining")
 
 
 class CountColumn(ProgressColumn):
@@ -140,12 +171,13 @@ class LineProgress:
         parts = [f"{description}: {completed:,}/{'?' if total is None else f'{total:,}'}"]
         if total:
             parts[0] += f" ({100 * completed / total:.0f}%)"
-        done_now = completed - base
-        if elapsed > 0 and done_now > 0:
-            parts.append(f"{done_now / elapsed:,.0f} {per_second(unit_of(description, self.unit))}")
+        remaining = None if not total else max(0, total - completed)
+        rate, eta = rate_and_eta(completed - base, remaining, elapsed)
+        if rate is not None:
+            parts.append(rate_text(rate, unit_of(description, self.unit)))
         parts.append(f"{_clock(elapsed)} elapsed")
-        if total and completed < total and elapsed > 0 and done_now > 0:
-            parts.append(f"eta {_clock(elapsed * (total - completed) / done_now)}")
+        if eta is not None:
+            parts.append(f"eta {_clock(eta)}")
         return ", ".join(parts)
 
 
@@ -157,24 +189,34 @@ def progress_callback(unit: str = "tok/s") -> Iterator[Progress]:
     if not bars_wanted():
         yield LineProgress(unit, interval=_interval())
         return
-    columns = (
+    with RichProgress(*bar_columns(unit), console=err_console, transient=False) as bar:
+        yield bar_callback(bar, unit)
+
+
+def bar_columns(unit: str) -> tuple[ProgressColumn, ...]:
+    """A bar's columns: ``capture: train batch 3/20 ━━╺━━ 6,144/40,960 11 tok/s 0:09:18 eta 0:52:39``."""
+    return (
         TextColumn("{task.description}", markup=False),
         BarColumn(),
         CountColumn(),
         RateColumn(unit),
         TimeElapsedColumn(),
         TextColumn("eta"),
-        TimeRemainingColumn(),
+        EtaColumn(),
     )
-    with RichProgress(*columns, console=err_console, transient=False) as bar:
-        tasks: dict[str, int] = {}
 
-        def callback(description: str, completed: int, total: int | None) -> None:
-            key = description.split(":")[0]
-            if key not in tasks:
-                tasks[key] = bar.add_task(
-                    description, total=total, completed=completed, unit=unit_of(description, unit)
-                )
-            bar.update(tasks[key], description=description, completed=completed, total=total)
 
-        yield callback
+def bar_callback(bar: RichProgress, unit: str) -> Progress:
+    """The :data:`kvhub.progress.Progress` callback drawing one task of ``bar`` per step; a step's first count
+    is its ``base`` (a resumed fit's checkpointed tokens), which the rate and the eta do not count."""
+    tasks: dict[str, int] = {}
+
+    def callback(description: str, completed: int, total: int | None) -> None:
+        key = description.split(":")[0]
+        if key not in tasks:
+            tasks[key] = bar.add_task(
+                description, total=total, completed=completed, unit=unit_of(description, unit), base=completed
+            )
+        bar.update(tasks[key], description=description, completed=completed, total=total)
+
+    return callback

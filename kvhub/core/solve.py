@@ -204,7 +204,7 @@ def sse_sst(split: Moments, cols: torch.Tensor, ycols: slice, weight: torch.Tens
 def r2_score(split: Moments, cols: torch.Tensor, ycols: slice, weight: torch.Tensor, bias: torch.Tensor) -> float:
     """Pooled R^2 of y ~ x[cols] @ weight + bias on a split, from its moments alone."""
     sse, sst = sse_sst(split, cols, ycols, weight, bias)
-    return 1.0 - sse / max(sst, 1e-30)
+    return 1.0 - max(sse, 0.0) / max(sst, 1e-30)  # SSE from moments can round below 0: R^2 is at most 1
 
 
 def reduce_rank(train: Moments, cols: torch.Tensor, weight: torch.Tensor, ridge_lambda: float,
@@ -247,7 +247,7 @@ def map_r2(split: Moments, cols: torch.Tensor, ycols: slice, linear: LinearMap, 
         block_y = slice(ycols.start + i * out_width, ycols.start + (i + 1) * out_width)
         part = sse_sst(split, block_cols, block_y, weight, linear.bias[i * out_width:(i + 1) * out_width])
         sse, sst = sse + part[0], sst + part[1]
-    return 1.0 - sse / max(sst, 1e-30)
+    return 1.0 - max(sse, 0.0) / max(sst, 1e-30)
 
 
 def probe_r2(train: KVStats, evaluate: KVStats | None = None, *,

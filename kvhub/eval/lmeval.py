@@ -23,6 +23,10 @@ model_args (comma-separated ``key=value``):
   store), ``source`` / ``target`` (model specs overriding the ids the mapper records), ``max_length``
   (default: the target's max_position_embeddings), ``max_gen_toks`` (256), ``rolling_chunk`` (64).
 
+Results name the version scored: the run (its ``--output_path`` folder and ``model_name``) is named after the
+resolved ``SRC:DST:CALIB@vN`` whatever alias was typed, and the results' ``config`` carries ``mapper_ref`` and
+``mapper_tensors_sha256`` (also as lm-eval's ``model_revision`` / ``model_sha``), as ``kvhub eval``'s do.
+
 Requests:
 
 - ``loglikelihood``: lm-eval's tokenisation (``TemplateLM``: context and continuation tokenised
@@ -179,10 +183,25 @@ class KVHubLM(TemplateLM or object):
         self.mapper.to(device=self._device)
         check_models(self.mapper, self.source, self.target, tokenizer=self.tokenizer)
         self.ref = self.mapper.ref or ref
+        self.tensors_sha256 = (self.mapper.metadata.get("tensors") or {}).get("sha256")
+        _RESOLVED[ref] = self.ref  # the run is named after the version scored (_name_runs_after_the_mapper)
         if self.condition == "control":
             from kvhub.core.control import control_mapper
 
             self.mapper = control_mapper(self.mapper)
+
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to a results file's ``config`` (its HF model: ``model_revision``, ``model_sha``): the
+        mapper version scored, as resolved (``SRC:DST:CALIB@v3`` for ``...@production``), its tensors' sha256,
+        the condition and the dtype; ``model_revision`` / ``model_sha`` carry the same two for tools that read those."""
+        return {
+            "mapper_ref": self.ref,
+            "mapper_tensors_sha256": self.tensors_sha256,
+            "condition": self.condition,
+            "model_revision": self.ref,
+            "model_sha": self.tensors_sha256,
+            "model_dtype": self.dtype_name,
+        }
 
     # ---- what lm-eval asks of a TemplateLM --------------------------------------------------------
     @property
@@ -374,11 +393,16 @@ def register() -> None:
     _name_runs_after_the_mapper()
 
 
+_RESOLVED: dict[str, str] = {}  # mapper= as typed -> the version a KVHubLM of this process resolved it to
+
+
 def _name_runs_after_the_mapper() -> None:
     """lm-eval names a run (its ``--output_path`` folder, the results' ``model_name``) after ``pretrained=`` and
     a few other keys, else a random word; a kvhub run names its mapper with ``mapper=``, so that key is read
-    first (the folder is then ``<output_path>/<mapper, sanitized>/``).  lm-eval has no hook for this: its
-    name reader is wrapped, once, and other models' arguments go through it unchanged."""
+    first, as the version it resolved to (lm-eval builds the model before it names the run): the folder is
+    then ``<output_path>/<SRC:DST:CALIB@vN, sanitized>/``, one per version, whatever alias was typed.
+    lm-eval has no hook for this: its name reader is wrapped, once, and other models' arguments go through
+    it unchanged."""
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
 
     original = GeneralConfigTracker._get_model_name
@@ -387,7 +411,7 @@ def _name_runs_after_the_mapper() -> None:
 
     def model_name(model_args):
         mapper = _mapper_arg(model_args)
-        return mapper if mapper else original(model_args)
+        return _RESOLVED.get(mapper, mapper) if mapper else original(model_args)
 
     model_name.kvhub_mapper_aware = True
     GeneralConfigTracker._get_model_name = staticmethod(model_name)

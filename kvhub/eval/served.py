@@ -200,7 +200,7 @@ class Endpoint:
             raise ServeError(f"{url} answered without choices[0]: {_detail(json.dumps(answer).encode())}") from exc
         params = answer.get("kv_transfer_params")
         params = params if isinstance(params, dict) else {}
-        _check_exact_tokens(url, params, prompt_tokens=len(body["prompt"]))
+        _check_report(url, params, prompt_tokens=len(body["prompt"]))
         if not isinstance(text, str):
             raise ServeError(
                 f"{url} answered a choices[0].text that is not a string: {_detail(json.dumps(text).encode())}"
@@ -223,17 +223,19 @@ def _token_ids(url: str, value) -> list[int] | None:
     return value
 
 
-def _check_exact_tokens(url: str, params: dict, *, prompt_tokens: int) -> None:
-    """ServeError when the connector's report counts ``exact_tokens`` that no prompt of ``prompt_tokens`` has."""
-    transfer = params.get("kvhub")
-    if not isinstance(transfer, dict) or "exact_tokens" not in transfer:
-        return
-    count = transfer["exact_tokens"]
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= prompt_tokens:
+def _check_report(url: str, params: dict, *, prompt_tokens: int) -> None:
+    """ServeError for a connector report (kv_transfer_params.kvhub) no kvhub connector sends: ``exact_tokens`` or
+    ``mapped_tokens`` not a whole number in 0..``prompt_tokens``, a ``select_fallback`` not a non-empty reason."""
+    report = params.get("kvhub") if isinstance(params.get("kvhub"), dict) else {}
+    counts = {n: v for n, v in report.items() if n in ("exact_tokens", "mapped_tokens")}
+    bad = [f"{n}={_detail(_dumps(v))}" for n, v in counts.items() if type(v) is not int or not 0 <= v <= prompt_tokens]
+    reason = report.get("select_fallback")
+    if reason is not None and not (isinstance(reason, str) and reason.strip()):
+        bad.append(f"select_fallback={_detail(_dumps(reason))} (not the reason it fell back: a non-empty text)")
+    if bad:
         raise ServeError(
-            f"{url} reported kv_transfer_params.kvhub.exact_tokens={_detail(_dumps(count))} for a prompt "
-            f"of {prompt_tokens} tokens (it must be a whole number from 0 to {prompt_tokens}); the large "
-            "server's connector is not kvhub's, or is broken"
+            f"{url} reported kv_transfer_params.kvhub.{bad[0]} for a prompt of {prompt_tokens} tokens (counts are "
+            "whole numbers from 0 to its length); the large server's connector is not kvhub's, or is broken"
         )
 
 

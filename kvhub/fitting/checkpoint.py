@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from kvhub import __version__
-from kvhub.artifact import atomic_write_bytes, canonical_json
+from kvhub.artifact import canonical_json
+from kvhub.artifact.files import atomic_write_if_room
 from kvhub.core.stats import KVStats, Layout
 from kvhub.fitting.modes import StatisticsMode
 
@@ -138,7 +139,11 @@ def save(path: Path, job: str, mode: StatisticsMode, state: FitState) -> None:
         tensors["probe.k"], tensors["probe.v"] = (grid.contiguous().cpu() for grid in state.probe)
     for split, reservoir in (state.samples or {}).items():
         tensors.update({f"sample.{split}.{key}": t.contiguous() for key, t in reservoir.state_dict().items()})
-    atomic_write_bytes(Path(path), to_bytes(tensors, metadata=header))
+    atomic_write_if_room(
+        Path(path),
+        to_bytes(tensors, metadata=header),
+        then="the fit goes on without it (interrupted, it resumes from the last checkpoint written, or starts over)",
+    )
 
 
 def discard(path: Path | None) -> None:

@@ -20,18 +20,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 
 from kvhub import __version__
-from kvhub.artifact import atomic_write_bytes, json_sha256, map_prefix
+from kvhub.artifact import json_sha256, map_prefix, parse_json
+from kvhub.artifact.files import atomic_write_if_room
 from kvhub.artifact.kinds import MAP_KINDS
+from kvhub.artifact.metadata import R2_ROUNDING
 from kvhub.core.mapper import Mapper
 from kvhub.core.mlp import Schedule, Trained, tensors_of, train_residual
 from kvhub.core.solve import LayerSolution, Solution
 from kvhub.core.stats import Layout
-from kvhub.errors import ConfigError
+from kvhub.errors import ConfigError, FitError
+from kvhub.fitting.options import MIN_MLP_ROWS
 from kvhub.fitting.samples import Reservoir
 from kvhub.progress import Progress, report
 
@@ -75,6 +79,13 @@ def train_maps(
 ) -> dict[int, dict[str, Trained]]:
     """{target layer: {"k": Trained, "v": Trained}} for every layer of ``solution``, resuming from and
     checkpointing to :func:`checkpoint_path` of ``options.checkpoint`` (module docstring)."""
+    short = {split: reservoir.size for split, reservoir in samples.items() if reservoir.size < MIN_MLP_ROWS}
+    if short:  # R^2 over one row is undefined (its total sum of squares is 0)
+        raise FitError(
+            f"--map mlp kept {', '.join(f'{n} {split} row(s)' for split, n in short.items())}; the MLPs need at "
+            f"least {MIN_MLP_ROWS} rows per split to train and score: use more or longer calibration sequences "
+            "(and --mlp-tokens of at least 2)"
+        )
     schedule = schedule_of(options)
     path = checkpoint_path(options.checkpoint)
     job = f"{job}:{_solution_key(solution)}"  # the same statistics solved with another k or lambda: other maps
@@ -189,6 +200,34 @@ def _metrics(layers: list[dict]) -> dict[str, float]:
 
 
 # ---- the per-layer checkpoint ----------------------------------------------------------------------
+def _results_problem(entry, schedule: Schedule) -> str | None:
+    """What is wrong with one map's recorded results (None: nothing): the fields of Trained, ``epochs`` an
+    integer in 1..schedule.epochs, ``best_epoch`` in 0..epochs, losses finite >= 0, R^2 finite and at most 1
+    (what mapper.json will require of them)."""
+    if not isinstance(entry, dict) or set(entry) != set(_RESULT_FIELDS):
+        return f"are not an object of {', '.join(_RESULT_FIELDS)}"
+    epochs, best = entry["epochs"], entry["best_epoch"]
+    if not (_is_integer(epochs) and 1 <= epochs <= schedule.epochs):
+        return f"have epochs {epochs!r}, not an integer in 1..{schedule.epochs}"
+    if not (_is_integer(best) and 0 <= best <= epochs):
+        return f"have best_epoch {best!r}, not an integer in 0..{epochs}"
+    for name in ("train_loss", "heldout_loss"):
+        if not (_is_number(entry[name]) and entry[name] >= 0):
+            return f"have {name} {entry[name]!r}, not a finite number >= 0"
+    for name in ("heldout_r2", "ridge_heldout_r2"):
+        if not (_is_number(entry[name]) and entry[name] <= 1 + R2_ROUNDING):
+            return f"have {name} {entry[name]!r}, not a finite number <= 1"
+    return None
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def checkpoint_path(statistics_checkpoint: Path | None) -> Path | None:
     """``<key>.mlp.safetensors`` beside the statistics checkpoint ``<key>.safetensors`` (None: none)."""
     if statistics_checkpoint is None:
@@ -213,7 +252,7 @@ def _save(path: Path, job: str, schedule: Schedule, done: dict[int, dict[str, Tr
         "results": json.dumps(results, sort_keys=True),
         "kvhub_version": __version__,
     }
-    atomic_write_bytes(path, to_bytes(tensors, metadata=header))
+    atomic_write_if_room(path, to_bytes(tensors, metadata=header), then="the MLP training goes on without it")
 
 
 def _load(path: Path | None, job: str, schedule: Schedule, solution: Solution, layout: Layout) -> dict:
@@ -231,7 +270,7 @@ def _load(path: Path | None, job: str, schedule: Schedule, solution: Solution, l
             ):
                 log.warning("MLP checkpoint %s belongs to another fit; training every layer", path)
                 return {}
-            results = json.loads(header["results"])
+            results = parse_json(header["results"])
             return _restore(handle, results, schedule, solution, layout)
     except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
         log.warning("MLP checkpoint %s does not read back (%s); training every layer", path, exc)
@@ -239,10 +278,21 @@ def _load(path: Path | None, job: str, schedule: Schedule, solution: Solution, l
 
 
 def _restore(handle, results: dict, schedule: Schedule, solution: Solution, layout: Layout) -> dict:
-    """Trained maps of the layers ``results`` lists, read from ``handle``, checked (shapes, finite)."""
+    """Trained maps of the layers ``results`` lists, read from ``handle``, checked (shapes, finite; the results
+    by :func:`_results_problem`: a layer whose results are not is trained again)."""
+    if not isinstance(results, dict):
+        raise ValueError(f"its results are {type(results).__name__}, not an object")
     done = {}
     for layer in solution.layers:
         if not all(f"{kind}.{layer.target}" in results for kind in KINDS):
+            continue
+        problems = [_results_problem(results[f"{kind}.{layer.target}"], schedule) for kind in KINDS]
+        if any(problems):
+            log.warning(
+                "MLP checkpoint: target layer %d's recorded results %s; training it again",
+                layer.target,
+                next(p for p in problems if p),
+            )
             continue
         maps = {}
         for kind in KINDS:

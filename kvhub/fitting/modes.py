@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from kvhub.artifact import parse_json
 from kvhub.errors import ConfigError
 
 MODES = ("auto", "one-pass", "two-pass")  # what ``kvhub fit --stats`` and ``kvhub plan --stats`` accept
@@ -90,7 +91,7 @@ class StatisticsMode:
 
     @classmethod
     def from_json(cls, text: str) -> "StatisticsMode":
-        return cls(**json.loads(text))
+        return cls(**parse_json(text))
 
 
 ONE_PASS = StatisticsMode()

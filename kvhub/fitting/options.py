@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvhub.artifact.kinds import DEFAULT_KIND, MAP_KINDS
+from kvhub.artifact.kinds import DEFAULT_KIND, MAP_KINDS, mlp_integer_problem
 from kvhub.errors import ConfigError
 from kvhub.fitting.modes import MODES, StatisticsMode
 
 AUTO = "auto"  # the text for None in top_k / ridge_lambda
 DEFAULT_STRIDE = 4  # the paper's token stride, when neither the options nor a calibration recipe give one
 WEIGHTINGS = ("uniform", "attention")
+MIN_MLP_ROWS = 2  # rows per split an MLP fit keeps at least: a held-out R^2 over one row is undefined
 
 
 def auto_or(text, convert: Callable):
@@ -56,6 +57,21 @@ def _non_negative_number(value) -> str | None:
 def _positive_number(value) -> str | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     return None if ok else "a finite positive number"
+
+
+def _mlp_setting(name: str) -> Callable:
+    """The rule of an mlp setting: the bounds mapper.json's ``mlp`` block holds it to (kvhub.artifact.kinds), so a
+    fit is never refused only when its artifact is written."""
+
+    def rule(value) -> str | None:
+        return mlp_integer_problem(name, value)
+
+    return rule
+
+
+def _mlp_rows(value) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= MIN_MLP_ROWS
+    return None if ok else f"an integer of at least {MIN_MLP_ROWS} (an R^2 needs two rows per split)"
 
 
 def _flag(value) -> str | None:
@@ -201,17 +217,21 @@ class FitOptions:
         256,
         flag="--mlp-width",
         parse=int,
-        rule=_positive_integer,
+        rule=_mlp_setting("width"),
         help="--map mlp: width of the residual MLP's hidden layers.",
     )
     mlp_depth: int = knob(
-        2, flag="--mlp-depth", parse=int, rule=_positive_integer, help="--map mlp: hidden layers of the residual MLP."
+        2,
+        flag="--mlp-depth",
+        parse=int,
+        rule=_mlp_setting("depth"),
+        help="--map mlp: hidden layers of the residual MLP.",
     )
     mlp_tokens: int = knob(
         8192,
         flag="--mlp-tokens",
         parse=int,
-        rule=_positive_integer,
+        rule=_mlp_rows,
         help="--map mlp: calibration rows (tokens) per split kept to train the MLPs on, evenly spread; memory "
         "grows with it (4 bytes x tokens x every layer's K and V width, both models).",
     )
@@ -219,10 +239,10 @@ class FitOptions:
         100,
         flag="--mlp-epochs",
         parse=int,
-        rule=_positive_integer,
+        rule=_mlp_setting("epochs"),
         help="--map mlp: most epochs per MLP (early stopping usually ends sooner).",
     )
-    mlp_seed: int = knob(0, flag=None, rule=_non_negative_integer, help="--map mlp: seed of the MLPs' training.")
+    mlp_seed: int = knob(0, flag=None, rule=_mlp_setting("seed"), help="--map mlp: seed of the MLPs' training.")
 
     checkpoint: Path | None = None
     checkpoint_every: int = 4
@@ -236,6 +256,7 @@ class FitOptions:
             problem = check(spec.name, value)
             if problem:
                 raise ConfigError(problem)
+        check_mlp_knobs(self.map_kind, [spec.name for spec in knobs() if _changed_mlp_knob(self, spec)])
         if self.candidates is not None and (
             self.statistics == "one-pass" or isinstance(self.statistics, StatisticsMode)
         ):
@@ -251,6 +272,24 @@ class FitOptions:
 
     def replace(self, **changes) -> "FitOptions":
         return dataclasses.replace(self, **changes)
+
+
+MLP_KNOBS = ("mlp_width", "mlp_depth", "mlp_tokens", "mlp_epochs", "mlp_seed")  # what only --map mlp reads
+
+
+def _changed_mlp_knob(options: FitOptions, spec: dataclasses.Field) -> bool:
+    return spec.name in MLP_KNOBS and getattr(options, spec.name) != spec.default
+
+
+def check_mlp_knobs(map_kind: str, given: list[str]) -> None:
+    """ConfigError naming the --mlp-* options ``given`` (knob names) when the map kind trains no MLP: they would
+    be ignored without a word (as --candidates is refused without two-pass statistics)."""
+    if given and MAP_KINDS[map_kind].block != "mlp":
+        flags = ", ".join(knob_field(name).metadata["flag"] or f"{name}=" for name in given)
+        raise ConfigError(
+            f"{flags} set{'s' if len(given) == 1 else ''} the residual MLP of --map mlp; "
+            f"add --map mlp, or drop {'it' if len(given) == 1 else 'them'} for a {map_kind} fit"
+        )
 
 
 def knobs() -> list[dataclasses.Field]:

@@ -34,7 +34,9 @@ score matrix, as eager and SDPA-math attention compute it).  The statistics cost
 FLOPs per batch (K and V; two passes: 4*Nr*(p*ds + p*qr) then 4*Nr*((c*ds)^2 + c*ds*qr)).  Times
 divide FLOPs by a :class:`DeviceProfile`'s nominal rates times an efficiency; they are estimates, to
 be checked against ``benchmarks/gpu_scale.py``.  Two passes run the forward passes (and the exchange)
-twice.
+twice.  The forward passes run at the rate of the workload's dtype (:meth:`DeviceProfile.forward_rate`):
+bf16 (float16 costed alike) or float32; a CPU that emulates bf16 (:func:`kvhub.dtypes.cpu_native_bf16`)
+has a bf16 rate a third of its float32 one.
 
 The statistics and the solve run on the host's cores (shared by the node's ranks), the
 forward passes on the device.
@@ -56,7 +58,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from kvhub.calib.recipe import Sequences
-from kvhub.dtypes import canonical_name
+from kvhub.dtypes import canonical_name, cpu_native_bf16
 from kvhub.errors import ConfigError
 from kvhub.core.stats import CHUNK_COLUMNS
 from kvhub.fitting.shapes import ModelShape, load_config, shape_of, shipped_configs  # noqa: F401 (the plan's API)
@@ -66,7 +68,16 @@ from kvhub.fitting.modes import (ACCUMULATORS, MODES, ONE_PASS, StatisticsMode, 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)
-FORWARD_EFFICIENCY = 0.4  # share of the nominal bf16 rate a forward pass reaches
+FORWARD_EFFICIENCY = 0.4  # share of the nominal rate (bf16 or fp32) a forward pass reaches
+# CPU forward rates per core.  bf16 with native units (AVX-512 BF16/AMX) is calibrated on the fit of
+# docs/benchmarks.md "Fit cost" (the default 0.5B -> 1.5B fit: about 10 min of forward passes on 2 cores);
+# emulated bf16 is a sixth of it (ux-4 U4-1: about 1 h for the same fit on an AVX-512 CPU without
+# avx512_bf16); float32 half of it (an AVX-512 bf16 dot product does twice the multiply-adds of an fp32 FMA;
+# a one-core 512x1536x1536 matmul here: 55 GFLOP/s fp32, 187 bf16, but the forward pass is not all matmul),
+# so about 3x the emulated bf16 rate, as `kvhub eval` measured there (2.2x) and the matmul alone (5x) bound it.
+CPU_BF16_NATIVE = 285e9
+CPU_FP32_FORWARD = CPU_BF16_NATIVE / 2
+CPU_BF16_EMULATED = CPU_BF16_NATIVE / 6
 MATMUL_EFFICIENCY = 0.7  # share of the nominal fp32/fp64 rate the statistics and the solve reach
 
 
@@ -87,18 +98,29 @@ class DeviceProfile:
     host_fp32: float = 0.0  # the node's cores together
     host_fp64: float = 0.0
     devices_per_host: int = 1
+    forward_fp32: float = 0.0  # a float32 forward pass's nominal FLOP/s, where it is not ``fp32`` (a CPU's)
+
+    def forward_rate(self, dtype: str) -> float:
+        """Nominal FLOP/s of a forward pass in ``dtype``: ``bf16`` for bfloat16 and float16, else the float32 rate."""
+        if canonical_name(dtype) in ("bfloat16", "float16"):
+            return self.bf16
+        return self.forward_fp32 or self.fp32
 
 
 def _cpu_rates() -> tuple[int, float, float, float]:
     """(RAM bytes, bf16, fp32, fp64 FLOP/s) of this machine; rates per core calibrated on the 2-core
-    machine of docs/benchmarks.md "Fit cost" (0.5B -> 1.5B in bf16: forward, statistics and solve)."""
+    machine of docs/benchmarks.md "Fit cost" (0.5B -> 1.5B in bf16: forward, statistics and solve).  bf16
+    is the native rate, or the emulated one where this CPU has no bf16 units (:func:`cpu_native_bf16`)."""
     cores = os.cpu_count() or 1
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cores * 285e9, cores * 40e9, cores * 75e9
+    bf16 = CPU_BF16_EMULATED if cpu_native_bf16() is False else CPU_BF16_NATIVE
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cores * bf16, cores * 40e9, cores * 75e9
 
 
 def _cpu_profile() -> DeviceProfile:
     memory, bf16, fp32, fp64 = _cpu_rates()
-    return DeviceProfile(f"cpu ({os.cpu_count()} cores)", memory, bf16=bf16, fp32=fp32, fp64=fp64, link=2e9)
+    cores = os.cpu_count() or 1
+    return DeviceProfile(f"cpu ({cores} cores)", memory, bf16=bf16, fp32=fp32, fp64=fp64, link=2e9,
+                         forward_fp32=cores * CPU_FP32_FORWARD)
 
 
 _NODE = {"host_memory": 2 * 1024**4, "host_fp32": 14e12, "host_fp64": 7e12, "devices_per_host": 8}  # 2 TiB, 2 x 56 cores
@@ -341,10 +363,11 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
     if device.gpu:
         fits = memory["device_peak"] <= device.memory and memory["host_peak"] * on_host <= device.host_memory
         host_fp32, host_fp64 = device.host_fp32 / on_host, device.host_fp64 / on_host
-        forward_rate = device.bf16
+        forward_rate = device.forward_rate(dtype)
     else:
         fits = memory["peak"] * ranks <= device.memory
-        host_fp32, host_fp64, forward_rate = device.fp32 / ranks, device.fp64 / ranks, device.bf16 / ranks
+        host_fp32, host_fp64 = device.fp32 / ranks, device.fp64 / ranks
+        forward_rate = device.forward_rate(dtype) / ranks
     sequences = workload.samples + workload.heldout
     forward = mode.passes * sequences * (source.forward_flops(workload.seq_len) + target.forward_flops(workload.seq_len))
     stats_flops = 4 * workload.rows * (p * p + p * owned * dt)

@@ -1,7 +1,7 @@
 """Model shapes for the plan: the parts of a decoder config that decide a fit's cost, read without weights.
 
-:func:`load_config` finds a config for a model spec (a config.json or model directory, a fetched known
-model, a config kvhub ships, or the Hugging Face cache, offline); :class:`ModelShape` keeps the fields
+:func:`kvhub.models.configs.load_config` finds a config for a model spec (a config.json or model directory, a
+fetched known model, a config kvhub ships, or the Hugging Face cache, offline); :class:`ModelShape` keeps the fields
 the plan's formulas (:mod:`kvhub.fitting.plan`) use: layers, widths, heads, and the parameter and
 forward-FLOP counts built from them.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvhub.core.layer_kinds import check_attention_layers
 from kvhub.errors import ConfigError
+from kvhub.models.configs import load_config, shipped_configs  # noqa: F401 (the plan reads configs through them)
 
 
 @dataclass(frozen=True)
@@ -119,69 +119,6 @@ def _geometry_field(config: dict, name: str, key: str, *, required: bool = True)
             f"config of {name}: `{key}` is {json.dumps(value)[:40]}, not a positive integer; fix the config.json"
         )
     return value
-
-
-# ---- configs -------------------------------------------------------------------------------------
-def shipped_configs() -> dict[str, dict]:
-    """The configs kvhub ships (``registry/configs/*.json``), by lower-cased Hub id and file stem."""
-    from importlib import resources
-
-    out = {}
-    for entry in resources.files("kvhub._registry").joinpath("configs").iterdir():
-        if entry.name.endswith(".json"):
-            config = json.loads(entry.read_text())
-            out[entry.name[: -len(".json")].lower()] = config
-            out[config.get("_name_or_path", "").lower()] = config
-    return out
-
-
-def load_config(spec: str) -> tuple[dict, str]:
-    """(config dict, model id) of a spec, reading no weights.
-
-    Tries, in order: a config.json file or a model directory; a fetched known model (kvhub.models.loading);
-    a config kvhub ships; the Hugging Face cache (offline).
-    """
-    from kvhub.models.loading import find_known, resolve_model_path
-
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file() and path.suffix == ".json":
-        return _read_config(path), str(spec)
-    resolved = resolve_model_path(spec)
-    known = find_known(spec)
-    if isinstance(resolved, Path) and (resolved / "config.json").is_file():
-        return _read_config(resolved / "config.json"), known.hf_id if known else str(spec)
-    shipped = shipped_configs().get(str(spec).lower())
-    if shipped is not None:
-        return shipped, shipped.get("_name_or_path") or str(spec)
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(str(spec), "config.json")
-    except Exception:  # noqa: BLE001 - not a repo id huggingface_hub accepts
-        cached = None
-    if isinstance(cached, str):
-        return _read_config(Path(cached)), str(spec)
-    shipped_ids = sorted({c["_name_or_path"] for c in shipped_configs().values() if c.get("_name_or_path")})
-    raise ConfigError(
-        f"no config for {spec!r}: pass a config.json path or model directory, a model kvhub ships a "
-        f"config for ({', '.join(shipped_ids)}), "
-        "or a Hub id whose config is in the Hugging Face cache"
-    )
-
-
-def _read_config(path: Path) -> dict:
-    """A config.json as a dict; ConfigError naming the file when it is unreadable, not JSON, or not an object."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"{path} is not a readable JSON config ({exc}); pass a transformers config.json") from None
-    if not isinstance(config, dict):
-        raise ConfigError(
-            f"{path} holds a JSON {type(config).__name__}, not an object; pass a transformers config.json"
-        )
-    return config
 
 
 def shape_of(spec: str) -> ModelShape:

@@ -99,7 +99,7 @@ def read_front_matter(text: str) -> dict:
         return {}
     try:
         data = yaml.safe_load(head)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError, MemoryError):  # nested past the parser: not a card kvhub wrote
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvhub import __version__
-from kvhub.env import hub_offline
+from kvhub.artifact.files import is_no_space, no_space_error
+from kvhub.env import hf_hub_cache, hub_offline
 from kvhub.errors import (
     ConfigError,
     KVHubError,
@@ -45,14 +46,8 @@ def hub_settings(*, cache_dir: str | os.PathLike | None = None, local_files_only
 
     _one_line_per_record()
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    cache = (
-        cache_dir
-        or os.environ.get("HF_HUB_CACHE")
-        or (os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE)
-    )
-    return HubSettings(
-        endpoint=endpoint, offline=local_files_only or hub_offline(), cache_dir=os.path.expanduser(os.fspath(cache))
-    )
+    cache = os.path.expanduser(os.fspath(cache_dir)) if cache_dir else hf_hub_cache()
+    return HubSettings(endpoint=endpoint, offline=local_files_only or hub_offline(), cache_dir=cache)
 
 
 def _api(settings: HubSettings, token: str | None):
@@ -249,4 +244,13 @@ def hub_errors(
         raise HubError(
             f"{action} {where}: the connection to {endpoint} failed ({type(exc).__name__}: "
             f"{_redact(str(exc), token)}){tail}"
+        ) from None
+    except OSError as exc:  # the download filled the Hugging Face cache's disk
+        if not is_no_space(exc):
+            raise
+        folder = settings.cache_dir if settings else os.path.dirname(exc.filename or "") or "the Hugging Face cache"
+        raise no_space_error(
+            folder,
+            then=f"{action} {where} stopped and nothing was registered; free some space there or point HF_HUB_CACHE "
+            f"at another disk{tail}",
         ) from None

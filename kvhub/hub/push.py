@@ -11,10 +11,10 @@ from pathlib import Path
 
 from kvhub import __version__
 from kvhub.artifact import (
-    CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, copy_regular, is_figure_name, publishable_files,
+    CARD_FILE, FIGURE_SUFFIXES, METADATA_FILE, copy_regular, is_figure_name, parse_json, publishable_files,
 )
-from kvhub.hub.card import CardLicense, card_is_pristine, model_card, read_front_matter
-from kvhub.hub.identity import base_models, published_metadata
+from kvhub.hub.card import CardLicense, card_is_pristine, card_license, model_card, read_front_matter
+from kvhub.hub.identity import base_models, check_base_models, published_metadata
 from kvhub.errors import ConfigError, HubConflictError, HubOfflineError
 from kvhub.hub.client import _api, hub_errors, hub_settings, parse_repo_ref
 from kvhub.hub.verify import series_key, verify_artifact
@@ -83,6 +83,7 @@ class _Push:
     added: dict[str, Path]  # the figures given with this push (``figures=``), which a card refresh uploads
     commit_message: str | None
     url: str
+    notes: list[str] = field(default_factory=list)  # said before the push's own (an unchecked --base-model)
 
     def card(self, images) -> str:
         return model_card(self.metadata, repo_id=self.repo_id, version_tag=self.tag, images=images,
@@ -102,7 +103,9 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str 
     branch instead, when the branch holds its weights.  ``card``: "auto" replaces README.md only if
     kvhub wrote it and nobody edited it since, "keep" never touches an existing README.md, "replace"
     always writes the generated card.  ``base_model``: Hub ids (source, target) that name the models in
-    everything published (kvhub.hub.identity).  ``license``: kvhub.hub.card.card_license.  ``figures``:
+    everything published (kvhub.hub.identity).  ``license``: kvhub.hub.card.card_license.  Either left
+    None is taken from what the series published in ``repo_id`` (this version's publication for a refresh,
+    else the newest other version's the store recorded there).  ``figures``:
     a directory whose figures (.png, .jpg, .jpeg, .svg) join the commit and the card.  ``create_pr``:
     open a pull request instead of committing; nothing is tagged or recorded until it is merged and
     pushed again.
@@ -120,8 +123,9 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str 
             "names them only in a first push"]
         return PushResult(repo_id, label, pub["commit_sha"] or "", branch_name,
                           f"{hub_settings().endpoint}/{repo_id}/tree/{label}", already_published=True, notes=notes)
-    if base_model is None and pub is not None:  # a refresh: the Hub ids it was published under
-        base_model = _published_bases(store, version, pub, token) or None
+    inherited: list[str] = []
+    if base_model is None or license is None:  # a refresh, or the series' next version: what was published
+        base_model, license, inherited = _as_published(store, version, repo_id, pub, token, base_model, license)
     job = _prepare(store, ref, repo_id, revision=branch_name, base_model=base_model,
                    license=license, figures=figures, commit_message=commit_message)
     refresh = card == "replace" or bool(job.added)
@@ -133,49 +137,91 @@ def push(store, ref: str, repo_id: str, *, private: bool = False, revision: str 
     aftermath = f"{ref} is not recorded as published; re-run the same `kvhub push` to retry"
     with hub_errors("push to", repo_id=repo_id, revision=job.branch, token=token, settings=settings,
                     aftermath=aftermath):
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        remote = _remote_state(api, repo_id, job.branch)
-        if private and not remote.private:
-            raise HubConflictError(f"{repo_id} exists and is public, so it cannot be made private by a push. Make "
-                                   "it private on the Hub first or push to another repository", repo_id=repo_id)
-        _check_same_series(repo_id, remote.head_metadata, job)
-        if job.tag not in remote.tags and not create_pr and (same := _tag_with_same_tensors(api, job, remote)):
-            tag, commit = same
-            if pub is None:
-                store.add_publication(job.version, repo_id, tag, commit)
-            return PushResult(repo_id, tag, commit, job.branch, job.url.replace(f"/tree/{job.tag}", f"/tree/{tag}"),
-                              already_published=True, notes=[f"{repo_id}@{tag} holds these very tensors; a tag is "
-                                                             f"never added for weights published already"])
-        if job.tag in remote.tags and not create_pr:
-            commit = _existing_tag(api, repo_id, job.tag, remote.tags[job.tag], job)
-            if pub is None:
-                store.add_publication(job.version, repo_id, job.tag, commit)
-            if refresh:
-                return _refresh_card(api, job, remote, commit)
-            return PushResult(repo_id, job.tag, commit, job.branch, job.url, already_published=True,
-                              notes=[f"{repo_id} already had {job.tag} with these weights; recorded it"])
-        return _publish(api, job, remote, card, create_pr=create_pr)
+        result = _push_job(api, job, pub, card, private=private, create_pr=create_pr, refresh=refresh)
+    result.notes[:0] = inherited + job.notes
+    return result
 
 
-def _published_bases(store, version, pub: dict, token: str | None) -> tuple[str, str] | None:
-    """(source, target) Hub ids of the mapper.json a publication holds, when the version's own names are
-    local paths (a refresh then needs no --base-model again); None when they are Hub ids already or the
-    published file cannot be read."""
+def _push_job(api, job: _Push, pub, card: str, *, private: bool, create_pr: bool, refresh: bool) -> PushResult:
+    """The Hub side of :func:`push`: create the repository, then tag, record, refresh or publish."""
+    store, repo_id = job.store, job.repo_id
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    remote = _remote_state(api, repo_id, job.branch)
+    if private and not remote.private:
+        raise HubConflictError(f"{repo_id} exists and is public, so it cannot be made private by a push. Make "
+                               "it private on the Hub first or push to another repository", repo_id=repo_id)
+    _check_same_series(repo_id, remote.head_metadata, job)
+    if job.tag not in remote.tags and not create_pr and (same := _tag_with_same_tensors(api, job, remote)):
+        tag, commit = same
+        if pub is None:
+            store.add_publication(job.version, repo_id, tag, commit)
+        return PushResult(repo_id, tag, commit, job.branch, job.url.replace(f"/tree/{job.tag}", f"/tree/{tag}"),
+                          already_published=True, notes=[f"{repo_id}@{tag} holds these very tensors; a tag is "
+                                                         f"never added for weights published already"])
+    if job.tag in remote.tags and not create_pr:
+        commit = _existing_tag(api, repo_id, job.tag, remote.tags[job.tag], job)
+        if pub is None:
+            store.add_publication(job.version, repo_id, job.tag, commit)
+        if refresh:
+            return _refresh_card(api, job, remote, commit)
+        return PushResult(repo_id, job.tag, commit, job.branch, job.url, already_published=True,
+                          notes=[f"{repo_id} already had {job.tag} with these weights; recorded it"])
+    return _publish(api, job, remote, card, create_pr=create_pr)
+
+
+def _as_published(store, version, repo_id: str, pub: dict | None, token: str | None, base_model, license):
+    """(base_model, license, notes): what was not given, taken from what the series published in ``repo_id``:
+    ``pub`` (a refresh of this version), else the store's newest record of another version of the series
+    there (its next version).  Hub ids only where the version names its models by local path; the licence
+    from that publication's card.  Unchanged when nothing was published or the Hub cannot be read."""
     metadata = verify_artifact(Path(store.artifact_path(version)))
     try:
         base_models(metadata)
-        return None  # the version names its models by Hub ids itself
+        needs_ids = False  # the version names its models by Hub ids itself
     except ConfigError:
-        pass
+        needs_ids = base_model is None
+    source = pub or _series_publication(store, version, repo_id)
     settings = hub_settings()
-    if settings.offline or not pub.get("commit_sha"):
-        return None
-    with hub_errors("read the published mapper.json of", repo_id=pub["repo_id"], revision=pub["revision"], token=token,
-                    settings=settings), tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
-        raw = _remote_file(_api(settings, token), pub["repo_id"], pub["commit_sha"], METADATA_FILE, tmp)
-    published = _json_object(raw) or {}
+    if not (needs_ids or license is None) or source is None or settings.offline or not source.get("commit_sha"):
+        return base_model, license, []
+    where = f"{source['repo_id']}@{source['revision'] or source['commit_sha'][:12]}"
+    with hub_errors("read what was published in", repo_id=source["repo_id"], revision=source["revision"],
+                    token=token, settings=settings), tempfile.TemporaryDirectory(prefix="kvhub-remote-") as tmp:
+        api = _api(settings, token)
+        published = _json_object(_remote_file(api, source["repo_id"], source["commit_sha"], METADATA_FILE, tmp)) or {}
+        card = _remote_file(api, source["repo_id"], source["commit_sha"], CARD_FILE, tmp) if license is None else None
+    taken = []
     ids = tuple((published.get(role) or {}).get("model_id") for role in ("source", "target"))
-    return ids if all(isinstance(i, str) and i for i in ids) else None
+    if needs_ids and all(isinstance(i, str) and i for i in ids):
+        base_model = ids
+        taken.append(f"the Hub ids {ids[0]}, {ids[1]}")
+    if license is None and (license := _card_licence(card)) is not None:
+        taken.append(f"the licence {license.id}")
+    if not taken or pub is not None:  # a refresh keeps what its own publication says, without a word
+        return base_model, license, []
+    return base_model, license, [f"{' and '.join(taken)} of {where}, the series' last publication there "
+                                 "(--base-model / --license name others)"]
+
+
+def _series_publication(store, version, repo_id: str) -> dict | None:
+    """The store's record of the newest other version of ``version``'s series published in ``repo_id``."""
+    found = []
+    for other in store.versions(source=version.source, target=version.target, calibration=version.calibration):
+        if (other.source, other.target, other.calibration) == (version.source, version.target,
+                                                               version.calibration) and other.id != version.id:
+            found += [(other.version, p) for p in store.publications(other) if p["repo_id"] == repo_id]
+    return max(found, key=lambda item: item[0])[1] if found else None
+
+
+def _card_licence(card: bytes | None) -> CardLicense | None:
+    """The licence a published card names (None when it names none, or none kvhub accepts)."""
+    meta = read_front_matter(card.decode("utf-8", errors="replace")) if card else {}
+    if not isinstance(meta.get("license"), str):
+        return None
+    try:
+        return card_license(meta["license"], name=meta.get("license_name"), link=meta.get("license_link"))
+    except ConfigError:
+        return None
 
 
 def _one_branch(revision: str | None, branch: str | None) -> str:
@@ -192,11 +238,13 @@ def _prepare(store, ref: str, repo_id: str, *, revision: str, base_model, licens
     artifact = Path(store.artifact_path(version))
     metadata = verify_artifact(artifact)
     bases = base_models(metadata, base_model)
+    notes = check_base_models(metadata, bases)
     added = _figures_in(figures)
     found = {name: artifact / name for name in publishable_files(artifact, metadata) if is_figure_name(name)}
     tag = version_tag(version)
     return _Push(store, version, repo_id, tag, revision, published_metadata(metadata, bases), metadata, bases,
-                 license, {**found, **added}, added, commit_message, f"{hub_settings().endpoint}/{repo_id}/tree/{tag}")
+                 license, {**found, **added}, added, commit_message, f"{hub_settings().endpoint}/{repo_id}/tree/{tag}",
+                 notes)
 
 
 def _figures_in(directory: str | os.PathLike | None) -> dict[str, Path]:
@@ -329,7 +377,7 @@ def _remote_state(api, repo_id: str, branch: str) -> _Remote:
 def _json_object(raw: bytes | None) -> dict | None:
     """A remote mapper.json as a dict; None when missing or not a JSON object (it is then not ours)."""
     try:
-        data = json.loads(raw) if raw else None
+        data = parse_json(raw) if raw else None
     except (UnicodeDecodeError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -11,8 +11,10 @@ The rest of the contract with vLLM (class, module, roles) is :mod:`kvhub.serving
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +97,8 @@ EXTRA_CONFIG: tuple[ConfigKey, ...] = (
         "chunk_tokens",
         BOTH,
         "count",
-        "index granularity; must be the same for every engine on a KV store (checked)",
+        "index granularity; must be the same for every engine on a KV store, and at most the engine's "
+        "`max_model_len` (both checked)",
         default=16,
     ),
     ConfigKey(
@@ -200,6 +203,7 @@ def read_config(extra: dict) -> dict:
     if "kvstore_dir" not in merged:
         raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
     readers = {
+        "text": config_text,
         "count": config_count,
         "tokens": config_tokens,
         "flag": config_flag,
@@ -223,6 +227,28 @@ def config_table() -> str:
         renamed = f" (`{key.renamed_from[0]}` before, now refused with its new name)" if key.renamed_from else ""
         rows.append(f"| `{key.name}` | {role} | {key.shown_default()} | {key.help}{renamed} |")
     return "\n".join(rows) + "\n"
+
+
+def config_text(extra: dict, key: str) -> str:
+    """A text option (a reference, a path, a URL): a JSON string (a path object from Python too), else ConfigError
+    naming the key."""
+    value = extra[key]
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"kv_connector_extra_config {key} must be a string, got {value!r}")
+    return value
+
+
+def check_chunk_tokens(chunk_tokens: int, *, max_model_len) -> None:
+    """ConfigError for a ``chunk_tokens`` above the engine's ``max_model_len``: no prompt would fill one chunk, so
+    the producer would store nothing and say nothing."""
+    if isinstance(max_model_len, int) and not isinstance(max_model_len, bool) and chunk_tokens > max_model_len > 0:
+        raise ConfigError(
+            f"kv_connector_extra_config chunk_tokens {chunk_tokens} is more than the engine's max_model_len "
+            f"{max_model_len}: no prompt fills one chunk, so nothing would be stored; use at most {max_model_len} "
+            f"(default {EXTRA_DEFAULTS['chunk_tokens']})"
+        )
 
 
 def config_count(extra: dict, key: str, *, minimum: int = 1) -> int:
@@ -298,18 +324,24 @@ def isolation_key(request, *, source: str, required: bool) -> str | None:
 
 
 def events_file(path, *, option: str = "kv_connector_extra_config events_path") -> str | None:
-    """``path`` (an events file), checked writable now: a ConfigError naming ``option`` at start, not a
-    failure at the first request."""
+    """``path`` (an events file), checked now to be a regular file this process can append to: a ConfigError
+    naming ``option`` at start, not a failure at the first request.  Opened without blocking, so a FIFO there
+    (which would block the engine's start until something reads it) is refused, not waited on."""
     if not path:
         return None
     try:
-        with open(path, "a"):
-            pass
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as exc:
+        what = "is not a regular file" if exc.errno == errno.ENXIO else f"cannot be appended to ({exc.strerror})"
         raise ConfigError(
-            f"{option} {str(path)!r} cannot be appended to ({exc.strerror}); point it at a file in an "
-            "existing, writable directory"
+            f"{option} {str(path)!r} {what}; point it at a file in an existing, writable directory"
         ) from exc
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    if not regular:
+        raise ConfigError(f"{option} {str(path)!r} is not a regular file; point it at a file (one JSON line per event)")
     return str(path)
 
 

@@ -83,9 +83,7 @@ def transfer_configs(
     ``KVTransferConfig(**config)`` takes a result as is; ``vllm serve`` takes it as JSON.
     """
     check_extra_keys(options)
-    Recompute.from_options(
-        options, base=SERVING, origin="the recompute options"
-    )  # ConfigError now, not at load
+    Recompute.from_options(options, base=SERVING, origin="the recompute options")  # ConfigError now, not at load
     config_deshrink(options)
     if options.get("isolation_key_source") is not None:
         config_isolation_source(options)
@@ -421,21 +419,24 @@ class ServerPair:
                 )
 
     def stop(self, *, interval: float = 0.1) -> None:
-        """Send the requested signal (SIGTERM by default) to every child's process group; SIGKILL what is
-        still there after ``stop_timeout`` seconds or on another signal.  Idempotent."""
+        """Send the requested signal (SIGTERM by default) to every child's process group and wait, within
+        ``stop_timeout`` seconds, until each whole group has exited, as a terminal's Ctrl-C to a plain
+        ``vllm serve`` lets it: a server's leader may exit before the processes it started (vLLM's engine,
+        multiprocessing's resource tracker unlinking the engine's ``/dev/shm`` segments), which a SIGKILL
+        then would cut short.  SIGKILL what is still there after that or on another signal.  Idempotent."""
         signum = self.stop_signal or signal.SIGTERM
         signals_before = self._signals
         started = [server for server in self.servers if server.process is not None]
         for server in started:
             _signal_group(server.process, signum)
         deadline = time.monotonic() + self.stop_timeout
-        while any(server.process.poll() is None for server in started):
+        while any(_group_running(server.process) for server in started):
             if time.monotonic() > deadline or self._signals > signals_before:
                 log.warning("servers still running after signal %d; killing them", signum)
                 break
             time.sleep(interval)
         for server in started:
-            _signal_group(server.process, signal.SIGKILL)  # also what outlived its leader (vLLM's engine process)
+            _signal_group(server.process, signal.SIGKILL)  # what outlived the wait (vLLM's engine process)
             server.process.wait()
 
 
@@ -448,6 +449,34 @@ def _answers(server: Server) -> bool:
     except (OSError, ValueError, AttributeError, http.client.HTTPException):
         return False
     return any(isinstance(entry, dict) and entry.get("id") == server.served_model_name for entry in listed)
+
+
+def _group_running(process: subprocess.Popen) -> bool:
+    """Whether the leader (reaped here once it exits) or any other live process of its group is still running."""
+    if process.poll() is None:
+        return True
+    return bool(group_members(process.pid))
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of process group ``pgid``: from ``/proc`` on Linux (an exited
+    member whose new parent has not reaped it yet no longer counts), else by signal 0 to the group."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue  # exited while listed
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:

@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvhub.errors import ConfigError
 from kvhub.serving.connector_config import (
+    check_chunk_tokens,
     check_serving_spec,
     check_target,
     events_file,
@@ -81,6 +82,9 @@ class KVHubConnector(KVConnectorBase_V1):
         check_engine(vllm_config)  # one rank, attention-only model: refused at start (engine_limits), never half-served
         transfer = vllm_config.kv_transfer_config
         config = read_config(transfer.kv_connector_extra_config or {})
+        check_chunk_tokens(
+            config["chunk_tokens"], max_model_len=getattr(vllm_config.model_config, "max_model_len", None)
+        )
         if transfer.kv_role not in ROLES.values():
             raise ConfigError(f"KVHubConnector runs as {' or '.join(ROLES.values())}, not {transfer.kv_role!r}")
         is_producer = transfer.kv_role == ROLES["producer"]

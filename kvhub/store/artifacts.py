@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal, overload
 
 from kvhub.artifact import copy_regular, fsync_dir, regular_files, sha256_file
+from kvhub.artifact.files import is_no_space, no_space_error
 from kvhub.errors import ArtifactError, IntegrityError, StoreError
 
 OBJECTS_DIR = "sha256"
@@ -95,17 +96,25 @@ def _make_read_only(directory: Path) -> None:
         path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
 
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def _open_lock(lock: Path) -> int:
-    """The lock file's descriptor; read-only when the store is (flock needs no write access: gc --dry-run).
+def _read_only(root: Path, exc: OSError) -> StoreError:
+    return StoreError(
+        f"the artifact store {root} is read-only ({exc.strerror}): list, show and load work, this command "
+        "writes; run it where the store is writable"
+    )
+
+
+def _open_lock(lock: Path, *, write: bool) -> int:
+    """The lock file's descriptor.  A writer's is opened for writing, so a read-only store is refused before
+    anything else; a reader's (gc --dry-run) falls back to read-only (flock needs no write access).
     O_NOFOLLOW: a link planted at .lock would make every writer create or open its target."""
     no_follow = getattr(os, "O_NOFOLLOW", 0)
     try:
         return os.open(lock, os.O_RDWR | os.O_CREAT | no_follow, 0o666)
     except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if write or exc.errno not in _READ_ONLY:
             raise
         return os.open(lock, os.O_RDONLY | no_follow)
 
@@ -234,24 +243,27 @@ class ArtifactStore:
             yield
 
     @contextlib.contextmanager
-    def collecting(self, *, timeout_s: float = 120.0) -> Iterator[None]:
-        """Hold the exclusive lock: no artifact write is in flight while it is held."""
-        with self._lock(exclusive=True, timeout_s=timeout_s):
+    def collecting(self, *, timeout_s: float = 120.0, write: bool = True) -> Iterator[None]:
+        """Hold the exclusive lock: no artifact write is in flight while it is held.  ``write``: the caller
+        deletes (a read-only store is then refused at once); False for a dry run, which only reads."""
+        with self._lock(exclusive=True, timeout_s=timeout_s, write=write):
             yield
 
     @contextlib.contextmanager
-    def _lock(self, *, exclusive: bool, timeout_s: float | None) -> Iterator[None]:
+    def _lock(self, *, exclusive: bool, timeout_s: float | None, write: bool = True) -> Iterator[None]:
         try:
             import fcntl
         except ImportError as exc:  # Windows
             raise StoreError("the artifact store needs POSIX file locks (fcntl); use Linux or macOS") from exc
-        self.root.mkdir(parents=True, exist_ok=True)
         lock = self.root / LOCK_FILE
         try:
-            fd = _open_lock(lock)
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = _open_lock(lock, write=write)
         except OSError as exc:
             if os.path.islink(lock):
                 raise _refused_entry(lock, "a symbolic link") from None
+            if write and exc.errno in _READ_ONLY:
+                raise _read_only(self.root, exc) from None
             raise StoreError(
                 f"cannot open the store's lock file {lock} ({exc.strerror}); check that the store directory is writable"
             ) from None
@@ -310,11 +322,13 @@ class ArtifactStore:
             stored = StoredArtifact(digest, self.location_of(digest), size, hashes)
             self._install(tmp, stored)
         except OSError as exc:
-            if exc.errno not in _NO_SPACE:
+            if exc.errno in _READ_ONLY:
+                raise _read_only(self.root, exc) from None
+            if not is_no_space(exc):
                 raise
-            raise StoreError(
-                f"no space left on {self.root}; nothing was stored. Free some space (`kvhub gc` "
-                "removes unreferenced artifacts) and import again"
+            raise no_space_error(
+                self.root,
+                then="nothing was stored. Free some space (`kvhub gc` removes unreferenced artifacts) and import again",
             ) from exc
         finally:
             if os.path.lexists(tmp):
@@ -361,8 +375,13 @@ class ArtifactStore:
             return
         if not path.exists():
             return
-        trash = self._tmp_dir() / f"{uuid.uuid4().hex}.removing"
-        os.rename(path, trash)
+        try:
+            trash = self._tmp_dir() / f"{uuid.uuid4().hex}.removing"
+            os.rename(path, trash)
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY:
+                raise
+            raise _read_only(self.root, exc) from None
         _remove_tree(trash)
 
     def remove_temporary(self, path: Path) -> None:

@@ -30,6 +30,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
 
+from kvhub.artifact import files as artifact_files
 from kvhub.errors import ConfigError, StoreError
 from kvhub.store.location import display_url, sqlite_path
 
@@ -82,11 +83,13 @@ def full_folder(url: str, exc: DBAPIError) -> Path | None:
     return path.parent if stats.f_bavail * stats.f_frsize < NEARLY_FULL_BYTES else None
 
 
-def no_space_error(folder: Path) -> StoreError:
-    return StoreError(
-        f"no space left on {folder}; nothing was written. Free some space there (`kvhub gc` "
-        "removes unreferenced artifacts and leftovers of interrupted writes) and run the command "
-        "again"
+def no_space_error(folder: Path, *, then: str = "") -> StoreError:
+    """kvhub.artifact.files.no_space_error; by default for a write to the store."""
+    return artifact_files.no_space_error(
+        folder,
+        then=then
+        or "nothing was written. Free some space there (`kvhub gc` removes unreferenced artifacts and leftovers "
+        "of interrupted writes) and run the command again",
     )
 
 

@@ -255,7 +255,7 @@ def insert_version(
     session.add(row)
     session.flush()
     measured_by = metadata.get("kvhub_version") or __version__
-    session.add_all(metric_row(row.id, m, kvhub_version=measured_by) for m in metadata_metrics(metadata))
+    session.add_all(metric_row(row.id, m, kvhub_version=measured_by) for m in metadata_metrics(metadata, warn=True))
     newest = newest_version(session, series.id)
     set_alias(session, series.id, LATEST, row.id if newest is None else newest.id)  # never None: row is there
     return row.id
@@ -324,10 +324,11 @@ def find_same_tensors(session: Session, metadata: dict) -> VersionRow | None:
     return session.scalars(query.limit(1)).first()
 
 
-def metadata_metrics(metadata: dict) -> list[dict]:
+def metadata_metrics(metadata: dict, *, warn: bool = False) -> list[dict]:
     """Metrics recorded in mapper.json: numeric entries of ``metrics`` and per-layer held-out R^2.
 
-    Non-finite values are skipped with a warning (the artifact keeps them); non-numeric entries too.
+    Non-finite values are skipped (the artifact keeps them), non-numeric entries too; with ``warn``, each with a
+    warning (only where the version is inserted: an import reads the metrics more than once).
     """
     found = [{"name": name, "value": value} for name, value in sorted((metadata.get("metrics") or {}).items())]
     for layer in metadata.get("layers") or []:
@@ -338,7 +339,8 @@ def metadata_metrics(metadata: dict) -> list[dict]:
     for metric in found:
         value = metric["value"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            log.warning("not storing metric %s=%r from mapper.json (not a finite number)", metric["name"], value)
+            if warn:
+                log.warning("not storing metric %s=%r from mapper.json (not a finite number)", metric["name"], value)
             continue
         kept.append(metric)
     return kept

@@ -17,7 +17,6 @@ a race (a duplicate insert of a new model or triple, a deadlock, SQLite's lock t
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from sqlalchemy.orm import Session
 
 from kvhub import __version__
 from kvhub.artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
+from kvhub.artifact.files import NO_SPACE
 from kvhub.errors import AmbiguousError, ArtifactError, ConfigError, NotFoundError, StoreError
 from kvhub.errors import IntegrityError as ArtifactIntegrityError
 from kvhub.store import lookup, queries
@@ -155,7 +155,11 @@ class Store(Transactions):
         checked: dict = {}
 
         def check(copy: Path, hashes: dict[str, str]) -> None:
-            checked["metadata"] = read_checked_metadata(copy, hashes)
+            try:
+                checked["metadata"] = read_checked_metadata(copy, hashes)
+            except ArtifactError as exc:  # name the directory the user gave, not the copy that is about to go
+                exc.args = (str(exc).replace(str(copy), str(artifact_dir)),)
+                raise
 
         with self._artifacts.writing():
             stored = self._artifacts.put(artifact_dir, check=check)
@@ -338,11 +342,11 @@ class Store(Transactions):
                         f"{record.artifact_sha256}); nothing was exported. Re-import or pull it again"
                     )
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno not in NO_SPACE:
                 raise
-            folder = Path(directory).absolute().parent
-            raise StoreError(f"no space left on {folder} for the {record.artifact_bytes} bytes of {record.ref}; "
-                             "nothing was exported. Free some space there or export to another directory") from exc
+            raise no_space_error(Path(directory).absolute().parent, then=(
+                f"nothing was exported ({record.artifact_bytes} bytes of {record.ref}). Free some space there or "
+                "export to another directory")) from exc
         return Path(directory)
 
     # ---- aliases and removal ---------------------------------------------------------------------
@@ -436,7 +440,7 @@ class Store(Transactions):
         report = GcReport(dry_run=dry_run)
         if not dry_run and out_of_space_folder(self._engine) is None:
             self._check_writable()
-        with self._artifacts.collecting():
+        with self._artifacts.collecting(write=not dry_run):
             debris = self._artifacts.temporaries()  # checks .tmp before anything is deleted
             referenced = set(self._read(lambda s: s.scalars(select(VersionRow.artifact_location)).all()))
             stored = set(self._artifacts.locations())

@@ -67,3 +67,38 @@ def test_fit_checks_arguments_before_loading_models(no_model_loads, tmp_path):
     assert too_wide.exit_code == FitError.exit_code and "training observations" in too_wide.stderr
     missing = runner.invoke(main, [*base, "--calib", str(tmp_path / "notes.jsonl")])
     assert missing.exit_code == ConfigError.exit_code and "does not exist" in missing.stderr
+
+
+def test_bars_show_a_rate_and_an_eta_from_the_first_slow_step():
+    """A terminal bar whose updates come minutes apart (the demo's capture: one per 3-9 min batch) shows a
+    rate and an eta after its first update, computed as the plain lines do: from the step's elapsed time
+    and its first count (a resumed fit's checkpointed tokens are not this run's work).  Below one unit a
+    second the rate reads as seconds per unit.
+
+    Planted bugs caught: Rich's 30-second speed window (ux-4 U4-2: `eta -:--:--` and no rate for 87
+    minutes); the checkpointed base counted as done now (a resumed fit's eta far too short); rates below
+    1/s printed as `0 items/s` (U4-15)."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress as RichProgress
+
+    now = [0.0]
+    bar = RichProgress(
+        *progress.bar_columns("tok/s"), console=Console(file=io.StringIO()), get_time=lambda: now[0], auto_refresh=False
+    )
+    callback = progress.bar_callback(bar, "tok/s")
+    callback("capture: train batch 1/20", 8192, 40960)  # resumed at 8,192 checkpointed tokens
+    rate_column, eta_column = bar.columns[3], bar.columns[6]
+    task = bar.tasks[0]
+    assert str(rate_column.render(task)) == "" and str(eta_column.render(task)) == "-:--:--"
+    now[0] = 400.0  # the first batch of this run: 2,048 tokens in 400 s
+    callback("capture: train batch 2/20", 8192 + 2048, 40960)
+    assert str(rate_column.render(task)) == "5 tok/s"
+    assert str(eta_column.render(task)) == "1:40:00"  # 30,720 tokens left at 5.12 tok/s = 6,000 s
+    items = progress.bar_callback(bar, "items/s")
+    items("hellaswag", 0, 20)
+    now[0] = 434.0
+    items("hellaswag", 10, 20)  # 10 items in 34 s
+    assert str(rate_column.render(bar.tasks[1])) == "3.4 s/item"
+    assert progress.rate_text(0.34, "items/s") == "2.9 s/item" and progress.rate_text(3100, "tok") == "3,100 tok/s"

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from kvhub.artifact import read_artifact
 from kvhub.errors import ArtifactError, ConfigError, IncompatibleError, NonFiniteError
 from kvhub.core.mapper import Mapper
-from tests.fixtures_store import DST_ID, SRC_ID, make_store_artifact
+from tests.fixtures_store import DST_ID, SRC_ID, make_store_artifact, mlp_artifact
 
 # ---- artifact damage helpers -------------------------------------------------------------------------
 
@@ -134,6 +134,23 @@ def _outside_copy(directory: Path) -> str:
     return str(outside)
 
 
+_DEEP = "[" * 5000 + "]" * 5000  # lists 5000 deep: past the JSON parser's recursion limit
+
+
+def _nested_json(directory: Path) -> None:
+    """mapper.json with a `notes` field nested 5000 lists deep."""
+    metadata = _meta(directory)
+    metadata["notes"] = "NESTED"
+    (directory / "mapper.json").write_text(json.dumps(metadata).replace('"NESTED"', _DEEP))
+
+
+def _nested_header(data: bytes) -> bytes:
+    """The safetensors header with a `__metadata__`-like entry nested 5000 lists deep (same data bytes)."""
+    length = struct.unpack("<Q", data[:8])[0]
+    text = data[8 : 8 + length].rstrip(b" ")[:-1] + b', "padding": ' + _DEEP.encode() + b"}"
+    return struct.pack("<Q", len(text)) + text + data[8 + length :]
+
+
 def _reversed_layers(metadata):
     metadata["layers"].reverse()
 
@@ -180,6 +197,17 @@ ARTIFACT_CASES = [
     ("lambda-k-negative", _set("layers.0.lambda_k", -1.0), "`layers[0].lambda_k` must be >= 0", True),
     ("lambda-k-nan", _set("layers.0.lambda_k", math.nan), "`layers[0].lambda_k` must be a finite number", True),
     ("r2-string", _set("layers.0.r2_k", "high"), "`layers[0].r2_k` must be", True),
+    # per-layer R^2 drives de-shrinking (scale 1/sqrt(R^2)): Inf or > 1 would make the map the calibration mean
+    ("r2-infinite", _set("layers.0.r2_k", math.inf), "`layers[0].r2_k` must be a finite number", True),
+    ("r2-huge", _set("layers.1.r2_v", 1e300), "`layers[1].r2_v` must be at most 1", True),
+    ("r2-above-one", _set("layers.2.r2_k", 7.5), "`layers[2].r2_k` must be at most 1", True),
+    ("r2-nan", _set("layers.0.r2_v", math.nan), "`layers[0].r2_v` must be a finite number", True),
+    ("train-r2-nan", _set("layers.1.train_r2_k", math.nan), "`layers[1].train_r2_k` must be a finite", True),
+    ("ridge-r2-string", _set("layers.0.ridge_r2_k", "high"), "`layers[0].ridge_r2_k` must be", True),
+    ("mlp-epochs-huge", _set("layers.0.mlp_epochs_k", 10**30), "`layers[0].mlp_epochs_k` must be an integer", True),
+    # nested past Python's parser: a RecursionError, never a traceback
+    ("json-nested-deep", _nested_json, "nested deeper than", True),
+    ("header-nested-deep", _tensor_bytes(_nested_header), "nested deeper than", True),
     # fingerprints
     ("source-missing", _set("source", ...), "`source` is missing", True),
     ("target-config-missing", _set("target.config", ...), "`target.config` is missing", True),
@@ -267,6 +295,29 @@ ARTIFACT_CASES = [
     ("kvhub-version-too-long", _set("kvhub_version", "9" * 33), "`kvhub_version` is 33 characters", False),
     ("metric-name-too-long", _edit(lambda m: m["metrics"].update({"m" * 129: 0.5})), "characters long", False),
     ("calibration-name-missing", _set("calibration.name", ...), "names no calibration set", False),
+    # kind: a name no kvhub gives a kind is damage, not a newer format ("upgrade" would not help)
+    ("kind-empty", _set("kind", ""), "`kind` is '', not the name of a map kind", True),
+    ("kind-upper-case", _set("kind", "MLP"), "did you mean 'mlp'?", True),
+    ("kind-spaces", _set("kind", " ridge "), "did you mean 'ridge'?", True),
+]
+
+# The `mlp` block of a kind-mlp artifact: every field kvhub stores (the store's mlp_* columns) or shows.
+MLP_CASES = [
+    ("losses-nan", _set("mlp.losses.k.train", [math.nan] * 3), "`mlp.losses.k.train` must be a list of 3 finite"),
+    ("losses-negative", _set("mlp.losses.v.heldout", [0.5, -1.0, 0.5]), "`mlp.losses.v.heldout` must be a list"),
+    ("losses-too-many", _set("mlp.losses.v.heldout", [0.5] * 10**6), "`mlp.losses.v.heldout` must be a list of 3"),
+    ("losses-text", _set("mlp.losses", "\x1b[31mred"), "`mlp.losses` must be"),
+    ("losses-kind-missing", _set("mlp.losses.v", ...), "`mlp.losses` must be"),
+    ("losses-split-missing", _set("mlp.losses.k.heldout", ...), "`mlp.losses.k` must be"),
+    ("epochs-huge", _set("mlp.epochs", 10**30), "`mlp.epochs` must be an integer in 1.."),
+    ("seed-text", _set("mlp.seed", "x"), "`mlp.seed` must be an integer"),
+    ("batch-size-bool", _set("mlp.batch_size", True), "`mlp.batch_size` must be an integer"),
+    ("lr-zero", _set("mlp.lr", 0), "`mlp.lr` must be a finite number > 0"),
+    ("lr-infinite", _set("mlp.lr", math.inf), "`mlp.lr` must be a finite number > 0"),
+    ("tokens-negative", _set("mlp.tokens.train", -5), "`mlp.tokens` must be"),
+    ("tokens-list", _set("mlp.tokens", [1, 2]), "`mlp.tokens` must be"),
+    ("width-too-wide", _set("mlp.width", 65537), "`mlp.width` must be an integer in 1..65536"),
+    ("layer-ridge-r2-text", _set("layers.0.ridge_r2_k", "high"), "`layers[0].ridge_r2_k` must be"),
 ]
 
 
@@ -319,6 +370,9 @@ def assert_store_empty(db: str, artifacts: Path) -> None:
         assert not any((store_dir / ".tmp").glob("*")), "a copy was left behind"
 
 
+TMP_COPY = f"{os.sep}.tmp{os.sep}"  # where the store copies an artifact before checking it
+
+
 @pytest.mark.parametrize("case_id, damage, words, load_refuses", ARTIFACT_CASES, ids=[c[0] for c in ARTIFACT_CASES])
 def test_damaged_artifact_is_refused_everywhere(
     case_id, damage, words, load_refuses, good_artifact, bad_store, tmp_path
@@ -327,12 +381,39 @@ def test_damaged_artifact_is_refused_everywhere(
     db, artifacts = bad_store
     result = run("import", str(directory), "--db", db)
     assert_clean_exit(result, 5, words)
+    assert TMP_COPY not in result.output  # the store's copy is gone when the user reads it: name the directory given
     assert_store_empty(db, artifacts)
     if load_refuses:
         with pytest.raises(ArtifactError):
             Mapper.load(directory)
         with pytest.raises(ArtifactError):
             read_artifact(directory)  # what pull, push and show --verify run
+
+
+@pytest.fixture(scope="module")
+def good_mlp_artifact(tmp_path_factory) -> Path:
+    return mlp_artifact(tmp_path_factory.mktemp("good-mlp") / "m", seed=12)
+
+
+@pytest.mark.parametrize("case_id, damage, words", MLP_CASES, ids=[c[0] for c in MLP_CASES])
+def test_damaged_mlp_block_is_refused_everywhere(case_id, damage, words, good_mlp_artifact, bad_store, tmp_path):
+    """Planted bugs caught: `mlp.losses` stored as given (NaN made list/show JSON invalid on SQLite and reached
+    PostgreSQL as a raw database refusal); the schedule fields (epochs, seed, lr, tokens) stored unchecked."""
+    directory = _damaged(good_mlp_artifact, tmp_path, damage)
+    db, artifacts = bad_store
+    result = run("import", str(directory), "--db", db)
+    assert_clean_exit(result, 5, words)
+    assert TMP_COPY not in result.output
+    assert_store_empty(db, artifacts)
+    with pytest.raises(ArtifactError, match="re-fetch it or re-fit"):
+        Mapper.load(directory)
+
+
+def test_the_good_mlp_artifact_imports(good_mlp_artifact, tmp_path):
+    """The control of the table above: the undamaged mlp artifact, its whole `mlp` block, is accepted."""
+    result = run("import", str(good_mlp_artifact), "--db", str(tmp_path / "kvhub.db"), "--json")
+    assert_clean_exit(result, 0)
+    assert json.loads(result.stdout)["mlp_losses"]["k"]["train"] == [0.5] * 3
 
 
 def test_reordered_layers_are_accepted_and_each_map_lands_on_its_target(good_artifact, tmp_path):
@@ -445,3 +526,20 @@ def test_huge_version_number_through_the_api(good_artifact, tmp_path):
     run("import", str(good_artifact), "--db", db)
     with pytest.raises(ConfigError, match="version numbers run from 1 to"):
         kvhub.load(SRC_ID, DST_ID, version=99999999999999999999, db=db)
+
+
+def test_other_headers_nested_past_the_parser_are_malformed_not_a_crash():
+    """What kvhub parses besides mapper.json (a statistics checkpoint's header, a model card's front matter, the
+    Hub's mapper.json during push): nested 5000 deep, each is malformed input its reader already handles.
+
+    Planted bugs caught: a RecursionError escaping StatisticsMode.from_json (the checkpoint reader catches
+    ValueError) or yaml.safe_load (read_front_matter catches YAMLError)."""
+    from kvhub.artifact import parse_json
+    from kvhub.fitting.modes import StatisticsMode
+    from kvhub.hub.card import read_front_matter
+
+    with pytest.raises(ValueError, match="nested deeper than"):
+        parse_json(_DEEP)
+    with pytest.raises(ValueError, match="nested deeper than"):
+        StatisticsMode.from_json(_DEEP)
+    assert read_front_matter(f"---\nkvhub: {_DEEP}\n---\n# card\n") == {}

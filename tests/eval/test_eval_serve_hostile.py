@@ -53,8 +53,20 @@ def _completion(body: dict, mode: str) -> dict:
     out = {"choices": [{"text": "A" * n, "token_ids": ids, "logprobs": {"token_logprobs": logprobs}}]}
     exact = {"exact_neg": -100, "exact_huge": 10**9, "exact_bool": True, "exact_float": 2.5}.get(mode, NORMAL_EXACT)
     if mode != "notransfer":
-        out["kv_transfer_params"] = {"kvhub": {"exact_tokens": exact}}
+        out["kv_transfer_params"] = {"kvhub": {"exact_tokens": exact, **REPORTS.get(mode, {})}}
     return out
+
+
+REPORTS = {  # stub mode -> other fields of its kv_transfer_params.kvhub report (the turns task reads them)
+    "mapped_text": {"mapped_tokens": "no"},
+    "mapped_neg": {"mapped_tokens": -5},
+    "mapped_huge": {"mapped_tokens": 10**30},
+    "mapped_bool": {"mapped_tokens": True},
+    "fallback_false": {"select_fallback": False},
+    "fallback_empty": {"select_fallback": ""},
+    "fallback_number": {"select_fallback": 1},
+    "own": {"mapped_tokens": 36, "select_fallback": "no stored source attention: select=target"},
+}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -212,6 +224,34 @@ def test_impossible_log_probabilities_are_refused(server, mode, says):
     server.mode = mode
     with pytest.raises(ServeError, match=says):
         Endpoint(server.url, "m", timeout=5).complete([65] * 40, max_tokens=4, cache_salt="t", logprobs=True)
+
+
+@pytest.mark.parametrize(
+    "mode, says",
+    [
+        pytest.param("mapped_text", 'mapped_tokens="no" for a prompt of 40 tokens', id="mapped-tokens-text"),
+        pytest.param("mapped_neg", "mapped_tokens=-5", id="mapped-tokens-negative"),
+        pytest.param("mapped_huge", "mapped_tokens=1000000000000000000000000000000", id="mapped-tokens-huge"),
+        pytest.param("mapped_bool", "mapped_tokens=true", id="mapped-tokens-bool"),
+        pytest.param("fallback_false", "select_fallback=false", id="select-fallback-bool"),
+        pytest.param("fallback_empty", 'select_fallback=""', id="select-fallback-empty"),
+        pytest.param("fallback_number", "select_fallback=1", id="select-fallback-number"),
+    ],
+)
+def test_report_fields_a_score_reads_are_checked(server, mode, says):
+    """Planted bugs caught: the turns task counting `mapped_tokens` "no", -5 or 10^30 as mapped and a
+    `select_fallback` of false as a fallback by truthiness, exit 0 (exact_tokens beside them was checked)."""
+    server.mode = mode
+    with pytest.raises(ServeError, match="connector is not kvhub's") as refused:
+        Endpoint(server.url, "m", timeout=5).complete([65] * 40, max_tokens=4, cache_salt="t")
+    assert says in str(refused.value) and server.url in str(refused.value)
+
+
+def test_the_connectors_own_report_is_read(server):
+    """The control: what kvhub's connector sends (a count, a reason text) passes."""
+    server.mode = "own"
+    done = Endpoint(server.url, "m", timeout=5).complete([65] * 40, max_tokens=4, cache_salt="t")
+    assert done.kv_transfer_params["kvhub"]["mapped_tokens"] == 36
 
 
 def test_R3_5_a_body_past_the_cap_is_refused(server, monkeypatch):

@@ -267,3 +267,39 @@ def test_python_dash_m_runs_lm_evals_command_line(pair, tmp_path):
         timeout=600,
     )
     assert bad.returncode == 2 and "unknown condition 'best'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_results_name_the_version_scored_and_its_tensors(pair, tmp_path, monkeypatch):
+    """mapper= typed without a version (as `kvhub-lm-eval ... mapper=small:large:notes` is) resolves to the
+    store's version; the results' config names that version (`...@v1`) and its tensors' sha256 (also as
+    lm-eval's model_revision / model_sha), and the run (folder, model_name) is named after it.
+
+    Planted bugs caught: the results naming the mapper as typed (ux-4 U4-5: v2's results written into v1's
+    folder under the same name after a retag); no tensors hash; the hash of the control map instead."""
+    import datasets
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    import kvhub.eval.lmeval  # noqa: F401  (registers --model kvhub)
+    from kvhub.store import open_store
+
+    ref, db, _, _ = pair
+    typed = ref.split("@")[0]
+    with open_store(db) as store:
+        sha = store.resolve(ref).tensors_sha256
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    monkeypatch.chdir(REPO)  # the task YAMLs name their data files relative to the repository
+    tracker = EvaluationTracker()
+    results = lm_eval.simple_evaluate(
+        model="kvhub",
+        model_args=f"mapper={typed},db={db},dtype=float32,device=cpu,condition=control",
+        tasks=["kvhub_tiny_mc"],
+        task_manager=TaskManager(include_path=str(REPO / "tests" / "lmeval"), include_defaults=False),
+        limit=2,
+        evaluation_tracker=tracker,
+    )
+    config = results["config"]
+    assert typed != ref and config["mapper_ref"] == config["model_revision"] == ref
+    assert config["mapper_tensors_sha256"] == config["model_sha"] == sha
+    assert tracker.general_config_tracker.model_name == ref

@@ -38,11 +38,14 @@ BAD = [
     ("statistics", "three-pass", "--stats", "one of auto, one-pass, two-pass"),
     ("candidates", 0, "--candidates", "a positive integer"),
     ("map_kind", "cubic", "--map", "one of ridge, mlp"),
-    ("mlp_width", 0, "--mlp-width", "a positive integer"),
-    ("mlp_depth", 0, "--mlp-depth", "a positive integer"),
-    ("mlp_tokens", 0, "--mlp-tokens", "a positive integer"),
-    ("mlp_epochs", 0, "--mlp-epochs", "a positive integer"),
-    ("mlp_seed", -1, "mlp_seed=", "a non-negative integer"),
+    ("mlp_width", 0, "--mlp-width", "an integer in 1..65536"),
+    ("mlp_width", 65537, "--mlp-width", "an integer in 1..65536"),
+    ("mlp_depth", 0, "--mlp-depth", "an integer in 1..64"),
+    ("mlp_depth", 65, "--mlp-depth", "an integer in 1..64"),
+    ("mlp_tokens", 0, "--mlp-tokens", "an integer of at least 2 (an R^2 needs two rows per split)"),
+    ("mlp_tokens", 1, "--mlp-tokens", "an integer of at least 2 (an R^2 needs two rows per split)"),
+    ("mlp_epochs", 0, "--mlp-epochs", "an integer in 1..1048576"),
+    ("mlp_seed", -1, "mlp_seed=", "an integer in 0..9223372036854775807"),
 ]
 
 
@@ -109,10 +112,20 @@ def test_click_options_are_made_from_the_fields(command, names):
         (["--k", "two"], "use a positive integer or 'auto'"),
         (["--stride", "0"], "use a positive integer"),
         (["--stats", "one-pass", "--candidates", "2"], "--candidates sets what a two-pass fit"),
+        (["--map", "mlp", "--mlp-width", "65537"], "--mlp-width': use an integer in 1..65536"),
+        (["--map", "mlp", "--mlp-depth", "65"], "--mlp-depth': use an integer in 1..64"),
+        (["--map", "mlp", "--mlp-tokens", "1"], "--mlp-tokens': use an integer of at least 2"),
+        (["--mlp-width", "64", "--mlp-depth", "3"], "--mlp-width, --mlp-depth set the residual MLP of --map mlp"),
+        (["--mlp-epochs", "100"], "--mlp-epochs sets the residual MLP of --map mlp; add --map mlp"),
+        (["--mlp-tokens", "64", "--map", "ridge"], "--mlp-tokens sets the residual MLP of --map mlp"),
     ],
 )
 def test_kvhub_fit_refuses_a_bad_knob_before_any_model_loads(args, words, tmp_path, monkeypatch):
-    """The models do not exist: a refusal that came after loading would name them instead."""
+    """The models do not exist: a refusal that came after loading would name them instead.
+
+    Planted bugs caught: --mlp-width / --mlp-depth bounds other than the artifact's (a 65537-wide fit ran to
+    the end, then was refused as a corrupt artifact); --mlp-* options taken and ignored without --map mlp
+    (also at their default value); --mlp-tokens 1 (a held-out R^2 over one row, -2e28)."""
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     result = CliRunner().invoke(
@@ -131,6 +144,33 @@ def test_kvhub_fit_refuses_a_bad_knob_before_any_model_loads(args, words, tmp_pa
     assert result.exit_code == 2, result.output
     assert words in " ".join(result.output.split()) and "no-src" not in result.output
     assert "Traceback" not in result.output and not (tmp_path / "s.db").exists()
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--mlp-tokens", "5000000"], 2, "--mlp-tokens sets the residual MLP of --map mlp"),
+        (["--map", "ridge", "--mlp-tokens", "8192"], 2, "--mlp-tokens sets the residual MLP of --map mlp"),
+        (["--map", "mlp", "--mlp-tokens", "1"], 2, "use an integer of at least 2"),
+    ],
+)
+def test_kvhub_plan_refuses_mlp_tokens_without_an_mlp_fit(args, code, words, tmp_path):
+    """Planted bugs caught: plan costing nothing for --mlp-tokens without --map mlp, and saying nothing."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}))
+    result = CliRunner().invoke(main, ["plan", "--src", str(config), "--dst", str(config), *args])
+    assert result.exit_code == code, result.output
+    assert words in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_mlp_knobs_without_the_mlp_kind_are_refused_in_python():
+    """FitOptions as the library takes it: a changed --mlp-* knob on a ridge fit is refused, a default is not."""
+    with pytest.raises(ConfigError, match="--mlp-width sets the residual MLP of --map mlp"):
+        FitOptions(mlp_width=64)
+    with pytest.raises(ConfigError, match="mlp_seed= sets"):
+        FitOptions(map_kind="ridge", mlp_seed=3)
+    assert FitOptions(map_kind="mlp", mlp_width=64, mlp_tokens=2).mlp_width == 64
+    FitOptions(map_kind="ridge")
 
 
 def test_a_fit_without_k_or_lambda_writes_null_and_shows_auto(tiny_model_dirs, tmp_path, monkeypatch, text_corpus):

@@ -82,6 +82,30 @@ def test_corrupted_download_is_refused_and_leaves_nothing_behind(hub_env, db):
         assert [v.tensors_sha256 for v in store.versions()] == [v1.tensors_sha256]
 
 
+def test_a_full_hugging_face_cache_is_refused_in_one_line(hub_env, db, monkeypatch):
+    """Planted bug caught: huggingface_hub's `OSError: [Errno 28] No space left on device` from the download into
+    HF_HUB_CACHE as a traceback."""
+    import errno
+    import os
+
+    import huggingface_hub
+
+    v1 = register(db, hub_env.tmp / "a1", seed=1)
+    assert run("push", v1.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
+
+    def full(*args, cache_dir=None, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(cache_dir, "blobs", "x.incomplete"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full)
+    other = str(hub_env.tmp / "other.db")
+    refused = run("pull", "alice/kvmap@v1", "--db", other)
+    assert refused.exit_code == 9, refused.stderr
+    assert "Traceback" not in refused.output and "no space left on" in refused.stderr
+    assert "HF_HUB_CACHE" in refused.stderr and "nothing was registered" in refused.stderr
+    with open_store(other) as store:
+        assert store.versions() == []
+
+
 def test_hand_edited_card_is_kept_by_later_pushes_unless_replaced(hub_env, db):
     server = hub_env.server
     versions = [register(db, hub_env.tmp / f"a{i}", seed=i) for i in (1, 2, 3)]

@@ -152,3 +152,51 @@ def test_licence_and_datasets_in_hub_terms(tmp_path):
     assert "datasets" not in meta and "licence of the calibration text: PSF-2.0" in model_card(
         psf, repo_id="a/b", version_tag="v1"
     )
+
+
+def _cache_config(cache, repo_id: str, config: dict) -> None:
+    """``config`` as ``repo_id``'s config.json in a Hugging Face cache laid out as huggingface_hub leaves it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(config))
+
+
+def test_base_model_ids_are_checked_against_the_fingerprints(tmp_path, hub_env, db):
+    """--base-model ids whose config kvhub can read offline (a shipped config, the Hugging Face cache) must
+    have the mapper's layer count, KV heads, head dim and model type: the README's Qwen ids given for a
+    2-layer tiny mapper are refused before any Hub traffic, naming both; ids whose cached config is the
+    fingerprint's pass silently; ids with no config offline pass with a one-line note.
+
+    Planted bugs caught: --base-model taken on trust (ux-4 U4-4: a tiny mapper published as Qwen 0.5B ->
+    1.5B); only the source checked; a mismatch message naming one side; an unverifiable id refused, or
+    accepted without a word; the check made after the upload."""
+    local = _artifact(tmp_path / "local", seed=2, source="/data/models/small", target="/data/models/large")
+    metadata = read_metadata(local)
+    with open_store(db) as store:
+        ref = store.register(local).ref
+
+    real = "Qwen/Qwen2.5-Coder-0.5B-Instruct,Qwen/Qwen2.5-Coder-1.5B-Instruct"  # shipped: 24 layers, 2 x 64
+    wrong = run("push", ref, "--repo", "alice/kv-checked", "--db", db, "--base-model", real)
+    assert wrong.exit_code == ConfigError.exit_code
+    message = " ".join(wrong.stderr.split())
+    assert "source base model Qwen/Qwen2.5-Coder-0.5B-Instruct is not the model this mapper was fitted on" in message
+    assert "24 layers, 2 KV heads of dim 64 (qwen2)" in message and "/data/models/small has" in message
+    assert "--base-model SRC_ID,DST_ID" in message and "alice/kv-checked" not in hub_env.server.state.repos
+
+    _cache_config(hub_env.cache, "acme/small", metadata["source"]["config"])
+    _cache_config(hub_env.cache, "acme/large", dict(metadata["target"]["config"], num_hidden_layers=99))
+    target_wrong = run("push", ref, "--repo", "alice/kv-checked", "--db", db, "--base-model", "acme/small,acme/large")
+    assert target_wrong.exit_code == ConfigError.exit_code and "target base model acme/large" in target_wrong.stderr
+
+    _cache_config(hub_env.cache, "acme/large2", metadata["target"]["config"])
+    checked = run("push", ref, "--repo", "alice/kv-checked", "--db", db, "--base-model", "acme/small,acme/large2")
+    assert checked.exit_code == 0, checked.stderr
+    assert "could not check" not in checked.stderr
+
+    unknown = run("push", ref, "--repo", "alice/kv-unchecked", "--db", db, "--base-model", "acme/small,acme/nowhere")
+    assert unknown.exit_code == 0, unknown.stderr
+    notes = [line for line in unknown.stderr.splitlines() if "could not check" in line]
+    assert len(notes) == 1 and "acme/nowhere" in notes[0] and "acme/small" not in notes[0]

@@ -306,3 +306,53 @@ def test_a_hub_warning_is_printed_once_and_a_500_names_the_next_step(hub_env, db
     hub_env.server.add_fault("500", "GET", "/api/models/alice/kv-500", times=100)
     failed = run("pull", "alice/kv-500", "--db", str(hub_env.tmp / "p.db"))
     assert failed.exit_code == 10 and "retry in a few minutes" in failed.stderr
+
+
+def test_a_series_next_version_and_a_refresh_keep_the_ids_and_licence_published(hub_env, db):
+    """v1 pushed with --base-model and --license: v2 of the same series, pushed to the same repository with
+    neither, is published under v1's Hub ids and licence (a note names where they came from); a card
+    refresh of v1 keeps its licence; an explicit --license still wins; another repository inherits nothing.
+
+    Planted bugs caught: the next version refused for local paths although the repository records the
+    ids (ux-4 U4-3); its card, or v1's refreshed card, without the licence; the licence read from another
+    repository's publication; the inherited choice made without a word; --license losing to the record."""
+    v1 = register_local(db, hub_env.tmp / "m1", seed=1)
+    v2 = register_local(db, hub_env.tmp / "m2", seed=2)
+    v3 = register_local(db, hub_env.tmp / "m3", seed=3)
+    first = run(
+        "push",
+        v1.ref,
+        "--repo",
+        "alice/kv-series",
+        "--base-model",
+        f"{HUB_SRC},{HUB_DST}",
+        "--db",
+        db,
+        "--license",
+        "apache-2.0",
+    )
+    assert first.exit_code == 0, first.stderr
+
+    second = run("push", v2.ref, "--repo", "alice/kv-series", "--db", db)
+    assert second.exit_code == 0, second.stderr
+    assert "Hub ids acme/tiny-src, acme/tiny-dst and the licence apache-2.0 of alice/kv-series@v1" in second.stderr
+    assert "names no licence" not in second.stderr
+    remote = json.loads(hub_env.server.file("alice/kv-series", "v2", "mapper.json"))
+    assert (remote["source"]["model_id"], remote["target"]["model_id"]) == (HUB_SRC, HUB_DST)
+    assert (
+        read_front_matter(hub_env.server.file("alice/kv-series", "v2", "README.md").decode())["license"] == "apache-2.0"
+    )
+
+    refreshed = run(
+        "push", v2.ref, "--repo", "alice/kv-series", "--db", db, "--card", "replace", "--revision", "v2-card"
+    )
+    assert refreshed.exit_code == 0, refreshed.stderr
+    card = read_front_matter(hub_env.server.file("alice/kv-series", "v2-card", "README.md").decode())
+    assert card["license"] == "apache-2.0"
+
+    third = run("push", v3.ref, "--repo", "alice/kv-series", "--db", db, "--license", "mit")
+    assert third.exit_code == 0, third.stderr
+    assert read_front_matter(hub_env.server.file("alice/kv-series", "v3", "README.md").decode())["license"] == "mit"
+
+    elsewhere = run("push", v3.ref, "--repo", "alice/kv-other", "--db", db)
+    assert elsewhere.exit_code == 2 and "--base-model SRC_ID,DST_ID" in elsewhere.stderr

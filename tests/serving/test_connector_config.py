@@ -8,6 +8,7 @@ import pytest
 from kvhub.errors import ConfigError
 from kvhub.serving import connector_config as connector
 from kvhub.serving.spec import Recompute
+from tests.vllm_standin import vllm_modules  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize("value, expected", [(16, 16), ("16", 16)], ids=["number", "digits"])
@@ -129,3 +130,68 @@ def test_the_configuration_keys_are_declared_once_and_documented():
     assert config["recompute"] == SERVING and config["isolation_key_source"] == "cache_salt"
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     assert config_table() in doc, "docs/serving.md's key table is out of step; it is:\n" + config_table()
+
+
+@pytest.mark.parametrize(
+    "key", ["mapper", "hub_repo", "db", "mapper_path", "kvstore_dir", "source_model", "events_path"]
+)
+@pytest.mark.parametrize("value", [5, True, ["a"], {"a": 1}], ids=["int", "bool", "list", "object"])
+def test_a_text_key_of_another_type_is_refused_by_name(key, value):
+    """Planted bug caught: `mapper: 5` / `hub_repo: 5` disabling the consumer with "AttributeError: 'int' object
+    has no attribute 'strip'", naming no key."""
+    with pytest.raises(ConfigError, match=f"kv_connector_extra_config {key} must be a string"):
+        connector.read_config({"kvstore_dir": "/tmp/kv", key: value})
+
+
+def test_text_keys_read_as_text(tmp_path):
+    config = connector.read_config({"kvstore_dir": tmp_path, "mapper": "a:b:c@v1", "events_path": ""})
+    assert config["kvstore_dir"] == str(tmp_path) and config["mapper"] == "a:b:c@v1"
+
+
+def test_an_events_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    """Planted bug caught: `events_path` naming a FIFO blocked the connector's construction (open for append
+    waits for a reader: still blocked after 10 s)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "events.fifo"
+    os.mkfifo(fifo)
+    outcome: list = []
+
+    def check():
+        try:
+            connector.events_file(str(fifo))
+            outcome.append("accepted")
+        except ConfigError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert outcome and "is not a regular file" in outcome[0], outcome or "blocked"
+
+
+@pytest.mark.parametrize("chunk, refused", [(1_000_000_000, True), (257, True), (256, False), (16, False)])
+def test_chunk_tokens_above_the_engines_max_model_len_is_refused(chunk, refused):
+    """Planted bug caught: `chunk_tokens: 1000000000` accepted, after which the producer never stored a prompt
+    (each shorter than one chunk) and recorded no event."""
+    if refused:
+        with pytest.raises(ConfigError, match=f"chunk_tokens {chunk} is more than the engine's max_model_len 256"):
+            connector.check_chunk_tokens(chunk, max_model_len=256)
+    else:
+        connector.check_chunk_tokens(chunk, max_model_len=256)
+    connector.check_chunk_tokens(chunk, max_model_len=None)  # an engine that does not say: nothing to check
+
+
+def test_the_connector_checks_chunk_tokens_at_start(tmp_path, vllm_modules):  # noqa: F811
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvhub.serving.vllm_connector import KVHubConnector
+    from tests.serving.test_tenant_isolation import _connector
+    from tests.vllm_standin import vllm_config
+
+    config = vllm_config(role="kv_producer", extra={"kvstore_dir": str(tmp_path / "kv"), "chunk_tokens": 512})
+    config.model_config.max_model_len = 256
+    with pytest.raises(ConfigError, match="chunk_tokens 512 is more than the engine's max_model_len 256"):
+        KVHubConnector(config, KVConnectorRole.SCHEDULER)
+    assert _connector(tmp_path, "kv_producer", chunk_tokens=16)  # the standin without max_model_len: accepted

@@ -575,3 +575,53 @@ def test_each_cpu_engines_kv_cache_is_sized_so_that_both_fit_the_host(tmp_path):
 def test_a_timeout_that_is_not_a_number_is_refused(mapper_db, tmp_path, fake_vllm, value):
     result = _invoke(*_serve_args(mapper_db, tmp_path, fake_vllm, [8001, 8002], "--timeout", value, "--dry-run"))
     assert result.exit_code == ConfigError.exit_code and "--timeout must be a finite number" in result.output
+
+
+CLEANING_SERVER = r"""
+import signal, subprocess, sys, time
+from pathlib import Path
+here = Path(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+from pathlib import Path
+here = Path(sys.argv[1])
+def clean(*_):
+    time.sleep(0.5)  # unlinking shared memory takes a moment
+    (here / "cleaned").write_text("yes")
+    sys.exit(0)
+signal.signal(signal.SIGINT, clean)
+signal.signal(signal.SIGTERM, clean)
+(here / "child-ready").write_text("yes")
+while True:
+    time.sleep(0.1)
+''', str(here)])
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))  # the leader exits at once, its child still cleaning
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_waits_for_the_whole_group_before_killing_it(tmp_path, signum):
+    """A server whose leader exits on the stop signal before the process it started has cleaned up (vLLM's
+    engine and multiprocessing's resource tracker unlinking /dev/shm segments) is given the time to finish:
+    stop() waits for the whole process group within stop_timeout, and only then kills what is left.
+
+    Planted bugs caught: SIGKILL for the group as soon as the leader exits (ux-4 U4-6: ~400 MB of psm_*
+    segments left in /dev/shm by Ctrl-C on `kvhub serve`); a group member left running after stop()."""
+    command = [sys.executable, "-c", CLEANING_SERVER, str(tmp_path)]
+    pair = launch.ServerPair(
+        [launch.Server("small", command, "http://127.0.0.1:9/v1", "m", tmp_path / "small.log")], stop_timeout=20
+    )
+    pair.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "child-ready").exists():
+            assert time.monotonic() < deadline, (tmp_path / "small.log").read_text()
+            time.sleep(0.05)
+        pair.request_stop(signum)
+    finally:
+        pair.stop()
+    assert (tmp_path / "cleaned").read_text() == "yes"
+    assert launch.group_members(pair.servers[0].process.pid) == []

@@ -188,6 +188,7 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     stderr_path = tmp_path / "serve.stderr"
+    shm_before = set(Path("/dev/shm").glob("psm_*"))  # multiprocessing's shared memory: vLLM's engine queues
     with open(stderr_path, "w") as stderr:
         serve = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     pgids: set[int] = set()
@@ -232,6 +233,8 @@ def test_serve_escalates_a_conversation_to_the_large_server(tmp_path):
         assert serve.wait(timeout=120) == 0, stderr_path.read_text()
         assert "both servers stopped" in stderr_path.read_text()
         assert _group_members(pgids) == [], "a server or its engine outlived kvhub serve"
+        left = sorted(p.name for p in set(Path("/dev/shm").glob("psm_*")) - shm_before)
+        assert not left, f"Ctrl-C left vLLM's shared memory in /dev/shm: {left}"  # ux-4 U4-6
     finally:
         if serve.poll() is None:
             serve.terminate()

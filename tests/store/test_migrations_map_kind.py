@@ -4,45 +4,16 @@ version records its kind, width, depth and losses, and a downgrade drops the col
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import sqlalchemy as sa
-import torch
 
-from kvhub.artifact import map_prefix, tensor_name
-from kvhub.artifact.kinds import mlp_part
 from kvhub.core.mapper import Mapper
 from kvhub.store import migrate, open_store
 from kvhub.store.engine import make_engine
-from tests.fixtures_store import make_store_artifact
+from tests.fixtures_store import mlp_artifact
 from tests.store.test_migrations import FIRST, _fill_first_revision, _store_id
 
 BEFORE = "0002_hub_publications"
-
-
-def mlp_artifact(directory: Path, *, seed: int = 0, width: int = 4, depth: int = 2) -> Path:
-    """A small random mapper of kind mlp (make_store_artifact's maps plus residual MLPs)."""
-    base = Mapper.load(make_store_artifact(directory.parent / f"{directory.name}-base", seed=seed))
-    generator = torch.Generator().manual_seed(seed)
-    tensors = dict(base.tensors)
-    d_in, d_out = tensors["k.0.weight"].shape
-    widths = [d_in] + [width] * depth + [d_out]
-    for layer in base.layers:
-        for kind in "kv":
-            prefix = map_prefix(kind, layer["target"])
-            for i in range(depth + 1):
-                tensors[tensor_name(prefix, mlp_part(i, "weight"))] = torch.randn(
-                    widths[i], widths[i + 1], generator=generator
-                )
-                tensors[tensor_name(prefix, mlp_part(i, "bias"))] = torch.zeros(widths[i + 1])
-    count = len(base.layers)
-    losses = {kind: {"train": [0.5] * count, "heldout": [0.75] * count} for kind in "kv"}
-    metadata = {
-        **base.metadata,
-        "kind": "mlp",
-        "mlp": {"width": width, "depth": depth, "activation": "gelu", "losses": losses},
-    }
-    return Mapper(tensors, metadata).save(directory)
 
 
 def _columns(url: str) -> set[str]:
