@@ -333,7 +333,9 @@ def generate_from(target_model, input_ids: torch.Tensor, escalation: Escalation,
     When the escalation computed the first logits, generate's own first forward (the last prompt token over
     the n-1 cached positions) is answered from them: that one call appends the token's K/V to the cache and
     returns the logits, so every generation setting (sampling, logits processors, stopping, streamers) applies
-    to the first token exactly as to a forward's.  Any other call goes to the model."""
+    to the first token exactly as to a forward's.  Any other call goes to the model.  The answer is installed on
+    the model for the duration of the call, so one model serves one ``generate_from`` at a time (as one
+    ``generate`` with a shared cache would)."""
     device = next(target_model.parameters()).device
     input_ids = input_ids.to(device)
     cache, kwargs = escalation.cache, {"attention_mask": torch.ones_like(input_ids), **generate_kwargs}
