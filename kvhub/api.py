@@ -3,15 +3,22 @@
 (``from_pretrained`` by one name of any kind, ``save_pretrained``, ``push_to_hub``).  The face lives here,
 above the store and the Hub, so the math core (:mod:`kvhub.core.mapper`) imports neither.
 
+One door leads from a name to a mapper: :func:`resolve` (an artifact directory, a store reference or a
+:class:`~kvhub.store.refs.Ref`, a Hub repository) gives a :class:`Resolved` (the directory, the version's
+ref, the two model ids) without loading a tensor; :func:`load`, :meth:`Mapper.from_pretrained`,
+``kvhub.eval.run.load_version``, ``kvhub serve`` and the vLLM connector all go through it.
+
 A mapper's *ref* is the store reference of the version it is (``SRC:DST:CALIB@v3``); a mapper read
 from a bare directory has none until it is registered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvhub.artifact.directory import replaceable_artifact_dir
 from kvhub.core import mapper as core
@@ -19,6 +26,161 @@ from kvhub.errors import ConfigError, NotFoundError
 
 if TYPE_CHECKING:  # the store (SQLAlchemy) and the Hub client are imported when a name is resolved
     from kvhub.store.refs import Ref
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a name leads, read without loading a tensor: the artifact ``directory``, ``ref`` (the store
+    reference of its version; None for a directory no store version holds), ``source_id`` and
+    ``target_id`` (the model ids it maps between, as fitted) and ``version`` (the store's record, None
+    with ``ref``)."""
+
+    directory: Path
+    ref: str | None
+    source_id: str
+    target_id: str
+    version: Any = None
+
+    def load(self, *, device=None, dtype=None, compute_dtype=None, deshrink: str | None = None) -> Mapper:
+        """The mapper, verified (:meth:`kvhub.core.mapper.Mapper.load`), with ``ref`` set."""
+        mapper = Mapper.load(self.directory, device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink)
+        mapper.ref = self.ref
+        return mapper
+
+    def deshrink_setting(self, deshrink: str | None) -> str:
+        """The setting the mapper would transfer with (ConfigError as :meth:`load` gives, e.g. "kv" on a
+        mapper without target means), from mapper.json and the tensor file's header alone."""
+        from kvhub.artifact.directory import read_metadata, tensor_path
+        from kvhub.artifact.tensors import read_tensor_file
+        from kvhub.core.deshrink import deshrink_setting
+
+        metadata = read_metadata(self.directory)
+        names = read_tensor_file(tensor_path(self.directory, metadata), scan=False).shapes
+        return deshrink_setting(deshrink, names, metadata.get("layers", []))
+
+
+def resolve(
+    name: str | os.PathLike | Ref,
+    *,
+    revision: str | None = None,
+    hub_repo: str | None = None,
+    token: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    db: str | os.PathLike | None = None,
+    store=None,
+) -> Resolved:
+    """The one door from a name to a mapper's artifact directory (nothing loaded).  ``name``:
+
+    * a :class:`~kvhub.store.refs.Ref` (``Ref.of(src, dst, ...)``, as :func:`load` builds it) or a store
+      reference (text with a ``:``, ``"SRC:DST:CALIB@production"``): that version in the store; on a miss,
+      the Hub (``hub_repo``, else the namespaces of KVHUB_HUB_NAMESPACES; aliases other than ``latest``
+      are this store's names and stay a miss), whose mapper is verified and registered in the store first;
+    * an artifact directory (``"./mapper"``): as it is, ``ref`` the store version holding the same tensors;
+    * a Hub repository (``"acme/kvmap-qwen-legal"``, ``@v3`` optional): pulled, verified and registered in
+      the store (``kvhub pull``).
+
+    revision: for a Ref, a Hub revision (a tag such as ``"v3"``, a branch or a commit), which skips the
+    store (it numbers its versions its own way); for text, the selector the name lacks.  token, cache_dir,
+    local_files_only: as huggingface_hub's.  db: store URL or SQLite path; store: an open
+    :class:`~kvhub.store.Store` to use instead (left open).
+
+    Raises ConfigError for a name of no known form (naming the three) or two revisions, NotFoundError (with
+    the next step) when nothing matches, AmbiguousError (listing the candidates) when it matches several,
+    ArtifactError for a directory whose mapper.json is not a kvhub mapper's.
+    """
+    from kvhub.store.refs import Ref
+
+    hub = dict(
+        hub_repo=hub_repo, token=token, cache_dir=cache_dir, local_files_only=local_files_only, db=db, store=store
+    )
+    if isinstance(name, Ref):
+        return _resolve_ref(name, revision=revision, **hub)
+    text = os.fspath(name)
+    if not text.strip():
+        raise ConfigError(
+            'the mapper name is empty; pass an artifact directory ("./mapper"), a store reference '
+            "(SRC:DST:CALIB@v3) or a Hub repository (OWNER/NAME@v3)"
+        )
+    if _is_directory(text):
+        if revision is not None:
+            raise ConfigError(
+                f"{text} is a directory, which has no revisions; leave revision out, or name a store "
+                "reference or a Hub repository"
+            )
+        return _resolve_directory(Path(text).expanduser(), db=db, store=store)
+    named = _parse_name(_with_revision(text, revision))
+    if isinstance(named, Ref):
+        return _resolve_ref(named, revision=None, **hub)
+    from kvhub.hub import pull
+
+    with _opened(store, db) as opened:
+        version = pull(
+            opened, named[0], revision=named[1], token=token, cache_dir=cache_dir, local_files_only=local_files_only
+        ).version
+        return _resolved(opened, version)
+
+
+def _opened(store, db, *, create: bool = True):
+    """``store`` itself (left open), else the store at ``db`` opened for the ``with`` block."""
+    from kvhub.store import open_store
+
+    return contextlib.nullcontext(store) if store is not None else open_store(db, create=create)
+
+
+def _resolved(store, version) -> Resolved:
+    return Resolved(store.artifact_path(version), version.ref, version.source, version.target, version)
+
+
+def _resolve_ref(ref: Ref, *, revision: str | None, db, store, **hub) -> Resolved:
+    """The store's version ``ref`` names, else the Hub's (:func:`_resolve_hub`); only the Hub for a revision."""
+    if revision is not None:  # a Hub revision: the store numbers its versions its own way
+        return _resolve_hub(ref, miss=None, revision=revision, db=db, store=store, **hub)
+    try:
+        with _opened(store, db, create=False) as opened:  # a mistyped db is a miss, not a new empty store
+            return _resolved(opened, opened.resolve(ref))
+    except NotFoundError as miss:
+        return _resolve_hub(ref, miss=miss, db=db, store=store, **hub)
+
+
+def _resolve_hub(ref: Ref, *, miss: NotFoundError | None, hub_repo=None, db=None, store=None, **hub) -> Resolved:
+    """Hub fallback (kvhub.hub, docs/hub.md): pull a published mapper into the store.
+
+    The local miss stands when no Hub source is configured (no hub_repo, no KVHUB_HUB_NAMESPACES) and
+    for aliases other than ``latest`` (they are names in this store, not on the Hub).  ``miss`` None:
+    a Hub revision was asked for, which needs a Hub source.  ``hub``: load_from_hub's keywords.
+    """
+    from kvhub.hub import NAMESPACES_ENV, configured_namespaces, load_from_hub
+    from kvhub.store.refs import LATEST
+
+    if (hub_repo is None and not configured_namespaces()) or ref.alias not in (None, LATEST):
+        if miss is None:
+            raise ConfigError(
+                f"revision={hub.get('revision')!r} names a revision on the Hub; say where with "
+                f"hub_repo='owner/name' or {NAMESPACES_ENV}, or pick a store version with version="
+            )
+        raise miss
+    with _opened(store, db) as opened:
+        pulled = load_from_hub(
+            opened, ref.source, ref.target, calibration=ref.calibration, version=ref.version, hub_repo=hub_repo, **hub
+        )
+        return _resolved(opened, pulled.version)
+
+
+def _resolve_directory(directory: Path, *, db, store) -> Resolved:
+    """An artifact directory as it is (mapper.json read and checked), with the store version holding the
+    same tensors when a store exists and has one."""
+    from kvhub.artifact.directory import read_metadata
+
+    metadata = read_metadata(directory)
+    version = _registered_version(metadata, db=db, store=store)
+    return Resolved(
+        directory,
+        version.ref if version is not None else None,
+        metadata["source"]["model_id"],
+        metadata["target"]["model_id"],
+        version,
+    )
 
 
 def load(
@@ -54,7 +216,8 @@ def load(
     ``revision`` (a Hub tag such as ``"v3"``, a branch or a commit) is given: in ``hub_repo``
     (``"owner/name[@revision]"``), else in the namespaces of KVHUB_HUB_NAMESPACES.  A mapper found there
     is verified and registered in the store first.  token: Hub token (default: huggingface_hub's);
-    cache_dir: the Hugging Face cache; local_files_only: that cache only, no download.
+    cache_dir: the Hugging Face cache; local_files_only: that cache only, no download.  The names are
+    resolved by :func:`resolve`.
 
     Raises ConfigError for a malformed version or alias (before any store or Hub is read), NotFoundError
     (with the next step) when nothing matches, AmbiguousError (listing the candidates) when the names
@@ -64,19 +227,16 @@ def load(
 
     dtype = _one_dtype(dtype, torch_dtype)
     ref = Ref.of(src, dst, calibration=calib, version=version, alias=alias)
-    hub = dict(
-        hub_repo=hub_repo, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
+    found = resolve(
+        ref,
+        revision=revision,
+        hub_repo=hub_repo,
+        token=token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        db=db,
     )
-    if revision is not None:  # a Hub revision: the store numbers its versions its own way
-        directory, found = _resolve_hub(ref, miss=None, db=db, **hub)
-    else:
-        try:
-            directory, found = _resolve_local(ref, db=db)
-        except NotFoundError as miss:
-            directory, found = _resolve_hub(ref, miss=miss, db=db, **hub)
-    mapper = Mapper.load(directory, device=device, dtype=dtype, deshrink=deshrink)
-    mapper.ref = found
-    return mapper
+    return found.load(device=device, dtype=dtype, deshrink=deshrink)
 
 
 def _one_dtype(dtype, torch_dtype):
@@ -88,93 +248,9 @@ def _one_dtype(dtype, torch_dtype):
     return dtype if dtype is not None else torch_dtype
 
 
-def _resolve_local(ref: Ref, *, db) -> tuple[Path, str]:
-    """Artifact directory and full reference of the matching version in the store; NotFoundError on a miss."""
-    from kvhub.store import open_store
-
-    with open_store(db, create=False) as store:  # a mistyped db is a miss, not a new empty store
-        found = store.resolve(ref)
-        return store.artifact_path(found), found.ref
-
-
-def _resolve_hub(ref: Ref, *, miss: NotFoundError | None, hub_repo=None, db=None, **hub) -> tuple[Path, str]:
-    """Hub fallback (kvhub.hub, docs/hub.md): pull a published mapper into the store, return its directory.
-
-    The local miss stands when no Hub source is configured (no hub_repo, no KVHUB_HUB_NAMESPACES) and
-    for aliases other than ``latest`` (they are names in this store, not on the Hub).  ``miss`` None:
-    a Hub revision was asked for, which needs a Hub source.  ``hub``: load_from_hub's keywords.
-    """
-    from kvhub.hub import NAMESPACES_ENV, configured_namespaces, load_from_hub
-    from kvhub.store import open_store
-    from kvhub.store.refs import LATEST
-
-    if (hub_repo is None and not configured_namespaces()) or ref.alias not in (None, LATEST):
-        if miss is None:
-            raise ConfigError(
-                f"revision={hub.get('revision')!r} names a revision on the Hub; say where with "
-                f"hub_repo='owner/name' or {NAMESPACES_ENV}, or pick a store version with version="
-            )
-        raise miss
-    with open_store(db) as store:
-        pulled = load_from_hub(
-            store, ref.source, ref.target, calibration=ref.calibration, version=ref.version, hub_repo=hub_repo, **hub
-        )
-        return store.artifact_path(pulled.version), pulled.version.ref
-
-
-def from_pretrained(
-    name: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    token: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    local_files_only: bool = False,
-    db=None,
-    device=None,
-    dtype=None,
-    torch_dtype=None,
-    compute_dtype=None,
-    deshrink: str | None = None,
-) -> Mapper:
-    """The Mapper ``name`` designates (see :meth:`kvhub.Mapper.from_pretrained`), with its ``ref`` set."""
-    text = os.fspath(name)
-    dtype = _one_dtype(dtype, torch_dtype)
-    if not text.strip():
-        raise ConfigError(
-            'the mapper name is empty; pass an artifact directory ("./mapper"), a store reference '
-            "(SRC:DST:CALIB@v3) or a Hub repository (OWNER/NAME@v3)"
-        )
-    if _is_directory(text):
-        if revision is not None:
-            raise ConfigError(
-                f"{text} is a directory, which has no revisions; leave revision out, or name a store "
-                "reference or a Hub repository"
-            )
-        mapper = Mapper.load(
-            Path(text).expanduser(), device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink
-        )
-        mapper.ref = _registered_ref(mapper, db)
-        return mapper
-    from kvhub.store import open_store
-
-    from kvhub.store.refs import Ref
-
-    named = _parse_name(_with_revision(text, revision))
-    if isinstance(named, Ref):
-        with open_store(db, create=False) as store:
-            version = store.resolve(named)
-            directory = store.artifact_path(version)
-    else:
-        from kvhub.hub import pull
-
-        with open_store(db) as store:
-            version = pull(
-                store, named[0], revision=named[1], token=token, cache_dir=cache_dir, local_files_only=local_files_only
-            ).version
-            directory = store.artifact_path(version)
-    mapper = Mapper.load(directory, device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink)
-    mapper.ref = version.ref
-    return mapper
+def from_pretrained(*args, **kwargs) -> Mapper:
+    """:meth:`Mapper.from_pretrained` (the one declaration of its options), as a function."""
+    return Mapper.from_pretrained(*args, **kwargs)
 
 
 def _with_revision(text: str, revision: str | None) -> str:
@@ -215,26 +291,26 @@ def _parse_name(text: str) -> Ref | tuple[str, str | None]:
     )
 
 
-def _registered_ref(mapper: Mapper, db) -> str | None:
-    """The ref of the store version holding this mapper's tensors, if a store exists and has it."""
-    from kvhub.store import open_store
+def _registered_version(metadata: dict, *, db, store):
+    """The store's record of the version holding these tensors (mapper.json ``metadata``), if a store exists
+    and has one."""
     from kvhub.store.location import resolve_db_url, sqlite_path
 
-    url = resolve_db_url(db)
-    path = sqlite_path(url)
-    if path is not None and not path.exists():
-        return None
-    with open_store(db) as store:
+    if store is None:
+        path = sqlite_path(resolve_db_url(db))
+        if path is not None and not path.exists():
+            return None
+    with _opened(store, db) as opened:
         found = [
             v
-            for v in store.versions(
-                source=mapper.source["model_id"],
-                target=mapper.target["model_id"],
-                calibration=(mapper.metadata.get("calibration") or {}).get("name"),
+            for v in opened.versions(
+                source=metadata["source"]["model_id"],
+                target=metadata["target"]["model_id"],
+                calibration=(metadata.get("calibration") or {}).get("name"),
             )
-            if v.tensors_sha256 == mapper.metadata["tensors"]["sha256"]
+            if v.tensors_sha256 == metadata["tensors"]["sha256"]
         ]
-    return found[0].ref if found else None
+    return found[0] if found else None
 
 
 def push_to_hub(
@@ -310,26 +386,20 @@ class Mapper(core.Mapper):
 
         * an artifact directory (``"./mapper"``): read as it is (``ref`` is the store version holding the
           same tensors, if any);
-        * a store reference (``"SRC:DST:CALIB@production"``, any selector): that version;
+        * a store reference (``"SRC:DST:CALIB@production"``, any selector): that version (on a miss, the
+          Hub's, as :func:`load` falls back);
         * a Hub repository (``"acme/kvmap-qwen-legal"``, ``@v3`` or ``revision="v3"`` optional): pulled,
           verified and registered in the store (``kvhub pull``), then loaded from there.
 
         revision: a store selector or Hub revision when ``name`` has none.  token, cache_dir,
         local_files_only: as huggingface_hub's.  db: store URL or SQLite path.  torch_dtype: dtype's other
-        name (see :class:`kvhub.core.mapper.Mapper` for dtypes and ``deshrink``)."""
-        return from_pretrained(
-            name,
-            revision=revision,
-            token=token,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            db=db,
-            device=device,
-            dtype=dtype,
-            torch_dtype=torch_dtype,
-            compute_dtype=compute_dtype,
-            deshrink=deshrink,
+        name (see :class:`kvhub.core.mapper.Mapper` for dtypes and ``deshrink``).  The name is resolved by
+        :func:`resolve`; this is the one declaration of these options (``kvhub.api.from_pretrained`` forwards)."""
+        dtype = _one_dtype(dtype, torch_dtype)  # refused before any store or Hub is read
+        found = resolve(
+            name, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only, db=db
         )
+        return found.load(device=device, dtype=dtype, compute_dtype=compute_dtype, deshrink=deshrink)
 
     def save_pretrained(
         self, directory: str | os.PathLike, *, push_to_hub: bool = False, repo_id: str | None = None, **hub_options

@@ -224,3 +224,32 @@ def store(db_url, tmp_path):
 
     with open_store(db_url, artifacts_dir=tmp_path / "store-artifacts") as opened:
         yield opened
+
+
+def load_with_old_kvhub(commit: str, artifact: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``Mapper.load(artifact)`` run by kvhub as it was at ``commit`` (``git archive`` of that commit's package
+    under ``tmp_path / "old"``), in a fresh interpreter; skips the test where that history is missing."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if (
+        shutil.which("git") is None
+        or subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True).returncode
+        != 0
+    ):
+        pytest.skip(f"needs the git history with commit {commit}")
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", commit, "kvhub", "registry"], cwd=root, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
+    return subprocess.run(
+        [sys.executable, "-c", code, str(artifact)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"},
+    )

@@ -199,7 +199,8 @@ def check_metadata(metadata, *, where: str) -> dict:
     source = _check_fingerprint(fields, "source")
     target = _check_fingerprint(fields, "target")
     calibration = fields.child("calibration")
-    calibration.text("name", required=False, max_length=256)  # the store requires it: its series key
+    calibration.text("name", required=False, max_length=256)  # the set's own name
+    calibration.text("series", required=False, max_length=256)  # the store's series key (calibration_series)
     version = calibration.get("version", (str, int, float, type(None)), required=False, what="a string or a number")
     if isinstance(version, str):
         calibration.no_control("version", version)
@@ -292,6 +293,14 @@ def describe_structure(structure: dict | None) -> str:
     if rank is not None:
         parts.append(f"rank {rank}")
     return ", ".join(parts) or "dense"
+
+
+def calibration_series(calibration: dict | None) -> str | None:
+    """The calibration name a mapper's versions are filed under, the CALIB of ``SRC:DST:CALIB``: mapper.json's
+    ``calibration.series`` (``kvhub fit --name``, else the set's own name), or ``calibration.name`` in files
+    written before that field (their ``name`` held the series, the set's name being lost under ``--name``)."""
+    calibration = calibration if isinstance(calibration, dict) else {}
+    return calibration.get("series") or calibration.get("name")
 
 
 def shown(choice):

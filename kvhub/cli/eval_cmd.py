@@ -1,31 +1,39 @@
-"""``kvhub eval``, ``kvhub bench``, ``kvhub report``: options, refusals before any model loads, and tables.
+"""``kvhub eval``: options and the refusals before any model loads.
 
-What they run lives in the library: :mod:`kvhub.eval.run` (versions, variants, the task loop, metric rows),
-:mod:`kvhub.eval.continuation` (timing) and :mod:`kvhub.eval.report`.
+What it runs lives in the library: :mod:`kvhub.eval.run` (versions, variants, the task loop, metric rows) over
+the tasks registered in :mod:`kvhub.eval.catalog`; its tables are :mod:`kvhub.cli.eval_tables`.  ``kvhub bench``
+(:mod:`kvhub.cli.bench_cmd`) loads a version as this module does.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import click
 
-from kvhub.cli.console import console, say
-from kvhub.cli.options import (chosen_dtype, db_option, dtype_option, log_samples_option, open_db,
-                                output_path_option)
-from kvhub.cli.output import echo_json, format_number, format_option, json_ref, print_record, print_table
+from kvhub.cli.console import say
+from kvhub.cli.eval_tables import print_results
+from kvhub.cli.options import chosen_dtype, db_option, dtype_option, log_samples_option, open_db, output_path_option
+from kvhub.cli.output import echo_json, format_option
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
 from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS, load_text_set
-from kvhub.serving.spec import SELECTORS, Recompute
+from kvhub.serving.spec import SELECTORS
 from kvhub.errors import ConfigError
 from kvhub.calib.recipe import recipe_from_spec
 
 
-def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_tokens=(), deshrink=None,
-                  lengths_option: str = "--context-tokens"):
+def _load_version(
+    ref: str,
+    db: str | None,
+    *,
+    device=None,
+    dtype=None,
+    context_tokens=(),
+    deshrink=None,
+    lengths_option: str = "--context-tokens",
+):
     """(open store, :class:`kvhub.eval.run.LoadedVersion`); long-context lengths beyond the models' context
     are refused before the models load.  The caller closes the store."""
     from kvhub.core.mapper import read_metadata
@@ -44,61 +52,139 @@ def _load_version(ref: str, db: str | None, *, device=None, dtype=None, context_
 
 @click.command("eval")
 @click.argument("ref")
-@click.option("--task", "tasks", multiple=True, required=True, type=click.Choice(TASKS),
-              help="Task to evaluate (repeatable).  facts / multiturn / code / followup and the RULER-style "
-                   "niah-multikey / vt / cwe are long-context tasks scored exactly; gist-chat / gist-document / "
-                   "gist-code score the target's own answer about the whole context (see --context-tokens).")
-@click.option("--limit", type=click.IntRange(min=1), default=200, show_default=True,
-              help="Items per task (seeded subset).")
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    required=True,
+    type=click.Choice(TASKS),
+    help="Task to evaluate (repeatable).  facts / multiturn / code / followup and the RULER-style "
+    "niah-multikey / vt / cwe are long-context tasks scored exactly; gist-chat / gist-document / "
+    "gist-code score the target's own answer about the whole context (see --context-tokens).",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=200, show_default=True, help="Items per task (seeded subset)."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--exact-prefix", "exact_prefixes", type=click.IntRange(min=0), multiple=True, default=(0,),
-              show_default=True,
-              help="First context tokens the target recomputes itself (attention sinks); the rest is mapped. "
-                   "Repeat to compare variants in one pass (own and source are scored once).")
-@click.option("--exact-suffix", "exact_suffixes", type=click.IntRange(min=0), multiple=True, default=(0,),
-              show_default=True,
-              help="Last context tokens the target recomputes itself over the mapped cache. Repeatable; "
-                   "every combination of the recompute options is a variant.")
-@click.option("--exact-budget", "exact_budgets", type=click.FloatRange(0, 1), multiple=True, default=(0.0,),
-              show_default=True,
-              help="Fraction of the context the target recomputes selectively (whole sentences/lines chosen "
-                   "by --select) over the mapped rest. Repeatable.")
-@click.option("--select", "selects", type=click.Choice(SELECTORS), multiple=True, default=("source",),
-              show_default=True,
-              help="How --exact-budget chooses the tokens: the source's attention from the last tokens, the "
-                   "target's from its exact suffix, the mapped-vs-exact deviation at the first target layer, "
-                   "or random spans (the control for the signal). Repeatable.")
-@click.option("--variant", "specs", multiple=True, metavar="SPEC",
-              help="An explicit recompute variant, e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.08,"
-                   "select=target,queries=4' (fields of kvhub.serving.spec.Recompute), or 'handoff' for "
-                   "kvhub.handoff's defaults. Repeatable; added to the combinations above.")
-@click.option("--context-tokens", "context_tokens", type=click.IntRange(min=64), multiple=True, default=(1024,),
-              show_default=True,
-              help="For the long-context and gist tasks: context length in tokens, at most the models' context "
-                   "length. Repeatable.")
-@click.option("--ppl-text", default="lambada", show_default=True, type=click.Choice(sorted(TEXT_SETS)),
-              help="For --task ppl: the fixed text set scored (kvhub.eval.textsets), the same token windows for "
-                   "every mapper of a model pair.")
-@click.option("--ppl-seq-len", type=click.IntRange(min=4), default=256, show_default=True,
-              help="For --task ppl: tokens per window; the first half is the (mapped) context, the second half "
-                   "is scored.")
-@click.option("--ppl-calib", default=None, metavar="NAME",
-              help="For --task ppl: score the held-out split of this calibration set instead of --ppl-text, packed "
-                   "as the mapper's own (figures then depend on that packing).")
-@click.option("--deshrink", type=click.Choice(DESHRINK), default=None,
-              help=f"How the maps are read: de-shrunk keys and values (kv), values only (v), or as fitted (off) "
-                   f"(default $KVHUB_DESHRINK, else {DESHRINK_DEFAULT}, where the mapper stores its calibration "
-                   "means; kvhub.core.deshrink). "
-                   "Results of a non-default setting are named with it.")
+@click.option(
+    "--exact-prefix",
+    "exact_prefixes",
+    type=click.IntRange(min=0),
+    multiple=True,
+    default=(0,),
+    show_default=True,
+    help="First context tokens the target recomputes itself (attention sinks); the rest is mapped. "
+    "Repeat to compare variants in one pass (own and source are scored once).",
+)
+@click.option(
+    "--exact-suffix",
+    "exact_suffixes",
+    type=click.IntRange(min=0),
+    multiple=True,
+    default=(0,),
+    show_default=True,
+    help="Last context tokens the target recomputes itself over the mapped cache. Repeatable; "
+    "every combination of the recompute options is a variant.",
+)
+@click.option(
+    "--exact-budget",
+    "exact_budgets",
+    type=click.FloatRange(0, 1),
+    multiple=True,
+    default=(0.0,),
+    show_default=True,
+    help="Fraction of the context the target recomputes selectively (whole sentences/lines chosen "
+    "by --select) over the mapped rest. Repeatable.",
+)
+@click.option(
+    "--select",
+    "selects",
+    type=click.Choice(SELECTORS),
+    multiple=True,
+    default=("source",),
+    show_default=True,
+    help="How --exact-budget chooses the tokens: the source's attention from the last tokens, the "
+    "target's from its exact suffix, the mapped-vs-exact deviation at the first target layer, "
+    "or random spans (the control for the signal). Repeatable.",
+)
+@click.option(
+    "--variant",
+    "specs",
+    multiple=True,
+    metavar="SPEC",
+    help="An explicit recompute variant, e.g. 'exact_prefix=4,exact_suffix=16,exact_budget=0.08,"
+    "select=target,queries=4' (fields of kvhub.serving.spec.Recompute), or 'handoff' for "
+    "kvhub.handoff's defaults. Repeatable; added to the combinations above.",
+)
+@click.option(
+    "--context-tokens",
+    "context_tokens",
+    type=click.IntRange(min=64),
+    multiple=True,
+    default=(1024,),
+    show_default=True,
+    help="For the long-context and gist tasks: context length in tokens, at most the models' context "
+    "length. Repeatable.",
+)
+@click.option(
+    "--ppl-text",
+    default="lambada",
+    show_default=True,
+    type=click.Choice(sorted(TEXT_SETS)),
+    help="For --task ppl: the fixed text set scored (kvhub.eval.textsets), the same token windows for "
+    "every mapper of a model pair.",
+)
+@click.option(
+    "--ppl-seq-len",
+    type=click.IntRange(min=4),
+    default=256,
+    show_default=True,
+    help="For --task ppl: tokens per window; the first half is the (mapped) context, the second half is scored.",
+)
+@click.option(
+    "--ppl-calib",
+    default=None,
+    metavar="NAME",
+    help="For --task ppl: score the held-out split of this calibration set instead of --ppl-text, packed "
+    "as the mapper's own (figures then depend on that packing).",
+)
+@click.option(
+    "--deshrink",
+    type=click.Choice(DESHRINK),
+    default=None,
+    help=f"How the maps are read: de-shrunk keys and values (kv), values only (v), or as fitted (off) "
+    f"(default $KVHUB_DESHRINK, else {DESHRINK_DEFAULT}, where the mapper stores its calibration "
+    "means; kvhub.core.deshrink). "
+    "Results of a non-default setting are named with it.",
+)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
 @dtype_option("dtype of both models and the mapped cache.")
 @db_option
 @output_path_option("<ref>/results_<date>.json (lm-eval's layout)")
 @log_samples_option("id, gold, each condition's prediction and scores")
 @format_option
-def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_budgets, selects, specs,
-                 context_tokens, ppl_text, ppl_seq_len, ppl_calib, deshrink, device, dtype, db, output_path,
-                 log_samples, output_format):
+def eval_command(
+    ref,
+    tasks,
+    limit,
+    seed,
+    exact_prefixes,
+    exact_suffixes,
+    exact_budgets,
+    selects,
+    specs,
+    context_tokens,
+    ppl_text,
+    ppl_seq_len,
+    ppl_calib,
+    deshrink,
+    device,
+    dtype,
+    db,
+    output_path,
+    log_samples,
+    output_format,
+):
     """Accuracy of the target from its own cache, from the mapped cache, and of the source alone.
 
     By default every context token is mapped (the map alone); `--variant handoff` (the same as
@@ -138,25 +224,57 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     from kvhub.eval import run
     from kvhub.eval.results import document
 
-    variant_list = run.variants(exact_prefixes=exact_prefixes, exact_suffixes=exact_suffixes,
-                                exact_budgets=exact_budgets, selects=selects, specs=specs)
-    items = _check_before_loading(tasks, limit=limit, seed=seed, ppl_text=ppl_text, ppl_calib=ppl_calib,
-                                  log_samples=log_samples, output_path=output_path, device=device, dtype=dtype)
+    variant_list = run.variants(
+        exact_prefixes=exact_prefixes,
+        exact_suffixes=exact_suffixes,
+        exact_budgets=exact_budgets,
+        selects=selects,
+        specs=specs,
+    )
+    items = _check_before_loading(
+        tasks,
+        limit=limit,
+        seed=seed,
+        ppl_text=ppl_text,
+        ppl_calib=ppl_calib,
+        log_samples=log_samples,
+        output_path=output_path,
+        device=device,
+        dtype=dtype,
+    )
     dtype = chosen_dtype(dtype, device)
     long_lengths = context_tokens if set(tasks) & set(LONG_TASKS + GIST_TASKS) else ()
-    store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths,
-                                  deshrink=deshrink)
+    store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths, deshrink=deshrink)
     with store:
-        settings = run.RunSettings(loaded.version.tensors_sha256, loaded.mapper.deshrink, seed=seed, limit=limit,
-                                   dtype=dtype, device=loaded.device, log_samples=log_samples)
-        task_list = run.build_tasks(tasks, loaded, limit=limit, seed=seed, context_tokens=context_tokens,
-                                    ppl_text=ppl_text, ppl_seq_len=ppl_seq_len, ppl_calib=ppl_calib, items=items)
+        settings = run.RunSettings(
+            loaded.version.tensors_sha256,
+            loaded.mapper.deshrink,
+            seed=seed,
+            limit=limit,
+            dtype=dtype,
+            device=loaded.device,
+            log_samples=log_samples,
+        )
+        task_list = run.build_tasks(
+            tasks,
+            loaded,
+            limit=limit,
+            seed=seed,
+            context_tokens=context_tokens,
+            ppl_text=ppl_text,
+            ppl_seq_len=ppl_seq_len,
+            ppl_calib=ppl_calib,
+            items=items,
+        )
         try:
-            outcome = run.evaluate(task_list, variant_list, settings=settings,
-                                   progress=lambda: progress_callback("items/s"))
+            outcome = run.evaluate(
+                task_list, variant_list, settings=settings, progress=lambda: progress_callback("items/s")
+            )
         except KeyboardInterrupt:
-            say("Interrupted; the items scored so far are cached: run the same command to resume where it stopped",
-                style="bold")
+            say(
+                "Interrupted; the items scored so far are cached: run the same command to resume where it stopped",
+                style="bold",
+            )
             raise SystemExit(130) from None
         for name, summary in outcome.results.items():
             store.add_metrics(loaded.version, run.metric_rows(name, summary, seed=seed))
@@ -169,11 +287,12 @@ def eval_command(ref, tasks, limit, seed, exact_prefixes, exact_suffixes, exact_
     if output_format == "json":
         echo_json(doc)
     else:
-        _print_results(reference, outcome.results, output_format=output_format)
+        print_results(reference, outcome.results, output_format=output_format)
 
 
-def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_samples, output_path, device=None,
-                          dtype=None) -> dict:
+def _check_before_loading(
+    tasks, *, limit, seed, ppl_text, ppl_calib, log_samples, output_path, device=None, dtype=None
+) -> dict:
     """Refuse what would fail only after the models are loaded (samples with nowhere to go, an output path that
     cannot be written, an unknown device or dtype, evaluation sets not fetched, an unknown --ppl-calib); returns
     the items of each multiple-choice task, read here."""
@@ -181,7 +300,7 @@ def _check_before_loading(tasks, *, limit, seed, ppl_text, ppl_calib, log_sample
 
     if log_samples and output_path is None:
         raise ConfigError("--log-samples writes the items beside the results: add --output-path DIR")
-    _check_device_and_dtype(device, dtype)
+    check_device_and_dtype(device, dtype)
     if output_path is not None:
         _probe_output_path(output_path)
     if "ppl" in tasks and ppl_calib is None:
@@ -196,23 +315,27 @@ def _probe_output_path(output_path: Path) -> None:
     hold the results is refused before the evaluation runs, not after (ConfigError naming it)."""
     import tempfile
 
-
     path = output_path.expanduser()
     wants_file = path.suffix == ".json"
     if wants_file and path.is_dir():
-        raise ConfigError(f"--output-path {path} is a directory, but a path ending in .json names the results file; "
-                          "give another file name, or a directory path without .json")
+        raise ConfigError(
+            f"--output-path {path} is a directory, but a path ending in .json names the results file; "
+            "give another file name, or a directory path without .json"
+        )
     folder = path.parent if wants_file else path
     if os.path.lexists(folder) and not folder.is_dir():
-        raise ConfigError(f"--output-path: {folder} exists and is not a directory; the results go into a directory "
-                          "there (or give a path ending in .json for the file itself)")
+        raise ConfigError(
+            f"--output-path: {folder} exists and is not a directory; the results go into a directory "
+            "there (or give a path ending in .json for the file itself)"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise ConfigError(f"--output-path: cannot write into {folder} ({exc.strerror or exc}); choose a directory "
-                          "you can write to") from None
+        raise ConfigError(
+            f"--output-path: cannot write into {folder} ({exc.strerror or exc}); choose a directory you can write to"
+        ) from None
 
 
 def _write_results(doc: dict, samples, output_path: Path, reference: str) -> list[Path]:
@@ -223,11 +346,13 @@ def _write_results(doc: dict, samples, output_path: Path, reference: str) -> lis
     try:
         return write(doc, samples, output_path, folder_name=reference)
     except OSError as exc:
-        raise ConfigError(f"cannot write the results under {output_path} ({exc.strerror or exc}); the metrics are "
-                          f"stored (`kvhub show {reference}`), and --json prints the document") from None
+        raise ConfigError(
+            f"cannot write the results under {output_path} ({exc.strerror or exc}); the metrics are "
+            f"stored (`kvhub show {reference}`), and --json prints the document"
+        ) from None
 
 
-def _check_device_and_dtype(device: str | None, dtype: str | None) -> None:
+def check_device_and_dtype(device: str | None, dtype: str | None) -> None:
     """ConfigError for a --device torch does not know, CUDA on a machine without it, or an unknown --dtype."""
     from kvhub.dtypes import canonical_name, check_device
 
@@ -235,197 +360,6 @@ def _check_device_and_dtype(device: str | None, dtype: str | None) -> None:
     check_device(device, what="--device")
 
 
-# ---- tables --------------------------------------------------------------------------------------------
-def _n(value) -> str:
-    """A result number the one way tables show numbers (kvhub.cli.output.format_number); NaN is an empty cell,
-    as JSON's null."""
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format_number(value)
-
-
-def _print_results(ref: str, results: dict, *, output_format: str = "table") -> None:
-    recall = {task: r for task, r in results.items() if "acc_control" in r}
-    gist = {task: r for task, r in results.items() if "gap_closed_mapped" in r}
-    rows = []
-    for task, r in results.items():
-        if task in recall or task in gist:
-            continue
-        if task.startswith("ppl"):
-            drop = f"drop {_n(r['ppl_drop'])}" if r.get("ppl_drop") is not None else ""
-            rows.append([task, r["n"], f"ppl {_n(r['ppl_own'])}", f"ppl {_n(r['ppl_mapped'])}",
-                         f"no ctx {_n(r['ppl_no_context'])}", drop, "", _n(r["agreement"]), ""])
-            continue
-        low, high = r["retention_ci"]
-        rows.append([task, r["n"], _n(r["acc_own"]), _n(r["acc_mapped"]), _n(r["acc_source"]),
-                     f"{_n(r['retention'])} [{_n(low)}, {_n(high)}]", _n(r["gap_closed"]),
-                     _n(r["agree_next"]), _n(r["attn_cosine"])])
-    columns = ["task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"]
-    if rows:
-        print_table(columns, rows, output_format=output_format, title=ref, right=tuple(columns[1:]))
-    groups: dict[tuple, dict] = {}  # one table per set of conditions (the follow-up turn has more)
-    for task, r in recall.items():
-        groups.setdefault(tuple(key for key in r if key.startswith("acc_")), {})[task] = r
-    for group in groups.values():
-        _print_recall(ref, group, output_format=output_format)
-    if gist:
-        print_gist(ref, gist, output_format=output_format)
-
-
-def print_gist(ref: str, results: dict, *, output_format: str) -> None:
-    """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
-    the target prefilling only the recomputed tokens, where the run scored it)."""
-    with_drop = all("nll_drop" in r for r in results.values())
-    conditions = ("own", "mapped", "drop", "control", "floor") if with_drop else ("own", "mapped", "control", "floor")
-    columns = ["task", "n", "tokens", *conditions, "gap closed [95% CI]",
-               *(["drop closes [95% CI]"] if with_drop else []), "control closes [95% CI]"]
-    rows = []
-    for task, r in results.items():
-        closes = [_closed(r, "mapped")] + ([_closed(r, "drop")] if with_drop else []) + [_closed(r, "control")]
-        rows.append([task, r["n"], f"{r['context_tokens']:.0f}", *(f"{r[f'nll_{c}']:.3f}" for c in conditions),
-                     *closes])
-    print_table(columns, rows, output_format=output_format, right=tuple(columns[1:]),
-                title=f"{ref}: the target's own answer about the whole context, mean NLL per token")
-
-
-def _closed(r: dict, condition: str) -> str:
-    low, high = r[f"gap_closed_{condition}_ci"]
-    return f"{r[f'gap_closed_{condition}']:+.2f} [{low:+.2f}, {high:+.2f}]"
-
-
-def _print_recall(ref: str, results: dict, *, output_format: str) -> None:
-    """Exact answers per condition present in every row (``drop``, the follow-up's re-selections), with
-    retention and the map's paired differences from the control and from drop."""
-    first = next(iter(results.values()))
-    conditions = [c.removeprefix("acc_") for c in first if c.startswith("acc_") and not c.endswith("_ci")
-                  and all(c in r for r in results.values())]
-    differences = [key for key in ("map_minus_control", "map_minus_drop", "reselect_minus_drop",
-                                   "reselect_minus_drop_reselect") if all(key in r for r in results.values())]
-    columns = ["task", "n", "tokens", "exact %", *conditions, "retention [95% CI]",
-               *(f"{key.replace('_minus_', ' - ').replace('map ', 'mapped ')} [95% CI]" for key in differences)]
-    rows = []
-    for task, r in results.items():
-        low, high = r["retention_ci"]
-        rows.append([task, r["n"], f"{r['context_tokens']:.0f}", f"{100 * r['recomputed_fraction']:.1f}",
-                     *(f"{r[f'acc_{c}']:.2f}" for c in conditions), f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
-                     *(f"{r[key]:+.2f} [{r[key + '_ci'][0]:+.2f}, {r[key + '_ci'][1]:+.2f}]" for key in differences)])
-    print_table(columns, rows, output_format=output_format, right=tuple(columns[1:]),
-                title=f"{ref}: exact answers from long contexts")
-
-
-# ---- bench ---------------------------------------------------------------------------------------------
-def _lengths(ctx, param, value: str) -> list[int]:
-    """--lengths as token counts; a word that is not one is a usage error naming the form (exit 2)."""
-    words = [word.strip() for word in value.split(",") if word.strip()]
-    if not words or not all(word.isdigit() and int(word) >= 2 for word in words):
-        raise click.BadParameter(f"{value!r}: give context lengths in tokens (whole numbers >= 2) separated by "
-                                 "commas, e.g. --lengths 1024,4096,65536", ctx=ctx, param=param)
-    return [int(word) for word in words]
-
-
-@click.command("bench")
-@click.argument("ref")
-@click.option("--lengths", default="256,1024,4096", show_default=True, callback=_lengths,
-              help="Context lengths in tokens, comma-separated (e.g. 1024,4096,65536).")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--exact-prefix", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Include this exact-prefix recompute in the handoff's time to first token.")
-@click.option("--exact-suffix", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Include this exact-suffix recompute in the handoff's time to first token.")
-@click.option("--exact-budget", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-              help="Include a selective recompute of this fraction of the context (token selection included).")
-@click.option("--select", type=click.Choice(SELECTORS), default="source", show_default=True,
-              help="Token selector of --exact-budget.")
-@click.option("--variant", "spec", default=None, metavar="SPEC",
-              help="A full recompute spec instead of the four options above, e.g. 'exact_prefix=4,exact_suffix=16,"
-                   "exact_budget=0.08,select=target,queries=4', or 'handoff' for kvhub.handoff's defaults.")
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available).")
-@dtype_option("dtype of both models and the mapped cache.")
-@db_option
-@format_option
-def bench(ref, lengths, repeats, exact_prefix, exact_suffix, exact_budget, select, spec, device, dtype, db,
-          output_format):
-    """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
-    and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
-    from kvhub.eval.continuation import time_transfer_vs_prefill, timing_metric_rows
-    from kvhub.eval.run import parse_variant
-
-    recompute = Recompute(exact_prefix, exact_suffix, exact_budget, select)
-    if spec is not None and recompute.name():
-        raise ConfigError("--variant is the whole recompute spec: leave out --exact-prefix/--exact-suffix/"
-                          "--exact-budget, or put them into the --variant text")
-    recompute = parse_variant(spec) if spec is not None else recompute
-    _check_device_and_dtype(device, dtype)
-    dtype = chosen_dtype(dtype, device)
-    store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=lengths,
-                                  lengths_option="--lengths")  # beyond the models' positions: refused, not timed
-    with store:
-        loaded.mapper.to(device=next(loaded.target.parameters()).device)
-        rows = time_transfer_vs_prefill(loaded.mapper, loaded.source, loaded.target, lengths=lengths,
-                                        repeats=repeats, recompute=recompute)
-        timings = timing_metric_rows(rows, device=loaded.device, dtype=dtype, variant=recompute.name(),
-                                     repeats=repeats)
-        store.add_metrics(loaded.version, timings)
-        reference = store.reference(loaded.version)
-    if output_format == "json":
-        from kvhub.eval.run import variant_config
-
-        echo_json({"ref": loaded.version.ref, "device": loaded.device, "dtype": dtype,
-                   "variant": variant_config(recompute), "exact_prefix": recompute.exact_prefix, "exact_suffix": recompute.exact_suffix,
-                   "exact_budget": recompute.exact_budget, "select": recompute.select, "rows": rows})
-        return
-    # the handoff column is what this run recomputes: the map alone unless asked (kvhub.handoff's default
-    # recomputes 4 + 16 tokens and 8% of the context: --variant handoff)
-    handoff = "handoff TTFT s" if recompute.name() else "map-alone TTFT s"
-    columns = ["tokens", "transfer s", "re-prefill s", "speedup", handoff, "full TTFT s", "TTFT speedup"]
-    table = [[r["tokens"], _n(r["transfer_median_s"]), _n(r["prefill_median_s"]), f"{r['speedup']:.1f}x",
-              _n(r["handoff_ttft_median_s"]), _n(r["full_ttft_median_s"]), f"{r['ttft_speedup']:.1f}x"]
-             for r in rows]
-    what = (f", {recompute.name()}" if recompute.name() else
-            ", the map alone (kvhub.handoff's default also recomputes tokens: --variant handoff)")
-    print_table(columns, table, output_format=output_format, right=tuple(columns),
-                title=f"{reference} on {loaded.device} ({dtype}){what}")
-
-
-# ---- report --------------------------------------------------------------------------------------------
-@click.command("report")
-@click.argument("ref")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
-@db_option
-@format_option
-def report(ref, out, db, output_format):
-    """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT.
-
-    Needs matplotlib: pip install 'kvhub[plots]'.  layer_r2.png shows the held-out R^2 of the stored
-    maps themselves (compressed maps included); r2_heatmap.png the full-rank one-layer probe that chose
-    their source layers; retention.png the retention (mapped / own accuracy, 95% interval) of every task
-    `kvhub eval` stored, beside each condition's accuracy.
-    """
-    import shutil
-
-    from kvhub.core.mapper import read_metadata
-    from kvhub.eval.plots import require_matplotlib
-    from kvhub.eval.report import task_results, write_report
-
-    require_matplotlib()  # before anything is written
-    with open_db(db, create=False) as store:
-        version = store.resolve(ref)
-        metadata = read_metadata(store.artifact_path(version))
-        measurements = store.metrics(version)
-        tasks = task_results(measurements)
-        reference = store.reference(version)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        path = write_report(out, reference=reference, version=version, metadata=metadata, tasks=tasks,
-                            measurements=measurements)
-    except BaseException:
-        if created:  # no half-written folder left behind
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    if not print_record({"ref": json_ref(version), "report": str(path),
-                         "files": sorted(str(p) for p in out.iterdir() if p.is_file())}, output_format=output_format):
-        say(f"wrote {path}", to=console)
-
-
 def attach(group: click.Group) -> None:
-    for command in (eval_command, bench, report):
-        group.add_command(command)
+    """Register eval on the ``kvhub`` group."""
+    group.add_command(eval_command)

@@ -1,6 +1,7 @@
-"""``kvhub eval-serve``: score a running ``kvhub serve`` pair over HTTP on the long-context tasks
-(:mod:`kvhub.eval.served`), the gist tasks (:mod:`kvhub.eval.served_gist`) and the turns after an escalation
-(:mod:`kvhub.eval.served_turns`)."""
+"""``kvhub eval-serve``: score a running ``kvhub serve`` pair over HTTP on the tasks registered for it
+(:mod:`kvhub.eval.catalog`: long-context, gist, the turns after an escalation), through ``kvhub eval``'s loop
+(:func:`kvhub.eval.run.run_task`) over :class:`kvhub.eval.served_conditions.ServedConditions`; options, the
+transfer check and tables (:mod:`kvhub.cli.eval_tables`) live here."""
 
 from __future__ import annotations
 
@@ -9,28 +10,14 @@ import math
 
 import click
 
-from kvhub.cli.console import plain, say
+from kvhub.cli.console import say
 from kvhub.cli.options import log_samples_option, output_path_option
 from kvhub.cli.output import format_option
-from kvhub.eval.catalog import GIST_TASKS, SERVED_LONG_TASKS, SERVED_TURN_TASKS
+from kvhub.eval.catalog import SERVED_TASKS, SERVED_TURN_TASKS
 from kvhub.errors import ConfigError
 
 MAX_CONTEXT_TOKENS = 1 << 20  # longer prompts than any served model takes; 10^8 ran the client out of memory
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-_COLUMNS = (
-    "task",
-    "n",
-    "tokens",
-    "recomputed %",
-    "own",
-    "mapped",
-    "control",
-    "source",
-    "floor",
-    "retention [95% CI]",
-    "map - control [95% CI]",
-    "median agreement mapped / control",
-)
 
 
 @click.command("eval-serve")
@@ -75,7 +62,7 @@ _COLUMNS = (
     "tasks",
     multiple=True,
     required=True,
-    type=click.Choice(SERVED_LONG_TASKS + GIST_TASKS + SERVED_TURN_TASKS),
+    type=click.Choice(SERVED_TASKS),
     help="Task (repeatable), as in `kvhub eval`: facts, multiturn or code (exact answers), or gist-chat, "
     "gist-document or gist-code (the large model's own answer about the whole context, scored "
     "teacher-forced), or turns (three turns after an escalation: facts and time to first token per turn).",
@@ -164,6 +151,7 @@ def eval_serve(
     """
     from kvhub.eval.results import document, now, write
     from kvhub.eval.served import Endpoint, base_url
+    from kvhub.eval.served_conditions import ServedConditions
 
     if log_samples and output_path is None:
         raise ConfigError("--log-samples writes the items beside the results: add --output-path PATH")
@@ -175,12 +163,14 @@ def eval_serve(
     small = Endpoint.at(small_url, model=small_model, timeout=timeout)
     large = Endpoint.at(large_url, model=large_model, timeout=timeout)
     tokenizer = _tokenizer(tokenizer_spec, small.model)
-    run = {"limit": limit, "seed": seed, "agreement_tokens": agreement_tokens, "log_samples": log_samples}
-    results, datasets, samples = {}, {}, {}
-    for task in tasks:
-        for length in context_tokens:
-            name = f"{task}-{length}"
-            results[name], datasets[name], samples[name] = _evaluate(small, large, tokenizer, task, length, run)
+    results, datasets, samples = _evaluate(
+        ServedConditions(small, large, tokenizer, agreement_tokens=agreement_tokens),
+        tasks,
+        context_tokens=context_tokens,
+        limit=limit,
+        seed=seed,
+        log_samples=log_samples,
+    )
     config = {
         "model": "kvhub-serve",
         "mapper": None,  # the servers do not say which mapper version they run
@@ -202,13 +192,13 @@ def eval_serve(
     if output_format == "json":
         click.echo(json.dumps(doc, indent=2))
     else:
-        from kvhub.cli.eval_cmd import print_gist
+        from kvhub.cli.eval_tables import print_gist, print_served, print_turns
 
         gist = {name: r for name, r in results.items() if "gap_closed_mapped" in r}
         turns = {name: r for name, r in results.items() if r.get("task") in SERVED_TURN_TASKS}
         recall = {name: r for name, r in results.items() if name not in gist and name not in turns}
         if recall:
-            _print_served(
+            print_served(
                 f"{small.model} -> {large.model}: exact answers from long contexts, served",
                 recall,
                 output_format=output_format,
@@ -216,7 +206,7 @@ def eval_serve(
         if gist:
             print_gist(f"{small.model} -> {large.model}, served", gist, output_format=output_format)
         if turns:
-            _print_turns(f"{small.model} -> {large.model}: turns after an escalation, served", turns, output_format)
+            print_turns(f"{small.model} -> {large.model}: turns after an escalation, served", turns, output_format)
 
 
 def _finite(value: float) -> float:
@@ -263,116 +253,27 @@ def _tokenizer(spec: str | None, small_model: str):
         raise ConfigError(f"{exc}; or name the small server's tokenizer with --tokenizer") from exc
 
 
-def _evaluate(small, large, tokenizer, task: str, length: int, run: dict) -> tuple[dict, dict, list[dict]]:
-    """(summary, data set description, per-item records) of one task at one context length."""
+def _evaluate(conditions, tasks, *, context_tokens, limit: int, seed: int, log_samples: bool):
+    """(results, data sets, per-item records) by ``task-length``: the registered tasks (:mod:`kvhub.eval.catalog`)
+    through :func:`kvhub.eval.run.evaluate`, the loop ``kvhub eval`` runs, over the served pair; a task whose
+    mapped requests went unmapped stops the run (:func:`_check_transfers`)."""
     from kvhub.cli.progress import progress_callback
-    from kvhub.eval.results import items_sha256
+    from kvhub.eval.run import RunSettings, build_tasks, evaluate
 
-    if task in GIST_TASKS:
-        from kvhub.eval.gist import gist_items
-        from kvhub.eval.served_gist import evaluate_served_gist
+    def check(task, outcome) -> None:
+        summary = outcome.summaries[""]
+        reported = summary if "transfers_reported" in summary else _turn_one(summary)
+        _check_transfers(reported, conditions.large.url, task.name)
 
-        builder = "kvhub.eval.gist"
-        items = gist_items(
-            task.removeprefix("gist-"), tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"]
-        )
-        with progress_callback("items/s") as callback:
-            summary = evaluate_served_gist(
-                small,
-                large,
-                task=task,
-                context_tokens=length,
-                items=items,
-                seed=run["seed"],
-                log_samples=run["log_samples"],
-                progress=callback,
-            )
-    elif task in SERVED_TURN_TASKS:
-        from kvhub.eval.served_turns import evaluate_served_turns, turn_items
-
-        builder = "kvhub.eval.served_turns"
-        items = turn_items(tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
-        with progress_callback("items/s") as callback:
-            summary = evaluate_served_turns(
-                small, large, tokenizer, context_tokens=length, limit=run["limit"], items=items, progress=callback
-            )
-        if not run["log_samples"]:
-            summary.pop("samples")
-    else:
-        from kvhub.eval.recall_tasks import build_items
-        from kvhub.eval.served import evaluate_served
-
-        builder = "kvhub.eval.longctx"
-        items = build_items(task, tokenizer, context_tokens=length, n=run["limit"], seed=run["seed"])
-        with progress_callback("items/s") as callback:
-            summary = evaluate_served(
-                small,
-                large,
-                tokenizer,
-                task=task,
-                context_tokens=length,
-                seed=run["seed"],
-                agreement_tokens=run["agreement_tokens"],
-                log_samples=run["log_samples"],
-                items=items,
-                progress=callback,
-            )
-    _check_transfers(_turn_one(summary) if task in SERVED_TURN_TASKS else summary, large.url, f"{task}-{length}")
-    dataset = {
-        "name": f"{task}-{length}",
-        "origin": f"built by {builder} (seed {run['seed']})",
-        "context_tokens": length,
-        "n": len(items),
-        "sha256": items_sha256(items),
-    }
-    return summary, dataset, summary.pop("samples", [])
-
-
-def _print_served(title: str, results: dict, *, output_format: str = "table") -> None:
-    from kvhub.cli.output import print_table
-
-    rows = []
-    for task, r in results.items():
-        low, high = r["retention_ci"]
-        dlow, dhigh = r["map_minus_control_ci"]
-        rows.append(
-            [
-                task,
-                r["n"],
-                f"{r['context_tokens']:.0f}",
-                f"{100 * r['recomputed_fraction']:.1f}",
-                *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
-                f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
-                f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
-                f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}",
-            ]
-        )
-    print_table(
-        list(_COLUMNS), rows, output_format=output_format, title=plain(title), right=_COLUMNS[1:]
-    )  # model names: never markup
-
-
-def _print_turns(title: str, results: dict, output_format: str) -> None:
-    from kvhub.cli.output import print_table
-    from kvhub.eval.served_turns import TURN_ARMS
-
-    columns = ["task", "arm", "n", "exact t1 / t2 / t3", "TTFT s t1 / t2 / t3", "own t1 / arm", "conversation s"]
-    rows = []
-    for task, r in results.items():
-        for arm in TURN_ARMS:
-            turns = range(1, r["turns"] + 1)
-            rows.append(
-                [
-                    task,
-                    arm,
-                    r["n"],
-                    " / ".join(f"{r[f'acc_{arm}_t{t}']:.2f}" for t in turns),
-                    " / ".join(f"{r[f'ttft_{arm}_t{t}']:.2f}" for t in turns),
-                    " / ".join(f"{r[f'speedup_{arm}_t{t}']:.1f}x" for t in turns),
-                    f"{r[f'conversation_s_{arm}']:.2f}",
-                ]
-            )
-    print_table(columns, rows, output_format=output_format, title=plain(title), right=columns[2:])
+    task_list = build_tasks(tasks, conditions, limit=limit, seed=seed, context_tokens=context_tokens)
+    run = evaluate(
+        task_list,
+        [None],
+        settings=RunSettings(None, None, seed=seed, limit=limit, log_samples=log_samples),
+        progress=lambda: progress_callback("items/s"),
+        check=check,
+    )
+    return run.results, run.datasets, run.samples
 
 
 def attach(group: click.Group) -> None:

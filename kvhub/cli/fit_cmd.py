@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -12,10 +14,10 @@ from kvhub.cli.options import chosen_dtype, db_option, dtype_option, open_db
 from kvhub.artifact.metadata import describe_structure, shown
 from kvhub.cli.fit_options import fit_options
 from kvhub.cli.output import echo_json, format_option, json_ref, print_table
-from kvhub.calib.recipe import DEFAULT_CALIBRATION, builtin_names, recipe_from_spec
-from kvhub.errors import ConfigError, FitError, FitInterrupted, NotFoundError, UnknownCalibrationError
+from kvhub.calib.recipe import DEFAULT_CALIBRATION
+from kvhub.errors import ConfigError, FitInterrupted, NotFoundError
 from kvhub.fitting.options import FitOptions
-from kvhub.env import die_with_parent
+from kvhub.fitting.torchrun import launch_torchrun
 
 
 @click.command()
@@ -101,8 +103,9 @@ def fit(
         raise ConfigError("--no-register needs --out DIR, or the fitted mapper would be lost")
     if out is not None and Path(out).exists():
         raise ConfigError(f"{out} already exists; choose a new --out directory")
-    from kvhub.fitting.job import FitRequest, check_plan
     from kvhub.cli.progress import quiet_other_bars
+    from kvhub.fitting.distributed import launched
+    from kvhub.fitting.job import FitRequest, check_plan
 
     request = FitRequest(
         src=src,
@@ -113,23 +116,15 @@ def fit(
         seq_len=seq_len,
         seed=seed,
         device=device,
-        dtype=chosen_dtype(dtype, device, quiet=launched_rank()),  # the launcher said it once
+        dtype=chosen_dtype(dtype, device, quiet=launched()),  # the launcher said it once
         restart=restart,
         options=FitOptions(**knobs),
     )
     quiet_other_bars(load_transformers=True)  # the models load before kvhub's first bar
-    check_before_loading(request)
-    if name is not None:
-        check_series_name(name, calib=calib)
-    if not no_register and not launched_rank():
-        check_series_text(request, name=name, db=db)
-    from kvhub.fitting.distributed import launched
-    from kvhub.fitting.mlp_fit import check_options
-
-    if nproc or launched():  # --map mlp runs in one process: refused before torchrun starts or models load
-        check_options(request.options, heldout_sequences=1, distributed=True)
+    if not launched():  # a rank checks for itself (fit_by_names_distributed)
+        _refuse_early(request, db=db, register=not no_register, distributed=bool(nproc))
     if nproc:
-        raise SystemExit(_launch_torchrun(nproc))
+        raise SystemExit(launch_torchrun(nproc, sys.argv[1:], notify=say))
     if launched():
         mapper = _fit_rank(request, ignore_plan=ignore_plan)
         if mapper is None:  # ranks other than 0: rank 0 saves, registers and reports
@@ -146,6 +141,34 @@ def fit(
         if not no_register:
             reference, full_ref = _register(artifact, db)
     _print_summary(mapper, reference=reference, full_ref=full_ref, out=out, output_format=output_format)
+
+
+def _refuse_early(request, *, db: str | None, register: bool, distributed: bool) -> None:
+    """:func:`kvhub.fitting.job.check_request`, with the store the fit registers in; before torchrun starts
+    N ranks, also what a rank would refuse (--map mlp runs in one process)."""
+    from kvhub.fitting.job import check_request
+    from kvhub.fitting.mlp_fit import check_options
+
+    if distributed:
+        check_options(request.options, heldout_sequences=1, distributed=True)
+    with _existing_store(db, register=register) as store:
+        check_request(request, store=store)
+
+
+@contextmanager
+def _existing_store(db: str | None, *, register: bool):
+    """The store the fit will register in, open; None without one (nothing to clash with) or with
+    --no-register."""
+    if not register:
+        yield None
+        return
+    try:
+        store = open_db(db, create=False)
+    except NotFoundError:
+        yield None
+        return
+    with store:
+        yield store
 
 
 def _fit_here(request):
@@ -165,138 +188,10 @@ def _fit_here(request):
         raise SystemExit(exc.exit_code) from None
 
 
-def launched_rank() -> bool:
-    """A rank torchrun started (rank 0 ran the checks before launching it)."""
-    from kvhub.fitting.distributed import launched
-
-    return launched()
-
-
-def check_series_name(name: str, *, calib: str) -> None:
-    """``--name``: a valid calibration name, and not a built-in set's name for another text (kvhub.load(...,
-    calib="legal-docs") would return this mapper, and a push would publish it as legal-docs)."""
-    from kvhub.store.refs import check_calibration_name
-
-    check_calibration_name(name)
-    if name in builtin_names() and recipe_from_spec(calib).name != name:
-        raise ConfigError(
-            f"--name {name} is the name of kvhub's built-in calibration set {name!r}, and --calib "
-            f"{calib} is another text; give this one its own name, e.g. --name {name}-own"
-        )
-
-
-def check_series_text(request, *, name: str | None, db: str | None) -> None:
-    """Refuse, before any model loads, a fit the store would refuse to register after it: the series
-    (models, calibration name) already holds versions fitted on another text.  The text's sha256 needs the
-    documents only, read here once more, and only when the series exists."""
-    from kvhub.calib.calibration_set import read_documents
-    from kvhub.calib.packing import corpus_digest
-    from kvhub.models.loading import registered_model_id
-
-    recipe = recipe_from_spec(request.calib)
-    series = {
-        "source": registered_model_id(request.src),
-        "target": registered_model_id(request.dst),
-        "calibration": name or recipe.name,
-    }
-    try:
-        store = open_db(db, create=False)
-    except NotFoundError:  # no store yet: nothing to clash with
-        return
-    with store:
-        try:  # a hash no text has: refused iff the series holds versions with a known text
-            store.check_calibration_text(**series, text_sha256="-")
-            return
-        except ConfigError:
-            pass
-        documents, _ = read_documents(recipe)
-        store.check_calibration_text(**series, text_sha256=corpus_digest(documents))
-
-
-def check_before_loading(request) -> None:
-    """Refuse, before any model loads, what the arguments alone show will fail: a --device torch cannot
-    use, an unknown calibration set (with the closest built-in name), a fixed k above the source's layer
-    count, and fewer observations than features (read from the config, no weights: the solve would
-    refuse them only after every forward pass)."""
-    import difflib
-
-    from kvhub.fitting.job import check_device
-    from kvhub.fitting.plan import Workload, shape_of, too_few_observations
-
-    check_device(request.device)
-
-    try:
-        sequences = (
-            recipe_from_spec(request.calib)
-            .with_sequences(samples=request.samples, seq_len=request.seq_len, seed=request.seed)
-            .sequences
-        )
-    except UnknownCalibrationError as exc:
-        close = difflib.get_close_matches(exc.name, exc.known, n=1, cutoff=0.6)
-        if not close:
-            raise
-        raise UnknownCalibrationError(
-            f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? ({exc})", name=exc.name, known=exc.known
-        ) from None
-    fixed_k = request.options.top_k  # FitOptions refused a k below 1 and --candidates beside one pass
-    try:
-        source = shape_of(request.src)
-    except ConfigError:  # no config without downloading: the fit checks these once the model is there
-        return
-    if fixed_k is not None and fixed_k > source.layers:
-        raise ConfigError(
-            f"--k {fixed_k} is more source layers than {request.src} has ({source.layers}); use "
-            f"--k 1..{source.layers} or --k auto"
-        )
-    workload = Workload(
-        samples=sequences.samples,
-        seq_len=sequences.seq_len,
-        stride=request.options.stride or sequences.stride,
-        k=fixed_k,
-    )
-    problem = too_few_observations(source, workload)
-    if problem is not None:
-        raise FitError(f"{request.src} -> {request.dst}: {problem}")
-
-
 def _say_statistics(plan) -> None:
     """Tell the user how the plan says the statistics will be accumulated (None: no plan before loading)."""
     if plan is not None:
         say(f"statistics: {plan.statistics.describe()} (kvhub plan: {plan.advice})", label="plan:")
-
-
-def _launch_torchrun(nproc: int) -> int:
-    """Run this same command line under torchrun on ``nproc`` local processes; returns its exit code.
-
-    torchrun puts each rank in a session of its own, so a kill of this process reaches neither: torchrun
-    gets SIGTERM when this process dies (it then stops its ranks), and each rank when torchrun dies
-    (:func:`kvhub.fitting.distributed.die_with_launcher`)."""
-    import os
-    import subprocess
-    import sys
-
-    from kvhub.fitting.distributed import LAUNCHER
-
-    args, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--distributed":
-            skip = True
-        elif not arg.startswith("--distributed="):
-            args.append(arg)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "kvhub",
-        *args,
-    ]
-    say("running " + " ".join(command[1:]))
-    return subprocess.call(command, env={**os.environ, LAUNCHER: str(os.getpid())}, preexec_fn=die_with_parent())
 
 
 def _fit_rank(request, *, ignore_plan: bool):

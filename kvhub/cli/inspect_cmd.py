@@ -178,6 +178,7 @@ def show(ref, per_layer, verify, history, db, output_format):
     if output_format == "json":
         for key in ("k", "ridge_lambda"):
             data[key] = shown(data[key])
+        data["lambda"] = data["ridge_lambda"]  # the knob's one JSON name; ridge_lambda kept for older scripts
         echo_json(data)
     else:
         _print_description(data, per_layer=per_layer, output_format=output_format, history=history)

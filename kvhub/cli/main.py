@@ -75,14 +75,17 @@ def main(verbose: bool) -> None:
 
 def _attach() -> None:
     """Attach each command family; every module defines ``attach(group)``."""
-    from kvhub.cli import calib_cmd, eval_cmd, eval_serve_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd, store_cmd
+    from kvhub.cli import bench_cmd, calib_cmd, eval_cmd, eval_serve_cmd, fetch_cmd, fit_cmd, hub_cmd, plan_cmd
+    from kvhub.cli import report_cmd, store_cmd
 
     main.add_command(fit_cmd.fit)
     main.add_command(plan_cmd.plan)
     calib_cmd.attach(main)  # calib list, show, fetch, build
     store_cmd.attach(main)  # list, show, tag, untag, rm, gc, export, import, db
     hub_cmd.attach(main)  # push, pull, search
-    eval_cmd.attach(main)  # eval, bench, report
+    eval_cmd.attach(main)  # eval
+    bench_cmd.attach(main)  # bench
+    report_cmd.attach(main)  # report
     eval_serve_cmd.attach(main)  # eval-serve
     main.add_command(fetch_cmd.fetch)  # fetch models, evals
     from kvhub.cli import serve_cmd  # its own import line: the one above is shared with other command families

@@ -50,7 +50,10 @@ def json_ref(version) -> str:
 def version_json(version, metrics: list[dict] | None = None) -> dict:
     """The JSON of one version in the vocabulary the store commands share (kvhub.cli.store_cmd's docstring)."""
     data = version.to_dict()
-    data["k"], data["ridge_lambda"] = shown(data["k"]), shown(data["ridge_lambda"])
+    data["k"] = shown(data["k"])
+    # one name for the knob, as --lambda, mapper.json, `kvhub fit --json` and `kvhub diff` spell it;
+    # ridge_lambda, this JSON's former name, is kept for the scripts that read it
+    data["lambda"] = data["ridge_lambda"] = shown(data["ridge_lambda"])
     if metrics is not None:
         data["metrics"] = metrics
     return data

@@ -7,7 +7,8 @@ takes ``--db URL`` (a SQLAlchemy URL or a SQLite path).  Data goes to stdout as 
 
 JSON vocabulary, shared with fit, push and pull: ``ref`` (the full reference), ``version`` (the number
 in ``@vN``, never a database id), ``metrics`` (a list of {name, value, split, task, layer, n, seed,
-measured_at, kvhub_version}), ``k``/``ridge_lambda`` (``"auto"`` when chosen per target layer).
+measured_at, kvhub_version}), ``k``/``lambda`` (``"auto"`` when chosen per target layer; list and show
+also keep ``ridge_lambda``, lambda's former name there).
 """
 
 from __future__ import annotations

@@ -24,8 +24,15 @@ from pathlib import Path
 import torch
 
 from kvhub.artifact import (  # noqa: F401  (re-exported: the artifact format is part of the Mapper's API)
-    FORMAT_VERSION, METADATA_FILE, TENSORS_FILE, format_version_of, read_artifact, read_metadata, tensor_path,
-    verify_tensors, write_artifact,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    TENSORS_FILE,
+    format_version_of,
+    read_artifact,
+    read_metadata,
+    tensor_path,
+    verify_tensors,
+    write_artifact,
 )
 from kvhub.artifact import map_prefix, tensor_name
 from kvhub.artifact.kinds import kind_of
@@ -37,9 +44,14 @@ from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT, deshrink_setting  # 
 from kvhub.core.fingerprint import config_from_fingerprint
 from kvhub.core.mlp import residual_term
 from kvhub.core.rope import Rotary, apply_rope, strip_rope
-from kvhub.core.staging import (finite as _finite, hand_over as _hand_over, rows as _rows, stack_on as _stack_on,
-                                to_device as _to_device)
-from kvhub.core.layer_kinds import check_cache_layers
+from kvhub.core.staging import (
+    finite as _finite,
+    hand_over as _hand_over,
+    rows as _rows,
+    stack_on as _stack_on,
+    to_device as _to_device,
+)
+from kvhub.core.mapper_checks import check_out, check_source_cache
 
 RESIDUALS = {"mlp": residual_term}  # map kind (kvhub.artifact.kinds) -> the term it adds to the linear map
 
@@ -53,12 +65,12 @@ _CHUNK_ELEMENTS = 1 << 26
 def _chunks(items: list[int], per_item: int) -> list[list[int]]:
     """``items`` in consecutive chunks of at most _CHUNK_ELEMENTS // per_item (at least one) each."""
     step = max(1, _CHUNK_ELEMENTS // max(per_item, 1))
-    return [items[start:start + step] for start in range(0, len(items), step)]
+    return [items[start : start + step] for start in range(0, len(items), step)]
 
 
 def _inputs(rows: dict[int, torch.Tensor], sources: list[int], keep: int) -> list[torch.Tensor]:
     """The column blocks of X = [rows_l1 | ... | rows_lk] over the last ``keep`` tokens: k views (B, keep, Hs*Ds)."""
-    return [rows[l][:, rows[l].shape[1] - keep:] for l in sources]
+    return [rows[l][:, rows[l].shape[1] - keep :] for l in sources]
 
 
 def _write(y: torch.Tensor, into: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -87,8 +99,15 @@ class Mapper:
     (:class:`kvhub.api.Mapper`) is this class with the Hub-style face: ``from_pretrained``,
     ``save_pretrained`` and ``push_to_hub``, which need the store and the Hub, stages above this one."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict, *, dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None, deshrink: str | None = None):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        metadata: dict,
+        *,
+        dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
+        deshrink: str | None = None,
+    ):
         """dtype: of the caches ``transfer`` returns (default: the target's at fit time).
         compute_dtype: of the mapping matmuls (default: the output dtype; bf16 GEMMs are ~2x faster than
         fp32 on CPUs with avx512_bf16 and far faster on GPUs, and the cache is stored in that dtype anyway).
@@ -132,8 +151,10 @@ class Mapper:
 
     def __repr__(self) -> str:
         name = self.ref or f"{self.source['model_id']} -> {self.target['model_id']}, not in a store"
-        return (f"Mapper({name}, {len(self.layers)} target layers, k={shown(self.metadata.get('k'))}, "
-                f"{self.num_parameters():,} params)")
+        return (
+            f"Mapper({name}, {len(self.layers)} target layers, k={shown(self.metadata.get('k'))}, "
+            f"{self.num_parameters():,} params)"
+        )
 
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
@@ -157,8 +178,9 @@ class Mapper:
     def deshrunk(self, kinds: str = "kv") -> "Mapper":
         """A copy of this mapper (the same tensors) that transfers with ``deshrink=kinds``: "kv" (keys and
         values), "v" (values only) or "off" (the maps as fitted).  See :data:`DESHRINK`."""
-        copy = type(self)(self.tensors, self.metadata, dtype=self.dtype, compute_dtype=self.compute_dtype,
-                          deshrink=kinds)
+        copy = type(self)(
+            self.tensors, self.metadata, dtype=self.dtype, compute_dtype=self.compute_dtype, deshrink=kinds
+        )
         copy.ref = self.ref
         return copy
 
@@ -205,40 +227,15 @@ class Mapper:
             self._rotary[key] = Rotary.from_config(self._config(side), device=device)
         return self._rotary[key]
 
-    def _check_cache(self, cache) -> tuple[int, int]:
-        check_cache_layers(cache)  # a hybrid model's state layers: refused by their type, never mapped around
-        src = self.source
-        layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) != src["num_layers"]:
-            got = "no .layers" if layers is None else f"{len(layers)} layers"
-            raise IncompatibleError(
-                f"source cache has {got}, but this mapper expects {src['num_layers']} layers of "
-                f"{src['model_id']}; pass the cache of that model"
-            )
-        keys = layers[0].keys
-        if keys is None or keys.dim() != 4 or 0 in (keys.shape[0], keys.shape[2]):
-            raise IncompatibleError("source cache is empty (no sequences or no tokens); run the source model over "
-                                    "the context first")
-        batch, _, tokens, _ = keys.shape
-        for index, layer in enumerate(layers):
-            if not (layer.keys.is_floating_point() and layer.values.is_floating_point()):
-                raise IncompatibleError(f"source cache layer {index} holds {layer.keys.dtype} keys and "
-                                        f"{layer.values.dtype} values; a model's cache is floating point")
-            shape = tuple(layer.keys.shape)
-            expected = (batch, src["num_kv_heads"], tokens, src["head_dim"])
-            if shape != expected or tuple(layer.values.shape) != expected:
-                raise IncompatibleError(
-                    f"source cache layer {index} has keys {shape}, values {tuple(layer.values.shape)}; "
-                    f"expected {expected} (batch, kv_heads, tokens, head_dim) of {src['model_id']}. "
-                    "Sliding-window layers must hold the whole context: build the source cache without "
-                    "a sliding window (DynamicCache() with no config) for contexts longer than the window."
-                )
-        return batch, tokens
-
     @torch.no_grad()
     def map_layers(
-        self, source_keys: list[torch.Tensor], source_values: list[torch.Tensor], position_ids: torch.Tensor,
-        *, dtype: torch.dtype | None = None, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        self,
+        source_keys: list[torch.Tensor],
+        source_values: list[torch.Tensor],
+        position_ids: torch.Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        out: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Map per-layer source K/V (B, Hs, T, Ds) to target K/V (B, Ht, T, Dt), one pair per entry of
         ``self.layers`` (mapper.json order).  Source keys carry the source RoPE at ``position_ids`` (B, T) or
@@ -257,7 +254,9 @@ class Mapper:
         """
         batch, _, tokens, _ = source_keys[0].shape
         if out is not None:
-            dtype = self._check_out(out, batch, tokens, dtype)
+            dtype = check_out(
+                out, target=self.target, layers=self.layers, device=self.device, batch=batch, tokens=tokens, dtype=dtype
+            )
         dtype = dtype or self.dtype
         position_ids = _to_device(position_ids, self.device)
         compute = self.compute_dtype or dtype
@@ -266,8 +265,9 @@ class Mapper:
         # loop: they do not stack into one GEMM (batched_map.stacked_maps)
         stack = None if self.kind.name in RESIDUALS else stacked_maps(self, compute, kept)
         if stack is not None:
-            mapped, finite, checked, mapped_finite = map_stacked(stack, self, source_keys, source_values,
-                                                                 position_ids, dtype, out, _CHUNK_ELEMENTS)
+            mapped, finite, checked, mapped_finite = map_stacked(
+                stack, self, source_keys, source_values, position_ids, dtype, out, _CHUNK_ELEMENTS
+            )
         else:
             rows_k, rows_v, finite, checked = self._source_rows(source_keys, source_values, position_ids, compute)
             result = self._target_layers(rows_k, rows_v, position_ids, kept, dtype, out)
@@ -319,7 +319,7 @@ class Mapper:
         for group in rotary.layer_groups(targets):
             entries = [i for i, m in enumerate(targets) if m in group]
             for keep in sorted({kept[i] for i in entries}):
-                cos, sin = rotary.cos_sin(position_ids[:, tokens - keep:], group[0])  # (B, keep, rot)
+                cos, sin = rotary.cos_sin(position_ids[:, tokens - keep :], group[0])  # (B, keep, rot)
                 same = [i for i in entries if kept[i] == keep]
                 for chunk in _chunks(same, batch * heads * keep * head_dim):
                     self._map_chunk(chunk, rows_k, rows_v, keep, (cos, sin), dtype, out, result)
@@ -337,36 +337,14 @@ class Mapper:
             yk = self._affine(_inputs(rows_k, layer["sources"], keep), "k", layer["target"])  # (B, keep, Ht*Dt)
             staged[j].copy_(yk.view(batch, keep, heads, head_dim).transpose(1, 2))
             yv = self._affine(_inputs(rows_v, layer["sources"], keep), "v", layer["target"])
-            values[i] = _write(yv.view(batch, keep, heads, head_dim).transpose(1, 2), None if out is None else out[i][1],
-                               dtype)
+            values[i] = _write(
+                yv.view(batch, keep, heads, head_dim).transpose(1, 2), None if out is None else out[i][1], dtype
+            )
         keys = apply_rope(staged, *cos_sin)
         if out is None:
             keys = keys.to(dtype)
         for j, i in enumerate(chunk):
             result[i] = (keys[j] if out is None else out[i][0].copy_(keys[j]), values[i])
-
-    def _check_out(self, out, batch: int, tokens: int, dtype: torch.dtype | None) -> torch.dtype:
-        """Refuse an ``out`` map_layers cannot write into; return the dtype its tensors hold."""
-        heads, head_dim = self.target["num_kv_heads"], self.target["head_dim"]
-        if len(out) != len(self.layers):
-            raise IncompatibleError(f"out holds {len(out)} (keys, values) pairs; this mapper writes "
-                                    f"{len(self.layers)}, one per target layer in the order of mapper.layers")
-        dtypes = {t.dtype for pair in out for t in pair}
-        for i, pair in enumerate(out):
-            shapes = [tuple(t.shape) for t in pair]
-            ok = (len(pair) == 2 and shapes[0] == shapes[1] and len(shapes[0]) == 4
-                  and shapes[0][:2] == (batch, heads) and shapes[0][3] == head_dim and 1 <= shapes[0][2] <= tokens)
-            if not ok:
-                raise IncompatibleError(
-                    f"out[{i}] (target layer {self.layers[i]['target']}) holds {shapes}; expected keys and values "
-                    f"of shape {(batch, heads, 't', head_dim)} with 1 <= t <= {tokens} (they receive the last t tokens)")
-            if any(t.device != self.device or not t.is_floating_point() for t in pair):
-                raise IncompatibleError(f"out[{i}] holds {pair[0].dtype} tensors on {pair[0].device}; they must be "
-                                        f"floating point on the mapper's device {self.device} (Mapper.to moves it)")
-        if len(dtypes) != 1 or (dtype is not None and dtype not in dtypes):
-            raise IncompatibleError(f"out holds {sorted(map(str, dtypes))} tensors but dtype={dtype} was asked; "
-                                    "out's tensors must share one dtype, and dtype must be None or that one")
-        return dtypes.pop()
 
     def kind_settings(self) -> dict:
         """The settings block of this mapper's kind in mapper.json (empty for ridge)."""
@@ -392,7 +370,9 @@ class Mapper:
         prefix = map_prefix(kind, m)
         dense = tensor_name(prefix, "weight")
         bias = self._weight(tensor_name(prefix, "bias"), parts[0].dtype)
-        factors = [dense] if dense in self.tensors else [tensor_name(prefix, "weight_a"), tensor_name(prefix, "weight_b")]
+        factors = (
+            [dense] if dense in self.tensors else [tensor_name(prefix, "weight_a"), tensor_name(prefix, "weight_b")]
+        )
         first, *rest = [self._weight(f, parts[0].dtype) for f in factors]
         dtype = parts[0].dtype
         rows = [x.reshape(-1, x.shape[-1]) for x in parts]  # k x (N, Hs*Ds)
@@ -417,8 +397,9 @@ class Mapper:
         return self._cast[key]
 
     @torch.no_grad()
-    def transfer(self, source_cache, *, position_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 out=None):
+    def transfer(
+        self, source_cache, *, position_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None, out=None
+    ):
         """Map a source-model cache to a target-model ``DynamicCache``.
 
         source_cache: a transformers cache of the source model, every layer (B, Hs, T, Ds).
@@ -431,7 +412,7 @@ class Mapper:
         """
         from transformers import DynamicCache
 
-        batch, tokens = self._check_cache(source_cache)
+        batch, tokens = check_source_cache(source_cache, self.source)
         if position_ids is None:
             position_ids = torch.arange(tokens, device=self.device).expand(batch, tokens)
         elif tuple(position_ids.shape) != (batch, tokens):
@@ -458,14 +439,16 @@ class Mapper:
         if not isinstance(cache, DynamicCache) or len(layers) != expected:
             raise IncompatibleError(
                 f"out must be a DynamicCache of the target's {expected} layers, got {type(cache).__name__} with "
-                f"{len(layers)}; pass an earlier transfer()'s result for the same batch size and length")
+                f"{len(layers)}; pass an earlier transfer()'s result for the same batch size and length"
+            )
         for m, layer in enumerate(layers):
             held = None if layer.keys is None or layer.keys.dim() != 4 else layer.keys.shape[-2]
             window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
             if layer.get_seq_length() != tokens or held != (tokens if window is None else min(tokens, window - 1)):
                 raise IncompatibleError(
                     f"out layer {m} has seen {layer.get_seq_length()} tokens and holds {held}; a {tokens}-token source "
-                    "cache needs a target cache of the same length (e.g. an earlier transfer()'s result), or no out")
+                    "cache needs a target cache of the same length (e.g. an earlier transfer()'s result), or no out"
+                )
         return [(layers[layer["target"]].keys, layers[layer["target"]].values) for layer in self.layers]
 
     # ---- persistence -------------------------------------------------------------------------
@@ -477,8 +460,9 @@ class Mapper:
         return Path(directory)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, *, device=None, dtype=None, compute_dtype=None,
-             deshrink: str | None = None) -> "Mapper":
+    def load(
+        cls, directory: str | os.PathLike, *, device=None, dtype=None, compute_dtype=None, deshrink: str | None = None
+    ) -> "Mapper":
         """Load an artifact directory after every check of the format (kvhub.artifact.read_artifact:
         mapper.json fields, tensor names and shapes, sha256, finite weights).  See __init__ for dtypes and
         ``deshrink``."""
@@ -487,6 +471,6 @@ class Mapper:
         metadata = read_artifact(directory)
         check_device(device)  # before safetensors' own error for a missing CUDA (which names neither)
         tensors = load_file(str(tensor_path(directory, metadata)), device=str(device) if device is not None else "cpu")
-        return cls(tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype),
-                   deshrink=deshrink)
-
+        return cls(
+            tensors, metadata, dtype=parse_dtype(dtype), compute_dtype=parse_dtype(compute_dtype), deshrink=deshrink
+        )

@@ -4,22 +4,10 @@ Names: ``top_k`` is the number of source layers a target layer reads (mapper.jso
 --k`` call it k); ``ridge_lambda`` the relative ridge strength (mapper.json: lambda, lambda_k,
 lambda_v); a ``_k``/``_v`` suffix or a "k"/"v" label always means keys/values.
 
-Notation (see :mod:`kvhub.core.stats`): for a source-column set S and target columns J,
-
-    ridge:    W = (Cxx[S,S] + penalty * I)^-1 Cxy[S,J],   b = mean_y[J] - mean_x[S] W
-    penalty = ridge_lambda * trace(Cxx[S,S]) / |S|   (scale-aware: ridge_lambda is relative to the
-                                                      mean diagonal of the centred Gram)
-    R^2     = 1 - sum_j SSE_j / sum_j Syy_j           (pooled over the layer's output dims)
-
-and the residual sum of squares of any (W, b) on a split with moments (n, mu_x, mu_y, C*) is
-
-    SSE_j = Syy_j - 2 (W^T Cxy)_jj + (W^T Cxx W)_jj + n * (mu_y - mu_x W - b)_j^2
-
-(n is the total row weight, ``weight_sum``: the number of rows unless the fit weighs tokens)
-
-so held-out R^2 for every candidate top_k and ridge_lambda needs no further pass over the models.
-The probe (one source layer l -> target layer m) reads only Cxx[l,l], Cxy[l,:], the means and Syy,
-so it runs on full statistics and on a probe pass's block-diagonal ones alike
+The ridge maps themselves (fit, compress, score from moments alone: :mod:`kvhub.core.ridge`) need only
+sufficient statistics, so held-out R^2 for every candidate top_k and ridge_lambda needs no further pass
+over the models.  The probe (one source layer l -> target layer m) reads only Cxx[l,l], Cxy[l,:], the
+means and Syy, so it runs on full statistics and on a probe pass's block-diagonal ones alike
 (:mod:`kvhub.fitting.two_pass`).
 
 Compressed maps (artifact size vs quality), solved from the same statistics:
@@ -42,9 +30,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvhub.artifact import tensor_name
-from kvhub.errors import ConfigError, FitError
+from kvhub.core.ridge import (  # noqa: F401 - the primitives stay importable from here
+    LinearMap,
+    Structure,
+    fit_map,
+    group_rows,
+    map_r2,
+    r2_score,
+    reduce_rank,
+    ridge,
+    sse_sst,
+)
 from kvhub.core.stats import F64, KVStats, Moments
+from kvhub.errors import ConfigError, FitError
 
 log = logging.getLogger(__name__)
 
@@ -53,75 +51,6 @@ LAMBDA_GRID = (1e-3, 1e-2, 1e-1, 1.0)
 DEFAULT_TOP_K = 4  # used when top_k is 'auto' but there is no held-out split
 DEFAULT_LAMBDA = 1e-2  # the paper's lambda
 PROBE_LAMBDA = 1e-4  # ridge_lambda of the one-source-layer probe maps
-
-
-@dataclass(frozen=True)
-class Structure:
-    """Shape of every map: ``groups`` head groups (1: dense over heads), ``rank`` per block (None: full)."""
-
-    groups: int = 1
-    rank: int | None = None
-
-    def __post_init__(self):
-        if self.groups < 1:
-            raise ConfigError(f"head groups must be >= 1, got {self.groups}")
-        if self.rank is not None and self.rank < 1:
-            raise ConfigError(f"rank must be a positive integer, got {self.rank}")
-
-
-@dataclass
-class LinearMap:
-    """y = x @ W + b, W block-diagonal over head groups; block i = A_i (full) or A_i @ B_i (low rank).
-
-    Block i maps the columns :func:`group_rows` (i) of x to the output slice i of y.  fp64.
-    """
-
-    blocks: list[tuple[torch.Tensor, torch.Tensor | None]]
-    bias: torch.Tensor  # (out,)
-    ridge_lambda: float
-
-    @property
-    def groups(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def rank(self) -> int | None:
-        return None if self.blocks[0][1] is None else self.blocks[0][0].shape[1]
-
-    def block_weights(self) -> list[torch.Tensor]:
-        return [a if b is None else a @ b for a, b in self.blocks]
-
-    def dense(self, n_sources: int, src_width: int) -> torch.Tensor:
-        """The equivalent (n_sources * src_width, out) matrix."""
-        weights = self.block_weights()
-        out_width = weights[0].shape[1]
-        dense = torch.zeros(n_sources * src_width, out_width * self.groups, dtype=weights[0].dtype)
-        for i, weight in enumerate(weights):
-            dense[group_rows(n_sources, src_width, self.groups, i), i * out_width:(i + 1) * out_width] = weight
-        return dense
-
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Artifact tensors (fp32, named by kvhub.artifact): ``{prefix}.weight`` or ``.weight_a``/``.weight_b``,
-        2-D when dense over heads, else stacked (groups, ...); and ``{prefix}.bias``."""
-        stack = (lambda ts: ts[0]) if self.groups == 1 else torch.stack
-        out = {tensor_name(prefix, "bias"): self.bias.float()}
-        if self.rank is None:
-            out[tensor_name(prefix, "weight")] = stack([a.float() for a, _ in self.blocks])
-        else:
-            out[tensor_name(prefix, "weight_a")] = stack([a.float() for a, _ in self.blocks])
-            out[tensor_name(prefix, "weight_b")] = stack([b.float() for _, b in self.blocks])
-        return out
-
-    def num_parameters(self) -> int:
-        return sum(a.numel() + (0 if b is None else b.numel()) for a, b in self.blocks) + self.bias.numel()
-
-
-def group_rows(n_sources: int, src_width: int, groups: int, index: int) -> torch.Tensor:
-    """Columns of a layer input x = [source layer 1 | ... | layer n_sources] that head group ``index``
-    reads: the index-th 1/groups of every source layer's src_width (heads are head-major within a layer)."""
-    width = src_width // groups
-    return torch.cat([torch.arange(j * src_width + index * width, j * src_width + (index + 1) * width)
-                      for j in range(n_sources)])
 
 
 @dataclass
@@ -141,10 +70,15 @@ class LayerSolution:
     def to_metadata(self) -> dict:
         """The layer's entry in mapper.json (field names owned by kvhub.artifact)."""
         meta = {
-            "target": self.target, "sources": self.sources, "k": len(self.sources),
-            "lambda_k": self.k_map.ridge_lambda, "lambda_v": self.v_map.ridge_lambda,
-            "r2_k": self.r2_k, "r2_v": self.r2_v,
-            "train_r2_k": self.train_r2_k, "train_r2_v": self.train_r2_v,
+            "target": self.target,
+            "sources": self.sources,
+            "k": len(self.sources),
+            "lambda_k": self.k_map.ridge_lambda,
+            "lambda_v": self.v_map.ridge_lambda,
+            "r2_k": self.r2_k,
+            "r2_v": self.r2_v,
+            "train_r2_k": self.train_r2_k,
+            "train_r2_v": self.train_r2_v,
         }
         if self.k_map.groups > 1 or self.k_map.rank is not None:
             meta.update({"head_groups": self.k_map.groups, "rank": self.k_map.rank})
@@ -169,89 +103,9 @@ class Solution:
         return sum(l.r2_k for l in self.layers) / count, sum(l.r2_v for l in self.layers) / count
 
 
-# ---- primitives ------------------------------------------------------------------------------
-def _gram(moments: Moments, cols: torch.Tensor) -> torch.Tensor:
-    """Cxx[S, S] as fp64 (|S|, |S|), gathered without an (|S|, p) intermediate."""
-    return moments.cxx[cols[:, None], cols].to(F64)
-
-
-def _penalty(gram: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
-    return ridge_lambda * gram.diagonal().mean().clamp_min(1e-30)
-
-
-def ridge(train: Moments, cols: torch.Tensor, ycols: slice, ridge_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centred ridge W (|S|, |J|), b (|J|,) from the training moments (fp64)."""
-    gram = _gram(train, cols)  # (|S|, |S|)
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    penalised = gram + _penalty(gram, ridge_lambda) * eye
-    chol, info = torch.linalg.cholesky_ex(penalised)
-    rhs = train.cxy[cols, ycols].to(F64)  # (|S|, |J|)
-    weight = torch.cholesky_solve(rhs, chol) if int(info) == 0 else torch.linalg.lstsq(penalised, rhs).solution
-    bias = train.mean_y[ycols] - train.mean_x[cols] @ weight
-    return weight, bias
-
-
-def sse_sst(split: Moments, cols: torch.Tensor, ycols: slice, weight: torch.Tensor, bias: torch.Tensor) -> tuple[float, float]:
-    """(residual, total) sums of squares of y[ycols] ~ x[cols] @ weight + bias on a split, from its moments."""
-    cxy = split.cxy[cols, ycols].to(weight.dtype)
-    cross = (weight * cxy).sum(0)  # diag(W^T Cxy)
-    quad = ((_gram(split, cols).to(weight.dtype) @ weight) * weight).sum(0)  # diag(W^T Cxx W)
-    delta = split.mean_y[ycols] - split.mean_x[cols] @ weight - bias
-    sse = split.syy[ycols] - 2 * cross + quad + split.weight_sum * delta * delta
-    return float(sse.sum()), float(split.syy[ycols].sum())
-
-
-def r2_score(split: Moments, cols: torch.Tensor, ycols: slice, weight: torch.Tensor, bias: torch.Tensor) -> float:
-    """Pooled R^2 of y ~ x[cols] @ weight + bias on a split, from its moments alone."""
-    sse, sst = sse_sst(split, cols, ycols, weight, bias)
-    return 1.0 - max(sse, 0.0) / max(sst, 1e-30)  # SSE from moments can round below 0: R^2 is at most 1
-
-
-def reduce_rank(train: Moments, cols: torch.Tensor, weight: torch.Tensor, ridge_lambda: float,
-                rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Factors (A (in, r), B (r, out)) of the rank-r reduced-rank ridge map of a full ridge ``weight``."""
-    gram = _gram(train, cols)
-    fitted = weight.T @ (gram @ weight) + _penalty(gram, ridge_lambda) * (weight.T @ weight)  # W^T (Cxx + pI) W
-    _, vectors = torch.linalg.eigh((fitted + fitted.T) / 2)  # ascending eigenvalues
-    top = vectors[:, -rank:]  # (out, r)
-    return weight @ top, top.T.contiguous()
-
-
-def fit_map(train: Moments, cols: torch.Tensor, ycols: slice, ridge_lambda: float, structure: Structure,
-            n_sources: int, src_width: int) -> LinearMap:
-    """Ridge map of y[ycols] on x[cols] with the given structure (cols: the layer input's global columns,
-    ``n_sources`` source layers of ``src_width``)."""
-    groups, out_width = structure.groups, (ycols.stop - ycols.start) // structure.groups
-    blocks, bias = [], torch.empty(ycols.stop - ycols.start, dtype=train.mean_y.dtype, device=train.mean_y.device)
-    for i in range(groups):
-        block_cols = cols[group_rows(n_sources, src_width, groups, i)]
-        block_y = slice(ycols.start + i * out_width, ycols.start + (i + 1) * out_width)
-        weight, block_bias = ridge(train, block_cols, block_y, ridge_lambda)
-        factors = (weight, None)
-        if structure.rank is not None and structure.rank < min(weight.shape):
-            a, b = reduce_rank(train, block_cols, weight, ridge_lambda, structure.rank)
-            factors = (a, b)
-            block_bias = train.mean_y[block_y] - train.mean_x[block_cols] @ (a @ b)
-        blocks.append(factors)
-        bias[i * out_width:(i + 1) * out_width] = block_bias
-    return LinearMap(blocks, bias, ridge_lambda)
-
-
-def map_r2(split: Moments, cols: torch.Tensor, ycols: slice, linear: LinearMap, n_sources: int,
-           src_width: int) -> float:
-    """Pooled R^2 of a (possibly block-diagonal, low-rank) map on a split."""
-    out_width = (ycols.stop - ycols.start) // linear.groups
-    sse = sst = 0.0
-    for i, weight in enumerate(linear.block_weights()):
-        block_cols = cols[group_rows(n_sources, src_width, linear.groups, i)]
-        block_y = slice(ycols.start + i * out_width, ycols.start + (i + 1) * out_width)
-        part = sse_sst(split, block_cols, block_y, weight, linear.bias[i * out_width:(i + 1) * out_width])
-        sse, sst = sse + part[0], sst + part[1]
-    return 1.0 - max(sse, 0.0) / max(sst, 1e-30)
-
-
-def probe_r2(train: KVStats, evaluate: KVStats | None = None, *,
-             ridge_lambda: float = PROBE_LAMBDA) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_r2(
+    train: KVStats, evaluate: KVStats | None = None, *, ridge_lambda: float = PROBE_LAMBDA
+) -> tuple[torch.Tensor, torch.Tensor]:
     """R^2 of a one-source-layer ridge map for every (source l, target m): two (Ls, Lt) grids (K, V).
 
     Fitted on ``train``; scored on ``evaluate`` (held-out) when given, else in-sample.  Reads only each
@@ -280,8 +134,9 @@ def rank_sources(probe_k: torch.Tensor, probe_v: torch.Tensor, target: int) -> l
     return torch.argsort(score, descending=True, stable=True).tolist()
 
 
-def candidate_sources(probe_k: torch.Tensor, probe_v: torch.Tensor, targets, *, depth: int,
-                      max_layers: int | None = None) -> list[int]:
+def candidate_sources(
+    probe_k: torch.Tensor, probe_v: torch.Tensor, targets, *, depth: int, max_layers: int | None = None
+) -> list[int]:
     """The source layers a second statistics pass keeps for ``targets``, ascending.
 
     Every target's best source layer (by :func:`rank_sources`), then every target's second best, ...,
@@ -363,14 +218,25 @@ def solve(
         notes.append(f"no held-out data: k={counts[0]}, lambda={lambdas[0]} (defaults)")
     probe_k, probe_v = probe_r2(train, heldout if has_heldout else None)
     if layout.src_width % structure.groups or layout.dst_width % structure.groups:
-        raise ConfigError(f"{structure.groups} head groups do not divide the source/target layer widths "
-                          f"({layout.src_width}, {layout.dst_width}); use kvhub.core.solve.head_groups")
+        raise ConfigError(
+            f"{structure.groups} head groups do not divide the source/target layer widths "
+            f"({layout.src_width}, {layout.dst_width}); use kvhub.core.solve.head_groups"
+        )
     layers = []
     for m in range(layout.dst_layers):
         if progress is not None:
             progress(f"solve: target layer {m + 1}/{layout.dst_layers}", m, layout.dst_layers)
-        layers.append(_solve_layer(train, heldout if has_heldout else None, m, rank_sources(probe_k, probe_v, m),
-                                   counts, lambdas, structure))
+        layers.append(
+            _solve_layer(
+                train,
+                heldout if has_heldout else None,
+                m,
+                rank_sources(probe_k, probe_v, m),
+                counts,
+                lambdas,
+                structure,
+            )
+        )
     if progress is not None:
         progress("solve: done", layout.dst_layers, layout.dst_layers)
     chosen_by = "held-out R^2" if has_heldout and (len(counts) > 1 or len(lambdas) > 1) else "fixed"
@@ -382,10 +248,11 @@ def head_groups(source_kv_heads: int, target_kv_heads: int) -> int:
     return math.gcd(source_kv_heads, target_kv_heads)
 
 
-def _top_k_candidates(top_k, top_k_grid, src_layers: int, src_width: int, n_train: int,
-                      notes: list[str]) -> list[int]:
+def _top_k_candidates(top_k, top_k_grid, src_layers: int, src_width: int, n_train: int, notes: list[str]) -> list[int]:
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)):
-        raise ConfigError(f"k (source layers per target layer) must be a positive integer or None (auto), got {top_k!r}")
+        raise ConfigError(
+            f"k (source layers per target layer) must be a positive integer or None (auto), got {top_k!r}"
+        )
     if top_k is not None:
         if not 1 <= top_k <= src_layers:
             raise ConfigError(f"k={top_k} is outside 1..{src_layers} (the source layers the statistics hold)")
@@ -417,8 +284,16 @@ def _lambda_candidates(ridge_lambda, lambda_grid) -> list[float]:
     raise ConfigError(f"lambda must be a non-negative number or None (auto), got {ridge_lambda!r}")
 
 
-def _best_lambda(train: Moments, heldout: Moments | None, cols, ycols, lambdas: list[float],
-                 structure: Structure, n_sources: int, src_width: int) -> ScoredMap:
+def _best_lambda(
+    train: Moments,
+    heldout: Moments | None,
+    cols,
+    ycols,
+    lambdas: list[float],
+    structure: Structure,
+    n_sources: int,
+    src_width: int,
+) -> ScoredMap:
     """The map of the ridge_lambda with the best held-out R^2 (the first one without held-out data)."""
     best = None
     for ridge_lambda in lambdas:
@@ -429,8 +304,15 @@ def _best_lambda(train: Moments, heldout: Moments | None, cols, ycols, lambdas: 
     return best
 
 
-def _solve_layer(train: KVStats, heldout: KVStats | None, target: int, ranking: list[int],
-                 counts: list[int], lambdas: list[float], structure: Structure) -> LayerSolution:
+def _solve_layer(
+    train: KVStats,
+    heldout: KVStats | None,
+    target: int,
+    ranking: list[int],
+    counts: list[int],
+    lambdas: list[float],
+    structure: Structure,
+) -> LayerSolution:
     """Coordinate search: lambdas at a middle top_k, then top_k at those lambdas, then lambdas again at
     the best top_k.
 
@@ -462,8 +344,12 @@ def _solve_layer(train: KVStats, heldout: KVStats | None, target: int, ranking: 
     shape = (len(best.sources), layout.src_width)
     k_map, v_map = best.keys.linear, best.values.linear
     return LayerSolution(
-        target=target, sources=best.sources, k_map=k_map, v_map=v_map,
-        r2_k=best.keys.heldout_r2, r2_v=best.values.heldout_r2,
+        target=target,
+        sources=best.sources,
+        k_map=k_map,
+        v_map=v_map,
+        r2_k=best.keys.heldout_r2,
+        r2_v=best.values.heldout_r2,
         train_r2_k=map_r2(train.k, best.cols, ycols, k_map, *shape),
         train_r2_v=map_r2(train.v, best.cols, ycols, v_map, *shape),
     )

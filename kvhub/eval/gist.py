@@ -232,59 +232,50 @@ def read_gist_score(record: dict) -> GistScore:
 
 
 class GistTask:
-    """A gist task at one context length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
-    ``task`` is one of :data:`kvhub.eval.catalog.GIST_TASKS`."""
+    """A gist task at one context length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`),
+    scored through ``conditions`` (:class:`kvhub.eval.conditions.Conditions`); ``task`` is one of
+    :data:`kvhub.eval.catalog.GIST_TASKS`; ``items``: these instead of ``limit`` built ones."""
 
-    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
-        from kvhub.core.control import control_mapper
-
-        self.kind, self.loaded, self.context_tokens, self.limit, self.seed = (
-            task.removeprefix("gist-"),
-            loaded,
+    def __init__(self, task: str, conditions, *, context_tokens: int, limit: int, seed: int = 0, items=None):
+        self.task, self.conditions, self.context_tokens, self.limit, self.seed = (
+            task,
+            conditions,
             context_tokens,
             limit,
             seed,
         )
+        self.kind = task.removeprefix("gist-")
         self.name = f"{task}-{context_tokens}"
-        self.control = control_mapper(loaded.mapper)
-        self.read_score = read_gist_score
+        self._items = items
+        self.read_score = conditions.read_gist
+
+    @classmethod
+    def tasks(cls, name: str, conditions, options) -> list:
+        """One task per length of ``options`` (:class:`kvhub.eval.conditions.TaskOptions`)."""
+        return [
+            cls(name, conditions, context_tokens=length, limit=options.limit, seed=options.seed)
+            for length in options.context_tokens
+        ]
 
     def items(self) -> list[GistItem]:
-        from kvhub.eval.longctx import check_positions
-
+        if self._items is not None:
+            return list(self._items)
         items = gist_items(
-            self.kind, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
+            self.kind, self.conditions.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
         )
-        check_positions(
-            items, (self.loaded.source, self.loaded.target), extra=ANSWER_TOKENS, context_tokens=self.context_tokens
-        )
+        self.conditions.check_items(items, extra=ANSWER_TOKENS, context_tokens=self.context_tokens)
         return items
 
     def score(self, item: GistItem, variants) -> list[GistScore]:
-        loaded = self.loaded
-        return score_gist_item(
-            item,
-            mapper=loaded.mapper,
-            control=self.control,
-            source=loaded.source,
-            target=loaded.target,
-            tokenizer=loaded.tokenizer,
-            variants=list(variants),
-        )
+        return self.conditions.gist(item, list(variants))
 
     def summarize(self, scores: list[GistScore]) -> dict:
-        return summarize_gist(scores, seed=self.seed)
+        return self.conditions.summarize_gist(
+            scores, seed=self.seed, task=self.task, context_tokens=self.context_tokens
+        )
 
     def record(self, variant: str, item: GistItem, score: GistScore) -> dict:
-        return {
-            "task": self.name,
-            "variant": variant,
-            "doc_id": item.id,
-            "nll": score.nll,
-            "answer": score.answer,
-            "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control")},
-            "meta": item.meta,
-        }
+        return self.conditions.gist_record(self.name, variant, item, score)
 
     def dataset(self, items) -> dict:
         from kvhub.eval.results import items_sha256

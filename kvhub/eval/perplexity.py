@@ -38,6 +38,18 @@ class PerplexityTask:
         self.name = f"ppl:{self._dataset['name']}/{self._dataset['seq_len']}"
         self.read_score = WindowScore
 
+    @classmethod
+    def tasks(cls, name: str, conditions, options) -> list:
+        """The task over :class:`kvhub.eval.conditions.LibraryConditions` (the library only: log-likelihoods)."""
+        from kvhub.eval.conditions import library
+
+        loaded = library(conditions).loaded
+        return [
+            cls(
+                loaded, limit=options.limit, text=options.ppl_text, seq_len=options.ppl_seq_len, calib=options.ppl_calib
+            )
+        ]
+
     def _read(self):
         from kvhub.eval.textsets import windows_sha256
 

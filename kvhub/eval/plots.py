@@ -132,7 +132,9 @@ def mapper_name(metadata: dict) -> str:
     def short(role: str) -> str:
         return str((metadata.get(role) or {}).get("model_id", "?")).rstrip("/").split("/")[-1]
 
-    calibration = (metadata.get("calibration") or {}).get("name")
+    from kvhub.artifact.metadata import calibration_series
+
+    calibration = calibration_series(metadata.get("calibration"))
     return f"{short('source')} → {short('target')}" + (f" ({calibration})" if calibration else "")
 
 

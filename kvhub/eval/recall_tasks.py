@@ -2,9 +2,9 @@
 
 :func:`build_items` makes the items of any long-context task of :data:`kvhub.eval.catalog.LONG_TASKS` (facts,
 multiturn, code: :mod:`kvhub.eval.longctx`; RULER-style: :mod:`kvhub.eval.ruler`; the follow-up turn:
-:mod:`kvhub.eval.followup`); ``kvhub eval-serve`` builds its items here too.  :class:`RecallTask` scores them
-with :func:`kvhub.eval.longctx.score_recall_item`, :class:`FollowupTask` with
-:func:`kvhub.eval.followup.score_followup_item`.
+:mod:`kvhub.eval.followup`).  :class:`RecallTask` scores them through a :class:`kvhub.eval.conditions.Conditions`
+backend (``kvhub eval`` and ``kvhub eval-serve`` alike), :class:`FollowupTask` with
+:func:`kvhub.eval.followup.score_followup_item` (library only).
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import functools
 
 from kvhub.errors import ConfigError
 from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
+from kvhub.eval.conditions import library
 from kvhub.eval.followup import FOLLOWUP_CONDITIONS, FOLLOWUP_PAIRS, followup_items, score_followup_item
 from kvhub.eval.longctx import (
-    check_positions,
-    LONG_CONDITIONS,
     RecallItem,
     RecallScore,
     code_items,
     fact_items,
     filler_paragraphs,
     multiturn_items,
-    score_recall_item,
     summarize_recall,
 )
 from kvhub.eval.ruler import ruler_items
@@ -47,46 +45,51 @@ def build_items(
 
 
 class RecallTask:
-    """A long-context task at one length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`):
-    the control map is scored beside every variant, with the same recompute."""
+    """A long-context task at one length, as :func:`kvhub.eval.run.run_task` runs it (:class:`kvhub.eval.run.Task`),
+    scored through ``conditions`` (:class:`kvhub.eval.conditions.Conditions`: the library handoff or a served
+    pair); in the library the control map is scored beside every variant, with the same recompute.
+    ``items``: these instead of ``limit`` built ones."""
 
-    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
-        from kvhub.core.control import control_mapper
-
-        self.task, self.loaded, self.context_tokens, self.limit, self.seed = task, loaded, context_tokens, limit, seed
+    def __init__(self, task: str, conditions, *, context_tokens: int, limit: int, seed: int = 0, items=None):
+        self.task, self.conditions, self.context_tokens, self.limit, self.seed = (
+            task,
+            conditions,
+            context_tokens,
+            limit,
+            seed,
+        )
         self.name = f"{task}-{context_tokens}"
-        self.control = control_mapper(loaded.mapper)
-        self.read_score = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
+        self._items = items
+        self.read_score = conditions.read_recall
+
+    @classmethod
+    def tasks(cls, name: str, conditions, options) -> list:
+        """One task per length of ``options`` (:class:`kvhub.eval.conditions.TaskOptions`)."""
+        return [
+            cls(name, conditions, context_tokens=length, limit=options.limit, seed=options.seed)
+            for length in options.context_tokens
+        ]
 
     def items(self) -> list[RecallItem]:
+        if self._items is not None:
+            return list(self._items)
         items = build_items(
-            self.task, self.loaded.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
+            self.task, self.conditions.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
         )
         longest_answer = max((len(item.answer_ids) for item in items), default=0)
-        check_positions(
-            items, (self.loaded.source, self.loaded.target), extra=longest_answer, context_tokens=self.context_tokens
-        )
+        self.conditions.check_items(items, extra=longest_answer, context_tokens=self.context_tokens)
         return items
 
-    def score(self, item: RecallItem, variants) -> list[RecallScore]:
-        loaded = self.loaded
-        return score_recall_item(
-            item,
-            mapper=loaded.mapper,
-            control=self.control,
-            source=loaded.source,
-            target=loaded.target,
-            tokenizer=loaded.tokenizer,
-            variants=list(variants),
+    def score(self, item: RecallItem, variants) -> list:
+        return self.conditions.recall(item, list(variants))
+
+    def summarize(self, scores: list) -> dict:
+        return self.conditions.summarize_recall(
+            scores, seed=self.seed, task=self.task, context_tokens=self.context_tokens
         )
 
-    def summarize(self, scores: list[RecallScore]) -> dict:
-        return summarize_recall(scores, seed=self.seed)
-
-    def record(self, variant: str, item: RecallItem, score: RecallScore) -> dict:
-        from kvhub.eval.results import recall_record
-
-        return recall_record(self.name, variant, item, score)
+    def record(self, variant: str, item: RecallItem, score) -> dict:
+        return self.conditions.recall_record(self.name, variant, item, score)
 
     def dataset(self, items) -> dict:
         from kvhub.eval.results import items_sha256
@@ -101,23 +104,15 @@ class RecallTask:
 
 
 class FollowupTask(RecallTask):
-    """The follow-up turn at one length, as :func:`kvhub.eval.run.run_task` runs it."""
+    """The follow-up turn at one length, as :func:`kvhub.eval.run.run_task` runs it (library only)."""
 
-    def __init__(self, task: str, loaded, *, context_tokens: int, limit: int, seed: int = 0):
-        super().__init__(task, loaded, context_tokens=context_tokens, limit=limit, seed=seed)
+    def __init__(self, task: str, conditions, *, context_tokens: int, limit: int, seed: int = 0, items=None):
+        conditions = library(conditions)  # the second turn is scored in this process only
+        super().__init__(task, conditions, context_tokens=context_tokens, limit=limit, seed=seed, items=items)
         self.read_score = functools.partial(RecallScore.from_record, conditions=FOLLOWUP_CONDITIONS)
 
     def score(self, item: RecallItem, variants) -> list[RecallScore]:
-        loaded = self.loaded
-        return score_followup_item(
-            item,
-            mapper=loaded.mapper,
-            control=self.control,
-            source=loaded.source,
-            target=loaded.target,
-            tokenizer=loaded.tokenizer,
-            variants=list(variants),
-        )
+        return score_followup_item(item, variants=list(variants), **self.conditions.models())
 
     def summarize(self, scores: list[RecallScore]) -> dict:
         """summarize_recall over every item, and again (keys prefixed ``missed_``) over the items whose room

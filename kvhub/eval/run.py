@@ -9,7 +9,9 @@ data sets and samples; :func:`results_config` and :func:`metric_rows` shape them
 document (:mod:`kvhub.eval.results`) and the store.  The task kinds live beside their scorers
 (:class:`kvhub.eval.taskeval.ChoiceTask`, :class:`kvhub.eval.recall_tasks.RecallTask`,
 :class:`kvhub.eval.gist.GistTask`, :class:`kvhub.eval.perplexity.PerplexityTask`); :func:`build_tasks`
-makes them from the names the CLI takes (:mod:`kvhub.eval.catalog`).
+makes them from the names the CLI takes (:mod:`kvhub.eval.catalog`, a lazy registry) over a
+:class:`kvhub.eval.conditions.Conditions` backend: the library handoff, or a served pair for ``kvhub eval-serve``,
+which runs through the same :func:`run_task`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
-from kvhub.progress import Progress
+from kvhub.progress import Progress, report
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,20 @@ class LoadedVersion:
 def load_version(
     store, ref: str, *, device: str | None = None, dtype: str | None = None, deshrink: str | None = None
 ) -> LoadedVersion:
-    """Resolve ``ref`` in ``store`` and load its mapper (transferring with ``deshrink``, see
-    :mod:`kvhub.core.deshrink`) and the two models it was fitted for."""
-    from kvhub.core.mapper import Mapper
+    """Resolve ``ref`` in ``store`` (:func:`kvhub.api.resolve`, the one door; the Hub on a miss where one is
+    configured) and load its mapper (transferring with ``deshrink``, see :mod:`kvhub.core.deshrink`) and the
+    two models it was fitted for.  ConfigError for a directory no store version holds: results go to a version."""
+    from kvhub.api import resolve
+    from kvhub.errors import ConfigError
     from kvhub.models.loading import load_model
 
-    version = store.resolve(ref)
-    mapper = Mapper.load(store.artifact_path(version), device=device, dtype=dtype, deshrink=deshrink)
+    found = resolve(ref, store=store)
+    if found.version is None:
+        raise ConfigError(
+            f"{ref} is an artifact directory no store version holds; `kvhub import` it, then name its ref"
+        )
+    version = found.version
+    mapper = found.load(device=device, dtype=dtype, deshrink=deshrink)
     log.info("loading %s and %s", version.source, version.target)
     source, tokenizer, _ = load_model(version.source, device=device, dtype=dtype or "bfloat16")
     target, _, _ = load_model(version.target, device=device, dtype=dtype or "bfloat16")
@@ -127,8 +135,8 @@ class RunSettings:
     """What every task of one run shares; seed, dtype, device and deshrink (how the mapper transfers,
     :mod:`kvhub.core.deshrink`) also key the per-item cache."""
 
-    tensors_sha256: str
-    deshrink: str  # the loaded mapper's (``mapper.deshrink``): no default that could disagree with it
+    tensors_sha256: str | None  # None: a served pair, whose mapper is not known here (nothing cached)
+    deshrink: str | None  # the loaded mapper's (``mapper.deshrink``): no default that could disagree with it
     seed: int = 0
     limit: int = 200
     dtype: str = "bfloat16"
@@ -152,10 +160,47 @@ class TaskOutcome:
 
 
 def run_task(task: Task, variant_list: list, *, settings: RunSettings, progress: Progress | None = None) -> TaskOutcome:
-    """Score every item of ``task`` under every variant (cached per item), then summarize per variant."""
+    """Score every item of ``task`` under every variant, then summarize per variant: the one evaluation loop, for
+    ``kvhub eval`` and ``kvhub eval-serve`` alike.  Scores are cached per item when ``settings.tensors_sha256``
+    names the mapper; a served pair's one variant is ``None`` (its summary is labelled ``""``, uncached)."""
+    items = task.items()
+    if settings.tensors_sha256 is None:  # nothing to key a cache on: score afresh
+        scores = []
+        for index, item in enumerate(items):
+            report(progress, "items", index, len(items))
+            scores.append(task.score(item, variant_list))
+        report(progress, "items", len(items), len(items))
+    else:
+        scores = _cached_scores(task, items, variant_list, settings, progress)
+    summaries = {}
+    for i, variant in enumerate(variant_list):
+        summary = task.summarize([row[i] for row in scores])
+        if variant is None:
+            summaries[""] = summary
+            continue
+        config = variant_config(variant)
+        labels = {k: config[k] for k in ("exact_prefix", "exact_suffix", "exact_budget", "select")}
+        summaries[settings.label(variant.name())] = {
+            **summary,
+            "variant": config["name"],
+            "deshrink": settings.deshrink,
+            **labels,
+        }
+    records = (
+        [
+            task.record(settings.label(v.name()) if v is not None else "", item, row[i])
+            for i, v in enumerate(variant_list)
+            for item, row in zip(items, scores)
+        ]
+        if settings.log_samples
+        else []
+    )
+    return TaskOutcome(summaries, task.dataset(items), records)
+
+
+def _cached_scores(task: Task, items: list, variant_list: list, settings: RunSettings, progress) -> list[list]:
     from kvhub.eval.results_cache import results_file, score_items, variant_key
 
-    items = task.items()
     paths = [
         results_file(
             settings.tensors_sha256,
@@ -168,33 +213,13 @@ def run_task(task: Task, variant_list: list, *, settings: RunSettings, progress:
         )
         for v in variant_list
     ]
-    scores = score_items(
+    return score_items(
         items,
         paths,
         lambda item, indices: task.score(item, [variant_list[i] for i in indices]),
         from_dict=task.read_score,
         progress=progress,
     )
-    summaries = {}
-    for i, variant in enumerate(variant_list):
-        config = variant_config(variant)
-        labels = {k: config[k] for k in ("exact_prefix", "exact_suffix", "exact_budget", "select")}
-        summaries[settings.label(variant.name())] = {
-            **task.summarize([row[i] for row in scores]),
-            "variant": config["name"],
-            "deshrink": settings.deshrink,
-            **labels,
-        }
-    records = (
-        [
-            task.record(settings.label(v.name()), item, row[i])
-            for i, v in enumerate(variant_list)
-            for item, row in zip(items, scores)
-        ]
-        if settings.log_samples
-        else []
-    )
-    return TaskOutcome(summaries, task.dataset(items), records)
 
 
 @dataclass
@@ -212,12 +237,16 @@ def evaluate(
     *,
     settings: RunSettings,
     progress: Callable[[], contextlib.AbstractContextManager] | None = None,
+    check: Callable[[Task, TaskOutcome], None] | None = None,
 ) -> Evaluation:
-    """:func:`run_task` for every task; ``progress()`` opens one progress callback per task."""
+    """:func:`run_task` for every task; ``progress()`` opens one progress callback per task; ``check(task,
+    outcome)`` runs after each task (it may raise to stop the run there)."""
     out = Evaluation()
     for task in tasks:
         with (progress or contextlib.nullcontext)() as callback:
             outcome = run_task(task, variant_list, settings=settings, progress=callback)
+        if check is not None:
+            check(task, outcome)
         out.datasets[task.name], out.samples[task.name] = outcome.dataset, outcome.records
         for label, summary in outcome.summaries.items():
             out.results[f"{task.name}@{label}" if label else task.name] = summary
@@ -226,7 +255,7 @@ def evaluate(
 
 def build_tasks(
     names,
-    loaded: LoadedVersion,
+    conditions,
     *,
     limit: int,
     seed: int,
@@ -236,27 +265,26 @@ def build_tasks(
     ppl_calib: str | None = None,
     items: dict | None = None,
 ) -> list[Task]:
-    """The tasks ``names`` (:mod:`kvhub.eval.catalog`) over ``loaded``: one per long-context / gist task and
-    context length.  ``items``: multiple-choice items already read (task -> items)."""
-    from kvhub.eval.gist import GistTask
-    from kvhub.eval.recall_tasks import FollowupTask, RecallTask
-    from kvhub.eval.perplexity import PerplexityTask
-    from kvhub.eval.taskeval import ChoiceTask
+    """The tasks ``names`` (registered in :mod:`kvhub.eval.catalog`) scored through ``conditions`` (a
+    :class:`kvhub.eval.conditions.Conditions` backend; a :class:`LoadedVersion` is the library's): one per
+    long-context / gist task and context length.  ``items``: multiple-choice items already read (task -> items)."""
+    from kvhub.eval.catalog import task_class
+    from kvhub.eval.conditions import TaskOptions, library
 
-    items = items or {}
+    if getattr(conditions, "kind", None) is None:
+        conditions = library(conditions)
+    options = TaskOptions(
+        limit=limit,
+        seed=seed,
+        context_tokens=tuple(context_tokens),
+        ppl_text=ppl_text,
+        ppl_seq_len=ppl_seq_len,
+        ppl_calib=ppl_calib,
+        items=items or {},
+    )
     tasks: list[Task] = []
     for name in names:
-        if name == "ppl":
-            tasks.append(PerplexityTask(loaded, limit=limit, text=ppl_text, seq_len=ppl_seq_len, calib=ppl_calib))
-        elif name in GIST_TASKS or name in LONG_TASKS:
-            kind = GistTask if name in GIST_TASKS else FollowupTask if name == "followup" else RecallTask
-            tasks += [kind(name, loaded, context_tokens=length, limit=limit, seed=seed) for length in context_tokens]
-        elif name in MC_TASKS:
-            tasks.append(ChoiceTask(name, loaded, items=items.get(name), limit=limit, seed=seed))
-        else:
-            from kvhub.errors import ConfigError
-
-            raise ConfigError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+        tasks += task_class(name, conditions.kind).tasks(name, conditions, options)
     return tasks
 
 

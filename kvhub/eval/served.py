@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import logging
 import math
 import statistics
 import time
@@ -46,12 +45,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvhub.errors import ConfigError, ServeError
-from kvhub.progress import Progress, report
 
 if TYPE_CHECKING:
     from kvhub.eval.longctx import RecallItem, RecallScore
 
-log = logging.getLogger("kvhub.eval.served")
 
 AGREEMENT_TOKENS = 32
 TIMEOUT_S = 600.0
@@ -449,51 +446,3 @@ def served_record(task: str, item: RecallItem, score: ServedScore) -> dict:
         "agreement": {"mapped": score.agree_mapped, "control": score.agree_control},
         "transfer_reported": score.transfer_reported,
     }
-
-
-def evaluate_served(
-    small: Endpoint,
-    large: Endpoint,
-    tokenizer,
-    *,
-    task: str,
-    context_tokens: int,
-    limit: int = 30,
-    seed: int = 0,
-    agreement_tokens: int = AGREEMENT_TOKENS,
-    log_samples: bool = False,
-    items: list[RecallItem] | None = None,
-    progress: Progress | None = None,
-) -> dict:
-    """Score ``task`` at ``context_tokens`` on a running pair (``items``: these instead of ``limit`` built ones).
-
-    Returns :func:`summarize_served`'s summary (``kvhub eval``'s long-context keys: acc_own, acc_mapped,
-    ..., retention, map_minus_control with ``_ci`` intervals, token_acc_*, context_tokens = mean prompt
-    length, recomputed_fraction; plus median_agreement_mapped / _control, transfers_reported) with
-    ``task``, ``requested_context_tokens`` and ``agreement_tokens``; with ``log_samples``, ``samples``:
-    one :func:`served_record` per item.
-    """
-    from kvhub.eval.recall_tasks import build_items
-
-    if items is None:
-        items = build_items(task, tokenizer, context_tokens=context_tokens, n=limit, seed=seed)
-    name = f"{task}-{context_tokens}"
-    scores = []
-    for index, item in enumerate(items):
-        report(progress, f"{name}: {item.id}", index, len(items))
-        scores.append(
-            score_served_item(item, small=small, large=large, tokenizer=tokenizer, agreement_tokens=agreement_tokens)
-        )
-        log.debug(
-            "%s: exact %s, agreement mapped %d control %d",
-            item.id,
-            scores[-1].recall.exact,
-            scores[-1].agree_mapped,
-            scores[-1].agree_control,
-        )
-    report(progress, f"{name}: done", len(items), len(items))
-    summary = summarize_served(scores, seed=seed)
-    summary.update(task=task, requested_context_tokens=context_tokens, agreement_tokens=agreement_tokens)
-    if log_samples:
-        summary["samples"] = [served_record(name, item, score) for item, score in zip(items, scores)]
-    return summary

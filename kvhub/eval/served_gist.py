@@ -28,15 +28,10 @@ plus ``recomputed_fraction``: the connector's ``exact_tokens`` over the prompt's
 
 from __future__ import annotations
 
-import logging
-
 from kvhub.errors import ServeError
 from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, GistItem, GistScore, gap_closed, summarize_gist
 from kvhub.eval.served import CONTROL_PARAMS, Completion, Endpoint, new_tenant, reported_deshrink
-from kvhub.progress import Progress, report
 from kvhub.serving.launch import FORCE_KEY, FORCED_PROCESSOR
-
-log = logging.getLogger("kvhub.eval.served")
 
 
 def mean_nll(completion: Completion) -> float:
@@ -113,30 +108,10 @@ def served_gist_record(task: str, item: GistItem, score: GistScore) -> dict:
     }
 
 
-def evaluate_served_gist(
-    small: Endpoint,
-    large: Endpoint,
-    *,
-    task: str,
-    context_tokens: int,
-    items: list[GistItem],
-    seed: int = 0,
-    answer_tokens: int = ANSWER_TOKENS,
-    log_samples: bool = False,
-    progress: Progress | None = None,
-) -> dict:
-    """:func:`~kvhub.eval.gist.summarize_gist` of ``items`` scored on a running pair, with ``task``,
-    ``requested_context_tokens``, ``answer_tokens``, ``recomputed_fraction`` (the mapped requests' exact
-    positions over their context positions, summed; NaN when no transfer was reported),
-    ``transfers_reported`` and ``deshrink`` (:func:`~kvhub.eval.served.reported_deshrink`); with ``log_samples``,
-    ``samples``."""
-    name = f"{task}-{context_tokens}"
-    scores = []
-    for index, item in enumerate(items):
-        report(progress, f"{name}: {item.id}", index, len(items))
-        scores.append(score_served_gist_item(item, small=small, large=large, answer_tokens=answer_tokens))
-        log.debug("%s: nll %s", item.id, scores[-1].nll)
-    report(progress, f"{name}: done", len(items), len(items))
+def summarize_served_gist(scores: list[GistScore], *, seed: int = 0) -> dict:
+    """:func:`~kvhub.eval.gist.summarize_gist` of the scores with ``recomputed_fraction`` (the mapped requests'
+    exact positions over their context positions, summed; NaN when no transfer was reported),
+    ``transfers_reported`` and ``deshrink`` (:func:`~kvhub.eval.served.reported_deshrink`)."""
     summary = summarize_gist(scores, seed=seed)
     reported = [s.meta for s in scores if s.meta["exact_tokens"] is not None]
     summary["recomputed_fraction"] = (
@@ -144,13 +119,5 @@ def evaluate_served_gist(
         if reported
         else float("nan")
     )
-    summary.update(
-        task=task,
-        requested_context_tokens=context_tokens,
-        answer_tokens=answer_tokens,
-        transfers_reported=len(reported),
-        deshrink=reported_deshrink(s.meta["deshrink"] for s in scores),
-    )
-    if log_samples:
-        summary["samples"] = [served_gist_record(name, item, score) for item, score in zip(items, scores)]
+    summary.update(transfers_reported=len(reported), deshrink=reported_deshrink(s.meta["deshrink"] for s in scores))
     return summary

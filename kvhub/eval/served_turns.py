@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from kvhub.errors import ConfigError
 from kvhub.eval.longctx import _COLOURS, _THINGS, DEPTHS, _answer_ids, _count, _haystack, filler_paragraphs
 from kvhub.eval.served import CONTROL_PARAMS, Endpoint, new_tenant
-from kvhub.progress import Progress, report
 
 TURNS = 3
 TURN_ARMS = ("own", "mapped", "relay", "settled", "control")
@@ -187,35 +186,66 @@ def summarize_turns(scored: list[dict[str, list[TurnResult]]]) -> dict:
     return out
 
 
-def evaluate_served_turns(
-    small: Endpoint,
-    large: Endpoint,
-    tokenizer,
-    *,
-    context_tokens: int,
-    limit: int,
-    seed: int = 0,
-    items: list[TurnItem] | None = None,
-    progress: Progress | None = None,
-) -> dict:
-    """:func:`summarize_turns` of ``limit`` conversations at ``context_tokens`` (or ``items``), with ``task``,
-    ``requested_context_tokens``, ``context_tokens`` (turn 1's mean prompt length) and ``samples``: per item,
-    each arm's exact answers and times per turn."""
-    if items is None:
-        items = turn_items(tokenizer, context_tokens=context_tokens, n=limit, seed=seed)
-    scored = []
-    for index, item in enumerate(items):
-        report(progress, f"turns-{context_tokens}: {item.id}", index, len(items))
-        scored.append(score_turn_item(item, small=small, large=large))
-    report(progress, f"turns-{context_tokens}: done", len(items), len(items))
-    summary = summarize_turns(scored)
-    summary.update(
-        task="turns",
-        requested_context_tokens=context_tokens,
-        context_tokens=sum(len(item.prompts[0]) for item in items) / max(1, len(items)),
-    )
-    summary["samples"] = [
-        {
+@dataclass
+class TurnScore:
+    """One conversation's arms, turn by turn (:func:`score_turn_item`), with turn 1's prompt length."""
+
+    id: str
+    gold: list[str]
+    context_tokens: int
+    arms: dict[str, list[TurnResult]]
+
+
+class TurnsTask:
+    """The turns after an escalation at one length, as :func:`kvhub.eval.run.run_task` runs it over
+    :class:`kvhub.eval.served_conditions.ServedConditions` (served only: each turn is timed on the servers).
+    ``items``: these instead of ``limit`` built conversations."""
+
+    read_score = None  # served scores are not cached
+
+    def __init__(self, task: str, conditions, *, context_tokens: int, limit: int, seed: int = 0, items=None):
+        if getattr(conditions, "kind", None) != "served":
+            raise ConfigError("the turns task times requests to a kvhub serve pair: run it with kvhub eval-serve")
+        self.task, self.conditions, self.context_tokens, self.limit, self.seed = (
+            task,
+            conditions,
+            context_tokens,
+            limit,
+            seed,
+        )
+        self.name = f"{task}-{context_tokens}"
+        self._items = items
+
+    @classmethod
+    def tasks(cls, name: str, conditions, options) -> list:
+        return [
+            cls(name, conditions, context_tokens=length, limit=options.limit, seed=options.seed)
+            for length in options.context_tokens
+        ]
+
+    def items(self) -> list[TurnItem]:
+        if self._items is not None:
+            return list(self._items)
+        return turn_items(self.conditions.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed)
+
+    def score(self, item: TurnItem, variants) -> list[TurnScore]:
+        arms = score_turn_item(item, small=self.conditions.small, large=self.conditions.large)
+        return [TurnScore(item.id, item.golds, len(item.prompts[0]), arms) for _ in variants]
+
+    def summarize(self, scores: list[TurnScore]) -> dict:
+        """:func:`summarize_turns` with ``task``, ``requested_context_tokens`` and ``context_tokens`` (turn 1's
+        mean prompt length)."""
+        summary = summarize_turns([score.arms for score in scores])
+        summary.update(
+            task=self.task,
+            requested_context_tokens=self.context_tokens,
+            context_tokens=sum(score.context_tokens for score in scores) / max(1, len(scores)),
+        )
+        return summary
+
+    def record(self, variant: str, item: TurnItem, score: TurnScore) -> dict:
+        """Each arm's exact answers and times per turn."""
+        return {
             "id": item.id,
             "gold": item.golds,
             **{
@@ -229,9 +259,17 @@ def evaluate_served_turns(
                     }
                     for r in rows
                 ]
-                for arm, rows in result.items()
+                for arm, rows in score.arms.items()
             },
         }
-        for item, result in zip(items, scored)
-    ]
-    return summary
+
+    def dataset(self, items) -> dict:
+        from kvhub.eval.results import items_sha256
+
+        return {
+            "name": self.name,
+            "origin": f"built by kvhub.eval.served_turns (seed {self.seed})",
+            "context_tokens": self.context_tokens,
+            "n": len(items),
+            "sha256": items_sha256(items),
+        }

@@ -420,6 +420,14 @@ class ChoiceTask:
         self._items, self._limit = items, limit
         self.read_score = ItemScore.from_record
 
+    @classmethod
+    def tasks(cls, name: str, conditions, options) -> list:
+        """The task over :class:`kvhub.eval.conditions.LibraryConditions` (the library only: log-likelihoods)."""
+        from kvhub.eval.conditions import library
+
+        loaded = library(conditions).loaded
+        return [cls(name, loaded, items=options.items.get(name), limit=options.limit, seed=options.seed)]
+
     def items(self) -> list:
         from kvhub.eval import tasks as task_data
 

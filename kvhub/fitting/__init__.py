@@ -1,2 +1,3 @@
-"""Fitting a mapper: the resumable fit over the core (``fit``), fitting by model names (``job``),
-on several ranks with torch.distributed (``distributed``), and what a fit will cost (``plan``)."""
+"""Fitting a mapper: the resumable fit over the core (``fit``, on one ``prepared.PreparedFit``), fitting by
+model names with the early refusals (``job``), on several ranks with torch.distributed (``distributed``,
+started by ``torchrun``), and what a fit will cost (``plan``)."""

@@ -47,7 +47,6 @@ from kvhub.fitting.fit import (
     capture_pair,
     fit_batches,
     layout_for,
-    pair_fingerprints,
     resuming_line,
     solve_statistics,
     statistics_mode,
@@ -56,6 +55,7 @@ from kvhub.fitting.fit import (
 )
 from kvhub.fitting.mlp_fit import check_options
 from kvhub.fitting.options import FitOptions
+from kvhub.fitting.prepared import PreparedFit, as_prepared
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.two_pass import run_passes
 from kvhub.progress import Progress, report
@@ -140,36 +140,24 @@ def owned_layers(layers: int, rank: int, world: int) -> list[int]:
 
 
 def fit_distributed(
-    source_model,
-    target_model,
-    train_ids: torch.Tensor,
-    heldout_ids: torch.Tensor | None,
-    *,
+    job: PreparedFit,
+    *args,
     group: Group,
-    source_id: str,
-    target_id: str,
-    source_tokenizer=None,
-    target_tokenizer=None,
-    calibration: dict | None = None,
-    options: FitOptions | None = None,
     progress: Progress | None = None,
     notify=None,
+    **fields,
 ):
     """:func:`kvhub.fitting.fit.fit` on ``group.world`` ranks (module docstring).  Every rank passes the same
-    token ids and options; returns the Mapper on rank 0 and None on the others.  ``notify(line)``: rank 0's
-    status lines (resuming from a checkpoint); default: the log."""
-    options = with_stride(options or FitOptions())
+    :class:`kvhub.fitting.prepared.PreparedFit` (token ids and options; or fit's older arguments, which build
+    one); returns the Mapper on rank 0 and None on the others.  ``notify(line)``: rank 0's status lines
+    (resuming from a checkpoint); default: the log."""
+    job = as_prepared(job, *args, **fields)
+    source_model, target_model, train_ids, heldout_ids = job.source, job.target, job.train, job.heldout
+    options = with_stride(job.options)
     check_options(options, heldout_sequences=1, distributed=True)  # --map mlp: one process only
-    source_fp, target_fp = pair_fingerprints(
-        source_model,
-        target_model,
-        source_id=source_id,
-        target_id=target_id,
-        source_tokenizer=source_tokenizer,
-        target_tokenizer=target_tokenizer,
-    )
-    job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
-    mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job)
+    source_fp, target_fp = job.fingerprints()
+    job_key = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
+    mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job_key)
     state, owned = accumulate_sharded(
         source_model,
         target_model,
@@ -178,7 +166,7 @@ def fit_distributed(
         group=group,
         options=options,
         progress=progress,
-        job=job,
+        job=job_key,
         mode=mode,
         notify=notify,
     )
@@ -206,7 +194,7 @@ def fit_distributed(
         options.timings[key] = max(t.get(key, 0.0) for _, _, t in parts)
     options.timings["tokens"] = sum(t.get("tokens", 0) for _, _, t in parts)
     summary = _means_only(layout, means, train, heldout)
-    return build_mapper(solution, source_fp, target_fp, calibration or {}, summary, heldout, options, statistics=mode)
+    return build_mapper(solution, source_fp, target_fp, job.calibration, summary, heldout, options, statistics=mode)
 
 
 def _agreed_mode(

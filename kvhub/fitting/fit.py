@@ -30,14 +30,17 @@ from kvhub.core.rope import Rotary
 from kvhub.core.solve import Solution, Structure, head_groups, solve
 from kvhub.core.stats import KVStats, Layout
 from kvhub.dtypes import dtype_name
-from kvhub.errors import ConfigError, FitInterrupted, IncompatibleError
+from kvhub.errors import ConfigError, FitInterrupted
 from kvhub.fitting import checkpoint, mlp_fit
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.options import DEFAULT_STRIDE, FitOptions
+
+# check_same_tokenizer and pair_fingerprints: re-exported (they live with PreparedFit)
+from kvhub.fitting.prepared import PreparedFit, as_prepared, check_same_tokenizer, pair_fingerprints  # noqa: F401
 from kvhub.fitting.samples import first_sequence, reservoirs
 from kvhub.fitting.two_pass import run_passes, solve_candidates
-from kvhub.core.fingerprint import kv_geometry, model_fingerprint
+from kvhub.core.fingerprint import kv_geometry
 from kvhub.progress import Progress, report
 
 log = logging.getLogger(__name__)
@@ -49,36 +52,15 @@ def with_stride(options: FitOptions) -> FitOptions:
     return options if options.stride is not None else options.replace(stride=DEFAULT_STRIDE)
 
 
-def check_same_tokenizer(source_fp: dict, target_fp: dict) -> None:
-    """Refuse a pair whose tokenizers differ (a mapper needs token-aligned caches)."""
-    src, dst = source_fp.get("tokenizer_hash"), target_fp.get("tokenizer_hash")
-    if src is not None and dst is not None and src != dst:
-        raise IncompatibleError(
-            f"{source_fp['model_id']} and {target_fp['model_id']} use different tokenizers "
-            f"(sha256 {src[:12]} vs {dst[:12]}); a KV mapper needs both models to read the same tokens. "
-            "Pick a source and a target of the same family and tokenizer."
-        )
-
-
-def pair_fingerprints(source_model, target_model, *, source_id: str, target_id: str, source_tokenizer=None,
-                      target_tokenizer=None) -> tuple[dict, dict]:
-    """The fingerprints (with dtypes) of a (source, target) pair; refused when their tokenizers differ."""
-    fingerprints = []
-    for model, model_id, tokenizer in ((source_model, source_id, source_tokenizer),
-                                       (target_model, target_id, target_tokenizer)):
-        fingerprint = model_fingerprint(model.config, model_id=model_id, tokenizer=tokenizer)
-        fingerprint["dtype"] = dtype_name(model.dtype)
-        fingerprints.append(fingerprint)
-    check_same_tokenizer(*fingerprints)
-    return fingerprints[0], fingerprints[1]
-
-
 def structure_for(source_fp: dict, target_fp: dict, *, head_local: bool, rank: int | None) -> Structure:
     """Map structure of a fit: head groups = gcd of the KV head counts when head-local, else 1."""
     groups = head_groups(source_fp["num_kv_heads"], target_fp["num_kv_heads"]) if head_local else 1
     if head_local and groups == 1:
-        log.warning("head-local maps: %s and %s KV heads share no common group; the map stays dense",
-                    source_fp["num_kv_heads"], target_fp["num_kv_heads"])
+        log.warning(
+            "head-local maps: %s and %s KV heads share no common group; the map stays dense",
+            source_fp["num_kv_heads"],
+            target_fp["num_kv_heads"],
+        )
     return Structure(groups=groups, rank=rank)
 
 
@@ -89,56 +71,85 @@ def layout_for(source_config, target_config) -> Layout:
 
 
 def fit(
-    source_model,
-    target_model,
-    train_ids: torch.Tensor,
-    heldout_ids: torch.Tensor | None,
-    *,
-    source_id: str,
-    target_id: str,
-    source_tokenizer=None,
-    target_tokenizer=None,
-    calibration: dict | None = None,
-    options: FitOptions | None = None,
+    job: PreparedFit,
+    *args,
     progress: Progress | None = None,
     notify: Callable[[str], None] | None = None,
+    **fields,
 ) -> Mapper:
-    """Fit a Mapper from ``source_model``'s cache to ``target_model``'s.
+    """Fit a Mapper from ``job.source``'s cache to ``job.target``'s (:class:`kvhub.fitting.prepared.PreparedFit`:
+    models, ids, train (N, T) and held-out (M, T) long token ids without padding, the calibration metadata
+    mapper.json keeps, options).  Returns an unsaved Mapper (weights fp32).  ``notify(line)`` hears status
+    lines (resuming from a checkpoint); default: the log.  Ctrl-C raises :class:`kvhub.errors.FitInterrupted`,
+    which says where the fit stopped and what resumes.
 
-    train_ids (N, T) and heldout_ids (M, T): long token ids (no padding).  ``calibration`` is the
-    calibration-set metadata stored in mapper.json.  Returns an unsaved Mapper (weights fp32).
-    ``notify(line)`` hears status lines (resuming from a checkpoint); default: the log.  Ctrl-C
-    raises :class:`kvhub.errors.FitInterrupted`, which says where the fit stopped and what resumes.
+    The older form ``fit(source_model, target_model, train_ids, heldout_ids, source_id=..., target_id=...,
+    source_tokenizer=, target_tokenizer=, calibration=, options=)`` still works: it builds the PreparedFit.
     """
-    options = with_stride(options or FitOptions())
+    job = as_prepared(job, *args, **fields)
+    source_model, target_model, train_ids, heldout_ids = job.source, job.target, job.train, job.heldout
+    options = with_stride(job.options)
     mlp_fit.check_options(options, heldout_sequences=0 if heldout_ids is None else int(heldout_ids.shape[0]))
-    source_fp, target_fp = pair_fingerprints(source_model, target_model, source_id=source_id, target_id=target_id,
-                                             source_tokenizer=source_tokenizer, target_tokenizer=target_tokenizer)
-    job = job_identity(source_fp, target_fp, train_ids, heldout_ids, options)
-    mode = statistics_mode(source_model, target_model, train_ids, heldout_ids, options, job=job)
+    source_fp, target_fp = job.fingerprints()
+    job_key = job_identity(source_fp, target_fp, train_ids, heldout_ids, options)
+    mode = statistics_mode(source_model, target_model, train_ids, heldout_ids, options, job=job_key)
     layout = layout_for(source_model.config, target_model.config)
-    samples = None if options.map_kind == "ridge" else reservoirs(
-        layout, {"train": train_ids, "heldout": heldout_ids}, capacity=options.mlp_tokens, stride=options.stride,
-        skip_first=options.skip_first)
-    state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
-                              layout, mode=mode, options=options, progress=progress, job=job, notify=notify,
-                              samples=samples)
+    samples = (
+        None
+        if options.map_kind == "ridge"
+        else reservoirs(
+            layout,
+            {"train": train_ids, "heldout": heldout_ids},
+            capacity=options.mlp_tokens,
+            stride=options.stride,
+            skip_first=options.skip_first,
+        )
+    )
+    state = accumulate_passes(
+        source_model,
+        target_model,
+        fit_batches(train_ids, heldout_ids, options.batch_size),
+        layout,
+        mode=mode,
+        options=options,
+        progress=progress,
+        job=job_key,
+        notify=notify,
+        samples=samples,
+    )
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
-    solution = solve_statistics(state, mode, options=options, structure=structure, src_layers=layout.src_layers,
-                                progress=progress)
-    mapper = build_mapper(solution, source_fp, target_fp, calibration or {}, state.stats["train"],
-                          state.stats["heldout"], options, statistics=mode)
+    solution = solve_statistics(
+        state, mode, options=options, structure=structure, src_layers=layout.src_layers, progress=progress
+    )
+    mapper = build_mapper(
+        solution,
+        source_fp,
+        target_fp,
+        job.calibration,
+        state.stats["train"],
+        state.stats["heldout"],
+        options,
+        statistics=mode,
+    )
     if samples is None:
         return mapper
     started = time.perf_counter()
-    trained = mlp_fit.train_maps(solution, state.samples, layout, options, job=job, progress=progress,
-                                 device=next(source_model.parameters()).device)
+    trained = mlp_fit.train_maps(
+        solution,
+        state.samples,
+        layout,
+        options,
+        job=job_key,
+        progress=progress,
+        device=next(source_model.parameters()).device,
+    )
     options.timings["mlp_s"] = time.perf_counter() - started
     return mlp_fit.with_mlps(mapper, trained, state.samples, options)
 
 
-def statistics_mode(source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, job: str,
-                    ranks: int = 1) -> StatisticsMode:
+def statistics_mode(
+    source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, job: str, ranks: int = 1
+) -> StatisticsMode:
     """How this fit accumulates its statistics: the mode of its checkpoint when it resumes one the options
     allow; else the options' StatisticsMode; else the plan's choice for "auto", "one-pass" or "two-pass"
     (:func:`kvhub.fitting.plan.plan_fit` against the memory free now plus the loaded models)."""
@@ -160,8 +171,9 @@ def _allows(requested, candidates: int | None, saved: StatisticsMode) -> bool:
     return requested == "auto" or (saved.passes == 2) == (requested == "two-pass")
 
 
-def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: FitOptions, *,
-                  ranks: int) -> StatisticsMode:
+def _planned_mode(
+    source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, ranks: int
+) -> StatisticsMode:
     from kvhub.fitting.plan import DTYPE_BYTES, ModelShape, Workload, machine_profile, plan_fit
 
     try:
@@ -171,32 +183,58 @@ def _planned_mode(source_model, target_model, train_ids, heldout_ids, options: F
         two = options.statistics == "two-pass" or options.candidates is not None
         return StatisticsMode(passes=2, candidates=options.candidates) if two else ONE_PASS
     dtype = dtype_name(source_model.dtype)
-    workload = Workload(samples=train_ids.shape[0], heldout=0 if heldout_ids is None else heldout_ids.shape[0],
-                        seq_len=train_ids.shape[1], stride=options.stride, batch_size=options.batch_size,
-                        k=options.top_k, mlp_tokens=0 if options.map_kind == "ridge" else options.mlp_tokens,
-                        dtype=dtype if dtype in DTYPE_BYTES else "float32")
+    workload = Workload(
+        samples=train_ids.shape[0],
+        heldout=0 if heldout_ids is None else heldout_ids.shape[0],
+        seq_len=train_ids.shape[1],
+        stride=options.stride,
+        batch_size=options.batch_size,
+        k=options.top_k,
+        mlp_tokens=0 if options.map_kind == "ridge" else options.mlp_tokens,
+        dtype=dtype if dtype in DTYPE_BYTES else "float32",
+    )
     device = str(next(source_model.parameters()).device)
     loaded = sum(p.numel() * p.element_size() for m in (source_model, target_model) for p in m.parameters())
     profile = machine_profile(device, loaded=loaded * (1 if device.startswith("cuda") else ranks))
-    plan = plan_fit(*shapes, workload, profile, ranks=ranks, statistics=options.statistics,
-                    candidates=options.candidates)
+    plan = plan_fit(
+        *shapes, workload, profile, ranks=ranks, statistics=options.statistics, candidates=options.candidates
+    )
     log.info("statistics: %s (%s)", plan.statistics.describe(), plan.advice)
     return plan.statistics
 
 
-def accumulate(source_model, target_model, train_ids, heldout_ids, *, options: FitOptions,
-               progress: Progress | None, job: str) -> tuple[KVStats, KVStats]:
+def accumulate(
+    source_model, target_model, train_ids, heldout_ids, *, options: FitOptions, progress: Progress | None, job: str
+) -> tuple[KVStats, KVStats]:
     """One pass over both splits; returns the full (train, heldout) statistics.  Resumes from a checkpoint."""
     options = with_stride(options)
     layout = layout_for(source_model.config, target_model.config)
-    state = accumulate_passes(source_model, target_model, fit_batches(train_ids, heldout_ids, options.batch_size),
-                              layout, mode=ONE_PASS, options=options, progress=progress, job=job)
+    state = accumulate_passes(
+        source_model,
+        target_model,
+        fit_batches(train_ids, heldout_ids, options.batch_size),
+        layout,
+        mode=ONE_PASS,
+        options=options,
+        progress=progress,
+        job=job,
+    )
     return state.stats["train"], state.stats["heldout"]
 
 
-def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mode: StatisticsMode,
-                      options: FitOptions, progress: Progress | None, job: str,
-                      notify: Callable[[str], None] | None = None, samples: dict | None = None) -> FitState:
+def accumulate_passes(
+    source_model,
+    target_model,
+    batches,
+    layout: Layout,
+    *,
+    mode: StatisticsMode,
+    options: FitOptions,
+    progress: Progress | None,
+    job: str,
+    notify: Callable[[str], None] | None = None,
+    samples: dict | None = None,
+) -> FitState:
     """Every pass of ``mode`` over ``batches``, resuming from ``options.checkpoint`` (and saying so to
     ``notify``, default the log); the last pass's state.  ``samples``: reservoirs (kvhub.fitting.samples)
     pass 1 fills, checkpointed with the statistics, and saved once more when the passes end (so a fit
@@ -205,8 +243,17 @@ def accumulate_passes(source_model, target_model, batches, layout: Layout, *, mo
     rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
 
     def run(state: FitState, label: str) -> None:
-        run_pass(source_model, target_model, batches, state, rotaries, options=options, progress=progress,
-                 label=label, save=save)
+        run_pass(
+            source_model,
+            target_model,
+            batches,
+            state,
+            rotaries,
+            options=options,
+            progress=progress,
+            label=label,
+            save=save,
+        )
 
     resumed = checkpoint.load(options.checkpoint, job, mode, layout=layout, batches=len(batches), samples=samples)
     if resumed is not None:
@@ -223,8 +270,18 @@ def resuming_line(state: FitState, batches: int, mode: StatisticsMode) -> str:
     return f"resuming from checkpoint ({state.batches_done}/{batches} batches done{of_pass})"
 
 
-def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, options: FitOptions,
-             progress: Progress | None, label: str, save) -> None:
+def run_pass(
+    source_model,
+    target_model,
+    batches,
+    state: FitState,
+    rotaries,
+    *,
+    options: FitOptions,
+    progress: Progress | None,
+    label: str,
+    save,
+) -> None:
     """Merge ``batches[state.batches_done:]`` into ``state`` (in pass 2, only the candidates' source
     layers), calling ``save(state)`` every ``options.checkpoint_every`` batches.  Ctrl-C raises
     :class:`FitInterrupted` naming the batch and what the checkpoint holds."""
@@ -237,8 +294,9 @@ def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, 
         name, ids = batches[index]
         try:
             report(progress, f"{label}: {name} batch {index + 1}/{len(batches)}", completed, total)
-            captured = _accumulate_batch(source_model, target_model, ids, state.stats[name], rotaries, options,
-                                         sources=state.candidates)
+            captured = _accumulate_batch(
+                source_model, target_model, ids, state.stats[name], rotaries, options, sources=state.candidates
+            )
             if state.samples is not None and state.pass_index == 1:
                 state.samples[name].add(first_sequence(batches, index), *captured)
         except KeyboardInterrupt as exc:
@@ -252,37 +310,73 @@ def run_pass(source_model, target_model, batches, state: FitState, rotaries, *, 
 
 
 def _interrupted(label: str, batch: int, batches: int, pass_index: int, saved: int | None) -> FitInterrupted:
-    kept = ("no checkpoint yet: a rerun starts over" if saved is None
-            else f"the checkpoint holds {saved} batches of pass {pass_index}")
-    return FitInterrupted(f"fit interrupted in {label}, batch {batch}/{batches}; {kept}", batch=batch,
-                          batches=batches, pass_index=pass_index, resume_from=saved)
+    kept = (
+        "no checkpoint yet: a rerun starts over"
+        if saved is None
+        else f"the checkpoint holds {saved} batches of pass {pass_index}"
+    )
+    return FitInterrupted(
+        f"fit interrupted in {label}, batch {batch}/{batches}; {kept}",
+        batch=batch,
+        batches=batches,
+        pass_index=pass_index,
+        resume_from=saved,
+    )
 
 
-def solve_statistics(state: FitState, mode: StatisticsMode, *, options: FitOptions, structure: Structure,
-                     src_layers: int, targets: list[int] | None = None, progress: Progress | None = None) -> Solution:
+def solve_statistics(
+    state: FitState,
+    mode: StatisticsMode,
+    *,
+    options: FitOptions,
+    structure: Structure,
+    src_layers: int,
+    targets: list[int] | None = None,
+    progress: Progress | None = None,
+) -> Solution:
     """The solve of the accumulated statistics (pass 2's in a two-pass fit), reported to ``progress`` a
     target layer at a time; its time goes to ``solve_s``."""
     started = time.perf_counter()
     if mode.passes == 1:
-        solution = solve(state.stats["train"], state.stats["heldout"], top_k=options.top_k,
-                         ridge_lambda=options.ridge_lambda, structure=structure, progress=progress)
+        solution = solve(
+            state.stats["train"],
+            state.stats["heldout"],
+            top_k=options.top_k,
+            ridge_lambda=options.ridge_lambda,
+            structure=structure,
+            progress=progress,
+        )
     else:
-        solution = solve_candidates(state, mode, top_k=options.top_k, ridge_lambda=options.ridge_lambda,
-                                    structure=structure, src_layers=src_layers, targets=targets, progress=progress)
+        solution = solve_candidates(
+            state,
+            mode,
+            top_k=options.top_k,
+            ridge_lambda=options.ridge_lambda,
+            structure=structure,
+            src_layers=src_layers,
+            targets=targets,
+            progress=progress,
+        )
     options.timings["solve_s"] = time.perf_counter() - started
     return solution
 
 
-def _accumulate_batch(source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions, *,
-                      sources: list[int] | None = None):
+def _accumulate_batch(
+    source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions, *, sources: list[int] | None = None
+):
     """Merge one batch into ``stats``; returns its (source, target) captures."""
     src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
     started = time.perf_counter()
     device = stats.k.cxx.device
     weights = dst.weights.to(device) if dst.weights is not None else None
     keep = range(len(src.keys)) if sources is None else sources
-    stats.update([src.keys[l].to(device) for l in keep], [src.values[l].to(device) for l in keep],
-                 [b.to(device) for b in dst.keys], [b.to(device) for b in dst.values], weights=weights)
+    stats.update(
+        [src.keys[l].to(device) for l in keep],
+        [src.values[l].to(device) for l in keep],
+        [b.to(device) for b in dst.keys],
+        [b.to(device) for b in dst.values],
+        weights=weights,
+    )
     options.timings["stats_s"] += time.perf_counter() - started
     return src, dst
 
@@ -299,8 +393,14 @@ def capture_pair(source_model, target_model, ids, rotaries, options: FitOptions)
     started = time.perf_counter()
     kwargs = {"stride": options.stride, "skip_first": options.skip_first}
     src = capture(source_model, ids, rotary=rotaries[0], **kwargs)
-    dst = capture(target_model, ids, rotary=rotaries[1], attention_weights=_attention_weighted(options),
-                  weight_cap=options.weight_cap, **kwargs)
+    dst = capture(
+        target_model,
+        ids,
+        rotary=rotaries[1],
+        attention_weights=_attention_weighted(options),
+        weight_cap=options.weight_cap,
+        **kwargs,
+    )
     timings = options.timings
     timings["forward_s"] = timings.get("forward_s", 0.0) + time.perf_counter() - started
     timings["tokens"] = timings.get("tokens", 0) + int(ids.numel())
@@ -319,13 +419,23 @@ def target_means(train: KVStats) -> dict[str, torch.Tensor]:
     out = {}
     for kind, moments in (("k", train.k), ("v", train.v)):
         for m in range(train.layout.dst_layers):
-            out[tensor_name(map_prefix(kind, m), "target_mean")] = moments.mean_y[train.layout.dst_columns(m)].float().clone()
+            out[tensor_name(map_prefix(kind, m), "target_mean")] = (
+                moments.mean_y[train.layout.dst_columns(m)].float().clone()
+            )
     return out
 
 
-def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibration: dict,
-                 train: KVStats, heldout: KVStats, options: FitOptions, *,
-                 statistics: StatisticsMode = ONE_PASS) -> Mapper:
+def build_mapper(
+    solution: Solution,
+    source_fp: dict,
+    target_fp: dict,
+    calibration: dict,
+    train: KVStats,
+    heldout: KVStats,
+    options: FitOptions,
+    *,
+    statistics: StatisticsMode = ONE_PASS,
+) -> Mapper:
     """Weights (fp32) and mapper.json metadata from a solution; ``statistics``: how they were accumulated
     (recorded under ``fit``, which kvhub does not read back)."""
     tensors = {}
@@ -336,11 +446,14 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
     r2_k, r2_v = solution.mean_r2()
     metrics = {"train_tokens": train.n, "heldout_tokens": heldout.n}
     if r2_k is not None:
-        metrics.update({
-            "heldout_r2_k_mean": r2_k, "heldout_r2_v_mean": r2_v,
-            "heldout_r2_k_min": min(l.r2_k for l in solution.layers),
-            "heldout_r2_v_min": min(l.r2_v for l in solution.layers),
-        })
+        metrics.update(
+            {
+                "heldout_r2_k_mean": r2_k,
+                "heldout_r2_v_mean": r2_v,
+                "heldout_r2_k_min": min(l.r2_k for l in solution.layers),
+                "heldout_r2_v_min": min(l.r2_v for l in solution.layers),
+            }
+        )
     metadata = {
         "kvhub_version": __version__,
         "kind": "ridge",
@@ -354,8 +467,11 @@ def build_mapper(solution: Solution, source_fp: dict, target_fp: dict, calibrati
         "layers": [layer.to_metadata() for layer in solution.layers],
         "probe_r2": {"k": solution.probe_r2_k.tolist(), "v": solution.probe_r2_v.tolist()},
         "calibration": calibration,
-        "fit": {**options.fit_block(), "statistics": dataclasses.asdict(statistics),
-                "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()}},
+        "fit": {
+            **options.fit_block(),
+            "statistics": dataclasses.asdict(statistics),
+            "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()},
+        },
         "metrics": metrics,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -1,8 +1,9 @@
 """Fit by model names: resolve both models and the calibration set, then fit (one process or many).
 
-:func:`prepare` turns a :class:`FitRequest` (what ``kvhub fit`` takes) into loaded models, calibration
-tokens, :class:`kvhub.fitting.fit.FitOptions` and a checkpoint path; :func:`fit_by_names` runs the whole fit
-in this process.  :mod:`kvhub.fitting.distributed` and the benchmarks start from the same :func:`prepare`, so
+:func:`check_request` refuses, before any model loads, what a :class:`FitRequest` (what ``kvhub fit`` takes)
+alone shows will fail; :func:`prepare` turns it into a :class:`kvhub.fitting.prepared.PreparedFit` (loaded
+models, calibration tokens, options and a checkpoint path); :func:`fit_by_names` runs both, then the whole
+fit in this process.  :mod:`kvhub.fitting.distributed` and the benchmarks start from the same :func:`prepare`, so
 every entry point fits the same job from the same arguments.
 
 The library never prints: ``notify(message)`` receives the status lines, and ``progress(unit)``
@@ -23,6 +24,7 @@ import torch
 from kvhub.artifact import json_sha256
 from kvhub.calib.recipe import DEFAULT_CALIBRATION
 from kvhub.fitting.options import FitOptions
+from kvhub.fitting.prepared import PreparedFit  # re-exported: prepare() returns it
 
 log = logging.getLogger(__name__)
 
@@ -49,43 +51,131 @@ class FitRequest:
     options: FitOptions = field(default_factory=FitOptions)
 
 
-@dataclass
-class PreparedFit:
-    """Everything a fit needs, loaded: models, tokenizers, ids, calibration tokens and options."""
+def __getattr__(name: str):
+    if name == "check_device":  # one device check: kvhub.dtypes owns it
+        import warnings
 
-    source: object
-    target: object
-    source_tokenizer: object
-    target_tokenizer: object
-    source_id: str
-    target_id: str
-    train: torch.Tensor  # (N, T) long
-    heldout: torch.Tensor  # (M, T) long
-    calibration: dict  # calibration metadata for mapper.json
-    options: FitOptions  # the request's, with the stride and the checkpoint file set
+        from kvhub.dtypes import check_device
 
-
-def check_device(device: str | None) -> None:
-    """Refuse a device torch cannot run the forward passes on, before anything loads.  ``h100``, ``h200``
-    and ``a100`` are :func:`kvhub.fitting.plan.device_profile` names for ``kvhub plan``, not torch devices."""
-    from kvhub.errors import ConfigError
-
-    if device is None:
-        return
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ConfigError(
-            f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N (h100, h200 and "
-            "a100 are profiles of `kvhub plan --device`, not devices to run on)"
-        ) from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: this machine has no CUDA device; use --device cpu")
-    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise ConfigError(
-            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use "
-            f"cuda:0..cuda:{torch.cuda.device_count() - 1}"
+        warnings.warn(
+            "kvhub.fitting.job.check_device is replaced by kvhub.dtypes.check_device (check_request refuses a "
+            "request's device)",
+            DeprecationWarning,
+            stacklevel=2,
         )
+        return check_device
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_request(request: FitRequest, *, store=None) -> None:
+    """Refuse, before any model loads, what the request alone shows will fail (:func:`fit_by_names` runs it
+    first, and ``kvhub fit`` before it starts torchrun): a device torch cannot use (a ``kvhub plan --device``
+    profile named as one), an unknown calibration set (with the closest built-in name), a series name that
+    cannot be quoted or that is a built-in set's name over another text, a fixed k above the source's layer
+    count, and fewer observations than features (read from the config, no weights: the solve would refuse
+    them only after every forward pass).  With ``store`` (an open :class:`kvhub.store.Store` the mapper will
+    be registered in), also a series there fitted on another text, which the store would refuse after the
+    fit; its documents are read here only when that series exists."""
+    from kvhub.errors import ConfigError, FitError
+    from kvhub.fitting.plan import Workload, shape_of, too_few_observations
+
+    _check_device(request.device)
+    sequences = _sequences(request)
+    if request.name is not None:
+        _check_series_name(request.name, calib=request.calib)
+    if store is not None:
+        _check_series_text(request, store)
+    fixed_k = request.options.top_k  # FitOptions refused a k below 1 and --candidates beside one pass
+    try:
+        source = shape_of(request.src)
+    except ConfigError:  # no config without downloading: the fit checks these once the model is there
+        return
+    if fixed_k is not None and fixed_k > source.layers:
+        raise ConfigError(
+            f"--k {fixed_k} is more source layers than {request.src} has ({source.layers}); use "
+            f"--k 1..{source.layers} or --k auto"
+        )
+    workload = Workload(
+        samples=sequences.samples,
+        seq_len=sequences.seq_len,
+        stride=request.options.stride or sequences.stride,
+        k=fixed_k,
+    )
+    problem = too_few_observations(source, workload)
+    if problem is not None:
+        raise FitError(f"{request.src} -> {request.dst}: {problem}")
+
+
+def _check_device(device: str | None) -> None:
+    """:func:`kvhub.dtypes.check_device`, saying what a ``kvhub plan`` profile name (h100, ...) is."""
+    from kvhub.dtypes import check_device
+    from kvhub.errors import ConfigError
+    from kvhub.fitting.plan import DEVICES
+
+    if device is not None and str(device).lower() in DEVICES:
+        raise ConfigError(
+            f"--device {device!r} is not a torch device but a profile of `kvhub plan --device`; run on cpu, "
+            "cuda or cuda:N"
+        )
+    check_device(device, what="--device")
+
+
+def _sequences(request: FitRequest):
+    """The request's calibration sequences (sizes only); an unknown set is refused with the closest name."""
+    import difflib
+
+    from kvhub.calib.recipe import recipe_from_spec
+    from kvhub.errors import UnknownCalibrationError
+
+    try:
+        recipe = recipe_from_spec(request.calib)
+    except UnknownCalibrationError as exc:
+        close = difflib.get_close_matches(exc.name, exc.known, n=1, cutoff=0.6)
+        if not close:
+            raise
+        raise UnknownCalibrationError(
+            f"unknown calibration set {exc.name!r}: did you mean {close[0]!r}? ({exc})", name=exc.name, known=exc.known
+        ) from None
+    return recipe.with_sequences(samples=request.samples, seq_len=request.seq_len, seed=request.seed).sequences
+
+
+def _check_series_name(name: str, *, calib: str) -> None:
+    """A valid calibration name, and not a built-in set's name for another text (kvhub.load(...,
+    calib="legal-docs") would return this mapper, and a push would publish it as legal-docs)."""
+    from kvhub.calib.recipe import builtin_names, recipe_from_spec
+    from kvhub.errors import ConfigError
+    from kvhub.store.refs import check_calibration_name  # the one spelling rule of a series name (torch-free)
+
+    check_calibration_name(name)
+    if name in builtin_names() and recipe_from_spec(calib).name != name:
+        raise ConfigError(
+            f"--name {name} is the name of kvhub's built-in calibration set {name!r}, and --calib "
+            f"{calib} is another text; give this one its own name, e.g. --name {name}-own"
+        )
+
+
+def _check_series_text(request: FitRequest, store) -> None:
+    """The series (models, calibration name) in ``store`` holds no version fitted on another text.  The
+    text's sha256 needs the documents only, read here once more, and only when the series exists."""
+    from kvhub.calib.calibration_set import read_documents
+    from kvhub.calib.packing import corpus_digest
+    from kvhub.calib.recipe import recipe_from_spec
+    from kvhub.errors import ConfigError
+    from kvhub.models.loading import registered_model_id
+
+    recipe = recipe_from_spec(request.calib)
+    series = {
+        "source": registered_model_id(request.src),
+        "target": registered_model_id(request.dst),
+        "calibration": request.name or recipe.name,
+    }
+    try:  # a hash no text has: refused iff the series holds versions with a known text
+        store.check_calibration_text(**series, text_sha256="-")
+        return
+    except ConfigError:
+        pass
+    documents, _ = read_documents(recipe)
+    store.check_calibration_text(**series, text_sha256=corpus_digest(documents))
 
 
 def _no_progress(unit: str) -> ContextManager:
@@ -141,19 +231,18 @@ def prepare(
             series=request.name,
         )
     )
-    if request.name is not None:  # the series name travels in mapper.json (export, push and pull keep it)
-        meta["name"] = request.name
+    meta["series"] = request.name or meta["name"]  # the store files the mapper under it (export, push, pull keep it)
     return PreparedFit(
-        source,
-        target,
-        source_tok,
-        target_tok,
-        source_id,
-        target_id,
-        calibration.train,
-        calibration.heldout,
-        meta,
-        options,
+        source=source,
+        target=target,
+        source_id=source_id,
+        target_id=target_id,
+        train=calibration.train,
+        heldout=calibration.heldout,
+        source_tokenizer=source_tok,
+        target_tokenizer=target_tok,
+        calibration=meta,
+        options=options,
     )
 
 
@@ -227,8 +316,15 @@ def check_plan(request: FitRequest, *, ranks: int = 1, available: int | None = N
     return plan
 
 
-def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None):
-    """The whole fit in this process: :func:`prepare`, then :func:`kvhub.fitting.fit.fit`.  Returns the Mapper.
+def fit_by_names(
+    request: FitRequest,
+    *,
+    store=None,
+    notify: Notify | None = None,
+    progress: ProgressFactory | None = None,
+):
+    """The whole fit in this process: :func:`check_request` (with ``store``, the series' text too), then
+    :func:`prepare`, then :func:`kvhub.fitting.fit.fit`.  Returns the Mapper.
 
     An interrupted fit resumes from its checkpoint (``request.restart`` discards it); the checkpoint
     is deleted once the mapper is built.
@@ -237,25 +333,13 @@ def fit_by_names(request: FitRequest, *, notify: Notify | None = None, progress:
     from kvhub.fitting.fit import fit
     from kvhub.fitting.mlp_fit import checkpoint_path as mlp_checkpoint
 
+    check_request(request, store=store)
     job = prepare(request, notify=notify, progress=progress)
     if request.restart:
         discard(job.options.checkpoint)
         discard(mlp_checkpoint(job.options.checkpoint))
     with (progress or _no_progress)("tok/s") as callback:
-        mapper = fit(
-            job.source,
-            job.target,
-            job.train,
-            job.heldout,
-            source_id=job.source_id,
-            target_id=job.target_id,
-            source_tokenizer=job.source_tokenizer,
-            target_tokenizer=job.target_tokenizer,
-            calibration=job.calibration,
-            options=job.options,
-            progress=callback,
-            notify=notify,
-        )
+        mapper = fit(job, progress=callback, notify=notify)
     _record_where(mapper, job)
     discard(job.options.checkpoint)
     discard(mlp_checkpoint(job.options.checkpoint))
@@ -284,6 +368,7 @@ def fit_by_names_distributed(
     from kvhub.fitting.mlp_fit import check_options
 
     check_options(request.options, heldout_sequences=1, distributed=True)  # before any model loads
+    check_request(request)
 
     if group.device.type == "cuda":
         request = dataclasses.replace(request, device=str(group.device))
@@ -297,21 +382,7 @@ def fit_by_names_distributed(
         remove_checkpoints(group, job.options.checkpoint)
         dist.barrier()
     with (progress or _no_progress)("tok/s") as callback:
-        mapper = fit_distributed(
-            job.source,
-            job.target,
-            job.train,
-            job.heldout,
-            group=group,
-            source_id=job.source_id,
-            target_id=job.target_id,
-            source_tokenizer=job.source_tokenizer,
-            target_tokenizer=job.target_tokenizer,
-            calibration=job.calibration,
-            options=job.options,
-            progress=callback,
-            notify=notify,
-        )
+        mapper = fit_distributed(job, group=group, progress=callback, notify=notify)
     if mapper is not None:
         _record_where(mapper, job)
     dist.barrier()

@@ -58,100 +58,32 @@ import os
 from dataclasses import asdict, dataclass
 
 from kvhub.calib.recipe import Sequences
-from kvhub.dtypes import canonical_name, cpu_native_bf16
-from kvhub.errors import ConfigError
 from kvhub.core.stats import CHUNK_COLUMNS
+from kvhub.dtypes import canonical_name
+from kvhub.errors import ConfigError
+from kvhub.fitting.devices import (  # noqa: F401 - the profiles stay importable from here
+    CPU_BF16_EMULATED,
+    CPU_BF16_NATIVE,
+    CPU_FP32_FORWARD,
+    DEVICES,
+    DeviceProfile,
+    device_profile,
+)
 from kvhub.fitting.shapes import ModelShape, load_config, shape_of, shipped_configs  # noqa: F401 (the plan's API)
-from kvhub.fitting.modes import (ACCUMULATORS, MODES, ONE_PASS, StatisticsMode, pass_bytes,  # noqa: F401
-                                 statistics_bytes)  # statistics_bytes: the formula, for callers of the plan
+from kvhub.fitting.modes import (  # noqa: F401 - pass_bytes, statistics_bytes: the formula, for callers of the plan
+    ACCUMULATORS,
+    MODES,
+    ONE_PASS,
+    StatisticsMode,
+    pass_bytes,
+    statistics_bytes,
+)
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 FORWARD_EFFICIENCY = 0.4  # share of the nominal rate (bf16 or fp32) a forward pass reaches
-# CPU forward rates per core.  bf16 with native units (AVX-512 BF16/AMX) is calibrated on the fit of
-# docs/benchmarks.md "Fit cost" (the default 0.5B -> 1.5B fit: about 10 min of forward passes on 2 cores);
-# emulated bf16 is a sixth of it (ux-4 U4-1: about 1 h for the same fit on an AVX-512 CPU without
-# avx512_bf16); float32 half of it (an AVX-512 bf16 dot product does twice the multiply-adds of an fp32 FMA;
-# a one-core 512x1536x1536 matmul here: 55 GFLOP/s fp32, 187 bf16, but the forward pass is not all matmul),
-# so about 3x the emulated bf16 rate, as `kvhub eval` measured there (2.2x) and the matmul alone (5x) bound it.
-CPU_BF16_NATIVE = 285e9
-CPU_FP32_FORWARD = CPU_BF16_NATIVE / 2
-CPU_BF16_EMULATED = CPU_BF16_NATIVE / 6
 MATMUL_EFFICIENCY = 0.7  # share of the nominal fp32/fp64 rate the statistics and the solve reach
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Nominal capacity and rates (FLOP/s, bytes/s) of one rank's device and of the host it sits in.
-
-    A CPU "device" is the whole machine, shared by its ranks (``gpu`` False: host fields unused)."""
-
-    name: str
-    memory: int
-    bf16: float
-    fp32: float
-    fp64: float
-    link: float  # bytes/s one rank exchanges with the others (NVLink, or gloo over loopback)
-    gpu: bool = False
-    host_memory: int = 0  # the node's RAM
-    host_fp32: float = 0.0  # the node's cores together
-    host_fp64: float = 0.0
-    devices_per_host: int = 1
-    forward_fp32: float = 0.0  # a float32 forward pass's nominal FLOP/s, where it is not ``fp32`` (a CPU's)
-
-    def forward_rate(self, dtype: str) -> float:
-        """Nominal FLOP/s of a forward pass in ``dtype``: ``bf16`` for bfloat16 and float16, else the float32 rate."""
-        if canonical_name(dtype) in ("bfloat16", "float16"):
-            return self.bf16
-        return self.forward_fp32 or self.fp32
-
-
-def _cpu_rates() -> tuple[int, float, float, float]:
-    """(RAM bytes, bf16, fp32, fp64 FLOP/s) of this machine; rates per core calibrated on the 2-core
-    machine of docs/benchmarks.md "Fit cost" (0.5B -> 1.5B in bf16: forward, statistics and solve).  bf16
-    is the native rate, or the emulated one where this CPU has no bf16 units (:func:`cpu_native_bf16`)."""
-    cores = os.cpu_count() or 1
-    bf16 = CPU_BF16_EMULATED if cpu_native_bf16() is False else CPU_BF16_NATIVE
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cores * bf16, cores * 40e9, cores * 75e9
-
-
-def _cpu_profile() -> DeviceProfile:
-    memory, bf16, fp32, fp64 = _cpu_rates()
-    cores = os.cpu_count() or 1
-    return DeviceProfile(f"cpu ({cores} cores)", memory, bf16=bf16, fp32=fp32, fp64=fp64, link=2e9,
-                         forward_fp32=cores * CPU_FP32_FORWARD)
-
-
-_NODE = {"host_memory": 2 * 1024**4, "host_fp32": 14e12, "host_fp64": 7e12, "devices_per_host": 8}  # 2 TiB, 2 x 56 cores
-DEVICES = {  # memory: what torch.cuda reports as total_memory for the card; host: an 8-GPU node (DGX/HGX)
-    "h100": DeviceProfile("NVIDIA H100 80GB SXM", 85_045_608_448, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9,
-                          gpu=True, **_NODE),
-    "h200": DeviceProfile("NVIDIA H200 141GB SXM", 150_011_871_232, bf16=989e12, fp32=67e12, fp64=67e12, link=450e9,
-                          gpu=True, **_NODE),
-    "a100": DeviceProfile("NVIDIA A100 80GB SXM", 85_100_000_000, bf16=312e12, fp32=19.5e12, fp64=19.5e12, link=300e9,
-                          gpu=True, **_NODE),
-}
-
-
-def device_profile(name: str) -> DeviceProfile:
-    """``cpu`` (this machine), ``h100``, ``h200``, ``a100``, or ``cuda`` (the local GPU, matched by name)."""
-    key = name.lower()
-    if key == "cpu":
-        return _cpu_profile()
-    if key.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device here; name one of " + ", ".join(["cpu", *DEVICES]))
-        props = torch.cuda.get_device_properties(0)
-        base = next((d for k, d in DEVICES.items() if k in props.name.lower()), DEVICES["h100"])
-        memory, _, fp32, fp64 = _cpu_rates()
-        return dataclasses.replace(base, name=props.name, memory=props.total_memory, host_memory=memory,
-                                   host_fp32=fp32, host_fp64=fp64, devices_per_host=torch.cuda.device_count())
-    if key not in DEVICES:
-        raise ConfigError(f"unknown device {name!r}; use one of cpu, cuda, " + ", ".join(DEVICES))
-    return DEVICES[key]
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -202,9 +134,17 @@ class Plan:
         return out
 
 
-def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_len: int | None = None,
-                 stride: int | None = None, batch_size: int = 4, k: int | None = None,
-                 dtype: str = "bfloat16", mlp_tokens: int = 0) -> Workload:
+def workload_for(
+    *,
+    samples: int | None = None,
+    heldout: int | None = None,
+    seq_len: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 4,
+    k: int | None = None,
+    dtype: str = "bfloat16",
+    mlp_tokens: int = 0,
+) -> Workload:
     """A Workload; what is left None takes the calibration recipes' defaults (kvhub.calib.recipe)."""
     from kvhub.calib.recipe import Sequences, heldout_count
 
@@ -212,10 +152,16 @@ def workload_for(*, samples: int | None = None, heldout: int | None = None, seq_
         raise ConfigError(f"k must be a positive integer or None ('auto'), not {k!r}")
     defaults = Sequences()
     samples = samples or defaults.samples
-    return Workload(samples=samples,
-                    heldout=heldout if heldout is not None else heldout_count(samples, defaults.heldout_fraction),
-                    seq_len=seq_len or defaults.seq_len, stride=stride or defaults.stride, batch_size=batch_size,
-                    k=k, dtype=dtype, mlp_tokens=mlp_tokens)
+    return Workload(
+        samples=samples,
+        heldout=heldout if heldout is not None else heldout_count(samples, defaults.heldout_fraction),
+        seq_len=seq_len or defaults.seq_len,
+        stride=stride or defaults.stride,
+        batch_size=batch_size,
+        k=k,
+        dtype=dtype,
+        mlp_tokens=mlp_tokens,
+    )
 
 
 def _k_for(source: ModelShape, workload: Workload) -> int:
@@ -242,14 +188,17 @@ def too_few_observations(source: ModelShape, workload: Workload) -> str | None:
         return None
     needed = features // per_sequence + 1
     what = f"k {k} x {source.kv_width}" if workload.k else f"{source.kv_width}"
-    return (f"{workload.samples} sequences of {workload.seq_len} tokens at stride {workload.stride} give {rows} "
-            f"training observations, but a ridge fit needs more than its {features} features ({what}, the KV "
-            f"width of {source.model_id}); use --samples {needed} or more, a longer --seq-len or a smaller --stride"
-            + (", or a smaller --k" if workload.k and workload.k > 1 else ""))
+    return (
+        f"{workload.samples} sequences of {workload.seq_len} tokens at stride {workload.stride} give {rows} "
+        f"training observations, but a ridge fit needs more than its {features} features ({what}, the KV "
+        f"width of {source.model_id}); use --samples {needed} or more, a longer --seq-len or a smaller --stride"
+        + (", or a smaller --k" if workload.k and workload.k > 1 else "")
+    )
 
 
-def _solve_costs(source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool,
-                 solved_layers: int) -> tuple[int, float]:
+def _solve_costs(
+    source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool, solved_layers: int
+) -> tuple[int, float]:
     """(transient bytes, FLOPs) of one rank's solve, K and V: the probe (one ridge per source layer against
     the owned targets, scored per pair; over ``solved_layers`` source layers again in a two-pass fit's
     solve) plus each owned layer's coordinate search (kvhub.core.solve._solve_layer: every lambda at k=4,
@@ -265,15 +214,26 @@ def _solve_costs(source: ModelShape, target: ModelShape, k: int, owned_layers: i
     probe = probed * (ds**3 / 3 + 4 * ds * ds * q_owned)
     if auto:
         grid = [c for c in TOP_K_GRID if c <= k]
-        per_layer = (len(LAMBDA_GRID) * ridge(min(DEFAULT_TOP_K, k) * ds) + sum(ridge(c * ds) for c in grid)
-                     + len(LAMBDA_GRID) * ridge(kd))
+        per_layer = (
+            len(LAMBDA_GRID) * ridge(min(DEFAULT_TOP_K, k) * ds)
+            + sum(ridge(c * ds) for c in grid)
+            + len(LAMBDA_GRID) * ridge(kd)
+        )
     else:
         per_layer = ridge(kd)
     return memory, 2 * (probe + owned_layers * per_layer)
 
 
-def plan_fit(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, *,
-             ranks: int = 1, statistics: str | StatisticsMode = "auto", candidates: int | None = None) -> Plan:
+def plan_fit(
+    source: ModelShape,
+    target: ModelShape,
+    workload: Workload,
+    device: DeviceProfile,
+    *,
+    ranks: int = 1,
+    statistics: str | StatisticsMode = "auto",
+    candidates: int | None = None,
+) -> Plan:
     """The plan of a fit on ``ranks`` ranks of ``device`` (see the module docstring for every formula).
 
     ``statistics``: "auto" (one pass when it fits, else two passes when they fit), "one-pass",
@@ -299,8 +259,10 @@ def _choose(source, target, workload, device, ranks, statistics, candidates) -> 
         one = one32 if one32.fits else one
     if statistics == "one-pass" or (statistics == "auto" and one.fits and candidates is None):
         return one
-    two = max((_two_pass(source, target, workload, device, ranks, dtype, candidates) for dtype in ACCUMULATORS),
-              key=lambda plan: (plan.fits, plan.statistics.candidates, plan.statistics.dtype == "float64"))
+    two = max(
+        (_two_pass(source, target, workload, device, ranks, dtype, candidates) for dtype in ACCUMULATORS),
+        key=lambda plan: (plan.fits, plan.statistics.candidates, plan.statistics.dtype == "float64"),
+    )
     return two if two.fits or statistics == "two-pass" else one
 
 
@@ -324,8 +286,9 @@ def _two_pass(source, target, workload, device, ranks, dtype: str, candidates: i
     return plan
 
 
-def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile,
-              ranks: int, mode: StatisticsMode) -> Plan:
+def _estimate(
+    source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, ranks: int, mode: StatisticsMode
+) -> Plan:
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
     dtype = canonical_name(workload.dtype)
@@ -346,8 +309,11 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
     passes = pass_bytes(source.layers, ds, owned * dt, mode)
     memory = {
         "weights": (source.parameters() + target.parameters()) * nbytes,
-        "activations": (tokens * big.layers * 2 * big.kv_width * nbytes
-                        + tokens * (4 * big.hidden + 3 * big.intermediate) * nbytes + rows_batch * (p + q) * 2 * 4),
+        "activations": (
+            tokens * big.layers * 2 * big.kv_width * nbytes
+            + tokens * (4 * big.hidden + 3 * big.intermediate) * nbytes
+            + rows_batch * (p + q) * 2 * 4
+        ),
         "exchange": 2 * ranks * rows_batch * (2 * p + 2 * q + 1) * 4 if ranks > 1 else 0,
         "statistics": max(passes),
         "update": rows_batch * (p + q) * 20 + p * CHUNK_COLUMNS * 12,
@@ -369,20 +335,38 @@ def _estimate(source: ModelShape, target: ModelShape, workload: Workload, device
         host_fp32, host_fp64 = device.fp32 / ranks, device.fp64 / ranks
         forward_rate = device.forward_rate(dtype) / ranks
     sequences = workload.samples + workload.heldout
-    forward = mode.passes * sequences * (source.forward_flops(workload.seq_len) + target.forward_flops(workload.seq_len))
+    forward = (
+        mode.passes * sequences * (source.forward_flops(workload.seq_len) + target.forward_flops(workload.seq_len))
+    )
     stats_flops = 4 * workload.rows * (p * p + p * owned * dt)
     if mode.passes == 2:
         stats_flops = 4 * workload.rows * (p * ds + p * owned * dt + (kept * ds) ** 2 + kept * ds * owned * dt)
     exchange = mode.passes * (workload.rows * (ranks - 1) // ranks * (2 * p + 2 * q + 1) * 4)
-    seconds = {"capture": forward / ranks / (forward_rate * FORWARD_EFFICIENCY),
-               "statistics": stats_flops / (host_fp32 * MATMUL_EFFICIENCY),
-               "exchange": exchange / device.link,
-               "solve": solve_flops / (host_fp64 * MATMUL_EFFICIENCY)}
+    seconds = {
+        "capture": forward / ranks / (forward_rate * FORWARD_EFFICIENCY),
+        "statistics": stats_flops / (host_fp32 * MATMUL_EFFICIENCY),
+        "exchange": exchange / device.link,
+        "solve": solve_flops / (host_fp64 * MATMUL_EFFICIENCY),
+    }
     seconds["total"] = sum(seconds.values())
     artifact = target.layers * 2 * (k * ds * dt + dt) * 4 + 2 * q * 4
-    return Plan(source, target, workload, device, ranks, "full" if ranks == 1 else "sharded", mode, k, memory,
-                artifact, {"forward": forward, "statistics": stats_flops, "solve": solve_flops}, exchange, seconds,
-                fits, "")
+    return Plan(
+        source,
+        target,
+        workload,
+        device,
+        ranks,
+        "full" if ranks == 1 else "sharded",
+        mode,
+        k,
+        memory,
+        artifact,
+        {"forward": forward, "statistics": stats_flops, "solve": solve_flops},
+        exchange,
+        seconds,
+        fits,
+        "",
+    )
 
 
 def _gib(nbytes: int) -> str:
@@ -393,20 +377,26 @@ def _where(plan: Plan) -> str:
     memory, device = plan.memory, plan.device
     if device.gpu:
         on_host = min(plan.ranks, device.devices_per_host)
-        return (f"device {_gib(memory['device_peak'])} of {_gib(device.memory)} per rank (weights "
-                f"{_gib(memory['weights'])}), host {_gib(memory['host_peak'])} per rank (statistics "
-                f"{_gib(memory['statistics'])}) x {on_host} of {_gib(device.host_memory)}")
-    return (f"{_gib(memory['peak'])} per rank (weights {_gib(memory['weights'])}, statistics "
-            f"{_gib(memory['statistics'])}) x {plan.ranks} of {_gib(device.memory)}")
+        return (
+            f"device {_gib(memory['device_peak'])} of {_gib(device.memory)} per rank (weights "
+            f"{_gib(memory['weights'])}), host {_gib(memory['host_peak'])} per rank (statistics "
+            f"{_gib(memory['statistics'])}) x {on_host} of {_gib(device.host_memory)}"
+        )
+    return (
+        f"{_gib(memory['peak'])} per rank (weights {_gib(memory['weights'])}, statistics "
+        f"{_gib(memory['statistics'])}) x {plan.ranks} of {_gib(device.memory)}"
+    )
 
 
 def _advice(plan: Plan) -> str:
     mode = plan.statistics
     if mode.passes == 2:
         one = _estimate(plan.source, plan.target, plan.workload, plan.device, plan.ranks, ONE_PASS)
-        passes = (f"{mode.describe()}; pass 1 {_gib(plan.memory['statistics_pass1'])}, pass 2 "
-                  f"{_gib(plan.memory['statistics_pass2'])} of statistics against {_gib(one.memory['statistics'])} "
-                  "in one pass")
+        passes = (
+            f"{mode.describe()}; pass 1 {_gib(plan.memory['statistics_pass1'])}, pass 2 "
+            f"{_gib(plan.memory['statistics_pass2'])} of statistics against {_gib(one.memory['statistics'])} "
+            "in one pass"
+        )
     if plan.fits:
         return f"fits: {_where(plan)}" + (f"; {passes}" if mode.passes == 2 else "")
     text = f"does not fit: {_where(plan)}" + (f" ({passes})" if mode.passes == 2 else "")
@@ -416,21 +406,34 @@ def _advice(plan: Plan) -> str:
             other = _choose(plan.source, plan.target, plan.workload, plan.device, ranks, statistics, None)
             if other.fits:
                 how = "" if statistics == "one-pass" else f" with two-pass statistics ({other.statistics.describe()})"
-                return text + (f"; run the sharded fit on {ranks} ranks{how}: torchrun --nproc-per-node {ranks} "
-                               "-m kvhub fit ... (or kvhub fit --distributed)")
+                return text + (
+                    f"; run the sharded fit on {ranks} ranks{how}: torchrun --nproc-per-node {ranks} "
+                    "-m kvhub fit ... (or kvhub fit --distributed)"
+                )
     if mode.passes == 1:
         two = _choose(plan.source, plan.target, plan.workload, plan.device, plan.ranks, "two-pass", None)
         if two.fits:
             return text + f"; two-pass statistics fit ({two.statistics.describe()}): kvhub fit --stats two-pass"
     if plan.device.gpu and plan.memory["device_peak"] > plan.device.memory:
-        return text + ("; the two models do not fit one device together and kvhub's data-parallel capture puts both "
-                       "on every rank: use devices with more memory")
-    return text + ("; no rank count fits, not even with two-pass statistics (pass 1 keeps the whole cross block "
-                   "of a rank's target layers): use a machine with more memory")
+        return text + (
+            "; the two models do not fit one device together and kvhub's data-parallel capture puts both "
+            "on every rank: use devices with more memory"
+        )
+    return text + (
+        "; no rank count fits, not even with two-pass statistics (pass 1 keeps the whole cross block "
+        "of a rank's target layers): use a machine with more memory"
+    )
 
 
-def recommend(source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, *,
-              max_ranks: int = 8, statistics: str = "auto") -> Plan:
+def recommend(
+    source: ModelShape,
+    target: ModelShape,
+    workload: Workload,
+    device: DeviceProfile,
+    *,
+    max_ranks: int = 8,
+    statistics: str = "auto",
+) -> Plan:
     """The plan with the fewest ranks (up to ``max_ranks``) that fits in one pass, else the fewest that fits
     in two passes (unless ``statistics`` forces one), else the ``max_ranks`` plan (its advice says why)."""
     ranks = [r for r in RANK_CHOICES if r <= max_ranks] or [1]

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvhub.artifact.kinds import kind_of
-from kvhub.artifact.metadata import describe_structure, shown
+from kvhub.artifact.metadata import calibration_series, describe_structure, shown
 from kvhub.errors import ConfigError
 from kvhub.hub.evaluations import (
     _TASK_DATASETS,
@@ -202,7 +202,7 @@ def _front_matter(
 
     source, target = metadata["source"], metadata["target"]
     calibration = metadata.get("calibration") or {}
-    calib_name = calibration.get("name") or "unknown"
+    calib_name = calibration_series(calibration) or "unknown"
     family = source.get("family") or source.get("model_type")
     datasets = hub_datasets(calibration)
     held_out = calibration_dataset(calibration)

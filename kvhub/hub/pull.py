@@ -309,7 +309,9 @@ def load_from_hub(
 
 
 def _check_calibration(repo_id: str, metadata: dict, calibration: str | None) -> None:
-    have = (metadata.get("calibration") or {}).get("name")
+    from kvhub.artifact.metadata import calibration_series
+
+    have = calibration_series(metadata.get("calibration"))
     if calibration is not None and (have or "").lower() != calibration.lower():
         raise IncompatibleError(
             f"{repo_id} was calibrated on {have!r}, not {calibration!r}; "

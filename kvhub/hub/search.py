@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from kvhub.artifact.metadata import calibration_series
 from kvhub.errors import HubOfflineError
 from kvhub.hub.client import _api, hub_errors, hub_settings
 from kvhub.hub.verify import same_model
@@ -64,7 +65,7 @@ def _from_card(info, card: dict) -> HubMapper | None:
     target = _model_id(block.get("target")) or (bases[1] if len(bases) > 1 else None)
     calibration = block.get("calibration") if isinstance(block.get("calibration"), dict) else {}
     metrics = block.get("metrics") if block.get("metrics") is not None else {}
-    fields = (source, target, calibration.get("name"), block.get("version"))
+    fields = (source, target, calibration_series(calibration), block.get("version"))
     if not isinstance(metrics, dict) or not all(x is None or isinstance(x, str) for x in fields):
         return _skip(info, "its `kvhub` card metadata has fields of the wrong type")
     if not source or not target:
@@ -75,7 +76,7 @@ def _from_card(info, card: dict) -> HubMapper | None:
         repo_id=info.id,
         source=source,
         target=target,
-        calibration=calibration.get("name"),
+        calibration=calibration_series(calibration),
         version=block.get("version"),
         k=k,
         metrics=numbers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from kvhub.artifact import read_artifact
+from kvhub.artifact.metadata import calibration_series
 from kvhub.errors import IncompatibleError
 
 
@@ -39,5 +40,5 @@ def series_key(metadata: dict) -> tuple[str, str, str | None]:
         return str(fingerprint.get("model_id", "")).lower() if isinstance(fingerprint, dict) else ""
 
     calibration = metadata.get("calibration")
-    name = calibration.get("name") if isinstance(calibration, dict) else None
+    name = calibration_series(calibration)  # calibration.series, or .name in older files
     return model("source"), model("target"), name if isinstance(name, str) else None

@@ -4,8 +4,10 @@ import: the checks are tested without an engine.
 
 :data:`EXTRA_CONFIG` declares each key once: the roles that read it, how it is read, its default, its
 meaning and the name it had before.  The accepted keys (:data:`EXTRA_KEYS`), the defaults
-(:data:`EXTRA_DEFAULTS`), the renamed keys (:data:`RENAMED_KEYS`), :func:`read_config` and the table in
-docs/serving.md (:func:`config_table`; tests/serving/test_connector_config.py checks the doc) all derive from it.
+(:data:`EXTRA_DEFAULTS`), the renamed keys (:data:`RENAMED_KEYS`), the typed, frozen :class:`ConnectorConfig`
+that :func:`read_config` builds (the one validator: the connector's at engine start, ``kvhub serve``'s before
+anything starts) and the table in docs/serving.md (:func:`config_table`; tests/serving/test_connector_config.py
+checks the doc) all derive from it.
 The rest of the contract with vLLM (class, module, roles) is :mod:`kvhub.serving.launch`'s.
 """
 
@@ -15,7 +17,8 @@ import errno
 import logging
 import os
 import stat
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,7 @@ SOURCE_ATTENTION_QUERIES = 16  # the library's Recompute.queries: the rows selec
 @dataclass(frozen=True)
 class ConfigKey:
     """One ``kv_connector_extra_config`` key.  ``kind``: how it is read ("text", "count", "tokens", "flag",
-    "isolation", "deshrink", "recompute": :func:`read_config`); ``default``: the value the connector uses
+    "isolation", "deshrink", "recompute": :meth:`ConnectorConfig.from_extra`); ``default``: the value the connector uses
     when the key is absent (None: none); ``shown``: the default as the docs say it, where the value alone
     does not; ``renamed_from``: (old key, why), an old key refused with this one's name."""
 
@@ -194,29 +197,65 @@ def check_extra_keys(extra) -> None:
         raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
 
 
-def read_config(extra: dict) -> dict:
-    """``kv_connector_extra_config`` over :data:`EXTRA_DEFAULTS`, every value read by its key's kind (a
-    ConfigError names a bad one) and the recompute fields as one ``"recompute"``: a
-    :class:`~kvhub.serving.spec.Recompute`.  Keys absent with no default are absent."""
-    merged = {**EXTRA_DEFAULTS, **(extra or {})}
-    check_extra_keys(merged)
-    if "kvstore_dir" not in merged:
-        raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
-    readers = {
-        "text": config_text,
-        "count": config_count,
-        "tokens": config_tokens,
-        "flag": config_flag,
-        "isolation": config_isolation_source,
-        "deshrink": config_deshrink,
-    }
-    config: dict[str, Any] = {}
-    for key in EXTRA_CONFIG:
-        if key.kind == "recompute" or key.name not in merged:
-            continue
-        config[key.name] = readers[key.kind](merged, key.name) if key.kind in readers else merged[key.name]
-    config["recompute"] = Recompute.from_options(merged, origin="kv_connector_extra_config")
-    return config
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` read whole, once: one field per key of :data:`EXTRA_CONFIG` (its name,
+    the type its kind reads to; None where the key is absent and has no default), the recompute keys as one
+    ``recompute`` (:class:`~kvhub.serving.spec.Recompute`, a selector the consumer can run).
+
+    Build it with :meth:`from_extra` (:func:`read_config`): the one validator, run by the connector at engine
+    start and by ``kvhub serve`` (:func:`kvhub.serving.launch.transfer_configs`) on each role's keys.  What
+    only the engine knows is checked at start beside it (:func:`check_chunk_tokens`, :func:`events_file`)."""
+
+    kvstore_dir: str
+    kvstore_max_bytes: int
+    chunk_tokens: int
+    recompute: Recompute
+    min_escalation_tokens: int
+    source_attention_queries: int
+    require_isolation_key: bool
+    isolation_key_source: str
+    source_model: str | None = None
+    mapper: str | None = None
+    mapper_path: str | None = None
+    db: str | None = None
+    hub_repo: str | None = None
+    deshrink: str | None = None
+    events_path: str | None = None
+
+    def __post_init__(self):
+        check_serving_spec(self.recompute, origin="kv_connector_extra_config")
+
+    def __getitem__(self, key: str):
+        """The dict :func:`read_config` returned before, with a warning naming the attribute that replaced it."""
+        if key not in {f.name for f in fields(self)}:
+            raise KeyError(key)
+        warnings.warn(
+            f"read_config(...)[{key!r}] is now read_config(...).{key} (a frozen ConnectorConfig)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(self, key)
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> ConnectorConfig:
+        """``extra`` over :data:`EXTRA_DEFAULTS`, every key read by its kind (a ConfigError names a bad key or
+        value and the fix: a renamed key its new name, an unknown one the known ones)."""
+        merged = {**EXTRA_DEFAULTS, **(extra or {})}
+        check_extra_keys(merged)
+        if "kvstore_dir" not in merged:
+            raise ConfigError("kv_connector_extra_config needs 'kvstore_dir': a directory both engines can reach")
+        values = {
+            key.name: _READERS[key.kind](merged, key.name)
+            for key in EXTRA_CONFIG
+            if key.kind != "recompute" and key.name in merged
+        }
+        return cls(**values, recompute=Recompute.from_options(merged, origin="kv_connector_extra_config"))
+
+
+def read_config(extra: dict | None) -> ConnectorConfig:
+    """:meth:`ConnectorConfig.from_extra`: ``kv_connector_extra_config`` as one checked, frozen object."""
+    return ConnectorConfig.from_extra(extra)
 
 
 def config_table() -> str:
@@ -369,35 +408,32 @@ def config_deshrink(extra: dict, key: str = "deshrink") -> str | None:
     return check_deshrink(extra.get(key), what="kv_connector_extra_config deshrink")
 
 
-def load_mapper(extra: dict, *, device):
-    """The mapper named by ``mapper`` (a reference, resolved by kvhub.load) or ``mapper_path`` (a directory),
-    transferring with ``deshrink`` (:func:`config_deshrink`)."""
+_READERS = {  # ConfigKey.kind -> how ConnectorConfig.from_extra reads a value of it
+    "text": config_text,
+    "count": config_count,
+    "tokens": config_tokens,
+    "flag": config_flag,
+    "isolation": config_isolation_source,
+    "deshrink": config_deshrink,
+}
+
+
+def load_mapper(config: ConnectorConfig, *, device):
+    """The mapper named by ``mapper`` (a name :func:`kvhub.api.resolve` takes: a reference, resolved in ``db``,
+    then on the Hub in ``hub_repo``) or ``mapper_path`` (a directory, read as it is), transferring with the
+    configured ``deshrink``."""
     from kvhub.core.mapper import Mapper
 
-    deshrink = config_deshrink(extra)
-    if extra.get("mapper_path"):
-        return Mapper.load(Path(extra["mapper_path"]), device=device, deshrink=deshrink)
-    if not extra.get("mapper"):
+    if config.mapper_path:
+        return Mapper.load(Path(config.mapper_path), device=device, deshrink=config.deshrink)
+    if not config.mapper:
         raise ConfigError(
             "the consumer needs 'mapper' (SRC:DST:CALIB@production) or 'mapper_path' in kv_connector_extra_config"
         )
-    from kvhub.api import load
-    from kvhub.store.refs import Ref
+    from kvhub.api import resolve
 
-    ref = Ref.parse(extra["mapper"])
-    if extra.get("db"):
-        os.environ.setdefault("KVHUB_DB_URL", str(extra["db"]))
-    return load(
-        ref.source,
-        ref.target,
-        calib=ref.calibration,
-        version=ref.version,
-        alias=ref.alias,
-        hub_repo=extra.get("hub_repo"),
-        db=extra.get("db"),
-        device=device,
-        deshrink=deshrink,
-    )
+    found = resolve(config.mapper, db=config.db, hub_repo=config.hub_repo)
+    return found.load(device=device, deshrink=config.deshrink)
 
 
 def check_target(mapper, vllm_config) -> None:

@@ -107,8 +107,10 @@ class ConnectorScheduler:
         reason = None
         if request_prefill(params):  # the client settles the conversation: the large model's own KV
             reason = "the request asked for the large model's own prefill (kvhub_prefill)"
-        elif len(tokens) < state.min_escalation_tokens:  # below break-even: not even looked up
-            reason = f"prompt of {len(tokens)} tokens is below min_escalation_tokens={state.min_escalation_tokens}"
+        elif len(tokens) < state.config.min_escalation_tokens:  # below break-even: not even looked up
+            reason = (
+                f"prompt of {len(tokens)} tokens is below min_escalation_tokens={state.config.min_escalation_tokens}"
+            )
         if reason is not None:
             self._load_reports[request.request_id] = prefill_report(reason, tokens=len(tokens), computed=computed)
             return reason, None

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhub.serving.connector_config import isolation_key, request_spec
+from kvhub.serving.connector_config import ConnectorConfig, isolation_key, request_spec
 from kvhub.serving.kvstore import KVStore
 from kvhub.serving.spec import Recompute
 
@@ -26,23 +26,17 @@ log = logging.getLogger("kvhub.serving")
 @dataclass
 class ConnectorState:
     """One connector's configuration and shared parts.  ``role_name``: "producer" or "consumer";
-    ``exact_suffix``: the engine spec's, at least 1 (vLLM computes the last prompt token itself);
-    ``mapper`` / ``refusal``: the consumer's mapper, or why it has none (every request then prefills);
-    ``min_escalation_tokens``: the consumer prefills shorter prompts itself (0: none);
-    ``source_attention_queries``: the producer stores the attention of each prompt's last that-many tokens
-    with its KV (0: none)."""
+    ``config``: ``kv_connector_extra_config`` as read at start, whole (:class:`ConnectorConfig`);
+    ``source_model``: the namespace's model (the configured one, else the producer's served model or the
+    consumer mapper's source); ``mapper`` / ``refusal``: the consumer's mapper, or why it has none (every
+    request then prefills)."""
 
     role_name: str
     block_size: int
-    recompute: Recompute
-    require_isolation_key: bool
-    isolation_source: str
+    config: ConnectorConfig
     kvstore: KVStore
-    events_path: str | None
     source_model: str = ""
     mapper: Any = None
-    min_escalation_tokens: int = 0
-    source_attention_queries: int = 0
     refusal: str | None = None
     counters: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -52,7 +46,13 @@ class ConnectorState:
         return self.role_name == "producer"
 
     @property
+    def recompute(self) -> Recompute:
+        """The engine's recompute spec (``config.recompute``)."""
+        return self.config.recompute
+
+    @property
     def exact_suffix(self) -> int:
+        """The engine spec's, at least 1 (vLLM computes the last prompt token itself)."""
         return max(self.recompute.exact_suffix, 1)
 
     def event(self, event: str, request_id: str, **fields) -> None:
@@ -65,26 +65,28 @@ class ConnectorState:
                 fields.get("reason"),
                 self.counters[event],
             )
-        if self.events_path:
+        if self.config.events_path:
             line = json.dumps(
                 {"time": time.time(), "role": self.role_name, "event": event, "request_id": request_id, **fields}
             )
             try:
-                with self._lock, open(self.events_path, "a") as f:
+                with self._lock, open(self.config.events_path, "a") as f:
                     f.write(line + "\n")
             except OSError as exc:  # the events file is a log: losing a line never touches the request
                 if not self.counters["events_lost"]:
                     log.warning(
                         "kvhub %s: cannot append to events_path %s (%s); events are lost until it is writable again",
                         self.role_name,
-                        self.events_path,
+                        self.config.events_path,
                         exc,
                     )
                 self.counters["events_lost"] += 1
 
     def isolation_key(self, request) -> str | None:
         """ConfigError for a request that names its tenant the wrong way (see connector_config.isolation_key)."""
-        return isolation_key(request, source=self.isolation_source, required=self.require_isolation_key)
+        return isolation_key(
+            request, source=self.config.isolation_key_source, required=self.config.require_isolation_key
+        )
 
     def request_spec(self, request) -> Recompute:
         """The request's own recompute spec (``kv_transfer_params["kvhub_recompute"]``) over the engine's."""

@@ -65,7 +65,7 @@ class ConnectorWorker:
         recompute runs its decoder layers, and so does the producer's source attention pass (when
         ``source_attention_queries`` > 0).  A model the pass cannot run leaves the consumer mapping only and
         the producer storing KV without attention, visibly."""
-        if self.state.is_producer and not self.state.source_attention_queries:
+        if self.state.is_producer and not self.state.config.source_attention_queries:
             return
         try:
             self.engine = EnginePass(model)
@@ -268,7 +268,7 @@ class ConnectorWorker:
         """The small model's attention of the prompt's last ``source_attention_queries`` tokens on the prompt
         (:func:`kvhub.serving.engine_pass.prompt_attention`), stored with its KV for the consumer's
         ``select=source``; None when off or when the pass fails (the KV is stored all the same, visibly)."""
-        queries = self.state.source_attention_queries
+        queries = self.state.config.source_attention_queries
         if not queries:
             return None
         if self.engine is None:

@@ -39,12 +39,8 @@ from kvhub.serving.connector_config import (  # EXTRA_DEFAULTS and RENAMED_KEYS 
     EXTRA_KEYS,
     RENAMED_KEYS,  # noqa: F401
     check_extra_keys,
-    config_deshrink,
-    config_isolation_source,
-    config_tokens,
+    read_config,
 )
-from kvhub.serving.spec import SERVING
-from kvhub.serving.spec import Recompute
 
 log = logging.getLogger("kvhub.serving")
 
@@ -79,16 +75,12 @@ def transfer_configs(
 
     Both get the same KV store, ``source_model`` and shared options; each extra key goes only to the roles
     that read it (:data:`EXTRA_KEYS`); options left None are left out (the connector's defaults apply).
-    The consumer needs ``mapper`` (a reference) or ``mapper_path`` (an artifact directory).
-    ``KVTransferConfig(**config)`` takes a result as is; ``vllm serve`` takes it as JSON.
+    The consumer needs ``mapper`` (a reference) or ``mapper_path`` (an artifact directory).  Each role's keys
+    are checked by the constructor the connector reads them with (:func:`read_config`), so a bad value is
+    the same ConfigError now as it would be at the engine's start.  ``KVTransferConfig(**config)`` takes a
+    result as is; ``vllm serve`` takes it as JSON.
     """
-    check_extra_keys(options)
-    Recompute.from_options(options, base=SERVING, origin="the recompute options")  # ConfigError now, not at load
-    config_deshrink(options)
-    if options.get("isolation_key_source") is not None:
-        config_isolation_source(options)
-    if options.get("min_escalation_tokens") is not None:
-        config_tokens(options, "min_escalation_tokens")
+    check_extra_keys(options)  # a renamed or unknown option, named before the roles split the keys
     if (mapper is None) == (mapper_path is None):
         raise ConfigError(
             "the consumer needs exactly one of mapper (SRC:DST:CALIB@SELECTOR) or mapper_path (an artifact directory)"
@@ -103,6 +95,7 @@ def transfer_configs(
     configs = {}
     for role, kv_role in ROLES.items():
         extra = {key: value for key, value in values.items() if value is not None and role in EXTRA_KEYS[key]}
+        read_config(extra)  # ConfigError now, not at the engine's start
         configs[role] = {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,

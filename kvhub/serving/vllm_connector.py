@@ -56,8 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvhub.errors import ConfigError
 from kvhub.serving.connector_config import (
+    ConnectorConfig,
     check_chunk_tokens,
-    check_serving_spec,
     check_target,
     events_file,
     load_mapper,
@@ -81,28 +81,20 @@ class KVHubConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine(vllm_config)  # one rank, attention-only model: refused at start (engine_limits), never half-served
         transfer = vllm_config.kv_transfer_config
-        config = read_config(transfer.kv_connector_extra_config or {})
-        check_chunk_tokens(
-            config["chunk_tokens"], max_model_len=getattr(vllm_config.model_config, "max_model_len", None)
-        )
+        config = read_config(transfer.kv_connector_extra_config)
+        check_chunk_tokens(config.chunk_tokens, max_model_len=getattr(vllm_config.model_config, "max_model_len", None))
+        events_file(config.events_path)  # an appendable regular file, checked now rather than at the first event
         if transfer.kv_role not in ROLES.values():
             raise ConfigError(f"KVHubConnector runs as {' or '.join(ROLES.values())}, not {transfer.kv_role!r}")
         is_producer = transfer.kv_role == ROLES["producer"]
         self.state = ConnectorState(
             role_name="producer" if is_producer else "consumer",
             block_size=vllm_config.cache_config.block_size,
-            recompute=config["recompute"],
-            require_isolation_key=config["require_isolation_key"],
-            isolation_source=config["isolation_key_source"],
-            kvstore=KVStore(
-                config["kvstore_dir"], max_bytes=config["kvstore_max_bytes"], chunk_tokens=config["chunk_tokens"]
-            ),
-            events_path=events_file(config.get("events_path")),
-            min_escalation_tokens=config.get("min_escalation_tokens", 0),
-            source_attention_queries=config.get("source_attention_queries", 0) if is_producer else 0,
+            config=config,
+            kvstore=KVStore(config.kvstore_dir, max_bytes=config.kvstore_max_bytes, chunk_tokens=config.chunk_tokens),
         )
         if is_producer:
-            self.state.source_model = config.get("source_model") or vllm_config.model_config.model
+            self.state.source_model = config.source_model or vllm_config.model_config.model
         else:
             self._init_consumer(vllm_config, config)
         self.connector_scheduler: ConnectorScheduler | None = None
@@ -115,18 +107,17 @@ class KVHubConnector(KVConnectorBase_V1):
                 self.state, metadata=self._get_connector_metadata, tokenizer_name=tokenizer
             )
 
-    def _init_consumer(self, vllm_config, config: dict) -> None:
+    def _init_consumer(self, vllm_config, config: ConnectorConfig) -> None:
         state = self.state
         device = "cpu" if self.role == KVConnectorRole.SCHEDULER else worker_device(vllm_config)
         try:
             state.mapper = load_mapper(config, device=device)
-            state.source_model = config.get("source_model") or state.mapper.source["model_id"]
+            state.source_model = config.source_model or state.mapper.source["model_id"]
             check_target(state.mapper, vllm_config)
         except Exception as exc:  # noqa: BLE001 - any failure to get a usable mapper means: prefill, visibly
             state.refusal = f"{type(exc).__name__}: {exc}"
-            state.source_model = config.get("source_model", "")
+            state.source_model = config.source_model or ""
             log.error("kvhub consumer disabled, every request falls back to prefill: %s", state.refusal)
-        check_serving_spec(state.recompute, origin="kv_connector_extra_config")
         if vllm_config.kv_transfer_config.kv_load_failure_policy != LOAD_FAILURE_POLICY:
             log.warning(
                 "kvhub consumer: set kv_load_failure_policy=%r so a failed map falls back to prefill instead "

@@ -22,6 +22,7 @@ from kvhub.artifact import (  # noqa: F401
     read_metadata,
     verify_tensors,
 )
+from kvhub.artifact.metadata import calibration_series
 from kvhub.errors import ArtifactError, ConfigError, IntegrityError, InvalidArtifactError, NonFiniteError
 from kvhub.store.artifacts import StoredArtifact
 from kvhub.store.records import corpus_hash
@@ -71,17 +72,18 @@ def read_checked_metadata(directory: Path, hashes: dict[str, str]) -> dict:
 def check_storable(metadata: dict) -> None:
     """What the store needs beyond the format: a calibration-set name (its series key) and every field
     within its column's length."""
-    if not metadata["calibration"].get("name"):
+    name = calibration_series(metadata["calibration"])  # calibration.series, or .name in older files
+    if not name:
         raise InvalidArtifactError(
             f"{METADATA_FILE} names no calibration set (calibration.name); the store files "
             "versions under it: re-fit the mapper with a calibration set",
             field="calibration.name",
         )
-    name = metadata["calibration"]["name"]
+    field = "calibration.series" if metadata["calibration"].get("series") else "calibration.name"
     try:
         check_calibration_name(name)
     except ConfigError as exc:  # it would reach suggested commands (`kvhub fit ... --name NAME`) unquoted
-        raise InvalidArtifactError(f"{METADATA_FILE} calibration.name: {exc}", field="calibration.name") from None
+        raise InvalidArtifactError(f"{METADATA_FILE} {field}: {exc}", field=field) from None
     check_lengths(metadata)
 
 
@@ -150,12 +152,13 @@ def model_row(session: Session, fingerprint: dict) -> ModelRow:
 def calibration_row(session: Session, calibration: dict) -> CalibrationSetRow:
     version = calibration.get("version")
     version = None if version is None else str(version)
-    identity = _identity(calibration["name"], version, calibration.get("content_hash"))
+    name = calibration_series(calibration)  # the series' name: the store's calibration sets are series
+    identity = _identity(name, version, calibration.get("content_hash"))
     row = session.scalar(select(CalibrationSetRow).where(CalibrationSetRow.identity_sha256 == identity))
     if row is None:
         row = CalibrationSetRow(
             identity_sha256=identity,
-            name=calibration["name"],
+            name=name,
             version=version,
             content_hash=calibration.get("content_hash"),
             tokens=_integer(calibration.get("tokens")),
@@ -285,7 +288,7 @@ def check_same_text(session: Session, metadata: dict) -> None:
     key = (
         SeriesRow.source_name == metadata["source"]["model_id"],
         SeriesRow.target_name == metadata["target"]["model_id"],
-        SeriesRow.calibration_name == metadata["calibration"]["name"],
+        SeriesRow.calibration_name == calibration_series(metadata["calibration"]),
     )
     query = (
         select(VersionRow.version, CalibrationSetRow.recipe)
@@ -297,7 +300,7 @@ def check_same_text(session: Session, metadata: dict) -> None:
     for number, recipe in session.execute(query).all():
         old = corpus_hash(recipe)
         if old is not None and old != new:
-            name = metadata["calibration"]["name"]
+            name = calibration_series(metadata["calibration"])
             triple = f"{metadata['source']['model_id']}:{metadata['target']['model_id']}:{name}"
             raise ConfigError(
                 f"{triple} holds versions fitted on another text than this mapper's (v{number}: corpus "
@@ -312,7 +315,7 @@ def find_same_tensors(session: Session, metadata: dict) -> VersionRow | None:
     key = (
         SeriesRow.source_name == metadata["source"]["model_id"],
         SeriesRow.target_name == metadata["target"]["model_id"],
-        SeriesRow.calibration_name == metadata["calibration"]["name"],
+        SeriesRow.calibration_name == calibration_series(metadata["calibration"]),
     )
     query = (
         select(VersionRow)

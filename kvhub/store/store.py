@@ -29,18 +29,29 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from kvhub import __version__
-from kvhub.artifact import AtomicDirectory, is_plain_file_name, open_regular, read_artifact, read_metadata
-from kvhub.artifact.files import NO_SPACE
+from kvhub.artifact import read_artifact, read_metadata
 from kvhub.errors import AmbiguousError, ArtifactError, ConfigError, NotFoundError, StoreError
-from kvhub.errors import IntegrityError as ArtifactIntegrityError
 from kvhub.store import lookup, queries
-from kvhub.store.artifacts import ArtifactStore, GcReport, artifact_files, copy_hashing, manifest_sha256
+from kvhub.store.artifact_io import export_artifact, trusted_tensor_file
+from kvhub.store.artifacts import ArtifactStore, GcReport
 from kvhub.store.engine import (
-    connection_error, full_folder, make_engine, no_space_error, out_of_space_folder, wal_pending,
+    connection_error,
+    full_folder,
+    make_engine,
+    no_space_error,
+    out_of_space_folder,
+    wal_pending,
 )
 from kvhub.store.ingest import (
-    METADATA_FILE, check_same_text, check_storable, find_same_tensors, insert_version, lock_series, metric_row,
-    read_checked_metadata, set_alias,
+    METADATA_FILE,
+    check_same_text,
+    check_storable,
+    find_same_tensors,
+    insert_version,
+    lock_series,
+    metric_row,
+    read_checked_metadata,
+    set_alias,
 )
 from kvhub.store.location import default_artifacts_dir, display_url, require_existing, resolve_db_url, sqlite_path
 from kvhub.store.migrate import ensure_schema
@@ -55,8 +66,9 @@ VersionLike = MapperVersion | Ref | str
 _COLLECT_WAIT_S = 2.0  # rm waits this long for registrations in flight, then leaves the artifact to gc
 
 
-def open_store(db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None,
-               create: bool = True) -> "Store":
+def open_store(
+    db: str | os.PathLike | None = None, *, artifacts_dir: str | os.PathLike | None = None, create: bool = True
+) -> "Store":
     """Open the store at ``db`` (see kvhub.store.location for the default), creating a new one at head
     unless ``create=False`` (then a SQLite file that does not exist is a NotFoundError).
 
@@ -129,8 +141,9 @@ class Store(Transactions):
         return version_record(row, lookup.aliases_by_version(session, [row.id]).get(row.id, []))
 
     # ---- registering -----------------------------------------------------------------------------
-    def register(self, artifact_dir: str | os.PathLike, *, lineage: dict | None = None,
-                 preferred_version: int | None = None) -> MapperVersion:
+    def register(
+        self, artifact_dir: str | os.PathLike, *, lineage: dict | None = None, preferred_version: int | None = None
+    ) -> MapperVersion:
         """Copy an artifact directory into the store and register it as the next version of its triple.
 
         Creates model and calibration-set rows from mapper.json as needed, records its metrics, and
@@ -163,8 +176,9 @@ class Store(Transactions):
 
         with self._artifacts.writing():
             stored = self._artifacts.put(artifact_dir, check=check)
-            version_id = self._write(lambda s: insert_version(s, checked["metadata"], stored, lineage,
-                                                                   preferred_version))
+            version_id = self._write(
+                lambda s: insert_version(s, checked["metadata"], stored, lineage, preferred_version)
+            )
         version = self.get(version_id)
         if version.artifact_location != stored.location:  # same tensors as an existing version: drop the copy
             try:
@@ -191,9 +205,7 @@ class Store(Transactions):
 
         return self._write(work)
 
-    def add_publication(
-        self, version: VersionLike, repo_id: str, revision: str | None, commit_sha: str | None
-    ) -> dict:
+    def add_publication(self, version: VersionLike, repo_id: str, revision: str | None, commit_sha: str | None) -> dict:
         """Record that ``version`` was pushed to ``repo_id`` at ``revision`` (tag/branch), ``commit_sha``."""
 
         def work(session: Session) -> dict:
@@ -224,15 +236,25 @@ class Store(Transactions):
         return version.ref
 
     def find(
-        self, source: str, target: str, *, calibration: str | None = None, version: int | str | None = None,
+        self,
+        source: str,
+        target: str,
+        *,
+        calibration: str | None = None,
+        version: int | str | None = None,
         alias: str | None = None,
     ) -> MapperVersion:
         """Like :meth:`resolve` with each part given separately (:meth:`Ref.of`)."""
         return self.resolve(Ref.of(source, target, calibration=calibration, version=version, alias=alias))
 
     def versions(
-        self, *, source: str | None = None, target: str | None = None, calibration: str | None = None,
-        family: str | None = None, min_metrics: dict[str, float] | None = None,
+        self,
+        *,
+        source: str | None = None,
+        target: str | None = None,
+        calibration: str | None = None,
+        family: str | None = None,
+        min_metrics: dict[str, float] | None = None,
     ) -> list[MapperVersion]:
         """Every version matching all filters, ordered by triple then version number.
 
@@ -241,8 +263,11 @@ class Store(Transactions):
         measurement >= threshold of the metric the key names: ``NAME``, or ``NAME@TASK`` for that task
         only.  ConfigError for a name (or task) the store never measured, listing those it has.
         """
-        return self._read(lambda s: queries.list_versions(s, source=source, target=target, calibration=calibration,
-                                                          family=family, min_metrics=min_metrics or {}))
+        return self._read(
+            lambda s: queries.list_versions(
+                s, source=source, target=target, calibration=calibration, family=family, min_metrics=min_metrics or {}
+            )
+        )
 
     def metrics(self, version: VersionLike, *, names: list[str] | None = None, history: bool = True) -> list[dict]:
         """Measurements of a version {name, value, split, task, layer, n, seed, measured_at, kvhub_version},
@@ -267,8 +292,11 @@ class Store(Transactions):
         """ConfigError (naming ``kvhub fit --name``) when the triple holds versions fitted on another
         calibration text than ``text_sha256`` (a calibration set's ``corpus_hash``): what :meth:`register`
         would refuse, asked before a fit spends its forward passes."""
-        metadata = {"source": {"model_id": source}, "target": {"model_id": target},
-                    "calibration": {"name": calibration, "corpus_hash": text_sha256}}
+        metadata = {
+            "source": {"model_id": source},
+            "target": {"model_id": target},
+            "calibration": {"name": calibration, "corpus_hash": text_sha256},
+        }
         self._read(lambda s: check_same_text(s, metadata))
 
     def _same_tensors(self, session: Session, metadata: dict) -> MapperVersion | None:
@@ -304,22 +332,11 @@ class Store(Transactions):
         """
         record = version if isinstance(version, MapperVersion) else self.resolve(version)
         metadata_path = self._artifacts.path(record.artifact_location) / METADATA_FILE
-        tensor_file = self._tensor_file(metadata_path, record)
+        tensor_file = trusted_tensor_file(metadata_path, record.tensors_sha256)
         path = self._artifacts.verify(
             record.artifact_location, sha256=record.artifact_sha256, trusted={tensor_file: record.tensors_sha256}
         )
         return path
-
-    def _tensor_file(self, metadata_path: Path, record: MapperVersion) -> str:
-        try:
-            with open_regular(metadata_path) as handle:
-                tensors = json.loads(handle.read())["tensors"]
-        except (ArtifactError, ValueError, KeyError, TypeError):
-            return ""  # verify() below reports the missing or altered file
-        if not isinstance(tensors, dict) or tensors.get("sha256") != record.tensors_sha256:
-            return ""
-        name = tensors.get("file", "")
-        return name if is_plain_file_name(name) else ""
 
     def verify(self, version: VersionLike) -> Path:
         """Hash every file of a version's artifact against its content address, then run every check of
@@ -332,22 +349,7 @@ class Store(Transactions):
     def export(self, version: VersionLike, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Copy a version's artifact to ``directory`` (atomically), verifying every byte copied."""
         record = version if isinstance(version, MapperVersion) else self.resolve(version)
-        source = self.artifact_path(record)
-        try:
-            with AtomicDirectory(directory, overwrite=overwrite) as tmp:
-                hashes = {name: copy_hashing(path, tmp / name) for name, path in artifact_files(source).items()}
-                if manifest_sha256(hashes) != record.artifact_sha256:
-                    raise ArtifactIntegrityError(
-                        f"artifact of {record.ref} changed on disk (manifest {manifest_sha256(hashes)}, recorded "
-                        f"{record.artifact_sha256}); nothing was exported. Re-import or pull it again"
-                    )
-        except OSError as exc:
-            if exc.errno not in NO_SPACE:
-                raise
-            raise no_space_error(Path(directory).absolute().parent, then=(
-                f"nothing was exported ({record.artifact_bytes} bytes of {record.ref}). Free some space there or "
-                "export to another directory")) from exc
-        return Path(directory)
+        return export_artifact(self.artifact_path(record), directory, record=record, overwrite=overwrite)
 
     # ---- aliases and removal ---------------------------------------------------------------------
     def tag(self, version: VersionLike, alias: str) -> MapperVersion:
@@ -399,8 +401,12 @@ class Store(Transactions):
         """
         record = self._write(lambda s: self._remove(s, version, force))
         if not self._artifacts.is_location(record.artifact_location):
-            log.warning("removed %s; its database row named the artifact location %r, which is not inside the "
-                        "store, so no file was deleted", record.ref, record.artifact_location)
+            log.warning(
+                "removed %s; its database row named the artifact location %r, which is not inside the "
+                "store, so no file was deleted",
+                record.ref,
+                record.artifact_location,
+            )
             return record
         try:  # the removal is committed: what follows may only leave work for gc, never fail the removal
             self._collect([record.artifact_location])

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ import torch
 
 from kvhub.artifact import FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS, format_version_of, map_prefix, read_artifact
 from kvhub.core.mapper import Mapper
-from tests.fixtures_store import make_store_artifact
+from tests.fixtures_store import load_with_old_kvhub, make_store_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 BEFORE_V3 = "29b55c1"  # kvhub 0.1: reads format versions 1 and 2, and no target_mean tensors
@@ -55,29 +52,6 @@ def test_artifacts_written_before_version_3_with_target_means_still_read(tmp_pat
 
 @pytest.mark.slow
 def test_kvhub_before_version_3_says_upgrade(tmp_path):
-    if (
-        shutil.which("git") is None
-        or subprocess.run(
-            ["git", "cat-file", "-e", f"{BEFORE_V3}^{{commit}}"], cwd=ROOT, capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip(f"needs the git history with commit {BEFORE_V3}")
-    old = tmp_path / "old"
-    old.mkdir()
-    archive = subprocess.run(
-        ["git", "archive", BEFORE_V3, "kvhub", "registry"], cwd=ROOT, capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    artifact = _with_means(tmp_path / "m")
-    code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(artifact)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"},
-    )
+    done = load_with_old_kvhub(BEFORE_V3, _with_means(tmp_path / "m"), tmp_path)
     assert done.returncode != 0
     assert "FormatVersionError" in done.stderr and "format version 3" in done.stderr and "upgrade" in done.stderr

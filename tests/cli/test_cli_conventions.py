@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError, CorpusTooSmallError, FitError, ModelUnavailableError
 from tests.fixtures_calib import config_only_model
+from tests.fixtures_fit import tiny_fit_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,32 +43,9 @@ def test_fit_from_a_single_txt_file(tiny_model_dirs, env):
     runner = CliRunner()
     result = runner.invoke(
         main,
-        [
-            "fit",
-            "--src",
-            str(src),
-            "--dst",
-            str(dst),
-            "--calib",
-            str(notes),
-            "--samples",
-            "8",
-            "--seq-len",
-            "16",
-            "--stride",
-            "1",
-            "--dtype",
-            "float32",
-            "--batch-size",
-            "4",
-            "--device",
-            "cpu",
-            "--db",
-            env["db"],
-            "--out",
-            str(env["tmp"] / "m"),
-            "--json",
-        ],
+        tiny_fit_args(
+            src, dst, calib=notes, samples=8, seq_len=16, batch_size=4, db=env["db"], out=env["tmp"] / "m", json=True
+        ),
     )
     assert result.exit_code == 0, result.output
     calibration = json.loads((env["tmp"] / "m" / "mapper.json").read_text())["calibration"]

@@ -23,33 +23,33 @@ def _ref(store_db):
 
 # command line (REF, DB and TMP filled in), the header's fields, the field whose cell is checked and its value
 STORE_COMMANDS = [
-    pytest.param(["tag", "REF", "prod"], ["alias", "ref"], ("alias", "prod"), id="R3_11-tag"),
+    pytest.param(["tag", "REF", "prod"], ["alias", "ref"], ("alias", "prod"), id="tag"),
     pytest.param(
         ["untag", "REF", "latest-but-one"],
         ["ref", "removed_alias"],
         ("removed_alias", "latest-but-one"),
-        id="R3_11-untag",
+        id="untag",
     ),
-    pytest.param(["rm", "REF", "--force"], ["bytes", "ref", "removed"], ("removed", "true"), id="R3_11-rm"),
+    pytest.param(["rm", "REF", "--force"], ["bytes", "ref", "removed"], ("removed", "true"), id="rm"),
     pytest.param(
         ["gc", "--dry-run"],
         ["artifacts", "bytes", "dry_run", "hub_cache", "hub_cache_skipped", "missing", "temporaries"],
         ("dry_run", "true"),
-        id="R3_11-gc-dry-run",
+        id="gc-dry-run",
     ),
-    pytest.param(["export", "REF", "TMP/out"], ["directory", "ref"], ("directory", "TMP/out"), id="R3_11-export"),
-    pytest.param(["import", "TMP/artifact"], VERSION_FIELDS, ("already_registered", "true"), id="R3_11-import"),
+    pytest.param(["export", "REF", "TMP/out"], ["directory", "ref"], ("directory", "TMP/out"), id="export"),
+    pytest.param(["import", "TMP/artifact"], VERSION_FIELDS, ("already_registered", "true"), id="import"),
     pytest.param(
         ["db", "current"],
         ["current", "head", "newer_than_kvhub", "up_to_date", "url"],
         ("up_to_date", "true"),
-        id="R3_11-db-current",
+        id="db-current",
     ),
 ]
 
 
 @pytest.mark.parametrize("command, fields, cell", STORE_COMMANDS)
-def test_R3_11_store_commands_print_tsv(tmp_path, command, fields, cell):
+def test_store_commands_print_tsv(tmp_path, command, fields, cell):
     store_db = tmp_path / "store" / "kvhub.db"
     artifact = make_store_artifact(tmp_path / "artifact", seed=1)
     with open_store(store_db) as store:
@@ -74,7 +74,7 @@ def test_R3_11_store_commands_print_tsv(tmp_path, command, fields, cell):
         assert values["ref"] == ref
 
 
-def test_R3_11_push_and_pull_print_tsv(hub_env, db):  # noqa: F811
+def test_push_and_pull_print_tsv(hub_env, db):  # noqa: F811
     with open_store(db) as store:
         ref = store.register(make_store_artifact(hub_env.tmp / "artifact", seed=1)).ref
     for args, cell in (

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvhub.cli import eval_cmd
+from kvhub.cli import eval_cmd, eval_tables
 from kvhub.cli.main import main
 from kvhub.cli.output import format_number
 from kvhub.hub.evaluations import bench_section, fmt
@@ -21,11 +21,11 @@ from kvhub.hub.evaluations import bench_section, fmt
 @pytest.mark.parametrize(
     "value", [0, 1, 256, 256.0, 0.98553, 0.005814, 0.0004, 2231.4, 0.8, 1.0, -0.25], ids=lambda v: f"U3_21_{v!r}"
 )
-def test_U3_21_the_card_formats_numbers_as_the_tables(value):
+def test_the_card_formats_numbers_as_the_tables(value):
     assert fmt(value) == format_number(value)
 
 
-def test_U3_21_nan_is_an_empty_cell_and_ppl_has_three_decimals():
+def test_nan_is_an_empty_cell_and_ppl_has_three_decimals():
     results = {
         "hellaswag": {
             "n": 4,
@@ -48,7 +48,7 @@ def test_U3_21_nan_is_an_empty_cell_and_ppl_has_three_decimals():
     }
     runner = CliRunner()
     with runner.isolation() as (out, _err, *_):
-        eval_cmd._print_results("ref", results, output_format="tsv")
+        eval_tables.print_results("ref", results, output_format="tsv")
         text = out.getvalue().decode()
     assert "nan" not in text and "ppl 2244.922" in text and "no ctx 4000" in text
 
@@ -87,7 +87,7 @@ ROW = {
 }
 
 
-def test_U3_21_bench_times_share_one_format(monkeypatch):
+def test_bench_times_share_one_format(monkeypatch):
     _fake_bench(monkeypatch, [ROW])
     result = CliRunner().invoke(main, ["bench", "src:dst:notes@v1", "--lengths", "64", "--format", "tsv"])
     assert result.exit_code == 0, result.output
@@ -95,7 +95,7 @@ def test_U3_21_bench_times_share_one_format(monkeypatch):
     assert cells[1:3] == ["0.001", "0.002"] and cells[4] == "4.00e-04"
 
 
-def test_U3_25_bench_says_the_map_alone(monkeypatch):
+def test_bench_says_the_map_alone(monkeypatch):
     _fake_bench(monkeypatch, [ROW])
     plain = CliRunner().invoke(main, ["bench", "src:dst:notes@v1", "--lengths", "64", "--format", "tsv"])
     assert "map-alone TTFT s" in plain.stdout.splitlines()[0]
@@ -106,7 +106,7 @@ def test_U3_25_bench_says_the_map_alone(monkeypatch):
     assert "handoff TTFT s" in handoff.stdout.splitlines()[0]
 
 
-def test_U3_25_the_cards_speed_rows_name_the_map_alone():
+def test_the_cards_speed_rows_name_the_map_alone():
     measured = {
         ("bench", "bench:cpu:bf16:64", "speedup"): {"value": 2.0},
         ("bench", "bench:cpu:bf16:64@exact_prefix=4", "speedup"): {"value": 1.5},

@@ -30,12 +30,12 @@ from tests.fixtures_store import make_store_artifact
     ],
     ids=lambda v: f"U3_27_{v}",
 )
-def test_U3_27_each_command_takes_the_common_name(command, option):
+def test_each_command_takes_the_common_name(command, option):
     opts = {opt for param in main.commands[command].params for opt in getattr(param, "opts", [])}
     assert option in opts
 
 
-def test_U3_27_export_out(tmp_path):
+def test_export_out(tmp_path):
     db = str(tmp_path / "store.db")
     with open_store(db) as store:
         ref = store.register(make_store_artifact(tmp_path / "a")).ref
@@ -49,7 +49,7 @@ def test_U3_27_export_out(tmp_path):
 
 
 @pytest.mark.hub
-def test_U3_27_pull_repo_option(hub_env, db):
+def test_pull_repo_option(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1)
     assert run("push", v1.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
     pulled = run("pull", "--repo", "alice/kvmap@v1", "--db", str(hub_env.tmp / "other.db"), "--format", "json")

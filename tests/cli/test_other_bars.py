@@ -12,7 +12,7 @@ import pytest
 from kvhub.models.loading import quiet_loading
 
 
-def test_U3_18_gguf_conversion_bar_and_dtype_advice_are_silent(capsys, caplog):
+def test_gguf_conversion_bar_and_dtype_advice_are_silent(capsys, caplog):
     gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
     with quiet_loading(), caplog.at_level(logging.WARNING):
         list(gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...", file=io.StringIO()))
@@ -23,7 +23,7 @@ def test_U3_18_gguf_conversion_bar_and_dtype_advice_are_silent(capsys, caplog):
     assert not gguf_utils.tqdm(range(1), file=io.StringIO()).disable  # restored after
 
 
-def test_U3_18_push_and_pull_turn_huggingface_hubs_bars_off(monkeypatch, tmp_path):
+def test_push_and_pull_turn_huggingface_hubs_bars_off(monkeypatch, tmp_path):
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
     from kvhub.cli import progress
@@ -37,7 +37,7 @@ def test_U3_18_push_and_pull_turn_huggingface_hubs_bars_off(monkeypatch, tmp_pat
 
 
 @pytest.mark.hub
-def test_U3_18_pull_downloads_without_their_bars(hub_env, db, monkeypatch):
+def test_pull_downloads_without_their_bars(hub_env, db, monkeypatch):
     import huggingface_hub
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 

@@ -27,8 +27,8 @@ def terminal(monkeypatch):
     return make
 
 
-@pytest.mark.parametrize("columns", [80, 120], ids=["U3_6_80", "U3_6_120"])
-def test_U3_6_identifiers_are_never_split(terminal, columns):
+@pytest.mark.parametrize("columns", [80, 120], ids=["80", "120"])
+def test_identifiers_are_never_split(terminal, columns):
     buffer = terminal(columns)
     rows = [
         [REF, "production", "2026-12-04 12:53", 8, "auto", "0.750", "0.611", "f82679dc0123", "118.0 MB"],
@@ -44,13 +44,13 @@ def test_U3_6_identifiers_are_never_split(terminal, columns):
         assert cell in text, text
 
 
-def test_U3_6_key_value_overview_keeps_values_whole(terminal):
+def test_key_value_overview_keeps_values_whole(terminal):
     buffer = terminal(60)
     output.print_table(None, [["ref", REF], ["repository", "acme/kvmap-support"]])
     assert REF in buffer.getvalue()
 
 
-def test_U3_6_a_narrow_table_still_fits_the_terminal(terminal):
+def test_a_narrow_table_still_fits_the_terminal(terminal):
     buffer = terminal(80)
     output.print_table(["NAME", "K"], [["legal-docs", 8]])
     assert max(len(line) for line in buffer.getvalue().splitlines()) <= 80

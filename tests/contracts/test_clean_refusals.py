@@ -24,6 +24,7 @@ from kvhub.errors import ConfigError, InvalidArtifactError, StoreError
 from kvhub.store import open_store
 from tests.fixtures_store import make_store_artifact
 from tests.contracts.test_bad_inputs import _header_edit, _set, assert_clean_exit, run
+from tests.fixtures_fit import tiny_fit_args
 
 REF = "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct"
 
@@ -381,31 +382,9 @@ def test_stale_checkpoint_temporaries_are_swept_when_a_fit_starts(tmp_path, monk
     assert sweep_temporaries(checkpoints, older_than_s=10 * 3600) == []
     src, dst = tiny_model_dirs
     result = run(
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(text_corpus),
-        "--samples",
-        "12",
-        "--seq-len",
-        "24",
-        "--stride",
-        "1",
-        "--lambda",
-        "1e-9",
-        "--dtype",
-        "float32",
-        "--batch-size",
-        "1",
-        "--device",
-        "cpu",
-        "--out",
-        str(tmp_path / "out"),
-        "--db",
-        str(tmp_path / "kvhub.db"),
+        *tiny_fit_args(
+            src, dst, calib=text_corpus, lambda_="1e-9", batch_size=1, out=tmp_path / "out", db=tmp_path / "kvhub.db"
+        ),
     )
     assert result.exit_code == 0, result.output
     assert not stale.exists() and fresh.exists() and other.exists()

@@ -108,7 +108,7 @@ def parse(args: list[str]) -> click.Command:
 def help_examples():
     for path, command in walk(main, ["kvhub"]):
         for line in command_lines(help_text(path, command)):
-            yield pytest.param(line, id=f"U3_13 {' '.join(path)}: {line[:60]}")
+            yield pytest.param(line, id=f"{' '.join(path)}: {line[:60]}")
 
 
 def markdown_examples():
@@ -122,7 +122,7 @@ def markdown_examples():
             if raw.startswith("```"):
                 if in_fence:
                     for line in command_lines("\n".join(block)):
-                        yield pytest.param(line, id=f"U3_1 {path.name}: {line[:60]}")
+                        yield pytest.param(line, id=f"{path.name}: {line[:60]}")
                 in_fence, block = not in_fence, []
             elif in_fence:
                 block.append(raw)
@@ -144,16 +144,16 @@ def check_documented(line: str, tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("line", list(help_examples()))
-def test_U3_13_help_examples_parse(line, tmp_path, monkeypatch):
+def test_help_examples_parse(line, tmp_path, monkeypatch):
     check_documented(line, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("line", list(markdown_examples()))
-def test_U3_1_markdown_commands_parse(line, tmp_path, monkeypatch):
+def test_markdown_commands_parse(line, tmp_path, monkeypatch):
     check_documented(line, tmp_path, monkeypatch)
 
 
-def test_U3_13_cli_reference_is_the_help():
+def test_cli_reference_is_the_help():
     """docs/cli.md shows each command's examples as -h does, and -h beside --help."""
     text = (ROOT / "docs" / "cli.md").read_text()
     for path, command in walk(main, ["kvhub"]):

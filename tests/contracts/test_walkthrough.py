@@ -12,6 +12,7 @@ import re
 import pytest
 
 from tests.fixtures_hub import run
+from tests.fixtures_fit import tiny_fit_args
 
 pytestmark = pytest.mark.hub
 HUB_SRC, HUB_DST = "acme/tiny-src", "acme/tiny-dst"
@@ -36,24 +37,7 @@ def test_fit_eval_report_push_pull_load_handoff(tiny_model_dirs, text_corpus, hu
     src, dst = tiny_model_dirs
     db, fresh = str(tmp_path / "mine.db"), str(tmp_path / "fresh.db")
     fitted = run(
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(text_corpus),
-        "--samples",
-        "12",
-        "--seq-len",
-        "24",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--db",
-        db,
-        "--json",
+        *tiny_fit_args(src, dst, calib=text_corpus, stride=None, db=db, json=True),
     )
     kvhub_lines_only(fitted, "fit")
     ref = json.loads(fitted.stdout)["ref"]

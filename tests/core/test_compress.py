@@ -7,13 +7,12 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
 from kvhub.core.mapper import Mapper
 from kvhub.core.solve import Structure, fit_map, group_rows, head_groups, map_r2, ridge, r2_score, solve
 from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, condition_number, rtol
+from tests.fixtures_fit import fit_tiny, token_ids as _ids
 
 TRAIN_TOKENS, HELDOUT_TOKENS = 24 * 32, 6 * 32  # of _fit
 R2_TOL = rtol(torch.float32, terms=HELDOUT_TOKENS)  # R^2 from fp32 moment products over the held-out tokens
@@ -98,10 +97,6 @@ def test_solve_rejects_groups_that_do_not_divide_the_widths():
         Structure(rank=0)
 
 
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(scope="module")
 def family():
     source = make_model("qwen2", num_hidden_layers=3)
@@ -110,15 +105,7 @@ def family():
 
 
 def _fit(source, target, top_k=None, **options):
-    return fit(
-        source,
-        target,
-        _ids(24, 32, 0),
-        _ids(6, 32, 1),
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(top_k=top_k, ridge_lambda=1e-9, stride=1, batch_size=8, **options),
-    )
+    return fit_tiny(source, target, top_k=top_k, ridge_lambda=1e-9, **options)
 
 
 def _greedy(model, ids, cache=None):

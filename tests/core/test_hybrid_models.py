@@ -20,11 +20,10 @@ from kvhub.cli.main import main
 from kvhub.core.capture import cache_kwargs
 from kvhub.core.layer_kinds import check_attention_layers, check_cache_layers, layer_types, unmappable_layers
 from kvhub.errors import UnsupportedModelError
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
 from kvhub.serving.handoff import handoff
 from tests.tinymodels import make_model
 from tests.vllm_standin import vllm_modules  # noqa: F401  (fixture: vLLM, or its stand-in where none is installed)
+from tests.fixtures_fit import fit_tiny, token_ids as _ids
 
 TINY = dict(
     hidden_size=64,
@@ -107,22 +106,12 @@ def _model(model_type: str):
     return AutoModelForCausalLM.from_config(_config(model_type)).eval()
 
 
-def _ids(n: int, t: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(scope="module")
 def attention_mapper():
     """A self-map of a tiny attention-only model with the hybrids' depth (4 layers)."""
     model = make_model("qwen3", head_dim=16, num_hidden_layers=4)
-    mapper = fit(
-        model,
-        model,
-        _ids(8, 16, 0),
-        _ids(4, 16, 1),
-        source_id="tiny/q",
-        target_id="tiny/q",
-        options=FitOptions(top_k=1, ridge_lambda=1e-6, stride=1, batch_size=8),
+    mapper = fit_tiny(
+        model, model, train=(8, 16), heldout=(4, 16), source_id="tiny/q", target_id="tiny/q", top_k=1, ridge_lambda=1e-6
     )
     return model, mapper
 
@@ -241,15 +230,7 @@ def test_load_model_refuses_a_hybrid_directory_before_its_weights(tmp_path):
 def test_the_library_fit_refuses_a_hybrid_model(model_type):
     model = _model(model_type)
     with pytest.raises(UnsupportedModelError, match=f"{HYBRIDS[model_type][1]} layers"):
-        fit(
-            model,
-            model,
-            _ids(2, 8, 0),
-            _ids(2, 8, 1),
-            source_id="t/h",
-            target_id="t/h",
-            options=FitOptions(top_k=1, stride=1, batch_size=2),
-        )
+        fit_tiny(model, model, train=(2, 8), heldout=(2, 8), source_id="t/h", target_id="t/h", top_k=1, batch_size=2)
 
 
 @pytest.mark.parametrize(
@@ -349,14 +330,8 @@ def test_sliding_window_models_map_and_hand_off_exactly_through_a_self_map(model
     suffix recomputed, the selective budget dropped for windowed targets) generates the model's own tokens
     past the window, and the mapped sliding layers hold only their window."""
     model = make_model(model_type, **overrides)
-    mapper = fit(
-        model,
-        model,
-        _ids(16, 32, 0),
-        _ids(4, 32, 1),
-        source_id="t/s",
-        target_id="t/s",
-        options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8),
+    mapper = fit_tiny(
+        model, model, train=(16, 32), heldout=(4, 32), source_id="t/s", target_id="t/s", top_k=1, ridge_lambda=1e-9
     )
     assert mapper.windowed_target()
     ids = _ids(1, 30, 3)

@@ -21,9 +21,10 @@ from kvhub.core.mapper import Mapper
 from kvhub.core.rope import Rotary, strip_rope
 from kvhub.errors import ConfigError, FormatVersionError
 from kvhub.fitting import mlp_fit
-from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
 from tests.tinymodels import exact_family_target, make_model
+from tests.fixtures_fit import fit_tiny, tiny_fit_args, token_ids as _ids
+from tests.fixtures_store import load_with_old_kvhub
 
 MLP = dict(map_kind="mlp", mlp_width=64, mlp_depth=2, mlp_tokens=2048, mlp_epochs=40)
 
@@ -58,21 +59,8 @@ def nonlinear_pair(layers: int = 2):
     return source, target
 
 
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
-
-
 def _fit(source, target, *, checkpoint=None, **options):
-    knobs = {"stride": 1, "batch_size": 8, **MLP, **options}
-    return fit(
-        source,
-        target,
-        _ids(32, 64, 0),
-        _ids(8, 64, 1),
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(checkpoint=checkpoint, **knobs),
-    )
+    return fit_tiny(source, target, train=(32, 64), heldout=(8, 64), checkpoint=checkpoint, **{**MLP, **options})
 
 
 @pytest.fixture(scope="module")
@@ -249,33 +237,7 @@ def test_cli_fit_map_mlp_registers_the_kind_and_refuses_distributed(
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     db = f"sqlite:///{tmp_path / 'store.db'}"
     src, dst = tiny_model_dirs
-    args = [
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(text_corpus),
-        "--samples",
-        "12",
-        "--seq-len",
-        "24",
-        "--stride",
-        "1",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--db",
-        db,
-        "--map",
-        "mlp",
-        "--mlp-width",
-        "8",
-        "--mlp-epochs",
-        "2",
-    ]
+    args = tiny_fit_args(src, dst, calib=text_corpus, db=db, map="mlp", mlp_width=8, mlp_epochs=2)
     refused = CliRunner().invoke(main, [*args, "--distributed", "2"])
     assert refused.exit_code != 0 and "does not run distributed" in refused.output
     result = CliRunner().invoke(main, [*args, "--json"])
@@ -292,36 +254,7 @@ PREVIOUS_RELEASE = "e3b7815"  # the last commit before map kinds: reads format v
 
 @pytest.mark.slow
 def test_the_previous_release_refuses_an_mlp_artifact_with_upgrade(bent, tmp_path):
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    if (
-        shutil.which("git") is None
-        or subprocess.run(
-            ["git", "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"], cwd=root, capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip(f"needs the git history with commit {PREVIOUS_RELEASE}")
-    old = tmp_path / "old"
-    old.mkdir()
-    archive = subprocess.run(
-        ["git", "archive", PREVIOUS_RELEASE, "kvhub", "registry"], cwd=root, capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    artifact = bent[2].save(tmp_path / "m")
-    code = "import sys; from kvhub.core.mapper import Mapper; Mapper.load(sys.argv[1])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(artifact)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(old), "PATH": "/usr/bin:/bin"},
-    )
+    done = load_with_old_kvhub(PREVIOUS_RELEASE, bent[2].save(tmp_path / "m"), tmp_path)
     assert done.returncode != 0
     assert "FormatVersionError" in done.stderr and "format version 4" in done.stderr and "upgrade" in done.stderr
 

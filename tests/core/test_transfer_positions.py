@@ -5,8 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from kvhub.core.capture import cache_kwargs
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
+from tests.fixtures_fit import fit_tiny
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import rtol
 
@@ -29,15 +28,7 @@ def test_transfer_at_offset_positions_is_the_targets_own_cache_there():
     source = make_model("qwen2", num_hidden_layers=2)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     train = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
-    mapper = fit(
-        source,
-        target,
-        train[:12],
-        train[12:],
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
-    )
+    mapper = fit_tiny(source, target, train=train[:12], heldout=train[12:], ridge_lambda=1e-9)
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2))
     positions = torch.stack([torch.arange(40, 50), torch.arange(7, 17)])
     handed = []

@@ -25,7 +25,9 @@ from kvhub.core.capture import cache_kwargs
 from kvhub.errors import ServeError
 from kvhub.eval import served
 from kvhub.eval.longctx import FLOOR_TOKENS, RecallItem
-from kvhub.eval.served import SERVED_CONDITIONS, Completion, Endpoint, evaluate_served
+from kvhub.eval.recall_tasks import RecallTask
+from kvhub.eval.served import SERVED_CONDITIONS, Completion, Endpoint
+from kvhub.eval.served_conditions import ServedConditions, run_served
 from tests.tinymodels import make_model
 
 VOCAB = 128  # tinymodels' vocabulary: one token per ASCII character
@@ -304,9 +306,8 @@ def expected(models, items):
 
 def _evaluate(pair, tokenizer, items, **options) -> dict:
     small, large = Endpoint(pair.small_url, pair.small_name), Endpoint(pair.large_url, LARGE_NAME)
-    return evaluate_served(
-        small, large, tokenizer, task="hand", context_tokens=64, items=items, agreement_tokens=AGREEMENT, **options
-    )
+    conditions = ServedConditions(small, large, tokenizer, agreement_tokens=AGREEMENT)
+    return run_served(RecallTask("hand", conditions, context_tokens=64, limit=len(items), items=items), **options)
 
 
 @pytest.fixture(scope="module")

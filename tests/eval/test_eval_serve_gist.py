@@ -16,7 +16,8 @@ from kvhub.errors import ServeError
 from kvhub.eval import served
 from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, GistItem
 from kvhub.eval.served import Endpoint
-from kvhub.eval.served_gist import evaluate_served_gist
+from kvhub.eval.gist import GistTask
+from kvhub.eval.served_conditions import ServedConditions, run_served
 from tests.eval.test_eval_serve import (  # noqa: F401  (pytest fixtures, shared with the facts tests)
     EXACT_TAIL,
     LARGE_NAME,
@@ -42,9 +43,8 @@ def items(tokenizer):
 
 def _evaluate(pair, items, **options) -> dict:
     small, large = Endpoint(pair.small_url, pair.small_name), Endpoint(pair.large_url, LARGE_NAME)
-    return evaluate_served_gist(
-        small, large, task="gist-hand", context_tokens=64, items=items, answer_tokens=ANSWER, **options
-    )
+    conditions = ServedConditions(small, large, None, answer_tokens=ANSWER)
+    return run_served(GistTask("gist-hand", conditions, context_tokens=64, limit=len(items), items=items), **options)
 
 
 def _nll(logprobs: list[float]) -> float:

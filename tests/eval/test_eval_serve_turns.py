@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from kvhub.cli.main import main
 from kvhub.errors import ConfigError
 from kvhub.eval.served import Endpoint
-from kvhub.eval.served_turns import TURN_ARMS, TURNS, TurnItem, evaluate_served_turns, summarize_turns, turn_items
+from kvhub.eval.served_conditions import ServedConditions, run_served
+from kvhub.eval.served_turns import TURN_ARMS, TURNS, TurnItem, TurnsTask, summarize_turns, turn_items
 from tests.eval.test_eval_serve import LARGE_NAME, PROMPTS, greedy
 from tests.eval.test_eval_serve import module_pair, models, pair, tokenizer, tokenizer_dir  # noqa: F401 (fixtures)
 
@@ -42,11 +43,23 @@ def conversations(models, tokenizer):
     return out
 
 
+def _evaluate(small, large, tokenizer, conversations) -> dict:
+    """The turns task over ``conversations`` through run_task, with its samples."""
+    task = TurnsTask(
+        "turns",
+        ServedConditions(small, large, tokenizer),
+        context_tokens=64,
+        limit=len(conversations),
+        items=conversations,
+    )
+    return run_served(task, log_samples=True)
+
+
 def test_every_arm_is_scored_per_turn_and_later_escalated_turns_map_the_stored_prefix(
     pair, models, tokenizer, conversations
 ):
     small, large = Endpoint.at(pair.small_url), Endpoint.at(pair.large_url)
-    summary = evaluate_served_turns(small, large, tokenizer, context_tokens=64, limit=2, items=conversations)
+    summary = _evaluate(small, large, tokenizer, conversations[:2])
     assert summary["n"] == 2 and summary["turns"] == TURNS and summary["task"] == "turns"
     for turn in range(1, TURNS + 1):
         for arm in ("own", "mapped", "relay", "settled"):
@@ -75,7 +88,7 @@ def test_every_arm_is_scored_per_turn_and_later_escalated_turns_map_the_stored_p
 
 def test_the_small_server_sees_turn_one_for_the_escalation_and_every_turn_for_the_relay(pair, tokenizer, conversations):
     small, large = Endpoint.at(pair.small_url), Endpoint.at(pair.large_url)
-    evaluate_served_turns(small, large, tokenizer, context_tokens=64, limit=1, items=conversations[:1])
+    _evaluate(small, large, tokenizer, conversations[:1])
     lengths = [len(p) for p in conversations[0].prompts]
     by_salt: dict = {}
     for server, salt, control, length in pair.requests:

@@ -9,7 +9,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from kvhub.fitting.checkpoint import FitState
 from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
+from tests.fixtures_fit import run_two_ranks, tiny_fit_args
 from tests.tinymodels import make_model
 
 TWO_PASS = StatisticsMode(passes=2, candidates=2, top_k_max=1)
@@ -218,6 +218,10 @@ def test_an_intact_checkpoint_still_resumes(family, clean, interrupted, tmp_path
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+# the CLI fits that a test kills and resumes: one-layer maps, one sequence a batch, no store row
+_CHECKPOINTED = dict(samples=8, seq_len=16, k=1, lambda_="0.01", batch_size=1, no_register=True)
+
+
 def test_kvhub_fit_runs_past_a_directory_at_the_checkpoint_path(
     tiny_model_dirs, tmp_path, monkeypatch, caplog, text_corpus
 ):
@@ -231,35 +235,9 @@ def test_kvhub_fit_runs_past_a_directory_at_the_checkpoint_path(
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     src, dst = tiny_model_dirs
-    args = [
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(text_corpus),
-        "--samples",
-        "8",
-        "--seq-len",
-        "16",
-        "--stride",
-        "1",
-        "--k",
-        "1",
-        "--lambda",
-        "0.01",
-        "--dtype",
-        "float32",
-        "--batch-size",
-        "1",
-        "--device",
-        "cpu",
-        "--db",
-        f"sqlite:///{tmp_path / 'store.db'}",
-        "--no-register",
-        "--json",
-    ]
+    args = tiny_fit_args(
+        src, dst, calib=text_corpus, **_CHECKPOINTED, db=f"sqlite:///{tmp_path / 'store.db'}", json=True
+    )
     runner = CliRunner()
     real, calls = fit_module._accumulate_batch, []
 
@@ -337,8 +315,6 @@ RANK_DAMAGES = [  # id, {(rank, generation): damage}, (batches_done, train rows)
 @pytest.mark.parametrize("damages,expected", [row[1:] for row in RANK_DAMAGES], ids=[row[0] for row in RANK_DAMAGES])
 def test_a_rank_whose_latest_generation_does_not_read_falls_back(tmp_path, damages, expected):
     """Each rank holds generations of 3 (latest) and 2 steps; the ranks agree on the newest one every rank reads."""
-    import multiprocessing
-
     from kvhub.fitting.distributed import Group, _rank_paths
 
     checkpoint = tmp_path / "checkpoint.safetensors"
@@ -349,19 +325,9 @@ def test_a_rank_whose_latest_generation_does_not_read_falls_back(tmp_path, damag
             _generation(path, f"job{rank}", steps)
             if (rank, generation) in damages:
                 damages[rank, generation](path)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_resume_main, args=(rank, port, checkpoint)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-        if proc.exitcode is None:
-            proc.kill()
+    codes = run_two_ranks(_resume_main, checkpoint)
     errors = "\n".join(f.read_text() for f in tmp_path.glob("error.rank*.txt"))
-    assert [proc.exitcode for proc in procs] == [0, 0], errors
+    assert codes == [0, 0], errors
     assert [json.loads((tmp_path / f"resumed.rank{r}.json").read_text()) for r in range(2)] == [expected] * 2
 
 
@@ -399,35 +365,9 @@ def test_ranks_of_kvhub_fit_distributed_die_with_their_launcher(tiny_model_dirs,
         sys.executable,
         "-m",
         "kvhub",
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(text_corpus),
-        "--samples",
-        "240",
-        "--seq-len",
-        "16",
-        "--stride",
-        "1",
-        "--k",
-        "1",
-        "--lambda",
-        "0.01",
-        "--dtype",
-        "float32",
-        "--batch-size",
-        "1",
-        "--device",
-        "cpu",
-        "--no-register",
-        "--out",
-        str(out),
-        "--ignore-plan",
-        "--distributed",
-        "2",
+        *tiny_fit_args(
+            src, dst, calib=text_corpus, **(_CHECKPOINTED | {"samples": 240}), out=out, ignore_plan=True, distributed=2
+        ),
     ]
     stderr = tmp_path / "stderr.txt"
     with stderr.open("wb") as sink:

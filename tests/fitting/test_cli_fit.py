@@ -10,6 +10,7 @@ from kvhub.cli.main import main
 from tests.fixtures_calib import train_tokenizer
 from tests.tinymodels import make_model
 from tests.tolerances import rtol
+from tests.fixtures_fit import tiny_fit_args
 
 
 @pytest.fixture
@@ -21,33 +22,7 @@ def env(tmp_path, monkeypatch, text_corpus):
 
 def _fit_args(tiny_model_dirs, env, out):
     src, dst = tiny_model_dirs
-    return [
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(env["corpus"]),
-        "--samples",
-        "12",
-        "--seq-len",
-        "24",
-        "--stride",
-        "1",
-        "--lambda",
-        "1e-9",
-        "--dtype",
-        "float32",
-        "--batch-size",
-        "1",
-        "--device",
-        "cpu",
-        "--db",
-        env["db"],
-        "--out",
-        str(out),
-    ]
+    return tiny_fit_args(src, dst, calib=env["corpus"], lambda_="1e-9", batch_size=1, db=env["db"], out=out)
 
 
 def test_fit_registers_exports_and_reports(tiny_model_dirs, env):
@@ -261,8 +236,9 @@ def test_fit_in_two_passes_and_refuses_candidates_in_one(tiny_model_dirs, env):
 
 def test_the_series_name_is_part_of_the_fit_request(tiny_model_dirs, env):
     """A Python caller names the series (``FitRequest.name``) as ``kvhub fit --name`` does, and the fitted
-    mapper.json carries it.  Planted bugs caught: the name applied only by the CLI after the fit (a library
-    fit filed under the calibration set's own name); the name dropped by ``prepare``."""
+    mapper.json carries it in ``calibration.series``, beside the set's own ``calibration.name``.  Planted bugs
+    caught: the name applied only by the CLI after the fit (a library fit filed under the calibration set's
+    own name); the name dropped by ``prepare``; the series written over the set's name."""
     from kvhub.fitting.job import FitRequest, fit_by_names
     from kvhub.fitting.options import FitOptions
 
@@ -279,5 +255,6 @@ def test_the_series_name_is_part_of_the_fit_request(tiny_model_dirs, env):
         options=FitOptions(stride=1, batch_size=1),
     )
     mapper = fit_by_names(request)
-    assert mapper.metadata["calibration"]["name"] == "support-notes"
-    assert mapper.metadata["calibration"]["name"] != env["corpus"].stem
+    assert mapper.metadata["calibration"]["series"] == "support-notes"
+    assert mapper.metadata["calibration"]["series"] != env["corpus"].stem
+    assert mapper.metadata["calibration"]["name"] == env["corpus"].stem  # the set keeps its own name

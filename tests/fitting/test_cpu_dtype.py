@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from kvhub import dtypes
 from kvhub.cli.main import main
 from kvhub.fitting import plan
+from tests.fixtures_fit import tiny_fit_args
 
 EMULATING = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_vnni\n"
 NATIVE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16 amx_bf16\n"
@@ -73,27 +74,9 @@ def test_fit_defaults_to_float32_where_bf16_is_emulated(cpu, tiny_model_dirs, tm
     cpu(EMULATING)
     src, dst = tiny_model_dirs
     out = tmp_path / "mapper"
-    args = [
-        "fit",
-        "--src",
-        str(src),
-        "--dst",
-        str(dst),
-        "--calib",
-        str(text_corpus),
-        "--samples",
-        "8",
-        "--seq-len",
-        "16",
-        "--stride",
-        "2",
-        "--device",
-        "cpu",
-        "--no-register",
-        "--out",
-        str(out),
-        "--json",
-    ]
+    args = tiny_fit_args(
+        src, dst, calib=text_corpus, samples=8, seq_len=16, stride=2, dtype=None, no_register=True, out=out, json=True
+    )
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     json.loads(result.stdout)

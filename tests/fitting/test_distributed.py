@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kvhub.fitting.fit import fit
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.core.stats import KVStats, Layout
+from tests.fixtures_fit import run_two_ranks, tiny_fit_args
 from tests.tinymodels import make_model
 
 DIE_AT_STEP = 2  # rank 1 dies when it starts this step, after the checkpoint of the steps before
@@ -93,20 +93,7 @@ def _rank_main(rank: int, port: int, out: Path, die_at, family, options: FitOpti
 
 
 def _run_ranks(out: Path, family, options: FitOptions, *, die_at=None) -> list[int]:
-    import multiprocessing
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_rank_main, args=(rank, port, out, die_at, family, options)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-        if proc.exitcode is None:
-            proc.kill()
-    codes = [proc.exitcode for proc in procs]
+    codes = run_two_ranks(_rank_main, out, die_at, family, options, timeout=120)
     if die_at is None and codes != [0, 0]:
         raise AssertionError("\n".join(f.read_text() for f in out.glob("error.rank*.txt")) or f"exit codes {codes}")
     return codes
@@ -213,7 +200,6 @@ def _resume_main(rank: int, port: int, checkpoint: Path, layout) -> None:
 def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
     """Rank 0 wrote step 3 and was killed before rank 1 did: both resume from step 2, rank 0 from its
     previous generation (the stats' row count tells which file was loaded)."""
-    import multiprocessing
 
     from kvhub.fitting import checkpoint as checkpoints
     from kvhub.fitting.distributed import Group, _rank_paths
@@ -230,16 +216,7 @@ def test_resume_takes_the_latest_generation_every_rank_has(tmp_path):
                 [torch.randn(steps * 10, 2)],
             )
             checkpoints.save(path, f"job{rank}", ONE_PASS, FitState(stats, batches_done=steps))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_resume_main, args=(rank, port, checkpoint, layout)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert run_two_ranks(_resume_main, checkpoint, layout) == [0, 0]
     assert [json.loads((tmp_path / f"resumed.rank{r}.json").read_text()) for r in range(2)] == [[2, 20], [2, 20]]
 
 
@@ -272,33 +249,17 @@ def test_kvhub_fit_distributed_launches_torchrun_and_registers_once(tmp_path, te
     }
 
     def kvhub_fit(out, *extra):
-        args = [
-            "fit",
-            "--src",
-            str(tmp_path / "src"),
-            "--dst",
-            str(tmp_path / "dst"),
-            "--calib",
-            str(text_corpus),
-            "--samples",
-            "8",
-            "--seq-len",
-            "24",
-            "--stride",
-            "1",
-            "--dtype",
-            "float32",
-            "--batch-size",
-            "2",
-            "--device",
-            "cpu",
-            "--db",
-            f"sqlite:///{tmp_path / 'store.db'}",
-            "--out",
-            str(out),
-            "--json",
+        args = tiny_fit_args(
+            tmp_path / "src",
+            tmp_path / "dst",
             *extra,
-        ]
+            calib=text_corpus,
+            samples=8,
+            batch_size=2,
+            db=f"sqlite:///{tmp_path / 'store.db'}",
+            out=out,
+            json=True,
+        )
         done = subprocess.run(
             [sys.executable, "-m", "kvhub", *args], env=env, capture_output=True, text=True, timeout=300
         )

@@ -16,6 +16,7 @@ from kvhub.cli.main import main
 from kvhub.cli.plan_cmd import plan as plan_command
 from kvhub.errors import ConfigError
 from kvhub.fitting.options import FitOptions, auto_or, knobs
+from tests.fixtures_fit import tiny_fit_args
 
 # (knob, bad value, the flag the error names, what it says to use)
 BAD = [
@@ -180,32 +181,7 @@ def test_a_fit_without_k_or_lambda_writes_null_and_shows_auto(tiny_model_dirs, t
     db = f"sqlite:///{tmp_path / 'store.db'}"
     result = CliRunner().invoke(
         main,
-        [
-            "fit",
-            "--src",
-            str(src),
-            "--dst",
-            str(dst),
-            "--calib",
-            str(text_corpus),
-            "--samples",
-            "12",
-            "--seq-len",
-            "24",
-            "--stride",
-            "1",
-            "--dtype",
-            "float32",
-            "--batch-size",
-            "2",
-            "--device",
-            "cpu",
-            "--db",
-            db,
-            "--out",
-            str(tmp_path / "out"),
-            "--json",
-        ],
+        tiny_fit_args(src, dst, calib=text_corpus, batch_size=2, db=db, out=tmp_path / "out", json=True),
     )
     assert result.exit_code == 0, result.output
     metadata = json.loads((tmp_path / "out" / "mapper.json").read_text())
@@ -215,3 +191,10 @@ def test_a_fit_without_k_or_lambda_writes_null_and_shows_auto(tiny_model_dirs, t
     assert summary["k"] == "auto" and summary["lambda"] == "auto"
     listed = json.loads(CliRunner().invoke(main, ["list", "--db", db, "--json"]).stdout)
     assert listed[0]["k"] == "auto" and listed[0]["ridge_lambda"] == "auto"
+    assert listed[0]["lambda"] == "auto"  # one name with fit --json and diff; ridge_lambda kept for older scripts
+    shown_json = json.loads(CliRunner().invoke(main, ["show", listed[0]["ref"], "--db", db, "--json"]).stdout)
+    assert shown_json["lambda"] == shown_json["ridge_lambda"] == "auto"
+    diff = json.loads(
+        CliRunner().invoke(main, ["diff", listed[0]["ref"], listed[0]["ref"], "--db", db, "--json"]).stdout
+    )
+    assert any(row["field"] == "lambda" and row["a"] == "auto" for row in diff["rows"])

@@ -5,25 +5,26 @@ from __future__ import annotations
 
 import torch
 
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
 from kvhub.progress import unit_of
+from tests.fixtures_fit import fit_tiny
 from tests.tinymodels import exact_family_target, make_model
 
 
-def test_U3_8_fit_reports_each_target_layer_of_the_solve():
+def test_fit_reports_each_target_layer_of_the_solve():
     source = make_model("qwen2", vocab_size=640, num_hidden_layers=2, seed=4)
     target, _ = exact_family_target(source, insert_before=(1,))
     ids = torch.randint(0, 640, (8, 16), generator=torch.Generator().manual_seed(0))
     heard = []
-    fit(
+    fit_tiny(
         source,
         target,
-        ids[:6],
-        ids[6:],
+        train=ids[:6],
+        heldout=ids[6:],
         source_id="src",
         target_id="dst",
-        options=FitOptions(ridge_lambda=1e-6, top_k=1, stride=1, batch_size=4),
+        ridge_lambda=1e-6,
+        top_k=1,
+        batch_size=4,
         progress=lambda label, done, total: heard.append((label, done, total)),
     )
     solve = [(label, done, total) for label, done, total in heard if label.startswith("solve")]
@@ -33,11 +34,11 @@ def test_U3_8_fit_reports_each_target_layer_of_the_solve():
     assert heard.index(solve[0]) > max(i for i, (label, *_) in enumerate(heard) if label.startswith("capture"))
 
 
-def test_U3_8_the_solve_counts_layers():
+def test_the_solve_counts_layers():
     assert unit_of("solve: target layer 3/28", "tok") == "layers"
 
 
-def test_U3_8_plain_lines_name_the_layer():
+def test_plain_lines_name_the_layer():
     from kvhub.cli.progress import LineProgress
 
     lines = []

@@ -20,14 +20,11 @@ from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.plan import DeviceProfile, ModelShape, Workload, plan_fit
 from kvhub.fitting.two_pass import solve_candidates
 from kvhub.core.solve import Structure
+from tests.fixtures_fit import token_ids as _ids
 from tests.tinymodels import make_model
 from tests.tolerances import assert_close, rtol
 
 BIG = DeviceProfile("big", 10**12, 1e12, 1e12, 1e12, 1e12)  # a machine every plan fits
-
-
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
 # ---- the candidates --------------------------------------------------------------------------------

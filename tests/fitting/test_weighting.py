@@ -12,6 +12,7 @@ from kvhub.core.solve import r2_score, ridge
 from kvhub.core.stats import KVStats, Layout, Moments
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, rtol
+from tests.fixtures_fit import fit_tiny, token_ids as _ids
 
 FIELDS = ("mean_x", "mean_y", "cxx", "cxy", "syy")
 
@@ -118,10 +119,6 @@ def test_bad_weights_refused():
 
 
 # ---- attention weights -----------------------------------------------------------------------------
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
-
-
 def _reference_raw(model, ids):
     """raw_t = mean over layers, heads and queries i >= t of (i + 1) A[i, t], from output_attentions."""
     with torch.no_grad():
@@ -197,15 +194,7 @@ def test_padded_batch_refused():
 def test_attention_weighted_fit_keeps_an_exact_map_exact():
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    mapper = fit(
-        source,
-        target,
-        _ids(24, 32, 0),
-        _ids(6, 32, 1),
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8, weighting="attention"),
-    )
+    mapper = fit_tiny(source, target, ridge_lambda=1e-9, weighting="attention")
     assert mapper.metadata["fit"]["weighting"] == "attention" and mapper.metadata["fit"]["weight_cap"] == 10.0
     r2_tol = rtol(torch.float32, terms=6 * 32)  # R^2 from fp32 moment products over the held-out tokens
     assert all(abs(1 - layer["r2_k"]) < r2_tol and abs(1 - layer["r2_v"]) < r2_tol for layer in mapper.layers)

@@ -29,7 +29,7 @@ MEASURED = dict(
 )
 
 
-def test_U3_9_own_and_source_rows_appear_once_per_task():
+def test_own_and_source_rows_appear_once_per_task():
     rows = [line for line in evaluations_table(MEASURED).splitlines() if line.startswith("| hellaswag")]
     own = [r for r in rows if "target's own cache" in r and "normalised" not in r]
     source = [r for r in rows if "source model" in r]
@@ -38,14 +38,14 @@ def test_U3_9_own_and_source_rows_appear_once_per_task():
     assert "| - |" in norm  # variant-free: no variant
 
 
-def test_U3_9_counts_are_not_metrics():
+def test_counts_are_not_metrics():
     table = evaluations_table(MEASURED)
     assert "| tokens |" not in table and "512" not in table
     results = evaluation_results(MEASURED, {})
     assert "tokens" not in {r.metric_type for r in results}
 
 
-def test_U3_9_labels_name_only_a_real_variant():
+def test_labels_name_only_a_real_variant():
     names = {r.metric_name for r in evaluation_results(MEASURED, {})}
     assert "retention (mapped / own accuracy)" in names
     assert "retention (mapped / own accuracy) (exact_prefix=4)" in names
@@ -54,7 +54,7 @@ def test_U3_9_labels_name_only_a_real_variant():
     assert len(own_norm) == 1 and own_norm[0].metric_config is None
 
 
-def test_U3_10_speed_rows_sort_by_context_tokens_as_numbers():
+def test_speed_rows_sort_by_context_tokens_as_numbers():
     measured = {("bench", f"bench:cpu:bf16:{tokens}", "speedup"): {"value": 2.0} for tokens in (256, 4096, 64)}
     rows = [line for line in bench_section(measured).splitlines() if line.startswith("| cpu")]
     assert [row.split(" | ")[2] for row in rows] == ["64", "256", "4096"]

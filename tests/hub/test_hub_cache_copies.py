@@ -17,7 +17,7 @@ def snapshots(cache) -> list:
     return sorted(cache.glob("models--*/snapshots/*"))
 
 
-def test_U3_17_gc_drops_the_cached_copies_of_pulled_mappers(hub_env, db):
+def test_gc_drops_the_cached_copies_of_pulled_mappers(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1)
     assert run("push", v1.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
     other = str(hub_env.tmp / "other.db")
@@ -38,7 +38,7 @@ def test_U3_17_gc_drops_the_cached_copies_of_pulled_mappers(hub_env, db):
         assert (store.artifact_path(version) / "mapper.safetensors").is_file()
 
 
-def test_U3_17_a_copy_the_store_does_not_hold_stays(hub_env, db):
+def test_a_copy_the_store_does_not_hold_stays(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1)
     assert run("push", v1.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
     assert run("pull", "alice/kvmap", "--db", str(hub_env.tmp / "other.db")).exit_code == 0

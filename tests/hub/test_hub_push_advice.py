@@ -23,7 +23,7 @@ def register_local(db: str, directory, *, seed: int):
         return store.register(make_artifact(directory, seed=seed, src=LOCAL_SRC, dst=LOCAL_DST, calibration="notes"))
 
 
-def test_U3_15_a_published_version_needs_its_hub_ids_once(hub_env, db):
+def test_a_published_version_needs_its_hub_ids_once(hub_env, db):
     v1 = register_local(db, hub_env.tmp / "a1", seed=1)
     first = run("push", v1.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--db", db)
     assert first.exit_code == 0, first.stderr
@@ -39,14 +39,14 @@ def test_U3_15_a_published_version_needs_its_hub_ids_once(hub_env, db):
     assert out["card"] == "replaced" and out["url"].endswith("/tree/main")  # where the refreshed card is
 
 
-def test_U3_15_other_ids_on_a_re_push_are_said_to_change_nothing(hub_env, db):
+def test_other_ids_on_a_re_push_are_said_to_change_nothing(hub_env, db):
     v1 = register_local(db, hub_env.tmp / "a1", seed=1)
     assert run("push", v1.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--db", db).exit_code == 0
     again = run("push", v1.ref, "--repo", "alice/kvmap", "--base-model", "x/a,x/b", "--db", db)
     assert again.exit_code == 0 and "--base-model" in again.stderr
 
 
-def test_U3_15_refreshing_an_older_version_names_revision(hub_env, db):
+def test_refreshing_an_older_version_names_revision(hub_env, db):
     versions = [register_local(db, hub_env.tmp / f"a{seed}", seed=seed) for seed in (1, 2)]
     for version in versions:
         assert run("push", version.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--db", db).exit_code == 0
@@ -55,7 +55,7 @@ def test_U3_15_refreshing_an_older_version_names_revision(hub_env, db):
     assert "--revision NEW-BRANCH" in refused.stderr
 
 
-def test_U3_16_a_rejected_token_option_is_named(hub_env, db, monkeypatch):
+def test_a_rejected_token_option_is_named(hub_env, db, monkeypatch):
     monkeypatch.delenv("HF_TOKEN")
     v1 = register_local(db, hub_env.tmp / "a1", seed=1)
     result = run(
@@ -66,7 +66,7 @@ def test_U3_16_a_rejected_token_option_is_named(hub_env, db, monkeypatch):
     assert "hf_wrongTOKEN0123456789" not in result.stderr
 
 
-def test_U3_19_a_card_without_a_licence_is_pointed_out(hub_env, db):
+def test_a_card_without_a_licence_is_pointed_out(hub_env, db):
     v1 = register_local(db, hub_env.tmp / "a1", seed=1)
     result = run("push", v1.ref, "--repo", "alice/kvmap", "--base-model", BASES, "--db", db)
     assert result.exit_code == 0, result.stderr

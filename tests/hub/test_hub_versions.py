@@ -25,7 +25,7 @@ def pulled_files(db: str, ref: str) -> set[str]:
         return {p.name for p in store.artifact_path(store.resolve(ref)).iterdir()}
 
 
-def test_U3_4_a_push_drops_the_older_versions_figures(hub_env, db):
+def test_a_push_drops_the_older_versions_figures(hub_env, db):
     v1 = register(db, hub_env.tmp / "a1", seed=1, images=True)
     v2 = register(db, hub_env.tmp / "a2", seed=2)
     for version in (v1, v2):
@@ -38,7 +38,7 @@ def test_U3_4_a_push_drops_the_older_versions_figures(hub_env, db):
     assert not any(name.endswith(".png") for name in pulled_files(other, json.loads(pulled.stdout)["ref"]))
 
 
-def test_U3_4_a_pull_takes_only_the_figures_the_card_shows(hub_env, db):
+def test_a_pull_takes_only_the_figures_the_card_shows(hub_env, db):
     from huggingface_hub import HfApi
 
     v1 = register(db, hub_env.tmp / "a1", seed=1, images=True)
@@ -54,7 +54,7 @@ def test_U3_4_a_pull_takes_only_the_figures_the_card_shows(hub_env, db):
     assert "heatmap.png" in files and "old.png" not in files
 
 
-def test_U3_5_the_same_weights_under_another_number_are_not_tagged_again(hub_env, db):
+def test_the_same_weights_under_another_number_are_not_tagged_again(hub_env, db):
     server = hub_env.server
     register(db, hub_env.tmp / "a1", seed=1)
     v2 = register(db, hub_env.tmp / "a2", seed=2)

@@ -192,3 +192,39 @@ def test_a_device_this_machine_lacks_is_one_clear_error(tmp_path, device, says):
     directory = make_artifact(tmp_path / "a", seed=1)
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         kvhub.Mapper.from_pretrained(directory, device=device, db=str(tmp_path / "store.db"))
+
+
+def test_one_door_resolves_every_kind_of_name_without_loading_tensors(tmp_path, monkeypatch):
+    """api.resolve is the one door: a store reference, a Ref, a directory (registered or not) each give the
+    directory, the ref and the two model ids, and nothing loads a tensor on the way; load and from_pretrained
+    (module function and classmethod, one signature) go through it.  Planted bugs caught: resolve loading the
+    mapper (safetensors' load_file called); a stray directory given a ref; the module from_pretrained keeping a
+    second copy of the options (a keyword it no longer forwards)."""
+    import inspect
+
+    import safetensors.torch
+
+    from kvhub import api
+    from kvhub.store.refs import Ref
+
+    db = str(tmp_path / "store.db")
+    v1 = register(db, tmp_path / "a1", seed=1)
+    stray = make_artifact(tmp_path / "stray", seed=9)
+    loads = []
+    real = safetensors.torch.load_file
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: loads.append(a) or real(*a, **k))
+
+    by_text = api.resolve(f"{SERIES}@v1", db=db)
+    by_ref = api.resolve(Ref.of(SRC_ID, DST_ID, calibration="legal-docs"), db=db)
+    assert by_text.ref == by_ref.ref == v1.ref and (by_text.source_id, by_text.target_id) == (SRC_ID, DST_ID)
+    assert by_text.directory == by_ref.directory and by_text.version.id == v1.id
+    registered = api.resolve(str(by_text.directory), db=db)
+    assert registered.ref == v1.ref and registered.directory == by_text.directory
+    unregistered = api.resolve(stray, db=db)
+    assert unregistered.ref is None and unregistered.version is None and unregistered.source_id == SRC_ID
+    assert unregistered.deshrink_setting("off") == "off"
+    assert loads == []  # ids, refs and the deshrink check without a tensor read
+
+    assert api.from_pretrained(f"{SERIES}@v1", db=db, compute_dtype=torch.float32).ref == v1.ref
+    assert loads, "from_pretrained loads the tensors"
+    assert list(inspect.signature(api.from_pretrained).parameters) == ["args", "kwargs"]

@@ -95,11 +95,15 @@ def test_the_mapper_is_loaded_with_the_configured_deshrink(tmp_path):
         if name.endswith(".bias")
     }
     with_means = Mapper({**plain.tensors, **means}, plain.metadata).save(tmp_path / "new")
-    assert connector.load_mapper({"mapper_path": str(with_means)}, device="cpu").deshrink == "kv"
-    assert connector.load_mapper({"mapper_path": str(with_means), "deshrink": "off"}, device="cpu").deshrink == "off"
-    assert connector.load_mapper({"mapper_path": str(meanless)}, device="cpu").deshrink == "off"
+
+    def config(**keys):
+        return connector.read_config({"kvstore_dir": str(tmp_path / "kv"), **keys})
+
+    assert connector.load_mapper(config(mapper_path=str(with_means)), device="cpu").deshrink == "kv"
+    assert connector.load_mapper(config(mapper_path=str(with_means), deshrink="off"), device="cpu").deshrink == "off"
+    assert connector.load_mapper(config(mapper_path=str(meanless)), device="cpu").deshrink == "off"
     with pytest.raises(ConfigError, match="target_mean"):
-        connector.load_mapper({"mapper_path": str(meanless), "deshrink": "kv"}, device="cpu")
+        connector.load_mapper(config(mapper_path=str(meanless), deshrink="kv"), device="cpu")
 
 
 def test_the_configuration_keys_are_declared_once_and_documented():
@@ -110,8 +114,11 @@ def test_the_configuration_keys_are_declared_once_and_documented():
     from pathlib import Path
 
     from kvhub.serving import launch
+    import dataclasses
+
     from kvhub.serving.connector_config import (
         EXTRA_CONFIG,
+        ConnectorConfig,
         EXTRA_DEFAULTS,
         EXTRA_KEYS,
         RENAMED_KEYS,
@@ -126,8 +133,15 @@ def test_the_configuration_keys_are_declared_once_and_documented():
     assert {name: EXTRA_DEFAULTS[name] for name in FIELDS} == SERVING.options()
     assert set(RENAMED_KEYS) == {"exact_tail", "store_dir", "store_max_bytes"}
     config = read_config({"kvstore_dir": "/tmp/kv", "chunk_tokens": "32", "require_isolation_key": "true"})
-    assert config["chunk_tokens"] == 32 and config["require_isolation_key"] is True
-    assert config["recompute"] == SERVING and config["isolation_key_source"] == "cache_salt"
+    assert config.chunk_tokens == 32 and config.require_isolation_key is True
+    assert config.recompute == SERVING and config.isolation_key_source == "cache_salt"
+    # ConnectorConfig has one field per key (the recompute keys as one), so no key is read but not declared
+    typed = {f.name for f in dataclasses.fields(ConnectorConfig)}
+    assert typed == {name for name in names if name not in FIELDS} | {"recompute"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.chunk_tokens = 8  # type: ignore[misc]
+    with pytest.warns(DeprecationWarning, match=r"read_config\(\.\.\.\)\.chunk_tokens"):
+        assert config["chunk_tokens"] == 32  # the dict it was: still read, saying what replaced it
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     assert config_table() in doc, "docs/serving.md's key table is out of step; it is:\n" + config_table()
 
@@ -145,7 +159,7 @@ def test_a_text_key_of_another_type_is_refused_by_name(key, value):
 
 def test_text_keys_read_as_text(tmp_path):
     config = connector.read_config({"kvstore_dir": tmp_path, "mapper": "a:b:c@v1", "events_path": ""})
-    assert config["kvstore_dir"] == str(tmp_path) and config["mapper"] == "a:b:c@v1"
+    assert config.kvstore_dir == str(tmp_path) and config.mapper == "a:b:c@v1"
 
 
 def test_an_events_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
@@ -195,3 +209,28 @@ def test_the_connector_checks_chunk_tokens_at_start(tmp_path, vllm_modules):  # 
     with pytest.raises(ConfigError, match="chunk_tokens 512 is more than the engine's max_model_len 256"):
         KVHubConnector(config, KVConnectorRole.SCHEDULER)
     assert _connector(tmp_path, "kv_producer", chunk_tokens=16)  # the standin without max_model_len: accepted
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("chunk_tokens", 0, "kv_connector_extra_config chunk_tokens must be a positive whole number"),
+        ("kvstore_max_bytes", "1GiB", "kv_connector_extra_config kvstore_max_bytes must be a positive whole number"),
+        ("require_isolation_key", "maybe", "kv_connector_extra_config require_isolation_key must be true or false"),
+        ("select", "deviation", "select='deviation' in kv_connector_extra_config"),
+        ("events_path", 5, "kv_connector_extra_config events_path must be a string"),
+        ("hub_repo", ["a"], "kv_connector_extra_config hub_repo must be a string"),
+    ],
+)
+def test_kvhub_serve_checks_with_the_connectors_own_constructor(tmp_path, option, value, says):
+    """transfer_configs (what kvhub serve runs before any server starts) reads each role's keys with
+    read_config, the constructor the connector runs at engine start: one validator.  Planted bug caught: a
+    hand-picked subset of checks in transfer_configs, letting through a value every engine then refuses."""
+    from kvhub.serving.launch import transfer_configs
+
+    with pytest.raises(ConfigError, match=says):
+        transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="a:b:c@latest", **{option: value})
+    configs = transfer_configs(kvstore_dir=tmp_path, source_model="s", mapper="a:b:c@latest")
+    for config in configs.values():
+        read = connector.read_config(config["kv_connector_extra_config"])
+        assert isinstance(read, connector.ConnectorConfig) and read.kvstore_dir == str(tmp_path)

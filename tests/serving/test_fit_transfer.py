@@ -12,26 +12,15 @@ from kvhub.core.mapper import Mapper
 from kvhub.core.control import control_mapper
 from tests.tinymodels import exact_family_target, make_model
 from tests.tolerances import assert_close, cache_condition, rtol
+from tests.fixtures_fit import fit_tiny, token_ids as _ids
 
 TRAIN_TOKENS, HELDOUT_TOKENS = 24 * 32, 6 * 32  # of _fit
 # R^2 from fp32 moment products over the held-out tokens (both signs: rounding can push it past 1)
 R2_TOL = rtol(torch.float32, terms=HELDOUT_TOKENS)
 
 
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
-
-
 def _fit(source, target, *, k=None, lam=1e-9, **options):
-    return fit(
-        source,
-        target,
-        _ids(24, 32, 0),
-        _ids(6, 32, 1),
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(top_k=k, ridge_lambda=lam, stride=1, batch_size=8, **options),
-    )
+    return fit_tiny(source, target, top_k=k, ridge_lambda=lam, **options)
 
 
 def _greedy(model, ids, cache=None, n=12):
@@ -317,31 +306,25 @@ def test_resume_from_checkpoint_gives_same_mapper(tmp_path):
             raise Killed
 
     with pytest.raises(Killed):
-        fit(
+        fit_tiny(
             source,
             target,
-            _ids(24, 32, 0),
-            _ids(6, 32, 1),
-            source_id="tiny/src",
-            target_id="tiny/dst",
-            options=FitOptions(
-                top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1
-            ),
             progress=kill_after_two,
+            top_k=2,
+            ridge_lambda=0.01,
+            checkpoint=checkpoint,
+            checkpoint_every=1,
         )
     assert checkpoint.is_file()
     resumed_calls = []
-    resumed = fit(
+    resumed = fit_tiny(
         source,
         target,
-        _ids(24, 32, 0),
-        _ids(6, 32, 1),
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(
-            top_k=2, ridge_lambda=0.01, stride=1, batch_size=8, checkpoint=checkpoint, checkpoint_every=1
-        ),
         progress=lambda *a: resumed_calls.append(a),
+        top_k=2,
+        ridge_lambda=0.01,
+        checkpoint=checkpoint,
+        checkpoint_every=1,
     )
     assert resumed_calls[0][1] == 2 * 8 * 32  # started after the two checkpointed batches
     for name, tensor in clean.tensors.items():  # same batches merged in the same order: the same bits

@@ -7,18 +7,13 @@ import torch
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.core.last_queries import LastQueryAttention
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
 from kvhub.serving.handoff import escalate, handoff, prepare_cache_counted
 from kvhub.serving.recompute import Recompute, cropped, query_attention, recompute_set
 from tests.tinymodels import exact_family_target, make_model, variant_model
 from tests.tolerances import rtol
+from tests.fixtures_fit import fit_tiny, token_ids as _ids
 
 SPEC = Recompute(exact_prefix=2, exact_suffix=3, exact_budget=0.25, select="source", queries=4)
-
-
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +24,7 @@ def family():
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
     for p in target.parameters():  # leave the exact family: the map is then approximate
         p.data += 0.02 * torch.randn_like(p)
-    mapper = fit(
-        source, target, _ids(8, 24, 0), _ids(2, 24, 1), source_id="tiny/src", target_id="tiny/dst",
-        options=FitOptions(ridge_lambda=1e-2, stride=1, batch_size=8),
-    )  # fmt: skip
+    mapper = fit_tiny(source, target, train=(8, 24), heldout=(2, 24), ridge_lambda=1e-2)
     return source, target, mapper
 
 
@@ -59,6 +51,7 @@ def _appended_pass(target, cache, context, positions):
 
 
 def _close(got, want, tolerance, what):
+    got, want = got.detach(), want.detach()
     scale = float(want.abs().max())
     assert torch.allclose(got, want, rtol=tolerance, atol=tolerance * scale), what
 

@@ -5,8 +5,6 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import fit
-from kvhub.fitting.options import FitOptions
 from kvhub.serving.handoff import prepare_cache
 from kvhub.serving.recompute import (
     Recompute,
@@ -20,10 +18,7 @@ from kvhub.serving.recompute import (
 )
 from tests.tinymodels import control_mapper, exact_family_target, make_model
 from tests.tolerances import rtol
-
-
-def _ids(n, t, seed):
-    return torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(seed))
+from tests.fixtures_fit import fit_tiny, token_ids as _ids
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +26,7 @@ def family():
     torch.manual_seed(0)
     source = make_model("qwen2", num_hidden_layers=3)
     target, _ = exact_family_target(source, insert_before=(1,), kv_repeat=2, double_head_dim=True)
-    mapper = fit(
-        source,
-        target,
-        _ids(24, 32, 0),
-        _ids(6, 32, 1),
-        source_id="tiny/src",
-        target_id="tiny/dst",
-        options=FitOptions(ridge_lambda=1e-9, stride=1, batch_size=8),
-    )
+    mapper = fit_tiny(source, target, ridge_lambda=1e-9)
     return source, target, control_mapper(mapper)
 
 
@@ -276,15 +263,7 @@ def test_sliding_window_targets_keep_prefix_and_suffix_recomputes_and_refuse_sel
     from kvhub.serving.handoff import handoff
 
     model = make_model("mistral", sliding_window=16, head_dim=16)
-    mapper = fit(
-        model,
-        model,
-        _ids(24, 32, 0),
-        _ids(6, 32, 1),
-        source_id="tiny/m",
-        target_id="tiny/m",
-        options=FitOptions(top_k=1, ridge_lambda=1e-9, stride=1, batch_size=8),
-    )
+    mapper = fit_tiny(model, model, source_id="tiny/m", target_id="tiny/m", top_k=1, ridge_lambda=1e-9)
     assert mapper.windowed_target()
     ids = _ids(1, 13, 4)  # a context of 12 tokens: every layer still holds every position
     cache = prepare_cache(

@@ -11,14 +11,14 @@ from tests.serving.test_serve import _invoke, _serve_args, fake_vllm, mapper_db 
 
 # the fixture mapper has no target_mean tensors (artifact format 2)
 DESHRINK_ON_A_MAPPER_WITHOUT_MEANS = [
-    pytest.param("kv", ConfigError.exit_code, "target_mean", id="R3_13-serve-deshrink-kv-refused"),
-    pytest.param("v", ConfigError.exit_code, "target_mean", id="R3_13-serve-deshrink-v-refused"),
-    pytest.param("off", 0, "", id="R3_13-serve-deshrink-off-accepted"),
+    pytest.param("kv", ConfigError.exit_code, "target_mean", id="serve-deshrink-kv-refused"),
+    pytest.param("v", ConfigError.exit_code, "target_mean", id="serve-deshrink-v-refused"),
+    pytest.param("off", 0, "", id="serve-deshrink-off-accepted"),
 ]
 
 
 @pytest.mark.parametrize("deshrink, exit_code, text", DESHRINK_ON_A_MAPPER_WITHOUT_MEANS)
-def test_R3_13_serve_dry_run_checks_deshrink(
+def test_serve_dry_run_checks_deshrink(
     mapper_db,
     tmp_path,
     fake_vllm,

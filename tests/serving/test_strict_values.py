@@ -15,16 +15,16 @@ from tests.vllm_standin import SamplingParams, request, vllm_config, vllm_module
 @pytest.mark.parametrize(
     "key, value",
     [
-        pytest.param("queries", 2.7, id="R3_7-queries-float"),
-        pytest.param("queries", True, id="R3_7-queries-bool"),
-        pytest.param("exact_prefix", True, id="R3_7-exact-prefix-bool"),
-        pytest.param("exact_suffix", "1.5", id="R3_7-exact-suffix-text-float"),
-        pytest.param("exact_budget", True, id="R3_7-exact-budget-bool"),
-        pytest.param("exact_budget", "nan", id="R3_7-exact-budget-nan"),
-        pytest.param("max_span", [4], id="R3_7-max-span-list"),
+        pytest.param("queries", 2.7, id="queries-float"),
+        pytest.param("queries", True, id="queries-bool"),
+        pytest.param("exact_prefix", True, id="exact-prefix-bool"),
+        pytest.param("exact_suffix", "1.5", id="exact-suffix-text-float"),
+        pytest.param("exact_budget", True, id="exact-budget-bool"),
+        pytest.param("exact_budget", "nan", id="exact-budget-nan"),
+        pytest.param("max_span", [4], id="max-span-list"),
     ],
 )
-def test_R3_7_config_numbers_are_not_truncated(key, value):
+def test_config_numbers_are_not_truncated(key, value):
     with pytest.raises(ConfigError, match=key):
         Recompute.from_options({key: value}, origin="kv_connector_extra_config")
 
@@ -39,7 +39,7 @@ def test_R3_7_config_numbers_are_not_truncated(key, value):
         ("exact_prefix", 0, 0),
     ],
 )
-def test_R3_7_numbers_as_text_or_json_still_read(key, value, read):
+def test_numbers_as_text_or_json_still_read(key, value, read):
     assert getattr(Recompute.from_options({key: value}), key) == read
 
 
@@ -47,16 +47,16 @@ def test_R3_7_numbers_as_text_or_json_still_read(key, value, read):
     "control",
     ["false", "0", "true", 0, 1, {"a": 1}, [True]],
     ids=[
-        "R3_7-control-text-false",
-        "R3_7-control-text-0",
-        "R3_7-control-text-true",
-        "R3_7-control-0",
-        "R3_7-control-1",
-        "R3_7-control-dict",
-        "R3_7-control-list",
+        "control-text-false",
+        "control-text-0",
+        "control-text-true",
+        "control-0",
+        "control-1",
+        "control-dict",
+        "control-list",
     ],
 )
-def test_R3_7_kvhub_control_must_be_a_json_boolean(tmp_path, vllm_modules, control):
+def test_kvhub_control_must_be_a_json_boolean(tmp_path, vllm_modules, control):
     """A client's "false" used to select the control map; now anything but true/false is refused."""
     _store_prompt(tmp_path / "kvstore", "alice")
     consumer = _connector(tmp_path, "kv_consumer")
@@ -65,7 +65,7 @@ def test_R3_7_kvhub_control_must_be_a_json_boolean(tmp_path, vllm_modules, contr
 
 
 @pytest.mark.parametrize("control", [True, False])
-def test_R3_7_kvhub_control_booleans_are_read(tmp_path, vllm_modules, control):
+def test_kvhub_control_booleans_are_read(tmp_path, vllm_modules, control):
     _store_prompt(tmp_path / "kvstore", "alice")
     consumer = _connector(tmp_path, "kv_consumer")
     matched, response = _ask(consumer, request("r", PROMPT, cache_salt="alice", params={"kvhub_control": control}))
@@ -75,20 +75,20 @@ def test_R3_7_kvhub_control_booleans_are_read(tmp_path, vllm_modules, control):
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param({"kvhub_force": [2**70]}, id="R3_9-id-above-int64"),
-        pytest.param({"kvhub_force": [2**31]}, id="R3_9-id-above-32-bits"),
-        pytest.param(["kvhub_force"], id="R3_9-extra-args-list"),
-        pytest.param("kvhub_force", id="R3_9-extra-args-string"),
+        pytest.param({"kvhub_force": [2**70]}, id="id-above-int64"),
+        pytest.param({"kvhub_force": [2**31]}, id="id-above-32-bits"),
+        pytest.param(["kvhub_force"], id="extra-args-list"),
+        pytest.param("kvhub_force", id="extra-args-string"),
     ],
 )
-def test_R3_9_forced_ids_a_model_cannot_produce_are_a_400(vllm_modules, extra):
+def test_forced_ids_a_model_cannot_produce_are_a_400(vllm_modules, extra):
     from kvhub.serving.forced import ForcedTokens
 
     with pytest.raises(ValueError, match="vllm_xargs"):  # vLLM answers HTTP 400, not 500
         ForcedTokens.validate_params(SamplingParams(extra_args=extra))
 
 
-def test_R3_9_ids_beyond_the_vocabulary_are_not_silently_forced(vllm_modules, caplog):
+def test_ids_beyond_the_vocabulary_are_not_silently_forced(vllm_modules, caplog):
     from kvhub.serving.forced import ForcedTokens
 
     config = vllm_config(role="kv_consumer", extra={})
@@ -100,8 +100,8 @@ def test_R3_9_ids_beyond_the_vocabulary_are_not_silently_forced(vllm_modules, ca
     assert processor.new_req_logits_processor(SamplingParams(extra_args=None)) is None
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["R3_13-put-nan", "R3_13-put-inf"])
-def test_R3_13_the_kv_store_does_not_store_non_finite_kv(tmp_path, bad):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["put-nan", "put-inf"])
+def test_the_kv_store_does_not_store_non_finite_kv(tmp_path, bad):
     import torch
 
     from kvhub.errors import IncompatibleError

@@ -60,31 +60,31 @@ def _ask(connector, req) -> tuple[int, dict | None]:
 
 
 ATTACKS = [  # (connector options, cache_salt, kv_transfer_params): none may reach alice's namespace
-    pytest.param({}, "bob-salt", {"kvhub_tenant": "alice-salt"}, id="R3_1-tenant-overrides-salt"),
+    pytest.param({}, "bob-salt", {"kvhub_tenant": "alice-salt"}, id="tenant-overrides-salt"),
     pytest.param(
         {"require_isolation_key": True},
         None,
         {"kvhub_tenant": "alice-salt"},
-        id="R3_1-tenant-satisfies-require-isolation-key",
+        id="tenant-satisfies-require-isolation-key",
     ),
-    pytest.param({}, None, {"kvhub_tenant": "alice-salt"}, id="R3_1-tenant-without-salt"),
+    pytest.param({}, None, {"kvhub_tenant": "alice-salt"}, id="tenant-without-salt"),
     pytest.param(
         {"isolation_key_source": "kvhub_tenant"},
         "alice-salt",
         {"kvhub_tenant": "bob-salt"},
-        id="R3_1-salt-overrides-configured-tenant",
+        id="salt-overrides-configured-tenant",
     ),
     pytest.param(
         {"isolation_key_source": "kvhub_tenant", "require_isolation_key": True},
         "alice-salt",
         {},
-        id="R3_1-salt-satisfies-require-when-tenant-configured",
+        id="salt-satisfies-require-when-tenant-configured",
     ),
 ]
 
 
 @pytest.mark.parametrize("options, salt, params", ATTACKS)
-def test_R3_1_a_client_cannot_pick_another_tenants_namespace(tmp_path, vllm_modules, options, salt, params):
+def test_a_client_cannot_pick_another_tenants_namespace(tmp_path, vllm_modules, options, salt, params):
     _store_prompt(tmp_path / "kvstore", "alice-salt")
     consumer = _connector(tmp_path, "kv_consumer", **options)
     matched, response = _ask(consumer, request("attack", PROMPT, cache_salt=salt, params=params))
@@ -93,19 +93,19 @@ def test_R3_1_a_client_cannot_pick_another_tenants_namespace(tmp_path, vllm_modu
 
 
 OWN = [  # the same lookups made by alice herself, the way the server is configured: found
-    pytest.param({}, "alice-salt", None, id="R3_1-own-salt"),
-    pytest.param({"require_isolation_key": True}, "alice-salt", {"kvhub_control": False}, id="R3_1-own-salt-required"),
+    pytest.param({}, "alice-salt", None, id="own-salt"),
+    pytest.param({"require_isolation_key": True}, "alice-salt", {"kvhub_control": False}, id="own-salt-required"),
     pytest.param(
         {"isolation_key_source": "kvhub_tenant"},
         "bob-salt",
         {"kvhub_tenant": "alice-salt"},
-        id="R3_1-own-configured-tenant",
+        id="own-configured-tenant",
     ),
 ]
 
 
 @pytest.mark.parametrize("options, salt, params", OWN)
-def test_R3_1_the_configured_field_finds_its_own_tenant(tmp_path, vllm_modules, options, salt, params):
+def test_the_configured_field_finds_its_own_tenant(tmp_path, vllm_modules, options, salt, params):
     _store_prompt(tmp_path / "kvstore", "alice-salt")
     consumer = _connector(tmp_path, "kv_consumer", **options)
     matched, response = _ask(consumer, request("own", PROMPT, cache_salt=salt, params=params))
@@ -115,9 +115,9 @@ def test_R3_1_the_configured_field_finds_its_own_tenant(tmp_path, vllm_modules, 
 @pytest.mark.parametrize(
     "tenant",
     [0, False, 7, ["alice-salt"], {"a": 1}],
-    ids=["R3_1-zero", "R3_1-false", "R3_1-int", "R3_1-list", "R3_1-dict"],
+    ids=["zero", "false", "int", "list", "dict"],
 )
-def test_R3_1_a_tenant_that_is_not_a_string_is_refused_not_shared(tmp_path, vllm_modules, tenant):
+def test_a_tenant_that_is_not_a_string_is_refused_not_shared(tmp_path, vllm_modules, tenant):
     """``kvhub_tenant`` 0 or false used to fall into the shared "" namespace silently."""
     _store_prompt(tmp_path / "kvstore", "")
     consumer = _connector(tmp_path, "kv_consumer", isolation_key_source="kvhub_tenant")
@@ -126,7 +126,7 @@ def test_R3_1_a_tenant_that_is_not_a_string_is_refused_not_shared(tmp_path, vllm
     assert consumer.counters["fallback"] == 1
 
 
-def test_R3_1_the_producer_stores_under_the_salt_only(tmp_path, vllm_modules):
+def test_the_producer_stores_under_the_salt_only(tmp_path, vllm_modules):
     producer = _connector(tmp_path, "kv_producer", source_model=SRC_ID)
     honest = request("honest", PROMPT, cache_salt="bob-salt")
     forged = request("forged", PROMPT, cache_salt="bob-salt", params={"kvhub_tenant": "alice-salt"})
@@ -138,12 +138,12 @@ def test_R3_1_the_producer_stores_under_the_salt_only(tmp_path, vllm_modules):
 
 
 @pytest.mark.parametrize("value", ["kvhub-tenant", "", None, True, "KVHUB_TENANT"])
-def test_R3_1_isolation_key_source_is_checked_at_start(tmp_path, vllm_modules, value):
+def test_isolation_key_source_is_checked_at_start(tmp_path, vllm_modules, value):
     with pytest.raises(ConfigError, match="isolation_key_source must be one of"):
         _connector(tmp_path, "kv_producer", isolation_key_source=value)
 
 
-def test_R3_1_transfer_configs_gives_both_roles_the_same_source(tmp_path):
+def test_transfer_configs_gives_both_roles_the_same_source(tmp_path):
     from kvhub.serving.launch import transfer_configs
 
     configs = transfer_configs(

@@ -22,15 +22,15 @@ def two_series(tmp_path):
     return db
 
 
-@pytest.mark.parametrize("command", ["show", "rm", "export"], ids=["U3_12_show", "U3_12_rm", "U3_12_export"])
-def test_U3_12_ambiguity_names_a_reference_not_a_missing_option(two_series, tmp_path, command):
+@pytest.mark.parametrize("command", ["show", "rm", "export"], ids=["show", "rm", "export"])
+def test_ambiguity_names_a_reference_not_a_missing_option(two_series, tmp_path, command):
     args = {"export": [str(tmp_path / "out")]}.get(command, [])
     result = run(command, "Tiny-Coder-0.5B-Instruct:Tiny-Coder-1.5B-Instruct", *args, "--db", two_series)
     assert result.exit_code == AmbiguousError.exit_code, result.output
     assert "--calib" not in result.stderr and "Tiny-Coder-1.5B-Instruct:code" in result.stderr
 
 
-def test_U3_12_load_names_no_cli_option(two_series):
+def test_load_names_no_cli_option(two_series):
     import kvhub
 
     with pytest.raises(AmbiguousError) as refused:
@@ -38,7 +38,7 @@ def test_U3_12_load_names_no_cli_option(two_series):
     assert "--calib" not in str(refused.value)
 
 
-def test_U3_12_python_errors_name_python_keywords(tmp_path):
+def test_python_errors_name_python_keywords(tmp_path):
     from kvhub.api import Mapper
 
     mapper = Mapper.load(make_store_artifact(tmp_path / "a"))
@@ -50,7 +50,7 @@ def test_U3_12_python_errors_name_python_keywords(tmp_path):
     assert str(refused.value).startswith("ridge_lambda=-1.0")
 
 
-def test_U3_12_export_says_force(two_series, tmp_path):
+def test_export_says_force(two_series, tmp_path):
     (tmp_path / "out").mkdir()
     result = run(
         "export", "Tiny-Coder-0.5B-Instruct:Tiny-Coder-1.5B-Instruct:code", str(tmp_path / "out"), "--db", two_series

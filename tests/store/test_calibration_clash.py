@@ -12,9 +12,10 @@ from kvhub.cli.main import main
 from kvhub.errors import ConfigError
 from tests.fixtures_calib import config_only_model
 from tests.fixtures_store import make_store_artifact
+from tests.fixtures_fit import tiny_fit_args
 
 
-def test_U3_2_text_clash_refused_before_the_models_load(tmp_path, monkeypatch):
+def test_text_clash_refused_before_the_models_load(tmp_path, monkeypatch):
     from kvhub.models.loading import registered_model_id
     from kvhub.store import open_store
 
@@ -43,25 +44,9 @@ def test_U3_2_text_clash_refused_before_the_models_load(tmp_path, monkeypatch):
 
     result = CliRunner().invoke(
         main,
-        [
-            "fit",
-            "--src",
-            "./fam/src",
-            "--dst",
-            "./fam/dst",
-            "--calib",
-            "./notes",
-            "--name",
-            "support-notes",
-            "--samples",
-            "8",
-            "--seq-len",
-            "32",
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-        ],
+        tiny_fit_args(
+            "./fam/src", "./fam/dst", calib="./notes", samples=8, seq_len=32, stride=None, name="support-notes"
+        ),
     )
     assert result.exit_code == ConfigError.exit_code, result.output  # not config_only_model's AssertionError
     assert "another text" in result.output and "--name support-notes-2" in result.output

@@ -13,7 +13,7 @@ from tests.fixtures_store import make_store_artifact
 TEXT_SHA = "f82679dc" + "0123456789abcdef" * 3 + "01234567"
 
 
-def test_U3_22_list_and_show_give_the_same_text_hash(tmp_path):
+def test_list_and_show_give_the_same_text_hash(tmp_path):
     path = make_store_artifact(tmp_path / "a", calibration="notes")
     metadata = json.loads((path / "mapper.json").read_text())
     metadata["calibration"]["corpus_hash"] = TEXT_SHA
@@ -29,7 +29,7 @@ def test_U3_22_list_and_show_give_the_same_text_hash(tmp_path):
     assert f"text {TEXT_SHA[:12]}" in row and "set notes-hash" in row
 
 
-def test_U3_22_fit_labels_the_text_hash_alike():
+def test_fit_labels_the_text_hash_alike():
     from kvhub.fitting.job import calibration_line
 
     meta = {"name": "notes", "corpus_hash": TEXT_SHA, "content_hash": "ffafed40fcb6" + "0" * 52}

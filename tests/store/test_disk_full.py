@@ -77,18 +77,16 @@ def full_store(tiny_tmpfs, tmp_path) -> Path:
 
 # command, its arguments after the command name, exit code, text on stderr
 STORE_ON_A_FULL_DISK = [
-    pytest.param("tag", [f"{PAIR}@v1", "prod"], StoreError.exit_code, NO_SPACE, id="R3_10-tag"),
-    pytest.param("rm", [f"{PAIR}@v1"], StoreError.exit_code, NO_SPACE, id="R3_10-rm"),
-    pytest.param("import", ["{artifact}"], StoreError.exit_code, NO_SPACE, id="R3_10-import"),
-    pytest.param("list", [], 0, "", id="R3_10-list-reads"),
-    pytest.param(
-        "gc", ["--dry-run"], 0, "would remove 0 unreferenced artifacts and 1 leftovers", id="R3_10-gc-dry-run"
-    ),
+    pytest.param("tag", [f"{PAIR}@v1", "prod"], StoreError.exit_code, NO_SPACE, id="tag"),
+    pytest.param("rm", [f"{PAIR}@v1"], StoreError.exit_code, NO_SPACE, id="rm"),
+    pytest.param("import", ["{artifact}"], StoreError.exit_code, NO_SPACE, id="import"),
+    pytest.param("list", [], 0, "", id="list-reads"),
+    pytest.param("gc", ["--dry-run"], 0, "would remove 0 unreferenced artifacts and 1 leftovers", id="gc-dry-run"),
 ]
 
 
 @pytest.mark.parametrize("command, args, exit_code, text", STORE_ON_A_FULL_DISK)
-def test_R3_10_a_store_on_a_full_tmpfs_says_no_space(full_store, tmp_path, command, args, exit_code, text):
+def test_a_store_on_a_full_tmpfs_says_no_space(full_store, tmp_path, command, args, exit_code, text):
     args = [str(make_store_artifact(tmp_path / "a2", seed=2)) if a == "{artifact}" else a for a in args]
     output = cli(command, *args, "--db", full_store, expect=exit_code)
     assert text in output
@@ -97,12 +95,12 @@ def test_R3_10_a_store_on_a_full_tmpfs_says_no_space(full_store, tmp_path, comma
         assert "check the URL" not in output
 
 
-def test_R3_10_gc_frees_a_full_tmpfs_and_writes_work_again(full_store):
+def test_gc_frees_a_full_tmpfs_and_writes_work_again(full_store):
     assert "removed 0 unreferenced artifacts and 1 leftovers" in cli("gc", "--db", full_store)
     assert "prod ->" in cli("tag", f"{PAIR}@v1", "prod", "--db", full_store)
 
 
-def test_R3_10_export_to_a_full_tmpfs_names_the_folder(tiny_tmpfs, tmp_path):
+def test_export_to_a_full_tmpfs_names_the_folder(tiny_tmpfs, tmp_path):
     db = tmp_path / "store" / "kvhub.db"
     with open_store(db) as store:
         store.register(make_store_artifact(tmp_path / "a1", seed=1, padding_mb=2))
@@ -125,8 +123,8 @@ def disk_reported_full(monkeypatch):
     monkeypatch.setattr(os, "statvfs", Full)
 
 
-def test_R3_10_export_enospc_is_a_store_error(tmp_path, monkeypatch):
-    from kvhub.store import store as store_module
+def test_export_enospc_is_a_store_error(tmp_path, monkeypatch):
+    from kvhub.store import artifact_io
 
     db = tmp_path / "store" / "kvhub.db"
     with open_store(db) as store:
@@ -135,7 +133,7 @@ def test_R3_10_export_enospc_is_a_store_error(tmp_path, monkeypatch):
     def no_space(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_module, "copy_hashing", no_space)
+    monkeypatch.setattr(artifact_io, "copy_hashing", no_space)
     output = cli("export", f"{PAIR}@v1", tmp_path / "dest" / "out", "--db", db, expect=StoreError.exit_code)
     assert f"{NO_SPACE} {tmp_path / 'dest'}" in output and "nothing was exported" in output
     assert list((tmp_path / "dest").iterdir()) == []
@@ -144,13 +142,11 @@ def test_R3_10_export_enospc_is_a_store_error(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "command, args, exit_code, text",
     [
-        pytest.param("tag", [f"{PAIR}@v1", "prod"], StoreError.exit_code, NO_SPACE, id="R3_10-tag-simulated"),
-        pytest.param("gc", [], 0, "removed 0 unreferenced artifacts", id="R3_10-gc-simulated"),
+        pytest.param("tag", [f"{PAIR}@v1", "prod"], StoreError.exit_code, NO_SPACE, id="tag-simulated"),
+        pytest.param("gc", [], 0, "removed 0 unreferenced artifacts", id="gc-simulated"),
     ],
 )
-def test_R3_10_sqlite_disk_io_error_on_a_full_disk(
-    tmp_path, monkeypatch, disk_reported_full, command, args, exit_code, text
-):
+def test_sqlite_disk_io_error_on_a_full_disk(tmp_path, monkeypatch, disk_reported_full, command, args, exit_code, text):
     """SQLite cannot grow its -shm file on a full disk and says "disk I/O error": the store reopens
     read-only, writes say where space ran out, gc runs."""
     import sqlite3

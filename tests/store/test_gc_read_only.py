@@ -37,14 +37,14 @@ def read_only_db(tmp_path, monkeypatch):
 
 # arguments, exit code, text in the output, JSON fields when --json
 GC_ON_A_READ_ONLY_STORE = [
-    pytest.param(["--dry-run"], 0, "would remove 1 unreferenced artifacts", id="R3_13-gc-dry-run-answers"),
-    pytest.param(["--dry-run", "--json"], 0, '"dry_run": true', id="R3_13-gc-dry-run-json"),
-    pytest.param([], StoreError.exit_code, "read-only", id="R3_13-gc-still-refused"),
+    pytest.param(["--dry-run"], 0, "would remove 1 unreferenced artifacts", id="gc-dry-run-answers"),
+    pytest.param(["--dry-run", "--json"], 0, '"dry_run": true', id="gc-dry-run-json"),
+    pytest.param([], StoreError.exit_code, "read-only", id="gc-still-refused"),
 ]
 
 
 @pytest.mark.parametrize("args, exit_code, text", GC_ON_A_READ_ONLY_STORE)
-def test_R3_13_gc_on_a_read_only_store(read_only_db, args, exit_code, text):
+def test_gc_on_a_read_only_store(read_only_db, args, exit_code, text):
     result = CliRunner().invoke(main, ["gc", *args, "--db", str(read_only_db)], catch_exceptions=False)
     assert result.exit_code == exit_code, result.output
     assert text in result.output and "Traceback" not in result.output

@@ -27,24 +27,22 @@ def fitted_by_path(tmp_path, monkeypatch):
     return db, source
 
 
-@pytest.mark.parametrize(
-    "spelling", ["./fam/src", "fam/src", "fam/../fam/src/"], ids=["U3_3_dot", "U3_3_bare", "U3_3_dotdot"]
-)
-def test_U3_3_list_finds_the_relative_path(fitted_by_path, spelling):
+@pytest.mark.parametrize("spelling", ["./fam/src", "fam/src", "fam/../fam/src/"], ids=["dot", "bare", "dotdot"])
+def test_list_finds_the_relative_path(fitted_by_path, spelling):
     db, source = fitted_by_path
     result = run("list", "--src", spelling, "--db", db, "--format", "tsv")
     assert result.exit_code == 0, result.stderr
     assert source in result.stdout
 
 
-def test_U3_3_show_by_the_relative_ref(fitted_by_path):
+def test_show_by_the_relative_ref(fitted_by_path):
     db, source = fitted_by_path
     result = run("show", "./fam/src:./fam/dst:notes", "--db", db, "--format", "tsv")
     assert result.exit_code == 0, result.stderr
     assert source in result.stdout
 
 
-def test_U3_3_load_by_the_relative_paths(fitted_by_path):
+def test_load_by_the_relative_paths(fitted_by_path):
     import kvhub
 
     db, source = fitted_by_path
@@ -52,16 +50,14 @@ def test_U3_3_load_by_the_relative_paths(fitted_by_path):
     assert mapper.metadata["source"]["model_id"] == source
 
 
-def test_U3_3_a_name_that_is_no_path_still_matches_short_names(fitted_by_path):
+def test_a_name_that_is_no_path_still_matches_short_names(fitted_by_path):
     db, source = fitted_by_path
     result = run("list", "--src", "src", "--db", db, "--format", "tsv")
     assert result.exit_code == 0 and source in result.stdout
 
 
-@pytest.mark.parametrize(
-    "manifest", [None, {"hf_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}], ids=["U3_3_plain", "U3_3_fetched"]
-)
-def test_U3_3_lookup_and_fit_name_a_folder_alike(tmp_path, monkeypatch, manifest):
+@pytest.mark.parametrize("manifest", [None, {"hf_id": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}], ids=["plain", "fetched"])
+def test_lookup_and_fit_name_a_folder_alike(tmp_path, monkeypatch, manifest):
     """The store's rule (it cannot import kvhub.models) is the one fit registers by."""
     import json
 

@@ -11,9 +11,10 @@ from click.testing import CliRunner
 from kvhub.cli.main import main
 from kvhub.store import open_store
 from tests.fixtures_store import make_store_artifact
+from tests.fixtures_fit import tiny_fit_args
 
 
-def test_U3_24_a_fit_records_its_options_dtype_and_device(tiny_model_dirs, tmp_path, monkeypatch, text_corpus):
+def test_a_fit_records_its_options_dtype_and_device(tiny_model_dirs, tmp_path, monkeypatch, text_corpus):
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVHUB_HOME", str(tmp_path / "home"))
     src, dst = tiny_model_dirs
@@ -23,34 +24,7 @@ def test_U3_24_a_fit_records_its_options_dtype_and_device(tiny_model_dirs, tmp_p
     for seed in (0, 1):
         result = runner.invoke(
             main,
-            [
-                "fit",
-                "--src",
-                str(src),
-                "--dst",
-                str(dst),
-                "--calib",
-                str(text_corpus),
-                "--samples",
-                "12",
-                "--seq-len",
-                "24",
-                "--stride",
-                "1",
-                "--lambda",
-                "1e-9",
-                "--dtype",
-                "float32",
-                "--batch-size",
-                "4",
-                "--device",
-                "cpu",
-                "--seed",
-                str(seed),
-                "--db",
-                db,
-                "--json",
-            ],
+            tiny_fit_args(src, dst, calib=text_corpus, lambda_="1e-9", batch_size=4, seed=seed, db=db, json=True),
         )
         assert result.exit_code == 0, result.output
         refs.append(json.loads(result.stdout)["ref"])
@@ -68,7 +42,7 @@ def test_U3_24_a_fit_records_its_options_dtype_and_device(tiny_model_dirs, tmp_p
     assert fields["calibration seed"][1:3] == ["0", "1"]
 
 
-def test_U3_24_history_tsv_tells_reruns_apart(tmp_path):
+def test_history_tsv_tells_reruns_apart(tmp_path):
     db = str(tmp_path / "store.db")
     with open_store(db) as store:
         version = store.register(make_store_artifact(tmp_path / "a"))

@@ -14,6 +14,7 @@ from kvhub.cli.main import main
 from kvhub.errors import ConfigError, InvalidArtifactError
 from tests.fixtures_calib import config_only_model
 from tests.fixtures_store import SRC_ID, make_store_artifact
+from tests.fixtures_fit import tiny_fit_args
 
 
 @pytest.fixture
@@ -52,26 +53,11 @@ def _fit(models, *args):
     src, dst = models
     return CliRunner().invoke(
         main,
-        [
-            "fit",
-            "--src",
-            str(src),
-            "--dst",
-            str(dst),
-            "--samples",
-            "8",
-            "--seq-len",
-            "32",
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-            *map(str, args),
-        ],
+        tiny_fit_args(src, dst, *args, samples=8, seq_len=32, stride=None),
     )
 
 
-def test_R3_6_a_name_holding_another_text_is_refused_before_loading(home, tmp_path, models):
+def test_a_name_holding_another_text_is_refused_before_loading(home, tmp_path, models):
     _register(tmp_path, models, name="notes", text_sha256="a" * 64)
     out = tmp_path / "out"
     result = _fit(models, "--calib", _text(tmp_path / "b.txt", "beta"), "--name", "notes", "--out", out)
@@ -80,7 +66,7 @@ def test_R3_6_a_name_holding_another_text_is_refused_before_loading(home, tmp_pa
     assert not out.exists()
 
 
-def test_R3_6_the_same_text_or_a_new_name_goes_on_to_load_the_models(home, tmp_path, models):
+def test_the_same_text_or_a_new_name_goes_on_to_load_the_models(home, tmp_path, models):
     """The check refuses only the clash: past it, the (patched) model load is what stops the fit."""
     from kvhub.calib.calibration_set import read_documents
     from kvhub.calib.packing import corpus_digest
@@ -93,7 +79,7 @@ def test_R3_6_the_same_text_or_a_new_name_goes_on_to_load_the_models(home, tmp_p
         assert isinstance(result.exception, AssertionError), result.output  # reached the model load
 
 
-def test_R3_6_out_is_written_before_registering(home, tmp_path, tiny_model_dirs, monkeypatch):
+def test_out_is_written_before_registering(home, tmp_path, tiny_model_dirs, monkeypatch):
     """A registration refused after the fit (a race with another fit) must not lose the fitted mapper."""
     import kvhub.cli.fit_cmd
 
@@ -118,7 +104,7 @@ def test_R3_6_out_is_written_before_registering(home, tmp_path, tiny_model_dirs,
 
 
 @pytest.mark.parametrize("name", ["legal-docs", "code", "mixed"])
-def test_R3_12_a_built_in_sets_name_over_other_text_is_refused(home, tmp_path, models, name):
+def test_a_built_in_sets_name_over_other_text_is_refused(home, tmp_path, models, name):
     result = _fit(models, "--calib", _text(tmp_path / "notes.txt", "gamma"), "--name", name)
     assert result.exit_code == ConfigError.exit_code, result.output
     assert "built-in calibration set" in result.output and f"--name {name}-own" in result.output
@@ -127,9 +113,9 @@ def test_R3_12_a_built_in_sets_name_over_other_text_is_refused(home, tmp_path, m
 @pytest.mark.parametrize(
     "name",
     ["my notes; $(id)", "sp ace", 'q"uote', "a:b", "-dash", ""],
-    ids=["R3_12-shell", "R3_12-space", "R3_12-quote", "R3_12-colon", "R3_12-dash", "R3_12-empty"],
+    ids=["shell", "space", "quote", "colon", "dash", "empty"],
 )
-def test_R3_12_import_refuses_names_fit_refuses(home, tmp_path, name):
+def test_import_refuses_names_fit_refuses(home, tmp_path, name):
     path = make_store_artifact(tmp_path / "artifact", calibration="ok")
     metadata = json.loads((path / "mapper.json").read_text())
     metadata["calibration"]["name"] = name

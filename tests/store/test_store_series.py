@@ -18,6 +18,7 @@ from kvhub.cli.output import format_number
 from kvhub.errors import AmbiguousError, ConfigError, NotFoundError, StoreError
 from kvhub.store import open_store
 from tests.fixtures_store import make_store_artifact
+from tests.fixtures_fit import tiny_fit_args
 
 PAIR = "tiny-coder-0.5b-instruct:tiny-coder-1.5b-instruct"
 
@@ -97,25 +98,7 @@ def test_fit_name_names_the_series_and_other_text_under_it_is_refused(
     other.mkdir()
     for i in range(40):
         (other / f"o{i:03d}.txt").write_text(f"o{i:03d} " * (25 + 3 * (i % 5)), encoding="utf-8")
-    base = [
-        "fit",
-        "--src",
-        src,
-        "--dst",
-        dst,
-        "--samples",
-        "8",
-        "--seq-len",
-        "16",
-        "--stride",
-        "1",
-        "--lambda",
-        "1e-6",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-    ]
+    base = tiny_fit_args(src, dst, samples=8, seq_len=16, lambda_="1e-6")
     cli(*base, "--calib", text_corpus, "--name", "notes")
     assert [v["calibration"] for v in json.loads(cli("list", "--json").stdout)] == ["notes"]
     refused = cli(*base, "--calib", other, "--name", "notes", expect=ConfigError.exit_code)

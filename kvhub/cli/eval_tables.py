@@ -1,0 +1,204 @@
+"""The result tables of ``kvhub eval``, ``kvhub bench`` and ``kvhub eval-serve``: one row per task (and length,
+and variant), numbers shown the one way :func:`kvhub.cli.output.format_number` shows them."""
+
+from __future__ import annotations
+
+import math
+
+from kvhub.cli.console import plain
+from kvhub.cli.output import format_number, print_table
+
+SERVED_COLUMNS = (
+    "task",
+    "n",
+    "tokens",
+    "recomputed %",
+    "own",
+    "mapped",
+    "control",
+    "source",
+    "floor",
+    "retention [95% CI]",
+    "map - control [95% CI]",
+    "median agreement mapped / control",
+)
+
+
+def number(value) -> str:
+    """A result number the one way tables show numbers (kvhub.cli.output.format_number); NaN is an empty cell,
+    as JSON's null."""
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format_number(value)
+
+
+def print_results(ref: str, results: dict, *, output_format: str = "table") -> None:
+    recall = {task: r for task, r in results.items() if "acc_control" in r}
+    gist = {task: r for task, r in results.items() if "gap_closed_mapped" in r}
+    rows = []
+    for task, r in results.items():
+        if task in recall or task in gist:
+            continue
+        if task.startswith("ppl"):
+            drop = f"drop {number(r['ppl_drop'])}" if r.get("ppl_drop") is not None else ""
+            rows.append(
+                [
+                    task,
+                    r["n"],
+                    f"ppl {number(r['ppl_own'])}",
+                    f"ppl {number(r['ppl_mapped'])}",
+                    f"no ctx {number(r['ppl_no_context'])}",
+                    drop,
+                    "",
+                    number(r["agreement"]),
+                    "",
+                ]
+            )
+            continue
+        low, high = r["retention_ci"]
+        rows.append(
+            [
+                task,
+                r["n"],
+                number(r["acc_own"]),
+                number(r["acc_mapped"]),
+                number(r["acc_source"]),
+                f"{number(r['retention'])} [{number(low)}, {number(high)}]",
+                number(r["gap_closed"]),
+                number(r["agree_next"]),
+                number(r["attn_cosine"]),
+            ]
+        )
+    columns = ["task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"]
+    if rows:
+        print_table(columns, rows, output_format=output_format, title=ref, right=tuple(columns[1:]))
+    groups: dict[tuple, dict] = {}  # one table per set of conditions (the follow-up turn has more)
+    for task, r in recall.items():
+        groups.setdefault(tuple(key for key in r if key.startswith("acc_")), {})[task] = r
+    for group in groups.values():
+        print_recall(ref, group, output_format=output_format)
+    if gist:
+        print_gist(ref, gist, output_format=output_format)
+
+
+def print_gist(ref: str, results: dict, *, output_format: str) -> None:
+    """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
+    the target prefilling only the recomputed tokens, where the run scored it)."""
+    with_drop = all("nll_drop" in r for r in results.values())
+    conditions = ("own", "mapped", "drop", "control", "floor") if with_drop else ("own", "mapped", "control", "floor")
+    columns = [
+        "task",
+        "n",
+        "tokens",
+        *conditions,
+        "gap closed [95% CI]",
+        *(["drop closes [95% CI]"] if with_drop else []),
+        "control closes [95% CI]",
+    ]
+    rows = []
+    for task, r in results.items():
+        closes = [closed(r, "mapped")] + ([closed(r, "drop")] if with_drop else []) + [closed(r, "control")]
+        rows.append(
+            [task, r["n"], f"{r['context_tokens']:.0f}", *(f"{r[f'nll_{c}']:.3f}" for c in conditions), *closes]
+        )
+    print_table(
+        columns,
+        rows,
+        output_format=output_format,
+        right=tuple(columns[1:]),
+        title=f"{ref}: the target's own answer about the whole context, mean NLL per token",
+    )
+
+
+def closed(r: dict, condition: str) -> str:
+    low, high = r[f"gap_closed_{condition}_ci"]
+    return f"{r[f'gap_closed_{condition}']:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
+def print_recall(ref: str, results: dict, *, output_format: str) -> None:
+    """Exact answers per condition present in every row (``drop``, the follow-up's re-selections), with
+    retention and the map's paired differences from the control and from drop."""
+    first = next(iter(results.values()))
+    conditions = [
+        c.removeprefix("acc_")
+        for c in first
+        if c.startswith("acc_") and not c.endswith("_ci") and all(c in r for r in results.values())
+    ]
+    differences = [
+        key
+        for key in ("map_minus_control", "map_minus_drop", "reselect_minus_drop", "reselect_minus_drop_reselect")
+        if all(key in r for r in results.values())
+    ]
+    columns = [
+        "task",
+        "n",
+        "tokens",
+        "exact %",
+        *conditions,
+        "retention [95% CI]",
+        *(f"{key.replace('_minus_', ' - ').replace('map ', 'mapped ')} [95% CI]" for key in differences),
+    ]
+    rows = []
+    for task, r in results.items():
+        low, high = r["retention_ci"]
+        rows.append(
+            [
+                task,
+                r["n"],
+                f"{r['context_tokens']:.0f}",
+                f"{100 * r['recomputed_fraction']:.1f}",
+                *(f"{r[f'acc_{c}']:.2f}" for c in conditions),
+                f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
+                *(f"{r[key]:+.2f} [{r[key + '_ci'][0]:+.2f}, {r[key + '_ci'][1]:+.2f}]" for key in differences),
+            ]
+        )
+    print_table(
+        columns,
+        rows,
+        output_format=output_format,
+        right=tuple(columns[1:]),
+        title=f"{ref}: exact answers from long contexts",
+    )
+
+
+# ---- kvhub eval-serve -----------------------------------------------------------------------------------
+def print_served(title: str, results: dict, *, output_format: str = "table") -> None:
+    rows = []
+    for task, r in results.items():
+        low, high = r["retention_ci"]
+        dlow, dhigh = r["map_minus_control_ci"]
+        rows.append(
+            [
+                task,
+                r["n"],
+                f"{r['context_tokens']:.0f}",
+                f"{100 * r['recomputed_fraction']:.1f}",
+                *(f"{r[f'acc_{c}']:.2f}" for c in ("own", "mapped", "control", "source", "floor")),
+                f"{r['retention']:.2f} [{low:.2f}, {high:.2f}]",
+                f"{r['map_minus_control']:+.2f} [{dlow:+.2f}, {dhigh:+.2f}]",
+                f"{r['median_agreement_mapped']:g} / {r['median_agreement_control']:g} of {r['agreement_tokens']}",
+            ]
+        )
+    print_table(
+        list(SERVED_COLUMNS), rows, output_format=output_format, title=plain(title), right=SERVED_COLUMNS[1:]
+    )  # model names: never markup
+
+
+def print_turns(title: str, results: dict, output_format: str) -> None:
+    from kvhub.eval.served_turns import TURN_ARMS
+
+    columns = ["task", "arm", "n", "exact t1 / t2 / t3", "TTFT s t1 / t2 / t3", "own t1 / arm", "conversation s"]
+    rows = []
+    for task, r in results.items():
+        for arm in TURN_ARMS:
+            turns = range(1, r["turns"] + 1)
+            rows.append(
+                [
+                    task,
+                    arm,
+                    r["n"],
+                    " / ".join(f"{r[f'acc_{arm}_t{t}']:.2f}" for t in turns),
+                    " / ".join(f"{r[f'ttft_{arm}_t{t}']:.2f}" for t in turns),
+                    " / ".join(f"{r[f'speedup_{arm}_t{t}']:.1f}x" for t in turns),
+                    f"{r[f'conversation_s_{arm}']:.2f}",
+                ]
+            )
+    print_table(columns, rows, output_format=output_format, title=plain(title), right=columns[2:])
