@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--items", type=int, default=30)
+    parser.add_argument("--items", type=int, default=30, help="passkey items of the selection check (0: skip it)")
     parser.add_argument("--selection-tokens", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, required=True)
@@ -170,7 +170,9 @@ def main(argv=None) -> dict:
             "pair": list(PAIR),
             "dtype": args.dtype,
             "mapper": "random weights, k=4, the pair's shapes (timing only)",
-            "selection": selection(source, tokenizer, items=args.items, tokens=args.selection_tokens),
+            "selection": selection(source, tokenizer, items=args.items, tokens=args.selection_tokens)
+            if args.items
+            else None,
         }
         print(json.dumps(report["selection"]))
         report["ttft"] = []

@@ -79,23 +79,30 @@ def print_results(ref: str, results: dict, *, output_format: str = "table") -> N
         print_gist(ref, gist, output_format=output_format)
 
 
+GIST_CORE = ("own", "mapped", "control", "floor")  # the gist conditions every backend scores
+
+
 def print_gist(ref: str, results: dict, *, output_format: str) -> None:
     """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
-    the target prefilling only the recomputed tokens, where the run scored it)."""
-    with_drop = all("nll_drop" in r for r in results.values())
-    conditions = ("own", "mapped", "drop", "control", "floor") if with_drop else ("own", "mapped", "control", "floor")
+    the target prefilling only the recomputed tokens, and the ``wrong`` / ``zero`` controls, where the run scored
+    them; mapped - the best control, where there are several: a result counts only where that is above 0)."""
+    scored = [c for c in ("drop", "wrong", "zero") if all(f"nll_{c}" in r for r in results.values())]
+    conditions = [
+        c for c in ("own", "mapped", "drop", "control", "wrong", "zero", "floor") if c in scored or c in GIST_CORE
+    ]
+    closing = [c for c in ("mapped", "drop", "control", "wrong", "zero") if c in conditions]
+    every = all("gap_closed_map_minus_controls" in r for r in results.values())
     columns = [
         "task",
         "n",
         "tokens",
         *conditions,
-        "gap closed [95% CI]",
-        *(["drop closes [95% CI]"] if with_drop else []),
-        "control closes [95% CI]",
+        *("gap closed [95% CI]" if c == "mapped" else f"{c} closes [95% CI]" for c in closing),
+        *(["mapped - best control [95% CI]"] if every else []),
     ]
     rows = []
     for task, r in results.items():
-        closes = [closed(r, "mapped")] + ([closed(r, "drop")] if with_drop else []) + [closed(r, "control")]
+        closes = [closed(r, c) for c in closing] + ([closed(r, "map_minus_controls")] if every else [])
         rows.append(
             [task, r["n"], f"{r['context_tokens']:.0f}", *(f"{r[f'nll_{c}']:.3f}" for c in conditions), *closes]
         )
@@ -108,9 +115,10 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
     )
 
 
-def closed(r: dict, condition: str) -> str:
-    low, high = r[f"gap_closed_{condition}_ci"]
-    return f"{r[f'gap_closed_{condition}']:+.2f} [{low:+.2f}, {high:+.2f}]"
+def closed(r: dict, name: str) -> str:
+    """``gap_closed_<name>`` (a condition, or a difference such as ``map_minus_controls``) with its interval."""
+    low, high = r[f"gap_closed_{name}_ci"]
+    return f"{r[f'gap_closed_{name}']:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
 def print_recall(ref: str, results: dict, *, output_format: str) -> None:

@@ -2,7 +2,8 @@
 
 A task (:class:`kvhub.eval.run.Task`) builds its items and asks a backend to score each one under the
 conditions of :data:`kvhub.eval.longctx.LONG_CONDITIONS` (``own`` / ``mapped`` / ``control`` / ``source`` /
-``floor``, and ``drop`` where the backend can); it never knows where the models run.  Two backends:
+``floor``, and ``drop`` where the backend can; the gist adds the ``wrong`` and ``zero`` controls of
+:mod:`kvhub.eval.gist_controls` in the library); it never knows where the models run.  Two backends:
 
 - :class:`LibraryConditions` (``kvhub eval``): the handoff in this process, over a
   :class:`kvhub.eval.run.LoadedVersion`; one score per recompute variant, cached per item.
@@ -74,12 +75,12 @@ class LibraryConditions:
     kind = "library"
 
     def __init__(self, loaded):
-        from kvhub.eval.gist import read_gist_score
+        from kvhub.eval.gist import GIST_CONDITIONS, read_gist_score
         from kvhub.eval.longctx import LONG_CONDITIONS, RecallScore
 
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.read_recall = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
-        self.read_gist = read_gist_score
+        self.read_gist = functools.partial(read_gist_score, required=(*GIST_CONDITIONS, "zero"))
 
     @functools.cached_property
     def control(self):
@@ -87,6 +88,13 @@ class LibraryConditions:
         from kvhub.core.control import control_mapper
 
         return control_mapper(self.loaded.mapper)
+
+    @functools.cached_property
+    def zero(self):
+        """The all-zero control map (:func:`kvhub.eval.gist_controls.zero_mapper`): the gist's ``zero`` condition."""
+        from kvhub.eval.gist_controls import zero_mapper
+
+        return zero_mapper(self.control)
 
     def models(self) -> dict:
         """The keywords every library scorer takes: both maps, both models and the tokenizer."""
@@ -122,7 +130,7 @@ class LibraryConditions:
     def gist(self, item, variants: list) -> list:
         from kvhub.eval.gist import score_gist_item
 
-        return score_gist_item(item, variants=list(variants), **self.models())
+        return score_gist_item(item, variants=list(variants), zero=self.zero, **self.models())
 
     def summarize_gist(self, scores: list, *, seed: int, task: str, context_tokens: int) -> dict:
         from kvhub.eval.gist import summarize_gist
@@ -131,6 +139,7 @@ class LibraryConditions:
 
     def gist_record(self, name: str, variant: str, item, score) -> dict:
         from kvhub.eval.gist import gap_closed
+        from kvhub.eval.gist_controls import GIST_CONTROLS
 
         return {
             "task": name,
@@ -138,7 +147,9 @@ class LibraryConditions:
             "doc_id": item.id,
             "nll": score.nll,
             "answer": score.answer,
-            "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control")},
+            "gap_closed": {
+                c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control", *GIST_CONTROLS) if c in score.nll
+            },
             "meta": item.meta,
         }
 

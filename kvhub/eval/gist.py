@@ -11,13 +11,16 @@ log-likelihood per token, under each cache:
                their true positions, and nothing else (:mod:`kvhub.serving.drop`);
 - ``control``: the same recompute over the no-information control map (:mod:`kvhub.core.control`);
 - ``floor``:   the context dropped: the target given only the last ``FLOOR_TOKENS`` prompt tokens
-               (the request itself), the no-context floor.
+               (the request itself), the no-context floor;
+- ``wrong``, ``zero``: the controls of :mod:`kvhub.eval.gist_controls` (the same path over another item's
+               context, and over an all-zero mapped cache), where the backend scores them.
 
     gap closed = (NLL_floor - NLL_variant) / (NLL_floor - NLL_own)
 
 is 1 for a cache as informative as the target's own and 0 for one that tells the target no more than
 the request alone (negative: worse than no context).  The aggregate is the ratio of the mean NLLs over
-items, with a bootstrap 95% interval over items.
+items, with a bootstrap 95% interval over items.  A result counts only where it beats every control
+(``gap_closed_map_minus_controls`` > 0: mapped minus the best of control, wrong and zero).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
 from kvhub.eval.catalog import GIST_KINDS
+from kvhub.eval.gist_controls import GIST_CONTROLS, with_wrong_documents
 
 GIST_CONDITIONS = ("own", "mapped", "drop", "control", "floor")
 FLOOR_TOKENS = 32
@@ -39,11 +43,13 @@ ANSWER_TOKENS = 48
 
 @dataclass
 class GistItem:
-    """A prompt (token ids: a context and a request about all of it) and its kind."""
+    """A prompt (token ids: a context and a request about all of it) and its kind; ``wrong_ids``: the same
+    request over another item's context, the wrong-document control (None: not scored)."""
 
     id: str
     prompt_ids: list[int]
     meta: dict = field(default_factory=dict)
+    wrong_ids: list[int] | None = None
 
 
 @dataclass
@@ -148,9 +154,20 @@ def answer_nll(model, cache, tail_ids: list[int], answers: int, *, start: int | 
 
 @torch.no_grad()
 def score_gist_item(
-    item: GistItem, *, mapper, control, source, target, tokenizer, variants, answer_tokens: int = ANSWER_TOKENS
+    item: GistItem,
+    *,
+    mapper,
+    control,
+    source,
+    target,
+    tokenizer,
+    variants,
+    answer_tokens: int = ANSWER_TOKENS,
+    zero=None,
 ) -> list[GistScore]:
-    """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared)."""
+    """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared); ``wrong`` where the
+    item has ``wrong_ids`` and ``zero`` where ``zero`` (:func:`kvhub.eval.gist_controls.zero_mapper`) is given,
+    each through the variant's recompute like ``mapped``."""
     from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
 
@@ -167,13 +184,19 @@ def score_gist_item(
     }
     source_cache = run_model(source, context)
     ids = torch.tensor([prompt], device=device)
+    paths = [("mapped", mapper, ids, source_cache), ("control", control, ids, source_cache)]
+    if zero is not None:
+        paths.append(("zero", zero, ids, source_cache))
+    if item.wrong_ids is not None:  # the same request (and last token) over another item's context
+        wrong = torch.tensor([item.wrong_ids], device=device)
+        paths.append(("wrong", mapper, wrong, run_model(source, wrong[:, :-1])))
     scores = []
     for spec in variants:
         spec = spec.capped(len(prompt) - 1)
         nll = dict(shared)
-        for name, which in (("mapped", mapper), ("control", control)):
+        for name, which, prompt_ids, cached in paths:
             cache, positions = prepare_cache_counted(
-                which, source, target, ids, recompute=spec, tokenizer=tokenizer, source_cache=source_cache
+                which, source, target, prompt_ids, recompute=spec, tokenizer=tokenizer, source_cache=cached
             )
             nll[name] = answer_nll(target, cache, tail, len(answer))
             if name == "mapped":  # the same positions, nothing mapped
@@ -191,23 +214,27 @@ def gap_closed(nll: dict, condition: str) -> float:
 
 
 def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
-    """Mean NLL per condition, gap closed by ``mapped``, ``drop`` and ``control`` (ratio of the means) with
-    bootstrap 95% intervals over items, and the paired differences mapped - control and mapped - drop."""
+    """Mean NLL per condition, gap closed by ``mapped``, ``drop``, ``control``, ``wrong`` and ``zero`` (ratio of
+    the means, where scored) with bootstrap 95% intervals over items, the paired differences mapped - each of
+    them, and ``gap_closed_map_minus_controls``: mapped - the best of the controls (control, wrong, zero)."""
     if not scores:
         return {"n": 0}
     rng = random.Random(seed)
     n = len(scores)
-    conditions = [c for c in GIST_CONDITIONS if all(c in s.nll for s in scores)]  # a served run has no drop
+    conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in s.nll for s in scores)]  # served: no drop
+    controls = [c for c in ("control", *GIST_CONTROLS) if c in conditions]
 
     def stats(index) -> dict:
         mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in conditions}
         out = {f"nll_{c}": mean[c] for c in conditions}
-        for condition in ("mapped", "drop", "control"):
+        for condition in ("mapped", "drop", "control", *GIST_CONTROLS):
             if condition in mean:
                 out[f"gap_closed_{condition}"] = gap_closed(mean, condition)
-        for other in ("control", "drop"):
+        for other in ("control", "drop", *GIST_CONTROLS):
             if other in mean:
                 out[f"gap_closed_map_minus_{other}"] = out["gap_closed_mapped"] - out[f"gap_closed_{other}"]
+        if len(controls) > 1:
+            out["gap_closed_map_minus_controls"] = min(out[f"gap_closed_map_minus_{c}"] for c in controls)
         return out
 
     point = stats(range(n))
@@ -223,10 +250,11 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     return out
 
 
-def read_gist_score(record: dict) -> GistScore:
-    """A cached GistScore; one without a condition scored now (written before ``drop``) is refused (ValueError),
-    so the per-item cache scores that item again."""
-    if any(c not in record.get("nll", {}) for c in GIST_CONDITIONS):
+def read_gist_score(record: dict, *, required: tuple = GIST_CONDITIONS) -> GistScore:
+    """A cached GistScore; one without a ``required`` condition scored now (written before ``drop``, or before the
+    ``zero`` control where the backend asks for it) is refused (ValueError), so the per-item cache scores that
+    item again."""
+    if any(c not in record.get("nll", {}) for c in required):
         raise ValueError("record without a condition scored now")
     return GistScore(**record)
 
@@ -258,11 +286,16 @@ class GistTask:
         ]
 
     def items(self) -> list[GistItem]:
+        """``limit`` built items, each with its wrong document: the next item the same generator builds (one more
+        is built for the last; the first where the generator has no more), so an item's control never depends
+        on ``limit``."""
         if self._items is not None:
             return list(self._items)
-        items = gist_items(
-            self.kind, self.conditions.tokenizer, context_tokens=self.context_tokens, n=self.limit, seed=self.seed
+        built = gist_items(
+            self.kind, self.conditions.tokenizer, context_tokens=self.context_tokens, n=self.limit + 1, seed=self.seed
         )
+        items = built[: self.limit]
+        items = with_wrong_documents(items, [built[(i + 1) % len(built)] for i in range(len(items))])
         self.conditions.check_items(items, extra=ANSWER_TOKENS, context_tokens=self.context_tokens)
         return items
 

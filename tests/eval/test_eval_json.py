@@ -282,3 +282,24 @@ def test_the_gist_task_reports_the_gap_closed_beside_the_control_and_stores_it(e
     assert doc["config"]["datasets"]["gist-code-64"]["n"] == 1
     shown = CliRunner().invoke(main, ["show", env["ref"], "--db", env["db"], "--json"])
     assert "gap_closed_mapped" in shown.stdout  # stored as metrics of the version
+
+
+def test_the_gist_reports_the_wrong_document_and_zero_controls_in_json_samples_and_table(env):
+    """Both controls of issue 47 (kvhub.eval.gist_controls) reach the results document, the per-item samples and
+    the table, with mapped - the best control.
+    Planted bugs caught: the library backend not passing the zero map (no nll_zero); the table leaving the
+    controls out."""
+    out = env["tmp"] / "gist"
+    args = ("--task", "gist-code", "--context-tokens", "64", "--limit", "1", "--exact-prefix", "2")
+    result = _eval(env, *args, "--json", "--output-path", str(out), "--log-samples")
+    assert result.exit_code == 0, result.output
+    ((name, summary),) = json.loads(result.stdout)["results"].items()
+    for key in ("nll_wrong", "nll_zero", "gap_closed_wrong", "gap_closed_zero", "gap_closed_map_minus_controls"):
+        assert key in summary and f"{key}_ci" in summary
+    ((samples,),) = [list(out.rglob("samples_gist-code-64_*.jsonl"))]
+    record = json.loads(samples.read_text().splitlines()[0])
+    assert {"wrong", "zero"} <= set(record["nll"]) and {"wrong", "zero"} <= set(record["gap_closed"])
+    assert record["meta"]["wrong_document"] != record["doc_id"]
+    table = _eval(env, *args)
+    assert table.exit_code == 0, table.output
+    assert "wrong closes" in table.output and "zero closes" in table.output and "best control" in table.output
