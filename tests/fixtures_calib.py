@@ -185,3 +185,23 @@ def tiny_model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny-family")
     save_tiny_family(root)
     return root / "src", root / "dst"
+
+
+def tiny_items(n: int):
+    """``n`` HellaSwag-shaped multiple-choice items in the tiny tokenizer's words (label i % 3)."""
+    from kvhub.eval.tasks import Item
+
+    return [
+        Item(
+            context=f"d00{i} d00{i} d011 d011 d012",
+            continuations=[" d013", " d020 d020", " d033"],
+            label=i % 3,
+            id=f"hellaswag/validation/{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def tiny_passages(n: int) -> tuple[str, ...]:
+    """``n`` short passages in the tiny tokenizer's words (a `--task ppl` text set)."""
+    return tuple(f"d0{i % 40:02d} d011 d0{(7 * i) % 40:02d} d012 d020 d021 d0{(3 * i) % 40:02d}." for i in range(n))

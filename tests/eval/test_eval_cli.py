@@ -11,19 +11,10 @@ import torch
 from click.testing import CliRunner
 
 from kvhub.cli.main import main
-from kvhub.eval.tasks import Item
-from tests.fixtures_calib import registered_tiny_family
+from tests.fixtures_calib import registered_tiny_family, tiny_items, tiny_passages
 
-ITEMS = [
-    Item(
-        context=f"d00{i} d00{i} d011 d011 d012",
-        continuations=[" d013", " d020 d020", " d033"],
-        label=i % 3,
-        id=f"hellaswag/validation/{i}",
-    )
-    for i in range(2)
-]
-PASSAGES = tuple(f"d0{i % 40:02d} d011 d0{(7 * i) % 40:02d} d012 d020 d021 d0{(3 * i) % 40:02d}." for i in range(40))
+ITEMS = tiny_items(2)
+PASSAGES = tiny_passages(40)
 
 
 @pytest.fixture(scope="module")

@@ -198,45 +198,13 @@ def test_two_passes_keep_the_most_candidates_that_fit():
 
 def test_plan_cli_shows_the_two_pass_statistics():
     runner = CliRunner()
+    pair = ["plan", "--src", "Qwen/Qwen3-14B", "--dst", "Qwen/Qwen3-32B", "--device", "h200"]
     result = runner.invoke(
-        main,
-        [
-            "plan",
-            "--src",
-            "Qwen/Qwen3-14B",
-            "--dst",
-            "Qwen/Qwen3-32B",
-            "--samples",
-            "256",
-            "--seq-len",
-            "2048",
-            "--device",
-            "h200",
-            "--host-memory",
-            "64",
-            "--ranks",
-            "1",
-        ],
+        main, [*pair, "--samples", "256", "--seq-len", "2048", "--host-memory", "64", "--ranks", "1"]
     )
     assert result.exit_code == 0, result.output
     assert "statistics, pass 1" in result.output and "statistics: two passes" in result.output
-    data = json.loads(
-        runner.invoke(
-            main,
-            [
-                "plan",
-                "--src",
-                "Qwen/Qwen3-14B",
-                "--dst",
-                "Qwen/Qwen3-32B",
-                "--device",
-                "h200",
-                "--stats",
-                "one-pass",
-                "--json",
-            ],
-        ).stdout
-    )
+    data = json.loads(runner.invoke(main, [*pair, "--stats", "one-pass", "--json"]).stdout)
     assert data["statistics"] == {"passes": 1, "dtype": "float64", "candidates": None, "top_k_max": None}
 
 
