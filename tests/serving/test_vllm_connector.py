@@ -441,3 +441,26 @@ if __name__ == "__main__":
     if os.environ.get("KVHUB_TEST_FAIL_RECOMPUTE"):
         _plant_recompute_failure(int(os.environ["KVHUB_TEST_FAIL_RECOMPUTE"]))
     Path(out).write_text(json.dumps(run_engine(role, paths, requests)))
+
+
+@pytest.mark.vllm
+def test_the_transfer_config_kvhub_serve_builds_is_the_one_vllm_builds(tmp_path):
+    """What ``kvhub serve`` hands vLLM (launch.transfer_configs, as JSON on the command line) goes through vLLM's
+    own ``KVTransferConfig`` unchanged for both roles, and the extra config vLLM then holds reads back into the
+    same typed ConnectorConfig the connector builds.  Planted bugs caught: a key vLLM drops or renames, a
+    role name vLLM does not know, an extra-config value vLLM coerces to another type (a number as text)."""
+    from vllm.config import KVTransferConfig
+
+    from kvhub.serving.connector_config import read_config
+    from kvhub.serving.launch import CONNECTOR_CLASS, CONNECTOR_MODULE, transfer_configs
+
+    configs = transfer_configs(
+        kvstore_dir=tmp_path / "kv", source_model="tiny/src", mapper="src:dst:tiny-calib@latest",
+        exact_budget=0.1, select="source", kvstore_max_bytes=1 << 20, min_escalation_tokens=64,
+    )  # fmt: skip
+    for role, config in configs.items():
+        built = KVTransferConfig(**json.loads(json.dumps(config)))  # as `vllm serve --kv-transfer-config` reads it
+        assert (built.kv_connector, built.kv_connector_module_path) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
+        assert built.kv_role == config["kv_role"] and built.kv_role in ("kv_producer", "kv_consumer"), role
+        assert built.kv_connector_extra_config == config["kv_connector_extra_config"], role
+        assert read_config(built.kv_connector_extra_config) == read_config(config["kv_connector_extra_config"])
