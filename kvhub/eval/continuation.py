@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.serving.drop import drop_cache
-from kvhub.serving.handoff import prepare_cache, prepare_cache_counted
+from kvhub.serving.handoff import escalate, prepare_cache_counted, source_prefill
 from kvhub.serving.spec import Recompute
 
 
@@ -158,9 +158,9 @@ def time_transfer_vs_prefill(
 
     - ``transfer``: mapper.transfer of the source cache (which exists already when a stack escalates);
     - ``prefill``: the target body re-prefilling the same context (what transfer replaces);
-    - ``handoff_ttft``: the handoff cache (transfer, plus the ``recompute`` spec's exact prefix / suffix /
-      selective recomputes when asked, token selection included) + the target consuming the last token
-      -> first logits;
+    - ``handoff_ttft``: :func:`kvhub.serving.handoff.escalate` from the source cache a stack holds (transfer,
+      the ``recompute`` spec's token selection from the attention the source's prefill collected, and one target
+      pass of the recomputed tokens with the last one) -> first logits;
     - ``full_ttft``: the target (with LM head) over the whole prompt -> first logits.
     On CUDA, also the peak memory of each (torch.cuda.max_memory_allocated, MiB).
     """
@@ -170,17 +170,21 @@ def time_transfer_vs_prefill(
     rows = []
     for length in lengths:
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
-        source_cache = run_model(source, ids[:, :-1])
+        spec = recompute.capped(length - 1)
+        source_cache, attention = source_prefill(source, ids[:, :-1], spec)
 
-        def handoff_step():
-            if recompute.name():  # any recompute at all
-                cache = prepare_cache(
-                    mapper, source, target, ids, recompute=recompute.capped(length - 1), source_cache=source_cache
-                )
-            else:
-                cache = mapper.transfer(source_cache)
-            logits = target(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
-            return logits.logits
+        def handoff_step():  # one target pass: the recomputed tokens and the last one, to the first logits
+            done = escalate(
+                mapper, source, target, ids, recompute=spec, source_cache=source_cache, source_attention=attention
+            )
+            if done.logits is not None:
+                return done.logits
+            # a sliding-window target, or a context recomputed whole: the last token's own forward, as handoff runs it
+            position = {"position_ids": torch.tensor([[length - 1]], device=device)}
+            out = target(
+                input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **position, **cache_kwargs(target, done.cache)
+            )
+            return out.logits
 
         ops = {
             "transfer": lambda: mapper.transfer(source_cache),

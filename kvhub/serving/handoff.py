@@ -222,7 +222,7 @@ def escalate(
     if spec.exact_prefix + spec.exact_suffix >= tokens:  # nothing left to map: the target's own cache
         return Escalation(run_model(target_model, context), torch.arange(tokens))
     if source_cache is None:
-        source_cache, source_attention = _source_prefill(source_model, context, spec, windowed=mapper.windowed_target())
+        source_cache, source_attention = source_prefill(source_model, context, spec, windowed=mapper.windowed_target())
     if mapper.windowed_target():
         if spec.selective:
             raise ConfigError(
@@ -251,9 +251,10 @@ def escalate(
     return Escalation(cache, positions.cpu(), logits, last)
 
 
-def _source_prefill(source_model, context: torch.Tensor, spec: Recompute, *, windowed: bool):
+def source_prefill(source_model, context: torch.Tensor, spec: Recompute, *, windowed: bool = False):
     """(the source's cache of ``context``, the (Q, T) attention its last Q tokens paid when select=source
-    will choose, else None): one prefill either way."""
+    will choose, else None): one prefill either way, what :func:`escalate` takes as ``source_cache`` and
+    ``source_attention``.  ``windowed``: the target has sliding-window layers (no selection: no attention)."""
     if not (spec.selective and spec.select == "source" and not windowed and budget_tokens(spec, context.shape[1])):
         return run_model(source_model, context), None
     with LastQueryAttention(source_model, queries=selection_queries(spec, context.shape[1])) as scored:

@@ -108,14 +108,14 @@ def test_recompute_options_make_the_variants_every_task_scores(env):
 
 
 def test_bench_times_the_recompute_it_is_given(env, monkeypatch):
-    """`kvhub bench --exact-budget 0.25 --select random` builds every handoff cache with that spec and stores the
+    """`kvhub bench --exact-budget 0.25 --select random` escalates every handoff with that spec and stores the
     timings under its name.  Planted bug caught: bench dropping --exact-budget or --select."""
     import kvhub.eval.continuation as continuation
 
     ref, db = env
     seen = []
-    real = continuation.prepare_cache
-    monkeypatch.setattr(continuation, "prepare_cache", lambda *a, **k: (seen.append(k["recompute"]), real(*a, **k))[1])
+    real = continuation.escalate
+    monkeypatch.setattr(continuation, "escalate", lambda *a, **k: (seen.append(k["recompute"]), real(*a, **k))[1])
     result = _run(
         "bench",
         ref,
