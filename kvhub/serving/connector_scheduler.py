@@ -51,6 +51,15 @@ def prefill_report(reason: str, *, tokens: int, computed: int) -> dict:
     }
 
 
+TRANSFER_STATUSES = ("applied", "fallback_reprefill")  # a router's words (semantic-router's kv-transfer-status)
+
+
+def transfer_status(report: dict) -> str:
+    """What a load report means to a router: ``applied`` (the mapped KV served the prompt) or ``fallback_reprefill``
+    (the large model prefilled it itself: by choice, ``fallback: "prefill"``, or after a failed load)."""
+    return "fallback_reprefill" if report.get("fallback") else "applied"
+
+
 class ConnectorScheduler:
     """The scheduler side.  ``kv_cache_manager()``: vLLM's KV cache manager (block ids of a request, the
     block pool), which vLLM gives the connector after it is made."""
@@ -254,6 +263,8 @@ class ConnectorScheduler:
                 target = self._load_reports.get(request_id) or self._finishing.get(request_id)
                 if target is not None:
                     target.update(report)
+                    if "transfer_status" in target:  # handed out already: a failed load turns it to fallback
+                        target["transfer_status"] = transfer_status(target)
         self._finishing.clear()
 
     def _forget_approximate(self, block_ids, first: int) -> None:
@@ -282,5 +293,6 @@ class ConnectorScheduler:
         report = self._load_reports.pop(request.request_id, None)
         if report is None:
             return False, None
+        report["transfer_status"] = transfer_status(report)
         self._finishing[request.request_id] = report
         return False, {"kvhub": report}

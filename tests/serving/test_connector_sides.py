@@ -104,7 +104,28 @@ def test_a_load_crosses_from_the_scheduler_side_to_the_worker_side(tmp_path, vll
     response = scheduler.request_finished(req, [])[1]["kvhub"]
     scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_connector_worker_meta()))
     assert response["mapped_tokens"] == MATCHED and response["deshrink"] == mapper.deshrink
+    assert response["transfer_status"] == "applied"  # the router's word (semantic-router's kv-transfer-status)
     assert scheduler.counters["hit"] == 1 and worker.counters["mapped"] == 1 and worker.counters["written"] == 1
+
+
+def test_a_load_that_fails_after_its_report_went_out_says_fallback_to_the_router(tmp_path, vllm_modules):
+    """The report handed out by request_finished says ``transfer_status: applied`` for a planned load; when the
+    worker then reports that load failed (a 1-token request finishes in its load step), the same report turns
+    to ``fallback_reprefill`` with the reason.  Planted bugs caught: the status computed once and never
+    updated; a status on a report the connector never handed out."""
+    from kvhub.serving.connector_meta import KVHubWorkerMetadata
+
+    _stored(tmp_path / "kvstore")
+    scheduler, _ = _consumer(tmp_path, "SCHEDULER")
+    req = request("r3", PROMPT)
+    matched, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    scheduler.update_state_after_alloc(req, None, matched)
+    scheduler.build_connector_meta(None)
+    response = scheduler.request_finished(req, [])[1]["kvhub"]
+    assert response["transfer_status"] == "applied"
+    failed = KVHubWorkerMetadata({"r3": {"fallback": "RuntimeError: boom"}, "other": {"fallback": "x"}})
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=failed))
+    assert response["transfer_status"] == "fallback_reprefill" and response["fallback"] == "RuntimeError: boom"
 
 
 def test_a_load_whose_entry_was_evicted_is_reported_for_prefill(tmp_path, vllm_modules):

@@ -76,6 +76,7 @@ def test_a_prompt_below_the_default_is_prefilled_and_says_so(tmp_path, vllm_modu
             "prefill_tokens": 80,
             "exact_tokens": 79,
             "exact_fraction": 1.0,
+            "transfer_status": "fallback_reprefill",
         }
     }
     assert consumer.counters["fallback"] == 1 and consumer.counters["hit"] == 0
@@ -112,6 +113,7 @@ def test_vllms_own_prefix_hit_is_not_prefilled_again(tmp_path, vllm_modules):
     consumer.update_state_after_alloc(req, None, 0)
     report = consumer.request_finished(req, [])[1]["kvhub"]
     assert report["prefill_tokens"] == 80 - 32 and report["exact_tokens"] == 79
+    assert report["transfer_status"] == "fallback_reprefill"
 
 
 def test_a_refused_tenant_still_hears_nothing(tmp_path, vllm_modules):
