@@ -19,7 +19,7 @@ model_args (comma-separated ``key=value``):
 - ``exact_prefix``, ``exact_suffix``, ``exact_budget``, ``select``: the context tokens the target
   recomputes itself (:mod:`kvhub.serving.recompute`); 0, 0, 0.0 (map every token), as ``kvhub eval``;
 - ``deshrink``: how the maps are read (``kv``, ``v`` or ``off``; :mod:`kvhub.core.deshrink`; its default);
-- ``dtype`` (bfloat16), ``device`` (lm-eval's ``--device`` otherwise; cuda if available), ``db`` (the
+- ``dtype`` (bfloat16, or float32 on a CPU that emulates bf16: :func:`kvhub.dtypes.default_dtype`), ``device`` (lm-eval's ``--device`` otherwise; cuda if available), ``db`` (the
   store), ``source`` / ``target`` (model specs overriding the ids the mapper records), ``max_length``
   (default: the target's max_position_embeddings), ``max_gen_toks`` (256), ``rolling_chunk`` (64).
 
@@ -74,7 +74,7 @@ DEFAULTS = dict(
     exact_budget=0.0,
     select="source",
     deshrink=None,
-    dtype="bfloat16",
+    dtype=None,  # kvhub.dtypes.default_dtype: bfloat16, or float32 on a CPU that emulates bf16
     device=None,
     db=None,
     source=None,
@@ -117,6 +117,12 @@ def check_model_args(model_args: dict) -> dict:
         _number("exact_budget", args["exact_budget"], float),
         str(args["select"]),
     )
+    if args["dtype"] is None:
+        from kvhub.dtypes import default_dtype
+
+        args["dtype"], note = default_dtype(args["device"])
+        if note:
+            log.warning("%s", note)
     args["dtype"] = dtype_name(args["dtype"])
     args["mapper"] = str(args["mapper"])
     check_deshrink(args["deshrink"])

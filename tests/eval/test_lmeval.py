@@ -303,3 +303,18 @@ def test_results_name_the_version_scored_and_its_tensors(pair, tmp_path, monkeyp
     assert typed != ref and config["mapper_ref"] == config["model_revision"] == ref
     assert config["mapper_tensors_sha256"] == config["model_sha"] == sha
     assert tracker.general_config_tracker.model_name == ref
+
+
+@pytest.mark.parametrize("flags, want", [("avx512f avx512_bf16", "bfloat16"), ("avx512f avx2", "float32")])
+def test_the_default_dtype_follows_what_the_cpu_computes_natively(tmp_path, monkeypatch, flags, want):
+    """``--model kvhub`` without ``dtype``: bfloat16 where the CPU has native bf16, float32 where it emulates it (about
+    3x faster there), as ``kvhub fit`` and ``eval`` choose; a given dtype is kept.  Planted bugs caught: the
+    default fixed at bfloat16 (the lm-eval path slow on such CPUs), a given dtype overridden."""
+    from kvhub import dtypes
+    from kvhub.eval.lmeval import check_model_args
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n")
+    monkeypatch.setattr(dtypes, "CPUINFO", cpuinfo)
+    assert check_model_args({"mapper": "a:b:c@v1", "device": "cpu"})["dtype"] == want
+    assert check_model_args({"mapper": "a:b:c@v1", "device": "cpu", "dtype": "bfloat16"})["dtype"] == "bfloat16"
