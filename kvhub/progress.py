@@ -27,6 +27,7 @@ STEP_UNITS = {
     "download": "wheels",
     "convert": "models",
     "solve": "layers",
+    "bench": "repeats",
 }
 
 

@@ -81,6 +81,7 @@ def bench(
     """Time transfer() against the target re-prefilling the same context (interleaved, same device/dtype),
     and the handoff's time to first token against a full prefill.  Stored as metrics of the version."""
     from kvhub.cli import eval_cmd
+    from kvhub.cli.progress import progress_callback
     from kvhub.eval.continuation import time_transfer_vs_prefill, timing_metric_rows
     from kvhub.eval.run import parse_variant
 
@@ -98,9 +99,16 @@ def bench(
     )  # beyond the models' positions: refused, not timed
     with store:
         loaded.mapper.to(device=next(loaded.target.parameters()).device)
-        rows = time_transfer_vs_prefill(
-            loaded.mapper, loaded.source, loaded.target, lengths=lengths, repeats=repeats, recompute=recompute
-        )
+        with progress_callback("repeats") as progress:
+            rows = time_transfer_vs_prefill(
+                loaded.mapper,
+                loaded.source,
+                loaded.target,
+                lengths=lengths,
+                repeats=repeats,
+                recompute=recompute,
+                progress=progress,
+            )
         timings = timing_metric_rows(rows, device=loaded.device, dtype=dtype, variant=recompute.name(), repeats=repeats)
         store.add_metrics(loaded.version, timings)
         reference = store.reference(loaded.version)

@@ -147,6 +147,9 @@ def load_tokenizer(spec: str):
             return PreTrainedTokenizerFast(tokenizer_file=str(path))
         from transformers import AutoTokenizer
 
+        from kvhub.hub.client import one_line_per_record
+
+        one_line_per_record(load=True)  # a Hub download's retry warnings once each, as kvhub search prints them
         if isinstance(resolved, Path) and resolved.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(resolved.parent, gguf_file=resolved.name)
         return AutoTokenizer.from_pretrained(str(resolved))

@@ -163,7 +163,7 @@ def eval_serve(
     small = Endpoint.at(small_url, model=small_model, timeout=timeout)
     large = Endpoint.at(large_url, model=large_model, timeout=timeout)
     tokenizer = _tokenizer(tokenizer_spec, small.model)
-    results, datasets, samples = _evaluate(
+    results, datasets, samples, stopped = _evaluate(
         ServedConditions(small, large, tokenizer, agreement_tokens=agreement_tokens),
         tasks,
         context_tokens=context_tokens,
@@ -184,6 +184,7 @@ def eval_serve(
         "context_tokens": list(context_tokens),
         "datasets": datasets,
         "date": now(),
+        **({"stopped": {"task": stopped[0], "error": str(stopped[1])}} if stopped else {}),
     }
     doc = document(f"{small.model}:{large.model}", results, config)
     if output_path is not None:
@@ -207,6 +208,9 @@ def eval_serve(
             print_gist(f"{small.model} -> {large.model}, served", gist, output_format=output_format)
         if turns:
             print_turns(f"{small.model} -> {large.model}: turns after an escalation, served", turns, output_format)
+    if stopped:  # what was scored is out; the run still fails with the error that stopped it
+        say(f"stopped at {stopped[0]}; the results above are of the tasks finished before it", label="note:")
+        raise stopped[1]
 
 
 def _finite(value: float) -> float:
@@ -256,9 +260,12 @@ def _tokenizer(spec: str | None, small_model: str):
 def _evaluate(conditions, tasks, *, context_tokens, limit: int, seed: int, log_samples: bool):
     """(results, data sets, per-item records) by ``task-length``: the registered tasks (:mod:`kvhub.eval.catalog`)
     through :func:`kvhub.eval.run.evaluate`, the loop ``kvhub eval`` runs, over the served pair; a task whose
-    mapped requests went unmapped stops the run (:func:`_check_transfers`)."""
+    mapped requests went unmapped stops the run (:func:`_check_transfers`).  A task that fails ends the run
+    there: its name and error come back last (else None), beside what the tasks before it scored.  An error
+    before any task finished is raised."""
     from kvhub.cli.progress import progress_callback
-    from kvhub.eval.run import RunSettings, build_tasks, evaluate
+    from kvhub.errors import KVHubError
+    from kvhub.eval.run import Evaluation, RunSettings, build_tasks, evaluate
 
     def check(task, outcome) -> None:
         summary = outcome.summaries[""]
@@ -266,14 +273,23 @@ def _evaluate(conditions, tasks, *, context_tokens, limit: int, seed: int, log_s
         _check_transfers(reported, conditions.large.url, task.name)
 
     task_list = build_tasks(tasks, conditions, limit=limit, seed=seed, context_tokens=context_tokens)
-    run = evaluate(
-        task_list,
-        [None],
-        settings=RunSettings(None, None, seed=seed, limit=limit, log_samples=log_samples),
-        progress=lambda: progress_callback("items/s"),
-        check=check,
-    )
-    return run.results, run.datasets, run.samples
+    for task in task_list:  # every task's prompts checked against the servers' lengths before the first request
+        task.items()
+    settings = RunSettings(None, None, seed=seed, limit=limit, log_samples=log_samples)
+    run = Evaluation()
+    for task in task_list:
+        try:
+            one = evaluate(
+                [task], [None], settings=settings, progress=lambda: progress_callback("items/s"), check=check
+            )
+        except KVHubError as exc:
+            if not run.results:
+                raise
+            return run.results, run.datasets, run.samples, (task.name, exc)
+        run.results.update(one.results)
+        run.datasets.update(one.datasets)
+        run.samples.update(one.samples)
+    return run.results, run.datasets, run.samples, None
 
 
 def attach(group: click.Group) -> None:

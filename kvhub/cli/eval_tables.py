@@ -31,27 +31,13 @@ def number(value) -> str:
 
 
 def print_results(ref: str, results: dict, *, output_format: str = "table") -> None:
+    """The tables of ``kvhub eval``: accuracy tasks, perplexity, exact-answer tasks and the gist, each its own."""
     recall = {task: r for task, r in results.items() if "acc_control" in r}
     gist = {task: r for task, r in results.items() if "gap_closed_mapped" in r}
+    perplexity = {task: r for task, r in results.items() if task.startswith("ppl") and task not in recall | gist}
     rows = []
     for task, r in results.items():
-        if task in recall or task in gist:
-            continue
-        if task.startswith("ppl"):
-            drop = f"drop {number(r['ppl_drop'])}" if r.get("ppl_drop") is not None else ""
-            rows.append(
-                [
-                    task,
-                    r["n"],
-                    f"ppl {number(r['ppl_own'])}",
-                    f"ppl {number(r['ppl_mapped'])}",
-                    f"no ctx {number(r['ppl_no_context'])}",
-                    drop,
-                    "",
-                    number(r["agreement"]),
-                    "",
-                ]
-            )
+        if task in recall or task in gist or task in perplexity:
             continue
         low, high = r["retention_ci"]
         rows.append(
@@ -70,6 +56,8 @@ def print_results(ref: str, results: dict, *, output_format: str = "table") -> N
     columns = ["task", "n", "own", "mapped", "source", "retention [95% CI]", "gap closed", "agree", "attn cos"]
     if rows:
         print_table(columns, rows, output_format=output_format, title=ref, right=tuple(columns[1:]))
+    if perplexity:
+        print_perplexity(ref, perplexity, output_format=output_format)
     groups: dict[tuple, dict] = {}  # one table per set of conditions (the follow-up turn has more)
     for task, r in recall.items():
         groups.setdefault(tuple(key for key in r if key.startswith("acc_")), {})[task] = r
@@ -77,6 +65,26 @@ def print_results(ref: str, results: dict, *, output_format: str = "table") -> N
         print_recall(ref, group, output_format=output_format)
     if gist:
         print_gist(ref, gist, output_format=output_format)
+
+
+def print_perplexity(ref: str, results: dict, *, output_format: str) -> None:
+    """Perplexity of the held-out continuation per condition (lower is better): the target's own cache, the
+    mapped one, ``drop`` (only the recomputed positions, where the run scored it) and no context at all."""
+    columns = ["task", "n", "own ppl", "mapped ppl", "drop ppl", "no context ppl", "agree"]
+    rows = [
+        [
+            task,
+            r["n"],
+            number(r["ppl_own"]),
+            number(r["ppl_mapped"]),
+            number(r.get("ppl_drop")),
+            number(r["ppl_no_context"]),
+            number(r["agreement"]),
+        ]
+        for task, r in results.items()
+    ]
+    title = f"{ref}: perplexity of the continuation (lower is better)"
+    print_table(columns, rows, output_format=output_format, title=title, right=tuple(columns[1:]))
 
 
 GIST_CORE = ("own", "mapped", "control", "floor")  # the gist conditions every backend scores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -315,3 +316,12 @@ def _print_summary(mapper, *, reference, full_ref, out, output_format: str) -> N
         say(reference, label="registered", style="bold", to=to)
     if out:
         say(f"exported to {out}", to=to)
+    say(_next_commands(reference, out), label="next:")
+
+
+def _next_commands(reference: str | None, out) -> str:
+    """What to run after a fit: look at, evaluate and publish the registered version, or register an export."""
+    if not reference:
+        return f"kvhub import {shlex.quote(str(out))}"
+    ref = shlex.quote(reference)
+    return f"kvhub show {ref}; kvhub eval {ref} --task hellaswag; kvhub push {ref} --repo OWNER/NAME"

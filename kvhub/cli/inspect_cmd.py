@@ -82,14 +82,14 @@ def list_versions(src, dst, calib, family, min_metrics, db, output_format):
     JSON: one object per version with its whole-mapper metrics.  Before the first fit (no store at
     the default location yet) the listing is empty.
     """
-    versions, metrics = _listed(
-        db, source=src, target=dst, calibration=calib, family=family, min_metrics=_parse_thresholds(min_metrics)
-    )
+    filters = {"source": src, "target": dst, "calibration": calib, "family": family}
+    thresholds = _parse_thresholds(min_metrics)
+    versions, metrics = _listed(db, **filters, min_metrics=thresholds)
     if output_format == "json":
         echo_json([version_json(v, metrics.get(v.id, [])) for v in versions])
         return
     if not versions and output_format == "table":
-        say("no mapper versions match; fit one with `kvhub fit` or import one with `kvhub import DIR`")
+        say(_no_match(db, filters, thresholds))
         return
     short_names = {v.short_ref for v in versions}
     short = output_format == "table" and len(short_names) == len({v.ref for v in versions})
@@ -140,6 +140,23 @@ def _listed(db, **filters) -> tuple[list, dict]:
     with store:
         versions = store.versions(**filters)
         return versions, store.mapper_metrics(versions)
+
+
+_FILTER_OPTIONS = {"source": "--src", "target": "--dst", "calibration": "--calib", "family": "--family"}
+
+
+def _no_match(db, filters: dict, thresholds: dict[str, float]) -> str:
+    """Why a listing is empty: the thresholds no version kept by the other filters reaches, the filters
+    no version in the store matches, or an empty store (first-run advice)."""
+    candidates = len(_listed(db, **filters)[0])
+    if thresholds and candidates:
+        wanted = " and ".join(f"{name} >= {value:g}" for name, value in thresholds.items())
+        return f"none of the {candidates} version{'s' if candidates > 1 else ''} has {wanted}"
+    total = len(_listed(db)[0])
+    if not total:
+        return "no mapper versions yet; fit one with `kvhub fit` or import one with `kvhub import DIR`"
+    given = " ".join(f"{_FILTER_OPTIONS[key]} {value}" for key, value in filters.items() if value is not None)
+    return f"none of the {total} version{'s' if total > 1 else ''} in the store matches {given}; `kvhub list` shows all"
 
 
 @click.command(epilog=REF_HELP)

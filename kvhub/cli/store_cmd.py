@@ -193,10 +193,10 @@ def export_version(ref, directory, out, force, db, output_format):
     kvhub export qwen2.5-coder-0.5b-instruct:qwen2.5-coder-1.5b-instruct:legal-docs@v3 --out ./mapper
     """
     directory = one_value(directory, out, what="the directory", argument="DIRECTORY", option="--out")
-    from kvhub.errors import ArtifactError
+    from kvhub.errors import ConfigError
 
-    if os.path.lexists(directory) and not force:  # the library's message names its keyword, overwrite=True
-        raise ArtifactError(f"{directory} already exists; choose another directory or pass --force")
+    if os.path.lexists(directory) and not force:  # bad input (exit 2), as fit --out; the library's names overwrite=True
+        raise ConfigError(f"{directory} already exists: pass --force to replace it, or export to another directory")
     with open_db(db, create=False) as store, err_console.status(plain(f"exporting {ref}")):
         version = store.resolve(ref)
         path = store.export(ref, directory, overwrite=force)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.progress import Progress, report
 from kvhub.serving.drop import drop_cache
 from kvhub.serving.handoff import escalate, prepare_cache_counted, source_prefill
 from kvhub.serving.spec import Recompute
@@ -153,6 +154,7 @@ def time_transfer_vs_prefill(
     vocab: int | None = None,
     seed: int = 0,
     recompute: Recompute = Recompute(),
+    progress: Progress | None = None,
 ) -> list[dict]:
     """Median/p90 seconds per context length of four operations, interleaved in one run:
 
@@ -163,12 +165,15 @@ def time_transfer_vs_prefill(
       pass of the recomputed tokens with the last one) -> first logits;
     - ``full_ttft``: the target (with LM head) over the whole prompt -> first logits.
     On CUDA, also the peak memory of each (torch.cuda.max_memory_allocated, MiB).
+    ``progress`` gets one step ``bench`` counting the repeats of all lengths: ``bench: 1024 tokens, repeat 3/5``.
     """
     device = next(target.parameters()).device
     vocab = vocab or target.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     rows = []
+    total, done = len(lengths) * repeats, 0
     for length in lengths:
+        report(progress, f"bench: {length} tokens, warm-up", done, total)
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
         spec = recompute.capped(length - 1)
         source_cache, attention = source_prefill(source, ids[:, :-1], spec)
@@ -196,9 +201,11 @@ def time_transfer_vs_prefill(
             fn()
         samples = {name: [] for name in ops}
         peaks = {}
-        for _ in range(repeats):
+        for repeat in range(1, repeats + 1):
             for name, fn in ops.items():
                 samples[name].append(_timed(fn, device, peaks, name))
+            done += 1
+            report(progress, f"bench: {length} tokens, repeat {repeat}/{repeats}", done, total)
         row = {"tokens": length}
         for name, values in samples.items():
             row[f"{name}_median_s"] = statistics.median(values)

@@ -97,12 +97,23 @@ def redacted(url: str) -> str:
 
 def served_models(url: str, *, timeout: float = TIMEOUT_S) -> list[str]:
     """The model ids ``GET {url}/models`` lists (at least one, else ServeError)."""
+    return list(_model_lengths(url, timeout=timeout))
+
+
+def _model_lengths(url: str, *, timeout: float) -> dict[str, int | None]:
+    """Model id -> the ``max_model_len`` ``GET {url}/models`` reports for it (vLLM does; None where not)."""
     answer = _request(f"{url}/models", timeout=timeout)
     data = answer.get("data") if isinstance(answer, dict) else None
-    ids = [entry["id"] for entry in data or [] if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
-    if not ids:
+    entries = [entry for entry in data or [] if isinstance(entry, dict) and isinstance(entry.get("id"), str)]
+    if not entries:
         raise ServeError(f"{url}/models lists no model; is {url} an OpenAI-compatible server (`kvhub serve`)?")
-    return ids
+    lengths = {}
+    for entry in entries:
+        length = entry.get("max_model_len")
+        lengths[entry["id"]] = (
+            length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+        )
+    return lengths
 
 
 @dataclass(frozen=True)
@@ -153,12 +164,15 @@ class Endpoint:
     url: str
     model: str
     timeout: float = TIMEOUT_S
+    max_model_len: int | None = None  # prompt + generated tokens the server takes, as its /models reports
 
     @classmethod
     def at(cls, url: str, *, model: str | None = None, timeout: float = TIMEOUT_S, option: str = "URL") -> Endpoint:
         """The server at ``url`` (checked by :func:`base_url`); ``model`` defaults to the first id it lists."""
         url = base_url(url, option=option)
-        return cls(url, model or served_models(url, timeout=timeout)[0], timeout)
+        lengths = _model_lengths(url, timeout=timeout)
+        model = model or next(iter(lengths))
+        return cls(url, model, timeout, lengths.get(model))
 
     def complete(
         self,

@@ -45,7 +45,23 @@ class ServedConditions:
             )
 
     def check_items(self, items: list, *, extra: int, context_tokens: int) -> None:
-        """Nothing to check here: the servers refuse a prompt longer than their models take."""
+        """ConfigError when an item's prompt plus ``extra`` tokens (its answer) is longer than a server's
+        ``max_model_len`` (where its /models reports one), before any request is sent."""
+        limits = [(e.max_model_len, name, e.url) for name, e in (("small", self.small), ("large", self.large))]
+        known = [limit for limit in limits if limit[0] is not None]
+        if not known or not items:
+            return
+        limit, name, url = min(known)
+        longest = max(len(item.prompt_ids) for item in items) + extra
+        if longest > limit:
+            from kvhub.errors import ConfigError
+
+            raise ConfigError(
+                f"--context-tokens {context_tokens} builds prompts of up to {longest} tokens with their answers, past "
+                f"the {name} server's max_model_len {limit} ({url}); use --context-tokens "
+                f"{max(64, context_tokens - (longest - limit) - 16)} or less, or start the pair with a larger "
+                "--max-model-len"
+            )
 
     def recall(self, item, variants: list) -> list:
         self._one(variants)

@@ -44,7 +44,7 @@ def hub_settings(*, cache_dir: str | os.PathLike | None = None, local_files_only
     ``cache_dir`` and ``local_files_only`` override the cache and go offline for one call."""
     from huggingface_hub import constants
 
-    _one_line_per_record()
+    one_line_per_record(load=True)
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     cache = os.path.expanduser(os.fspath(cache_dir)) if cache_dir else hf_hub_cache()
     return HubSettings(endpoint=endpoint, offline=local_files_only or hub_offline(), cache_dir=cache)
@@ -94,7 +94,7 @@ def install_secret_filter() -> None:
     import logging
 
     logging.captureWarnings(True)
-    _one_line_per_record()
+    one_line_per_record()
     token = os.environ.get("HF_TOKEN") or None  # the login file is read only if a record needs it: _redact
     for name in ("", "huggingface_hub", "py.warnings"):
         for handler in logging.getLogger(name).handlers:
@@ -102,12 +102,16 @@ def install_secret_filter() -> None:
                 handler.addFilter(SecretFilter(token))
 
 
-def _one_line_per_record() -> None:
-    """huggingface_hub adds its own stderr handler when it is imported, and its records also reach the
-    root logger; when the root has a handler (the CLI's), that one alone prints them (masked, formatted
-    like kvhub's), so a retry warning is not printed twice.  Called again once huggingface_hub is
-    imported (:func:`hub_settings`), as the CLI starts before that."""
+def one_line_per_record(*, load: bool = False) -> None:
+    """huggingface_hub adds its own stderr handler when its logging module loads (with its utilities, not with
+    the bare package), and its records also reach the root logger; when the root has a handler (the CLI's),
+    that one alone prints them (masked, formatted like kvhub's), so a retry warning is not printed twice.
+    ``load``: load that module first, so the handler is there to remove (:func:`hub_settings`, and whatever
+    reaches the Hub through transformers, call it so just before their requests)."""
     import logging
+
+    if load:
+        import huggingface_hub.utils.logging  # noqa: F401 - adds the handler removed below
 
     hub_logger = logging.getLogger("huggingface_hub")
     if logging.getLogger().handlers and hub_logger.propagate:
@@ -241,9 +245,14 @@ def hub_errors(
             f"absolute path): pull another revision or repository{tail}"
         ) from None
     except httpx2.HTTPError as exc:
+        offline = (
+            "; working offline? HF_HUB_OFFLINE=1 uses only what is cached, without retrying"
+            if isinstance(exc, httpx2.ConnectError)
+            else ""
+        )
         raise HubError(
             f"{action} {where}: the connection to {endpoint} failed ({type(exc).__name__}: "
-            f"{_redact(str(exc), token)}){tail}"
+            f"{_redact(str(exc), token)}){offline}{tail}"
         ) from None
     except OSError as exc:  # the download filled the Hugging Face cache's disk
         if not is_no_space(exc):

@@ -188,7 +188,16 @@ def _push_job(api, job: _Push, pub, card: str, *, private: bool, create_pr: bool
             repo_id=repo_id,
         )
     check_same_series(repo_id, remote.head_metadata, job)
-    if job.tag not in remote.tags and not create_pr and (same := tag_with_same_tensors(api, job, remote)):
+    commit = same = None
+    if job.tag in remote.tags and not create_pr:
+        try:
+            commit = existing_tag(api, repo_id, job.tag, remote.tags[job.tag], job)
+        except HubConflictError:  # the number is taken: the weights may be there under another one
+            if (same := tag_with_same_tensors(api, job, remote)) is None:
+                raise
+    elif not create_pr:
+        same = tag_with_same_tensors(api, job, remote)
+    if same is not None:
         tag, commit = same
         if pub is None:
             store.add_publication(job.version, repo_id, tag, commit)
@@ -201,8 +210,7 @@ def _push_job(api, job: _Push, pub, card: str, *, private: bool, create_pr: bool
             already_published=True,
             notes=[f"{repo_id}@{tag} holds these very tensors; a tag is never added for weights published already"],
         )
-    if job.tag in remote.tags and not create_pr:
-        commit = existing_tag(api, repo_id, job.tag, remote.tags[job.tag], job)
+    if commit is not None:
         if pub is None:
             store.add_publication(job.version, repo_id, job.tag, commit)
         if refresh:

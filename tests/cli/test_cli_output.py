@@ -124,13 +124,13 @@ def test_identical_tensors_are_one_version(cli, artifact_factory, tmp_path):
     assert [p.name for p in (tmp_path / "store" / "artifacts").rglob("heatmap.png")] == []  # duplicate copy dropped
 
 
-def test_fit_summary_prints_names_verbatim(capsys):
+def _summary_mapper():
+    """What fit_cmd._print_summary reads of a fitted mapper, with names Rich would take for markup."""
     from types import SimpleNamespace
 
     from kvhub.artifact.kinds import MAP_KINDS
-    from kvhub.cli import fit_cmd
 
-    mapper = SimpleNamespace(
+    return SimpleNamespace(
         metadata={"metrics": {}, "fit": {"timings": {}}, "notes": []},
         layers=[],
         source={"model_id": "/m/[red]src"},
@@ -139,10 +139,40 @@ def test_fit_summary_prints_names_verbatim(capsys):
         kind=MAP_KINDS["ridge"],
         kind_settings=lambda: {},
     )
+
+
+def test_fit_summary_prints_names_verbatim(capsys):
+    from kvhub.cli import fit_cmd
+
+    mapper = _summary_mapper()
     reference = "/m/[red]src:/m/[/]dst:calib@v1"
     fit_cmd._print_summary(mapper, reference=reference, full_ref=reference, out=None, output_format="table")
     printed = capsys.readouterr().out
     assert f"registered {reference}" in printed and "/m/[red]src -> /m/[/]dst" in printed
+
+
+def test_fit_ends_with_the_next_commands(capsys):
+    """The end of a fit names what to do with the version, as push ends with its URL: one `next:` line on
+    stderr with `kvhub show`, `kvhub eval` and `kvhub push` of the registered reference (quoted for the shell);
+    a fit kept only in --out points at `kvhub import`; --json prints no hint.
+
+    Planted bugs caught: no next step (ux-4 U4-22); the hint on stdout (a script's table or JSON polluted);
+    a placeholder instead of the registered reference; a hint for a version that was never registered."""
+    from kvhub.cli import fit_cmd
+
+    reference = "small:large:support notes@v1"
+    fit_cmd._print_summary(_summary_mapper(), reference=reference, full_ref=reference, out=None, output_format="tsv")
+    printed = capsys.readouterr()
+    quoted = "'small:large:support notes@v1'"
+    assert "next:" not in printed.out
+    hint = [line for line in printed.err.splitlines() if line.startswith("next:")]
+    assert hint == [
+        f"next: kvhub show {quoted}; kvhub eval {quoted} --task hellaswag; kvhub push {quoted} --repo OWNER/NAME"
+    ]
+    fit_cmd._print_summary(_summary_mapper(), reference=None, full_ref=None, out="./mapper", output_format="table")
+    assert "next: kvhub import ./mapper" in capsys.readouterr().err
+    fit_cmd._print_summary(_summary_mapper(), reference=reference, full_ref=reference, out=None, output_format="json")
+    assert "next:" not in str(capsys.readouterr())
 
 
 def test_a_closed_pipe_ends_quietly(cli, two_versions, tmp_path):

@@ -50,7 +50,45 @@ def test_nan_is_an_empty_cell_and_ppl_has_three_decimals():
     with runner.isolation() as (out, _err, *_):
         eval_tables.print_results("ref", results, output_format="tsv")
         text = out.getvalue().decode()
-    assert "nan" not in text and "ppl 2244.922" in text and "no ctx 4000" in text
+    assert "nan" not in text and "2244.922" in text and "\t4000\t" in text
+
+
+def test_perplexity_has_a_table_of_its_own():
+    """`kvhub eval --task ppl --task hellaswag`: the accuracy table holds accuracies only, and perplexity gets its
+    own table whose columns say what each number is (own, mapped, drop, no context), as bare numbers a script
+    can read.
+
+    Planted bugs caught: the ppl row filling the accuracy columns (ux-4 U4-11: the no-context perplexity under
+    `source`, `drop 2076.791` under `retention [95% CI]`); drop and no context swapped; a missing drop (results
+    scored before the drop condition) shifting the columns."""
+    accuracy = {"n": 4, "acc_own": 0.25, "acc_mapped": 0.25, "acc_source": 0.25, "retention": 1.0}
+    accuracy |= {"retention_ci": [1.0, 1.0], "gap_closed": math.nan, "agree_next": 0.75, "attn_cosine": 1.0}
+    ppl = {"n": 4, "ppl_own": 2246.284, "ppl_mapped": 2243.699, "ppl_no_context": 2073.26, "agreement": 0.963}
+    results = {"ppl:lambada/256": ppl | {"ppl_drop": 2076.791}, "ppl:lambada/64": ppl, "hellaswag": accuracy}
+    with CliRunner().isolation() as (out, _err, *_):
+        eval_tables.print_results("ref", results, output_format="tsv")
+        lines = out.getvalue().decode().splitlines()
+    by_task, header = {}, []
+    for line in lines:  # TSV tables follow each other, each under its own header line
+        cells = line.split("\t")
+        if cells[0] == "task":
+            header = cells
+        else:
+            by_task[cells[0]] = dict(zip(header, cells))
+    assert set(by_task["hellaswag"]) == {"task", "n", "own", "mapped", "source", "retention [95% CI]"} | {
+        "gap closed",
+        "agree",
+        "attn cos",
+    }
+    long = by_task["ppl:lambada/256"]
+    assert (long["own ppl"], long["mapped ppl"], long["drop ppl"], long["no context ppl"]) == (
+        "2246.284",
+        "2243.699",
+        "2076.791",
+        "2073.260",
+    )
+    assert by_task["ppl:lambada/64"]["drop ppl"] == "" and by_task["ppl:lambada/64"]["no context ppl"] == "2073.260"
+    assert long["agree"] == "0.963" and "retention [95% CI]" not in long
 
 
 def _fake_bench(monkeypatch, rows):

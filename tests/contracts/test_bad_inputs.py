@@ -463,7 +463,7 @@ STORE_CASES = [
     ("min-metric-no-number", ["list", "--min-metric", "x=high"], 2, "write NAME=VALUE"),
     ("db-without-driver", ["list", "--db", "postgresql+nosuchdriver://u@127.0.0.1:1/x"], 2, "kvhub[postgres]"),
     ("db-not-a-url", ["list", "--db", "::::://"], 2, None),
-    ("export-existing-dir", ["export", f"{_REF}@v1", "."], 5, "already exists"),
+    ("export-existing-dir", ["export", f"{_REF}@v1", "."], 2, ". already exists: pass --force to replace it"),
     ("import-no-such-dir", ["import", "no/such/dir"], 2, "does not exist"),
     ("export-markup-ref", ["export", "a[/]:b", "out"], 6, "no mapper from model 'a[/]'"),
     ("import-markup-dir-not-artifact", ["import", "[bold]x[red]"], 5, "[bold]x[red] is not a kvhub mapper artifact"),

@@ -191,3 +191,24 @@ def test_a_context_longer_than_the_models_is_refused_before_loading(env, monkeyp
     result = _run("eval", ref, "--db", db, "--task", "facts", "--context-tokens", "256", "--context-tokens", "1024")
     assert result.exit_code == 2, result.output
     assert "--context-tokens 1024 exceeds" in result.output and "512" in result.output
+
+
+def test_bench_shows_how_far_it_is(env, monkeypatch):
+    """`kvhub bench` reports each length and repeat as it goes (off a terminal: plain lines on stderr), counted
+    over the whole run, so a 25-minute bench is not silent after `loading`; the table on stdout is unchanged.
+
+    Planted bugs caught: no progress at all (ux-4 U4-10: nothing for 25 minutes); a step per length (the count
+    restarting, no eta for the run); the repeat number off by one or the length not named; progress on stdout."""
+    ref, db = env
+    monkeypatch.setenv("KVHUB_PROGRESS_INTERVAL", "0")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    result = _run(
+        "bench", ref, "--db", db, "--device", "cpu", "--dtype", "float32", "--lengths", "16,24", "--repeats", "2"
+    )
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("bench:")]
+    assert lines[0].startswith("bench: 16 tokens, warm-up: 0/4 (0%)"), lines
+    assert any(line.startswith("bench: 16 tokens, repeat 1/2: 1/4 (25%)") for line in lines), lines
+    assert any(line.startswith("bench: 24 tokens, repeat 1/2: 3/4 (75%)") for line in lines), lines
+    assert lines[-1].startswith("bench: 24 tokens, repeat 2/2: 4/4 (100%)"), lines
+    assert "bench:" not in result.stdout and "tokens" in result.stdout.splitlines()[1]

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from kvhub.cli.main import main
 from kvhub.core.capture import cache_kwargs
-from kvhub.errors import ServeError
+from kvhub.errors import ConfigError, ServeError
 from kvhub.eval import served
 from kvhub.eval.longctx import FLOOR_TOKENS, RecallItem
 from kvhub.eval.recall_tasks import RecallTask
@@ -110,6 +110,7 @@ class FakePair:
         self.stored: set[tuple[str | None, tuple[int, ...]]] = set()
         self.requests: list[tuple[str, str | None, bool, int]] = []
         self.forcing = True
+        self.max_model_len: int | None = None  # what GET /v1/models reports, as vLLM does, when set
         self.storing = True  # off: the small server stores nothing (a producer without the connector)
         self.prefilled: set[tuple[str | None, tuple[int, ...]]] = set()  # the large model's own prefills
         self.lock = threading.Lock()
@@ -194,7 +195,10 @@ def _start(pair: FakePair, server: str, name: str) -> ThreadingHTTPServer:
         def do_GET(self):
             if self.path != "/v1/models":
                 return self.error(404, "Not Found")
-            self.send(200, {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vllm"}]})
+            entry = {"id": name, "object": "model", "owned_by": "vllm"}
+            if pair.max_model_len is not None:
+                entry["max_model_len"] = pair.max_model_len
+            self.send(200, {"object": "list", "data": [entry]})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -519,3 +523,47 @@ def test_table_and_a_server_error_through_the_command(pair):
     result = _invoke(*args, "--large-model", "nope")
     assert result.exit_code == ServeError.exit_code and "Traceback" not in result.output
     assert f"{pair.large_url}/completions answered HTTP 404: The model `nope` does not exist." in result.output
+
+
+def test_a_failing_task_keeps_what_was_scored(pair, tmp_path, monkeypatch):
+    """A server error in a later task (a prompt over the large server's context length) stops the run, but the
+    tasks finished before it are printed and written, the document saying where it stopped, and the exit code
+    is still the error's.
+
+    Planted bugs caught: finished tasks thrown away on a later failure (ux-4 U4-9: 9 s of facts results gone,
+    no table, no JSON); a partial run exiting 0 (a script taking it for complete); the document not saying
+    it is partial; the failing task's name or the server's message lost."""
+    limit = 120  # code-64's prompts fit, code-256's do not
+    contract = _contract_problem
+
+    def too_long(body):
+        if isinstance(body.get("prompt"), list) and len(body["prompt"]) > limit:
+            return f"This model's maximum context length is {limit} tokens"
+        return contract(body)
+
+    monkeypatch.setitem(globals(), "_contract_problem", too_long)
+    out = tmp_path / "results.json"
+    args = ("--small", pair.small_url, "--large", pair.large_url, "--task", "code", "--limit", 1)
+    result = _invoke(*args, "--context-tokens", 64, "--context-tokens", 256, "--output-path", out)
+    assert result.exit_code == ServeError.exit_code, result.output
+    assert "code-64" in result.stdout and "code-256" not in result.stdout
+    assert "stopped at code-256" in result.stderr and f"maximum context length is {limit} tokens" in result.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"code-64"} and doc["config"]["stopped"]["task"] == "code-256"
+    assert "maximum context length" in doc["config"]["stopped"]["error"]
+
+
+def test_prompts_longer_than_the_servers_take_are_refused_before_any_request(pair, monkeypatch):
+    """Every task's items are built and checked against the `max_model_len` GET /v1/models reports before the
+    first completion: a length whose prompts (with their answers) do not fit is refused by name, with the
+    length that would fit, and no request is sent.
+
+    Planted bugs caught: the check skipped for served runs (ux-4 U4-9: HTTP 400 after 9 s of facts, from the
+    server); only the first task checked before requests start; the answer tokens left out of the length."""
+    monkeypatch.setattr(pair, "max_model_len", 120)
+    args = ("--small", pair.small_url, "--large", pair.large_url, "--task", "code", "--limit", 1)
+    result = _invoke(*args, "--context-tokens", 64, "--context-tokens", 256)
+    assert result.exit_code == ConfigError.exit_code, result.output
+    assert "--context-tokens 256 builds prompts of up to" in result.stderr
+    assert "max_model_len 120" in result.stderr and pair.requests == []
+    assert _invoke(*args, "--context-tokens", 64).exit_code == 0

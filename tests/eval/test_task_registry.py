@@ -88,10 +88,11 @@ def test_the_same_task_class_runs_on_a_served_pair_through_run_task(registered, 
     monkeypatch.setattr(PhraseTask, "answer_model", models["large"])
     small, large = Endpoint(pair.small_url, pair.small_name), Endpoint(pair.large_url, LARGE_NAME)
     conditions = ServedConditions(small, large, tokenizer, agreement_tokens=4)
-    results, datasets, samples = eval_serve_cmd._evaluate(
+    results, datasets, samples, stopped = eval_serve_cmd._evaluate(
         conditions, [registered], context_tokens=(1024,), limit=2, seed=0, log_samples=True
     )
     summary = results["phrase-1024"]
+    assert stopped is None
     assert summary["n"] == 2 and summary["task"] == "phrase" and summary["transfers_reported"] == 2
     assert (summary["acc_own"], summary["acc_mapped"]) == (1.0, 1.0)
     assert datasets["phrase-1024"]["n"] == 2 and [s["doc_id"] for s in samples["phrase-1024"]] == [

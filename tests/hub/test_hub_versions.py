@@ -75,3 +75,33 @@ def test_the_same_weights_under_another_number_are_not_tagged_again(hub_env, db)
         assert [p["revision"] for p in store.publications(imported)] == ["v2"]
     text = run("push", imported.ref, "--repo", "alice/kvmap", "--db", other)
     assert "already published as alice/kvmap@v2" in text.stdout
+
+
+def test_weights_published_under_another_tag_win_over_a_taken_number(hub_env, db):
+    """A store whose v1 holds the Hub's v2 (downloaded and imported) pushes to a repository that has v1 and v2:
+    the weights are found under v2 before the numbers are compared, so the push is "already published as
+    ...@v2", recorded, and the Hub is untouched; other weights under a taken number are still refused.
+
+    Planted bugs caught: the tag-number check first (ux-4 U4-12: rc 15, "already has a tag v1 holding other
+    weights" for weights that are there as v2); a new tag or a moved main for weights published already."""
+    server = hub_env.server
+    for seed in (1, 2):
+        version = register(db, hub_env.tmp / f"a{seed}", seed=seed)
+        assert run("push", version.ref, "--repo", "alice/kvmap", "--db", db).exit_code == 0
+    before = json.dumps(server.repo("alice/kvmap"), sort_keys=True, default=str)
+    other = str(hub_env.tmp / "other.db")
+    with open_store(other) as store:
+        imported = store.register(make_artifact(hub_env.tmp / "b2", seed=2))
+    assert imported.version == 1
+    again = run("push", imported.ref, "--repo", "alice/kvmap", "--db", other, "--format", "json")
+    assert again.exit_code == 0, again.stderr
+    out = json.loads(again.stdout)
+    assert (out["tag"], out["already_published"]) == ("v2", True)
+    assert json.dumps(server.repo("alice/kvmap"), sort_keys=True, default=str) == before
+    with open_store(other) as store:
+        assert [p["revision"] for p in store.publications(imported)] == ["v2"]
+    third = str(hub_env.tmp / "third.db")
+    with open_store(third) as store:
+        stranger = store.register(make_artifact(hub_env.tmp / "c3", seed=3))
+    refused = run("push", stranger.ref, "--repo", "alice/kvmap", "--db", third)
+    assert refused.exit_code == 15 and "already has a tag v1 holding other weights" in refused.stderr

@@ -55,5 +55,5 @@ def test_export_says_force(two_series, tmp_path):
     result = run(
         "export", "Tiny-Coder-0.5B-Instruct:Tiny-Coder-1.5B-Instruct:code", str(tmp_path / "out"), "--db", two_series
     )
-    assert result.exit_code == ArtifactError.exit_code and "--force" in result.stderr
+    assert result.exit_code == ConfigError.exit_code and "--force" in result.stderr
     assert "overwrite=True" not in result.stderr

@@ -266,3 +266,24 @@ def test_every_store_command_answers_in_json_with_the_full_ref(home, tmp_path):
     assert json.loads(cli("rm", ref, "--json").stdout)["ref"] == ref
     assert "artifacts" in json.loads(cli("gc", "--dry-run", "--format", "json").stdout)
     assert "head" in json.loads(cli("db", "current", "--json").stdout)
+
+
+def test_a_list_with_no_match_says_which_filter_left_nothing(home, tmp_path):
+    """`kvhub list` that matches nothing says why in the store's terms: a threshold no version reaches names the
+    threshold and how many versions it was checked against; only an empty store gets the first-run advice.
+
+    Planted bugs caught: first-run advice (`fit one with kvhub fit`) for a store full of versions below a
+    --min-metric (ux-4 U4-14); the count taken from the whole store instead of the versions the other filters
+    kept; the threshold's task dropped from the message."""
+    assert "fit one with `kvhub fit`" in cli("list").stderr  # a fresh install
+    with open_store() as store:
+        first = store.register(artifact(tmp_path, 1))
+        store.register(artifact(tmp_path, 2))
+        store.register(artifact(tmp_path, 3, calibration="chat"))
+        store.add_metrics(first, [{"name": "retention", "value": 1.0, "task": "hellaswag"}])
+    high = cli("list", "--min-metric", "retention@hellaswag=1.5", "--calib", "legal-docs")
+    assert high.stdout == ""
+    assert "none of the 2 versions has retention@hellaswag >= 1.5" in high.stderr, high.stderr
+    assert "kvhub fit" not in high.stderr
+    nothing = cli("list", "--calib", "no-such-set").stderr
+    assert "none of the 3 versions in the store matches --calib no-such-set" in nothing, nothing
