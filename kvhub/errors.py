@@ -215,12 +215,22 @@ class FitInterrupted(Interrupted):
     """A fit stopped during batch ``batch`` of ``batches`` of pass ``pass_index``; a rerun of the same fit
     resumes after batch ``resume_from`` of that pass (None: there is no checkpoint, it starts over)."""
 
-    def __init__(self, message: str, *, batch: int, batches: int, pass_index: int = 1, resume_from: int | None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        batch: int,
+        batches: int,
+        pass_index: int = 1,
+        resume_from: int | None,
+        phase: int | None = None,
+    ):
         super().__init__(message)
         self.batch = batch
         self.batches = batches
         self.pass_index = pass_index
         self.resume_from = resume_from
+        self.phase = phase  # 1: a two-phase fit's source capture (resume_from: the batches its spool keeps)
 
 
 def exit_codes() -> list[tuple[int, str, str]]:

@@ -61,7 +61,7 @@ from kvhub.fitting.torchrun import launch_torchrun
     "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
     "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.",
 )
-@fit_options("statistics", "candidates")
+@fit_options("statistics", "candidates", "capture")
 @fit_options("map_kind", "mlp_width", "mlp_depth", "mlp_tokens", "mlp_epochs")
 @click.option(
     "--ignore-plan", is_flag=True, help="Fit even when kvhub plan says the machine's free memory cannot hold the fit."
@@ -181,6 +181,13 @@ def _fit_here(request):
         return fit_by_names(request, notify=say, progress=progress_callback)
     except FitInterrupted as exc:
         of_pass = f" of pass {exc.pass_index}" if exc.pass_index > 1 else ""
+        if exc.phase == 1:
+            say(
+                f"Interrupted in phase 1 (the source's captures) at batch {exc.batch}/{exc.batches}; the spool keeps "
+                f"{exc.resume_from} batches: run the same command to resume (--restart to start over)",
+                style="bold",
+            )
+            raise SystemExit(exc.exit_code) from None
         if exc.resume_from is None:
             then = "nothing was checkpointed yet; run the same command to start again"
         else:

@@ -29,8 +29,7 @@ from kvhub.core.mapper import Mapper
 from kvhub.core.rope import Rotary
 from kvhub.core.solve import Solution, Structure, head_groups, solve
 from kvhub.core.stats import KVStats, Layout
-from kvhub.dtypes import dtype_name
-from kvhub.errors import ConfigError, FitInterrupted
+from kvhub.errors import FitInterrupted
 from kvhub.fitting import checkpoint, mlp_fit
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
@@ -39,6 +38,10 @@ from kvhub.fitting.options import DEFAULT_STRIDE, FitOptions
 # check_same_tokenizer and pair_fingerprints: re-exported (they live with PreparedFit)
 from kvhub.fitting.prepared import PreparedFit, as_prepared, check_same_tokenizer, pair_fingerprints  # noqa: F401
 from kvhub.fitting.samples import first_sequence, reservoirs
+from kvhub.fitting.choose import capture_mode, statistics_mode
+from kvhub.fitting.phases import fill_spool, is_feed, spooled
+from kvhub.fitting.resident import device_of, loaded
+from kvhub.fitting.spool import Spool
 from kvhub.fitting.two_pass import run_passes, solve_candidates
 from kvhub.core.fingerprint import kv_geometry
 from kvhub.progress import Progress, report
@@ -94,6 +97,7 @@ def fit(
     job_key = job_identity(source_fp, target_fp, train_ids, heldout_ids, options)
     mode = statistics_mode(source_model, target_model, train_ids, heldout_ids, options, job=job_key)
     layout = layout_for(source_model.config, target_model.config)
+    batches = fit_batches(train_ids, heldout_ids, options.batch_size)
     samples = (
         None
         if options.map_kind == "ridge"
@@ -105,10 +109,28 @@ def fit(
             skip_first=options.skip_first,
         )
     )
+    phases = capture_mode(options)
+    spool = None
+    if phases == "two-phase":
+        spool = Spool.for_job(job_key, batches=len(batches), layers=layout.src_layers)
+        fill_spool(
+            source_model,
+            batches,
+            spool,
+            stride=options.stride,
+            skip_first=options.skip_first,
+            progress=progress,
+            notify=notify,
+            timings=options.timings,
+        )
+        options.timings["spool_bytes"] = spool.nbytes()
+        source = spooled(source_model, spool)
+    else:
+        source = loaded(source_model)
     state = accumulate_passes(
-        source_model,
-        target_model,
-        fit_batches(train_ids, heldout_ids, options.batch_size),
+        source,
+        loaded(target_model),
+        batches,
         layout,
         mode=mode,
         options=options,
@@ -130,7 +152,10 @@ def fit(
         state.stats["heldout"],
         options,
         statistics=mode,
+        capture=phases,
     )
+    if spool is not None:
+        spool.remove()  # the statistics hold what it was for; the MLPs train on the reservoirs
     if samples is None:
         return mapper
     started = time.perf_counter()
@@ -141,66 +166,10 @@ def fit(
         options,
         job=job_key,
         progress=progress,
-        device=next(source_model.parameters()).device,
+        device=device_of(target_model),
     )
     options.timings["mlp_s"] = time.perf_counter() - started
     return mlp_fit.with_mlps(mapper, trained, state.samples, options)
-
-
-def statistics_mode(
-    source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, job: str, ranks: int = 1
-) -> StatisticsMode:
-    """How this fit accumulates its statistics: the mode of its checkpoint when it resumes one the options
-    allow; else the options' StatisticsMode; else the plan's choice for "auto", "one-pass" or "two-pass"
-    (:func:`kvhub.fitting.plan.plan_fit` against the memory free now plus the loaded models)."""
-    requested = options.statistics  # FitOptions refused a mode that is none, and candidates beside one-pass
-    saved = checkpoint.saved_mode(options.checkpoint, job)
-    if saved is not None and _allows(requested, options.candidates, saved):
-        return saved
-    if isinstance(requested, StatisticsMode):
-        return requested
-    return _planned_mode(source_model, target_model, train_ids, heldout_ids, options, ranks=ranks)
-
-
-def _allows(requested, candidates: int | None, saved: StatisticsMode) -> bool:
-    """Whether a checkpoint written in ``saved`` mode may be resumed by a fit asking for ``requested``."""
-    if isinstance(requested, StatisticsMode):
-        return requested == saved
-    if candidates is not None and saved.candidates != candidates:
-        return False
-    return requested == "auto" or (saved.passes == 2) == (requested == "two-pass")
-
-
-def _planned_mode(
-    source_model, target_model, train_ids, heldout_ids, options: FitOptions, *, ranks: int
-) -> StatisticsMode:
-    from kvhub.fitting.plan import DTYPE_BYTES, ModelShape, Workload, machine_profile, plan_fit
-
-    try:
-        shapes = [ModelShape.from_config(model.config.to_dict()) for model in (source_model, target_model)]
-    except ConfigError as exc:  # a config the plan cannot read: no memory estimate to decide on
-        log.info("no plan for these models (%s); statistics as asked, without a candidate budget", exc)
-        two = options.statistics == "two-pass" or options.candidates is not None
-        return StatisticsMode(passes=2, candidates=options.candidates) if two else ONE_PASS
-    dtype = dtype_name(source_model.dtype)
-    workload = Workload(
-        samples=train_ids.shape[0],
-        heldout=0 if heldout_ids is None else heldout_ids.shape[0],
-        seq_len=train_ids.shape[1],
-        stride=options.stride,
-        batch_size=options.batch_size,
-        k=options.top_k,
-        mlp_tokens=0 if options.map_kind == "ridge" else options.mlp_tokens,
-        dtype=dtype if dtype in DTYPE_BYTES else "float32",
-    )
-    device = str(next(source_model.parameters()).device)
-    loaded = sum(p.numel() * p.element_size() for m in (source_model, target_model) for p in m.parameters())
-    profile = machine_profile(device, loaded=loaded * (1 if device.startswith("cuda") else ranks))
-    plan = plan_fit(
-        *shapes, workload, profile, ranks=ranks, statistics=options.statistics, candidates=options.candidates
-    )
-    log.info("statistics: %s (%s)", plan.statistics.describe(), plan.advice)
-    return plan.statistics
 
 
 def accumulate(
@@ -240,7 +209,7 @@ def accumulate_passes(
     pass 1 fills, checkpointed with the statistics, and saved once more when the passes end (so a fit
     stopped while its MLPs train resumes without a forward pass)."""
     save = (lambda s: checkpoint.save(options.checkpoint, job, mode, s)) if options.checkpoint else None
-    rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
+    rotaries = (None if is_feed(source_model) else Rotary.from_model(source_model), Rotary.from_model(target_model))
 
     def run(state: FitState, label: str) -> None:
         run_pass(
@@ -295,7 +264,14 @@ def run_pass(
         try:
             report(progress, f"{label}: {name} batch {index + 1}/{len(batches)}", completed, total)
             captured = _accumulate_batch(
-                source_model, target_model, ids, state.stats[name], rotaries, options, sources=state.candidates
+                source_model,
+                target_model,
+                ids,
+                state.stats[name],
+                rotaries,
+                options,
+                sources=state.candidates,
+                index=index,
             )
             if state.samples is not None and state.pass_index == 1:
                 state.samples[name].add(first_sequence(batches, index), *captured)
@@ -362,10 +338,18 @@ def solve_statistics(
 
 
 def _accumulate_batch(
-    source_model, target_model, ids, stats: KVStats, rotaries, options: FitOptions, *, sources: list[int] | None = None
+    source_model,
+    target_model,
+    ids,
+    stats: KVStats,
+    rotaries,
+    options: FitOptions,
+    *,
+    sources: list[int] | None = None,
+    index: int | None = None,
 ):
-    """Merge one batch into ``stats``; returns its (source, target) captures."""
-    src, dst = capture_pair(source_model, target_model, ids, rotaries, options)
+    """Merge batch ``index`` (``ids``) into ``stats``; returns its (source, target) captures."""
+    src, dst = capture_pair(source_model, target_model, ids, rotaries, options, index=index, layers=sources)
     started = time.perf_counter()
     device = stats.k.cxx.device
     weights = dst.weights.to(device) if dst.weights is not None else None
@@ -387,12 +371,19 @@ def fit_batches(train_ids, heldout_ids, batch_size: int) -> list[tuple[str, torc
     return [(name, ids[i : i + batch_size]) for name, ids in splits for i in range(0, ids.shape[0], batch_size)]
 
 
-def capture_pair(source_model, target_model, ids, rotaries, options: FitOptions):
+def capture_pair(
+    source_model, target_model, ids, rotaries, options: FitOptions, *, index: int | None = None, layers=None
+):
     """Both models' captures of one batch of ids: (source CapturedKV, target CapturedKV with row weights
-    when weighting by attention).  Adds the forward time and tokens to ``options.timings``."""
+    when weighting by attention).  ``source_model``: the model, or a feed of captures by batch ``index``
+    (:mod:`kvhub.fitting.phases`; ``layers``: the source layers the statistics read, None: all).  Adds the
+    forward time and tokens to ``options.timings``."""
     started = time.perf_counter()
     kwargs = {"stride": options.stride, "skip_first": options.skip_first}
-    src = capture(source_model, ids, rotary=rotaries[0], **kwargs)
+    if is_feed(source_model):
+        src = source_model.capture(index, ids, layers)
+    else:
+        src = capture(source_model, ids, rotary=rotaries[0], **kwargs)
     dst = capture(
         target_model,
         ids,
@@ -435,6 +426,7 @@ def build_mapper(
     options: FitOptions,
     *,
     statistics: StatisticsMode = ONE_PASS,
+    capture: str = "one-phase",
 ) -> Mapper:
     """Weights (fp32) and mapper.json metadata from a solution; ``statistics``: how they were accumulated
     (recorded under ``fit``, which kvhub does not read back)."""
@@ -470,6 +462,7 @@ def build_mapper(
         "fit": {
             **options.fit_block(),
             "statistics": dataclasses.asdict(statistics),
+            "capture": capture,
             "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()},
         },
         "metrics": metrics,

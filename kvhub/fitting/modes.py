@@ -26,6 +26,8 @@ from kvhub.artifact import parse_json
 from kvhub.errors import ConfigError
 
 MODES = ("auto", "one-pass", "two-pass")  # what ``kvhub fit --stats`` and ``kvhub plan --stats`` accept
+# where the models run (kvhub.fitting.phases): what ``kvhub fit --capture`` and ``kvhub plan --capture`` accept
+CAPTURES = ("auto", "one-phase", "two-phase")
 ACCUMULATORS = {"float64": 8, "float32": 4}  # dtype of the totals -> bytes per entry (no torch: the CLI imports this)
 
 

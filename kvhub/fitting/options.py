@@ -21,7 +21,7 @@ from typing import Callable
 
 from kvhub.artifact.kinds import DEFAULT_KIND, MAP_KINDS, mlp_integer_problem
 from kvhub.errors import ConfigError
-from kvhub.fitting.modes import MODES, StatisticsMode
+from kvhub.fitting.modes import CAPTURES, MODES, StatisticsMode
 
 AUTO = "auto"  # the text for None in top_k / ridge_lambda
 DEFAULT_STRIDE = 4  # the paper's token stride, when neither the options nor a calibration recipe give one
@@ -203,6 +203,15 @@ class FitOptions:
         rule=_positive_integer,
         help="Two-pass statistics: the most source layers pass 2 keeps (per process) [default: as many as the "
         "plan fits].",
+    )
+    capture: str = knob(
+        "auto",
+        flag="--capture",
+        choices=CAPTURES,
+        rule=_one_of(CAPTURES),
+        help="Where the models run: 'one-phase' (source and target side by side, both resident), 'two-phase' (the "
+        "source alone first, its captures spooled to disk under the kvhub cache, then the target alone: one "
+        "model resident at a time, the same statistics), or 'auto' (what kvhub plan says fits the memory free now).",
     )
     map_kind: str = knob(
         DEFAULT_KIND,

@@ -37,6 +37,7 @@ BAD = [
     ("rank", 0, "--rank", "a positive integer"),
     ("skip_first", -1, "skip_first=", "a non-negative integer"),
     ("statistics", "three-pass", "--stats", "one of auto, one-pass, two-pass"),
+    ("capture", "three-phase", "--capture", "one of auto, one-phase, two-phase"),
     ("candidates", 0, "--candidates", "a positive integer"),
     ("map_kind", "cubic", "--map", "one of ridge, mlp"),
     ("mlp_width", 0, "--mlp-width", "an integer in 1..65536"),

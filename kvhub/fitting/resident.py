@@ -1,0 +1,86 @@
+"""A model a fit loads when it first needs it and drops when it is done with it.
+
+A :class:`kvhub.fitting.prepared.PreparedFit` holds a loaded model or a :class:`ModelHandle` for each side.
+A handle knows the model's config, dtype and device without its weights (what fingerprints, layouts and
+the plan read), loads the weights on :meth:`ModelHandle.get` and lets them go on :meth:`ModelHandle.release`,
+so a two-phase fit (:mod:`kvhub.fitting.phases`) holds the source, then the target, never both.
+:func:`loaded`, :func:`release` and :func:`device_of` take either form.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Callable
+
+import torch
+
+from kvhub.errors import IncompatibleError
+
+log = logging.getLogger(__name__)
+
+
+class ModelHandle:
+    """``load()`` -> model, called once on the first :meth:`get`; ``config``, ``dtype`` and ``device`` are
+    what the loaded model will have (checked when it loads)."""
+
+    def __init__(self, load: Callable[[], object], *, config, dtype: torch.dtype, device, name: str = "model"):
+        self._load = load
+        self._model = None
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.name = name
+        self.loads = 0  # how often the weights were loaded (a fit loads each side once)
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._model is not None
+
+    def get(self):
+        if self._model is None:
+            log.info("loading %s", self.name)
+            model = self._load()
+            parameter = next(model.parameters())
+            if parameter.dtype != self.dtype or parameter.device.type != self.device.type:
+                raise IncompatibleError(
+                    f"{self.name} loaded as {parameter.dtype} on {parameter.device}, not the {self.dtype} on "
+                    f"{self.device} its fingerprint was taken with; pass the dtype explicitly (--dtype)"
+                )
+            self._model, self.loads = model, self.loads + 1
+        return self._model
+
+    def release(self) -> None:
+        """Drop the weights (a later :meth:`get` loads them again) and give their memory back."""
+        if self._model is None:
+            return
+        self._model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def parameters(self):
+        """The loaded model's parameters (loading it): what code written for a model asks."""
+        return self.get().parameters()
+
+
+def loaded(model):
+    """The model itself: ``model``, or what the handle loads."""
+    return model.get() if isinstance(model, ModelHandle) else model
+
+
+def release(model) -> None:
+    """Let a handle's weights go (a plain model is the caller's and stays)."""
+    if isinstance(model, ModelHandle):
+        model.release()
+
+
+def device_of(model) -> torch.device:
+    return model.device if isinstance(model, ModelHandle) else next(model.parameters()).device
+
+
+def loaded_bytes(model) -> int:
+    """Bytes of weights resident now (a handle not loaded: 0)."""
+    if isinstance(model, ModelHandle) and not model.is_loaded:
+        return 0
+    return sum(p.numel() * p.element_size() for p in loaded(model).parameters())
