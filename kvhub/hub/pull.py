@@ -222,12 +222,13 @@ def hub_alias(revision: str) -> str | None:
 
 
 def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: str, commit: str):
-    """Register a verified staged copy unless the store already holds these weights (then that version).
+    """Register a verified staged copy unless the store already holds these weights, under these names or
+    those they were published from (then that version).
 
     The Hub's identity is kept: a new version takes the Hub's number ``vN`` when the triple never used
     it, and the lineage records repository, tag and commit; when the store's number differs, alias
     ``hub-vN`` points at the version.  Returns (version, already registered, alias or None)."""
-    existing = store.registered_as(staged)
+    existing = store.registered_as(staged) or _published_from(store, metadata)
     hub_number = tag_number(revision)
     if existing is None:
         lineage = {"hub": {"repo_id": repo_id, "revision": revision, "commit_sha": commit}}
@@ -239,6 +240,19 @@ def _register(store, staged: Path, metadata: dict, *, repo_id: str, revision: st
         alias = hub_alias(revision)
         version = store.tag(version, alias)
     return version, existing is not None, alias
+
+
+def _published_from(store, metadata: dict):
+    """The version these tensors were published from when the store holds them under other model names: a
+    push names the models by Hub ids (kvhub.hub.identity), so its publisher pulling it back must get the
+    version it pushed (same tensors sha256, same calibration series), not a second series; None otherwise."""
+    from kvhub.artifact.metadata import calibration_series
+
+    sha256 = metadata["tensors"]["sha256"]
+    same = [
+        v for v in store.versions(calibration=calibration_series(metadata["calibration"])) if v.tensors_sha256 == sha256
+    ]
+    return min(same, key=lambda v: v.id) if same else None
 
 
 def configured_namespaces() -> list[str]:

@@ -200,3 +200,30 @@ def test_base_model_ids_are_checked_against_the_fingerprints(tmp_path, hub_env, 
     assert unknown.exit_code == 0, unknown.stderr
     notes = [line for line in unknown.stderr.splitlines() if "could not check" in line]
     assert len(notes) == 1 and "acme/nowhere" in notes[0] and "acme/small" not in notes[0]
+
+
+def test_loading_your_own_published_mapper_by_its_hub_ids_is_the_same_version(tmp_path, hub_env, db):
+    """The publisher's store already holds the tensors it pushed under local paths; loading them back by
+    the Hub ids they were published under (kvhub.load, from_pretrained, a second repository with other ids)
+    returns that version, with the publications recorded on it, and makes no second series.
+
+    Planted bugs caught: a pull matching identical tensors only under its own names (ux-4 U4-13: `kvhub list` showed
+    three rows with the same tensors and text, metrics split across them)."""
+    import kvhub
+    from kvhub.api import Mapper as ApiMapper
+
+    local = _artifact(tmp_path / "local", seed=6, source="/data/models/small", target="/data/models/large")
+    with open_store(db) as store:
+        ref = store.register(local).ref
+    for repo, ids in (("alice/kv-own", "acme/small,acme/large"), ("alice/kv-own-2", "tiny/src,tiny/dst")):
+        pushed = run("push", ref, "--repo", repo, "--db", db, "--base-model", ids)
+        assert pushed.exit_code == 0, pushed.stderr
+
+    loaded = kvhub.load("acme/small", "acme/large", hub_repo="alice/kv-own", db=db)
+    assert loaded.ref == ref
+    assert ApiMapper.from_pretrained("alice/kv-own-2@v1", db=db).ref == ref
+    pulled = run("pull", "alice/kv-own@v1", "--db", db)
+    assert pulled.exit_code == 0 and "already in the store" in pulled.stdout
+    with open_store(db) as store:
+        assert [v.ref for v in store.versions()] == [ref]
+        assert {p["repo_id"] for p in store.publications(ref)} == {"alice/kv-own", "alice/kv-own-2"}
