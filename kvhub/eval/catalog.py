@@ -10,7 +10,8 @@ adding a task is that class and one :func:`register` line.
 Multiple choice: :data:`kvhub.eval.tasks.MC_TASKS`; ``ppl``: perplexity on a fixed text set
 (:mod:`kvhub.eval.perplexity`); long context, scored exactly: :mod:`kvhub.eval.recall_tasks` (items from
 :mod:`kvhub.eval.longctx`, the follow-up turn :mod:`kvhub.eval.followup`, RULER-style :mod:`kvhub.eval.ruler`);
-the gist of a long context: :mod:`kvhub.eval.gist`; the turns after an escalation, served only:
+the gist of a long context: :mod:`kvhub.eval.gist`, and its suite of six domains with dev and test splits
+(``gist`` / ``gist-dev``): :mod:`kvhub.eval.gist_suite`; the turns after an escalation, served only:
 :mod:`kvhub.eval.served_turns`.
 """
 
@@ -67,6 +68,7 @@ RULER_TASKS = ("niah-multikey", "vt", "cwe")  # kvhub.eval.ruler
 LONG_TASKS = ("facts", "multiturn", "code", "followup") + RULER_TASKS
 GIST_KINDS = ("chat", "document", "code")
 GIST_TASKS = tuple(f"gist-{kind}" for kind in GIST_KINDS)
+GIST_SUITE_TASKS = ("gist", "gist-dev")  # the suite of kvhub.eval.gist_suite: test split / dev split
 
 for _name in MC_TASKS:
     register(_name, "kvhub.eval.taskeval:ChoiceTask")
@@ -78,6 +80,8 @@ for _name in LONG_TASKS:  # the follow-up's second turn is scored in the library
         register(_name, "kvhub.eval.recall_tasks:RecallTask", runs_on=(LIBRARY, SERVED))
 for _name in GIST_TASKS:
     register(_name, "kvhub.eval.gist:GistTask", runs_on=(LIBRARY, SERVED))
+for _name in GIST_SUITE_TASKS:
+    register(_name, "kvhub.eval.gist_suite:SuiteTask")
 register("turns", "kvhub.eval.served_turns:TurnsTask", runs_on=(SERVED,))  # timed turns: through kvhub serve only
 del _name
 
@@ -88,6 +92,7 @@ SERVED_TASKS = names(SERVED)
 
 __all__ = [
     "GIST_KINDS",
+    "GIST_SUITE_TASKS",
     "GIST_TASKS",
     "LIBRARY",
     "LONG_TASKS",

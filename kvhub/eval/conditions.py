@@ -2,8 +2,8 @@
 
 A task (:class:`kvhub.eval.run.Task`) builds its items and asks a backend to score each one under the
 conditions of :data:`kvhub.eval.longctx.LONG_CONDITIONS` (``own`` / ``mapped`` / ``control`` / ``source`` /
-``floor``, and ``drop`` where the backend can; the gist adds the ``wrong`` and ``zero`` controls of
-:mod:`kvhub.eval.gist_controls` in the library); it never knows where the models run.  Two backends:
+``floor``, and ``drop`` where the backend can; the gist adds the ``wrong``, ``zero`` and (where the shapes allow)
+``raw`` controls of :mod:`kvhub.eval.gist_controls` in the library); it never knows where the models run.  Two backends:
 
 - :class:`LibraryConditions` (``kvhub eval``): the handoff in this process, over a
   :class:`kvhub.eval.run.LoadedVersion`; one score per recompute variant, cached per item.
@@ -96,6 +96,14 @@ class LibraryConditions:
 
         return zero_mapper(self.control)
 
+    @functools.cached_property
+    def raw(self):
+        """The raw-source-cache control (:func:`kvhub.eval.gist_controls.raw_source_map`), None where the two
+        models' caches differ in shape."""
+        from kvhub.eval.gist_controls import raw_source_map
+
+        return raw_source_map(self.loaded.mapper, self.loaded.source.config, self.loaded.target.config)
+
     def models(self) -> dict:
         """The keywords every library scorer takes: both maps, both models and the tokenizer."""
         loaded = self.loaded
@@ -130,7 +138,7 @@ class LibraryConditions:
     def gist(self, item, variants: list) -> list:
         from kvhub.eval.gist import score_gist_item
 
-        return score_gist_item(item, variants=list(variants), zero=self.zero, **self.models())
+        return score_gist_item(item, variants=list(variants), zero=self.zero, raw=self.raw, **self.models())
 
     def summarize_gist(self, scores: list, *, seed: int, task: str, context_tokens: int) -> dict:
         from kvhub.eval.gist import summarize_gist
@@ -150,6 +158,7 @@ class LibraryConditions:
             "gap_closed": {
                 c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control", *GIST_CONTROLS) if c in score.nll
             },
+            "keyed": score.keyed,
             "meta": item.meta,
         }
 

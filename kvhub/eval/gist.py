@@ -25,6 +25,8 @@ items, with a bootstrap 95% interval over items.  A result counts only where it 
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -44,12 +46,15 @@ ANSWER_TOKENS = 48
 @dataclass
 class GistItem:
     """A prompt (token ids: a context and a request about all of it) and its kind; ``wrong_ids``: the same
-    request over another item's context, the wrong-document control (None: not scored)."""
+    request over another item's context, the wrong-document control (None: not scored); ``key`` / ``key_ids``:
+    the keyed answer where the item has one, the tokens a correct reply starts with right after the prompt."""
 
     id: str
     prompt_ids: list[int]
     meta: dict = field(default_factory=dict)
     wrong_ids: list[int] | None = None
+    key: str | None = None
+    key_ids: list[int] | None = None
 
 
 @dataclass
@@ -60,6 +65,7 @@ class GistScore:
     nll: dict
     answer: list[int]
     meta: dict = field(default_factory=dict)
+    keyed: dict = field(default_factory=dict)  # condition -> 1 / 0: greedy would write the key (keyed items)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -164,47 +170,59 @@ def score_gist_item(
     variants,
     answer_tokens: int = ANSWER_TOKENS,
     zero=None,
+    raw=None,
 ) -> list[GistScore]:
     """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared); ``wrong`` where the
-    item has ``wrong_ids`` and ``zero`` where ``zero`` (:func:`kvhub.eval.gist_controls.zero_mapper`) is given,
-    each through the variant's recompute like ``mapped``."""
+    item has ``wrong_ids``, ``zero`` where ``zero`` (:func:`kvhub.eval.gist_controls.zero_mapper`) and ``raw``
+    where ``raw`` (:class:`kvhub.eval.gist_controls.RawSourceMap`) is given, each through the variant's recompute
+    like ``mapped``.  A keyed item (``key_ids``) also gets ``keyed[c]`` per condition: 1 when every key token is
+    the greedy choice after the prompt under that condition's cache, else 0."""
     from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
 
     prompt = item.prompt_ids
     answer = own_answer(target, prompt, answer_tokens=answer_tokens)
-    tail = [prompt[-1]] + answer
     device = next(target.parameters()).device
     context = torch.tensor([prompt[:-1]], device=device)
-    shared = {
-        "own": answer_nll(target, run_model(target, context), tail, len(answer)),
-        "floor": answer_nll(
-            target, run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device)), tail, len(answer)
-        ),
-    }
+    score = functools.partial(_score_cache, target, prompt, answer, item.key_ids)
+    shared_nll, shared_keyed = {}, {}
+    for name, cache in (
+        ("own", run_model(target, context)),
+        ("floor", run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device))),
+    ):
+        shared_nll[name], shared_keyed[name] = score(cache)
     source_cache = run_model(source, context)
     ids = torch.tensor([prompt], device=device)
     paths = [("mapped", mapper, ids, source_cache), ("control", control, ids, source_cache)]
-    if zero is not None:
-        paths.append(("zero", zero, ids, source_cache))
+    paths += [(name, which, ids, source_cache) for name, which in (("zero", zero), ("raw", raw)) if which is not None]
     if item.wrong_ids is not None:  # the same request (and last token) over another item's context
         wrong = torch.tensor([item.wrong_ids], device=device)
         paths.append(("wrong", mapper, wrong, run_model(source, wrong[:, :-1])))
     scores = []
     for spec in variants:
         spec = spec.capped(len(prompt) - 1)
-        nll = dict(shared)
+        nll, keyed = dict(shared_nll), dict(shared_keyed)
         for name, which, prompt_ids, cached in paths:
             cache, positions = prepare_cache_counted(
                 which, source, target, prompt_ids, recompute=spec, tokenizer=tokenizer, source_cache=cached
             )
-            nll[name] = answer_nll(target, cache, tail, len(answer))
+            nll[name], keyed[name] = score(cache)
             if name == "mapped":  # the same positions, nothing mapped
-                nll["drop"] = answer_nll(
-                    target, drop_cache(target, context, positions), tail, len(answer), start=context.shape[1]
-                )
-        scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}))
+                nll["drop"], keyed["drop"] = score(drop_cache(target, context, positions), start=context.shape[1])
+        keyed = {c: v for c, v in keyed.items() if v is not None}
+        scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}, keyed))
     return scores
+
+
+def _score_cache(target, prompt, answer, key_ids, cache, *, start=None) -> tuple[float, int | None]:
+    """(mean NLL of the own ``answer`` after the prompt, 1 / 0 for the key where there is one, else None) under
+    ``cache`` (the context before the prompt's last token); the key is scored first, on a copy."""
+    from kvhub.eval.longctx import answer_score
+
+    keyed = None
+    if key_ids:
+        keyed = answer_score(target, copy.deepcopy(cache), [prompt[-1]] + key_ids, len(key_ids), start=start)[0]
+    return answer_nll(target, cache, [prompt[-1]] + answer, len(answer), start=start), keyed
 
 
 def gap_closed(nll: dict, condition: str) -> float:
@@ -247,6 +265,38 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
             [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]] if values else [math.nan, math.nan]
         )
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
+    out.update(summarize_keyed(scores, seed=seed, resamples=resamples))
+    return out
+
+
+def summarize_keyed(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
+    """Over the keyed items (``keyed`` set): ``key_n``, ``key_<c>`` the share answered (the key greedy) under each
+    condition scored on every one of them, and the paired differences ``key_map_minus_<c>`` (mapped - drop /
+    control / each control; ``key_map_minus_controls``: mapped - the best control), each with a bootstrap 95%
+    interval over those items.  Empty when no item is keyed."""
+    keyed = [s.keyed for s in scores if s.keyed]
+    if not keyed:
+        return {}
+    conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in k for k in keyed)]
+    controls = [c for c in ("control", *GIST_CONTROLS) if c in conditions]
+    rng, n = random.Random(seed), len(keyed)
+
+    def stats(index) -> dict:
+        out = {f"key_{c}": sum(keyed[i][c] for i in index) / len(index) for c in conditions}
+        for other in ("drop", *controls):
+            if other in conditions:
+                out[f"key_map_minus_{other}"] = out["key_mapped"] - out[f"key_{other}"]
+        if len(controls) > 1:
+            out["key_map_minus_controls"] = min(out[f"key_map_minus_{c}"] for c in controls)
+        return out
+
+    point = stats(range(n))
+    boot = [stats([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
+    out: dict = {"key_n": n}
+    for key, value in point.items():
+        values = sorted(b[key] for b in boot)
+        out[key] = value
+        out[f"{key}_ci"] = [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
     return out
 
 

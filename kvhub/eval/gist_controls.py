@@ -9,13 +9,15 @@ every gist condition is scored beside controls that go through the same path (th
   generator and seed (the next item built), cropped (or repeated) to this item's context length, mapped and
   recomputed like the handoff: what the mapped cache gives when it holds the wrong text;
 - ``zero``: the mapped cache's K and V all zero before any recompute (:func:`zero_mapper`); the recomputed
-  positions are then the target's own over zeros: a mapped cache with no information.
+  positions are then the target's own over zeros: a mapped cache with no information;
+- ``raw``: the source's own K and V handed to the target unmapped (:class:`RawSourceMap`), where the two caches
+  have the same shapes (layers, KV heads, head size): what the map adds over no map at all.
 
 Each chooses its recomputed positions as the spec does for its own cache and text (``select=source`` over the
 source's attention: the handoff's positions for ``zero``, the wrong text's for ``wrong``; ``select=target`` over
 the mapped cache it holds).
 
-A result counts only where it beats every control (``control``, ``wrong`` and ``zero``):
+A result counts only where it beats every control (``control``, ``wrong``, ``zero`` and ``raw`` where scored):
 :func:`kvhub.eval.gist.summarize_gist` reports ``gap_closed_map_minus_controls``, mapped minus the best of them.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import replace
 
 from kvhub.errors import ConfigError
 
-GIST_CONTROLS = ("wrong", "zero")
+GIST_CONTROLS = ("wrong", "zero", "raw")
 
 
 def zero_mapper(control):
@@ -37,6 +39,41 @@ def zero_mapper(control):
     tensors = {name: t.clone().zero_() if name.endswith("bias") else t for name, t in control.tensors.items()}
     metadata = {**control.metadata, "notes": ["zero control: zero weights, zero bias"]}
     return Mapper(tensors, metadata, dtype=control.dtype, compute_dtype=control.compute_dtype, deshrink="off")
+
+
+class RawSourceMap:
+    """A mapper stand-in whose transfer hands the source's cache to the target as it is (cast to the target's
+    dtype, copied): the ``raw`` control.  Everything else (the checks the handoff makes, the selection's
+    metadata) is the wrapped mapper's.  Build it with :func:`raw_source_map`."""
+
+    def __init__(self, mapper):
+        self._mapper = mapper
+
+    def __getattr__(self, name):
+        return getattr(self._mapper, name)
+
+    def transfer(self, cache, *, dtype=None, **_):
+        from transformers import DynamicCache
+
+        out = DynamicCache(config=self._mapper._config("target"))
+        for index, layer in enumerate(cache.layers):  # (B, H, T, D) each: the shapes raw_source_map checked
+            keys, values = (t.to(dtype or t.dtype).clone() for t in (layer.keys, layer.values))
+            out.update(keys, values, index)
+        return out
+
+
+def raw_source_map(mapper, source_config, target_config) -> RawSourceMap | None:
+    """The ``raw`` control for ``mapper`` when the source's cache fits the target's as it is (the same number of
+    layers, KV heads and head size, no sliding-window target); None where the shapes do not allow it."""
+
+    def shape(config) -> tuple:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+    if mapper.windowed_target() or shape(source_config) != shape(target_config):
+        return None
+    return RawSourceMap(mapper)
 
 
 def shared_ends(a: list[int], b: list[int]) -> tuple[int, int]:

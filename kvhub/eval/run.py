@@ -311,14 +311,17 @@ def results_config(loaded: LoadedVersion, variant_list: list, *, settings: RunSe
     }
 
 
-_COUNTS = ("n", "exact_prefix", "exact_suffix", "exact_budget", "sequences")  # labels, not measurements
+_COUNTS = ("n", "key_n", "exact_prefix", "exact_suffix", "exact_budget", "sequences")  # labels, not measurements
 
 
 def metric_rows(name: str, summary: dict, *, seed: int) -> list[dict]:
     """Store rows for the finite numbers of a summary (gap closed is undefined when own == source), the
-    bounds of each ``*_ci`` interval as ``*_ci_low`` / ``*_ci_high``."""
+    bounds of each ``*_ci`` interval as ``*_ci_low`` / ``*_ci_high``; a summary's ``domains`` (the gist suite) as
+    tasks ``<name>:<domain>``."""
     base = {"task": name, "split": "eval", "n": summary.get("n"), "seed": seed}
     rows = []
+    for part, inner in (summary.get("domains") or {}).items():  # the gist suite: each domain as its own task
+        rows += metric_rows(f"{name}:{part}", inner, seed=seed)
     for key, value in summary.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _COUNTS:
             if math.isfinite(value):
