@@ -15,6 +15,7 @@ from kvhub.cli.console import console, say
 from kvhub.errors import ConfigError
 
 _SMALL, _LARGE = "small", "large"  # the two servers' names (log files, reports)
+_ROLES = {_SMALL: "source", _LARGE: "target"}  # each server's model: the mapper's fingerprint of that role
 
 
 def default_kvstore_dir() -> Path:
@@ -34,8 +35,10 @@ def default_kvstore_dir() -> Path:
 def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo, deshrink=None) -> tuple[str, str, str]:
     """(the version's full reference, source model id, target model id), asked of :func:`kvhub.api.resolve`
     without loading the mapper (the large server loads it); its errors otherwise, among them --deshrink kv/v on
-    a mapper without target means (the consumer would fail at start), read from the tensor file's header."""
+    a mapper without target means (the consumer would fail at start), read from the tensor file's header.
+    Warns, from mapper.json's fingerprints, of head sizes vLLM's CPU engines cannot serve."""
     from kvhub.api import resolve
+    from kvhub.artifact.directory import read_metadata
     from kvhub.store.refs import SYNTAX_HELP, Ref
 
     if ref is not None and (src or dst or calib):
@@ -50,7 +53,24 @@ def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo, deshrink=None) -> tup
             f"{ref} is an artifact directory no store version holds; `kvhub import` it, then serve its reference"
         )
     found.deshrink_setting(deshrink)
+    _warn_cpu_head_sizes(read_metadata(found.directory))
     return found.ref, found.source_id, found.target_id
+
+
+def _warn_cpu_head_sizes(metadata: dict) -> None:
+    """Said before the minutes of start-up: a CPU engine (no GPU here) of an unsupported head size fails at
+    its first request (:func:`kvhub.serving.engine_limits.cpu_head_size_warning`)."""
+    import torch
+
+    from kvhub.serving.engine_limits import cpu_head_size_warning
+
+    if torch.cuda.is_available():
+        return
+    warning = cpu_head_size_warning(
+        {name: (metadata[role]["model_id"], metadata[role].get("head_dim")) for name, role in _ROLES.items()}
+    )
+    if warning:
+        say(warning, label="warning:", style="yellow")
 
 
 def _launcher(option, *, dry_run: bool) -> list[str]:

@@ -100,3 +100,26 @@ def check_served_model(model: str | os.PathLike) -> None:
         return
     if isinstance(config, dict):
         check_attention_layers(config, name=str(model))
+
+
+# The head sizes vLLM's CPU attention backend computes (vllm/v1/attention/backends/cpu_attn.py,
+# ``get_supported_head_sizes``, vLLM 0.32).  An engine of another head size starts and reports ready, then
+# fails at its first request ("Unsupported CPU attention configuration: head_dim=16").
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def cpu_head_size_warning(head_dims: dict[str, tuple[str, int | None]]) -> str | None:
+    """The warning for CPU engines whose model's head size vLLM's CPU attention lacks, from ``{server name:
+    (model id, head_dim)}``; None when every head size is supported (or unknown)."""
+    bad = [
+        f"the {name} model {model_id} has {head_dim}"
+        for name, (model_id, head_dim) in head_dims.items()
+        if isinstance(head_dim, int) and head_dim not in CPU_ATTENTION_HEAD_SIZES
+    ]
+    if not bad:
+        return None
+    sizes = ", ".join(map(str, CPU_ATTENTION_HEAD_SIZES))
+    return (
+        f"vLLM's CPU attention computes head sizes {sizes} only, and {' and '.join(bad)}: such an engine starts, "
+        "then fails at its first request. Serve on a GPU, or models of a supported head size"
+    )

@@ -11,8 +11,8 @@ must not: ``kvhub serve`` runs in kvhub's own environment, where vLLM is not ins
   keys both roles must agree on (KV store, chunking, source model, isolation) cannot differ;
 * :func:`server_command` is one ``vllm serve`` command line; :func:`find_vllm` locates the executable and
   :func:`vllm_launcher` says how to run it (vLLM's CPU wheel needs :func:`run_vllm_cli`);
-* :class:`ServerPair` runs both servers as child processes: readiness on ``GET /v1/models``, the last
-  log lines of a server that dies, a forwarded stop signal, and no server left running afterwards.
+* :class:`ServerPair` runs both servers as child processes: readiness on ``GET /v1/models``, the error
+  in the log of a server that dies, a forwarded stop signal, and no server left running afterwards.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from kvhub.serving.connector_config import (  # EXTRA_DEFAULTS and RENAMED_KEYS 
     check_extra_keys,
     read_config,
 )
+from kvhub.serving.server_log import log_excerpt
 
 log = logging.getLogger("kvhub.serving")
 
@@ -60,7 +60,6 @@ LOAD_FAILURE_POLICY = "recompute"  # a failed map is recomputed by vLLM instead 
 # and the large model's own prefill with nothing loaded (settling an escalated conversation).
 REQUEST_PARAMS = ("kvhub_tenant", "kvhub_control", "kvhub_recompute", "kvhub_prefill")
 SETUP_COMMAND = "bash scripts/setup-vllm.sh"
-LOG_TAIL_LINES = 40
 
 
 def transfer_configs(
@@ -324,12 +323,11 @@ class Server:
     log_path: Path
     process: subprocess.Popen | None = field(default=None, repr=False)
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(deque(f, maxlen=lines)).rstrip()
-        except OSError:
-            return "(no log)"
+    def log_report(self) -> tuple[str, bool]:
+        """'its log PATH says:' and the part worth quoting (the error when there is one, else the last lines:
+        :func:`kvhub.serving.server_log.log_excerpt`), and whether that part is an error."""
+        excerpt, is_error = log_excerpt(self.log_path)
+        return f"its log {self.log_path} {'says' if is_error else 'ends with'}:\n{excerpt}", is_error
 
 
 class ServerPair:
@@ -389,8 +387,7 @@ class ServerPair:
                 server = waiting[0]
                 raise ServeError(
                     f"the {server.name} server did not answer {server.url}/models within {timeout:.0f} s "
-                    f"(raise --timeout for a slow start); its log {server.log_path} ends with:\n"
-                    f"{server.log_tail()}"
+                    f"(raise --timeout for a slow start); {server.log_report()[0]}"
                 )
             if waiting:
                 time.sleep(interval)
@@ -406,10 +403,14 @@ class ServerPair:
         for server in self.servers:
             code = server.process.poll()
             if code is not None:
-                raise ServeError(
-                    f"the {server.name} server exited with code {code} (the other one is stopped); "
-                    f"its log {server.log_path} ends with:\n{server.log_tail()}"
-                )
+                report, crashed = server.log_report()
+                if code < 0:
+                    how = f"was killed by signal {-code}"
+                elif code == 0 and crashed:  # vLLM's leader can exit 0 after its engine raised
+                    how = "crashed (its exit code 0 notwithstanding)"
+                else:
+                    how = f"exited with code {code}"
+                raise ServeError(f"the {server.name} server {how} (the other one is stopped); {report}")
 
     def stop(self, *, interval: float = 0.1) -> None:
         """Send the requested signal (SIGTERM by default) to every child's process group and wait, within
