@@ -83,9 +83,14 @@ class _ServeCommand(click.Command):
     default=None,
     metavar="PATH",
     help="What the small server loads (default: the mapper's source model; a model `kvhub fetch "
-    "models` fetched is served from its local copy).",
+    "models` fetched is served from its local copy); another model of other KV geometry is refused.",
 )
-@click.option("--large-model", default=None, metavar="PATH", help="What the large server loads (same default rule).")
+@click.option(
+    "--large-model",
+    default=None,
+    metavar="PATH",
+    help="What the large server loads (same default rule; the mapper's target model's KV geometry).",
+)
 @click.option(
     "--vllm",
     "vllm_executable",
@@ -250,7 +255,14 @@ def serve(
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
     check_parallel_args(ctx.meta.get("vllm_args", ()))  # tensor / pipeline parallel: refused before anything starts
     mapper_ref, source_id, target_id = _resolve_mapper(
-        ref, src, dst, calib, db=db, hub_repo=hub_repo, deshrink=deshrink
+        ref,
+        src,
+        dst,
+        calib,
+        db=db,
+        hub_repo=hub_repo,
+        deshrink=deshrink,
+        served={_SMALL: ("--small-model", small_model), _LARGE: ("--large-model", large_model)},
     )
     launcher = _launcher(vllm_executable, dry_run=dry_run)
     if events_path is not None:

@@ -32,13 +32,16 @@ def default_kvstore_dir() -> Path:
     return root / f"kvhub-{user}"
 
 
-def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo, deshrink=None) -> tuple[str, str, str]:
+def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo, deshrink=None, served=None) -> tuple[str, str, str]:
     """(the version's full reference, source model id, target model id), asked of :func:`kvhub.api.resolve`
     without loading the mapper (the large server loads it); its errors otherwise, among them --deshrink kv/v on
     a mapper without target means (the consumer would fail at start), read from the tensor file's header.
-    Warns, from mapper.json's fingerprints, of head sizes vLLM's CPU engines cannot serve."""
+    Checks against mapper.json's fingerprints the models served instead of the mapper's own (``served``:
+    ``{server name: (option, model)}``, IncompatibleError naming both), and warns of head sizes vLLM's CPU
+    engines cannot serve."""
     from kvhub.api import resolve
     from kvhub.artifact.directory import read_metadata
+    from kvhub.serving.engine_limits import check_served_models
     from kvhub.store.refs import SYNTAX_HELP, Ref
 
     if ref is not None and (src or dst or calib):
@@ -53,7 +56,9 @@ def _resolve_mapper(ref, src, dst, calib, *, db, hub_repo, deshrink=None) -> tup
             f"{ref} is an artifact directory no store version holds; `kvhub import` it, then serve its reference"
         )
     found.deshrink_setting(deshrink)
-    _warn_cpu_head_sizes(read_metadata(found.directory))
+    metadata = read_metadata(found.directory)
+    check_served_models(metadata, {name: given for name, given in (served or {}).items() if given[1]})
+    _warn_cpu_head_sizes(metadata)
     return found.ref, found.source_id, found.target_id
 
 

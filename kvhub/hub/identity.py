@@ -72,16 +72,13 @@ def base_models(metadata: dict, override: tuple[str, str] | None = None) -> tupl
     return ids[0], ids[1]
 
 
-_CHECKED = ("num_layers", "num_kv_heads", "head_dim", "model_type")
-
-
 def check_base_models(metadata: dict, bases: tuple[str, str]) -> list[str]:
     """Refuse Hub ids ``bases`` that are clearly not the models the mapper was fitted on: the config kvhub can
     read for an id offline (:func:`kvhub.models.configs.load_config`: a fetched known model, a shipped config,
     the Hugging Face cache) gives another layer count, KV head count, head dim or model type than the
     fingerprint of that role (BaseModelError naming both).  Returns a one-line note naming the ids no config
     was found for (unchecked); ids the fingerprints record themselves are not checked."""
-    from kvhub.models.configs import kv_geometry, load_config
+    from kvhub.models.configs import geometry_differs, geometry_text, kv_geometry, load_config
 
     unchecked = []
     for role, hub_id in zip(("source", "target"), bases):
@@ -94,11 +91,11 @@ def check_base_models(metadata: dict, bases: tuple[str, str]) -> list[str]:
             unchecked.append(hub_id)
             continue
         theirs = kv_geometry(config)
-        if any(theirs[key] is not None and theirs[key] != fingerprint.get(key) for key in _CHECKED):
+        if geometry_differs(theirs, fingerprint):
             what = (
                 f"the {role} base model {hub_id} is not the model this mapper was fitted on: its config has "
-                f"{_geometry_text(theirs)}, the mapper's {role} {fingerprint.get('model_id')} has "
-                f"{_geometry_text(fingerprint)}; name the Hub ids of the models it was fitted on"
+                f"{geometry_text(theirs)}, the mapper's {role} {fingerprint.get('model_id')} has "
+                f"{geometry_text(fingerprint)}; name the Hub ids of the models it was fitted on"
             )
             raise BaseModelError(
                 f"{what}: base_model=(SRC_ID, DST_ID)", option_text=f"{what}: --base-model SRC_ID,DST_ID"
@@ -110,14 +107,6 @@ def check_base_models(metadata: dict, bases: tuple[str, str]) -> list[str]:
         "mapper's fingerprints: no config of them offline (fetched, shipped or in the Hugging Face cache); "
         "make sure they are the models it was fitted on"
     ]
-
-
-def _geometry_text(geometry: dict) -> str:
-    """'24 layers, 2 KV heads of dim 64 (qwen2)'."""
-    return (
-        f"{geometry.get('num_layers')} layers, {geometry.get('num_kv_heads')} KV heads of dim "
-        f"{geometry.get('head_dim')} ({geometry.get('model_type')})"
-    )
 
 
 def published_metadata(metadata: dict, bases: tuple[str, str]) -> dict:

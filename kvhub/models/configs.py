@@ -1,8 +1,9 @@
 """Model configs read without weights or network: :func:`load_config` finds one for a model spec (a config.json
 or model directory, a fetched known model, a config kvhub ships in ``registry/configs``, or the Hugging Face
 cache, offline), and :func:`kv_geometry` reduces it to what a mapper's fingerprint records of a model's KV
-cache.  The plan (:mod:`kvhub.fitting.shapes`) and the push's check of ``--base-model``
-(:mod:`kvhub.hub.identity`) read configs through here.
+cache.  The plan (:mod:`kvhub.fitting.shapes`), the push's check of ``--base-model``
+(:mod:`kvhub.hub.identity`) and ``kvhub serve``'s of the served models (:mod:`kvhub.serving.engine_limits`)
+read configs through here.
 """
 
 from __future__ import annotations
@@ -93,3 +94,19 @@ def kv_geometry(config: dict) -> dict:
         "num_kv_heads": text.get("num_key_value_heads") or heads,
         "head_dim": head_dim,
     }
+
+
+KV_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "model_type")  # what must agree with a fingerprint
+
+
+def geometry_differs(geometry: dict, fingerprint: dict) -> bool:
+    """Whether a config's :func:`kv_geometry` contradicts a mapper fingerprint's (a field either lacks agrees)."""
+    return any(geometry[key] is not None and geometry[key] != fingerprint.get(key) for key in KV_FIELDS)
+
+
+def geometry_text(geometry: dict) -> str:
+    """'24 layers, 2 KV heads of dim 64 (qwen2)'."""
+    return (
+        f"{geometry.get('num_layers')} layers, {geometry.get('num_kv_heads')} KV heads of dim "
+        f"{geometry.get('head_dim')} ({geometry.get('model_type')})"
+    )

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvhub.core.layer_kinds import check_attention_layers
-from kvhub.errors import ConfigError
+from kvhub.errors import ConfigError, IncompatibleError
 
 # vllm serve's flags that split one engine's model (and so its KV cache) over several ranks
 PARALLEL_FLAGS = {
@@ -123,3 +123,26 @@ def cpu_head_size_warning(head_dims: dict[str, tuple[str, int | None]]) -> str |
         f"vLLM's CPU attention computes head sizes {sizes} only, and {' and '.join(bad)}: such an engine starts, "
         "then fails at its first request. Serve on a GPU, or models of a supported head size"
     )
+
+
+def check_served_models(metadata: dict, served: dict[str, tuple[str, str]]) -> None:
+    """The models a cascade serves instead of the mapper's own (``{server name: (option, model)}``, e.g.
+    ``{"small": ("--small-model", "./other")}``) must have the KV geometry the mapper was fitted on: the
+    small server stores caches the map reads, the large one is written the map's output.  IncompatibleError
+    naming both models when a config kvhub reads offline (:func:`kvhub.models.configs.load_config`) differs;
+    a model with no such config is left to the engine, whose connector checks the same at start-up."""
+    from kvhub.models.configs import geometry_differs, geometry_text, kv_geometry, load_config
+
+    roles = {"small": "source", "large": "target"}
+    for name, (option, model) in served.items():
+        try:
+            config, _ = load_config(model)
+        except ConfigError:
+            continue
+        geometry, fingerprint = kv_geometry(config), metadata[roles[name]]
+        if geometry_differs(geometry, fingerprint):
+            raise IncompatibleError(
+                f"{option} {model} is not the model the mapper was fitted on: it has {geometry_text(geometry)}, "
+                f"the mapper's {roles[name]} {fingerprint['model_id']} has {geometry_text(fingerprint)}; serve "
+                f"that model (leave {option} out) or a mapper fitted for {model}"
+            )
