@@ -58,8 +58,9 @@ def _load_version(
     multiple=True,
     required=True,
     type=click.Choice(TASKS),
-    help="Task to evaluate (repeatable).  facts / multiturn / code / followup and the RULER-style "
-    "niah-multikey / vt / cwe are long-context tasks scored exactly; gist-chat / gist-document / "
+    help="Task to evaluate (repeatable).  facts / multiturn / code / followup, the RULER-style "
+    "niah-multikey / vt / cwe and the aggregation tasks agg-count / agg-mode / agg-total / agg-order are "
+    "long-context tasks scored exactly; gist-chat / gist-document / "
     "gist-code score the target's own answer about the whole context (see --context-tokens); gist / gist-dev: "
     "the gist suite (six domains, --limit items each; test / dev split).",
 )
@@ -198,7 +199,9 @@ def eval_command(
 
     The long-context tasks (facts: passkey retrieval with 1-3 facts at swept depths; multiturn: a number
     stated early in a chat; code: next line after a long Python file prefix; niah-multikey, vt, cwe:
-    RULER-style multi-key needles with decoys, variable tracking and common-word aggregation) score each
+    RULER-style multi-key needles with decoys, variable tracking and common-word aggregation; agg-count,
+    agg-mode, agg-total, agg-order: a count, the most frequent item, a running total and the order of events
+    over a log, from lines spread over the whole context) score each
     answer exactly and add two conditions: `control`, the same recompute over a map with no information
     about the context (the mapper's calibration-mean K/V), and `floor`, the target given only the
     question.  `followup` escalates at a first question and scores a second one about another fact, with

@@ -65,7 +65,8 @@ def task_class(name: str, runs_on: str = LIBRARY) -> type:
 
 
 RULER_TASKS = ("niah-multikey", "vt", "cwe")  # kvhub.eval.ruler
-LONG_TASKS = ("facts", "multiturn", "code", "followup") + RULER_TASKS
+AGG_TASKS = ("agg-count", "agg-mode", "agg-total", "agg-order")  # kvhub.eval.aggregate
+LONG_TASKS = ("facts", "multiturn", "code", "followup") + RULER_TASKS + AGG_TASKS
 GIST_KINDS = ("chat", "document", "code")
 GIST_TASKS = tuple(f"gist-{kind}" for kind in GIST_KINDS)
 GIST_SUITE_TASKS = ("gist", "gist-dev")  # the suite of kvhub.eval.gist_suite: test split / dev split
@@ -91,6 +92,7 @@ SERVED_TURN_TASKS = ("turns",)
 SERVED_TASKS = names(SERVED)
 
 __all__ = [
+    "AGG_TASKS",
     "GIST_KINDS",
     "GIST_SUITE_TASKS",
     "GIST_TASKS",

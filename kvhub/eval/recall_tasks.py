@@ -1,7 +1,7 @@
 """The long-context tasks ``kvhub eval`` runs (:class:`kvhub.eval.run.Task`): items by name, and the task classes.
 
 :func:`build_items` makes the items of any long-context task of :data:`kvhub.eval.catalog.LONG_TASKS` (facts,
-multiturn, code: :mod:`kvhub.eval.longctx`; RULER-style: :mod:`kvhub.eval.ruler`; the follow-up turn:
+multiturn, code: :mod:`kvhub.eval.longctx`; RULER-style: :mod:`kvhub.eval.ruler`; aggregation: :mod:`kvhub.eval.aggregate`; the follow-up turn:
 :mod:`kvhub.eval.followup`).  :class:`RecallTask` scores them through a :class:`kvhub.eval.conditions.Conditions`
 backend (``kvhub eval`` and ``kvhub eval-serve`` alike), :class:`FollowupTask` with
 :func:`kvhub.eval.followup.score_followup_item` (library only).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from kvhub.errors import ConfigError
-from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
+from kvhub.eval.catalog import AGG_TASKS, LONG_TASKS, RULER_TASKS
 from kvhub.eval.conditions import library
 from kvhub.eval.followup import FOLLOWUP_CONDITIONS, FOLLOWUP_PAIRS, followup_items, score_followup_item
 from kvhub.eval.longctx import (
@@ -37,6 +37,10 @@ def build_items(
         raise ConfigError(f"--context-tokens must be at least 64, got {context_tokens}")
     if task == "code":
         return code_items(tokenizer, context_tokens=context_tokens, n=n, seed=seed)
+    if task in AGG_TASKS:  # logs of their own: no filler
+        from kvhub.eval.aggregate import aggregate_items
+
+        return aggregate_items(task, tokenizer, context_tokens=context_tokens, n=n, seed=seed)
     filler = filler if filler is not None else filler_paragraphs(seed=seed)
     if task in RULER_TASKS:
         return ruler_items(task, tokenizer, filler, context_tokens=context_tokens, n=n, seed=seed)

@@ -1,0 +1,132 @@
+"""Aggregation tasks: the answer depends on many lines spread over the whole context, so no 10% selection of it
+can hold every token the answer needs.  Keyed, scored exactly as :mod:`kvhub.eval.longctx` scores (teacher forced:
+correct iff greedy decoding writes the answer), under the same conditions (own / mapped / drop / control / source
+/ floor).
+
+The context is a log of short dated lines (~12 tokens each, so ~80 lines at 1k tokens, ~330 at 4k), seeded:
+
+- ``agg-count``: deliveries from :data:`CITIES`; "how many parcels came from {city}?" (the asked city 3-7
+  times, the other lines from the other cities);
+- ``agg-mode``:  fruit sold at a market stall; "which fruit was sold most often?" (the leader ahead of the
+  runner-up by at least 3 lines, weights over 5 fruits);
+- ``agg-total``: a shared expenses log; "what is the total of all payments?" (4-7 payments of 1-9 euros among
+  lines where nobody pays: messages, visits);
+- ``agg-order``: a station log; three coloured trains leave, one each in a third of the log, among arrivals
+  and announcements; "in which order did the trains leave?" (the three colours, first to last).
+
+The asked lines are a small share of the context (count, total, order) or all of it (mode): the first three
+test whether the recompute's selection finds every asked line and nothing is lost elsewhere, the last whether
+the mapped 90% carries a tally.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from kvhub.errors import ConfigError
+from kvhub.eval.catalog import AGG_TASKS
+from kvhub.eval.longctx import RecallItem, _answer_ids, _count
+
+CITIES = ("Oslo", "Lisbon", "Vienna", "Dublin", "Prague", "Madrid")
+FRUITS = ("apples", "pears", "plums", "cherries", "peaches")
+PEOPLE = ("Anna", "Ben", "Chloe", "David", "Elena", "Farid")
+COLOURS = ("red", "blue", "green", "yellow", "white", "black")
+
+
+def aggregate_items(task: str, tokenizer, *, context_tokens: int, n: int, seed: int = 0) -> list[RecallItem]:
+    """``n`` seeded items of ``task`` (one of :data:`kvhub.eval.catalog.AGG_TASKS`) of about ``context_tokens`` tokens."""
+    if task not in AGG_TASKS:
+        raise ConfigError(f"unknown aggregation task {task!r}; use one of {', '.join(AGG_TASKS)}")
+    rng = random.Random(f"{task}-{seed}-{context_tokens}")
+    build = {"agg-count": _count_row, "agg-mode": _mode_row, "agg-total": _total_row, "agg-order": _order_row}[task]
+    items = []
+    for i in range(n):
+        state, estimate = rng.getstate(), _lines_for(tokenizer, context_tokens)
+        for _ in range(3):  # lines of each task are longer or shorter than the estimate's: rebuild at the measured size
+            rng.setstate(state)
+            lines, question, prefix, answer, meta = build(rng, estimate)
+            fixed = _count(tokenizer, question + prefix)
+            per_line = (_count(tokenizer, _text(lines, question, prefix)) - fixed) / estimate
+            estimate = max(12, round((context_tokens - fixed) / per_line))
+        rng.setstate(state)
+        lines, question, prefix, answer, meta = build(rng, estimate)
+        text = _text(lines, question, prefix)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        items.append(
+            RecallItem(
+                f"{task}-{context_tokens}-{i}",
+                prompt,
+                _answer_ids(tokenizer, text, " " + answer),
+                answer,
+                {"context_tokens": len(prompt), "lines": len(lines), **meta},
+            )
+        )
+    return items
+
+
+def _text(lines: list[str], question: str, prefix: str) -> str:
+    return "\n".join(f"Day {d + 1}: {line}" for d, line in enumerate(lines)) + question + prefix
+
+
+def _lines_for(tokenizer, context_tokens: int) -> int:
+    """Log lines of about ``context_tokens`` tokens (a line measured once: ~12 tokens)."""
+    per_line = _count(tokenizer, "Day 17: a parcel arrived from Lisbon.\n")
+    return max(12, (context_tokens - 40) // per_line)
+
+
+def _spread(rng: random.Random, lines: int, count: int) -> list[int]:
+    """``count`` distinct line indices, one in each of ``count`` equal stretches of the log: spread over all of it."""
+    width = lines / count
+    return [int(i * width) + rng.randrange(max(1, int(width))) for i in range(count)]
+
+
+def _count_row(rng: random.Random, lines: int):
+    city, *others = rng.sample(CITIES, len(CITIES))
+    k = rng.randint(3, 7)
+    asked = set(_spread(rng, lines, k))
+    log = [f"a parcel arrived from {city if j in asked else rng.choice(others)}." for j in range(lines)]
+    question = f"\n\nQuestion: How many parcels arrived from {city} in the log above?"
+    return log, question, f"\nAnswer: The number of parcels from {city} is", str(k), {"asked": city}
+
+
+def _mode_row(rng: random.Random, lines: int):
+    fruits = rng.sample(FRUITS, len(FRUITS))
+    weights = [6, 4, 3, 2, 1]
+    while True:
+        sold = rng.choices(fruits, weights, k=lines)
+        counts = Counter(sold).most_common()
+        if counts[0][1] - counts[1][1] >= 3:
+            break
+    log = [f"the stall sold a basket of {fruit}." for fruit in sold]
+    question = "\n\nQuestion: Which fruit did the stall sell most often in the log above?"
+    return log, question, "\nAnswer: The fruit sold most often was", counts[0][0], {"counts": dict(counts)}
+
+
+def _total_row(rng: random.Random, lines: int):
+    k = rng.randint(4, 7)
+    paid = dict(zip(_spread(rng, lines, k), (rng.randint(1, 9) for _ in range(k))))
+    idle = ("sent a message to the group.", "visited the flat.", "asked about the rent.", "cleaned the kitchen.")
+    log = [
+        f"{rng.choice(PEOPLE)} paid {paid[j]} euros for groceries."
+        if j in paid
+        else f"{rng.choice(PEOPLE)} {rng.choice(idle)}"
+        for j in range(lines)
+    ]
+    question = "\n\nQuestion: What is the total of all the payments in the log above, in euros?"
+    total = sum(paid.values())
+    return log, question, "\nAnswer: The total of all payments is", str(total), {"payments": list(paid.values())}
+
+
+def _order_row(rng: random.Random, lines: int):
+    trains = rng.sample(COLOURS, 3)
+    departs = dict(zip(_spread(rng, lines, 3), trains))
+    filler = ("a freight train arrived.", "the platform was cleaned.", "an announcement was made.", "a bus arrived.")
+    log = [f"the {departs[j]} train left the station." if j in departs else rng.choice(filler) for j in range(lines)]
+    shown = sorted(trains)
+    question = (
+        f"\n\nQuestion: In which order did the {shown[0]}, {shown[1]} and {shown[2]} trains leave the station, "
+        "from first to last?"
+    )
+    answer = ", ".join(departs[j] for j in sorted(departs))
+    return log, question, "\nAnswer: The trains left in this order:", answer, {"order": answer}
