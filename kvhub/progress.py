@@ -28,6 +28,7 @@ STEP_UNITS = {
     "convert": "steps",
     "solve": "layers",
     "bench": "repeats",
+    "pull": "B",
 }
 
 

@@ -6,7 +6,7 @@ import click
 
 from kvhub.cli.console import console, say
 from kvhub.cli.options import db_option, one_value, open_db
-from kvhub.cli.output import echo_json, format_number, format_option, print_record, print_table
+from kvhub.cli.output import echo_json, format_number, format_option, format_size, print_record, print_table
 
 
 def token_option(command):
@@ -113,25 +113,27 @@ def push(
     from kvhub.cli.progress import hub_transfer
 
     chosen = card_license(license_id, name=license_name, link=license_link)
-    with open_db(db, create=False) as store, hub_transfer(f"pushing {ref} to {repo_id}"):
-        try:
-            result = push_version(
-                store,
-                ref,
-                repo_id,
-                private=private,
-                revision=branch,
-                card=card,
-                token=token,
-                base_model=_base_models(base_model),
-                license=chosen,
-                figures=figures,
-                commit_message=commit_message,
-                create_pr=create_pr,
-            )
-        except BaseModelError as exc:
-            raise BaseModelError(exc.option_text, option_text=exc.option_text) from None
-        full_ref = store.resolve(ref).ref
+    with open_db(db, create=False) as store:
+        size = format_size(store.resolve(ref).artifact_bytes)  # the upload reports no bytes to draw a bar from
+        with hub_transfer(f"pushing {ref} ({size}) to {repo_id}"):
+            try:
+                result = push_version(
+                    store,
+                    ref,
+                    repo_id,
+                    private=private,
+                    revision=branch,
+                    card=card,
+                    token=token,
+                    base_model=_base_models(base_model),
+                    license=chosen,
+                    figures=figures,
+                    commit_message=commit_message,
+                    create_pr=create_pr,
+                )
+            except BaseModelError as exc:
+                raise BaseModelError(exc.option_text, option_text=exc.option_text) from None
+            full_ref = store.resolve(ref).ref
     for note in result.notes:
         say(note, label="note:")
     if not print_record(
@@ -148,10 +150,10 @@ def push(
         },
         output_format=output_format,
     ):
-        console.print(_push_line(ref, result), highlight=False, markup=False, soft_wrap=True)
+        console.print(_push_line(ref, result, size=size), highlight=False, markup=False, soft_wrap=True)
 
 
-def _push_line(ref: str, result) -> str:
+def _push_line(ref: str, result, *, size: str) -> str:
     """What `kvhub push` did, in one line (and the URL)."""
     if result.pull_request:
         return f"opened a pull request on {result.repo_id} for {ref}: {result.pull_request}"
@@ -166,7 +168,7 @@ def _push_line(ref: str, result) -> str:
             "nothing to do"
         )
     return (
-        f"pushed {ref} to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on {result.branch}, "
+        f"pushed {ref} ({size}) to {result.repo_id}@{result.tag} (commit {result.commit_sha[:12]} on {result.branch}, "
         f"card {result.card})\n{result.url}"
     )
 
@@ -205,8 +207,8 @@ def pull(repo, repo_option, revision, token, db, output_format):
 
     from kvhub.cli.progress import hub_transfer
 
-    with open_db(db) as store, hub_transfer(f"pulling {repo}"):
-        result = pull_repo(store, repo, revision=revision, token=token)
+    with open_db(db) as store, hub_transfer(f"pulling {repo}", sized=True) as progress:
+        result = pull_repo(store, repo, revision=revision, token=token, progress=progress)
         reference = store.reference(result.version)
     if print_record(
         {

@@ -14,8 +14,8 @@ which left a capture of 3-minute batches with no rate and no eta for its whole r
 Other libraries' bars: transformers' (weight loading, GGUF conversion and writing) are switched off while kvhub
 loads or converts a model (kvhub.models.loading.quiet_loading); huggingface_hub's are switched off off a terminal,
 or wherever ``HF_HUB_DISABLE_PROGRESS_BARS`` asks (huggingface_hub's own setting, honoured by kvhub's
-bars too), and during kvhub push and pull (:func:`hub_transfer`), which show one kvhub line instead of
-huggingface_hub's per-file and per-stage bars.
+bars too), and during kvhub push and pull (:func:`hub_transfer`), which show kvhub's own instead of
+huggingface_hub's per-file and per-stage bars: a spinner for a push, a byte bar for a pull (bytes, rate, eta).
 """
 
 from __future__ import annotations
@@ -113,22 +113,44 @@ def quiet_other_bars(*, load_transformers: bool = False) -> None:
 
 
 @contextmanager
-def hub_transfer(description: str) -> Iterator[None]:
-    """huggingface_hub's bars off for one push or pull, and on a terminal a kvhub spinner saying
-    ``description`` instead; the bars' setting is restored after."""
+def hub_transfer(description: str, *, sized: bool = False) -> Iterator[Progress | None]:
+    """huggingface_hub's bars off for one push or pull (restored after), and kvhub's own instead.  Yields
+    None and shows a spinner saying ``description`` on a terminal; ``sized`` (a pull, whose library call
+    reports its bytes): yields a :data:`kvhub.progress.Progress` callback drawn as one byte bar (size, rate,
+    eta) on a terminal, plain lines in bytes elsewhere."""
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     was_disabled = are_progress_bars_disabled()
     disable_progress_bars()
     try:
-        if bars_wanted():
+        if sized and bars_wanted():
+            with RichProgress(*_byte_columns(), console=err_console, transient=True) as bar:
+                task = bar.add_task(description, total=None)
+                yield lambda label, done, total: bar.update(task, completed=done, total=total)
+        elif sized:
+            yield LineProgress("B", interval=_interval())
+        elif bars_wanted():
             with err_console.status(description):
-                yield
+                yield None
         else:
-            yield
+            yield None
     finally:
         if not was_disabled:
             enable_progress_bars()
+
+
+def _byte_columns() -> tuple[ProgressColumn, ...]:
+    """``⠏ pulling acme/x@v1 ━━━━╺━━━ 58.6/117.2 MB 12.1 MB/s 0:00:05``."""
+    from rich.progress import DownloadColumn, SpinnerColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return (
+        SpinnerColumn(),
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
 
 
 def _interval() -> float:
@@ -136,6 +158,12 @@ def _interval() -> float:
         return max(0.0, float(os.environ.get(INTERVAL_ENV, _DEFAULT_INTERVAL_S)))
     except ValueError:
         return _DEFAULT_INTERVAL_S
+
+
+def _size(num_bytes: float) -> str:
+    from kvhub.cli.output import format_size
+
+    return format_size(num_bytes)
 
 
 def _clock(seconds: float) -> str:
@@ -168,13 +196,15 @@ class LineProgress:
 
     def line(self, description: str, completed: int, total: int | None, elapsed: float, *, base: int = 0) -> str:
         """The status line; ``base``: the step's count when this run started it."""
-        parts = [f"{description}: {completed:,}/{'?' if total is None else f'{total:,}'}"]
+        unit = unit_of(description, self.unit)
+        count = _size if unit == "B" else "{:,}".format
+        parts = [f"{description}: {count(completed)}/{'?' if total is None else count(total)}"]
         if total:
             parts[0] += f" ({100 * completed / total:.0f}%)"
         remaining = None if not total else max(0, total - completed)
         rate, eta = rate_and_eta(completed - base, remaining, elapsed)
         if rate is not None:
-            parts.append(rate_text(rate, unit_of(description, self.unit)))
+            parts.append(f"{_size(rate)}/s" if unit == "B" else rate_text(rate, unit))
         parts.append(f"{_clock(elapsed)} elapsed")
         if eta is not None:
             parts.append(f"eta {_clock(eta)}")

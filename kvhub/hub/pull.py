@@ -34,6 +34,7 @@ from kvhub.hub.client import HubSettings, _api, hub_errors, hub_settings, parse_
 from kvhub.hub.push import tag_number
 from kvhub.hub.search import search
 from kvhub.hub.verify import same_model, series_key, verify_artifact
+from kvhub.progress import Progress
 
 if TYPE_CHECKING:
     from kvhub.store import MapperVersion
@@ -69,6 +70,7 @@ def pull(
     calibration: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     local_files_only: bool = False,
+    progress: Progress | None = None,
 ) -> PullResult:
     """Download ``repo`` ('owner/name[@revision]'), verify it, and register it with its provenance.
 
@@ -76,7 +78,8 @@ def pull(
     calibration set) happens before anything reaches the store; a download with bad bytes is also
     dropped from the Hugging Face cache so the next pull fetches it anew.  Pulling the same weights
     again returns the version already registered.  ``cache_dir``: the Hugging Face cache to use;
-    ``local_files_only``: use that cache only (as HF_HUB_OFFLINE=1 does).
+    ``local_files_only``: use that cache only (as HF_HUB_OFFLINE=1 does).  ``progress``: hears the bytes
+    downloaded as ``pull OWNER/NAME@REVISION`` (:mod:`kvhub.hub.transfer_progress`).
     """
     from huggingface_hub.errors import RevisionNotFoundError
 
@@ -87,7 +90,7 @@ def pull(
     settings = hub_settings(cache_dir=cache_dir, local_files_only=local_files_only)
     with hub_errors("pull", repo_id=repo_id, revision=revision, token=token, settings=settings):
         try:
-            snapshot = Path(_snapshot(settings, repo_id, revision, token))
+            snapshot = Path(_snapshot(settings, repo_id, revision, token, progress=progress))
         except RevisionNotFoundError:
             hint = _refs_hint(settings, repo_id, token)
             raise HubRevisionNotFoundError(
@@ -124,10 +127,13 @@ def pull(
     return PullResult(version, repo_id, label, commit, already_registered=already, metadata=metadata, alias=alias)
 
 
-def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | None) -> str:
+def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | None, *, progress=None) -> str:
     """The local snapshot folder of ``repo_id`` at ``revision`` (downloaded unless offline)."""
     from huggingface_hub import snapshot_download
 
+    from kvhub.hub.transfer_progress import byte_bars
+
+    bars = {} if progress is None else {"tqdm_class": byte_bars(progress, f"pull {repo_id}@{revision}")}
     return snapshot_download(
         repo_id,
         revision=revision,
@@ -138,6 +144,7 @@ def _snapshot(settings: HubSettings, repo_id: str, revision: str, token: str | N
         local_files_only=settings.offline,
         library_name="kvhub",
         library_version=__version__,
+        **bars,
     )
 
 
