@@ -28,6 +28,7 @@ from kvhub.errors import ConfigError, CorpusTooSmallError
 from kvhub.progress import Progress
 from kvhub.calib.corpus import cache_root, locate, read_source
 from kvhub.calib.packing import (
+    NO_CHAT_TEMPLATE,
     TokenStream,
     corpus_digest,
     default_prefix,
@@ -289,6 +290,7 @@ def resolve_calibration(
     digest = content_hash(recipe, corpus=corpus, tokenizer=tokenizer_hash)
     cached = _load(set_path(recipe.name, digest)) if set_path(recipe.name, digest).exists() else None
     if cached is not None:
+        _say_plain_chats(cached, tokenizer_id)
         return dataclasses.replace(cached, tokenizer_id=tokenizer_id)
     built_recipe, packed = _pack(recipe, documents, tokenizer, allow_fewer=allow_fewer, progress=progress)
     built_digest = content_hash(built_recipe, corpus=corpus, tokenizer=tokenizer_hash)
@@ -311,7 +313,22 @@ def resolve_calibration(
     path = set_path(recipe.name, built_digest)
     if _save(calibration_set, path):
         calibration_set.cache_path = str(path)
+    _say_plain_chats(calibration_set, tokenizer_id)
     return calibration_set
+
+
+def _say_plain_chats(calibration_set: CalibrationSet, tokenizer_id: str) -> None:
+    """A warning each time a set whose recipe renders chats through the chat template is used with a tokenizer
+    that has none (the default ``mixed`` on a base model): its conversations are plain ``Role: text``
+    lines, not the model's chat format, which only the set's notes said before."""
+    if NO_CHAT_TEMPLATE in calibration_set.notes:
+        log.warning(
+            "the tokenizer of %s has no chat template: the conversations of calibration set %s are packed as "
+            "plain 'Role: text' lines, not in the model's chat format (a model with a chat "
+            "template, or a set without conversations, avoids this)",
+            tokenizer_id,
+            calibration_set.name,
+        )
 
 
 def fetch_corpus(spec: str, *, progress: Progress | None = None) -> list[str]:

@@ -32,6 +32,8 @@ from kvhub.progress import Progress, report
 from kvhub.calib.recipe import Filters, Sequences, heldout_count
 
 log = logging.getLogger(__name__)
+# A set's note when its recipe renders conversations through the chat template and the tokenizer has none.
+NO_CHAT_TEMPLATE = "the tokenizer has no chat template: conversations packed as plain text"
 _BATCH_DOCUMENTS = 64
 # Cutting text before tokenizing bounds the work on huge files; 16 chars per token is far above any
 # real average, so the cut never reaches into the first max_document_tokens tokens.
@@ -104,7 +106,7 @@ class TokenStream:
         self.notes: list[str] = []
         self._use_template = sequences.chat_template and bool(getattr(tokenizer, "chat_template", None))
         if sequences.chat_template and not self._use_template and any(d.messages for d in documents):
-            self.notes.append("the tokenizer has no chat template: conversations packed as plain text")
+            self.notes.append(NO_CHAT_TEMPLATE)
 
     def _text(self, document: Document) -> str:
         if not (self._use_template and document.messages):
