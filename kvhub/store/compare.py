@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from kvhub.artifact.metadata import shown
 from kvhub.store.records import corpus_hash
 
@@ -66,7 +68,8 @@ def _calibration_size(calibration: dict) -> dict:
 
 def _fit_block(data: dict) -> dict:
     """The artifact's fit options (mapper.json's ``fit`` block: weighting, batch size, statistics, dtype,
-    device ...) as ``fit NAME`` fields; nothing when the artifact cannot be read."""
+    device ...) as ``fit NAME`` fields, a dict's keys as ``fit NAME.KEY``; nothing when the artifact cannot
+    be read."""
     from pathlib import Path
 
     from kvhub.artifact import read_metadata
@@ -76,10 +79,19 @@ def _fit_block(data: dict) -> dict:
         block = read_metadata(Path(data["artifact_path"])).get("fit") or {}
     except (KVHubError, OSError, KeyError):
         return {}
-    return {
-        f"fit {key.replace('_', ' ')}": value if not isinstance(value, (dict, list)) else str(value)
-        for key, value in sorted(block.items())
-    }
+    fields = {}
+    for key, value in sorted(block.items()):
+        name = f"fit {key.replace('_', ' ')}"
+        if isinstance(value, dict):  # statistics, timings: one row per key, ``fit statistics.dtype``
+            fields.update({f"{name}.{inner}": _plain(v) for inner, v in sorted(value.items())})
+        else:
+            fields[name] = _plain(value)
+    return fields
+
+
+def _plain(value):
+    """A value a row can hold: nested dicts and lists as JSON text, everything else as it is."""
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
 def _metric_label(metric: dict) -> str:
