@@ -47,7 +47,7 @@ def _finite(ctx, param, value: float | None):
     help="Model dtype of the forward passes [default: what kvhub fit takes there: bfloat16, or float32 on a "
     "CPU that emulates bf16 (no avx512_bf16/amx_bf16)].",
 )
-@fit_options("statistics", "candidates", "map_kind", "mlp_tokens")
+@fit_options("statistics", "candidates", "capture", "map_kind", "mlp_tokens")
 @click.option(
     "--host-memory",
     type=click.FloatRange(min=0, min_open=True),
@@ -72,6 +72,7 @@ def plan(
     dtype,
     statistics,
     candidates,
+    capture,
     map_kind,
     mlp_tokens,
     host_memory,
@@ -89,6 +90,7 @@ def plan(
     here, and refuses a fit that does not fit the machine, with this command's advice.
     """
     from kvhub.errors import FitError
+    from kvhub.fitting.spool import free_bytes, spool_root
     from kvhub.fitting.plan import (
         GIB,
         device_profile,
@@ -115,12 +117,13 @@ def plan(
     if host_memory is not None:  # a CPU device is its own host
         field = "host_memory" if profile.gpu else "memory"
         profile = dataclasses.replace(profile, **{field: int(host_memory * GIB)})
+    phases = {"capture": capture, "spool_free": free_bytes(spool_root())}
     if ranks or candidates:
         result = plan_fit(
-            source, target, workload, profile, ranks=ranks or 1, statistics=statistics, candidates=candidates
+            source, target, workload, profile, ranks=ranks or 1, statistics=statistics, candidates=candidates, **phases
         )
     else:
-        result = recommend(source, target, workload, profile, statistics=statistics)
+        result = recommend(source, target, workload, profile, statistics=statistics, **phases)
     problem = too_few_observations(source, workload)
     if output_format == "json":
         echo_json({**result.to_dict(), "observations_problem": problem})
@@ -189,23 +192,32 @@ def _memory_rows(result, *, grouped: bool = True) -> list[list[str]]:
     statistics = [("statistics", "statistics")]
     if result.statistics.passes == 2:
         statistics += [("statistics, pass 1", "statistics_pass1"), ("statistics, pass 2", "statistics_pass2")]
-    parts = {"weights": "model weights", "activations": "activations", "exchange": "exchange buffers"}
+    weights = "model weights" if result.capture == "one-phase" else "model weights (the larger model)"
+    parts = {"weights": weights, "activations": "activations", "exchange": "exchange buffers"}
     host_parts = [*statistics, ("statistics update", "update"), ("solve", "solve")]
     if memory.get("samples"):
         host_parts.append(("MLP row samples", "samples"))
+    on_host = min(result.ranks, device.devices_per_host) if device.gpu else result.ranks
+    disk = []
+    if result.capture == "two-phase":
+        free = "" if result.spool_free is None else gib(result.spool_free)
+        disk = [
+            ["disk", "spool per rank", gib(memory["spool"]), ""],
+            ["disk", f"{on_host} rank(s) on a host", gib(memory["spool"] * on_host), free],
+        ]
     if not device.gpu:
         rows = [["RAM", name, gib(memory[key]), ""] for key, name in parts.items()]
         rows += [["RAM", name, gib(memory[key]), ""] for name, key in host_parts]
         return rows + [
             ["RAM", "peak per rank", gib(memory["peak"]), ""],
             ["RAM", f"all {result.ranks} rank(s)", gib(memory["peak"] * result.ranks), gib(device.memory)],
+            *disk,
         ]
-    on_host = min(result.ranks, device.devices_per_host)
     rows = [["device", name, gib(memory[key]), ""] for key, name in parts.items()]
     rows.append(["device", "peak per rank", gib(memory["device_peak"]), gib(device.memory)])
     rows += [["host", name, gib(memory[key]), ""] for name, key in host_parts]
     shared = ["host", f"{on_host} rank(s) on a host", gib(memory["host_peak"] * on_host), gib(device.host_memory)]
-    return rows + [["host", "peak per rank", gib(memory["host_peak"]), ""], shared]
+    return rows + [["host", "peak per rank", gib(memory["host_peak"]), ""], shared, *disk]
 
 
 def _clock(seconds: float) -> str:
@@ -219,7 +231,10 @@ def _verdict(result, *, problem: str | None, searched: bool) -> str:
     if problem is not None:
         return f"kvhub fit would refuse: {problem}"
     if result.fits:
-        return f"fits on {result.ranks} rank(s) of {result.device.name} ({result.statistics.describe()})"
+        return (
+            f"fits on {result.ranks} rank(s) of {result.device.name} ({result.statistics.describe()}, "
+            f"{result.capture} capture)"
+        )
     tried = f"on 1 to {result.ranks} ranks" if searched else f"on {result.ranks} rank(s)"
     return f"does not fit {tried} of {result.device.name}; the last line says what would"
 
@@ -251,4 +266,23 @@ def _print_plan(result, *, problem: str | None, searched: bool) -> None:
     seconds = result.seconds
     say("estimated time (h:mm:ss): " + ", ".join(f"{name} {_clock(seconds[name])}" for name in seconds), to=console)
     say(f"statistics: {result.statistics.describe()}", to=console)
+    say(f"capture: {_phase_layout(result)}", to=console)
     say(f"mode {result.mode} on {result.ranks} rank(s): {result.advice}", to=console)
+
+
+def _phase_layout(result) -> str:
+    """Where the models run: both side by side, or the source then the target with the spool between them."""
+    from kvhub.fitting.plan import GIB
+    from kvhub.fitting.spool import spool_root
+
+    source, target = result.source.model_id, result.target.model_id
+    if result.capture == "one-phase":
+        return f"one-phase: {source} and {target} resident together on every rank, each batch through both"
+    passes = result.statistics.passes
+    free = "" if result.spool_free is None else f", {result.spool_free / GIB:,.1f} GiB free there"
+    return (
+        f"two-phase: phase 1 runs {source} alone over every batch and spools its captures "
+        f"({result.memory['spool'] / GIB:,.2f} GiB per rank) to {spool_root()}{free}; phase 2 runs {target} alone "
+        f"over the same batches{' twice (two statistics passes)' if passes == 2 else ''}, reading the spool back; "
+        "kvhub fit --capture two-phase (auto picks it when it is what fits)"
+    )

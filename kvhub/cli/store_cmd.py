@@ -116,11 +116,17 @@ def gc(dry_run, hub_cache, db, output_format):
     kvhub gc
     kvhub gc --hub-cache
 
-    Never touches an artifact a version references; waits for registrations in flight.
+    Never touches an artifact a version references; waits for registrations in flight.  Also removes the
+    spools of two-phase fits (the source's captures, under the kvhub cache) that no fit has written for a day.
     """
+    from kvhub.fitting.spool import sweep
+
     with open_db(db, create=False) as store, err_console.status("collecting unreferenced artifacts"):
         report = store.gc(dry_run=dry_run)
         cached = _hub_cache_copies(store, dry_run=dry_run) if hub_cache else None
+        spools = [(path, _tree_bytes(path)) for path in sweep(dry_run=True)]
+        if not dry_run:
+            sweep()
     copies = cached.copies if cached is not None else []
     skipped = cached.skipped if cached is not None else []
     if print_record(
@@ -134,6 +140,7 @@ def gc(dry_run, hub_cache, db, output_format):
             "hub_cache_skipped": [
                 dict(repo_id=s.repo_id, commit=s.commit, path=s.path, reason=s.reason) for s in skipped
             ],
+            "spools": [dict(path=str(p), bytes=b) for p, b in spools],
         },
         output_format=output_format,
     ):
@@ -148,6 +155,8 @@ def gc(dry_run, hub_cache, db, output_format):
             f"{verb} {len(copies)} copies of pulled mappers from the Hugging Face cache "
             f"({format_size(sum(c.bytes for c in copies))})"
         )
+    if spools:
+        say(f"{verb} {len(spools)} stale fit spools ({format_size(sum(b for _, b in spools))})")
     for refused in skipped:
         say(refused.reason, label="warning:", style="yellow")
     for location in report.missing:
@@ -156,6 +165,11 @@ def gc(dry_run, hub_cache, db, output_format):
             label="warning:",
             style="yellow",
         )
+
+
+def _tree_bytes(directory) -> int:
+    """Bytes of the regular files directly in ``directory`` (a spool holds no subdirectories; links count 0)."""
+    return sum(p.lstat().st_size for p in directory.iterdir() if p.is_file() and not p.is_symlink())
 
 
 def _hub_cache_copies(store, *, dry_run: bool):

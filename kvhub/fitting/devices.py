@@ -112,3 +112,30 @@ def device_profile(name: str) -> DeviceProfile:
     if key not in DEVICES:
         raise ConfigError(f"unknown device {name!r}; use one of cpu, cuda, " + ", ".join(DEVICES))
     return DEVICES[key]
+
+
+# ---- this machine --------------------------------------------------------------------------------
+def free_memory(device: str) -> int:
+    """Bytes free now on ``device``: CUDA's free memory, or the host's MemAvailable."""
+    if device.startswith("cuda"):
+        import torch
+
+        index = torch.device(device).index
+        return torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())[0]
+    try:  # MemAvailable counts the page cache the kernel would reclaim; free pages alone do not
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def machine_profile(device: str, *, available: int | None = None, loaded: int = 0) -> DeviceProfile:
+    """This machine as a :class:`DeviceProfile` whose memory is what is free now on ``device`` (or
+    ``available``), plus ``loaded`` bytes already in use by the fit itself (its loaded models)."""
+    profile = device_profile("cuda" if device.startswith("cuda") else "cpu")
+    memory = (free_memory(device) if available is None else available) + loaded
+    host = memory if not profile.gpu else free_memory("cpu")
+    return dataclasses.replace(profile, memory=memory, host_memory=host)

@@ -53,7 +53,12 @@ from kvhub.fitting.fit import (
     structure_for,
     with_stride,
 )
+from kvhub.core.fingerprint import kv_geometry
+from kvhub.fitting.choose import capture_mode
 from kvhub.fitting.mlp_fit import check_options
+from kvhub.fitting.phases import fill_spool, is_feed, spooled
+from kvhub.fitting.resident import loaded
+from kvhub.fitting.spool import Spool
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.prepared import PreparedFit, as_prepared
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
@@ -158,9 +163,10 @@ def fit_distributed(
     source_fp, target_fp = job.fingerprints()
     job_key = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
     mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job_key)
+    source, spool = _source_captures(group, source_model, job_key, options, train_ids, heldout_ids, progress, notify)
     state, owned = accumulate_sharded(
-        source_model,
-        target_model,
+        source,
+        loaded(target_model),
         train_ids,
         heldout_ids,
         group=group,
@@ -181,6 +187,8 @@ def fit_distributed(
         targets=owned,
         progress=progress,
     )
+    if spool is not None:
+        spool.remove()  # this rank's statistics hold what it was for
     for layer in part.layers:
         layer.target = owned[layer.target]
     train, heldout = state.stats["train"], state.stats["heldout"]
@@ -194,7 +202,33 @@ def fit_distributed(
         options.timings[key] = max(t.get(key, 0.0) for _, _, t in parts)
     options.timings["tokens"] = sum(t.get("tokens", 0) for _, _, t in parts)
     summary = _means_only(layout, means, train, heldout)
-    return build_mapper(solution, source_fp, target_fp, job.calibration, summary, heldout, options, statistics=mode)
+    capture = capture_mode(options)
+    return build_mapper(
+        solution, source_fp, target_fp, job.calibration, summary, heldout, options, statistics=mode, capture=capture
+    )
+
+
+def _source_captures(
+    group: Group, source_model, job: str, options: FitOptions, train_ids, heldout_ids, progress, notify
+):
+    """This rank's source: the model itself (one-phase capture), or a spool of its own batches that the source
+    filled alone before it was let go (two-phase, :mod:`kvhub.fitting.phases`); and that spool (None)."""
+    if capture_mode(options) != "two-phase":
+        return loaded(source_model), None
+    batches = fit_batches(train_ids, heldout_ids, options.batch_size)
+    mine = [index for index in range(len(batches)) if index % group.world == group.rank]
+    spool = Spool.for_job(job, batches=mine, layers=kv_geometry(source_model.config)[0])
+    fill_spool(
+        source_model,
+        batches,
+        spool,
+        stride=options.stride,
+        skip_first=options.skip_first,
+        progress=progress,
+        notify=notify if group.is_main else (lambda line: None),
+        timings=options.timings,
+    )
+    return spooled(source_model, spool), spool
 
 
 def _agreed_mode(
@@ -241,7 +275,7 @@ def accumulate_sharded(
     columns = torch.cat([torch.arange(m * layout.dst_width, (m + 1) * layout.dst_width) for m in owned])
     batches = fit_batches(train_ids, heldout_ids, options.batch_size)
     save = (lambda s: _save_generation(group, options.checkpoint, job, mode, s)) if options.checkpoint else None
-    rotaries = (Rotary.from_model(source_model), Rotary.from_model(target_model))
+    rotaries = (None if is_feed(source_model) else Rotary.from_model(source_model), Rotary.from_model(target_model))
     for key in ("forward_s", "stats_s", "exchange_s"):
         options.timings.setdefault(key, 0.0)
 
@@ -297,7 +331,7 @@ def _run_steps(
         index = step * group.world + group.rank
         rows = None
         if index < len(batches):
-            src, dst = capture_pair(source_model, target_model, batches[index][1], rotaries, options)
+            src, dst = capture_pair(source_model, target_model, batches[index][1], rotaries, options, index=index)
             rows = _pack(src, dst)
         started = time.perf_counter()
         gathered = _all_gather_rows(group, rows, 2 * sum(width) + 1)

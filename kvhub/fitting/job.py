@@ -190,13 +190,20 @@ def prepare(
     from kvhub.core.fingerprint import tokenizer_hash
     from kvhub.fitting.checkpoint import sweep_temporaries
     from kvhub.fitting.fit import check_same_tokenizer
+    from kvhub.fitting.resident import lazy_model
     from kvhub.models.loading import load_model
 
     notify = notify or log.info
     progress = progress or _no_progress
-    notify(f"loading {request.src} and {request.dst}")
-    source, source_tok, source_id = load_model(request.src, device=request.device, dtype=request.dtype)
-    target, target_tok, target_id = load_model(request.dst, device=request.device, dtype=request.dtype)
+    capture = _capture(request)
+    if capture == "two-phase":  # one model resident at a time: the target loads once the source is done
+        notify(f"loading {request.src} (then {request.dst}, once the source's captures are spooled)")
+        source, source_tok, source_id = lazy_model(request.src, device=request.device, dtype=request.dtype)
+        target, target_tok, target_id = lazy_model(request.dst, device=request.device, dtype=request.dtype)
+    else:
+        notify(f"loading {request.src} and {request.dst}")
+        source, source_tok, source_id = load_model(request.src, device=request.device, dtype=request.dtype)
+        target, target_tok, target_id = load_model(request.dst, device=request.device, dtype=request.dtype)
     check_same_tokenizer(
         {"model_id": source_id, "tokenizer_hash": tokenizer_hash(source_tok)},
         {"model_id": target_id, "tokenizer_hash": tokenizer_hash(target_tok)},
@@ -216,6 +223,7 @@ def prepare(
     meta["stride"] = stride
     options = request.options.replace(
         stride=stride,
+        capture=capture,
         checkpoint=checkpoint_path(
             source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting
         ),
@@ -244,6 +252,15 @@ def prepare(
         calibration=meta,
         options=options,
     )
+
+
+def _capture(request: FitRequest) -> str:
+    """The request's capture, "auto" resolved by the plan before any model loads (one phase when there is no
+    plan: a config that cannot be read without the weights)."""
+    if request.options.capture != "auto":
+        return request.options.capture
+    plan = plan_for(request)
+    return "one-phase" if plan is None else plan.capture
 
 
 def calibration_line(
@@ -289,6 +306,8 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
         dtype=request.dtype,
         mlp_tokens=0 if options.map_kind == "ridge" else options.mlp_tokens,
     )
+    from kvhub.fitting.spool import free_bytes, spool_root
+
     device = str(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan_fit(
         source,
@@ -298,6 +317,8 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
         ranks=ranks,
         statistics=options.statistics,
         candidates=options.candidates,
+        capture=options.capture,
+        spool_free=free_bytes(spool_root()),
     )
 
 
@@ -332,12 +353,14 @@ def fit_by_names(
     from kvhub.fitting.checkpoint import discard
     from kvhub.fitting.fit import fit
     from kvhub.fitting.mlp_fit import checkpoint_path as mlp_checkpoint
+    from kvhub.fitting.phases import discard_spool
 
     check_request(request, store=store)
     job = prepare(request, notify=notify, progress=progress)
     if request.restart:
         discard(job.options.checkpoint)
         discard(mlp_checkpoint(job.options.checkpoint))
+        discard_spool(job)
     with (progress or _no_progress)("tok/s") as callback:
         mapper = fit(job, progress=callback, notify=notify)
     _record_where(mapper, job)
@@ -349,9 +372,10 @@ def fit_by_names(
 def _record_where(mapper, job) -> None:
     """mapper.json's fit block also says where the fit ran: the models' dtype and device type (what the
     statistics were computed from; `kvhub diff` compares them)."""
-    parameter = next(job.source.parameters())
+    from kvhub.fitting.resident import device_of
+
     mapper.metadata.setdefault("fit", {}).update(
-        dtype=str(parameter.dtype).removeprefix("torch."), device=parameter.device.type
+        dtype=str(job.source.dtype).removeprefix("torch."), device=device_of(job.source).type
     )
 
 
@@ -379,7 +403,10 @@ def fit_by_names_distributed(
     if group.is_main:
         dist.barrier()
     if request.restart:
+        from kvhub.fitting.phases import discard_spool
+
         remove_checkpoints(group, job.options.checkpoint)
+        discard_spool(job, rank=group.rank, world=group.world)
         dist.barrier()
     with (progress or _no_progress)("tok/s") as callback:
         mapper = fit_distributed(job, group=group, progress=callback, notify=notify)

@@ -34,6 +34,7 @@ class LiveSource:
 
     def __init__(self, model, rotary, *, stride: int, skip_first: int):
         self.model, self.rotary, self.stride, self.skip_first = model, rotary, stride, skip_first
+        self.config = model.config
 
     def capture(self, index: int, ids: torch.Tensor, layers: list[int] | None = None) -> CapturedKV:
         return capture(self.model, ids, rotary=self.rotary, stride=self.stride, skip_first=self.skip_first)
@@ -42,8 +43,8 @@ class LiveSource:
 class SpooledSource:
     """Batch ``index``'s source capture, read back from a complete spool (two-phase capture, phase 2)."""
 
-    def __init__(self, spool: Spool, device):
-        self.spool, self.device = spool, device
+    def __init__(self, spool: Spool, device, config=None):
+        self.spool, self.device, self.config = spool, device, config  # config: the source model's
 
     def capture(self, index: int, ids: torch.Tensor, layers: list[int] | None = None) -> CapturedKV:
         return self.spool.read(index, layers, device=self.device)
@@ -109,10 +110,21 @@ def fill_spool(
 
 def spooled(source, spool: Spool) -> SpooledSource:
     """Phase 2's source: the spool, read onto the device the source ran on."""
-    return SpooledSource(spool, device_of(source))
+    return SpooledSource(spool, device_of(source), source.config)
 
 
 def is_feed(source) -> bool:
     """Whether ``source`` hands out captures by batch (a :class:`LiveSource` or :class:`SpooledSource`)
     rather than being a model."""
     return isinstance(source, (LiveSource, SpooledSource))
+
+
+def discard_spool(job, *, rank: int = 0, world: int = 1) -> None:
+    """Remove the spool of ``job`` (a :class:`kvhub.fitting.prepared.PreparedFit` with its stride set), for
+    ``kvhub fit --restart``: its captures are recaptured."""
+    from kvhub.fitting.checkpoint import job_identity
+    from kvhub.fitting.spool import remove_spool, spool_root
+
+    source_fp, target_fp = job.fingerprints()
+    key = job_identity(source_fp, target_fp, job.train, job.heldout, job.options, rank=rank, world=world)
+    remove_spool(spool_root() / key[:24])

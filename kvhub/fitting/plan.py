@@ -5,7 +5,8 @@ Shapes (``ds``/``dt``: KV width Hkv*D of one source/target layer; ``p = Ls*ds``,
 of R owns ``qr = ceil(Lt/R)*dt`` target columns; ``Nr = B*ceil(T/s)`` rows per batch of B sequences
 of T tokens at stride s; all sizes in bytes).  Per rank, on the device (the GPU, or the CPU's RAM):
 
-    weights     (P_src + P_dst) * bytes(dtype)                   both models on every rank
+    weights     (P_src + P_dst) * bytes(dtype)                   both models on every rank (one-phase capture)
+                max(P_src, P_dst) * bytes(dtype)                 one at a time (two-phase capture)
     activations B*T*L*2*d*bytes(dtype)     the larger model's cache (L, d: its layers and KV width)
               + B*T*(4*h + 3*i)*bytes(dtype)  hidden/MLP transients of one layer
               + Nr*(p + q)*2*4             the captured fp32 rows of both models, K and V
@@ -24,6 +25,12 @@ and in host memory, where kvhub.fitting.fit keeps the statistics and solves:
 
     device peak = weights + activations + exchange,  host peak = statistics + samples + max(update, solve)
 
+and on disk, with two-phase capture (:mod:`kvhub.fitting.phases`), the spool of the source's captures:
+
+    spool       ceil(rows/R) * p * 2 * 4    a rank's kept rows, every source layer's K and V in fp32
+                                            (kvhub.fitting.spool), written once and read once per pass;
+                                            the ranks of one host share its disk (all R on a CPU)
+
 On a CPU both are one pool that the R ranks share; on GPUs each rank has its device, and the ranks
 of one node (up to ``devices_per_host``) share its host memory.
 
@@ -41,6 +48,12 @@ has a bf16 rate a third of its float32 one.
 The statistics and the solve run on the host's cores (shared by the node's ranks), the
 forward passes on the device.
 
+Capture: ``one-phase`` (both models resident, each batch through the source then the target) or
+``two-phase`` (the source alone over every batch into the spool, then the target alone: the same
+statistics with the larger model's weights only; the source runs once even with two statistics passes).
+"auto" takes the first that fits of: one pass fp64 one-phase, two-phase; one pass fp32 one-phase,
+two-phase; then two passes (either capture), so what changes no number comes first.
+
 Modes: ``full`` (one rank holds everything) or ``sharded`` (R ranks; each holds the source Gram and
 its target layers' cross blocks and solves those layers; see :mod:`kvhub.fitting.distributed`), and
 the statistics mode (:class:`kvhub.fitting.modes.StatisticsMode`), decided here for ``kvhub plan``
@@ -52,28 +65,29 @@ totals keep more.  When none fits, the advice says what would (more ranks, anoth
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 from dataclasses import asdict, dataclass
 
-from kvhub.calib.recipe import Sequences
 from kvhub.core.stats import CHUNK_COLUMNS
 from kvhub.dtypes import canonical_name
 from kvhub.errors import ConfigError
-from kvhub.fitting.devices import (  # noqa: F401 - the profiles stay importable from here
+from kvhub.fitting.devices import (  # noqa: F401 - the profiles and this machine's stay importable from here
     CPU_BF16_EMULATED,
     CPU_BF16_NATIVE,
     CPU_FP32_FORWARD,
     DEVICES,
     DeviceProfile,
     device_profile,
+    free_memory,
+    machine_profile,
 )
+from kvhub.fitting.workload import Workload, _k_for, too_few_observations, workload_for  # noqa: F401 (the plan's API)
 from kvhub.fitting.shapes import ModelShape, load_config, shape_of, shipped_configs  # noqa: F401 (the plan's API)
 from kvhub.fitting.modes import (  # noqa: F401 - pass_bytes, statistics_bytes: the formula, for callers of the plan
     ACCUMULATORS,
     MODES,
     ONE_PASS,
+    CAPTURES,
     StatisticsMode,
     pass_bytes,
     statistics_bytes,
@@ -84,31 +98,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 FORWARD_EFFICIENCY = 0.4  # share of the nominal rate (bf16 or fp32) a forward pass reaches
 MATMUL_EFFICIENCY = 0.7  # share of the nominal fp32/fp64 rate the statistics and the solve reach
+DISK_RATE = 1e9  # bytes/s a spool is written and read at (a conservative NVMe sequential rate)
 
 
 # ---- the plan ------------------------------------------------------------------------------------
-_SEQUENCES = Sequences()
-
-
-@dataclass
-class Workload:
-    """Calibration sizes of a fit (defaults: those of kvhub.calib.recipe.Sequences, the built-in recipes')."""
-
-    samples: int = _SEQUENCES.samples
-    heldout: int = _SEQUENCES.heldout_samples
-    seq_len: int = _SEQUENCES.seq_len
-    stride: int = _SEQUENCES.stride
-    batch_size: int = 4
-    k: int | None = None  # None: 'auto' (costs are for the largest k of the grid)
-    dtype: str = "bfloat16"
-    mlp_tokens: int = 0  # --map mlp: rows kept per split for the MLPs (--mlp-tokens); 0: a ridge fit keeps none
-
-    @property
-    def rows(self) -> int:
-        """Statistics rows of the whole calibration set (train + held-out)."""
-        return (self.samples + self.heldout) * math.ceil(self.seq_len / self.stride)
-
-
 @dataclass
 class Plan:
     source: ModelShape
@@ -126,74 +119,14 @@ class Plan:
     seconds: dict[str, float]
     fits: bool
     advice: str
+    capture: str = "one-phase"  # or "two-phase" (kvhub.fitting.phases)
+    spool_free: int | None = None  # bytes free where the spool goes (None: not checked)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["source"], out["target"] = self.source.model_id, self.target.model_id
         out["device"] = asdict(self.device)
         return out
-
-
-def workload_for(
-    *,
-    samples: int | None = None,
-    heldout: int | None = None,
-    seq_len: int | None = None,
-    stride: int | None = None,
-    batch_size: int = 4,
-    k: int | None = None,
-    dtype: str = "bfloat16",
-    mlp_tokens: int = 0,
-) -> Workload:
-    """A Workload; what is left None takes the calibration recipes' defaults (kvhub.calib.recipe)."""
-    from kvhub.calib.recipe import Sequences, heldout_count
-
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ConfigError(f"k must be a positive integer or None ('auto'), not {k!r}")
-    defaults = Sequences()
-    samples = samples or defaults.samples
-    return Workload(
-        samples=samples,
-        heldout=heldout if heldout is not None else heldout_count(samples, defaults.heldout_fraction),
-        seq_len=seq_len or defaults.seq_len,
-        stride=stride or defaults.stride,
-        batch_size=batch_size,
-        k=k,
-        dtype=dtype,
-        mlp_tokens=mlp_tokens,
-    )
-
-
-def _k_for(source: ModelShape, workload: Workload) -> int:
-    """The fit's k, or under 'auto' the largest k of the grid the source layers and the rows allow."""
-    from kvhub.core.solve import TOP_K_GRID
-
-    if workload.k is not None:
-        return workload.k
-    train_rows = workload.samples * math.ceil(workload.seq_len / workload.stride)
-    feasible = [k for k in TOP_K_GRID if k <= source.layers and k * source.kv_width < train_rows]
-    return max(feasible, default=1)
-
-
-def too_few_observations(source: ModelShape, workload: Workload) -> str | None:
-    """Why the solve would refuse this workload before any forward pass could change it, or None.
-
-    A ridge fit needs more training rows, samples * ceil(seq_len / stride), than features, k times the
-    source's KV width (under 'auto' the smallest k of the grid, 1); the same rule as
-    :func:`kvhub.core.solve.solve`, so a refusal here is one the fit would reach after its forward passes."""
-    per_sequence = math.ceil(workload.seq_len / workload.stride)
-    rows, k = workload.samples * per_sequence, workload.k or 1
-    features = k * source.kv_width
-    if features < rows:
-        return None
-    needed = features // per_sequence + 1
-    what = f"k {k} x {source.kv_width}" if workload.k else f"{source.kv_width}"
-    return (
-        f"{workload.samples} sequences of {workload.seq_len} tokens at stride {workload.stride} give {rows} "
-        f"training observations, but a ridge fit needs more than its {features} features ({what}, the KV "
-        f"width of {source.model_id}); use --samples {needed} or more, a longer --seq-len or a smaller --stride"
-        + (", or a smaller --k" if workload.k and workload.k > 1 else "")
-    )
 
 
 def _solve_costs(
@@ -233,40 +166,63 @@ def plan_fit(
     ranks: int = 1,
     statistics: str | StatisticsMode = "auto",
     candidates: int | None = None,
+    capture: str = "one-phase",
+    spool_free: int | None = None,
 ) -> Plan:
     """The plan of a fit on ``ranks`` ranks of ``device`` (see the module docstring for every formula).
 
     ``statistics``: "auto" (one pass when it fits, else two passes when they fit), "one-pass",
     "two-pass", or a given :class:`StatisticsMode`; ``candidates`` fixes a two-pass fit's candidate
-    source layers (default: the most that fit).  This is the one place that decides a fit's mode.
+    source layers (default: the most that fit); ``capture``: "one-phase", "two-phase" or "auto" (module
+    docstring, "Capture"); ``spool_free``: bytes free where a two-phase spool goes (None: not checked).
+    This is the one place that decides a fit's mode and capture.
     """
-    plan = _choose(source, target, workload, device, ranks, statistics, candidates)
+    if capture not in CAPTURES:
+        raise ConfigError(f"capture {capture!r}: use one of {', '.join(CAPTURES)}")
+    plan = _choose(source, target, workload, device, ranks, statistics, candidates, capture, spool_free)
     plan.advice = _advice(plan)
     return plan
 
 
-def _choose(source, target, workload, device, ranks, statistics, candidates) -> Plan:
-    """The plan of the mode to run (module docstring, "Modes"); advice left empty."""
+def _choose(
+    source, target, workload, device, ranks, statistics, candidates, capture="one-phase", spool_free=None
+) -> Plan:
+    """The plan of the mode and capture to run (module docstring, "Capture" and "Modes"); advice left empty."""
+    captures = ("one-phase", "two-phase") if capture == "auto" else (capture,)
+    estimate = lambda mode, phases: _estimate(  # noqa: E731
+        source, target, workload, device, ranks, mode, capture=phases, spool_free=spool_free
+    )
     if isinstance(statistics, StatisticsMode):
-        return _estimate(source, target, workload, device, ranks, statistics)
+        plans = [estimate(statistics, phases) for phases in captures]
+        return next((plan for plan in plans if plan.fits), plans[-1])
     if statistics not in MODES:
         raise ConfigError(f"statistics mode {statistics!r}: use one of {', '.join(MODES)}")
     if candidates is not None and statistics == "one-pass":
         raise ConfigError("--candidates applies to two-pass statistics; drop it or use --stats two-pass")
-    one = _estimate(source, target, workload, device, ranks, ONE_PASS)
-    if not one.fits:  # fp32 totals keep the selection over every source layer, and one capture pass
-        one32 = _estimate(source, target, workload, device, ranks, StatisticsMode(dtype="float32"))
-        one = one32 if one32.fits else one
+    # fp32 totals keep the selection over every source layer, and one capture pass
+    ones = [estimate(mode, phases) for mode in (ONE_PASS, StatisticsMode(dtype="float32")) for phases in captures]
+    one = next((plan for plan in ones if plan.fits), ones[len(captures) - 1])
     if statistics == "one-pass" or (statistics == "auto" and one.fits and candidates is None):
         return one
     two = max(
-        (_two_pass(source, target, workload, device, ranks, dtype, candidates) for dtype in ACCUMULATORS),
-        key=lambda plan: (plan.fits, plan.statistics.candidates, plan.statistics.dtype == "float64"),
+        (
+            _two_pass(source, target, workload, device, ranks, dtype, candidates, phases, spool_free)
+            for dtype in ACCUMULATORS
+            for phases in captures
+        ),
+        key=lambda plan: (
+            plan.fits,
+            plan.statistics.candidates,
+            plan.statistics.dtype == "float64",
+            plan.capture == "one-phase",
+        ),
     )
     return two if two.fits or statistics == "two-pass" else one
 
 
-def _two_pass(source, target, workload, device, ranks, dtype: str, candidates: int | None) -> Plan:
+def _two_pass(
+    source, target, workload, device, ranks, dtype: str, candidates: int | None, capture="one-phase", spool_free=None
+) -> Plan:
     """The two-pass plan keeping the most candidate source layers that fits (``candidates`` if given), each
     with the largest k (``top_k_max``: a fixed k, else a grid value) that fits; else the one keeping the
     fewest (which does not fit)."""
@@ -280,14 +236,22 @@ def _two_pass(source, target, workload, device, ranks, dtype: str, candidates: i
         depths = [k] if workload.k else sorted((c for c in TOP_K_GRID if c <= min(k, count)), reverse=True)
         for depth in depths:
             mode = StatisticsMode(passes=2, dtype=dtype, candidates=count, top_k_max=depth)
-            plan = _estimate(source, target, workload, device, ranks, mode)
+            plan = _estimate(source, target, workload, device, ranks, mode, capture=capture, spool_free=spool_free)
             if plan.fits:
                 return plan
     return plan
 
 
 def _estimate(
-    source: ModelShape, target: ModelShape, workload: Workload, device: DeviceProfile, ranks: int, mode: StatisticsMode
+    source: ModelShape,
+    target: ModelShape,
+    workload: Workload,
+    device: DeviceProfile,
+    ranks: int,
+    mode: StatisticsMode,
+    *,
+    capture: str = "one-phase",
+    spool_free: int | None = None,
 ) -> Plan:
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
@@ -307,8 +271,10 @@ def _estimate(
     tokens = workload.batch_size * workload.seq_len
     solve_memory, solve_flops = _solve_costs(source, target, k, owned, workload.k is None, kept)
     passes = pass_bytes(source.layers, ds, owned * dt, mode)
+    two_phase = capture == "two-phase"
+    weights = (max if two_phase else sum)((source.parameters(), target.parameters())) * nbytes
     memory = {
-        "weights": (source.parameters() + target.parameters()) * nbytes,
+        "weights": weights,
         "activations": (
             tokens * big.layers * 2 * big.kv_width * nbytes
             + tokens * (4 * big.hidden + 3 * big.intermediate) * nbytes
@@ -319,6 +285,7 @@ def _estimate(
         "update": rows_batch * (p + q) * 20 + p * CHUNK_COLUMNS * 12,
         "solve": solve_memory,
         "samples": 4 * 2 * (p + q) * kept_rows,
+        "spool": math.ceil(workload.rows / ranks) * p * 2 * 4 if two_phase else 0,  # on disk
     }
     if mode.passes == 2:
         memory["statistics_pass1"], memory["statistics_pass2"] = passes
@@ -326,6 +293,7 @@ def _estimate(
     memory["host_peak"] = memory["statistics"] + memory["samples"] + max(memory["update"], solve_memory)
     memory["peak"] = memory["device_peak"] + memory["host_peak"]
     on_host = min(ranks, device.devices_per_host) if device.gpu else ranks  # ranks sharing one host
+    spool_fits = spool_free is None or memory["spool"] * on_host <= spool_free
     if device.gpu:
         fits = memory["device_peak"] <= device.memory and memory["host_peak"] * on_host <= device.host_memory
         host_fp32, host_fp64 = device.host_fp32 / on_host, device.host_fp64 / on_host
@@ -335,8 +303,9 @@ def _estimate(
         host_fp32, host_fp64 = device.fp32 / ranks, device.fp64 / ranks
         forward_rate = device.forward_rate(dtype) / ranks
     sequences = workload.samples + workload.heldout
-    forward = (
-        mode.passes * sequences * (source.forward_flops(workload.seq_len) + target.forward_flops(workload.seq_len))
+    source_runs = 1 if two_phase else mode.passes  # two phases: the source once, into the spool
+    forward = sequences * (
+        source_runs * source.forward_flops(workload.seq_len) + mode.passes * target.forward_flops(workload.seq_len)
     )
     stats_flops = 4 * workload.rows * (p * p + p * owned * dt)
     if mode.passes == 2:
@@ -348,6 +317,8 @@ def _estimate(
         "exchange": exchange / device.link,
         "solve": solve_flops / (host_fp64 * MATMUL_EFFICIENCY),
     }
+    if two_phase:  # written once, read once per statistics pass
+        seconds["spool"] = memory["spool"] * on_host * (1 + mode.passes) / DISK_RATE
     seconds["total"] = sum(seconds.values())
     artifact = target.layers * 2 * (k * ds * dt + dt) * 4 + 2 * q * 4
     return Plan(
@@ -364,8 +335,10 @@ def _estimate(
         {"forward": forward, "statistics": stats_flops, "solve": solve_flops},
         exchange,
         seconds,
-        fits,
+        fits and spool_fits,
         "",
+        capture,
+        spool_free,
     )
 
 
@@ -375,17 +348,24 @@ def _gib(nbytes: int) -> str:
 
 def _where(plan: Plan) -> str:
     memory, device = plan.memory, plan.device
+    weights = "weights" if plan.capture == "one-phase" else "weights of one model at a time"
     if device.gpu:
         on_host = min(plan.ranks, device.devices_per_host)
-        return (
-            f"device {_gib(memory['device_peak'])} of {_gib(device.memory)} per rank (weights "
+        text = (
+            f"device {_gib(memory['device_peak'])} of {_gib(device.memory)} per rank ({weights} "
             f"{_gib(memory['weights'])}), host {_gib(memory['host_peak'])} per rank (statistics "
             f"{_gib(memory['statistics'])}) x {on_host} of {_gib(device.host_memory)}"
         )
-    return (
-        f"{_gib(memory['peak'])} per rank (weights {_gib(memory['weights'])}, statistics "
-        f"{_gib(memory['statistics'])}) x {plan.ranks} of {_gib(device.memory)}"
-    )
+    else:
+        on_host = plan.ranks
+        text = (
+            f"{_gib(memory['peak'])} per rank ({weights} {_gib(memory['weights'])}, statistics "
+            f"{_gib(memory['statistics'])}) x {plan.ranks} of {_gib(device.memory)}"
+        )
+    if plan.capture == "two-phase":
+        free = "" if plan.spool_free is None else f" of {_gib(plan.spool_free)} free"
+        text += f"; spool {_gib(memory['spool'])} per rank x {on_host} on disk{free}"
+    return text
 
 
 def _advice(plan: Plan) -> str:
@@ -401,23 +381,30 @@ def _advice(plan: Plan) -> str:
         return f"fits: {_where(plan)}" + (f"; {passes}" if mode.passes == 2 else "")
     text = f"does not fit: {_where(plan)}" + (f" ({passes})" if mode.passes == 2 else "")
     choices = [r for r in RANK_CHOICES if plan.ranks < r <= plan.target.layers]
+    again = dict(capture=plan.capture, spool_free=plan.spool_free)
     for statistics in ("one-pass", "two-pass"):
         for ranks in choices:
-            other = _choose(plan.source, plan.target, plan.workload, plan.device, ranks, statistics, None)
+            other = _choose(plan.source, plan.target, plan.workload, plan.device, ranks, statistics, None, **again)
             if other.fits:
                 how = "" if statistics == "one-pass" else f" with two-pass statistics ({other.statistics.describe()})"
                 return text + (
                     f"; run the sharded fit on {ranks} ranks{how}: torchrun --nproc-per-node {ranks} "
                     "-m kvhub fit ... (or kvhub fit --distributed)"
                 )
+    if plan.capture == "one-phase":
+        phased = _choose(plan.source, plan.target, plan.workload, plan.device, plan.ranks, mode, None, "two-phase")
+        if phased.fits:
+            return text + "; with one model resident at a time it fits: kvhub fit --capture two-phase"
     if mode.passes == 1:
-        two = _choose(plan.source, plan.target, plan.workload, plan.device, plan.ranks, "two-pass", None)
+        two = _choose(plan.source, plan.target, plan.workload, plan.device, plan.ranks, "two-pass", None, **again)
         if two.fits:
             return text + f"; two-pass statistics fit ({two.statistics.describe()}): kvhub fit --stats two-pass"
+    if plan.capture == "two-phase" and plan.spool_free is not None and plan.memory["spool"] > plan.spool_free:
+        return text + "; the spool does not fit the disk: point KVHUB_CACHE at a larger one"
     if plan.device.gpu and plan.memory["device_peak"] > plan.device.memory:
         return text + (
-            "; the two models do not fit one device together and kvhub's data-parallel capture puts both "
-            "on every rank: use devices with more memory"
+            "; the larger model alone does not fit one device, and kvhub runs each model whole on every "
+            "rank (a target run layer by layer is not in kvhub yet): use devices with more memory"
         )
     return text + (
         "; no rank count fits, not even with two-pass statistics (pass 1 keeps the whole cross block "
@@ -433,6 +420,8 @@ def recommend(
     *,
     max_ranks: int = 8,
     statistics: str = "auto",
+    capture: str = "one-phase",
+    spool_free: int | None = None,
 ) -> Plan:
     """The plan with the fewest ranks (up to ``max_ranks``) that fits in one pass, else the fewest that fits
     in two passes (unless ``statistics`` forces one), else the ``max_ranks`` plan (its advice says why)."""
@@ -440,34 +429,11 @@ def recommend(
     kinds = [statistics] if statistics != "auto" else ["one-pass", "two-pass"]
     for kind in kinds:
         for count in ranks:
-            plan = plan_fit(source, target, workload, device, ranks=count, statistics=kind)
+            plan = plan_fit(
+                source, target, workload, device, ranks=count, statistics=kind, capture=capture, spool_free=spool_free
+            )
             if plan.fits:
                 return plan
-    return plan_fit(source, target, workload, device, ranks=ranks[-1], statistics=statistics)
-
-
-# ---- this machine --------------------------------------------------------------------------------
-def free_memory(device: str) -> int:
-    """Bytes free now on ``device``: CUDA's free memory, or the host's MemAvailable."""
-    if device.startswith("cuda"):
-        import torch
-
-        index = torch.device(device).index
-        return torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())[0]
-    try:  # MemAvailable counts the page cache the kernel would reclaim; free pages alone do not
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def machine_profile(device: str, *, available: int | None = None, loaded: int = 0) -> DeviceProfile:
-    """This machine as a :class:`DeviceProfile` whose memory is what is free now on ``device`` (or
-    ``available``), plus ``loaded`` bytes already in use by the fit itself (its loaded models)."""
-    profile = device_profile("cuda" if device.startswith("cuda") else "cpu")
-    memory = (free_memory(device) if available is None else available) + loaded
-    host = memory if not profile.gpu else free_memory("cpu")
-    return dataclasses.replace(profile, memory=memory, host_memory=host)
+    return plan_fit(
+        source, target, workload, device, ranks=ranks[-1], statistics=statistics, capture=capture, spool_free=spool_free
+    )

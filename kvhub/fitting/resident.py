@@ -50,6 +50,13 @@ class ModelHandle:
             self._model, self.loads = model, self.loads + 1
         return self._model
 
+    @classmethod
+    def holding(cls, model, load: Callable[[], object], *, name: str = "model") -> "ModelHandle":
+        """A handle over ``model``, already loaded (``load`` brings it back after a release)."""
+        handle = cls(load, config=model.config, dtype=model.dtype, device=next(model.parameters()).device, name=name)
+        handle._model, handle.loads = model, 1
+        return handle
+
     def release(self) -> None:
         """Drop the weights (a later :meth:`get` loads them again) and give their memory back."""
         if self._model is None:
@@ -84,3 +91,22 @@ def loaded_bytes(model) -> int:
     if isinstance(model, ModelHandle) and not model.is_loaded:
         return 0
     return sum(p.numel() * p.element_size() for p in loaded(model).parameters())
+
+
+def lazy_model(spec: str, *, device=None, dtype=None):
+    """``(handle, tokenizer, model_id)`` for the model ``spec`` (as :func:`kvhub.models.loading.load_model`
+    takes it), its weights not read until the fit asks; a .gguf file or a Hub id, or no dtype to load in,
+    loads now (the handle holds it)."""
+    from kvhub.dtypes import parse_dtype
+    from kvhub.models.loading import describe_model, load_model
+
+    def load():
+        return load_model(spec, device=device, dtype=dtype)[0]
+
+    described = describe_model(spec) if dtype is not None else None
+    if described is None:
+        model, tokenizer, model_id = load_model(spec, device=device, dtype=dtype)
+        return ModelHandle.holding(model, load, name=model_id), tokenizer, model_id
+    config, tokenizer, model_id = described
+    where = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return ModelHandle(load, config=config, dtype=parse_dtype(dtype), device=where, name=model_id), tokenizer, model_id

@@ -28,12 +28,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from kvhub import __version__
 from kvhub.artifact.files import atomic_write_bytes, is_no_space
-from kvhub.core.capture import CapturedKV
 from kvhub.errors import FitError
+
+if TYPE_CHECKING:  # torch loads only where a spool is written or read: kvhub gc sweeps without it
+    from kvhub.core.capture import CapturedKV
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,10 @@ class Spool:
                 todo.append(index)
         return todo
 
-    def write(self, index: int, captured: CapturedKV) -> None:
+    def write(self, index: int, captured: "CapturedKV") -> None:
         """Write batch ``index``'s source capture atomically; a full disk is a :class:`FitError` naming the
         directory (nothing half-written is left: the temporary file is removed)."""
+        import torch
         from safetensors.torch import save
 
         tensors = {}
@@ -140,11 +143,13 @@ class Spool:
         )
 
     # ---- phase 2 --------------------------------------------------------------------------------
-    def read(self, index: int, layers: list[int] | None = None, *, device="cpu") -> CapturedKV:
+    def read(self, index: int, layers: list[int] | None = None, *, device="cpu") -> "CapturedKV":
         """Batch ``index``'s source capture (``layers``: only those source layers, in that order; the others
         are None), on ``device``.  A damaged entry is deleted with ``complete.json`` and a FitError says a
         rerun recaptures it."""
         from safetensors import SafetensorError, safe_open
+
+        from kvhub.core.capture import CapturedKV
 
         if not self.complete():
             raise FitError(f"spool {self.directory} is not complete; phase 1 must finish before the target runs")
@@ -212,6 +217,8 @@ class Spool:
 
 
 def _tensor_problem(keys: list, values: list, rows: int) -> str | None:
+    import torch
+
     for kind, blocks in (("keys", keys), ("values", values)):
         for layer, block in enumerate(blocks):
             if block is None:

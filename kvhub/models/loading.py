@@ -198,6 +198,29 @@ def load_model(spec: str | os.PathLike, *, device=None, dtype=None, cache_dir=No
     return model, tokenizer, _model_id(spec, resolved)
 
 
+def describe_model(spec: str | os.PathLike, *, cache_dir=None):
+    """``(config, tokenizer, model_id)`` of a model in a local directory, without reading its weights (what a
+    fit that loads the model later needs first); None for a .gguf file or a Hub id, which load whole."""
+    spec = str(spec)
+    resolved = resolve_model_path(spec, cache_dir=cache_dir)
+    if not isinstance(resolved, Path) or not (resolved / "config.json").is_file():
+        return None
+    _refuse_unmappable_layers(resolved, spec)
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(resolved)
+        has_tokenizer = any((resolved / name).is_file() for name in _TOKENIZER_FILES)
+        tokenizer = AutoTokenizer.from_pretrained(resolved) if has_tokenizer else None
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(
+            f"{spec} ({resolved}) is not a loadable transformers model ({exc}); point at a directory with "
+            f"config.json and weights, or re-fetch a known model with `{FETCH_COMMAND} --force`"
+        ) from exc
+    check_attention_layers(config, name=spec)
+    return config, tokenizer, _model_id(spec, resolved)
+
+
 def _refuse_unmappable_layers(resolved, spec: str) -> None:
     """A local model whose config.json names linear-attention / state-space / convolution layers is refused
     by layer type (:mod:`kvhub.core.layer_kinds`) before its weights load; a Hub id is checked once loaded."""

@@ -33,7 +33,7 @@ STORE_COMMANDS = [
     pytest.param(["rm", "REF", "--force"], ["bytes", "ref", "removed"], ("removed", "true"), id="rm"),
     pytest.param(
         ["gc", "--dry-run"],
-        ["artifacts", "bytes", "dry_run", "hub_cache", "hub_cache_skipped", "missing", "temporaries"],
+        ["artifacts", "bytes", "dry_run", "hub_cache", "hub_cache_skipped", "missing", "spools", "temporaries"],
         ("dry_run", "true"),
         id="gc-dry-run",
     ),

@@ -275,3 +275,19 @@ def test_kvhub_fit_distributed_launches_torchrun_and_registers_once(tmp_path, te
     assert distributed["ref"].endswith("@v1")
     assert single["ref"] == (distributed["ref"] if identical else distributed["ref"][:-1] + "2")
     assert not list((tmp_path / "cache" / "checkpoints").glob("*"))
+
+
+def test_two_phase_capture_on_two_ranks_equals_one_process_also_after_a_rank_dies(tmp_path, monkeypatch):
+    """Each rank spools its own batches with the source alone, then runs the target alone; rank 1 killed in
+    phase 2 resumes from its checkpoint and its spool, and the mapper equals the one-process one-phase fit."""
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    family = _family()
+    single = _single(family, _options())
+    phased = _options(capture="two-phase")
+    codes = _run_ranks(tmp_path, family, phased, die_at=["capture", DIE_AT_STEP])
+    assert codes[1] == 3
+    assert len(list((tmp_path / "cache" / "spool").iterdir())) == 2  # one spool per rank, kept for the rerun
+    assert _run_ranks(tmp_path, family, phased) == [0, 0]
+    _assert_same_mapper(tmp_path, single)
+    assert json.loads((tmp_path / "metadata.json").read_text())["fit"]["capture"] == "two-phase"
+    assert not list((tmp_path / "cache" / "spool").iterdir())  # every rank removed its spool

@@ -155,6 +155,7 @@ def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
         seq_len=16,
         dtype="float32",
         device="cpu",
+        options=FitOptions(capture="one-phase"),  # both models resident: the statistics' own fallbacks first
     )
     plan = plan_for(request, available=10**12)
     assert plan.fits and plan.workload.samples == 4 and plan.workload.seq_len == 16 and plan.statistics.passes == 1
@@ -162,9 +163,19 @@ def test_fit_refuses_early_with_the_plans_advice(tmp_path, text_corpus):
     assert lean.fits and lean.statistics == StatisticsMode(dtype="float32")
     two = check_plan(request, available=lean.memory["peak"] - 1)  # auto: two passes
     assert two.fits and two.statistics.passes == 2 and two.memory["peak"] < lean.memory["peak"]
-    one_pass = dataclasses.replace(request, options=FitOptions(statistics="one-pass"))
-    with pytest.raises(ConfigError, match="does not fit.*two-pass statistics fit.*kvhub plan --src"):
+    one_pass = dataclasses.replace(request, options=FitOptions(statistics="one-pass", capture="one-phase"))
+    with pytest.raises(ConfigError, match="does not fit.*one model resident at a time it fits: kvhub fit --capture"):
         check_plan(one_pass, available=lean.memory["peak"] - 1)
+    phased = check_plan(
+        dataclasses.replace(request, options=FitOptions(statistics="one-pass")), available=lean.memory["peak"] - 1
+    )
+    assert phased.capture == "two-phase" and phased.memory["weights"] == lean.memory["weights"] // 2  # twin configs
+    assert phased.memory["spool"] > 0 and phased.seconds["spool"] > 0 and "spool" not in lean.seconds
+    only_two_phase = dataclasses.replace(request, options=FitOptions(statistics="one-pass", capture="two-phase"))
+    lean_phased = check_plan(only_two_phase, available=phased.memory["peak"] - 1)
+    assert lean_phased.statistics == StatisticsMode(dtype="float32") and lean_phased.capture == "two-phase"
+    with pytest.raises(ConfigError, match="does not fit.*two-pass statistics fit.*kvhub plan --src"):
+        check_plan(only_two_phase, available=lean_phased.memory["peak"] - 1)
     with pytest.raises(ConfigError, match="not even with two-pass statistics"):
         check_plan(request, available=two.memory["weights"])
 

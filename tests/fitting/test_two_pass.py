@@ -12,6 +12,7 @@ import torch
 from kvhub.core.solve import candidate_sources, probe_r2, solve
 from kvhub.core.stats import KVStats, Layout, Moments
 from kvhub.errors import ConfigError
+from kvhub.fitting import devices
 from kvhub.fitting import plan as planning
 from kvhub.fitting.checkpoint import FitState
 from kvhub.fitting.fit import accumulate_passes, fit, fit_batches, layout_for, solve_statistics
@@ -227,14 +228,14 @@ def test_fit_takes_the_plans_mode(family, monkeypatch):
     )
     free = (two.memory["peak"] + one32.memory["peak"]) // 2
     loaded = sum(p.numel() * p.element_size() for m in (source, target) for p in m.parameters())
-    monkeypatch.setattr(planning, "free_memory", lambda device: free - loaded)  # the models are loaded already
+    monkeypatch.setattr(devices, "free_memory", lambda device: free - loaded)  # the models are loaded already
     expected = plan_fit(*shapes, workload, dataclasses.replace(planning.device_profile("cpu"), memory=free)).statistics
     assert expected.passes == 2 and 2 <= expected.candidates < 6
     mapper = fit(source, target, train, heldout, source_id="a", target_id="b", options=_options(statistics="auto"))
     assert mapper.metadata["fit"]["statistics"] == dataclasses.asdict(expected)
     assert any(note.startswith("two-pass statistics (float") for note in mapper.metadata["notes"])
     assert len(mapper.metadata["probe_r2"]["k"]) == 6  # pass 1's grid: every source layer
-    monkeypatch.setattr(planning, "free_memory", lambda device: 10**12)
+    monkeypatch.setattr(devices, "free_memory", lambda device: 10**12)
     roomy = fit(source, target, train, heldout, source_id="a", target_id="b", options=_options(statistics="auto"))
     assert roomy.metadata["fit"]["statistics"] == dataclasses.asdict(ONE_PASS)
 

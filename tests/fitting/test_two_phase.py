@@ -252,3 +252,76 @@ def test_sweep_removes_stale_spools_and_never_follows_links(family, cache, tmp_p
     assert spools.sweep() == [stale]
     assert not stale.exists() and fresh.exists()
     assert (victim / "precious.txt").read_text() == "keep me"
+
+
+# ---- by names: kvhub fit --capture -------------------------------------------------------------------
+def test_kvhub_fit_two_phase_loads_the_target_after_the_source_and_gives_the_one_phase_mapper(
+    tiny_model_dirs, text_corpus, tmp_path, cache
+):
+    from click.testing import CliRunner
+
+    from kvhub.core.mapper import Mapper
+    from kvhub.cli.main import main
+    from kvhub.fitting.job import FitRequest, prepare
+    from tests.fixtures_fit import tiny_fit_args
+
+    src, dst = tiny_model_dirs
+    job = prepare(
+        FitRequest(
+            str(src),
+            str(dst),
+            calib=str(text_corpus),
+            samples=12,
+            seq_len=24,
+            dtype="float32",
+            device="cpu",
+            options=FitOptions(capture="two-phase"),
+        )
+    )
+    assert isinstance(job.target, ModelHandle) and not job.target.is_loaded and not job.source.is_loaded
+    assert job.options.capture == "two-phase"
+    mappers = {}
+    for capture in ("one-phase", "two-phase"):
+        out = tmp_path / capture
+        args = tiny_fit_args(src, dst, calib=text_corpus, capture=capture, out=out, no_register=True)
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        mappers[capture] = Mapper.load(out)
+    _same_mapper(mappers["two-phase"], mappers["one-phase"])
+    assert not list((cache / "spool").iterdir())
+
+
+def test_kvhub_gc_removes_stale_spools_only(cache, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+    from kvhub.cli.options import open_db
+
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    open_db(db).close()
+    stale = spools.spool_root() / "stale"
+    stale.mkdir(parents=True)
+    (stale / spools.entry_name(0)).write_bytes(b"12345")
+    old = time.time() - 2 * spools.STALE_AFTER_S
+    os.utime(stale / spools.entry_name(0), (old, old))
+    (spools.spool_root() / "fresh").mkdir()
+    dry = CliRunner().invoke(main, ["gc", "--dry-run", "--db", db, "--format", "json"])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.stdout)["spools"] == [{"path": str(stale), "bytes": 5}] and stale.exists()
+    done = CliRunner().invoke(main, ["gc", "--db", db])
+    assert done.exit_code == 0 and "removed 1 stale fit spools" in done.output
+    assert not stale.exists() and (spools.spool_root() / "fresh").exists()
+
+
+def test_restart_removes_this_fits_spool(family, cache):
+    from kvhub.fitting.phases import discard_spool
+    from kvhub.fitting.prepared import as_prepared
+
+    with pytest.raises(FitInterrupted):
+        _fit(*family, capture="two-phase", progress=_stop_at("phase 1", 3))
+    (directory,) = spools.spool_root().iterdir()
+    job = as_prepared(*family, source_id="src", target_id="dst", options=_options(capture="two-phase"))
+    discard_spool(job)
+    assert not directory.exists()
