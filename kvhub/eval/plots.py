@@ -243,3 +243,31 @@ def layer_r2(metadata: dict, path: Path) -> Path:
 
 def retention_chart(results: dict[str, dict], path: Path) -> Path:
     return _save(retention_figure(results), path)
+
+
+# ---- the budget curve (benchmarks/budget_curve.py) ---------------------------------------------------------
+def budget_figure(curve: dict):
+    """One panel per task of ``curve`` (:func:`benchmarks.budget_curve` rows: task -> list of points with
+    ``share``, ``handoff``, ``drop`` and their intervals, ``own``, ``metric``): the handoff and drop against the
+    recomputed share, the target's own level dashed."""
+    plt = _pyplot()
+    tasks = list(curve)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.4 * len(tasks), 3.4), constrained_layout=True, squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        points = curve[task]
+        shares = [100 * p["share"] for p in points]
+        for key, colour in (("handoff", CONDITION_COLOURS["mapped"]), ("drop", "tab:red")):
+            values = [p[key] for p in points]
+            lows, highs = _errors(values, [p.get(f"{key}_ci") or [math.nan, math.nan] for p in points])
+            ax.errorbar(shares, values, yerr=[lows, highs], fmt="-o", capsize=3, color=colour, label=key)
+        ax.axhline(points[0]["own"], color=CONDITION_COLOURS["own"], linestyle="--", linewidth=0.9, label="own")
+        ax.set_xlabel("recomputed share of the context (%)")
+        ax.set_ylabel(points[0]["metric"])
+        ax.set_title(task, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("The budget curve: handoff (map + recompute) and drop (the recompute alone) at the same share")
+    return fig
+
+
+def budget_chart(curve: dict, path: Path) -> Path:
+    return _save(budget_figure(curve), path)

@@ -202,6 +202,7 @@ def test_kvhub_eval_refuses_a_missing_corpus_before_loading_models(tmp_path, mon
     from kvhub.cli.main import main
 
     monkeypatch.setenv("KVHUB_CACHE", str(tmp_path))
+    monkeypatch.setitem(suite_corpora.CORPORA, "manpages", lambda: ())  # present: groff's rendering costs seconds
     monkeypatch.setattr(run, "load_version", lambda *a, **k: pytest.fail("models loaded before the refusal"))
     for corpus in ("chitchat", "spdx"):
         suite_corpora.CORPORA[corpus].cache_clear()
