@@ -26,7 +26,7 @@ def test_share_variants_recompute_about_the_share_in_all():
     assert curve.share_variant(0.01, 1024).exact_budget == 0.0
 
 
-def test_the_curve_pairs_handoff_and_drop_at_each_share(tokenizer, family, corpora, tmp_path):  # noqa: F811
+def test_the_curve_pairs_handoff_and_drop_at_each_share(tokenizer, family, corpora, tmp_path, capsys):  # noqa: F811
     """On the exact family the handoff is the target's own cache at every share (gap closed 1, accuracy = own),
     while drop at share 0 keeps nothing and recomputes more as the share grows (the measured share rises).
     Planted bugs caught: every share scored with one variant (flat measured share), drop read from the handoff."""
@@ -51,6 +51,11 @@ def test_the_curve_pairs_handoff_and_drop_at_each_share(tokenizer, family, corpo
     assert all(p["handoff"] == p["own"] for p in agg)
     measured = [p["recomputed"] for p in agg]
     assert measured[0] == 0 and measured[0] < measured[1] < measured[2], measured
+    from kvhub.cli.eval_tables import print_results
+
+    print_results("tiny", report["results"], output_format="tsv")  # kvhub eval's tables: a row per domain, keyed
+    shown = capsys.readouterr().out
+    assert "gist-100:multiparty" in shown and "gist-100:licence" in shown and "keyed n" in shown
     written = curve.write(report, tmp_path / "curve.json", plot=True)
     assert json.loads(written[0].read_text())["curve"]["gist-100"][1]["share"] == 0.3
     assert "| gist-100 | 2 | 30% |" in written[1].read_text()
