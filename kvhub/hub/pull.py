@@ -112,6 +112,7 @@ def pull(
             metadata = verify_artifact(staged, source=source, target=target)
             _check_calibration(repo_id, metadata, calibration)
             _check_card(repo_id, staged, metadata)
+            _check_names(repo_id, metadata)
         except FormatVersionError:
             raise
         except ArtifactError as exc:  # bad bytes: drop them so the next pull downloads afresh
@@ -356,6 +357,27 @@ def _check_card(repo_id: str, staged: Path, metadata: dict) -> None:
             repo_id,
             str(claimed)[:12],
             metadata["tensors"]["sha256"][:12],
+        )
+
+
+def _check_names(repo_id: str, metadata: dict) -> None:
+    """Warn when mapper.json names its models by local paths: it was uploaded by hand (an export, `hf upload`),
+    not by `kvhub push`, which names them by Hub ids (kvhub.hub.identity); those paths become this store's
+    names for the models, and the publisher's directory layout is public."""
+    from kvhub.hub.identity import is_hub_id
+
+    paths = [
+        metadata[role]["model_id"]
+        for role in ("source", "target")
+        if not is_hub_id(metadata[role]["model_id"]) and re.search(r"[/\\]", metadata[role]["model_id"])
+    ]
+    if paths:
+        logger.warning(
+            "%s names its models by the local paths %s: it was not published by `kvhub push` (which names them by "
+            "Hub ids), and this store now names them so too; ask its publisher to push it with `kvhub push "
+            "--base-model SRC_ID,DST_ID`",
+            repo_id,
+            " and ".join(paths),
         )
 
 

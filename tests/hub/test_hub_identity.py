@@ -227,3 +227,20 @@ def test_loading_your_own_published_mapper_by_its_hub_ids_is_the_same_version(tm
     with open_store(db) as store:
         assert [v.ref for v in store.versions()] == [ref]
         assert {p["repo_id"] for p in store.publications(ref)} == {"alice/kv-own", "alice/kv-own-2"}
+
+
+def test_pulling_a_mapper_that_names_local_paths_warns(tmp_path, hub_env, db, caplog):
+    """An export uploaded by hand (`hf upload`) names the publisher's local paths, which `kvhub push` never
+    publishes: the pull says so, naming them (ux-4 U4-24)."""
+    import logging
+
+    from huggingface_hub import HfApi
+
+    local = _artifact(tmp_path / "local", seed=7, source="/home/ann/models/small", target="/home/ann/models/large")
+    HfApi(endpoint=hub_env.endpoint).create_repo("alice/manual")
+    HfApi(endpoint=hub_env.endpoint).upload_folder(repo_id="alice/manual", folder_path=str(local))
+    with caplog.at_level(logging.WARNING, logger="kvhub"):
+        pulled = run("pull", "alice/manual", "--db", str(tmp_path / "other.db"))
+    assert pulled.exit_code == 0, pulled.stderr
+    said = " ".join(caplog.text.split())
+    assert "/home/ann/models/small" in said and "not published by `kvhub push`" in said
