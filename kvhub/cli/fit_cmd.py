@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import tempfile
@@ -224,18 +225,28 @@ def _fit_rank(request, *, ignore_plan: bool):
         dist.destroy_process_group()
 
 
+# fit's parameters that say what the mapper is made of, besides FitOptions' knobs; the others (--db, --out,
+# --format, --restart, --distributed, ...) say how the command ran and are left out of the lineage (U4-18)
+FIT_INPUTS = ("src", "dst", "calib", "samples", "seq_len", "seed", "dtype", "device")
+
+
 def _lineage() -> dict:
-    """What the store records of a fit: the command, kvhub's version and every option as given (the
+    """What the store records of a fit: the command, kvhub's version and the options that made the mapper as
+    given (the models, the calibration set, its sampling, dtype, device type and the fit's knobs; the
     mapper.json's fit block holds the options the fit resolved)."""
     from kvhub import __version__
 
     params = click.get_current_context().params
+    kept = set(FIT_INPUTS) | {knob.name for knob in dataclasses.fields(FitOptions)}
+    options = {key: value for key, value in params.items() if key in kept}
+    if options.get("device"):  # cuda:1 and cuda:0 fit the same mapper
+        options["device"] = options["device"].split(":")[0]
     return {
         "created_by": "kvhub fit",
         "kvhub_version": __version__,
         "options": {
             key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-            for key, value in sorted(params.items())
+            for key, value in sorted(options.items())
         },
     }
 

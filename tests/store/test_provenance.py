@@ -34,6 +34,9 @@ def test_a_fit_records_its_options_dtype_and_device(tiny_model_dirs, tmp_path, m
         metadata = json.loads((store.artifact_path(version) / "mapper.json").read_text())
     assert lineage["created_by"] == "kvhub fit" and lineage["options"]["samples"] == 12
     assert lineage["options"]["dtype"] == "float32" and lineage["kvhub_version"]
+    assert lineage["options"]["seed"] == 0 and lineage["options"]["device"] == "cpu"
+    plumbing = {"as_json", "output_format", "db", "no_register", "nproc", "restart", "ignore_plan", "out", "name"}
+    assert not plumbing & set(lineage["options"]), lineage["options"]  # how the command ran, not the mapper (U4-18)
     assert (metadata["fit"]["dtype"], metadata["fit"]["device"]) == ("float32", "cpu")
     diff = runner.invoke(main, ["diff", *refs, "--db", db, "--format", "tsv"])
     assert diff.exit_code == 0, diff.output
