@@ -5,7 +5,7 @@ change the store).  Their JSON is the store commands' shared vocabulary (kvhub.c
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import click
 
@@ -236,14 +236,14 @@ def _print_description(data: dict, *, per_layer: bool, output_format: str, histo
     metric_rows = [
         [
             m["name"],
-            _number(m["value"]),
+            _number(m["value"]) + (f" [{_number(ci[0])}, {_number(ci[1])}]" if ci else ""),
             m["split"] or "",
             m["task"] or "",
             "" if m["layer"] is None else m["layer"],
             "" if m["n"] is None else m["n"],
             m["measured_at"][:16],
         ]
-        for m in shown
+        for m, ci in _with_intervals(shown)
     ]
     hidden = len(metrics) - len(shown)
     print_table(
@@ -251,6 +251,39 @@ def _print_description(data: dict, *, per_layer: bool, output_format: str, histo
         metric_rows,
         title="metrics" + (f" ({hidden} per-layer values: --layers)" if hidden else ""),
     )
+
+
+_SAME_EVALUATION = timedelta(seconds=1)  # one evaluation stores its rows at once; a rerun comes seconds later
+
+
+def _with_intervals(metrics: list[dict]) -> list[tuple[dict, tuple[float, float] | None]]:
+    """Each metric with its 95% interval (low, high) when both bounds were stored with it (``NAME_ci_low`` /
+    ``NAME_ci_high`` of the same task, split, layer and n, in the same evaluation: kvhub.eval.run.metric_rows);
+    the bounds so paired leave the list, others stay rows of their own."""
+
+    def bound(metric: dict, suffix: str) -> dict | None:
+        return next(
+            (
+                other
+                for other in metrics
+                if other["name"] == metric["name"] + suffix
+                and all(other[key] == metric[key] for key in ("task", "split", "layer", "n"))
+                and abs(_measured(other) - _measured(metric)) < _SAME_EVALUATION
+            ),
+            None,
+        )
+
+    paired, used = [], set()
+    for metric in metrics:
+        low, high = bound(metric, "_ci_low"), bound(metric, "_ci_high")
+        if low is not None and high is not None:
+            used |= {id(low), id(high)}
+        paired.append((metric, (low["value"], high["value"]) if low and high else None))
+    return [(metric, ci) for metric, ci in paired if id(metric) not in used]
+
+
+def _measured(metric: dict) -> datetime:
+    return datetime.fromisoformat(metric["measured_at"])
 
 
 def _metric_key(metric: dict) -> str:
