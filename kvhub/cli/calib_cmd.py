@@ -182,6 +182,7 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
     kvhub calib build ./notes --tokenizer ./my-model --samples 32
     """
     from kvhub.calib import resolve_calibration
+    from kvhub.calib.packing import NO_CHAT_TEMPLATE
     from kvhub.cli.progress import progress_callback
 
     tokenizer = load_tokenizer(tokenizer_spec)
@@ -199,7 +200,8 @@ def build_command(name, tokenizer_spec, samples, seq_len, heldout_fraction, seed
         )
     metadata = {**calibration_set.to_metadata(), "cache_path": calibration_set.cache_path}
     for note in calibration_set.notes:
-        say(note, label="warning:", style="yellow")
+        if note != NO_CHAT_TEMPLATE:  # resolve_calibration warns of that one itself, each time a set is used
+            say(note, label="warning:", style="yellow")
     if output_format == "json":
         echo_json(metadata)
         return

@@ -46,3 +46,21 @@ def test_a_tokenizer_with_one_is_not_warned_about(calib_home, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kvhub"):
         resolve_calibration(recipe, tokenizer=train_tokenizer(chat_template=template), tokenizer_id="t")
     assert "chat template" not in caplog.text
+
+
+def test_calib_build_says_it_once(calib_home, tmp_path, caplog):
+    """Planted bug caught: the library's warning, then the set's note printed again as `warning: the tokenizer
+    has no chat template: ...` (ux-4 U4-16)."""
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+
+    train_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    with caplog.at_level(logging.WARNING, logger="kvhub"):
+        result = CliRunner().invoke(
+            main, ["calib", "build", _chats(tmp_path), "--tokenizer", str(tmp_path / "tokenizer")]
+        )
+    assert result.exit_code == 0, result.output
+    said = [r for r in caplog.records if "no chat template" in r.getMessage()]
+    printed = [line for line in result.stderr.splitlines() if "chat template" in line and line.startswith("warning:")]
+    assert len(said) == 1 and not printed, (said, result.stderr)
