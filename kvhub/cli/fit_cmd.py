@@ -62,7 +62,7 @@ from kvhub.fitting.torchrun import launch_torchrun
     "torchrun --standalone --nproc-per-node N -m kvhub fit with the other options. Under torchrun "
     "(WORLD_SIZE > 1; multi-node through its rendezvous) kvhub fit joins the job by itself.",
 )
-@fit_options("statistics", "candidates", "capture")
+@fit_options("statistics", "candidates", "capture", "target_layout")
 @fit_options("map_kind", "mlp_width", "mlp_depth", "mlp_tokens", "mlp_epochs")
 @click.option(
     "--ignore-plan", is_flag=True, help="Fit even when kvhub plan says the machine's free memory cannot hold the fit."

@@ -47,7 +47,7 @@ def _finite(ctx, param, value: float | None):
     help="Model dtype of the forward passes [default: what kvhub fit takes there: bfloat16, or float32 on a "
     "CPU that emulates bf16 (no avx512_bf16/amx_bf16)].",
 )
-@fit_options("statistics", "candidates", "capture", "map_kind", "mlp_tokens")
+@fit_options("statistics", "candidates", "capture", "target_layout", "map_kind", "mlp_tokens")
 @click.option(
     "--host-memory",
     type=click.FloatRange(min=0, min_open=True),
@@ -73,6 +73,7 @@ def plan(
     statistics,
     candidates,
     capture,
+    target_layout,
     map_kind,
     mlp_tokens,
     host_memory,
@@ -117,7 +118,7 @@ def plan(
     if host_memory is not None:  # a CPU device is its own host
         field = "host_memory" if profile.gpu else "memory"
         profile = dataclasses.replace(profile, **{field: int(host_memory * GIB)})
-    phases = {"capture": capture, "spool_free": free_bytes(spool_root())}
+    phases = {"capture": capture, "spool_free": free_bytes(spool_root()), "target_layout": target_layout}
     if ranks or candidates:
         result = plan_fit(
             source, target, workload, profile, ranks=ranks or 1, statistics=statistics, candidates=candidates, **phases
@@ -193,10 +194,14 @@ def _memory_rows(result, *, grouped: bool = True) -> list[list[str]]:
     if result.statistics.passes == 2:
         statistics += [("statistics, pass 1", "statistics_pass1"), ("statistics, pass 2", "statistics_pass2")]
     weights = "model weights" if result.capture == "one-phase" else "model weights (the larger model)"
+    if result.target_layout == "layer-outer":
+        weights = "model weights (the source, or one target layer + embedding)"
     parts = {"weights": weights, "activations": "activations", "exchange": "exchange buffers"}
     host_parts = [*statistics, ("statistics update", "update"), ("solve", "solve")]
     if memory.get("samples"):
         host_parts.append(("MLP row samples", "samples"))
+    if result.target_layout == "layer-outer":
+        host_parts += [("target weights (layer-outer)", "target_weights_host"), ("hidden states", "hidden_states")]
     on_host = min(result.ranks, device.devices_per_host) if device.gpu else result.ranks
     disk = []
     if result.capture == "two-phase":
@@ -231,9 +236,10 @@ def _verdict(result, *, problem: str | None, searched: bool) -> str:
     if problem is not None:
         return f"kvhub fit would refuse: {problem}"
     if result.fits:
+        layout = ", target layer by layer" if result.target_layout == "layer-outer" else ""
         return (
             f"fits on {result.ranks} rank(s) of {result.device.name} ({result.statistics.describe()}, "
-            f"{result.capture} capture)"
+            f"{result.capture} capture{layout})"
         )
     tried = f"on 1 to {result.ranks} ranks" if searched else f"on {result.ranks} rank(s)"
     return f"does not fit {tried} of {result.device.name}; the last line says what would"
@@ -279,6 +285,8 @@ def _phase_layout(result) -> str:
     if result.capture == "one-phase":
         return f"one-phase: {source} and {target} resident together on every rank, each batch through both"
     passes = result.statistics.passes
+    if result.target_layout == "layer-outer":
+        target = f"{target} layer by layer (each decoder layer onloaded once, every batch through it)"
     free = "" if result.spool_free is None else f", {result.spool_free / GIB:,.1f} GiB free there"
     return (
         f"two-phase: phase 1 runs {source} alone over every batch and spools its captures "

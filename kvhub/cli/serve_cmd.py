@@ -254,6 +254,9 @@ def serve(
     if port_small == port_large:
         raise ConfigError(f"--port-small and --port-large are both {port_small}; give each server its own")
     check_parallel_args(ctx.meta.get("vllm_args", ()))  # tensor / pipeline parallel: refused before anything starts
+    for given in (small_model, large_model):  # a hybrid model is refused by its layer type, before its geometry
+        if given is not None:
+            check_served_model(given)
     mapper_ref, source_id, target_id = _resolve_mapper(
         ref,
         src,

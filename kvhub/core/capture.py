@@ -142,10 +142,9 @@ def capture(
     position_ids = torch.arange(input_ids.shape[1], device=device).expand_as(keep)
     keys, values = [], []
     for index, layer in enumerate(cache.layers):
-        cos, sin = rotary.cos_sin(position_ids, index)
-        raw = strip_rope(layer.keys.float(), cos, sin)  # (B, H, T, D)
-        keys.append(_flatten_kept(raw, keep))
-        values.append(_flatten_kept(layer.values.float(), keep))
+        k_rows, v_rows = layer_rows(layer.keys, layer.values, keep, rotary, position_ids, index)
+        keys.append(k_rows)
+        values.append(v_rows)
         if not (torch.isfinite(keys[-1]).all() and torch.isfinite(values[-1]).all()):
             raise NonFiniteError(
                 f"layer {index} of {model.config.model_type} produced NaN/Inf keys or values; "
@@ -158,6 +157,13 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def layer_rows(keys, values, keep, rotary: Rotary, position_ids, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's cached (B, H, T, D) keys and values -> its kept (N, H*D) fp32 rows, RoPE stripped from
+    the keys with layer ``index``'s rotation at ``position_ids`` (B, T)."""
+    cos, sin = rotary.cos_sin(position_ids, index)
+    return _flatten_kept(strip_rope(keys.float(), cos, sin), keep), _flatten_kept(values.float(), keep)
 
 
 def _flatten_kept(states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

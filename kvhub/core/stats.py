@@ -44,7 +44,9 @@ class Moments:
     """Centred moments of (X, Y) pairs; see the module docstring.
 
     ``gram_blocks`` None keeps the full Cxx (p, p); B keeps only its B diagonal blocks, stored
-    (B, p/B, p/B).  Cxx and Cxy are ``dtype`` (fp64 or fp32), everything else fp64, all on ``device``.
+    (B, p/B, p/B); 0 keeps no Gram at all (``cxx`` None: the cross moments of one target layer, whose
+    Gram another sweep holds, :mod:`kvhub.fitting.layer_outer`).  Cxx and Cxy are ``dtype`` (fp64 or
+    fp32), everything else fp64, all on ``device``.
     """
 
     def __init__(
@@ -58,7 +60,7 @@ class Moments:
     ):
         if dtype not in ACCUMULATOR_DTYPES.values():
             raise ConfigError(f"statistics accumulate in float64 or float32, not {dtype}")
-        if gram_blocks is not None and (gram_blocks < 1 or p % gram_blocks):
+        if gram_blocks is not None and gram_blocks != 0 and (gram_blocks < 1 or p % gram_blocks):
             raise IncompatibleError(f"{gram_blocks} diagonal Gram blocks do not divide p = {p}")
         self.n = 0  # rows, whatever their weight (the solve needs more rows than features)
         self.weight_sum = 0.0  # W; equals n when unweighted
@@ -66,6 +68,8 @@ class Moments:
         self.mean_y = torch.zeros(q, dtype=F64, device=device)
         if gram_blocks is None:
             self.cxx = torch.zeros(p, p, dtype=dtype, device=device)
+        elif gram_blocks == 0:
+            self.cxx = None
         else:
             width = p // gram_blocks
             self.cxx = torch.zeros(gram_blocks, width, width, dtype=dtype, device=device)  # (B, p/B, p/B)
@@ -82,14 +86,16 @@ class Moments:
 
     @property
     def block_diagonal(self) -> bool:
-        return self.cxx.dim() == 3
+        return self.cxx is not None and self.cxx.dim() == 3
 
     def nbytes(self) -> int:
         """Bytes of the accumulators (what :func:`kvhub.fitting.plan.statistics_bytes` predicts)."""
-        return sum(t.nbytes for t in (self.mean_x, self.mean_y, self.cxx, self.cxy, self.syy))
+        return sum(t.nbytes for t in (self.mean_x, self.mean_y, self.cxx, self.cxy, self.syy) if t is not None)
 
     def _grams(self) -> list[tuple[slice, torch.Tensor]]:
-        """(columns of x, their Gram block): the whole Cxx, or each stored diagonal block."""
+        """(columns of x, their Gram block): the whole Cxx, each stored diagonal block, or none."""
+        if self.cxx is None:
+            return []
         if not self.block_diagonal:
             return [(slice(0, self.p), self.cxx)]
         width = self.cxx.shape[1]

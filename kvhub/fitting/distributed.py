@@ -160,6 +160,10 @@ def fit_distributed(
     source_model, target_model, train_ids, heldout_ids = job.source, job.target, job.train, job.heldout
     options = with_stride(job.options)
     check_options(options, heldout_sequences=1, distributed=True)  # --map mlp: one process only
+    if options.target_layout == "layer-outer":
+        raise ConfigError(
+            "--target-layout layer-outer runs in one process; a distributed layer-outer fit is not in kvhub yet"
+        )
     source_fp, target_fp = job.fingerprints()
     job_key = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
     mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job_key)

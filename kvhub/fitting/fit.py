@@ -39,9 +39,9 @@ from kvhub.fitting.options import DEFAULT_STRIDE, FitOptions
 from kvhub.fitting.prepared import PreparedFit, as_prepared, check_same_tokenizer, pair_fingerprints  # noqa: F401
 from kvhub.fitting.samples import first_sequence, reservoirs
 from kvhub.fitting.choose import capture_mode, statistics_mode
-from kvhub.fitting.phases import fill_spool, is_feed, spooled
+from kvhub.fitting.layer_outer import accumulate_layer_outer, check_layer_outer
+from kvhub.fitting.phases import is_feed, source_captures
 from kvhub.fitting.resident import device_of, loaded
-from kvhub.fitting.spool import Spool
 from kvhub.fitting.two_pass import run_passes, solve_candidates
 from kvhub.core.fingerprint import kv_geometry
 from kvhub.progress import Progress, report
@@ -109,36 +109,38 @@ def fit(
             skip_first=options.skip_first,
         )
     )
-    phases = capture_mode(options)
-    spool = None
-    if phases == "two-phase":
-        spool = Spool.for_job(job_key, batches=len(batches), layers=layout.src_layers)
-        fill_spool(
-            source_model,
-            batches,
-            spool,
-            stride=options.stride,
-            skip_first=options.skip_first,
-            progress=progress,
-            notify=notify,
-            timings=options.timings,
-        )
-        options.timings["spool_bytes"] = spool.nbytes()
-        source = spooled(source_model, spool)
-    else:
-        source = loaded(source_model)
-    state = accumulate_passes(
-        source,
-        loaded(target_model),
-        batches,
-        layout,
-        mode=mode,
-        options=options,
-        progress=progress,
-        job=job_key,
-        notify=notify,
-        samples=samples,
+    target_layout = options.target_layout if options.target_layout != "auto" else "whole"
+    if target_layout == "layer-outer":
+        check_layer_outer(target_model.config, options, mode)
+    phases = "two-phase" if target_layout == "layer-outer" else capture_mode(options)
+    source, spool = source_captures(
+        source_model, phases, job_key, batches, layout, options, progress=progress, notify=notify
     )
+    if target_layout == "layer-outer":
+        device = device_of(source_model)  # where the source ran: the target's layers visit it one at a time
+        state = accumulate_layer_outer(
+            source,
+            loaded(target_model),
+            batches,
+            layout,
+            options=options,
+            device=device,
+            dtype=mode.torch_dtype,
+            progress=progress,
+        )
+    else:
+        state = accumulate_passes(
+            source,
+            loaded(target_model),
+            batches,
+            layout,
+            mode=mode,
+            options=options,
+            progress=progress,
+            job=job_key,
+            notify=notify,
+            samples=samples,
+        )
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     solution = solve_statistics(
         state, mode, options=options, structure=structure, src_layers=layout.src_layers, progress=progress
@@ -153,6 +155,7 @@ def fit(
         options,
         statistics=mode,
         capture=phases,
+        target_layout=target_layout,
     )
     if spool is not None:
         spool.remove()  # the statistics hold what it was for; the MLPs train on the reservoirs
@@ -427,6 +430,7 @@ def build_mapper(
     *,
     statistics: StatisticsMode = ONE_PASS,
     capture: str = "one-phase",
+    target_layout: str = "whole",
 ) -> Mapper:
     """Weights (fp32) and mapper.json metadata from a solution; ``statistics``: how they were accumulated
     (recorded under ``fit``, which kvhub does not read back)."""
@@ -463,6 +467,7 @@ def build_mapper(
             **options.fit_block(),
             "statistics": dataclasses.asdict(statistics),
             "capture": capture,
+            "target_layout": target_layout,
             "timings": {k: round(v, 3) if isinstance(v, float) else v for k, v in options.timings.items()},
         },
         "metrics": metrics,

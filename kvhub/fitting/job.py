@@ -183,7 +183,7 @@ def _no_progress(unit: str) -> ContextManager:
 
 
 def prepare(
-    request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None
+    request: FitRequest, *, notify: Notify | None = None, progress: ProgressFactory | None = None, ranks: int = 1
 ) -> PreparedFit:
     """Load both models (checking they share a tokenizer) and the calibration set; build the options."""
     from kvhub.calib import resolve_calibration
@@ -195,11 +195,12 @@ def prepare(
 
     notify = notify or log.info
     progress = progress or _no_progress
-    capture = _capture(request)
+    capture, target_layout = _placement(request, ranks)
     if capture == "two-phase":  # one model resident at a time: the target loads once the source is done
         notify(f"loading {request.src} (then {request.dst}, once the source's captures are spooled)")
         source, source_tok, source_id = lazy_model(request.src, device=request.device, dtype=request.dtype)
-        target, target_tok, target_id = lazy_model(request.dst, device=request.device, dtype=request.dtype)
+        on = "cpu" if target_layout == "layer-outer" else request.device  # layer-outer: weights wait on the host
+        target, target_tok, target_id = lazy_model(request.dst, device=on, dtype=request.dtype)
     else:
         notify(f"loading {request.src} and {request.dst}")
         source, source_tok, source_id = load_model(request.src, device=request.device, dtype=request.dtype)
@@ -224,6 +225,7 @@ def prepare(
     options = request.options.replace(
         stride=stride,
         capture=capture,
+        target_layout=target_layout,
         checkpoint=checkpoint_path(
             source_id, target_id, meta, stride, request.options.batch_size, request.options.weighting
         ),
@@ -254,13 +256,17 @@ def prepare(
     )
 
 
-def _capture(request: FitRequest) -> str:
-    """The request's capture, "auto" resolved by the plan before any model loads (one phase when there is no
-    plan: a config that cannot be read without the weights)."""
-    if request.options.capture != "auto":
-        return request.options.capture
-    plan = plan_for(request)
-    return "one-phase" if plan is None else plan.capture
+def _placement(request: FitRequest, ranks: int = 1) -> tuple[str, str]:
+    """The request's (capture, target layout), each "auto" resolved by the plan before any model loads (one
+    phase, whole target when there is no plan: a config that cannot be read without the weights).  A
+    layer-outer target always takes two phases."""
+    options = request.options
+    capture, layout = options.capture, options.target_layout
+    if "auto" in (capture, layout):
+        plan = plan_for(request, ranks=ranks)
+        capture = capture if capture != "auto" else ("one-phase" if plan is None else plan.capture)
+        layout = layout if layout != "auto" else ("whole" if plan is None else plan.target_layout)
+    return ("two-phase" if layout == "layer-outer" else capture), layout
 
 
 def calibration_line(
@@ -319,6 +325,7 @@ def plan_for(request: FitRequest, *, ranks: int = 1, available: int | None = Non
         candidates=options.candidates,
         capture=options.capture,
         spool_free=free_bytes(spool_root()),
+        target_layout=options.target_layout,
     )
 
 
@@ -399,7 +406,7 @@ def fit_by_names_distributed(
     if not group.is_main:
         notify, progress = (lambda message: None), None
         dist.barrier()
-    job = prepare(request, notify=notify, progress=progress)
+    job = prepare(request, notify=notify, progress=progress, ranks=group.world)
     if group.is_main:
         dist.barrier()
     if request.restart:

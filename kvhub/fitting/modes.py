@@ -28,6 +28,8 @@ from kvhub.errors import ConfigError
 MODES = ("auto", "one-pass", "two-pass")  # what ``kvhub fit --stats`` and ``kvhub plan --stats`` accept
 # where the models run (kvhub.fitting.phases): what ``kvhub fit --capture`` and ``kvhub plan --capture`` accept
 CAPTURES = ("auto", "one-phase", "two-phase")
+# how the target runs (kvhub.fitting.layer_outer): what ``kvhub fit --target-layout`` and ``kvhub plan`` accept
+TARGET_LAYOUTS = ("auto", "whole", "layer-outer")
 ACCUMULATORS = {"float64": 8, "float32": 4}  # dtype of the totals -> bytes per entry (no torch: the CLI imports this)
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from kvhub.artifact.kinds import DEFAULT_KIND, MAP_KINDS, mlp_integer_problem
 from kvhub.errors import ConfigError
-from kvhub.fitting.modes import CAPTURES, MODES, StatisticsMode
+from kvhub.fitting.modes import CAPTURES, MODES, TARGET_LAYOUTS, StatisticsMode
 
 AUTO = "auto"  # the text for None in top_k / ridge_lambda
 DEFAULT_STRIDE = 4  # the paper's token stride, when neither the options nor a calibration recipe give one
@@ -212,6 +212,16 @@ class FitOptions:
         help="Where the models run: 'one-phase' (source and target side by side, both resident), 'two-phase' (the "
         "source alone first, its captures spooled to disk under the kvhub cache, then the target alone: one "
         "model resident at a time, the same statistics), or 'auto' (what kvhub plan says fits the memory free now).",
+    )
+    target_layout: str = knob(
+        "auto",
+        flag="--target-layout",
+        choices=TARGET_LAYOUTS,
+        rule=_one_of(TARGET_LAYOUTS),
+        help="How the target runs: 'whole' (the model on the device), 'layer-outer' (its weights on the host, each "
+        "decoder layer onloaded once and every batch run through it, hidden states carried between layers: for a "
+        "target larger than one device; implies two-phase capture, one-pass statistics, ridge maps), or 'auto' "
+        "(what kvhub plan says fits).",
     )
     map_kind: str = knob(
         DEFAULT_KIND,

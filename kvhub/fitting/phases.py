@@ -128,3 +128,23 @@ def discard_spool(job, *, rank: int = 0, world: int = 1) -> None:
     source_fp, target_fp = job.fingerprints()
     key = job_identity(source_fp, target_fp, job.train, job.heldout, job.options, rank=rank, world=world)
     remove_spool(spool_root() / key[:24])
+
+
+def source_captures(source, phases: str, job: str, batches, layout, options, *, progress=None, notify=None):
+    """The fit's source feed and its spool: the loaded model and None (one phase), or phase 1 run into the
+    spool of ``job`` and the spool read back (two phases; the source released after phase 1)."""
+    if phases != "two-phase":
+        return loaded(source), None
+    spool = Spool.for_job(job, batches=len(batches), layers=layout.src_layers)
+    fill_spool(
+        source,
+        batches,
+        spool,
+        stride=options.stride,
+        skip_first=options.skip_first,
+        progress=progress,
+        notify=notify,
+        timings=options.timings,
+    )
+    options.timings["spool_bytes"] = spool.nbytes()
+    return spooled(source, spool), spool

@@ -54,6 +54,14 @@ statistics with the larger model's weights only; the source runs once even with 
 "auto" takes the first that fits of: one pass fp64 one-phase, two-phase; one pass fp32 one-phase,
 two-phase; then two passes (either capture), so what changes no number comes first.
 
+Target layout: ``whole`` (the target on the device) or ``layer-outer`` (:mod:`kvhub.fitting.layer_outer`:
+its weights on the host, one decoder layer plus the embedding on the device at a time, every batch's
+hidden states carried on the host, the spool read once per target layer; one rank, one-pass statistics,
+two-phase capture).  Per rank it moves, on the device, weights to max(P_src, P_embed + P_layer) and adds
+on the host the target's weights P_dst and the hidden states (S + H) * T * h * bytes(dtype); it adds the
+time of moving the target's weights to the device once (PCIe, :data:`ONLOAD_RATE`) and of reading the
+spool Lt times.  "auto" takes it only when no whole-target plan fits.
+
 Modes: ``full`` (one rank holds everything) or ``sharded`` (R ranks; each holds the source Gram and
 its target layers' cross blocks and solves those layers; see :mod:`kvhub.fitting.distributed`), and
 the statistics mode (:class:`kvhub.fitting.modes.StatisticsMode`), decided here for ``kvhub plan``
@@ -81,13 +89,14 @@ from kvhub.fitting.devices import (  # noqa: F401 - the profiles and this machin
     free_memory,
     machine_profile,
 )
-from kvhub.fitting.workload import Workload, _k_for, too_few_observations, workload_for  # noqa: F401 (the plan's API)
+from kvhub.fitting.workload import Workload, _k_for, _solve_costs, too_few_observations, workload_for  # noqa: F401 (the plan's API)
 from kvhub.fitting.shapes import ModelShape, load_config, shape_of, shipped_configs  # noqa: F401 (the plan's API)
 from kvhub.fitting.modes import (  # noqa: F401 - pass_bytes, statistics_bytes: the formula, for callers of the plan
     ACCUMULATORS,
     MODES,
     ONE_PASS,
     CAPTURES,
+    TARGET_LAYOUTS,
     StatisticsMode,
     pass_bytes,
     statistics_bytes,
@@ -99,6 +108,7 @@ RANK_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 FORWARD_EFFICIENCY = 0.4  # share of the nominal rate (bf16 or fp32) a forward pass reaches
 MATMUL_EFFICIENCY = 0.7  # share of the nominal fp32/fp64 rate the statistics and the solve reach
 DISK_RATE = 1e9  # bytes/s a spool is written and read at (a conservative NVMe sequential rate)
+ONLOAD_RATE = 20e9  # bytes/s host -> device for a layer-outer target's weights (PCIe 4/5 x16, sustained)
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -120,6 +130,7 @@ class Plan:
     fits: bool
     advice: str
     capture: str = "one-phase"  # or "two-phase" (kvhub.fitting.phases)
+    target_layout: str = "whole"  # or "layer-outer" (kvhub.fitting.layer_outer)
     spool_free: int | None = None  # bytes free where the spool goes (None: not checked)
 
     def to_dict(self) -> dict:
@@ -127,34 +138,6 @@ class Plan:
         out["source"], out["target"] = self.source.model_id, self.target.model_id
         out["device"] = asdict(self.device)
         return out
-
-
-def _solve_costs(
-    source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool, solved_layers: int
-) -> tuple[int, float]:
-    """(transient bytes, FLOPs) of one rank's solve, K and V: the probe (one ridge per source layer against
-    the owned targets, scored per pair; over ``solved_layers`` source layers again in a two-pass fit's
-    solve) plus each owned layer's coordinate search (kvhub.core.solve._solve_layer: every lambda at k=4,
-    every k once, every lambda again at the best k, costed as k = ``k``).
-    One ridge of kd = k*ds inputs and dt outputs: kd^3/3 (Cholesky) + 2 kd^2 dt (solve) + 2 kd^2 dt (scoring)."""
-    from kvhub.core.solve import DEFAULT_TOP_K, LAMBDA_GRID, TOP_K_GRID
-
-    ds, dt = source.kv_width, target.kv_width
-    q_owned, kd = owned_layers * dt, k * ds
-    memory = 8 * max(3 * ds * ds + 2 * ds * q_owned, 3 * kd * kd + 3 * kd * dt)
-    ridge = lambda inputs: inputs**3 / 3 + 4 * inputs * inputs * dt  # noqa: E731
-    probed = source.layers + (solved_layers if solved_layers < source.layers else 0)
-    probe = probed * (ds**3 / 3 + 4 * ds * ds * q_owned)
-    if auto:
-        grid = [c for c in TOP_K_GRID if c <= k]
-        per_layer = (
-            len(LAMBDA_GRID) * ridge(min(DEFAULT_TOP_K, k) * ds)
-            + sum(ridge(c * ds) for c in grid)
-            + len(LAMBDA_GRID) * ridge(kd)
-        )
-    else:
-        per_layer = ridge(kd)
-    return memory, 2 * (probe + owned_layers * per_layer)
 
 
 def plan_fit(
@@ -168,6 +151,7 @@ def plan_fit(
     candidates: int | None = None,
     capture: str = "one-phase",
     spool_free: int | None = None,
+    target_layout: str = "whole",
 ) -> Plan:
     """The plan of a fit on ``ranks`` ranks of ``device`` (see the module docstring for every formula).
 
@@ -179,7 +163,14 @@ def plan_fit(
     """
     if capture not in CAPTURES:
         raise ConfigError(f"capture {capture!r}: use one of {', '.join(CAPTURES)}")
-    plan = _choose(source, target, workload, device, ranks, statistics, candidates, capture, spool_free)
+    if target_layout not in TARGET_LAYOUTS:
+        raise ConfigError(f"target layout {target_layout!r}: use one of {', '.join(TARGET_LAYOUTS)}")
+    plan = None
+    if target_layout != "layer-outer":
+        plan = _choose(source, target, workload, device, ranks, statistics, candidates, capture, spool_free)
+    if target_layout != "whole" and (plan is None or not plan.fits):
+        outer = _layer_outer(source, target, workload, device, ranks, statistics, spool_free)
+        plan = outer if plan is None or outer.fits else plan
     plan.advice = _advice(plan)
     return plan
 
@@ -220,6 +211,32 @@ def _choose(
     return two if two.fits or statistics == "two-pass" else one
 
 
+def _layer_outer(source, target, workload, device, ranks, statistics, spool_free) -> Plan:
+    """The layer-outer plan (module docstring, "Target layout"): one-pass statistics, fp64 totals unless only
+    fp32 fit; refused (not fitting) on more than one rank or with two-pass statistics asked."""
+    modes = [ONE_PASS, StatisticsMode(dtype="float32")]
+    if isinstance(statistics, StatisticsMode):
+        modes = [statistics]
+    plans = [
+        _estimate(
+            source,
+            target,
+            workload,
+            device,
+            ranks,
+            mode,
+            capture="two-phase",
+            spool_free=spool_free,
+            target_layout="layer-outer",
+        )
+        for mode in modes
+    ]
+    plan = next((p for p in plans if p.fits), plans[0])
+    if ranks > 1 or plan.statistics.passes == 2 or statistics == "two-pass":
+        plan.fits = False
+    return plan
+
+
 def _two_pass(
     source, target, workload, device, ranks, dtype: str, candidates: int | None, capture="one-phase", spool_free=None
 ) -> Plan:
@@ -252,6 +269,7 @@ def _estimate(
     *,
     capture: str = "one-phase",
     spool_free: int | None = None,
+    target_layout: str = "whole",
 ) -> Plan:
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
@@ -272,7 +290,9 @@ def _estimate(
     solve_memory, solve_flops = _solve_costs(source, target, k, owned, workload.k is None, kept)
     passes = pass_bytes(source.layers, ds, owned * dt, mode)
     two_phase = capture == "two-phase"
-    weights = (max if two_phase else sum)((source.parameters(), target.parameters())) * nbytes
+    outer = target_layout == "layer-outer"
+    on_device = target.parameters() if not outer else target.vocab * target.hidden + target.layer_parameters()
+    weights = (max if two_phase else sum)((source.parameters(), on_device)) * nbytes
     memory = {
         "weights": weights,
         "activations": (
@@ -289,8 +309,17 @@ def _estimate(
     }
     if mode.passes == 2:
         memory["statistics_pass1"], memory["statistics_pass2"] = passes
+    if outer:  # the target's weights wait on the host; every batch's hidden states are carried there
+        memory["target_weights_host"] = target.parameters() * nbytes
+        memory["hidden_states"] = (workload.samples + workload.heldout) * workload.seq_len * target.hidden * nbytes
     memory["device_peak"] = memory["weights"] + memory["activations"] + memory["exchange"]
-    memory["host_peak"] = memory["statistics"] + memory["samples"] + max(memory["update"], solve_memory)
+    memory["host_peak"] = (
+        memory["statistics"]
+        + memory["samples"]
+        + max(memory["update"], solve_memory)
+        + memory.get("target_weights_host", 0)
+        + memory.get("hidden_states", 0)
+    )
     memory["peak"] = memory["device_peak"] + memory["host_peak"]
     on_host = min(ranks, device.devices_per_host) if device.gpu else ranks  # ranks sharing one host
     spool_fits = spool_free is None or memory["spool"] * on_host <= spool_free
@@ -317,8 +346,11 @@ def _estimate(
         "exchange": exchange / device.link,
         "solve": solve_flops / (host_fp64 * MATMUL_EFFICIENCY),
     }
-    if two_phase:  # written once, read once per statistics pass
-        seconds["spool"] = memory["spool"] * on_host * (1 + mode.passes) / DISK_RATE
+    if two_phase:  # written once, read once per statistics pass (layer-outer: once per target layer)
+        reads = target.layers if outer else mode.passes
+        seconds["spool"] = memory["spool"] * on_host * (1 + reads) / DISK_RATE
+    if outer:
+        seconds["onload"] = memory["target_weights_host"] / ONLOAD_RATE
     seconds["total"] = sum(seconds.values())
     artifact = target.layers * 2 * (k * ds * dt + dt) * 4 + 2 * q * 4
     return Plan(
@@ -337,8 +369,9 @@ def _estimate(
         seconds,
         fits and spool_fits,
         "",
-        capture,
-        spool_free if two_phase else None,  # what this machine's disk had free: only where a spool goes
+        capture=capture,
+        spool_free=spool_free if two_phase else None,  # what this machine's disk had free: only where a spool goes
+        target_layout=target_layout,
     )
 
 
@@ -349,6 +382,8 @@ def _gib(nbytes: int) -> str:
 def _where(plan: Plan) -> str:
     memory, device = plan.memory, plan.device
     weights = "weights" if plan.capture == "one-phase" else "weights of one model at a time"
+    if plan.target_layout == "layer-outer":
+        weights = "weights of the source, or of one target layer and the embedding"
     if device.gpu:
         on_host = min(plan.ranks, device.devices_per_host)
         text = (
@@ -356,6 +391,11 @@ def _where(plan: Plan) -> str:
             f"{_gib(memory['weights'])}), host {_gib(memory['host_peak'])} per rank (statistics "
             f"{_gib(memory['statistics'])}) x {on_host} of {_gib(device.host_memory)}"
         )
+        if plan.target_layout == "layer-outer":
+            text += (
+                f" (the target's weights {_gib(memory['target_weights_host'])} and the hidden states "
+                f"{_gib(memory['hidden_states'])} wait on the host)"
+            )
     else:
         on_host = plan.ranks
         text = (
@@ -401,11 +441,15 @@ def _advice(plan: Plan) -> str:
             return text + f"; two-pass statistics fit ({two.statistics.describe()}): kvhub fit --stats two-pass"
     if plan.capture == "two-phase" and plan.spool_free is not None and plan.memory["spool"] > plan.spool_free:
         return text + "; the spool does not fit the disk: point KVHUB_CACHE at a larger one"
-    if plan.device.gpu and plan.memory["device_peak"] > plan.device.memory:
-        return text + (
-            "; the larger model alone does not fit one device, and kvhub runs each model whole on every "
-            "rank (a target run layer by layer is not in kvhub yet): use devices with more memory"
-        )
+    if plan.target_layout == "whole" and plan.device.gpu and plan.memory["device_peak"] > plan.device.memory:
+        outer = _layer_outer(plan.source, plan.target, plan.workload, plan.device, 1, "auto", plan.spool_free)
+        if outer.fits:
+            return text + (
+                "; the larger model alone does not fit one device, but run layer by layer on one rank it fits "
+                f"({_where(outer)}): kvhub fit --target-layout layer-outer (one process; a distributed "
+                "layer-outer fit is not in kvhub yet)"
+            )
+        return text + "; the larger model alone does not fit one device, even run layer by layer: use larger devices"
     return text + (
         "; no rank count fits, not even with two-pass statistics (pass 1 keeps the whole cross block "
         "of a rank's target layers): use a machine with more memory"
@@ -422,6 +466,7 @@ def recommend(
     statistics: str = "auto",
     capture: str = "one-phase",
     spool_free: int | None = None,
+    target_layout: str = "whole",
 ) -> Plan:
     """The plan with the fewest ranks (up to ``max_ranks``) that fits in one pass, else the fewest that fits
     in two passes (unless ``statistics`` forces one), else the ``max_ranks`` plan (its advice says why)."""
@@ -430,10 +475,26 @@ def recommend(
     for kind in kinds:
         for count in ranks:
             plan = plan_fit(
-                source, target, workload, device, ranks=count, statistics=kind, capture=capture, spool_free=spool_free
+                source,
+                target,
+                workload,
+                device,
+                ranks=count,
+                statistics=kind,
+                capture=capture,
+                spool_free=spool_free,
+                target_layout=target_layout,
             )
             if plan.fits:
                 return plan
     return plan_fit(
-        source, target, workload, device, ranks=ranks[-1], statistics=statistics, capture=capture, spool_free=spool_free
+        source,
+        target,
+        workload,
+        device,
+        ranks=ranks[-1],
+        statistics=statistics,
+        capture=capture,
+        spool_free=spool_free,
+        target_layout=target_layout,
     )

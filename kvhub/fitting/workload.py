@@ -93,3 +93,31 @@ def too_few_observations(source: ModelShape, workload: Workload) -> str | None:
         f"width of {source.model_id}); use --samples {needed} or more, a longer --seq-len or a smaller --stride"
         + (", or a smaller --k" if workload.k and workload.k > 1 else "")
     )
+
+
+def _solve_costs(
+    source: ModelShape, target: ModelShape, k: int, owned_layers: int, auto: bool, solved_layers: int
+) -> tuple[int, float]:
+    """(transient bytes, FLOPs) of one rank's solve, K and V: the probe (one ridge per source layer against
+    the owned targets, scored per pair; over ``solved_layers`` source layers again in a two-pass fit's
+    solve) plus each owned layer's coordinate search (kvhub.core.solve._solve_layer: every lambda at k=4,
+    every k once, every lambda again at the best k, costed as k = ``k``).
+    One ridge of kd = k*ds inputs and dt outputs: kd^3/3 (Cholesky) + 2 kd^2 dt (solve) + 2 kd^2 dt (scoring)."""
+    from kvhub.core.solve import DEFAULT_TOP_K, LAMBDA_GRID, TOP_K_GRID
+
+    ds, dt = source.kv_width, target.kv_width
+    q_owned, kd = owned_layers * dt, k * ds
+    memory = 8 * max(3 * ds * ds + 2 * ds * q_owned, 3 * kd * kd + 3 * kd * dt)
+    ridge = lambda inputs: inputs**3 / 3 + 4 * inputs * inputs * dt  # noqa: E731
+    probed = source.layers + (solved_layers if solved_layers < source.layers else 0)
+    probe = probed * (ds**3 / 3 + 4 * ds * ds * q_owned)
+    if auto:
+        grid = [c for c in TOP_K_GRID if c <= k]
+        per_layer = (
+            len(LAMBDA_GRID) * ridge(min(DEFAULT_TOP_K, k) * ds)
+            + sum(ridge(c * ds) for c in grid)
+            + len(LAMBDA_GRID) * ridge(kd)
+        )
+    else:
+        per_layer = ridge(kd)
+    return memory, 2 * (probe + owned_layers * per_layer)

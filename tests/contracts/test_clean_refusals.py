@@ -354,7 +354,7 @@ def test_pull_stages_inside_the_stores_tmp_which_gc_cleans(tmp_path, monkeypatch
     pulling = importlib.import_module("kvhub.hub.pull")  # kvhub.hub.pull is also the function
 
     snapshot = make_store_artifact(tmp_path / "hub-cache" / ("c0ffee" * 6 + "abcd"), seed=9)
-    monkeypatch.setattr(pulling, "_snapshot", lambda *args: str(snapshot))
+    monkeypatch.setattr(pulling, "_snapshot", lambda *args, **kwargs: str(snapshot))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     staged = []
     stage = pulling._stage

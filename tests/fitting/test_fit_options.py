@@ -38,6 +38,7 @@ BAD = [
     ("skip_first", -1, "skip_first=", "a non-negative integer"),
     ("statistics", "three-pass", "--stats", "one of auto, one-pass, two-pass"),
     ("capture", "three-phase", "--capture", "one of auto, one-phase, two-phase"),
+    ("target_layout", "sideways", "--target-layout", "one of auto, whole, layer-outer"),
     ("candidates", 0, "--candidates", "a positive integer"),
     ("map_kind", "cubic", "--map", "one of ridge, mlp"),
     ("mlp_width", 0, "--mlp-width", "an integer in 1..65536"),

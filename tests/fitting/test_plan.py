@@ -253,3 +253,24 @@ def test_plan_cli_counts_the_mlp_row_samples(tmp_path):
     table = runner.invoke(main, args + ["--map", "mlp"])
     assert table.exit_code == 0 and "MLP row samples" in table.output
     assert "MLP row samples" not in runner.invoke(main, args).output
+
+
+def test_the_papers_pair_and_a_70b_target_fit_the_hardware_teams_have():
+    """Qwen3-14B -> 32B on 8 x H100 fits only with one model resident at a time; Llama-3.1-8B -> 70B fits one
+    H100 only with the target run layer by layer (the target's weights wait on the host)."""
+    from kvhub.fitting.plan import DEVICES, recommend, shape_of, workload_for
+
+    h100, workload = DEVICES["h100"], workload_for()
+    qwen = [shape_of("Qwen/Qwen3-14B"), shape_of("Qwen/Qwen3-32B")]
+    assert not plan_fit(*qwen, workload, h100, ranks=8, capture="one-phase").fits
+    paper = plan_fit(*qwen, workload, h100, ranks=8, capture="auto")
+    assert paper.fits and paper.capture == "two-phase" and paper.target_layout == "whole"
+    assert paper.memory["weights"] == qwen[1].parameters() * 2 and paper.memory["spool"] > 0
+    llama = [shape_of("meta-llama/Llama-3.1-8B"), shape_of("meta-llama/Llama-3.1-70B")]
+    assert not plan_fit(*llama, workload, h100, ranks=1, capture="auto").fits
+    outer = recommend(*llama, workload, h100, capture="auto", target_layout="auto")
+    assert outer.fits and outer.ranks == 1 and outer.target_layout == "layer-outer" and outer.capture == "two-phase"
+    assert outer.memory["device_peak"] < h100.memory < outer.memory["target_weights_host"]
+    assert outer.seconds["onload"] > 0 and outer.seconds["spool"] > 0
+    eight = plan_fit(*llama, workload, h100, ranks=8, capture="auto", target_layout="auto")
+    assert not eight.fits and "kvhub fit --target-layout layer-outer" in eight.advice

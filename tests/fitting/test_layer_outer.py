@@ -1,0 +1,120 @@
+"""A target run layer by layer (kvhub.fitting.layer_outer): each decoder layer swept over every batch, the
+hidden states carried between layers.  Its statistics equal the whole-model ones, its mapper the one-phase
+mapper, and what it cannot do is refused by name."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvhub.core.rope import Rotary
+from kvhub.errors import ConfigError
+from kvhub.fitting.fit import accumulate_passes, fit, fit_batches, layout_for
+from kvhub.fitting.layer_outer import accumulate_layer_outer, check_layer_outer, layer_pass
+from kvhub.fitting.modes import ONE_PASS, StatisticsMode
+from kvhub.fitting.options import FitOptions
+from kvhub.fitting.phases import LiveSource, fill_spool, spooled
+from kvhub.fitting.spool import Spool
+from tests.tinymodels import make_model
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def family(request):
+    source = make_model(request.param, num_hidden_layers=3, seed=2)
+    target = make_model(request.param, num_hidden_layers=4, num_key_value_heads=4, seed=3)
+    ids = torch.randint(0, 128, (26, 12), generator=torch.Generator().manual_seed(0))
+    return source, target, ids[:20], ids[20:]
+
+
+def _options(**changes) -> FitOptions:
+    base = FitOptions(top_k=2, ridge_lambda=0.01, stride=2, batch_size=2, statistics=ONE_PASS)
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_layers_pass_is_the_whole_models_layer(family):
+    _, target, train, _ = family
+    from kvhub.core.capture import run_model
+
+    whole = run_model(target, train[:2])
+    hidden = target.base_model.embed_tokens(train[:2])
+    for m in range(4):
+        hidden, keys, values = layer_pass(target, m, hidden)
+        torch.testing.assert_close(keys, whole.layers[m].keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(values, whole.layers[m].values, rtol=0, atol=1e-6)
+
+
+def test_layer_outer_statistics_equal_the_whole_model_statistics(family):
+    source, target, train, heldout = family
+    options = _options()
+    layout = layout_for(source.config, target.config)
+    batches = fit_batches(train, heldout, options.batch_size)
+    whole = accumulate_passes(
+        LiveSource(source, Rotary.from_model(source), stride=2, skip_first=0),
+        target,
+        batches,
+        layout,
+        mode=ONE_PASS,
+        options=options,
+        progress=None,
+        job="j",
+    )
+    spool = Spool.for_job("s" * 24, batches=len(batches), layers=layout.src_layers)
+    fill_spool(source, batches, spool, stride=2, skip_first=0)
+    outer = accumulate_layer_outer(spooled(source, spool), target, batches, layout, options=options, device="cpu")
+    for split in ("train", "heldout"):
+        a, b = whole.stats[split].state_dict(), outer.stats[split].state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key].double(), a[key].double(), rtol=0, atol=1e-10, msg=key)
+    assert outer.stats["train"].n == 20 * 6
+
+
+def test_layer_outer_fit_gives_the_one_phase_mapper(family):
+    one = fit(*family, source_id="s", target_id="d", options=_options(capture="one-phase"))
+    outer = fit(*family, source_id="s", target_id="d", options=_options(target_layout="layer-outer"))
+    for name, tensor in one.tensors.items():
+        torch.testing.assert_close(outer.tensors[name], tensor, rtol=0, atol=1e-10, msg=name)
+    assert outer.metadata["fit"]["capture"] == "two-phase" and outer.metadata["fit"]["target_layout"] == "layer-outer"
+
+
+@pytest.mark.parametrize(
+    "changes, flag",
+    [
+        ({"statistics": StatisticsMode(passes=2, candidates=2, top_k_max=1)}, "--stats two-pass"),
+        ({"weighting": "attention"}, "--weighting attention"),
+        ({"map_kind": "mlp"}, "--map mlp"),
+    ],
+)
+def test_what_needs_every_target_layer_at_once_is_refused_by_name(family, changes, flag):
+    with pytest.raises(ConfigError, match=f"{flag} reads every target layer"):
+        check_layer_outer(family[1].config, _options(**changes))
+    config = make_model("qwen2").config
+    config.model_type = "gemma"
+    with pytest.raises(ConfigError, match="not 'gemma'"):
+        check_layer_outer(config, _options())
+
+
+def test_kvhub_fit_target_layout_layer_outer_gives_the_whole_target_mapper(tiny_model_dirs, text_corpus, tmp_path):
+    from click.testing import CliRunner
+
+    from kvhub.cli.main import main
+    from kvhub.core.mapper import Mapper
+    from tests.fixtures_fit import tiny_fit_args
+
+    src, dst = tiny_model_dirs
+    mappers = {}
+    for layout in ("whole", "layer-outer"):
+        out = tmp_path / layout
+        args = tiny_fit_args(src, dst, calib=text_corpus, target_layout=layout, out=out, no_register=True)
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        mappers[layout] = Mapper.load(out)
+    for name, tensor in mappers["whole"].tensors.items():
+        torch.testing.assert_close(mappers["layer-outer"].tensors[name], tensor, rtol=0, atol=1e-10, msg=name)
+    assert mappers["layer-outer"].metadata["fit"]["target_layout"] == "layer-outer"
