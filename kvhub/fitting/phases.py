@@ -147,4 +147,5 @@ def source_captures(source, phases: str, job: str, batches, layout, options, *, 
         timings=options.timings,
     )
     options.timings["spool_bytes"] = spool.nbytes()
+    report(progress, "phase 2 (target): loading", 0, None)
     return spooled(source, spool), spool

@@ -65,6 +65,22 @@ class ModelHandle:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        _trim_host_heap()
+
+
+def _trim_host_heap() -> None:
+    """Hand the host heap's free pages back to the system (glibc keeps what a model's loading freed), so the
+    next model loads into them rather than beside them; a no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        return
 
     def parameters(self):
         """The loaded model's parameters (loading it): what code written for a model asks."""
