@@ -39,7 +39,7 @@ from kvhub.fitting.options import DEFAULT_STRIDE, FitOptions
 from kvhub.fitting.prepared import PreparedFit, as_prepared, check_same_tokenizer, pair_fingerprints  # noqa: F401
 from kvhub.fitting.samples import first_sequence, reservoirs
 from kvhub.fitting.choose import capture_mode, statistics_mode
-from kvhub.fitting.layer_outer import accumulate_layer_outer, check_layer_outer
+from kvhub.fitting.layer_outer import Sweeps, accumulate_layer_outer, check_layer_outer
 from kvhub.fitting.phases import is_feed, source_captures
 from kvhub.fitting.resident import device_of, loaded
 from kvhub.fitting.two_pass import run_passes, solve_candidates
@@ -127,6 +127,8 @@ def fit(
             device=device,
             dtype=mode.torch_dtype,
             progress=progress,
+            sweeps=Sweeps(spool.directory / "sweeps", job_key, len(batches)) if options.checkpoint else None,
+            notify=notify,
         )
     else:
         state = accumulate_passes(

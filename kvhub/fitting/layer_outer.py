@@ -101,21 +101,30 @@ def accumulate_layer_outer(
     device,
     dtype: torch.dtype = F64,
     progress: Progress | None = None,
+    sweeps: "Sweeps | None" = None,
+    notify=None,
 ) -> FitState:
     """One-pass statistics of ``batches`` (split, (B, T) unpadded ids) with ``source`` a feed of the source's
     captures (:class:`kvhub.fitting.phases.SpooledSource`) and ``target_model`` on the host: each decoder
-    layer moved to ``device`` for its sweep and back after (module docstring)."""
+    layer moved to ``device`` for its sweep and back after (module docstring).  ``sweeps``: where the state
+    between two layers is checkpointed (every ``options.checkpoint_every`` layers) and resumed from."""
     body = target_model.base_model
     device = torch.device(device)
     rotary = Rotary.from_model(target_model)
     embed = body.embed_tokens.to(device)
     if getattr(body, "rotary_emb", None) is not None:
         body.rotary_emb.to(device)
-    hidden = [embed(ids.to(device)).to("cpu") for _, ids in batches]  # carried on the host between layers
-    stats = {name: KVStats(layout, dtype=dtype) for name in SPLITS}
+    resumed = sweeps.load(layout, dtype) if sweeps is not None else None
+    if resumed is None:
+        start = 0
+        hidden = [embed(ids.to(device)).to("cpu") for _, ids in batches]  # carried on the host between layers
+        stats = {name: KVStats(layout, dtype=dtype) for name in SPLITS}
+    else:
+        start, hidden, stats = resumed
+        (notify or log.info)(f"resuming the target's sweeps ({start}/{layout.dst_layers} layers done)")
     total = layout.dst_layers * sum(int(ids.numel()) for _, ids in batches)
-    done = 0
-    for m in range(layout.dst_layers):
+    done = start * sum(int(ids.numel()) for _, ids in batches)
+    for m in range(start, layout.dst_layers):
         layer = body.layers[m].to(device)
         moments = {name: _layer_moments(layout, dtype, gram=m == 0) for name in SPLITS}
         for index, (name, ids) in enumerate(batches):
@@ -139,6 +148,8 @@ def accumulate_layer_outer(
         del layer
         for name in SPLITS:
             _place(stats[name], moments[name], layout.dst_columns(m), gram=m == 0)
+        if sweeps is not None and m + 1 < layout.dst_layers and (m + 1) % options.checkpoint_every == 0:
+            sweeps.save(m + 1, hidden, stats)
     report(progress, "target layers: done", done, total)
     options.timings["tokens"] = options.timings.get("tokens", 0) + sum(int(ids.numel()) for _, ids in batches)
     return FitState(stats)
@@ -160,3 +171,69 @@ def _place(stats: KVStats, moments: dict[str, Moments], columns: slice, *, gram:
             whole.cxx.copy_(part.cxx)
             whole.mean_x.copy_(part.mean_x)
             whole.n, whole.weight_sum = part.n, part.weight_sum
+
+
+class Sweeps:
+    """A layer-outer fit's state between two target layers, in ``directory`` (inside its spool): per batch
+    its hidden states (``hidden-<layers done>-<batch>.safetensors``) and the statistics of the layers swept
+    (``sweeps.safetensors``, written last), each file atomic and headed by the job and the layers done.  A
+    state whose files do not all read and agree is not resumed (the sweeps start over, with a warning)."""
+
+    STATE = "sweeps.safetensors"
+
+    def __init__(self, directory, job: str, batches: int):
+        from pathlib import Path
+
+        self.directory, self.job, self.batches = Path(directory), job, batches
+
+    def _hidden(self, layers_done: int, index: int):
+        return self.directory / f"hidden-{layers_done:03d}-{index:05d}.safetensors"
+
+    def save(self, layers_done: int, hidden: list[torch.Tensor], stats: dict[str, KVStats]) -> None:
+        from safetensors.torch import save
+
+        from kvhub.artifact.files import atomic_write_bytes
+
+        header = {"job": self.job, "layers_done": str(layers_done)}
+        for index, states in enumerate(hidden):
+            atomic_write_bytes(self._hidden(layers_done, index), save({"hidden": states.contiguous()}, metadata=header))
+        tensors = {f"{name}.{key}": t.contiguous() for name, s in stats.items() for key, t in s.state_dict().items()}
+        atomic_write_bytes(self.directory / self.STATE, save(tensors, metadata=header))
+        for path in self.directory.glob("hidden-*.safetensors"):  # the previous generation
+            if not path.name.startswith(f"hidden-{layers_done:03d}-"):
+                path.unlink(missing_ok=True)
+
+    def load(self, layout: Layout, dtype: torch.dtype):
+        """(layers done, hidden states by batch, statistics by split), or None: nothing (whole) to resume."""
+        from safetensors import SafetensorError, safe_open
+
+        path = self.directory / self.STATE
+        if path.is_symlink() or not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                header = handle.metadata() or {}
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            done = int(header.get("layers_done", "-1"))
+            if header.get("job") != self.job or not 0 < done < layout.dst_layers:
+                raise ValueError(f"is of another fit or has layers_done {header.get('layers_done')!r}")
+            stats = {
+                name: KVStats.from_state_dict(
+                    {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(f"{name}.")}
+                )
+                for name in SPLITS
+            }
+            if any(s.layout != layout or s.k.cxx.dtype != dtype for s in stats.values()):
+                raise ValueError("holds statistics of another layout or dtype")
+            if not all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point()):
+                raise ValueError("holds non-finite statistics")
+            hidden = []
+            for index in range(self.batches):
+                with safe_open(str(self._hidden(done, index)), framework="pt") as handle:
+                    if (handle.metadata() or {}) != {"job": self.job, "layers_done": str(done)}:
+                        raise ValueError(f"has hidden states of batch {index} from another sweep")
+                    hidden.append(handle.get_tensor("hidden"))
+        except (SafetensorError, OSError, ValueError, KeyError) as exc:
+            log.warning("layer-outer checkpoint %s %s; the target's sweeps start over", self.directory, exc)
+            return None
+        return done, hidden, stats

@@ -118,3 +118,54 @@ def test_kvhub_fit_target_layout_layer_outer_gives_the_whole_target_mapper(tiny_
     for name, tensor in mappers["whole"].tensors.items():
         torch.testing.assert_close(mappers["layer-outer"].tensors[name], tensor, rtol=0, atol=1e-10, msg=name)
     assert mappers["layer-outer"].metadata["fit"]["target_layout"] == "layer-outer"
+
+
+def test_kill_9_between_two_layers_then_a_rerun_resumes_at_that_layer_and_gives_the_same_mapper(tmp_path, cache):
+    """SIGKILL while layer 3 of 4 is swept (checkpoints after every layer): the rerun says it resumes after
+    2 layers, sweeps only layers 3 and 4, and gives the uninterrupted mapper."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    checkpoint = tmp_path / "ckpt.safetensors"
+    script = f"""
+import os, signal, sys, torch
+from tests.fitting.test_layer_outer import _run
+def progress(description, completed, total):
+    if description.startswith("target layer 3/4"):
+        os.kill(os.getpid(), signal.SIGKILL)
+_run({str(checkpoint)!r}, progress).save({str(tmp_path / "never")!r})
+"""
+    env = {**os.environ, "KVHUB_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=os.getcwd(), capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    (sweeps,) = (cache / "spool").glob("*/sweeps")
+    assert sorted(p.name for p in sweeps.iterdir())[-1] == "sweeps.safetensors"
+    seen, lines = [], []
+    resumed = _run(checkpoint, lambda d, c, t: seen.append(d), notify=lines.append)
+    assert lines == ["resuming the target's sweeps (2/4 layers done)"]
+    assert {d.split(":")[0] for d in seen if d.startswith("target layer ")} == {"target layer 3/4", "target layer 4/4"}
+    clean = _run(None)
+    for name, tensor in clean.tensors.items():
+        torch.testing.assert_close(resumed.tensors[name], tensor, rtol=0, atol=1e-10, msg=name)
+    assert not list((cache / "spool").iterdir())
+
+
+def _run(checkpoint, progress=None, notify=None):
+    """The layer-outer fit of a fixed tiny qwen2 pair (checkpointing every layer when ``checkpoint`` is set)."""
+    source = make_model("qwen2", num_hidden_layers=3, seed=2)
+    target = make_model("qwen2", num_hidden_layers=4, num_key_value_heads=4, seed=3)
+    ids = torch.randint(0, 128, (26, 12), generator=torch.Generator().manual_seed(0))
+    options = _options(target_layout="layer-outer", checkpoint=checkpoint, checkpoint_every=1)
+    return fit(
+        source,
+        target,
+        ids[:20],
+        ids[20:],
+        source_id="s",
+        target_id="d",
+        options=options,
+        progress=progress,
+        notify=notify,
+    )
