@@ -131,6 +131,10 @@ def test_two_phase_fit_gives_the_one_phase_mapper_with_one_model_loaded_at_a_tim
     assert not list((cache / "spool").iterdir())  # the fit removed its spool
 
 
+def test_attention_weighting_comes_from_the_target_in_phase_2(family, cache):
+    _same_mapper(_fit(*family, capture="two-phase", weighting="attention"), _fit(*family, weighting="attention"))
+
+
 def test_a_mlp_fit_takes_its_row_samples_from_the_spool(family, cache):
     changes = {"map_kind": "mlp", "mlp_tokens": 16, "mlp_epochs": 2, "mlp_width": 8}
     _same_mapper(_fit(*family, capture="two-phase", **changes), _fit(*family, capture="one-phase", **changes))
