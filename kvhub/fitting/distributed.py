@@ -53,12 +53,11 @@ from kvhub.fitting.fit import (
     structure_for,
     with_stride,
 )
-from kvhub.core.fingerprint import kv_geometry
 from kvhub.fitting.choose import capture_mode
 from kvhub.fitting.mlp_fit import check_options
-from kvhub.fitting.phases import fill_spool, is_feed, spooled
+from kvhub.fitting.rank_phases import layer_outer, source_captures
+from kvhub.fitting.phases import is_feed
 from kvhub.fitting.resident import loaded
-from kvhub.fitting.spool import Spool
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.prepared import PreparedFit, as_prepared
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
@@ -160,27 +159,28 @@ def fit_distributed(
     source_model, target_model, train_ids, heldout_ids = job.source, job.target, job.train, job.heldout
     options = with_stride(job.options)
     check_options(options, heldout_sequences=1, distributed=True)  # --map mlp: one process only
-    if options.target_layout == "layer-outer":
-        raise ConfigError(
-            "--target-layout layer-outer runs in one process; a distributed layer-outer fit is not in kvhub yet"
-        )
     source_fp, target_fp = job.fingerprints()
     job_key = job_identity(source_fp, target_fp, train_ids, heldout_ids, options, rank=group.rank, world=group.world)
     mode = _agreed_mode(group, source_model, target_model, train_ids, heldout_ids, options, job_key)
-    source, spool = _source_captures(group, source_model, job_key, options, train_ids, heldout_ids, progress, notify)
-    state, owned = accumulate_sharded(
-        source,
-        loaded(target_model),
-        train_ids,
-        heldout_ids,
-        group=group,
-        options=options,
-        progress=progress,
-        job=job_key,
-        mode=mode,
-        notify=notify,
-    )
+    source, spool = source_captures(group, source_model, job_key, options, train_ids, heldout_ids, progress, notify)
     layout = layout_for(source_model.config, target_model.config)
+    if options.target_layout == "layer-outer":  # the spool is there: source_captures takes two phases
+        state, owned = layer_outer(
+            group, source, target_model, layout, options, mode, train_ids, heldout_ids, progress
+        )
+    else:
+        state, owned = accumulate_sharded(
+            source,
+            loaded(target_model),
+            train_ids,
+            heldout_ids,
+            group=group,
+            options=options,
+            progress=progress,
+            job=job_key,
+            mode=mode,
+            notify=notify,
+        )
     structure = structure_for(source_fp, target_fp, head_local=options.head_local, rank=options.rank)
     part = solve_statistics(
         state,
@@ -206,33 +206,19 @@ def fit_distributed(
         options.timings[key] = max(t.get(key, 0.0) for _, _, t in parts)
     options.timings["tokens"] = sum(t.get("tokens", 0) for _, _, t in parts)
     summary = _means_only(layout, means, train, heldout)
-    capture = capture_mode(options)
+    outer = options.target_layout == "layer-outer"
     return build_mapper(
-        solution, source_fp, target_fp, job.calibration, summary, heldout, options, statistics=mode, capture=capture
+        solution,
+        source_fp,
+        target_fp,
+        job.calibration,
+        summary,
+        heldout,
+        options,
+        statistics=mode,
+        capture="two-phase" if outer else capture_mode(options),
+        target_layout="layer-outer" if outer else "whole",
     )
-
-
-def _source_captures(
-    group: Group, source_model, job: str, options: FitOptions, train_ids, heldout_ids, progress, notify
-):
-    """This rank's source: the model itself (one-phase capture), or a spool of its own batches that the source
-    filled alone before it was let go (two-phase, :mod:`kvhub.fitting.phases`); and that spool (None)."""
-    if capture_mode(options) != "two-phase":
-        return loaded(source_model), None
-    batches = fit_batches(train_ids, heldout_ids, options.batch_size)
-    mine = [index for index in range(len(batches)) if index % group.world == group.rank]
-    spool = Spool.for_job(job, batches=mine, layers=kv_geometry(source_model.config)[0])
-    fill_spool(
-        source_model,
-        batches,
-        spool,
-        stride=options.stride,
-        skip_first=options.skip_first,
-        progress=progress,
-        notify=notify if group.is_main else (lambda line: None),
-        timings=options.timings,
-    )
-    return spooled(source_model, spool), spool
 
 
 def _agreed_mode(

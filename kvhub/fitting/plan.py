@@ -56,11 +56,12 @@ two-phase; then two passes (either capture), so what changes no number comes fir
 
 Target layout: ``whole`` (the target on the device) or ``layer-outer`` (:mod:`kvhub.fitting.layer_outer`:
 its weights on the host, one decoder layer plus the embedding on the device at a time, every batch's
-hidden states carried on the host, the spool read once per target layer; one rank, one-pass statistics,
-two-phase capture).  Per rank it moves, on the device, weights to max(P_src, P_embed + P_layer) and adds
-on the host the target's weights P_dst and the hidden states (S + H) * T * h * bytes(dtype); it adds the
-time of moving the target's weights to the device once (PCIe, :data:`ONLOAD_RATE`) and of reading the
-spool Lt times.  "auto" takes it only when no whole-target plan fits.
+hidden states carried on the host, the spool read once per target layer; one-pass statistics, two-phase
+capture; on R ranks each sweeps its own batches and keeps its target layers, :mod:`kvhub.fitting.rank_phases`).
+Per rank: device weights max(P_src, P_embed + P_layer); on the host the target's weights P_dst and its
+batches' hidden states (S + H) * T * h * bytes(dtype) / R; the time of moving the target's weights to the
+device once (PCIe, :data:`ONLOAD_RATE`), of reading the spool Lt times and of exchanging every sweep's
+rows.  "auto" takes it only when no whole-target plan fits.
 
 Modes: ``full`` (one rank holds everything) or ``sharded`` (R ranks; each holds the source Gram and
 its target layers' cross blocks and solves those layers; see :mod:`kvhub.fitting.distributed`), and
@@ -213,26 +214,12 @@ def _choose(
 
 def _layer_outer(source, target, workload, device, ranks, statistics, spool_free) -> Plan:
     """The layer-outer plan (module docstring, "Target layout"): one-pass statistics, fp64 totals unless only
-    fp32 fit; refused (not fitting) on more than one rank or with two-pass statistics asked."""
-    modes = [ONE_PASS, StatisticsMode(dtype="float32")]
-    if isinstance(statistics, StatisticsMode):
-        modes = [statistics]
-    plans = [
-        _estimate(
-            source,
-            target,
-            workload,
-            device,
-            ranks,
-            mode,
-            capture="two-phase",
-            spool_free=spool_free,
-            target_layout="layer-outer",
-        )
-        for mode in modes
-    ]
+    fp32 fit; refused (not fitting) with two-pass statistics asked."""
+    modes = [statistics] if isinstance(statistics, StatisticsMode) else [ONE_PASS, StatisticsMode(dtype="float32")]
+    kwargs = {"capture": "two-phase", "spool_free": spool_free, "target_layout": "layer-outer"}
+    plans = [_estimate(source, target, workload, device, ranks, mode, **kwargs) for mode in modes]
     plan = next((p for p in plans if p.fits), plans[0])
-    if ranks > 1 or plan.statistics.passes == 2 or statistics == "two-pass":
+    if plan.statistics.passes == 2 or statistics == "two-pass":
         plan.fits = False
     return plan
 
@@ -311,7 +298,8 @@ def _estimate(
         memory["statistics_pass1"], memory["statistics_pass2"] = passes
     if outer:  # the target's weights wait on the host; every batch's hidden states are carried there
         memory["target_weights_host"] = target.parameters() * nbytes
-        memory["hidden_states"] = (workload.samples + workload.heldout) * workload.seq_len * target.hidden * nbytes
+        sequences = math.ceil((workload.samples + workload.heldout) / ranks)  # each rank carries its own batches
+        memory["hidden_states"] = sequences * workload.seq_len * target.hidden * nbytes
     memory["device_peak"] = memory["weights"] + memory["activations"] + memory["exchange"]
     memory["host_peak"] = (
         memory["statistics"]
@@ -339,7 +327,8 @@ def _estimate(
     stats_flops = 4 * workload.rows * (p * p + p * owned * dt)
     if mode.passes == 2:
         stats_flops = 4 * workload.rows * (p * ds + p * owned * dt + (kept * ds) ** 2 + kept * ds * owned * dt)
-    exchange = mode.passes * (workload.rows * (ranks - 1) // ranks * (2 * p + 2 * q + 1) * 4)
+    row_bytes = (2 * p + 2 * dt) * 4 * target.layers if outer else (2 * p + 2 * q + 1) * 4 * mode.passes  # per sweep
+    exchange = workload.rows * (ranks - 1) // ranks * row_bytes
     seconds = {
         "capture": forward / ranks / (forward_rate * FORWARD_EFFICIENCY),
         "statistics": stats_flops / (host_fp32 * MATMUL_EFFICIENCY),
@@ -442,12 +431,11 @@ def _advice(plan: Plan) -> str:
     if plan.capture == "two-phase" and plan.spool_free is not None and plan.memory["spool"] > plan.spool_free:
         return text + "; the spool does not fit the disk: point KVHUB_CACHE at a larger one"
     if plan.target_layout == "whole" and plan.device.gpu and plan.memory["device_peak"] > plan.device.memory:
-        outer = _layer_outer(plan.source, plan.target, plan.workload, plan.device, 1, "auto", plan.spool_free)
+        outer = _layer_outer(plan.source, plan.target, plan.workload, plan.device, plan.ranks, "auto", plan.spool_free)
         if outer.fits:
             return text + (
-                "; the larger model alone does not fit one device, but run layer by layer on one rank it fits "
-                f"({_where(outer)}): kvhub fit --target-layout layer-outer (one process; a distributed "
-                "layer-outer fit is not in kvhub yet)"
+                "; the larger model alone does not fit one device, but run layer by layer it fits "
+                f"({_where(outer)}): kvhub fit --target-layout layer-outer"
             )
         return text + "; the larger model alone does not fit one device, even run layer by layer: use larger devices"
     return text + (

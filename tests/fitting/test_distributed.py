@@ -291,3 +291,18 @@ def test_two_phase_capture_on_two_ranks_equals_one_process_also_after_a_rank_die
     _assert_same_mapper(tmp_path, single)
     assert json.loads((tmp_path / "metadata.json").read_text())["fit"]["capture"] == "two-phase"
     assert not list((tmp_path / "cache" / "spool").iterdir())  # every rank removed its spool
+
+
+def test_a_layer_outer_target_on_two_ranks_equals_the_one_process_fit(tmp_path, monkeypatch):
+    """Each rank sweeps the target layer by layer over its own batches; the owner of each target layer merges
+    every rank's rows in batch order: the mapper of the one-process whole-target fit."""
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    family = _family()
+    single = _single(family, _options(statistics=ONE_PASS))
+    assert _run_ranks(tmp_path, family, _options(statistics=ONE_PASS, target_layout="layer-outer")) == [0, 0]
+    _assert_same_mapper(tmp_path, single)
+    fit_block = json.loads((tmp_path / "metadata.json").read_text())["fit"]
+    assert (fit_block["capture"], fit_block["target_layout"]) == ("two-phase", "layer-outer")
+    steps = json.loads((tmp_path / "steps.rank0.json").read_text())
+    assert [label for label, _ in steps][:2] == ["target layer 1/3", "target layer 1/3"]  # 4 steps per sweep
+    assert not list((tmp_path / "cache" / "spool").iterdir())

@@ -257,7 +257,7 @@ def test_plan_cli_counts_the_mlp_row_samples(tmp_path):
 
 def test_the_papers_pair_and_a_70b_target_fit_the_hardware_teams_have():
     """Qwen3-14B -> 32B on 8 x H100 fits only with one model resident at a time; Llama-3.1-8B -> 70B fits one
-    H100 only with the target run layer by layer (the target's weights wait on the host)."""
+    H100, or 8, only with the target run layer by layer (the target's weights wait on the host)."""
     from kvhub.fitting.plan import DEVICES, recommend, shape_of, workload_for
 
     h100, workload = DEVICES["h100"], workload_for()
@@ -273,4 +273,8 @@ def test_the_papers_pair_and_a_70b_target_fit_the_hardware_teams_have():
     assert outer.memory["device_peak"] < h100.memory < outer.memory["target_weights_host"]
     assert outer.seconds["onload"] > 0 and outer.seconds["spool"] > 0
     eight = plan_fit(*llama, workload, h100, ranks=8, capture="auto", target_layout="auto")
-    assert not eight.fits and "kvhub fit --target-layout layer-outer" in eight.advice
+    assert eight.fits and eight.target_layout == "layer-outer" and eight.mode == "sharded"
+    assert eight.memory["statistics"] < outer.memory["statistics"]  # each rank keeps its own target layers
+    assert eight.memory["hidden_states"] * 8 >= outer.memory["hidden_states"]  # each rank carries its batches
+    whole = plan_fit(*llama, workload, h100, ranks=8, capture="auto", target_layout="whole")
+    assert not whole.fits and "kvhub fit --target-layout layer-outer" in whole.advice
