@@ -51,12 +51,17 @@ def prefill_report(reason: str, *, tokens: int, computed: int) -> dict:
     }
 
 
-TRANSFER_STATUSES = ("applied", "fallback_reprefill")  # a router's words (semantic-router's kv-transfer-status)
+# a router's words (semantic-router's kv-transfer-status)
+TRANSFER_STATUSES = ("applied", "fallback_reprefill", "unsupported")
 
 
 def transfer_status(report: dict) -> str:
-    """What a load report means to a router: ``applied`` (the mapped KV served the prompt) or ``fallback_reprefill``
-    (the large model prefilled it itself: by choice, ``fallback: "prefill"``, or after a failed load)."""
+    """What a load report means to a router: ``applied`` (the mapped KV served the prompt), ``fallback_reprefill``
+    (the large model prefilled it itself: by choice, ``fallback: "prefill"``, or after a failed load), or
+    ``unsupported`` (this engine maps nothing at all: its consumer was disabled at start, ``unsupported: true``;
+    no request of this pair will escalate until the operator fixes it)."""
+    if report.get("unsupported"):
+        return "unsupported"
     return "fallback_reprefill" if report.get("fallback") else "applied"
 
 
@@ -104,8 +109,12 @@ class ConnectorScheduler:
         ``min_escalation_tokens`` is a fallback before any lookup, and its response says so (:func:`prefill_report`);
         a refused isolation key or bad parameters come first, so their responses still say nothing."""
         state = self.state
-        if state.refusal is not None:
-            return f"consumer disabled: {state.refusal}", None
+        if state.refusal is not None:  # nothing here depends on the request: its response may say so
+            reason = f"consumer disabled: {state.refusal}"
+            tokens = len(request.prompt_token_ids or [])
+            report = {**prefill_report(reason, tokens=tokens, computed=computed), "unsupported": True}
+            self._load_reports[request.request_id] = report
+            return reason, None
         key = state.isolation_key(request)
         if key is None:
             return "no isolation key (require_isolation_key is set)", None

@@ -151,3 +151,17 @@ def test_a_hook_of_the_other_side_is_refused(tmp_path, vllm_modules):
     scheduler, _ = _consumer(tmp_path, "SCHEDULER")
     with pytest.raises(RuntimeError, match="worker-side hook"):
         scheduler.get_block_ids_with_load_errors()
+
+
+def test_a_disabled_consumer_says_unsupported_to_the_router(tmp_path, vllm_modules):
+    """A consumer that could not load its mapper at start maps nothing: every response says
+    ``transfer_status: unsupported`` with the reason, and the large model prefills.  Planted bugs caught: the
+    disabled consumer reported as a plain fallback (a router would keep trying the pair), or not at all."""
+    _stored(tmp_path / "kvstore")
+    scheduler, _ = _consumer(tmp_path, "SCHEDULER")
+    scheduler.connector_scheduler.state.refusal = "IncompatibleError: the mapper's target is another model"
+    req = request("r9", PROMPT)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    response = scheduler.request_finished(req, [])[1]["kvhub"]
+    assert response["transfer_status"] == "unsupported" and response["fallback"] == "prefill"
+    assert "consumer disabled: IncompatibleError" in response["reason"] and response["mapped_tokens"] == 0
