@@ -24,12 +24,22 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def family(request):
-    source = make_model(request.param, num_hidden_layers=3, seed=2)
-    target = make_model(request.param, num_hidden_layers=4, num_key_value_heads=4, seed=3)
+def _family(kind: str):
+    source = make_model(kind, num_hidden_layers=3, seed=2)
+    target = make_model(kind, num_hidden_layers=4, num_key_value_heads=4, seed=3)
     ids = torch.randint(0, 128, (26, 12), generator=torch.Generator().manual_seed(0))
     return source, target, ids[:20], ids[20:]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def families(request):
+    """Both architectures: what the layer's own forward computes must not depend on the model's."""
+    return _family(request.param)
+
+
+@pytest.fixture(scope="module")
+def family():
+    return _family("qwen2")
 
 
 def _options(**changes) -> FitOptions:
@@ -37,8 +47,8 @@ def _options(**changes) -> FitOptions:
     return dataclasses.replace(base, **changes)
 
 
-def test_a_layers_pass_is_the_whole_models_layer(family):
-    _, target, train, _ = family
+def test_a_layers_pass_is_the_whole_models_layer(families):
+    _, target, train, _ = families
     from kvhub.core.capture import run_model
 
     whole = run_model(target, train[:2])
@@ -49,8 +59,8 @@ def test_a_layers_pass_is_the_whole_models_layer(family):
         torch.testing.assert_close(values, whole.layers[m].values, rtol=0, atol=1e-6)
 
 
-def test_layer_outer_statistics_equal_the_whole_model_statistics(family):
-    source, target, train, heldout = family
+def test_layer_outer_statistics_equal_the_whole_model_statistics(families):
+    source, target, train, heldout = families
     options = _options()
     layout = layout_for(source.config, target.config)
     batches = fit_batches(train, heldout, options.batch_size)
@@ -153,19 +163,6 @@ _run({str(checkpoint)!r}, progress).save({str(tmp_path / "never")!r})
 
 
 def _run(checkpoint, progress=None, notify=None):
-    """The layer-outer fit of a fixed tiny qwen2 pair (checkpointing every layer when ``checkpoint`` is set)."""
-    source = make_model("qwen2", num_hidden_layers=3, seed=2)
-    target = make_model("qwen2", num_hidden_layers=4, num_key_value_heads=4, seed=3)
-    ids = torch.randint(0, 128, (26, 12), generator=torch.Generator().manual_seed(0))
+    """The layer-outer fit of the tiny qwen2 pair (checkpointing every layer when ``checkpoint`` is set)."""
     options = _options(target_layout="layer-outer", checkpoint=checkpoint, checkpoint_every=1)
-    return fit(
-        source,
-        target,
-        ids[:20],
-        ids[20:],
-        source_id="s",
-        target_id="d",
-        options=options,
-        progress=progress,
-        notify=notify,
-    )
+    return fit(*_family("qwen2"), source_id="s", target_id="d", options=options, progress=progress, notify=notify)
