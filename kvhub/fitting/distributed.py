@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,7 +38,6 @@ import torch
 from kvhub.core.rope import Rotary
 from kvhub.core.solve import Solution
 from kvhub.core.stats import KVStats, Layout, Moments
-from kvhub.errors import ConfigError
 from kvhub.fitting import checkpoint as checkpoints
 from kvhub.fitting.checkpoint import FitState, job_identity
 from kvhub.fitting.fit import (
@@ -56,6 +54,7 @@ from kvhub.fitting.fit import (
 from kvhub.fitting.choose import capture_mode
 from kvhub.fitting.mlp_fit import check_options
 from kvhub.fitting.rank_phases import layer_outer, source_captures
+from kvhub.fitting.ranks import Group, _all_gather_rows, owned_layers
 from kvhub.fitting.phases import is_feed
 from kvhub.fitting.resident import loaded
 from kvhub.fitting.options import FitOptions
@@ -65,19 +64,6 @@ from kvhub.fitting.two_pass import run_passes
 from kvhub.progress import Progress, report
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Group:
-    """This process's place in the job: ``rank`` of ``world``; ``device`` holds the exchanged tensors."""
-
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 LAUNCHER = "KVHUB_FIT_LAUNCHER"  # pid of the `kvhub fit --distributed` whose torchrun started this rank
@@ -132,17 +118,6 @@ def init_group(device: str | None = None) -> Group:
     return Group(dist.get_rank(), dist.get_world_size(), where)
 
 
-def owned_layers(layers: int, rank: int, world: int) -> list[int]:
-    """Target layers of ``rank``: contiguous blocks, the first ``layers % world`` ranks one layer more."""
-    if world > layers:
-        raise ConfigError(
-            f"{world} ranks for {layers} target layers: every rank needs a target layer; run at most {layers} processes"
-        )
-    size, extra = divmod(layers, world)
-    start = rank * size + min(rank, extra)
-    return list(range(start, start + size + (1 if rank < extra else 0)))
-
-
 def fit_distributed(
     job: PreparedFit,
     *args,
@@ -165,9 +140,7 @@ def fit_distributed(
     source, spool = source_captures(group, source_model, job_key, options, train_ids, heldout_ids, progress, notify)
     layout = layout_for(source_model.config, target_model.config)
     if options.target_layout == "layer-outer":  # the spool is there: source_captures takes two phases
-        state, owned = layer_outer(
-            group, source, target_model, layout, options, mode, train_ids, heldout_ids, progress
-        )
+        state, owned = layer_outer(group, source, target_model, layout, options, mode, train_ids, heldout_ids, progress)
     else:
         state, owned = accumulate_sharded(
             source,
@@ -344,22 +317,6 @@ def _pack(src, dst) -> torch.Tensor:
     """(N, 2p + 2q + 1) fp32 rows: source K | source V | target K | target V | row weight (1 if none)."""
     weights = dst.weights if dst.weights is not None else torch.ones(src.tokens, device=src.keys[0].device)
     return torch.cat([*src.keys, *src.values, *dst.keys, *dst.values, weights[:, None].float()], dim=1)
-
-
-def _all_gather_rows(group: Group, rows: torch.Tensor | None, width: int) -> list[torch.Tensor]:
-    """Every rank's rows of this step (zero rows for a rank without a batch), padded for all_gather."""
-    import torch.distributed as dist
-
-    rows = torch.zeros(0, width) if rows is None else rows
-    rows = rows.to(group.device, torch.float32)
-    counts = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.world)]
-    dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64, device=group.device))
-    longest = max(int(c) for c in counts)
-    padded = torch.zeros(longest, width, device=group.device)
-    padded[: rows.shape[0]] = rows
-    out = [torch.empty_like(padded) for _ in range(group.world)]
-    dist.all_gather(out, padded)
-    return [block[: int(count)] for block, count in zip(out, counts)]
 
 
 def _update(

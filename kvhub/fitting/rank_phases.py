@@ -2,7 +2,7 @@
 
 :func:`source_captures`: each rank's source, live or spooled (the rank's own batches, its own spool).
 :func:`layer_outer`: the target swept layer by layer on every rank over its own batches, each target layer's
-statistics kept by the rank that owns it (:func:`kvhub.fitting.distributed.owned_layers`).
+statistics kept by the rank that owns it (:func:`kvhub.fitting.ranks.owned_layers`).
 
 Sweep m: every rank runs target layer m over its batches (batch i goes to rank i mod N, as in
 :mod:`kvhub.fitting.distributed`), reads the source's rows of those batches from its own spool, and the ranks
@@ -16,7 +16,6 @@ statistics, no checkpoint between layers yet (a rerun keeps the spools and sweep
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,12 +29,10 @@ from kvhub.fitting.fit import fit_batches
 from kvhub.fitting.layer_outer import _layer_moments, layer_pass
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.phases import fill_spool, spooled
+from kvhub.fitting.ranks import Group, _all_gather_rows, owned_layers
 from kvhub.fitting.resident import loaded
 from kvhub.fitting.spool import Spool
 from kvhub.progress import Progress, report
-
-if TYPE_CHECKING:
-    from kvhub.fitting.distributed import Group
 
 
 def accumulate_layer_outer_sharded(
@@ -53,8 +50,6 @@ def accumulate_layer_outer_sharded(
 ) -> FitState:
     """This rank's statistics over its ``owned`` target layers (layout with those layers), the target on the host
     and one layer at a time on ``device``; ``source`` reads this rank's batches from its spool."""
-    from kvhub.fitting.distributed import _all_gather_rows
-
     body = target_model.base_model
     device = torch.device(device)
     rotary = Rotary.from_model(target_model)
@@ -102,7 +97,6 @@ def accumulate_layer_outer_sharded(
 
 
 def layer_outer(group, source, target_model, layout, options, mode, train_ids, heldout_ids, progress):
-    from kvhub.fitting.distributed import owned_layers
     from kvhub.fitting.layer_outer import check_layer_outer
 
     check_layer_outer(target_model.config, options, mode)
