@@ -7,11 +7,16 @@ selection finds them).  These tasks need more of the context than one span (RULE
   spread depths in filler prose; the question asks for one key's number, the others are decoys of the
   same shape;
 - ``vt``: variable tracking.  A chain ``VAR A = 12345``, ``VAR B = VAR A``, ... of :data:`HOPS` assignments
-  spread over the context, and a decoy chain with another value; the answer names every variable of the
-  asked value's chain, in order;
+  from the first third of the context to the last, and a decoy chain of :data:`DECOY_HOPS` with another value;
+  the answer names every variable of the asked value's chain, in order, as the model lists them
+  ("VAR A and VAR B");
 - ``cwe``: common-words extraction, aggregation.  A numbered list of words in which :data:`COMMON` words
-  recur (each a distinct number of times, the most frequent first) among words that occur once or twice;
-  the answer lists the common words from the most frequent down.
+  recur (each a distinct number of times, together :data:`COMMON_SHARE` of the list) among words that occur
+  once or twice; the answer lists the common words from the most frequent down ('"pulls" and "container".', with
+  the period: the model writes '".' as one token).
+
+The parameters are the largest that the 1.5B target's own prefill answers at 1k tokens (issue 47: own >= 0.8,
+so the tasks can separate the handoff from drop); RULER's defaults (4 hops, 10 common words) score 0 there.
 
 Each item is a :class:`PressRow` (``context``, ``question``, ``answer_prefix``, ``answer``,
 ``max_new_tokens``: the columns of kvpress's datasets, so results can be set beside its presses) and
@@ -29,8 +34,12 @@ from kvhub.eval.catalog import RULER_TASKS
 from kvhub.eval.longctx import RecallItem, _answer_ids, _count, _haystack
 
 NEEDLES = 4
-HOPS = 4
-COMMON = 3
+# Measured on Qwen2.5-Coder-1.5B-Instruct's own prefill at 1k tokens, fp32 (docs/benchmarks.md, section 7):
+#   nice -n 10 python benchmarks/own_accuracy.py --tasks vt,cwe --context-tokens 1024 --n 6 --out own.json
+HOPS = 2  # vt own VT_OWN (HOPS = 4 with a 4-hop decoy: 0/3)
+DECOY_HOPS = 1
+COMMON = 2  # cwe own CWE_OWN (COMMON = 3 at 30%: 0/3 and 0/2 at 2 words, 30%)
+COMMON_SHARE = 0.5  # the common words' share of the list
 
 _KEYS = (
     "harbour",
@@ -86,21 +95,24 @@ def niah_multikey_row(
 
 
 def vt_row(tokenizer, filler: list[str], rng: random.Random, *, context_tokens: int, hops: int = HOPS) -> PressRow:
-    names = _variable_names(rng, 2 * hops)
+    names = _variable_names(rng, hops + DECOY_HOPS)
     value, decoy = rng.sample(range(10_000, 100_000), 2)
-    chains = [names[:hops], names[hops:]]
     inserts = []
-    for chain, start in zip(chains, (value, decoy)):
+    for chain, start in ((names[:hops], value), (names[hops:], decoy)):
         statements = [f"VAR {chain[0]} = {start}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
-        depths = sorted(rng.uniform(0.05, 0.95) for _ in statements)
+        spread = start == value  # the asked chain runs from the first third to the last; the decoy anywhere
+        depths = _spread_depths(rng, len(statements)) if spread else sorted(rng.uniform(0.05, 0.95) for _ in chain)
         inserts += list(zip(depths, statements))
-    question = f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above."
+    question = (
+        f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above, directly or "
+        "through another variable."
+    )
     prefix = (
         f"\nAnswer: According to the chain of variable assignments in the text above, {hops} variables are "
         f"assigned the value {value}, they are:"
     )
     context = _context(tokenizer, filler, rng, context_tokens, inserts, question + prefix)
-    return PressRow(context, question, prefix, " " + " ".join(chains[0]), 8 * hops)
+    return PressRow(context, question, prefix, " " + _listed([f"VAR {name}" for name in names[:hops]]), 8 * hops)
 
 
 def cwe_row(tokenizer, words: list[str], rng: random.Random, *, context_tokens: int, common: int = COMMON) -> PressRow:
@@ -109,21 +121,35 @@ def cwe_row(tokenizer, words: list[str], rng: random.Random, *, context_tokens: 
     question = f"\n\nQuestion: What are the {common} most common words in the numbered list above?"
     prefix = f"\nAnswer: The {common} words that appear most often in the list, most frequent first, are:"
     budget = context_tokens - _count(tokenizer, question + prefix)
-    per_entry = 4  # " 12. word\n" is about four tokens
-    entries = max(6 * common, budget // per_entry)
-    weight = common * (common + 1) // 2  # the common words fill ~30% of the list, in ratio common : ... : 1
-    counts = [max(3 + common - i, round(0.3 * entries * (common - i) / weight)) for i in range(common)]
+    sample = words[:20]
+    per_entry = _count(tokenizer, "".join(f"{100 + i}. {word}\n" for i, word in enumerate(sample))) / len(sample)
+    entries = max(6 * common, int(budget / per_entry))
+    weight = common * (common + 1) // 2  # the common words fill COMMON_SHARE of the list, in ratio common : ... : 1
+    counts = [max(3 + common - i, round(COMMON_SHARE * entries * (common - i) / weight)) for i in range(common)]
     bag = [word for word, count in zip(chosen, counts) for _ in range(count)]
     while len(bag) < entries and rest:
         bag += [rest.pop(rng.randrange(len(rest)))] * rng.choice((1, 1, 2))
     rng.shuffle(bag)
     context = "Below is a numbered list of words.\n" + "".join(f"{i + 1}. {word}\n" for i, word in enumerate(bag))
-    return PressRow(context, question, prefix, " " + ", ".join(chosen), 6 * common)
+    return PressRow(context, question, prefix, " " + _listed([f'"{word}"' for word in chosen]) + ".", 6 * common)
+
+
+def _listed(parts: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``: how the model lists what it was asked for."""
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _context(tokenizer, filler, rng, context_tokens, inserts, tail: str) -> str:
     stated = sum(_count(tokenizer, text) for _, text in inserts) + _count(tokenizer, tail)
     return _haystack(tokenizer, filler, rng, context_tokens - stated, inserts)
+
+
+def _spread_depths(rng: random.Random, count: int) -> list[float]:
+    """``count`` increasing depths in (0.05, 0.95), each in its own of max(count, 3) equal stretches, the first and
+    the last stretch always among them: the asked chain starts in the first third and ends in the last."""
+    stretches = max(count, 3)
+    chosen = [round(i * (stretches - 1) / (count - 1)) for i in range(count)] if count > 1 else [0]
+    return [0.05 + 0.9 * (s + rng.uniform(0.3, 0.7)) / stretches for s in chosen]
 
 
 def _variable_names(rng: random.Random, count: int) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from kvhub.errors import ConfigError
 from kvhub.eval.catalog import LONG_TASKS, RULER_TASKS
 from kvhub.eval.recall_tasks import build_items
-from kvhub.eval.ruler import COMMON, HOPS, NEEDLES, press_rows, row_item
+from kvhub.eval.ruler import COMMON, DECOY_HOPS, HOPS, NEEDLES, press_rows, row_item
 from tests.fixtures_calib import train_tokenizer
 
 FILLER = [
@@ -51,21 +51,35 @@ def test_multikey_needles_are_decoys_of_one_shape_and_one_is_asked(tokenizer):
 
 
 def test_variable_tracking_answer_is_the_whole_chain_of_the_asked_value(tokenizer):
-    row = press_rows("vt", tokenizer, FILLER, context_tokens=400, n=1, seed=1)[0]
-    value = re.search(r"assigned the value (\d+) in", row.question).group(1)
-    chain = row.answer.split()
-    assert len(chain) == HOPS and f"VAR {chain[0]} = {value}." in row.context
-    for before, after in zip(chain, chain[1:]):
-        assert f"VAR {after} = VAR {before}." in row.context
-    assert len(re.findall(r"VAR \w+ = ", row.context)) == 2 * HOPS  # a decoy chain of another value
+    for seed in range(4):
+        row = press_rows("vt", tokenizer, FILLER, context_tokens=400, n=1, seed=seed)[0]
+        value = re.search(r"assigned the value (\d+) in", row.question).group(1)
+        chain = re.findall(r"VAR (\w+)", row.answer)
+        assert len(chain) == HOPS and f"VAR {chain[0]} = {value}." in row.context
+        for before, after in zip(chain, chain[1:]):
+            assert f"VAR {after} = VAR {before}." in row.context
+        assert len(re.findall(r"VAR \w+ = ", row.context)) == HOPS + DECOY_HOPS  # a decoy of another value
+        assert row.answer == " " + " and ".join(f"VAR {name}" for name in chain)  # as the model lists two
+
+
+def test_variable_tracking_chain_runs_from_the_first_third_to_the_last(tokenizer):
+    """The asked chain's first statement lies in the first third of the context, its last in the last third, so
+    no third of the context holds the whole chain (at ~20 paragraphs: the depths are paragraph bounds)."""
+    for seed in range(6):
+        row = press_rows("vt", tokenizer, FILLER, context_tokens=1600, n=1, seed=seed)[0]
+        chain = re.findall(r"VAR (\w+)", row.answer)
+        first = row.context.index(f"VAR {chain[0]} = ") / len(row.context)
+        last = row.context.index(f"VAR {chain[-1]} = ") / len(row.context)
+        assert first < 1 / 3 and last > 2 / 3, (seed, first, last)
 
 
 def test_common_words_are_the_most_frequent_in_order(tokenizer):
     row = press_rows("cwe", tokenizer, FILLER, context_tokens=600, n=1, seed=2)[0]
     counts = Counter(re.findall(r"^\d+\. (\w+)$", row.context, flags=re.M))
-    answer = row.answer.strip().split(", ")
+    answer = re.findall(r'"(\w+)"', row.answer)
     assert len(answer) == COMMON and [w for w, _ in counts.most_common(COMMON)] == answer
     assert counts[answer[-1]] > max(c for w, c in counts.items() if w not in answer)
+    assert row.answer == " " + " and ".join(f'"{word}"' for word in answer) + "."
 
 
 def test_unknown_task_is_refused_by_name(tokenizer):
