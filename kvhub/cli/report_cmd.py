@@ -1,5 +1,5 @@
-"""``kvhub report``: the R^2 heatmap, per-layer R^2 and retention plots and a markdown summary of a version
-(:mod:`kvhub.eval.report` writes them)."""
+"""``kvhub report``: the R^2 heatmap, per-layer R^2, retention, recompute-budget and speedup plots and a markdown
+summary of a version, from what the store holds (:mod:`kvhub.eval.report` writes them)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def report(ref, out, db, output_format):
     import shutil
 
     from kvhub.core.mapper import read_metadata
+    from kvhub.eval.curves import hints
     from kvhub.eval.plots import require_matplotlib
     from kvhub.eval.report import task_results, write_report
 
@@ -48,6 +49,8 @@ def report(ref, out, db, output_format):
         if created:  # no half-written folder left behind
             shutil.rmtree(out, ignore_errors=True)
         raise
+    for hint in hints(reference, measurements):  # report.md says the same
+        say(hint, label="note:")
     if not print_record(
         {"ref": json_ref(version), "report": str(path), "files": sorted(str(p) for p in out.iterdir() if p.is_file())},
         output_format=output_format,

@@ -13,6 +13,11 @@ what a figure shows can be checked without drawing it.
   coincide; for compressed maps, the best full-rank probe of the selected sources as a reference.
 - ``retention``: retention = acc(mapped) / acc(own) per task with its 95% bootstrap interval, beside the
   accuracies of each condition.
+- ``budget``: what the handoff keeps (and drop, the recompute alone) against the recompute budget; ``speedup``: the
+  handoff's time-to-first-token gain and transfer()'s speedup against context tokens (their data:
+  :mod:`kvhub.eval.curves`).
+
+Every figure's title names the mapper (``name``: by default :func:`mapper_name` of its metadata).
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ def _number(value) -> float:
 
 
 # ---- figures ----------------------------------------------------------------------------------------
-def r2_heatmap_figure(metadata: dict):
+def r2_heatmap_figure(metadata: dict, *, name: str | None = None):
     plt = _pyplot()
     probe = metadata["probe_r2"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), constrained_layout=True)
@@ -122,7 +127,7 @@ def r2_heatmap_figure(metadata: dict):
     title = "Probe: held-out R² of a full-rank map from one source layer"
     if structure:
         title += f"\n(the stored maps are compressed, {structure}: their own R² is in layer_r2.png)"
-    fig.suptitle(f"{mapper_name(metadata)}\n{title}")
+    fig.suptitle(f"{name or mapper_name(metadata)}\n{title}")
     return fig
 
 
@@ -138,7 +143,7 @@ def mapper_name(metadata: dict) -> str:
     return f"{short('source')} → {short('target')}" + (f" ({calibration})" if calibration else "")
 
 
-def layer_r2_figure(metadata: dict):
+def layer_r2_figure(metadata: dict, *, name: str | None = None):
     plt = _pyplot()
     data = layer_series(metadata)
     structure = compressed_structure(metadata)
@@ -168,7 +173,7 @@ def layer_r2_figure(metadata: dict):
     ax.set_xlabel("target layer (numbers: k, the source layers read)")
     ax.set_ylabel("held-out R²")
     ax.set_title(
-        f"{mapper_name(metadata)}: held-out R² of the stored maps per target layer"
+        f"{name or mapper_name(metadata)}: held-out R² of the stored maps per target layer"
         + (f" ({structure})" if structure else "")
     )
     ax.legend(fontsize=8)
@@ -180,7 +185,7 @@ CONDITION_COLOURS = {"own": "tab:blue", "mapped": "tab:orange", "control": "tab:
 RETENTION_COLOUR = "tab:purple"
 
 
-def retention_figure(results: dict[str, dict]):
+def retention_figure(results: dict[str, dict], *, name: str = ""):
     plt = _pyplot()
     data = retention_series(results)
     tasks = data["tasks"]
@@ -189,7 +194,8 @@ def retention_figure(results: dict[str, dict]):
     lows, highs = _errors(data["retention"], data["retention_ci"])
     left.bar(positions, data["retention"], 0.6, yerr=[lows, highs], capsize=4, color=RETENTION_COLOUR)
     left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    left.set_xticks(positions, tasks, rotation=20, ha="right")
+    ticks = [_tick_label(task) for task in tasks]
+    left.set_xticks(positions, ticks, rotation=20, ha="right")
     left.set_ylabel("retention = acc(mapped) / acc(own)")
     left.set_title("Retention, 95% interval (1 = own)")
     conditions = [c for c in ("own", "mapped", "control", "source") if f"acc_{c}" in data]
@@ -207,12 +213,18 @@ def retention_figure(results: dict[str, dict]):
             color=CONDITION_COLOURS[condition],
             yerr=[lows, highs] if any(lows + highs) else None,
         )
-    right.set_xticks(positions, tasks, rotation=20, ha="right")
+    right.set_xticks(positions, ticks, rotation=20, ha="right")
     right.set_ylabel("accuracy")
     right.set_title("Accuracy per condition")
     right.legend(fontsize=8)
-    fig.suptitle("Task retention of the mapped cache")
+    fig.suptitle(_titled(name, "Task retention of the mapped cache"))
     return fig
+
+
+def _tick_label(task: str) -> str:
+    """'facts-1024@exact_prefix=4,exact_budget=0.08' -> one line per part: a variant's name stays readable."""
+    base, _, variant = task.partition("@")
+    return "\n".join([base, *variant.split(",")]) if variant else base
 
 
 def _errors(values: list[float], cis: list) -> tuple[list[float], list[float]]:
@@ -233,41 +245,85 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def r2_heatmap(metadata: dict, path: Path) -> Path:
-    return _save(r2_heatmap_figure(metadata), path)
+def _titled(name: str, title: str) -> str:
+    return f"{name}: {title}" if name else title
 
 
-def layer_r2(metadata: dict, path: Path) -> Path:
-    return _save(layer_r2_figure(metadata), path)
+def r2_heatmap(metadata: dict, path: Path, *, name: str | None = None) -> Path:
+    return _save(r2_heatmap_figure(metadata, name=name), path)
 
 
-def retention_chart(results: dict[str, dict], path: Path) -> Path:
-    return _save(retention_figure(results), path)
+def layer_r2(metadata: dict, path: Path, *, name: str | None = None) -> Path:
+    return _save(layer_r2_figure(metadata, name=name), path)
 
 
-# ---- the budget curve (benchmarks/budget_curve.py) ---------------------------------------------------------
-def budget_figure(curve: dict):
-    """One panel per task of ``curve`` (:func:`benchmarks.budget_curve` rows: task -> list of points with
-    ``share``, ``handoff``, ``drop`` and their intervals, ``own``, ``metric``): the handoff and drop against the
-    recomputed share, the target's own level dashed."""
+def retention_chart(results: dict[str, dict], path: Path, *, name: str = "") -> Path:
+    return _save(retention_figure(results, name=name), path)
+
+
+# ---- curves: the budget (benchmarks/budget_curve.py, kvhub report) and context length (kvhub report) ----------
+BUDGET_TITLE = "The budget curve: handoff (map + recompute) and drop (the recompute alone) at the same share"
+
+
+def budget_figure(
+    curve: dict, *, name: str = "", title: str = BUDGET_TITLE, xlabel: str = "recomputed share of the context (%)"
+):
+    """One panel per entry of ``curve`` (label -> points with ``share``, ``handoff``, ``drop`` (None: not
+    measured), their ``*_ci``, ``own`` (None: unknown), ``metric``; :func:`benchmarks.budget_curve` rows or
+    :func:`kvhub.eval.curves.budget_curves`): the handoff and drop against 100 x share, the target's own level
+    dashed; at most 5 panels a row."""
     plt = _pyplot()
-    tasks = list(curve)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(3.4 * len(tasks), 3.4), constrained_layout=True, squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        points = curve[task]
+    labels = list(curve)
+    columns = min(5, len(labels))
+    rows = math.ceil(len(labels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 3.4 * rows), constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(labels) :]:
+        ax.set_visible(False)
+    for ax, label in zip(axes.flat, labels):
+        points = curve[label]
         shares = [100 * p["share"] for p in points]
         for key, colour in (("handoff", CONDITION_COLOURS["mapped"]), ("drop", "tab:red")):
-            values = [p[key] for p in points]
+            values = [_number(p.get(key)) for p in points]
+            if all(math.isnan(v) for v in values):
+                continue
             lows, highs = _errors(values, [p.get(f"{key}_ci") or [math.nan, math.nan] for p in points])
             ax.errorbar(shares, values, yerr=[lows, highs], fmt="-o", capsize=3, color=colour, label=key)
-        ax.axhline(points[0]["own"], color=CONDITION_COLOURS["own"], linestyle="--", linewidth=0.9, label="own")
-        ax.set_xlabel("recomputed share of the context (%)")
+        if points[0].get("own") is not None:
+            ax.axhline(points[0]["own"], color=CONDITION_COLOURS["own"], linestyle="--", linewidth=0.9, label="own")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(points[0]["metric"])
-        ax.set_title(task, fontsize=9)
+        ax.set_title(label.replace(", ", ",\n"), fontsize=8)  # 'task, fields, select=S' on lines of their own
         ax.legend(fontsize=7)
-    fig.suptitle("The budget curve: handoff (map + recompute) and drop (the recompute alone) at the same share")
+    fig.suptitle(f"{name}\n{title}" if name else title)
     return fig
 
 
-def budget_chart(curve: dict, path: Path) -> Path:
-    return _save(budget_figure(curve), path)
+def budget_chart(curve: dict, path: Path, **options) -> Path:
+    """:func:`budget_figure` (same keyword options) saved to ``path``."""
+    return _save(budget_figure(curve, **options), path)
+
+
+def speedup_figure(curves: dict[str, dict], *, name: str = ""):
+    """Speedup against context tokens (log 2 axis), per run of :func:`kvhub.eval.curves.length_curves`: the
+    handoff's TTFT gain (full prefill / handoff TTFT) solid, transfer() against re-prefill dashed, one colour a
+    run; 1 = break-even."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 4.2), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (label, series) in enumerate(curves.items()):
+        colour = colours[index % len(colours)]
+        tokens = series["tokens"]
+        ax.plot(tokens, series["ttft_speedup"], "-o", color=colour, label=f"handoff TTFT gain, {label}")
+        ax.plot(tokens, series["speedup"], "--s", color=colour, alpha=0.7, label=f"transfer() vs re-prefill, {label}")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("speedup (x; 1 = break-even)")
+    ax.set_title("Speedup against context tokens (kvhub bench, medians)")
+    ax.legend(fontsize=7)
+    fig.suptitle(name)
+    return fig
+
+
+def speedup_chart(curves: dict[str, dict], path: Path, *, name: str = "") -> Path:
+    return _save(speedup_figure(curves, name=name), path)

@@ -1,5 +1,6 @@
 """``kvhub report``'s folder: the R² figures of a version's maps, the retention chart of its stored task
-results and a markdown summary (figures need matplotlib: pip install 'kvhub[plots]')."""
+results, its stored curves against the recompute budget and context tokens (:mod:`kvhub.eval.curves`) and a
+markdown summary (figures need matplotlib: pip install 'kvhub[plots]')."""
 
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ def task_results(metrics: list[dict]) -> dict[str, dict]:
 
 
 def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: dict, measurements=()) -> Path:
-    """Write r2_heatmap.png, layer_r2.png, retention.png (when there are task results) and report.md to the
-    folder ``out`` (which exists); returns report.md.  ``measurements``: the store's metrics of the version,
-    oldest first, whose newest evaluations report.md lists as the model card does (perplexity included)."""
-    from kvhub.eval.plots import compressed_structure, layer_r2, r2_heatmap, retention_chart
+    """Write r2_heatmap.png, layer_r2.png, retention.png (when there are task results), budget.png and
+    speedup.png (when their curves have two points; else report.md names the command that measures them) and
+    report.md to the folder ``out`` (which exists); returns report.md.  ``measurements``: the store's metrics of
+    the version, oldest first, whose newest evaluations report.md lists as the model card does (perplexity
+    included).  Every figure's title names the mapper and its version."""
+    from kvhub.eval.plots import compressed_structure, layer_r2, mapper_name, r2_heatmap, retention_chart
     from kvhub.hub.evaluations import evaluations_table, latest
 
-    r2_heatmap(metadata, out / "r2_heatmap.png")
-    layer_r2(metadata, out / "layer_r2.png")
+    name = f"{mapper_name(metadata)} v{version.version}"
+    r2_heatmap(metadata, out / "r2_heatmap.png", name=name)
+    layer_r2(metadata, out / "layer_r2.png", name=name)
     metrics = metadata.get("metrics", {})
     structure = compressed_structure(metadata)
     lines = [
@@ -59,8 +63,9 @@ def write_report(out: Path, *, reference: str, version, metadata: dict, tasks: d
         "",
     ]
     if tasks:
-        retention_chart(tasks, out / "retention.png")
+        retention_chart(tasks, out / "retention.png", name=name)
         lines += _task_table(tasks) + ["", "![retention](retention.png)"]
+    lines += _curves(out, reference=reference, measurements=measurements, name=name)
     every = evaluations_table(latest(measurements))
     if every:
         lines += ["", "## Every evaluation", every.strip()]
@@ -79,3 +84,38 @@ def _task_table(tasks: dict) -> list[str]:
             f"[{low:.2f}, {high:.2f}] |"
         )
     return lines
+
+
+def _curves(out: Path, *, reference: str, measurements, name: str) -> list[str]:
+    """Draw budget.png and speedup.png where their curves have two points; report.md's lines about them."""
+    from kvhub.eval import curves, plots
+
+    budget = curves.budget_curves(measurements)
+    lengths = curves.length_curves(measurements)
+    lines = ["", "## Curves"]
+    if budget:
+        plots.budget_chart(
+            budget,
+            out / "budget.png",
+            name=name,
+            title="handoff (map + recompute) and drop (the recompute alone) against the recompute budget",
+            xlabel="recompute budget (% of the context)",
+        )
+        lines += [
+            "",
+            "What the handoff keeps against the recompute budget (`kvhub eval --exact-budget`), and drop (the "
+            "recomputed tokens alone) at the same budget: retention for multiple choice, else the task's own measure.",
+            "",
+            "![recompute budget](budget.png)",
+        ]
+    if lengths:
+        plots.speedup_chart(lengths, out / "speedup.png", name=name)
+        lines += [
+            "",
+            "The handoff's time-to-first-token gain over a full prefill, and transfer() against the target "
+            "re-prefilling, against context tokens (`kvhub bench --lengths`).",
+            "",
+            "![speedup](speedup.png)",
+        ]
+    hints = curves.hints(reference, measurements, budget=budget, lengths=lengths)
+    return lines + [""] + [f"- {hint}" for hint in hints] if hints else lines

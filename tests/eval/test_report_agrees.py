@@ -24,7 +24,7 @@ def test_U3_11_report_shows_the_newest_run_and_perplexity(tmp_path, monkeypatch)
     from kvhub.eval import plots
 
     for figure in ("r2_heatmap", "layer_r2"):  # the store fixture's mapper has no probe to draw
-        monkeypatch.setattr(plots, figure, lambda metadata, path: path.write_bytes(b""))
+        monkeypatch.setattr(plots, figure, lambda metadata, path, **_: path.write_bytes(b""))
     db = str(tmp_path / "store.db")
     with open_store(db) as store:
         version = store.register(make_store_artifact(tmp_path / "a"))
