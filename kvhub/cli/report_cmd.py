@@ -18,12 +18,18 @@ from kvhub.cli.output import format_option, json_ref, print_record
 @db_option
 @format_option
 def report(ref, out, db, output_format):
-    """Write the R^2 heatmap, per-layer R^2 and retention plots, and a markdown summary, to OUT.
+    """Write the R^2 heatmap, per-layer R^2, retention, recompute-budget and speedup plots, and a markdown
+    summary, to OUT, from what the store holds (nothing is evaluated).
 
     Needs matplotlib: pip install 'kvhub[plots]'.  layer_r2.png shows the held-out R^2 of the stored
     maps themselves (compressed maps included); r2_heatmap.png the full-rank one-layer probe that chose
     their source layers; retention.png the retention (mapped / own accuracy, 95% interval) of every task
-    `kvhub eval` stored, beside each condition's accuracy.
+    `kvhub eval` stored, beside each condition's accuracy.  budget.png: per task and selector, retention
+    (exact match for facts and the other generation tasks) against the recompute budget of the variants
+    `kvhub eval --exact-budget ...` stored, with drop (the recomputed tokens alone) at the same budget.
+    speedup.png: the handoff's time-to-first-token gain and transfer()'s speedup against the context tokens
+    `kvhub bench --lengths ...` timed.  A curve with fewer than two points stored is not drawn: report.md
+    and a note name the command that measures it.  Every title names the mapper and its version.
     """
     import shutil
 
