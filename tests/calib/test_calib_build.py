@@ -125,6 +125,7 @@ def test_corpus_too_small_is_an_error_naming_what_fits(calib_home, text_corpus, 
 
 
 def test_allow_fewer_uses_what_fits_and_says_so(calib_home, text_corpus, calib_tokenizer, caplog):
+    caplog.set_level("INFO", logger="kvhub.calib.calibration_set")
     built = resolve_calibration(
         str(text_corpus), tokenizer=calib_tokenizer, tokenizer_id="t", samples=10_000, seq_len=32, allow_fewer=True
     )

@@ -124,3 +124,16 @@ def test_fetch_with_a_cached_wheel(runner, spdx_home):
 def _build_args(corpus, tokenizer_dir, *, samples: int) -> list[str]:
     """``kvhub calib build CORPUS --tokenizer DIR --samples N``: the start of every build command line here."""
     return ["calib", "build", str(corpus), "--tokenizer", str(tokenizer_dir), "--samples", str(samples)]
+
+
+def test_allow_fewer_says_corpus_too_small_once_in_a_real_process(calib_home, text_corpus, tokenizer_dir, tmp_path):
+    """The library's log and the command's warning both reached the terminal (ux-4 U4-16's rest): once now."""
+    import os
+    import subprocess
+    import sys
+
+    args = [*_build_args(text_corpus, tokenizer_dir, samples=5000), "--seq-len", "32", "--allow-fewer"]
+    env = {**os.environ, "KVHUB_CACHE": str(tmp_path / "fresh-cache")}  # a fresh build, not a cached set
+    done = subprocess.run([sys.executable, "-m", "kvhub", *args], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("corpus too small") == 1, done.stderr
