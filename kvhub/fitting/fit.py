@@ -113,9 +113,7 @@ def fit(
     if target_layout == "layer-outer":
         check_layer_outer(target_model.config, options, mode)
     phases = "two-phase" if target_layout == "layer-outer" else capture_mode(options)
-    source, spool = source_captures(
-        source_model, phases, job_key, batches, layout, options, progress=progress, notify=notify
-    )
+    source, spool = source_captures(source_model, phases, job_key, batches, options, progress=progress, notify=notify)
     if target_layout == "layer-outer":
         device = device_of(source_model)  # where the source ran: the target's layers visit it one at a time
         state = accumulate_layer_outer(

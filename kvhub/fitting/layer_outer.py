@@ -108,12 +108,8 @@ def accumulate_layer_outer(
     captures (:class:`kvhub.fitting.phases.SpooledSource`) and ``target_model`` on the host: each decoder
     layer moved to ``device`` for its sweep and back after (module docstring).  ``sweeps``: where the state
     between two layers is checkpointed (every ``options.checkpoint_every`` layers) and resumed from."""
-    body = target_model.base_model
-    device = torch.device(device)
-    rotary = Rotary.from_model(target_model)
-    embed = body.embed_tokens.to(device)
-    if getattr(body, "rotary_emb", None) is not None:
-        body.rotary_emb.to(device)
+    body, device = target_model.base_model, torch.device(device)
+    embed, rotary = onload_stack(target_model, device)
     resumed = sweeps.load(layout, dtype) if sweeps is not None else None
     if resumed is None:
         start = 0
@@ -129,15 +125,7 @@ def accumulate_layer_outer(
         moments = {name: _layer_moments(layout, dtype, gram=m == 0) for name in SPLITS}
         for index, (name, ids) in enumerate(batches):
             report(progress, f"target layer {m + 1}/{layout.dst_layers}: {name} batch {index + 1}", done, total)
-            started = time.perf_counter()
-            out, keys, values = layer_pass(target_model, m, hidden[index].to(device))
-            keep = token_mask(
-                torch.ones_like(ids, device=keys.device), stride=options.stride, skip_first=options.skip_first
-            )
-            positions = torch.arange(ids.shape[1], device=keys.device).expand_as(keep)
-            k_rows, v_rows = layer_rows(keys, values, keep, rotary, positions, m)
-            hidden[index] = out.to("cpu")
-            options.timings["forward_s"] = options.timings.get("forward_s", 0.0) + time.perf_counter() - started
+            k_rows, v_rows = sweep_batch(target_model, m, hidden, index, ids, rotary, options, device)
             started = time.perf_counter()
             src = source.capture(index, ids)
             for kind, rows, blocks in (("k", k_rows, src.keys), ("v", v_rows, src.values)):
@@ -153,6 +141,30 @@ def accumulate_layer_outer(
     report(progress, "target layers: done", done, total)
     options.timings["tokens"] = options.timings.get("tokens", 0) + sum(int(ids.numel()) for _, ids in batches)
     return FitState(stats)
+
+
+def onload_stack(target_model, device: torch.device):
+    """The target's embedding and rotary embedding moved to ``device`` for the whole fit (its decoder layers
+    visit one at a time); returns (embedding, :class:`Rotary`)."""
+    body = target_model.base_model
+    embed = body.embed_tokens.to(device)
+    if getattr(body, "rotary_emb", None) is not None:
+        body.rotary_emb.to(device)
+    return embed, Rotary.from_model(target_model)
+
+
+def sweep_batch(target_model, m: int, hidden: dict | list, index: int, ids, rotary, options, device):
+    """Decoder layer ``m`` over batch ``index``'s hidden states (``hidden[index]``, moved on to the layer's
+    output, on the host): that layer's kept K rows (RoPE stripped) and V rows, as
+    :func:`kvhub.core.capture.capture` gives them; its time goes to ``forward_s``."""
+    started = time.perf_counter()
+    out, keys, values = layer_pass(target_model, m, hidden[index].to(device))
+    keep = token_mask(torch.ones_like(ids, device=keys.device), stride=options.stride, skip_first=options.skip_first)
+    positions = torch.arange(ids.shape[1], device=keys.device).expand_as(keep)
+    rows = layer_rows(keys, values, keep, rotary, positions, m)
+    hidden[index] = out.to("cpu")
+    options.timings["forward_s"] = options.timings.get("forward_s", 0.0) + time.perf_counter() - started
+    return rows
 
 
 def _layer_moments(layout: Layout, dtype: torch.dtype, *, gram: bool) -> dict[str, Moments]:

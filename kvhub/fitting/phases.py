@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from kvhub.core.capture import CapturedKV, capture
+from kvhub.core.fingerprint import kv_geometry
 from kvhub.errors import FitInterrupted
 from kvhub.fitting import modes
 from kvhub.fitting.resident import device_of, loaded, release
@@ -130,12 +131,14 @@ def discard_spool(job, *, rank: int = 0, world: int = 1) -> None:
     remove_spool(spool_root() / key[:24])
 
 
-def source_captures(source, phases: str, job: str, batches, layout, options, *, progress=None, notify=None):
+def source_captures(source, phases: str, job: str, batches, options, *, held=None, progress=None, notify=None):
     """The fit's source feed and its spool: the loaded model and None (one phase), or phase 1 run into the
-    spool of ``job`` and the spool read back (two phases; the source released after phase 1)."""
+    spool of ``job`` and the spool read back (two phases; the source released after phase 1).  ``held``: the
+    batch indices this process captures (a distributed rank's own; default every batch)."""
     if phases != "two-phase":
         return loaded(source), None
-    spool = Spool.for_job(job, batches=len(batches), layers=layout.src_layers)
+    held = range(len(batches)) if held is None else held
+    spool = Spool.for_job(job, batches=list(held), layers=kv_geometry(source.config)[0])
     fill_spool(
         source,
         batches,

@@ -19,19 +19,15 @@ import time
 
 import torch
 
-from kvhub.core.capture import layer_rows, token_mask
-from kvhub.core.fingerprint import kv_geometry
-from kvhub.core.rope import Rotary
 from kvhub.core.stats import F64, KVStats, Layout
 from kvhub.fitting.checkpoint import SPLITS, FitState
 from kvhub.fitting.choose import capture_mode
 from kvhub.fitting.fit import fit_batches
-from kvhub.fitting.layer_outer import _layer_moments, layer_pass
+from kvhub.fitting.layer_outer import _layer_moments, onload_stack, sweep_batch
 from kvhub.fitting.options import FitOptions
-from kvhub.fitting.phases import fill_spool, spooled
+from kvhub.fitting.phases import source_captures as phase_sources
 from kvhub.fitting.ranks import Group, _all_gather_rows, owned_layers
 from kvhub.fitting.resident import loaded
-from kvhub.fitting.spool import Spool
 from kvhub.progress import Progress, report
 
 
@@ -50,12 +46,8 @@ def accumulate_layer_outer_sharded(
 ) -> FitState:
     """This rank's statistics over its ``owned`` target layers (layout with those layers), the target on the host
     and one layer at a time on ``device``; ``source`` reads this rank's batches from its spool."""
-    body = target_model.base_model
-    device = torch.device(device)
-    rotary = Rotary.from_model(target_model)
-    embed = body.embed_tokens.to(device)
-    if getattr(body, "rotary_emb", None) is not None:
-        body.rotary_emb.to(device)
+    body, device = target_model.base_model, torch.device(device)
+    embed, rotary = onload_stack(target_model, device)
     mine = range(group.rank, len(batches), group.world)
     hidden = {index: embed(batches[index][1].to(device)).to("cpu") for index in mine}
     local = Layout(layout.src_layers, layout.src_width, len(owned), layout.dst_width)
@@ -110,36 +102,27 @@ def layer_outer(group, source, target_model, layout, options, mode, train_ids, h
 def source_captures(
     group: Group, source_model, job: str, options: FitOptions, train_ids, heldout_ids, progress, notify
 ):
-    """This rank's source: the model itself (one-phase capture), or a spool of its own batches that the source
-    filled alone before it was let go (two-phase, :mod:`kvhub.fitting.phases`); and that spool (None)."""
-    if capture_mode(options) != "two-phase" and options.target_layout != "layer-outer":
-        return loaded(source_model), None
+    """This rank's source and spool (:func:`kvhub.fitting.phases.source_captures`): the model, or a spool of
+    the rank's own batches (batch i goes to rank i mod N)."""
+    outer = options.target_layout == "layer-outer"
+    phases = "two-phase" if outer else capture_mode(options)
     batches = fit_batches(train_ids, heldout_ids, options.batch_size)
-    mine = [index for index in range(len(batches)) if index % group.world == group.rank]
-    spool = Spool.for_job(job, batches=mine, layers=kv_geometry(source_model.config)[0])
-    fill_spool(
+    return phase_sources(
         source_model,
+        phases,
+        job,
         batches,
-        spool,
-        stride=options.stride,
-        skip_first=options.skip_first,
+        options,
+        held=range(group.rank, len(batches), group.world),
         progress=progress,
         notify=notify if group.is_main else (lambda line: None),
-        timings=options.timings,
     )
-    return spooled(source_model, spool), spool
 
 
 def _rows(target_model, m, hidden, index, ids, source, rotary, options, device) -> torch.Tensor:
-    """(N, 2p + 2dt) fp32 rows of batch ``index`` for sweep ``m``: source K | V (from the spool), layer m's K | V;
-    ``hidden[index]`` moves on to layer m's output."""
-    started = time.perf_counter()
-    out, keys, values = layer_pass(target_model, m, hidden[index].to(device))
-    keep = token_mask(torch.ones_like(ids, device=keys.device), stride=options.stride, skip_first=options.skip_first)
-    positions = torch.arange(ids.shape[1], device=keys.device).expand_as(keep)
-    k_rows, v_rows = layer_rows(keys, values, keep, rotary, positions, m)
-    hidden[index] = out.to("cpu")
-    options.timings["forward_s"] = options.timings.get("forward_s", 0.0) + time.perf_counter() - started
+    """(N, 2p + 2dt) fp32 rows of batch ``index`` for sweep ``m``: source K | V (from the spool), layer m's K | V
+    (:func:`kvhub.fitting.layer_outer.sweep_batch`)."""
+    k_rows, v_rows = sweep_batch(target_model, m, hidden, index, ids, rotary, options, device)
     src = source.capture(index, ids)
     device = k_rows.device
     return torch.cat([*(b.to(device) for b in src.keys), *(b.to(device) for b in src.values), k_rows, v_rows], 1)
