@@ -8,9 +8,9 @@ Every share is one recompute variant of the ONE evaluation loop (:func:`kvhub.ev
 runs it), all scored on the same items: share 0 is the map alone; a share s > 0 is the default handoff's shape
 (the first 4 and last 16 tokens exact, spans chosen by the source's attention) with ``exact_budget`` = s minus the
 20 exact tokens' share, so about s of the context is recomputed in all.  ``drop`` is scored inside each variant
-at exactly the positions the handoff recomputed.  Per task and share: gist (pooled over the domains, and each
-domain) the gap closed by handoff and drop, with handoff - drop paired over items; aggregation: exact-match
-accuracy, the same differences; the recomputed share measured where the task reports it.
+at exactly the positions the handoff recomputed.  Per task and share: gist (pooled over the domains, each domain,
+and pooled by generation) the gap closed by handoff and drop, with handoff - drop paired over items; aggregation:
+exact-match accuracy, the same differences; the recomputed share measured where the task reports it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def points(name: str, summary: dict):
     """(row name, point) per row of one summary: the gist pooled, each domain and the keyed answers; or accuracy."""
     if "gap_closed_mapped" in summary:
         yield name, _gist_point(summary)
+        if "gen_gap_closed_mapped" in summary:  # the same items scored by generation (ROUGE-L against own)
+            yield f"{name}:generation", _gist_point(summary, "gen_gap_closed")
         for domain, inner in (summary.get("domains") or {}).items():
             yield f"{name}:{domain}", _gist_point(inner)
         if summary.get("key_n"):
@@ -74,9 +76,10 @@ def points(name: str, summary: dict):
     yield name, point
 
 
-def _gist_point(summary: dict) -> dict:
-    point = _pair(summary, "gap_closed_mapped", "gap_closed_drop", "gap_closed_map_minus_drop", None, "gap closed")
-    point["best_control"] = summary["gap_closed_mapped"] - summary.get("gap_closed_map_minus_controls", float("nan"))
+def _gist_point(summary: dict, prefix: str = "gap_closed") -> dict:
+    metric = "gap closed" if prefix == "gap_closed" else "gap closed by generation"
+    point = _pair(summary, f"{prefix}_mapped", f"{prefix}_drop", f"{prefix}_map_minus_drop", None, metric)
+    point["best_control"] = summary[f"{prefix}_mapped"] - summary.get(f"{prefix}_map_minus_controls", float("nan"))
     return point
 
 
@@ -121,7 +124,7 @@ def write(report: dict, out: Path, *, plot: bool = True) -> list[Path]:
     if plot:
         from kvhub.eval.plots import budget_chart
 
-        pooled = {k: v for k, v in report["curve"].items() if ":" not in k or k.endswith(":keyed")}
+        pooled = {k: v for k, v in report["curve"].items() if ":" not in k or k.endswith((":keyed", ":generation"))}
         written.append(budget_chart(pooled, out.with_suffix(".png")))
     return written
 

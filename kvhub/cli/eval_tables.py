@@ -124,9 +124,42 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
         right=tuple(columns[1:]),
         title=f"{ref}: the target's own answer about the whole context, mean NLL per token",
     )
+    generated = {task: r for task, r in results.items() if "gen_gap_closed_mapped" in r}
+    if generated:
+        print_gist_generation(ref, generated, output_format=output_format)
     keyed = {task: r for task, r in results.items() if r.get("key_n")}
     if keyed:
         print_keyed(ref, keyed, output_format=output_format)
+
+
+def print_gist_generation(ref: str, results: dict, *, output_format: str) -> None:
+    """The gist scored by generation: ROUGE-L of the target's greedy answer under each condition against its own
+    answer, and the gap closed by it, (ROUGE - floor) / (own - floor), with the same differences as by NLL."""
+    first = next(iter(results.values()))
+    conditions = [
+        c for c in ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor") if f"rouge_{c}" in first
+    ]
+    closing = [c for c in conditions if c not in ("own", "floor")]
+    every = all("gen_gap_closed_map_minus_controls" in r for r in results.values())
+    columns = [
+        "task",
+        "n",
+        *conditions,
+        *("gap closed [95% CI]" if c == "mapped" else f"{c} closes [95% CI]" for c in closing),
+        *(["mapped - best control [95% CI]"] if every else []),
+    ]
+    rows = []
+    for task, r in results.items():
+        closes = [closed(r, c, "gen_gap_closed") for c in closing]
+        closes += [closed(r, "map_minus_controls", "gen_gap_closed")] if every else []
+        rows.append([task, r["n"], *(number(r.get(f"rouge_{c}")) for c in conditions), *closes])
+    print_table(
+        columns,
+        rows,
+        output_format=output_format,
+        right=tuple(columns[1:]),
+        title=f"{ref}: the target's greedy answer under each cache against its own, ROUGE-L (higher is better)",
+    )
 
 
 def with_domains(results: dict) -> dict:
@@ -161,10 +194,10 @@ def print_keyed(ref: str, results: dict, *, output_format: str) -> None:
     )
 
 
-def closed(r: dict, name: str) -> str:
-    """``gap_closed_<name>`` (a condition, or a difference such as ``map_minus_controls``) with its interval."""
-    low, high = r[f"gap_closed_{name}_ci"]
-    return f"{r[f'gap_closed_{name}']:+.2f} [{low:+.2f}, {high:+.2f}]"
+def closed(r: dict, name: str, prefix: str = "gap_closed") -> str:
+    """``<prefix>_<name>`` (a condition, or a difference such as ``map_minus_controls``) with its interval."""
+    low, high = r[f"{prefix}_{name}_ci"]
+    return f"{r[f'{prefix}_{name}']:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
 def print_recall(ref: str, results: dict, *, output_format: str) -> None:

@@ -80,7 +80,7 @@ class LibraryConditions:
 
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.read_recall = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
-        self.read_gist = functools.partial(read_gist_score, required=(*GIST_CONDITIONS, "zero"))
+        self.read_gist = functools.partial(read_gist_score, required=(*GIST_CONDITIONS, "zero"), generated=True)
 
     @functools.cached_property
     def control(self):
@@ -146,8 +146,10 @@ class LibraryConditions:
         return summarize_gist(scores, seed=seed)
 
     def gist_record(self, name: str, variant: str, item, score) -> dict:
-        from kvhub.eval.gist import gap_closed
+        from kvhub.eval.gist import gap_closed, gen_gap_closed
         from kvhub.eval.gist_controls import GIST_CONTROLS
+
+        closing = ("mapped", "drop", "control", *GIST_CONTROLS)
 
         return {
             "task": name,
@@ -155,9 +157,9 @@ class LibraryConditions:
             "doc_id": item.id,
             "nll": score.nll,
             "answer": score.answer,
-            "gap_closed": {
-                c: gap_closed(score.nll, c) for c in ("mapped", "drop", "control", *GIST_CONTROLS) if c in score.nll
-            },
+            "gap_closed": {c: gap_closed(score.nll, c) for c in closing if c in score.nll},
+            "rouge": score.rouge,
+            "gen_gap_closed": {c: gen_gap_closed(score.rouge, c) for c in closing if c in score.rouge},
             "keyed": score.keyed,
             "meta": item.meta,
         }

@@ -59,13 +59,15 @@ class GistItem:
 
 @dataclass
 class GistScore:
-    """Per item and recompute variant: nll[c] mean NLL per answer token under each condition, the answer."""
+    """Per item and recompute variant: nll[c] mean NLL per answer token under each condition, the answer; where
+    scored by generation, rouge[c] the ROUGE-L F1 of the target's greedy answer under c against it."""
 
     id: str
     nll: dict
     answer: list[int]
     meta: dict = field(default_factory=dict)
     keyed: dict = field(default_factory=dict)  # condition -> 1 / 0: greedy would write the key (keyed items)
+    rouge: dict = field(default_factory=dict)  # condition -> ROUGE-L F1 of what greedy writes against ``answer``
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -171,12 +173,16 @@ def score_gist_item(
     answer_tokens: int = ANSWER_TOKENS,
     zero=None,
     raw=None,
+    generate: bool = True,
 ) -> list[GistScore]:
     """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared); ``wrong`` where the
     item has ``wrong_ids``, ``zero`` where ``zero`` (:func:`kvhub.eval.gist_controls.zero_mapper`) and ``raw``
     where ``raw`` (:class:`kvhub.eval.gist_controls.RawSourceMap`) is given, each through the variant's recompute
     like ``mapped``.  A keyed item (``key_ids``) also gets ``keyed[c]`` per condition: 1 when every key token is
-    the greedy choice after the prompt under that condition's cache, else 0."""
+    the greedy choice after the prompt under that condition's cache, else 0.  With ``generate``, ``rouge[c]``: the
+    target's greedy answer under each condition's cache (:func:`kvhub.eval.generation.greedy_rows`, all the
+    variant's caches in one batch) against its own answer."""
+    from kvhub.eval.generation import Row, greedy_rows, rouge_l
     from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
 
@@ -185,12 +191,10 @@ def score_gist_item(
     device = next(target.parameters()).device
     context = torch.tensor([prompt[:-1]], device=device)
     score = functools.partial(_score_cache, target, prompt, answer, item.key_ids)
-    shared_nll, shared_keyed = {}, {}
-    for name, cache in (
-        ("own", run_model(target, context)),
-        ("floor", run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device))),
-    ):
-        shared_nll[name], shared_keyed[name] = score(cache)
+    shared = {  # scored with the first variant
+        "own": Row(run_model(target, context)),
+        "floor": Row(run_model(target, torch.tensor([prompt[-FLOOR_TOKENS:-1]], device=device))),
+    }
     source_cache = run_model(source, context)
     ids = torch.tensor([prompt], device=device)
     paths = [("mapped", mapper, ids, source_cache), ("control", control, ids, source_cache)]
@@ -198,19 +202,32 @@ def score_gist_item(
     if item.wrong_ids is not None:  # the same request (and last token) over another item's context
         wrong = torch.tensor([item.wrong_ids], device=device)
         paths.append(("wrong", mapper, wrong, run_model(source, wrong[:, :-1])))
-    scores = []
+    scores, first = [], {}
     for spec in variants:
         spec = spec.capped(len(prompt) - 1)
-        nll, keyed = dict(shared_nll), dict(shared_keyed)
+        rows = dict(shared) if not first else {}
         for name, which, prompt_ids, cached in paths:
             cache, positions = prepare_cache_counted(
                 which, source, target, prompt_ids, recompute=spec, tokenizer=tokenizer, source_cache=cached
             )
-            nll[name], keyed[name] = score(cache)
+            rows[name] = Row(cache)
             if name == "mapped":  # the same positions, nothing mapped
-                nll["drop"], keyed["drop"] = score(drop_cache(target, context, positions), start=context.shape[1])
+                rows["drop"] = Row(drop_cache(target, context, positions), start=context.shape[1])
+        rouge = {}
+        if generate:  # before the teacher-forced scores, which grow the caches
+            written = greedy_rows(target, list(rows.values()), prompt[-1], len(answer))
+            rouge = {name: rouge_l(tokens, answer) for name, tokens in zip(rows, written)}
+        nll, keyed = {}, {}
+        for name, row in rows.items():
+            nll[name], keyed[name] = score(row.cache, start=row.start)
+        if not first:
+            first = {c: (nll[c], keyed[c], rouge.get(c)) for c in shared}
+        for c, (value, key, generated) in first.items():
+            nll[c], keyed[c] = value, key
+            if generated is not None:
+                rouge[c] = generated
         keyed = {c: v for c, v in keyed.items() if v is not None}
-        scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}, keyed))
+        scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}, keyed, rouge))
     return scores
 
 
@@ -231,40 +248,71 @@ def gap_closed(nll: dict, condition: str) -> float:
     return (nll["floor"] - nll[condition]) / span if span > 0 else math.nan
 
 
-def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
-    """Mean NLL per condition, gap closed by ``mapped``, ``drop``, ``control``, ``wrong`` and ``zero`` (ratio of
-    the means, where scored) with bootstrap 95% intervals over items, the paired differences mapped - each of
-    them, and ``gap_closed_map_minus_controls``: mapped - the best of the controls (control, wrong, zero)."""
-    if not scores:
-        return {"n": 0}
+def gen_gap_closed(rouge: dict, condition: str) -> float:
+    """(condition - floor) / (own - floor) from per-condition ROUGE-L (higher is better); nan when own's
+    generation is no closer to the answer than the floor's."""
+    span = rouge["own"] - rouge["floor"]
+    return (rouge[condition] - rouge["floor"]) / span if span > 0 else math.nan
+
+
+def _closing(values: dict, closed, prefix: str, controls: list) -> dict:
+    """``{prefix}_<c>``: the gap ``closed(values, c)`` by mapped, drop and each control present in ``values``;
+    ``{prefix}_map_minus_<c>``: mapped minus each of them; ``{prefix}_map_minus_controls``: mapped minus the best
+    control, where there are several."""
+    out = {}
+    for condition in ("mapped", "drop", "control", *GIST_CONTROLS):
+        if condition in values:
+            out[f"{prefix}_{condition}"] = closed(values, condition)
+    for other in ("control", "drop", *GIST_CONTROLS):
+        if other in values:
+            out[f"{prefix}_map_minus_{other}"] = out[f"{prefix}_mapped"] - out[f"{prefix}_{other}"]
+    if len(controls) > 1:
+        out[f"{prefix}_map_minus_controls"] = min(out[f"{prefix}_map_minus_{c}"] for c in controls)
+    return out
+
+
+def with_intervals(stats, n: int, *, seed: int = 0, resamples: int = 1000) -> dict:
+    """``stats(range(n))`` (a dict of numbers over items 0..n-1) and, for each key, ``<key>_ci``: its bootstrap
+    95% interval, the 2.5% and 97.5% quantiles of ``stats`` over ``resamples`` resamples of the items with
+    replacement (every key from the same resamples: paired; NaN resamples left out)."""
     rng = random.Random(seed)
-    n = len(scores)
-    conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in s.nll for s in scores)]  # served: no drop
-    controls = [c for c in ("control", *GIST_CONTROLS) if c in conditions]
-
-    def stats(index) -> dict:
-        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in conditions}
-        out = {f"nll_{c}": mean[c] for c in conditions}
-        for condition in ("mapped", "drop", "control", *GIST_CONTROLS):
-            if condition in mean:
-                out[f"gap_closed_{condition}"] = gap_closed(mean, condition)
-        for other in ("control", "drop", *GIST_CONTROLS):
-            if other in mean:
-                out[f"gap_closed_map_minus_{other}"] = out["gap_closed_mapped"] - out[f"gap_closed_{other}"]
-        if len(controls) > 1:
-            out["gap_closed_map_minus_controls"] = min(out[f"gap_closed_map_minus_{c}"] for c in controls)
-        return out
-
     point = stats(range(n))
     boot = [stats([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
-    out = {"n": n}
+    out = {}
     for key, value in point.items():
         values = sorted(b[key] for b in boot if not math.isnan(b[key]))
         out[key] = value
         out[f"{key}_ci"] = (
             [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]] if values else [math.nan, math.nan]
         )
-    out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n
+    return out
+
+
+def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
+    """Mean NLL per condition, gap closed by ``mapped``, ``drop``, ``control``, ``wrong`` and ``zero`` (ratio of
+    the means, where scored) with bootstrap 95% intervals over items, the paired differences mapped - each of
+    them, and ``gap_closed_map_minus_controls``: mapped - the best of the controls (control, wrong, zero).  Where
+    every item was scored by generation, the same by ROUGE-L: ``rouge_<c>`` and ``gen_gap_closed_*``."""
+    if not scores:
+        return {"n": 0}
+    conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in s.nll for s in scores)]  # served: no drop
+    controls = [c for c in ("control", *GIST_CONTROLS) if c in conditions]
+    generated = [c for c in conditions if all(c in s.rouge for s in scores)]
+    if not {"own", "floor", "mapped"} <= set(generated):
+        generated = []
+
+    def stats(index) -> dict:
+        mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in conditions}
+        out = {f"nll_{c}": mean[c] for c in conditions}
+        out.update(_closing(mean, gap_closed, "gap_closed", controls))
+        if generated:
+            rouge = {c: sum(scores[i].rouge[c] for i in index) / len(index) for c in generated}
+            out.update({f"rouge_{c}": rouge[c] for c in generated})
+            out.update(_closing(rouge, gen_gap_closed, "gen_gap_closed", [c for c in controls if c in generated]))
+        return out
+
+    out = {"n": len(scores), **with_intervals(stats, len(scores), seed=seed, resamples=resamples)}
+    out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / len(scores)
     out.update(summarize_keyed(scores, seed=seed, resamples=resamples))
     return out
 
@@ -279,7 +327,6 @@ def summarize_keyed(scores: list[GistScore], *, seed: int = 0, resamples: int = 
         return {}
     conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in k for k in keyed)]
     controls = [c for c in ("control", *GIST_CONTROLS) if c in conditions]
-    rng, n = random.Random(seed), len(keyed)
 
     def stats(index) -> dict:
         out = {f"key_{c}": sum(keyed[i][c] for i in index) / len(index) for c in conditions}
@@ -290,22 +337,18 @@ def summarize_keyed(scores: list[GistScore], *, seed: int = 0, resamples: int = 
             out["key_map_minus_controls"] = min(out[f"key_map_minus_{c}"] for c in controls)
         return out
 
-    point = stats(range(n))
-    boot = [stats([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
-    out: dict = {"key_n": n}
-    for key, value in point.items():
-        values = sorted(b[key] for b in boot)
-        out[key] = value
-        out[f"{key}_ci"] = [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
-    return out
+    return {"key_n": len(keyed), **with_intervals(stats, len(keyed), seed=seed, resamples=resamples)}
 
 
-def read_gist_score(record: dict, *, required: tuple = GIST_CONDITIONS) -> GistScore:
+def read_gist_score(record: dict, *, required: tuple = GIST_CONDITIONS, generated: bool = False) -> GistScore:
     """A cached GistScore; one without a ``required`` condition scored now (written before ``drop``, or before the
-    ``zero`` control where the backend asks for it) is refused (ValueError), so the per-item cache scores that
+    ``zero`` control where the backend asks for it), or, with ``generated``, without every one of them scored by
+    generation too (written before generation was), is refused (ValueError), so the per-item cache scores that
     item again."""
     if any(c not in record.get("nll", {}) for c in required):
         raise ValueError("record without a condition scored now")
+    if generated and any(c not in record.get("rouge", {}) for c in required):
+        raise ValueError("record without the generation scores")
     return GistScore(**record)
 
 

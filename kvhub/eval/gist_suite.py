@@ -12,7 +12,7 @@ the paired intervals resample items), with ``domains``: the same summary per dom
 from __future__ import annotations
 
 from kvhub.errors import CorpusUnavailableError
-from kvhub.eval.gist import ANSWER_TOKENS, GistItem
+from kvhub.eval.gist import ANSWER_TOKENS, GistItem, GistTask
 from kvhub.eval.gist_controls import with_wrong_documents
 from kvhub.eval.suite_items import DOMAINS, suite_items
 
@@ -46,24 +46,14 @@ def build_suite(tokenizer, *, split: str, context_tokens: int, per_domain: int, 
     return items
 
 
-class SuiteTask:
-    """The gist suite at one context length (:class:`kvhub.eval.run.Task`), through ``conditions``
-    (:class:`kvhub.eval.conditions.Conditions`); ``items``: these instead of built ones."""
+class SuiteTask(GistTask):
+    """The gist suite at one context length: a :class:`~kvhub.eval.gist.GistTask` whose items are the suite's
+    (``limit`` per domain, of the task's split) and whose summary adds each domain's; ``items``: these instead of
+    built ones."""
 
     def __init__(self, task: str, conditions, *, context_tokens: int, limit: int, seed: int = 0, items=None):
-        self.task, self.split = task, SUITE_TASKS[task]
-        self.conditions, self.context_tokens, self.limit, self.seed = conditions, context_tokens, limit, seed
-        self.name = f"{task}-{context_tokens}"
-        self._items = items
-        self.read_score = conditions.read_gist
-
-    @classmethod
-    def tasks(cls, name: str, conditions, options) -> list:
-        """One task per length of ``options``; ``limit`` is the items per domain."""
-        return [
-            cls(name, conditions, context_tokens=length, limit=options.limit, seed=options.seed)
-            for length in options.context_tokens
-        ]
+        super().__init__(task, conditions, context_tokens=context_tokens, limit=limit, seed=seed, items=items)
+        self.split = SUITE_TASKS[task]
 
     def items(self) -> list[GistItem]:
         if self._items is not None:
@@ -78,34 +68,19 @@ class SuiteTask:
         self.conditions.check_items(items, extra=ANSWER_TOKENS, context_tokens=self.context_tokens)
         return items
 
-    def score(self, item: GistItem, variants) -> list:
-        return self.conditions.gist(item, list(variants))
-
     def summarize(self, scores: list) -> dict:
-        def summary(subset):
-            return self.conditions.summarize_gist(
-                subset, seed=self.seed, task=self.task, context_tokens=self.context_tokens
-            )
-
         domains = sorted({s.meta.get("domain", "") for s in scores}, key=_domain_order)
+        summary = super().summarize
         out = summary(scores)
         out["domains"] = {d: summary([s for s in scores if s.meta.get("domain", "") == d]) for d in domains}
         return out
 
-    def record(self, variant: str, item: GistItem, score) -> dict:
-        return self.conditions.gist_record(self.name, variant, item, score)
-
     def dataset(self, items) -> dict:
-        from kvhub.eval.results import items_sha256
-
         return {
-            "name": self.name,
+            **super().dataset(items),
             "origin": f"built by kvhub.eval.suite_items ({self.split} split, seed {self.seed})",
-            "context_tokens": self.context_tokens,
-            "n": len(items),
             "split": self.split,
             "domains": {d: sum(i.meta.get("domain") == d for i in items) for d in DOMAINS},
-            "sha256": items_sha256(items),
         }
 
 

@@ -294,3 +294,29 @@ def test_the_gist_reports_the_wrong_document_and_zero_controls_in_json_samples_a
     table = _eval(env, *args)
     assert table.exit_code == 0, table.output
     assert "wrong closes" in table.output and "zero closes" in table.output and "best control" in table.output
+
+
+def test_the_gist_is_scored_by_generation_in_json_samples_and_table(env):
+    """Every gist condition is scored by generation too (ROUGE-L of the target's greedy answer against its own):
+    the summary's gen_gap_closed_* with intervals, each sample's rouge, and the table's own section.  A cached
+    record written before generation was scored is scored again, not read without it."""
+    out = env["tmp"] / "gist-generation"
+    args = ("--task", "gist-code", "--context-tokens", "64", "--limit", "1", "--exact-prefix", "2")
+    result = _eval(env, *args, "--json", "--output-path", str(out), "--log-samples")
+    assert result.exit_code == 0, result.output
+    ((name, summary),) = json.loads(result.stdout)["results"].items()
+    for key in (
+        "rouge_own",
+        "rouge_mapped",
+        "rouge_drop",
+        "gen_gap_closed_mapped",
+        "gen_gap_closed_map_minus_controls",
+    ):
+        assert key in summary and f"{key}_ci" in summary
+    assert summary["rouge_own"] == 1.0  # greedy from the target's own cache writes its own answer
+    ((samples,),) = [list(out.rglob("samples_gist-code-64_*.jsonl"))]
+    record = json.loads(samples.read_text().splitlines()[0])
+    assert {"own", "mapped", "drop", "control", "wrong", "zero", "floor"} <= set(record["rouge"])
+    table = _eval(env, *args)
+    assert table.exit_code == 0, table.output
+    assert "ROUGE-L" in table.output

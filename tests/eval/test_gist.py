@@ -66,3 +66,50 @@ def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokeniz
     assert gap_closed(plain.nll, "control") <= 0.05, plain.nll
     assert gap_closed(everything.nll, "control") == pytest.approx(1.0, abs=1e-3)
     assert set(plain.nll) == set(GIST_CONDITIONS) and len(plain.answer) == 12
+
+
+def test_generation_scores_an_exact_map_as_own_and_the_summary_closes_the_gap_by_rouge(tokenizer, family):
+    """Known answers by generation: greedy from the target's own cache writes its own answer (ROUGE-L 1), so
+    does greedy from an exact map; the summary's generation gap is (ROUGE - floor) / (own - floor)."""
+    source, target, mapper = family
+    item = gist_items("document", tokenizer, context_tokens=120, n=1, seed=0, filler=FILLER)[0]
+    (plain,) = score_gist_item(
+        item,
+        mapper=mapper,
+        control=control_mapper(mapper),
+        source=source,
+        target=target,
+        tokenizer=tokenizer,
+        variants=[Recompute()],
+        answer_tokens=12,
+    )
+    assert set(plain.rouge) == set(GIST_CONDITIONS)
+    assert plain.rouge["own"] == 1.0 and plain.rouge["mapped"] == 1.0
+    assert 0.0 <= plain.rouge["floor"] <= 1.0
+    scores = [
+        GistScore("a", {"own": 1.0, "floor": 3.0, "mapped": 2.0, "control": 3.0}, [1], rouge=rouge)
+        for rouge in (
+            {"own": 1.0, "floor": 0.2, "mapped": 0.6, "control": 0.2},
+            {"own": 1.0, "floor": 0.0, "mapped": 1.0, "control": 0.4},
+        )
+    ]
+    summary = summarize_gist(scores)
+    assert summary["rouge_mapped"] == pytest.approx(0.8) and summary["rouge_floor"] == pytest.approx(0.1)
+    assert summary["gen_gap_closed_mapped"] == pytest.approx(0.7 / 0.9)  # the ratio of the means
+    assert summary["gen_gap_closed_map_minus_control"] == pytest.approx(0.7 / 0.9 - 0.2 / 0.9)
+    # one item without generation scores: the summary has none (never a mean over some of the items)
+    assert "rouge_mapped" not in summarize_gist([*scores, GistScore("c", scores[0].nll, [1])])
+
+
+def test_a_cached_record_without_generation_scores_is_scored_again():
+    """read_gist_score(generated=True) refuses a record written before generation was scored (the loop then
+    scores that item again) and reads one that has it."""
+    from kvhub.eval.gist import read_gist_score
+
+    nll = {c: 1.0 for c in GIST_CONDITIONS}
+    old = GistScore("a", nll, [1]).as_dict()
+    with pytest.raises(ValueError, match="generation"):
+        read_gist_score(old, generated=True)
+    assert read_gist_score(old).rouge == {}
+    new = GistScore("a", nll, [1], rouge=dict.fromkeys(GIST_CONDITIONS, 0.5)).as_dict()
+    assert read_gist_score(new, generated=True).rouge["mapped"] == 0.5
