@@ -92,3 +92,41 @@ def fit_tiny(
         options=FitOptions(**{"stride": 1, "batch_size": 8, **options}),
         progress=progress,
     )
+
+
+def live_and_spooled(source, target, train, heldout, options, *, job: str):
+    """The fit's statistics two ways over the same batches: with the source live beside the target (one-phase
+    capture) and a spool the source alone filled (phase 1 of the two-phase capture), for a test to read back.
+    Returns (layout, batches, live outcome, spool)."""
+    from kvhub.core.rope import Rotary
+    from kvhub.fitting.fit import accumulate_passes, fit_batches, layout_for
+    from kvhub.fitting.modes import ONE_PASS
+    from kvhub.fitting.phases import LiveSource, fill_spool
+    from kvhub.fitting.spool import Spool
+
+    layout = layout_for(source.config, target.config)
+    batches = fit_batches(train, heldout, options.batch_size)
+    live = accumulate_passes(
+        LiveSource(source, Rotary.from_model(source), stride=options.stride, skip_first=0),
+        target,
+        batches,
+        layout,
+        mode=ONE_PASS,
+        options=options,
+        progress=None,
+        job="j",
+    )
+    spool = Spool.for_job(job * 24, batches=len(batches), layers=layout.src_layers)
+    fill_spool(source, batches, spool, stride=options.stride, skip_first=0)
+    return layout, batches, live, spool
+
+
+def assert_same_statistics(expected, actual, *, atol: float) -> None:
+    """Every train and held-out statistic of ``actual`` equals ``expected``'s to ``atol`` (in float64)."""
+    import torch
+
+    for split in ("train", "heldout"):
+        a, b = expected.stats[split].state_dict(), actual.stats[split].state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key].double(), a[key].double(), rtol=0, atol=atol, msg=key)

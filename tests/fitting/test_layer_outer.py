@@ -7,14 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from kvhub.core.rope import Rotary
 from kvhub.errors import ConfigError
-from kvhub.fitting.fit import accumulate_passes, fit, fit_batches, layout_for
+from kvhub.fitting.fit import fit
 from kvhub.fitting.layer_outer import accumulate_layer_outer, check_layer_outer, layer_pass
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.options import FitOptions
-from kvhub.fitting.phases import LiveSource, fill_spool, spooled
-from kvhub.fitting.spool import Spool
+from kvhub.fitting.phases import spooled
+from tests.fixtures_fit import assert_same_statistics, live_and_spooled
 from tests.tinymodels import make_model
 
 
@@ -62,26 +61,9 @@ def test_a_layers_pass_is_the_whole_models_layer(families):
 def test_layer_outer_statistics_equal_the_whole_model_statistics(families):
     source, target, train, heldout = families
     options = _options()
-    layout = layout_for(source.config, target.config)
-    batches = fit_batches(train, heldout, options.batch_size)
-    whole = accumulate_passes(
-        LiveSource(source, Rotary.from_model(source), stride=2, skip_first=0),
-        target,
-        batches,
-        layout,
-        mode=ONE_PASS,
-        options=options,
-        progress=None,
-        job="j",
-    )
-    spool = Spool.for_job("s" * 24, batches=len(batches), layers=layout.src_layers)
-    fill_spool(source, batches, spool, stride=2, skip_first=0)
+    layout, batches, whole, spool = live_and_spooled(source, target, train, heldout, options, job="s")
     outer = accumulate_layer_outer(spooled(source, spool), target, batches, layout, options=options, device="cpu")
-    for split in ("train", "heldout"):
-        a, b = whole.stats[split].state_dict(), outer.stats[split].state_dict()
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key].double(), a[key].double(), rtol=0, atol=1e-10, msg=key)
+    assert_same_statistics(whole, outer, atol=1e-10)
     assert outer.stats["train"].n == 20 * 6
 
 

@@ -15,12 +15,13 @@ import torch
 
 from kvhub.errors import FitError, FitInterrupted
 from kvhub.fitting import spool as spools
-from kvhub.fitting.fit import accumulate_passes, fit, fit_batches, layout_for
+from kvhub.fitting.fit import accumulate_passes, fit, fit_batches
 from kvhub.fitting.modes import ONE_PASS, StatisticsMode
 from kvhub.fitting.options import FitOptions
 from kvhub.fitting.phases import LiveSource, fill_spool, spooled
 from kvhub.fitting.resident import ModelHandle
 from kvhub.fitting.spool import Spool
+from tests.fixtures_fit import assert_same_statistics, live_and_spooled
 from tests.tinymodels import make_model
 
 TWO_PASS = StatisticsMode(passes=2, candidates=2, top_k_max=1)
@@ -92,30 +93,11 @@ def one_phase(family):
 def test_two_phase_statistics_equal_one_phase_statistics(family, cache):
     source, target, train, heldout = family
     options = _options()
-    layout = layout_for(source.config, target.config)
-    batches = fit_batches(train, heldout, options.batch_size)
-    from kvhub.core.rope import Rotary
-
-    live = accumulate_passes(
-        LiveSource(source, Rotary.from_model(source), stride=1, skip_first=0),
-        target,
-        batches,
-        layout,
-        mode=ONE_PASS,
-        options=options,
-        progress=None,
-        job="j",
-    )
-    spool = Spool.for_job("j" * 24, batches=len(batches), layers=layout.src_layers)
-    fill_spool(source, batches, spool, stride=1, skip_first=0)
+    layout, batches, live, spool = live_and_spooled(source, target, train, heldout, options, job="j")
     read = accumulate_passes(
         spooled(source, spool), target, batches, layout, mode=ONE_PASS, options=options, progress=None, job="j"
     )
-    for split in ("train", "heldout"):
-        a, b = live.stats[split].state_dict(), read.stats[split].state_dict()
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-10)
+    assert_same_statistics(live, read, atol=1e-10)
     assert live.stats["train"].n == 12 * 12 and live.stats["heldout"].n == 4 * 12
 
 
@@ -188,6 +170,7 @@ def test_kill_9_in_either_phase_then_a_rerun_gives_the_same_mapper(family, one_p
     script = f"""
 import os, signal, torch
 from tests.fitting.test_two_phase import _fit
+from tests.fixtures_fit import assert_same_statistics, live_and_spooled
 from tests.tinymodels import make_model
 source = make_model("qwen2", num_hidden_layers=3, seed=2)
 target = make_model("qwen2", num_hidden_layers=2, seed=3)
