@@ -162,3 +162,28 @@ def test_diagonal_gram_blocks_equal_the_exact_centred_blocks(dtype):
         assert_close(stats.syy, (yc * yc).sum(0), terms=600)
     with pytest.raises(IncompatibleError, match="cannot merge"):
         streamed.merge_(Moments(12, 5))
+
+
+def test_k_and_lambda_are_chosen_on_held_out_r2_never_on_the_training_fit():
+    """Issue 47, item 4's check: with few noisy training rows the training fit always prefers the weakest ridge
+    and the most source layers it can fit (it fits the noise); the auto choice is the one whose held-out R^2 is highest,
+    each lambda and k scored alone by a fixed solve of the same statistics.
+    Planted bug caught: choosing by ``train_r2`` picks lambda 1e-3 and the largest k."""
+    from kvhub.core.solve import LAMBDA_GRID
+
+    layout = Layout(src_layers=6, src_width=8, dst_layers=1, dst_width=4)
+    train, held = KVStats(layout), KVStats(layout)
+    for split, n, seed in ((train, 30, 0), (held, 3000, 1)):
+        xs, ys, _ = _planted(n, layout, {0: [2]}, noise=8.0, seed=seed)
+        split.update(xs, xs, ys, ys)
+    (chosen,) = solve(train, held).layers
+    k = len(chosen.sources)
+    fixed = {lam: solve(train, held, top_k=k, ridge_lambda=lam).layers[0] for lam in LAMBDA_GRID}
+    held_best = max(LAMBDA_GRID, key=lambda lam: fixed[lam].r2_k)
+    train_best = max(LAMBDA_GRID, key=lambda lam: fixed[lam].train_r2_k)
+    assert train_best != held_best  # the statistics tell the two apart, so the test can fail
+    assert chosen.k_map.ridge_lambda == held_best
+    assert chosen.r2_k == pytest.approx(fixed[held_best].r2_k)
+    per_k = {c: solve(train, held, top_k=c, ridge_lambda=chosen.k_map.ridge_lambda).layers[0] for c in (1, 2, 3)}
+    assert max(per_k[c].train_r2_k for c in per_k) == per_k[3].train_r2_k  # training prefers the most layers
+    assert k < 3 and (chosen.r2_k + chosen.r2_v) / 2 >= max((s.r2_k + s.r2_v) / 2 for s in per_k.values()) - 1e-9
