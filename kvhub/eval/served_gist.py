@@ -12,6 +12,8 @@ mapped     large   the item's tenant           A forced, over the stored KV mapp
 control    large   the item's tenant, with     A forced, over the no-information control map
                    ``kvhub_control``
 floor      large   a fresh one                 A forced after the last ``FLOOR_TOKENS`` prompt tokens
+(written)  large   as mapped, control, floor   the large model's greedy answer (``len(A)`` tokens) under
+                                               each of the three, scored by ROUGE-L against A
 =========  ======  ==========================  ====================================================
 
 "A forced" is :mod:`kvhub.serving.forced`: the request's ``vllm_xargs`` names A's ids, the server's logits
@@ -29,7 +31,16 @@ plus ``recomputed_fraction``: the connector's ``exact_tokens`` over the prompt's
 from __future__ import annotations
 
 from kvhub.errors import ServeError
-from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, GistItem, GistScore, gap_closed, summarize_gist
+from kvhub.eval.generation import rouge_l
+from kvhub.eval.gist import (
+    ANSWER_TOKENS,
+    FLOOR_TOKENS,
+    GistItem,
+    GistScore,
+    gap_closed,
+    gen_gap_closed,
+    summarize_gist,
+)
 from kvhub.eval.served import CONTROL_PARAMS, Completion, Endpoint, new_tenant, reported_deshrink
 from kvhub.serving.launch import FORCE_KEY, FORCED_PROCESSOR
 
@@ -80,6 +91,15 @@ def score_served_gist_item(
     control = forced(large, prompt, answer, cache_salt=tenant, kv_transfer_params=dict(CONTROL_PARAMS))
     floor = forced(large, prompt[-FLOOR_TOKENS:], answer, cache_salt=new_tenant())
     nll = {"own": mean_nll(own), "mapped": mean_nll(mapped), "control": mean_nll(control), "floor": mean_nll(floor)}
+    # by generation: what the large model writes under each (own's is the answer itself, written the same way)
+    written = {
+        "mapped": large.complete(prompt, max_tokens=len(answer), cache_salt=tenant),
+        "control": large.complete(
+            prompt, max_tokens=len(answer), cache_salt=tenant, kv_transfer_params=dict(CONTROL_PARAMS)
+        ),
+        "floor": large.complete(prompt[-FLOOR_TOKENS:], max_tokens=len(answer), cache_salt=new_tenant()),
+    }
+    rouge = {"own": rouge_l(answer, answer), **{c: rouge_l(w.token_ids, answer) for c, w in written.items()}}
     exact = mapped.recomputed_tokens
     return GistScore(
         item.id,
@@ -92,6 +112,7 @@ def score_served_gist_item(
             "context_positions": len(prompt) - 1,
             "deshrink": mapped.deshrink,
         },
+        rouge=rouge,
     )
 
 
@@ -104,6 +125,8 @@ def served_gist_record(task: str, item: GistItem, score: GistScore) -> dict:
         "nll": score.nll,
         "answer": score.answer,
         "gap_closed": {c: gap_closed(score.nll, c) for c in ("mapped", "control")},
+        "rouge": score.rouge,
+        "gen_gap_closed": {c: gen_gap_closed(score.rouge, c) for c in ("mapped", "control") if c in score.rouge},
         "meta": score.meta,
     }
 

@@ -14,6 +14,7 @@ import pytest
 
 from kvhub.errors import ServeError
 from kvhub.eval import served
+from kvhub.eval.generation import rouge_l
 from kvhub.eval.gist import ANSWER_TOKENS, FLOOR_TOKENS, GistItem
 from kvhub.eval.served import Endpoint
 from kvhub.eval.gist import GistTask
@@ -64,9 +65,18 @@ def test_each_condition_scores_the_own_answer_teacher_forced(pair, items, models
         }
         assert record["nll"] == pytest.approx(expected, rel=1e-6)
         assert record["gap_closed"]["mapped"] == pytest.approx(1.0)
+        # by generation: the exact map writes the own answer; control and floor what those models write greedily
+        written = {
+            "control": decode(models["control"], item.prompt_ids, ANSWER)[0],
+            "floor": decode(models["large"], item.prompt_ids[-FLOOR_TOKENS:], ANSWER)[0],
+        }
+        assert record["rouge"] == pytest.approx(
+            {"own": 1.0, "mapped": 1.0, **{c: rouge_l(w, answer) for c, w in written.items()}}
+        )
         assert record["meta"]["exact_tokens"] == EXACT_TAIL
     # the damaged model knows nothing of the context: it closes less of the gap than the exact map
     assert summary["gap_closed_mapped"] == pytest.approx(1.0) and summary["gap_closed_control"] < 1
+    assert summary["rouge_mapped"] == 1.0 and "gen_gap_closed_control" in summary
     assert summary["n"] == len(items) and summary["transfers_reported"] == len(items)
     assert summary["deshrink"] == "kv"  # as the large server reported it
     assert summary["recomputed_fraction"] == pytest.approx(
@@ -78,9 +88,11 @@ def test_each_condition_scores_the_own_answer_teacher_forced(pair, items, models
 def test_requests_go_one_at_a_time_store_own_mapped_control_floor(pair, items):
     _evaluate(pair, items[:2])
     requests = pair.requests
-    assert len(requests) == 5 * 2
+    assert len(requests) == 8 * 2
     for index, item in enumerate(items[:2]):
-        store, own, mapped, control, floor = requests[5 * index : 5 * index + 5]
+        store, own, mapped, control, floor, *written = requests[8 * index : 8 * index + 8]
+        assert written[:2] == [mapped, control]  # the greedy answers, under the same KV as the forced ones
+        assert written[2][0] == "large" and written[2][1] != floor[1] and written[2][3] == FLOOR_TOKENS
         tenant = store[1]
         assert store == ("small", tenant, False, len(item.prompt_ids)) and tenant.startswith(served.TENANT_PREFIX)
         assert own[0] == "large" and own[1] != tenant
