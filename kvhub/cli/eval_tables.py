@@ -87,22 +87,32 @@ def print_perplexity(ref: str, results: dict, *, output_format: str) -> None:
     print_table(columns, rows, output_format=output_format, title=title, right=tuple(columns[1:]))
 
 
-GIST_CORE = ("own", "mapped", "control", "floor")  # the gist conditions every backend scores
+GIST_ORDER = ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor")  # a gist table's columns
 
 
 def print_gist(ref: str, results: dict, *, output_format: str) -> None:
-    """The gist results table (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
+    """The gist results tables (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
     the target prefilling only the recomputed tokens, and the ``wrong`` / ``zero`` controls, where the run scored
-    them; mapped - the best control, where there are several: a result counts only where that is above 0)."""
+    them; mapped - the best control, where there are several: a result counts only where that is above 0); the
+    same by generation where it was scored; the keyed answers where items have them."""
     results = with_domains(results)
-    scored = [c for c in ("drop", "wrong", "zero", "raw") if all(f"nll_{c}" in r for r in results.values())]
-    conditions = [
-        c
-        for c in ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor")
-        if c in scored or c in GIST_CORE
-    ]
-    closing = [c for c in ("mapped", "drop", "control", "wrong", "zero", "raw") if c in conditions]
-    every = all("gap_closed_map_minus_controls" in r for r in results.values())
+    title = f"{ref}: the target's own answer about the whole context, mean NLL per token"
+    gist_table(results, "nll", "gap_closed", title=title, output_format=output_format)
+    generated = {task: r for task, r in results.items() if "gen_gap_closed_mapped" in r}
+    if generated:
+        title = f"{ref}: the target's greedy answer under each cache against its own, ROUGE-L (higher is better)"
+        gist_table(generated, "rouge", "gen_gap_closed", title=title, output_format=output_format)
+    keyed = {task: r for task, r in results.items() if r.get("key_n")}
+    if keyed:
+        print_keyed(ref, keyed, output_format=output_format)
+
+
+def gist_table(results: dict, measure: str, prefix: str, *, title: str, output_format: str) -> None:
+    """One gist table: ``<measure>_<condition>`` of every condition every row has, then ``<prefix>_<condition>``
+    (the gap closed) of each but own and floor, and ``<prefix>_map_minus_controls`` where every row has it."""
+    conditions = [c for c in GIST_ORDER if all(f"{measure}_{c}" in r for r in results.values())]
+    closing = [c for c in conditions if c not in ("own", "floor")]
+    every = all(f"{prefix}_map_minus_controls" in r for r in results.values())
     columns = [
         "task",
         "n",
@@ -113,53 +123,10 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
     ]
     rows = []
     for task, r in results.items():
-        closes = [closed(r, c) for c in closing] + ([closed(r, "map_minus_controls")] if every else [])
-        rows.append(
-            [task, r["n"], f"{r['context_tokens']:.0f}", *(f"{r[f'nll_{c}']:.3f}" for c in conditions), *closes]
-        )
-    print_table(
-        columns,
-        rows,
-        output_format=output_format,
-        right=tuple(columns[1:]),
-        title=f"{ref}: the target's own answer about the whole context, mean NLL per token",
-    )
-    generated = {task: r for task, r in results.items() if "gen_gap_closed_mapped" in r}
-    if generated:
-        print_gist_generation(ref, generated, output_format=output_format)
-    keyed = {task: r for task, r in results.items() if r.get("key_n")}
-    if keyed:
-        print_keyed(ref, keyed, output_format=output_format)
-
-
-def print_gist_generation(ref: str, results: dict, *, output_format: str) -> None:
-    """The gist scored by generation: ROUGE-L of the target's greedy answer under each condition against its own
-    answer, and the gap closed by it, (ROUGE - floor) / (own - floor), with the same differences as by NLL."""
-    first = next(iter(results.values()))
-    conditions = [
-        c for c in ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor") if f"rouge_{c}" in first
-    ]
-    closing = [c for c in conditions if c not in ("own", "floor")]
-    every = all("gen_gap_closed_map_minus_controls" in r for r in results.values())
-    columns = [
-        "task",
-        "n",
-        *conditions,
-        *("gap closed [95% CI]" if c == "mapped" else f"{c} closes [95% CI]" for c in closing),
-        *(["mapped - best control [95% CI]"] if every else []),
-    ]
-    rows = []
-    for task, r in results.items():
-        closes = [closed(r, c, "gen_gap_closed") for c in closing]
-        closes += [closed(r, "map_minus_controls", "gen_gap_closed")] if every else []
-        rows.append([task, r["n"], *(number(r.get(f"rouge_{c}")) for c in conditions), *closes])
-    print_table(
-        columns,
-        rows,
-        output_format=output_format,
-        right=tuple(columns[1:]),
-        title=f"{ref}: the target's greedy answer under each cache against its own, ROUGE-L (higher is better)",
-    )
+        closes = [closed(r, c, prefix) for c in closing] + ([closed(r, "map_minus_controls", prefix)] if every else [])
+        values = (f"{r[f'{measure}_{c}']:.3f}" for c in conditions)
+        rows.append([task, r["n"], f"{r['context_tokens']:.0f}", *values, *closes])
+    print_table(columns, rows, output_format=output_format, right=tuple(columns[1:]), title=title)
 
 
 def with_domains(results: dict) -> dict:
@@ -177,9 +144,7 @@ def with_domains(results: dict) -> dict:
 def print_keyed(ref: str, results: dict, *, output_format: str) -> None:
     """The gist items with a keyed answer: the share whose key the target would write first, per condition."""
     first = next(iter(results.values()))
-    conditions = [
-        c for c in ("own", "mapped", "drop", "control", "wrong", "zero", "raw", "floor") if f"key_{c}" in first
-    ]
+    conditions = [c for c in GIST_ORDER if f"key_{c}" in first]
     differences = [k for k in ("drop", "controls") if all(f"key_map_minus_{k}" in r for r in results.values())]
     columns = ["task", "keyed n", *conditions, *(f"mapped - {k} [95% CI]" for k in differences)]
     rows = []

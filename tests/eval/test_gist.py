@@ -45,13 +45,9 @@ def test_items_ask_about_the_whole_context(tokenizer):
     )
 
 
-def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokenizer, family):
-    """Known answers: on an exact family the mapped cache is own (gap closed 1.0); the no-information
-    control with no recompute closes nothing or less; recomputing every token of it is own again."""
+def _score(family, tokenizer, item, variants):
     source, target, mapper = family
-    item = gist_items("document", tokenizer, context_tokens=120, n=1, seed=0, filler=FILLER)[0]
-    variants = [Recompute(), Recompute(0, 0, 1.0, "random", spans="token")]
-    plain, everything = score_gist_item(
+    return score_gist_item(
         item,
         mapper=mapper,
         control=control_mapper(mapper),
@@ -61,6 +57,13 @@ def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokeniz
         variants=variants,
         answer_tokens=12,
     )
+
+
+def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokenizer, family):
+    """Known answers: on an exact family the mapped cache is own (gap closed 1.0); the no-information
+    control with no recompute closes nothing or less; recomputing every token of it is own again."""
+    item = gist_items("document", tokenizer, context_tokens=120, n=1, seed=0, filler=FILLER)[0]
+    plain, everything = _score(family, tokenizer, item, [Recompute(), Recompute(0, 0, 1.0, "random", spans="token")])
     assert plain.nll["own"] < plain.nll["floor"], plain.nll  # the context informs the answer at all
     assert gap_closed(plain.nll, "mapped") == pytest.approx(1.0, abs=1e-3)
     assert gap_closed(plain.nll, "control") <= 0.05, plain.nll
@@ -71,18 +74,8 @@ def test_an_exact_map_closes_the_whole_gap_and_the_bare_control_does_not(tokeniz
 def test_generation_scores_an_exact_map_as_own_and_the_summary_closes_the_gap_by_rouge(tokenizer, family):
     """Known answers by generation: greedy from the target's own cache writes its own answer (ROUGE-L 1), so
     does greedy from an exact map; the summary's generation gap is (ROUGE - floor) / (own - floor)."""
-    source, target, mapper = family
     item = gist_items("document", tokenizer, context_tokens=120, n=1, seed=0, filler=FILLER)[0]
-    (plain,) = score_gist_item(
-        item,
-        mapper=mapper,
-        control=control_mapper(mapper),
-        source=source,
-        target=target,
-        tokenizer=tokenizer,
-        variants=[Recompute()],
-        answer_tokens=12,
-    )
+    (plain,) = _score(family, tokenizer, item, [Recompute()])
     assert set(plain.rouge) == set(GIST_CONDITIONS)
     assert plain.rouge["own"] == 1.0 and plain.rouge["mapped"] == 1.0
     assert 0.0 <= plain.rouge["floor"] <= 1.0
