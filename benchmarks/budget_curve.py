@@ -10,7 +10,9 @@ runs it), all scored on the same items: share 0 is the map alone; a share s > 0 
 20 exact tokens' share, so about s of the context is recomputed in all.  ``drop`` is scored inside each variant
 at exactly the positions the handoff recomputed.  Per task and share: gist (pooled over the domains, each domain,
 and pooled by generation) the gap closed by handoff and drop, with handoff - drop paired over items; aggregation:
-exact-match accuracy, the same differences; the recomputed share measured where the task reports it.
+exact-match accuracy, the same differences; the recomputed share measured where the task reports it.  Each item's
+scores are cached as ``kvhub eval`` caches them (keyed on the mapper's tensors, the spec, dtype and device), so a
+killed run resumes, and a run at a larger ``--limit`` scores only the new items.
 """
 
 from __future__ import annotations
@@ -48,7 +50,16 @@ def run_curve(loaded, *, tasks=TASKS, shares=SHARES, context_tokens=1024, limit=
     for task in task_list:
         if task_items and task.task in task_items:
             task._items = task_items[task.task]
-    settings = run.RunSettings(None, getattr(loaded.mapper, "deshrink", None), seed=seed, limit=limit)
+    version = getattr(loaded, "version", None)  # a registered version: its items are cached as kvhub eval's are
+    parameter = next(loaded.target.parameters())
+    settings = run.RunSettings(
+        getattr(version, "tensors_sha256", None),
+        getattr(loaded.mapper, "deshrink", None),
+        seed=seed,
+        limit=limit,
+        dtype=str(parameter.dtype).removeprefix("torch."),
+        device=str(parameter.device),
+    )
     outcome = run.evaluate(task_list, list(variant_of.values()), settings=settings)
     curve = {}
     for task in task_list:

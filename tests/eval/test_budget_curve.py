@@ -60,3 +60,34 @@ def test_the_curve_pairs_handoff_and_drop_at_each_share(tokenizer, family, corpo
     assert json.loads(written[0].read_text())["curve"]["gist-100"][1]["share"] == 0.3
     assert "| gist-100 | 2 | 30% |" in written[1].read_text()
     assert written[2].stat().st_size > 1000
+
+
+def test_a_registered_versions_curve_is_cached_and_resumed_item_by_item(
+    tokenizer,  # noqa: F811
+    family,  # noqa: F811
+    corpora,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """With a registered version (its tensors' sha256) each item's scores go to kvhub eval's per-item cache, so a
+    second run (a killed one resumed, or the table re-rendered) scores nothing again; the generation rows come out
+    of the same records.  Planted bug caught: the curve's settings without the tensors' hash (nothing cached)."""
+    monkeypatch.setenv("KVHUB_CACHE", str(tmp_path / "cache"))
+    curve = load_benchmark("budget_curve")
+    version = SimpleNamespace(tensors_sha256="ab" * 32)
+    loaded = SimpleNamespace(version=version, mapper=family[2], source=family[0], target=family[1], tokenizer=tokenizer)
+    from kvhub.eval.gist_suite import build_suite
+
+    one = build_suite(tokenizer, split="test", context_tokens=100, per_domain=1, domains=("licence",))
+    options = dict(tasks=("gist",), shares=(0.0, 0.3), context_tokens=100, limit=1, seed=0, task_items={"gist": one})
+    first = curve.run_curve(loaded, **options)
+    assert list((tmp_path / "cache" / "eval-cache").rglob("*.jsonl"))
+    import kvhub.eval.gist as gist
+
+    def scored_again(*args, **kwargs):
+        raise AssertionError("an item scored again")
+
+    monkeypatch.setattr(gist, "score_gist_item", scored_again)
+    second = curve.run_curve(loaded, **options)
+    assert second["curve"]["gist-100"] == first["curve"]["gist-100"]
+    assert [p["share"] for p in second["curve"]["gist-100:generation"]] == [0.0, 0.3]
