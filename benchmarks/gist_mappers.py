@@ -65,7 +65,8 @@ def compare(a: dict, b: dict, *, seed: int = 0, resamples: int = 1000) -> dict:
                 return point
 
             row[measure] = with_intervals(stats, len(ids), seed=seed, resamples=resamples)
-        out["@".join(key)] = row
+        task, variant = key
+        out[f"{task}@{variant or 'map alone'}"] = row
     return out
 
 
