@@ -53,11 +53,11 @@ def greedy_rows(model, rows: list[Row], first_id: int, tokens: int) -> list[list
     template = next((row.cache for row, length in zip(rows, lengths) if length), None)
     for index in range(len(template.layers) if template is not None else 0):
         keys, values = [], []
-        like = template.layers[index].keys
+        like = template.layers[index]
         for row, length in zip(rows, lengths):
             if not length:  # an empty cache (a drop cache of no position): padding only
-                keys.append(like.new_zeros((1, like.shape[1], longest, like.shape[3])))
-                values.append(torch.zeros_like(keys[-1]))
+                keys.append(like.keys.new_zeros((1, like.keys.shape[1], longest, like.keys.shape[3])))
+                values.append(like.values.new_zeros((1, like.values.shape[1], longest, like.values.shape[3])))
                 continue
             layer, pad = row.cache.layers[index], longest - length
             keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))
