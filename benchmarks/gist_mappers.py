@@ -10,7 +10,7 @@ DIR`` on the same items, then
 Reads every ``samples_gist*.jsonl`` under each directory (one JSON line per item and variant, kvhub.eval.results),
 pairs the records by (task, variant, item), and prints per task and variant: each mapper's gap closed by mapped
 (the ratio of the mean NLLs over the items; by generation the ratio of the mean ROUGE-L), each one's mapped -
-best control, and B - A with its interval (:func:`kvhub.eval.gist.with_intervals`, 1,000 resamples).  Items only
+best control, and B - A with its interval (:func:`kvhub.eval.bootstrap.with_intervals`, 1,000 resamples).  Items only
 one side scored are left out and counted.
 """
 
@@ -21,7 +21,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvhub.eval.gist import gap_closed, gen_gap_closed, with_intervals
+from kvhub.eval.bootstrap import with_intervals
+from kvhub.eval.gist import gap_closed, gen_gap_closed
 from kvhub.eval.gist_controls import GIST_CONTROLS
 
 MEASURES = {"nll": gap_closed, "rouge": gen_gap_closed}

@@ -35,6 +35,7 @@ import torch
 
 from kvhub.core.capture import run_model
 from kvhub.errors import ConfigError
+from kvhub.eval.bootstrap import with_intervals
 from kvhub.eval.catalog import GIST_KINDS
 from kvhub.eval.gist_controls import GIST_CONTROLS, with_wrong_documents
 
@@ -268,23 +269,6 @@ def _closing(values: dict, closed, prefix: str, controls: list) -> dict:
             out[f"{prefix}_map_minus_{other}"] = out[f"{prefix}_mapped"] - out[f"{prefix}_{other}"]
     if len(controls) > 1:
         out[f"{prefix}_map_minus_controls"] = min(out[f"{prefix}_map_minus_{c}"] for c in controls)
-    return out
-
-
-def with_intervals(stats, n: int, *, seed: int = 0, resamples: int = 1000) -> dict:
-    """``stats(range(n))`` (a dict of numbers over items 0..n-1) and, for each key, ``<key>_ci``: its bootstrap
-    95% interval, the 2.5% and 97.5% quantiles of ``stats`` over ``resamples`` resamples of the items with
-    replacement (every key from the same resamples: paired; NaN resamples left out)."""
-    rng = random.Random(seed)
-    point = stats(range(n))
-    boot = [stats([rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
-    out = {}
-    for key, value in point.items():
-        values = sorted(b[key] for b in boot if not math.isnan(b[key]))
-        out[key] = value
-        out[f"{key}_ci"] = (
-            [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]] if values else [math.nan, math.nan]
-        )
     return out
 
 

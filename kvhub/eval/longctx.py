@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.errors import ConfigError
+from kvhub.eval.bootstrap import with_intervals
 
 LONG_CONDITIONS = ("own", "mapped", "drop", "control", "source", "floor")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -404,9 +405,7 @@ def summarize_recall(
     (a record written before ``drop`` existed, a served run) are left out."""
     if not scores:
         return {"n": 0}
-    rng = random.Random(seed)
     n = len(scores)
-    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
     conditions = [c for c in scores[0].exact if all(c in s.exact for s in scores)]
     columns = {c: [s.exact[c] for s in scores] for c in conditions}
 
@@ -419,14 +418,7 @@ def summarize_recall(
                 out[f"{'map' if first == 'mapped' else first}_minus_{second}"] = acc[first] - acc[second]
         return out
 
-    out = {"n": n}
-    point, boot = stats(range(n)), [stats(d) for d in draws]
-    for key, value in point.items():
-        values = sorted(b[key] for b in boot if not math.isnan(b[key]))
-        out[key] = value
-        out[f"{key}_ci"] = (
-            [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]] if values else [math.nan, math.nan]
-        )
+    out = {"n": n, **with_intervals(stats, n, seed=seed, resamples=resamples)}
     for c in conditions:
         out[f"token_acc_{c}"] = sum(s.token_acc[c] for s in scores) / n
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / n

@@ -8,6 +8,7 @@ import torch
 
 from kvhub.core.capture import cache_kwargs, run_model
 from kvhub.eval.generation import Row, eos_ids, greedy_rows, rouge_l
+from kvhub.eval.gist import own_answer
 from kvhub.serving.drop import drop_cache
 from tests.tinymodels import make_model
 
@@ -26,17 +27,9 @@ def model():
 
 
 def reference(model, ids: list[int], tokens: int) -> list[int]:
-    """transformers' greedy generate from a full prefill, end of sequence suppressed (min_new_tokens)."""
-    prompt = torch.tensor([ids])
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=tokens,
-        min_new_tokens=tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(ids) :].tolist()
+    """The gist's reference answer: kvhub.eval.gist.own_answer, transformers' greedy generate from a full prefill
+    with end of sequence suppressed (min_new_tokens)."""
+    return own_answer(model, ids, answer_tokens=tokens)
 
 
 def test_each_row_is_what_generate_writes_whatever_the_other_rows(model):
