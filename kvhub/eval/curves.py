@@ -22,16 +22,18 @@ def budget_curves(measurements) -> dict[str, list[dict]]:
     ``handoff_ci``, ``drop`` and ``drop_ci`` (None where not stored), ``own``, ``metric``, ``n``.
 
     The metric is what the task measured: ``retention`` = acc_mapped / acc_own for multiple choice (drop
-    = acc_drop / acc_own, own = 1), ``gap closed`` for the gist tasks, else ``exact match`` (the accuracy of
-    generation tasks such as facts).  A budget-0 point has no selector: it starts every selector's curve."""
+    = acc_drop / acc_own, own = 1), ``gap closed`` for the gist tasks (by NLL; a gist task scored by
+    generation as well has a second curve, ``TASK (generation)``, of the gap closed by what the target
+    writes), else ``exact match`` (the accuracy of generation tasks such as facts).  A budget-0 point has no
+    selector: it starts every selector's curve."""
     groups: dict[tuple[str, str], dict] = {}  # (task, other fields) -> {selector or None: {budget: point}}
     for task, values in _evaluations(measurements).items():
         parsed = _split_variant(task)
-        point = _point(values) if parsed else None
-        if point is None:
+        if parsed is None:
             continue
         base, budget, select, rest = parsed
-        groups.setdefault((base, rest), {}).setdefault(select, {})[budget] = {"share": budget, **point}
+        for scored, point in _points(values).items():
+            groups.setdefault((base + scored, rest), {}).setdefault(select, {})[budget] = {"share": budget, **point}
     curves = {}
     for (base, rest), by_select in sorted(groups.items()):
         start = by_select.pop(None, {})
@@ -115,8 +117,22 @@ def _split_variant(task: str) -> tuple[str, float, str | None, str] | None:
     return base + (f":{domain}" if domain else ""), budget, select, rest
 
 
-def _point(values: dict[str, dict]) -> dict | None:
-    """One budget's point from a task's stored metrics (None when it has none of the three metrics)."""
+GENERATION = " (generation)"  # the suffix of a gist task's curve scored by generation
+
+
+def _points(values: dict[str, dict]) -> dict[str, dict]:
+    """A task's points at one budget: ``{"": point}``, plus ``{GENERATION: point}`` for a gist task scored by
+    generation (``gen_gap_closed_*``); empty when it has none of the metrics."""
+    point = _point(values)
+    points = {} if point is None else {"": point}
+    if point is not None and point["metric"] == "gap closed" and "gen_gap_closed_mapped" in values:
+        points[GENERATION] = _point(values, prefix="gen_")
+    return points
+
+
+def _point(values: dict[str, dict], *, prefix: str = "") -> dict | None:
+    """One budget's point from a task's stored metrics (None when it has none of the three metrics);
+    ``prefix`` "gen_": the gist's gap closed by generation."""
 
     def value(name):
         return values[name]["value"] if name in values else None
@@ -126,8 +142,9 @@ def _point(values: dict[str, dict]) -> dict | None:
         return None if low is None or high is None else [low, high]
 
     n = next(iter(values.values())).get("n")
-    if value("gap_closed_mapped") is not None:
-        metric, own, handoff, drop = "gap closed", 1.0, "gap_closed_mapped", "gap_closed_drop"
+    if value(f"{prefix}gap_closed_mapped") is not None:
+        metric = "gap closed by generation" if prefix else "gap closed"
+        own, handoff, drop = 1.0, f"{prefix}gap_closed_mapped", f"{prefix}gap_closed_drop"
     elif value("acc_mapped_norm") is not None and value("retention") is not None:  # multiple choice
         acc_own, acc_drop = value("acc_own"), value("acc_drop")
         return {

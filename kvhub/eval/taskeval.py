@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvhub.core.capture import cache_kwargs, run_model
+from kvhub.eval.bootstrap import with_intervals
 from kvhub.serving.drop import drop_cache
 from kvhub.serving.handoff import prepare_cache, prepare_cache_counted
 from kvhub.serving.recompute import Recompute
@@ -369,25 +369,16 @@ def summarize(scores: list[ItemScore], *, seed: int = 0, resamples: int = 1000) 
     """Accuracies, retention, gap closed, with bootstrap 95% intervals over items."""
     if not scores:
         return {"n": 0}
-    rng = random.Random(seed)
     n = len(scores)
-    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
     out = {"n": n}
     for suffix, prefix in (("", "correct_"), ("_norm", "correct_norm_")):
         cols = {c: [getattr(s, f"{prefix}{c}") for s in scores] for c in MC_CONDITIONS}
         if all(getattr(s, f"{prefix}drop") is not None for s in scores):
             cols["drop"] = [getattr(s, f"{prefix}drop") for s in scores]
-        stats = _ratios(cols, range(n))
-        boot = [_ratios(cols, d) for d in draws]
-        for key, value in stats.items():
-            values = sorted(b[key] for b in boot if not math.isnan(b[key]))
-            low, high = (
-                (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1])
-                if values
-                else (math.nan, math.nan)
-            )
-            out[f"{key}{suffix}"] = value
-            out[f"{key}{suffix}_ci"] = [low, high]
+        stats = with_intervals(lambda index, cols=cols: _ratios(cols, index), n, seed=seed, resamples=resamples)
+        for key, value in stats.items():  # <stat> and <stat>_ci -> <stat><suffix> and <stat><suffix>_ci
+            name = f"{key[:-3]}{suffix}_ci" if key.endswith("_ci") else f"{key}{suffix}"
+            out[name] = value
     out["agree_next"] = sum(s.agree_next for s in scores) / n
     out["kl_next"] = sum(s.kl_next for s in scores) / n
     cosines = [s.attn_cosine for s in scores if not math.isnan(s.attn_cosine)]

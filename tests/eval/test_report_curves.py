@@ -201,3 +201,49 @@ def test_U4_19_nothing_stored_names_both_commands(tmp_path, blank_maps):
     assert f"`kvhub eval {ref} --task facts --context-tokens 1024 --exact-budget 0" in text
     assert f"`kvhub bench {ref} --lengths 256,1024,4096`" in text
     assert not (out / "retention.png").exists()
+
+
+def _gist_summary(nll: tuple[float, float], gen: tuple[float, float] | None) -> dict:
+    """A gist summary: gap closed by mapped and drop (NLL), and by generation where ``gen`` is given."""
+    summary = {"n": 12, "gap_closed_mapped": nll[0], "gap_closed_mapped_ci": [nll[0] - 0.1, nll[0] + 0.1]}
+    summary.update(gap_closed_drop=nll[1], gap_closed_drop_ci=[nll[1] - 0.1, nll[1] + 0.1])
+    if gen is not None:
+        summary.update(gen_gap_closed_mapped=gen[0], gen_gap_closed_mapped_ci=[gen[0] - 0.2, gen[0] + 0.2])
+        summary.update(gen_gap_closed_drop=gen[1], gen_gap_closed_drop_ci=[gen[1] - 0.2, gen[1] + 0.2])
+    return summary
+
+
+def test_a_gist_task_scored_by_generation_has_a_second_curve(tmp_path):
+    """Issue 47: the budget curve of a gist task is drawn by NLL and, where generation scored it, by generation
+    too, each from its own stored metrics; a task without generation has only the NLL curve."""
+    from kvhub.hub.evaluations import metric_label
+
+    stored = {  # task -> (NLL mapped, drop), (generation mapped, drop) or None
+        "gist-1024@exact_prefix=4": ((0.5, 0.0), (0.1, 0.0)),
+        "gist-1024@exact_prefix=4,exact_budget=0.1,select=source": ((0.8, 0.4), (0.4, 0.3)),
+        "gist-1024@exact_prefix=4,exact_budget=0.3,select=source": ((0.9, 0.8), (0.6, 0.55)),
+        "gist-4096@exact_prefix=4": ((0.4, 0.0), None),
+        "gist-4096@exact_prefix=4,exact_budget=0.1,select=source": ((0.7, 0.3), None),
+    }
+    db = str(tmp_path / "store.db")
+    with open_store(db) as store:
+        version = store.register(make_store_artifact(tmp_path / "artifact"))
+        for task, (nll, gen) in stored.items():
+            store.add_metrics(version, metric_rows(task, _gist_summary(nll, gen), seed=0))
+        ref = store.reference(version)
+    budget, _ = _stored_curves(db, ref)
+    label = "gist-1024, exact_prefix=4, select=source"
+    assert set(budget) == {
+        label,
+        "gist-1024 (generation), exact_prefix=4, select=source",
+        "gist-4096, exact_prefix=4, select=source",
+    }
+    by_nll, by_gen = budget[label], budget["gist-1024 (generation), exact_prefix=4, select=source"]
+    assert [p["share"] for p in by_gen] == [0.0, 0.1, 0.3]
+    assert [p["handoff"] for p in by_nll] == [0.5, 0.8, 0.9] and [p["drop"] for p in by_nll] == [0.0, 0.4, 0.8]
+    assert [p["handoff"] for p in by_gen] == [0.1, 0.4, 0.6] and [p["drop"] for p in by_gen] == [0.0, 0.3, 0.55]
+    assert by_gen[1]["handoff_ci"] == pytest.approx([0.2, 0.6]) and by_nll[1]["handoff_ci"] == pytest.approx([0.7, 0.9])
+    assert {p["metric"] for p in by_gen} == {"gap closed by generation"} and {p["metric"] for p in by_nll} == {
+        "gap closed"
+    }
+    assert metric_label("gen_gap_closed_mapped") == "gap closed by generation, mapped"
