@@ -26,7 +26,9 @@ def report(ref, out, db, output_format):
     their source layers; retention.png the retention (mapped / own accuracy, 95% interval) of every task
     `kvhub eval` stored, beside each condition's accuracy.  budget.png: per task and selector, retention
     (exact match for facts and the other generation tasks) against the recompute budget of the variants
-    `kvhub eval --exact-budget ...` stored, with drop (the recomputed tokens alone) at the same budget.
+    `kvhub eval --exact-budget ...` stored, with drop (the recomputed tokens alone) at the same budget; a gist
+    task shows its gap closed by NLL and, where it was scored by generation, a second curve of the gap closed by
+    generation.
     speedup.png: the handoff's time-to-first-token gain and transfer()'s speedup against the context tokens
     `kvhub bench --lengths ...` timed.  A curve with fewer than two points stored is not drawn: report.md
     and a note name the command that measures it.  Every title names the mapper and its version.
