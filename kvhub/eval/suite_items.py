@@ -6,7 +6,7 @@ Domains (the corpora: :mod:`kvhub.eval.suite_corpora`):
 - ``chat``:         two people's chats over several days (chitchat conversations, the two speakers named);
                     "what did they talk about, and what changed from the first day to the last";
 - ``multiparty``:   a group chat of 4-6 named people, two or three chitchat conversations interleaved in
-                    bursts; keyed: **who wrote the most messages** (a margin of at least 2 and 20% over the
+                    bursts (more between the same people where those do not fill the context); keyed: **who wrote the most messages** (a margin of at least 2 and 20% over the
                     next, counted after the crop);
 - ``licence``:      SPDX licence texts; "what do the terms permit, require and disclaim";
 - ``manpage``:      Debian manual pages of sections 5 and 7 (file formats, overviews); "what do they describe";
@@ -168,7 +168,15 @@ def _multiparty(draw, rng, tokenizer, context_tokens, *, tries: int = 50):
     for _ in range(tries):
         threads = [draw() for _ in range(rng.choice((2, 3)))]
         names = rng.sample(NAMES, 2 * len(threads))
-        queues = [[(names[2 * t + (s == "B")], text) for s, text in doc.messages] for t, doc in enumerate(threads)]
+        pairs = [(names[2 * t], names[2 * t + 1]) for t in range(len(threads))]
+        # a long context: more conversations between members of the same group, until their lines fill it (the
+        # draws come after the group's names, so a context the first two or three fill is built as before)
+        written = sum(_thread_tokens(tokenizer, doc, pair) for doc, pair in zip(threads, pairs))
+        while written < context_tokens:
+            threads.append(draw())
+            pairs.append(tuple(rng.sample(names, 2)))
+            written += _thread_tokens(tokenizer, threads[-1], pairs[-1])
+        queues = [[(pairs[t][s == "B"], text) for s, text in doc.messages] for t, doc in enumerate(threads)]
         said = []
         while any(queues):
             queue = rng.choice([q for q in queues if q])
@@ -182,6 +190,12 @@ def _multiparty(draw, rng, tokenizer, context_tokens, *, tries: int = 50):
             meta = {"docs": [doc.doc_id for doc in threads], "key": counts[0][0], "counts": dict(counts)}
             return [{"role": "user", "content": content}], meta
     raise ConfigError(f"no group chat with a clear most active writer in {tries} tries; use another --seed")
+
+
+def _thread_tokens(tokenizer, doc: SourceDoc, pair: tuple[str, str]) -> int:
+    """Tokens of a conversation's lines in the group chat, as :func:`_fill_lines` counts them (``pair``: the
+    names of its speakers A and B)."""
+    return sum(_count(tokenizer, f"{pair[s == 'B']}: {text}") + 1 for s, text in doc.messages)
 
 
 _ACTIONS = ("check", "tighten", "clean", "inspect", "adjust", "measure", "secure", "mark")
