@@ -84,7 +84,9 @@ def suite_items(
     for i, (messages, meta) in enumerate(built):
         prompt = _templated(tokenizer, messages)
         key = meta.get("key")
-        key_ids = _key_ids(tokenizer, messages, key) if key else None
+        key_ids = (
+            _key_ids(tokenizer, messages, key[:1].upper() + key[1:]) if key else None
+        )  # a reply starts capitalised
         meta = {**meta, "domain": domain, "split": split, "context_tokens": len(prompt)}
         items.append(GistItem(f"gist-{split}-{domain}-{context_tokens}-{i}", prompt, meta, key=key, key_ids=key_ids))
     return items
@@ -236,7 +238,9 @@ def _instructions(index: int, tokenizer, context_tokens: int, *, seed: int):
 
 
 def _key_ids(tokenizer, messages, key: str) -> list[int]:
-    """The tokens the keyed answer adds right after the prompt (templated and tokenised together)."""
+    """The tokens the keyed answer adds right after the prompt (templated and tokenised together).  The caller
+    passes the key as a reply starts with it: "Hammer", not "hammer" (the target's own "Hammer - the instructions
+    use the hammer in 17 steps" was scored wrong while the key was lower case)."""
     from kvhub.eval.longctx import _answer_ids
 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
