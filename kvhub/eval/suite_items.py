@@ -6,8 +6,9 @@ Domains (the corpora: :mod:`kvhub.eval.suite_corpora`):
 - ``chat``:         two people's chats over several days (chitchat conversations, the two speakers named);
                     "what did they talk about, and what changed from the first day to the last";
 - ``multiparty``:   a group chat of 4-6 named people, two or three chitchat conversations interleaved in
-                    bursts (more between the same people where those do not fill the context); keyed: **who wrote the most messages** (a margin of at least 2 and 20% over the
-                    next, counted after the crop);
+                    bursts (more between the same people where those do not fill the context); keyed: **who
+                    wrote the most messages** (a margin of at least 2 and 20% over the next, counted after
+                    the crop);
 - ``licence``:      SPDX licence texts; "what do the terms permit, require and disclaim";
 - ``manpage``:      Debian manual pages of sections 5 and 7 (file formats, overviews); "what do they describe";
 - ``code``:         Python files of installed packages no calibration set reads; "what does the code do";
@@ -38,6 +39,7 @@ SPLITS = ("dev", "test")
 CORPUS_OF = {"chat": "chitchat", "multiparty": "chitchat", "licence": "spdx", "manpage": "manpages", "code": "code"}
 NAMES = ("Anna", "Ben", "Chloe", "David", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kira", "Liam")
 MIN_PART = 48  # tokens: a shorter remainder ends the context rather than start another document
+MAX_THREADS = 64  # conversations in one group chat at the most (a 4k context takes 3-8 chitchat conversations)
 TOOLS = ("hammer", "wrench", "scanner", "ladder", "drill", "brush", "clamp", "torch")
 QUESTIONS = {
     "chat": "Summarize what {a} and {b} talked about over these days, and how their conversation changed from the "
@@ -84,9 +86,8 @@ def suite_items(
     for i, (messages, meta) in enumerate(built):
         prompt = _templated(tokenizer, messages)
         key = meta.get("key")
-        key_ids = (
-            _key_ids(tokenizer, messages, key[:1].upper() + key[1:]) if key else None
-        )  # a reply starts capitalised
+        # the key as a reply starts with it (capitalised): the tokens greedy decoding must write
+        key_ids = _key_ids(tokenizer, messages, key[:1].upper() + key[1:]) if key else None
         meta = {**meta, "domain": domain, "split": split, "context_tokens": len(prompt)}
         items.append(GistItem(f"gist-{split}-{domain}-{context_tokens}-{i}", prompt, meta, key=key, key_ids=key_ids))
     return items
@@ -174,7 +175,7 @@ def _multiparty(draw, rng, tokenizer, context_tokens, *, tries: int = 50):
         # a long context: more conversations between members of the same group, until their lines fill it (the
         # draws come after the group's names, so a context the first two or three fill is built as before)
         written = sum(_thread_tokens(tokenizer, doc, pair) for doc, pair in zip(threads, pairs))
-        while written < context_tokens:
+        while written < context_tokens and len(threads) < MAX_THREADS:
             threads.append(draw())
             pairs.append(tuple(rng.sample(names, 2)))
             written += _thread_tokens(tokenizer, threads[-1], pairs[-1])
