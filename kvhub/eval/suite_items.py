@@ -39,7 +39,7 @@ SPLITS = ("dev", "test")
 CORPUS_OF = {"chat": "chitchat", "multiparty": "chitchat", "licence": "spdx", "manpage": "manpages", "code": "code"}
 NAMES = ("Anna", "Ben", "Chloe", "David", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kira", "Liam")
 MIN_PART = 48  # tokens: a shorter remainder ends the context rather than start another document
-MAX_THREADS = 64  # conversations in one group chat at the most (a 4k context takes 3-8 chitchat conversations)
+MAX_THREADS = 64  # conversations in one group chat at the most (a 4k context took 2-8 chitchat conversations)
 TOOLS = ("hammer", "wrench", "scanner", "ladder", "drill", "brush", "clamp", "torch")
 QUESTIONS = {
     "chat": "Summarize what {a} and {b} talked about over these days, and how their conversation changed from the "

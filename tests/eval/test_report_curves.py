@@ -213,7 +213,7 @@ def _gist_summary(nll: tuple[float, float], gen: tuple[float, float] | None) -> 
     return summary
 
 
-def test_a_gist_task_scored_by_generation_has_a_second_curve(tmp_path):
+def test_a_gist_task_scored_by_generation_has_a_second_curve(tmp_path, blank_maps, monkeypatch):
     """Issue 47: the budget curve of a gist task is drawn by NLL and, where generation scored it, by generation
     too, each from its own stored metrics; a task without generation has only the NLL curve."""
     from kvhub.hub.evaluations import metric_label
@@ -247,3 +247,17 @@ def test_a_gist_task_scored_by_generation_has_a_second_curve(tmp_path):
         "gap closed"
     }
     assert metric_label("gen_gap_closed_mapped") == "gap closed by generation, mapped"
+    from kvhub.eval import plots  # `kvhub report` draws both panels, each with its own axis label
+
+    figures = {}
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.setdefault(path.name, fig), save(fig, path))[1])
+    _report(db, ref, tmp_path / "report")
+    drawn = _drawn(figures["budget.png"])
+    assert drawn[label]["handoff"] == ([0.0, 10.0, 30.0], [0.5, 0.8, 0.9])
+    assert drawn["gist-1024 (generation), exact_prefix=4, select=source"]["drop"] == (
+        [0.0, 10.0, 30.0],
+        [0.0, 0.3, 0.55],
+    )
+    labels = {ax.get_title().replace("\n", " "): ax.get_ylabel() for ax in figures["budget.png"].axes}
+    assert labels["gist-1024 (generation), exact_prefix=4, select=source"] == "gap closed by generation"
