@@ -77,6 +77,8 @@ def points(name: str, summary: dict):
         yield name, _gist_point(summary)
         if "gen_gap_closed_mapped" in summary:  # the same items scored by generation (ROUGE-L against own)
             yield f"{name}:generation", _gist_point(summary, "gen_gap_closed")
+        if "judge_gap_closed_mapped" in summary:  # ... and by the judge (kvhub.eval.judge)
+            yield f"{name}:judge", _gist_point(summary, "judge_gap_closed")
         for domain, inner in (summary.get("domains") or {}).items():
             yield f"{name}:{domain}", _gist_point(inner)
         if summary.get("key_n"):
@@ -88,7 +90,9 @@ def points(name: str, summary: dict):
 
 
 def _gist_point(summary: dict, prefix: str = "gap_closed") -> dict:
-    metric = "gap closed" if prefix == "gap_closed" else "gap closed by generation"
+    metric = {"gap_closed": "gap closed", "gen_gap_closed": "gap closed by generation"}.get(
+        prefix, "gap closed by the judge"
+    )
     point = _pair(summary, f"{prefix}_mapped", f"{prefix}_drop", f"{prefix}_map_minus_drop", None, metric)
     point["best_control"] = summary[f"{prefix}_mapped"] - summary.get(f"{prefix}_map_minus_controls", float("nan"))
     return point
@@ -135,7 +139,9 @@ def write(report: dict, out: Path, *, plot: bool = True) -> list[Path]:
     if plot:
         from kvhub.eval.plots import budget_chart
 
-        pooled = {k: v for k, v in report["curve"].items() if ":" not in k or k.endswith((":keyed", ":generation"))}
+        pooled = {
+            k: v for k, v in report["curve"].items() if ":" not in k or k.endswith((":keyed", ":generation", ":judge"))
+        }
         written.append(budget_chart(pooled, out.with_suffix(".png")))
     return written
 

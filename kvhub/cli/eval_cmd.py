@@ -212,7 +212,8 @@ def eval_command(
     per token) under its own cache, each mapped variant, drop, the control and the floor (the context
     dropped), and report the gap closed, (floor - mapped) / (floor - own): 1 is as informed as own, 0
     is no better than no context.  They also score by generation: the target's greedy answer under each
-    cache against its own (ROUGE-L), and the gap closed by it, in a table of its own.
+    cache against its own (ROUGE-L), and the gap closed by it, in a table of its own; and, where the target
+    is a chat model, by a judge: the target asked whether that answer says what its own does (its P(yes)).
 
     `gist` runs the gist suite on its test split (`gist-dev`: the dev split, for choosing): --limit items per
     domain of chats, group chats, licences, manual pages, source files and long instructions, built offline

@@ -94,7 +94,8 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
     """The gist results tables (also kvhub eval-serve's): mean NLL per condition and the gap closed (``drop``,
     the target prefilling only the recomputed tokens, and the ``wrong`` / ``zero`` controls, where the run scored
     them; mapped - the best control, where there are several: a result counts only where that is above 0); the
-    same by generation where it was scored; the keyed answers where items have them."""
+    same by generation where it was scored, and by the judge where it judged; the keyed answers where items have
+    them."""
     results = with_domains(results)
     title = f"{ref}: the target's own answer about the whole context, mean NLL per token"
     gist_table(results, "nll", "gap_closed", title=title, output_format=output_format)
@@ -102,6 +103,10 @@ def print_gist(ref: str, results: dict, *, output_format: str) -> None:
     if generated:
         title = f"{ref}: the target's greedy answer under each cache against its own, ROUGE-L (higher is better)"
         gist_table(generated, "rouge", "gen_gap_closed", title=title, output_format=output_format)
+    judged = {task: r for task, r in results.items() if "judge_gap_closed_mapped" in r}
+    if judged:
+        title = f"{ref}: does the answer under each cache say what the target's own says? The judge's P(yes)"
+        gist_table(judged, "judged", "judge_gap_closed", title=title, output_format=output_format)
     keyed = {task: r for task, r in results.items() if r.get("key_n")}
     if keyed:
         print_keyed(ref, keyed, output_format=output_format)

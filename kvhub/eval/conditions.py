@@ -79,8 +79,11 @@ class LibraryConditions:
         from kvhub.eval.longctx import LONG_CONDITIONS, RecallScore
 
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
+        self.judges = bool(getattr(self.tokenizer, "chat_template", None))  # the target judges: a chat model only
         self.read_recall = functools.partial(RecallScore.from_record, conditions=LONG_CONDITIONS)
-        self.read_gist = functools.partial(read_gist_score, required=(*GIST_CONDITIONS, "zero"), generated=True)
+        self.read_gist = functools.partial(
+            read_gist_score, required=(*GIST_CONDITIONS, "zero"), generated=True, judged=self.judges
+        )
 
     @functools.cached_property
     def control(self):
@@ -138,7 +141,9 @@ class LibraryConditions:
     def gist(self, item, variants: list) -> list:
         from kvhub.eval.gist import score_gist_item
 
-        return score_gist_item(item, variants=list(variants), zero=self.zero, raw=self.raw, **self.models())
+        return score_gist_item(
+            item, variants=list(variants), zero=self.zero, raw=self.raw, judged=self.judges, **self.models()
+        )
 
     def summarize_gist(self, scores: list, *, seed: int, task: str, context_tokens: int) -> dict:
         from kvhub.eval.gist import summarize_gist
@@ -160,6 +165,9 @@ class LibraryConditions:
             "gap_closed": {c: gap_closed(score.nll, c) for c in closing if c in score.nll},
             "rouge": score.rouge,
             "gen_gap_closed": {c: gen_gap_closed(score.rouge, c) for c in closing if c in score.rouge},
+            "written": {c: self.tokenizer.decode(ids, skip_special_tokens=True) for c, ids in score.written.items()},
+            "judged": score.judged,
+            "judge_gap_closed": {c: gen_gap_closed(score.judged, c) for c in closing if c in score.judged},
             "keyed": score.keyed,
             "meta": item.meta,
         }

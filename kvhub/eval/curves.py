@@ -24,7 +24,7 @@ def budget_curves(measurements) -> dict[str, list[dict]]:
     The metric is what the task measured: ``retention`` = acc_mapped / acc_own for multiple choice (drop
     = acc_drop / acc_own, own = 1), ``gap closed`` for the gist tasks (by NLL; a gist task scored by
     generation as well has a second curve, ``TASK (generation)``, of the gap closed by what the target
-    writes), else ``exact match`` (the accuracy of generation tasks such as facts).  A budget-0 point has no
+    writes, and one judged has a third, ``TASK (judge)``), else ``exact match`` (the accuracy of generation tasks such as facts).  A budget-0 point has no
     selector: it starts every selector's curve."""
     groups: dict[tuple[str, str], dict] = {}  # (task, other fields) -> {selector or None: {budget: point}}
     for task, values in _evaluations(measurements).items():
@@ -118,6 +118,8 @@ def _split_variant(task: str) -> tuple[str, float, str | None, str] | None:
 
 
 GENERATION = " (generation)"  # the suffix of a gist task's curve scored by generation
+JUDGED = " (judge)"  # ... and of its curve scored by the judge (kvhub.eval.judge)
+SCORED_BY = {"gen_": (GENERATION, "gap closed by generation"), "judge_": (JUDGED, "gap closed by the judge")}
 
 
 def _points(values: dict[str, dict]) -> dict[str, dict]:
@@ -125,14 +127,16 @@ def _points(values: dict[str, dict]) -> dict[str, dict]:
     generation (``gen_gap_closed_*``); empty when it has none of the metrics."""
     point = _point(values)
     points = {} if point is None else {"": point}
-    if point is not None and point["metric"] == "gap closed" and "gen_gap_closed_mapped" in values:
-        points[GENERATION] = _point(values, prefix="gen_")
+    if point is not None and point["metric"] == "gap closed":
+        for prefix, (suffix, _) in SCORED_BY.items():
+            if f"{prefix}gap_closed_mapped" in values:
+                points[suffix] = _point(values, prefix=prefix)
     return points
 
 
 def _point(values: dict[str, dict], *, prefix: str = "") -> dict | None:
     """One budget's point from a task's stored metrics (None when it has none of the three metrics);
-    ``prefix`` "gen_": the gist's gap closed by generation."""
+    ``prefix`` "gen_" / "judge_": the gist's gap closed by generation / by the judge (:data:`SCORED_BY`)."""
 
     def value(name):
         return values[name]["value"] if name in values else None
@@ -143,7 +147,7 @@ def _point(values: dict[str, dict], *, prefix: str = "") -> dict | None:
 
     n = next(iter(values.values())).get("n")
     if value(f"{prefix}gap_closed_mapped") is not None:
-        metric = "gap closed by generation" if prefix else "gap closed"
+        metric = SCORED_BY[prefix][1] if prefix else "gap closed"
         own, handoff, drop = 1.0, f"{prefix}gap_closed_mapped", f"{prefix}gap_closed_drop"
     elif value("acc_mapped_norm") is not None and value("retention") is not None:  # multiple choice
         acc_own, acc_drop = value("acc_own"), value("acc_drop")

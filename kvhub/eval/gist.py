@@ -69,6 +69,8 @@ class GistScore:
     meta: dict = field(default_factory=dict)
     keyed: dict = field(default_factory=dict)  # condition -> 1 / 0: greedy would write the key (keyed items)
     rouge: dict = field(default_factory=dict)  # condition -> ROUGE-L F1 of what greedy writes against ``answer``
+    written: dict = field(default_factory=dict)  # condition -> the greedy ids themselves
+    judged: dict = field(default_factory=dict)  # condition -> the judge's P(says what ``answer`` says)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -175,6 +177,7 @@ def score_gist_item(
     zero=None,
     raw=None,
     generate: bool = True,
+    judged: bool = True,
 ) -> list[GistScore]:
     """One GistScore per :class:`~kvhub.serving.spec.Recompute` variant (own and floor shared); ``wrong`` where the
     item has ``wrong_ids``, ``zero`` where ``zero`` (:func:`kvhub.eval.gist_controls.zero_mapper`) and ``raw``
@@ -184,6 +187,7 @@ def score_gist_item(
     target's greedy answer under each condition's cache (:func:`kvhub.eval.generation.greedy_rows`, all the
     variant's caches in one batch) against its own answer."""
     from kvhub.eval.generation import Row, greedy_rows, rouge_l
+    from kvhub.eval.judge import judge
     from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
 
@@ -214,21 +218,26 @@ def score_gist_item(
             rows[name] = Row(cache)
             if name == "mapped":  # the same positions, nothing mapped
                 rows["drop"] = Row(drop_cache(target, context, positions), start=context.shape[1])
-        rouge = {}
+        rouge, written, judgments = {}, {}, {}
         if generate:  # before the teacher-forced scores, which grow the caches
-            written = greedy_rows(target, list(rows.values()), prompt[-1], len(answer))
-            rouge = {name: rouge_l(tokens, answer) for name, tokens in zip(rows, written)}
+            written = dict(zip(rows, greedy_rows(target, list(rows.values()), prompt[-1], len(answer))))
+            rouge = {name: rouge_l(tokens, answer) for name, tokens in written.items()}
+            if judged:
+                judgments = dict(zip(written, judge(target, tokenizer, answer, list(written.values()))))
         nll, keyed = {}, {}
         for name, row in rows.items():
             nll[name], keyed[name] = score(row.cache, start=row.start)
         if not first:
-            first = {c: (nll[c], keyed[c], rouge.get(c)) for c in shared}
-        for c, (value, key, generated) in first.items():
+            first = {c: (nll[c], keyed[c], rouge.get(c), written.get(c), judgments.get(c)) for c in shared}
+        for c, (value, key, generated, tokens, judgment) in first.items():
             nll[c], keyed[c] = value, key
             if generated is not None:
-                rouge[c] = generated
+                rouge[c], written[c] = generated, tokens
+            if judgment is not None:
+                judgments[c] = judgment
         keyed = {c: v for c, v in keyed.items() if v is not None}
-        scores.append(GistScore(item.id, nll, answer, {**item.meta, "variant": spec.name()}, keyed, rouge))
+        meta = {**item.meta, "variant": spec.name()}
+        scores.append(GistScore(item.id, nll, answer, meta, keyed, rouge, written, judgments))
     return scores
 
 
@@ -250,8 +259,8 @@ def gap_closed(nll: dict, condition: str) -> float:
 
 
 def gen_gap_closed(rouge: dict, condition: str) -> float:
-    """(condition - floor) / (own - floor) from per-condition ROUGE-L (higher is better); nan when own's
-    generation is no closer to the answer than the floor's."""
+    """(condition - floor) / (own - floor) from per-condition scores of what greedy wrote, higher is better
+    (ROUGE-L, the judge's); nan when own's generation scores no better than the floor's."""
     span = rouge["own"] - rouge["floor"]
     return (rouge[condition] - rouge["floor"]) / span if span > 0 else math.nan
 
@@ -276,7 +285,8 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     """Mean NLL per condition, gap closed by ``mapped``, ``drop``, ``control``, ``wrong`` and ``zero`` (ratio of
     the means, where scored) with bootstrap 95% intervals over items, the paired differences mapped - each of
     them, and ``gap_closed_map_minus_controls``: mapped - the best of the controls (control, wrong, zero).  Where
-    every item was scored by generation, the same by ROUGE-L: ``rouge_<c>`` and ``gen_gap_closed_*``."""
+    every item was scored by generation, the same by ROUGE-L: ``rouge_<c>`` and ``gen_gap_closed_*``; where every
+    item was judged, by the judge: ``judged_<c>`` and ``judge_gap_closed_*``."""
     if not scores:
         return {"n": 0}
     conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in s.nll for s in scores)]  # served: no drop
@@ -284,6 +294,9 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
     generated = [c for c in conditions if all(c in s.rouge for s in scores)]
     if not {"own", "floor", "mapped"} <= set(generated):
         generated = []
+    judged = [c for c in conditions if all(c in s.judged for s in scores)]
+    if not {"own", "floor", "mapped"} <= set(judged):
+        judged = []
 
     def stats(index) -> dict:
         mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in conditions}
@@ -293,6 +306,10 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
             rouge = {c: sum(scores[i].rouge[c] for i in index) / len(index) for c in generated}
             out.update({f"rouge_{c}": rouge[c] for c in generated})
             out.update(_closing(rouge, gen_gap_closed, "gen_gap_closed", [c for c in controls if c in generated]))
+        if judged:
+            judge = {c: sum(scores[i].judged[c] for i in index) / len(index) for c in judged}
+            out.update({f"judged_{c}": judge[c] for c in judged})
+            out.update(_closing(judge, gen_gap_closed, "judge_gap_closed", [c for c in controls if c in judged]))
         return out
 
     out = {"n": len(scores), **with_intervals(stats, len(scores), seed=seed, resamples=resamples)}
@@ -324,15 +341,19 @@ def summarize_keyed(scores: list[GistScore], *, seed: int = 0, resamples: int = 
     return {"key_n": len(keyed), **with_intervals(stats, len(keyed), seed=seed, resamples=resamples)}
 
 
-def read_gist_score(record: dict, *, required: tuple = GIST_CONDITIONS, generated: bool = False) -> GistScore:
+def read_gist_score(
+    record: dict, *, required: tuple = GIST_CONDITIONS, generated: bool = False, judged: bool = False
+) -> GistScore:
     """A cached GistScore; one without a ``required`` condition scored now (written before ``drop``, or before the
     ``zero`` control where the backend asks for it), or, with ``generated``, without every one of them scored by
-    generation too (written before generation was), is refused (ValueError), so the per-item cache scores that
-    item again."""
+    generation too (written before generation was), or with ``judged``, without every one judged and its answer
+    kept (written before the judge was), is refused (ValueError), so the per-item cache scores that item again."""
     if any(c not in record.get("nll", {}) for c in required):
         raise ValueError("record without a condition scored now")
     if generated and any(c not in record.get("rouge", {}) for c in required):
         raise ValueError("record without the generation scores")
+    if judged and any(c not in record.get("judged", {}) or c not in record.get("written", {}) for c in required):
+        raise ValueError("record without the judge's scores")
     return GistScore(**record)
 
 

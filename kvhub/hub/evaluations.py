@@ -108,6 +108,8 @@ def metric_label(name: str) -> str:
     quantity, _, condition = name.partition("_")
     if quantity in _QUANTITIES and condition in _CONDITIONS:
         return f"{_QUANTITIES[quantity]}, {_CONDITIONS[condition]}"
+    if name.startswith("judge_gap_closed_"):
+        return f"gap closed by the judge, {name[len('judge_gap_closed_') :].replace('_', ' ')}"
     if name.startswith("gen_gap_closed_"):
         return f"gap closed by generation, {name[len('gen_gap_closed_') :].replace('_', ' ')}"
     if name.startswith("gap_closed_"):
