@@ -185,7 +185,9 @@ def score_gist_item(
     like ``mapped``.  A keyed item (``key_ids``) also gets ``keyed[c]`` per condition: 1 when every key token is
     the greedy choice after the prompt under that condition's cache, else 0.  With ``generate``, ``rouge[c]``: the
     target's greedy answer under each condition's cache (:func:`kvhub.eval.generation.greedy_rows`, all the
-    variant's caches in one batch) against its own answer."""
+    variant's caches in one batch) against its own answer, and with ``judged`` too, ``judged[c]``: the target as
+    a judge of whether that answer says what its own does (:func:`kvhub.eval.judge.judge`), and ``written[c]``:
+    the answer itself."""
     from kvhub.eval.generation import Row, greedy_rows, rouge_l
     from kvhub.eval.judge import judge
     from kvhub.serving.drop import drop_cache
