@@ -90,9 +90,9 @@ def points(name: str, summary: dict):
 
 
 def _gist_point(summary: dict, prefix: str = "gap_closed") -> dict:
-    metric = {"gap_closed": "gap closed", "gen_gap_closed": "gap closed by generation"}.get(
-        prefix, "gap closed by the judge"
-    )
+    from kvhub.eval.curves import SCORED_BY
+
+    metric = SCORED_BY[prefix.removesuffix("gap_closed")][1] if prefix != "gap_closed" else "gap closed"
     point = _pair(summary, f"{prefix}_mapped", f"{prefix}_drop", f"{prefix}_map_minus_drop", None, metric)
     point["best_control"] = summary[f"{prefix}_mapped"] - summary.get(f"{prefix}_map_minus_controls", float("nan"))
     return point

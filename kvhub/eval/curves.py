@@ -24,8 +24,8 @@ def budget_curves(measurements) -> dict[str, list[dict]]:
     The metric is what the task measured: ``retention`` = acc_mapped / acc_own for multiple choice (drop
     = acc_drop / acc_own, own = 1), ``gap closed`` for the gist tasks (by NLL; a gist task scored by
     generation as well has a second curve, ``TASK (generation)``, of the gap closed by what the target
-    writes, and one judged has a third, ``TASK (judge)``), else ``exact match`` (the accuracy of generation tasks such as facts).  A budget-0 point has no
-    selector: it starts every selector's curve."""
+    writes, and one judged has a third, ``TASK (judge)``), else ``exact match`` (the accuracy of generation
+    tasks such as facts).  A budget-0 point has no selector: it starts every selector's curve."""
     groups: dict[tuple[str, str], dict] = {}  # (task, other fields) -> {selector or None: {budget: point}}
     for task, values in _evaluations(measurements).items():
         parsed = _split_variant(task)
@@ -124,7 +124,8 @@ SCORED_BY = {"gen_": (GENERATION, "gap closed by generation"), "judge_": (JUDGED
 
 def _points(values: dict[str, dict]) -> dict[str, dict]:
     """A task's points at one budget: ``{"": point}``, plus ``{GENERATION: point}`` for a gist task scored by
-    generation (``gen_gap_closed_*``); empty when it has none of the metrics."""
+    generation (``gen_gap_closed_*``) and ``{JUDGED: point}`` for one judged; empty when it has none of the
+    metrics."""
     point = _point(values)
     points = {} if point is None else {"": point}
     if point is not None and point["metric"] == "gap closed":

@@ -261,3 +261,27 @@ def test_a_gist_task_scored_by_generation_has_a_second_curve(tmp_path, blank_map
     )
     labels = {ax.get_title().replace("\n", " "): ax.get_ylabel() for ax in figures["budget.png"].axes}
     assert labels["gist-1024 (generation), exact_prefix=4, select=source"] == "gap closed by generation"
+
+
+def test_a_judged_gist_task_has_a_curve_by_the_judge(tmp_path, blank_maps):
+    """A gist task the judge scored (judge_gap_closed_*) has a third curve, ``TASK (judge)``, from its own stored
+    metrics, beside the NLL and generation curves."""
+    from kvhub.hub.evaluations import metric_label
+
+    db = str(tmp_path / "store.db")
+    with open_store(db) as store:
+        version = store.register(make_store_artifact(tmp_path / "artifact"))
+        for task, judged in (
+            ("gist-1024@exact_prefix=4", (0.2, 0.4)),
+            ("gist-1024@exact_prefix=4,exact_budget=0.1,select=source", (0.3, 0.1)),
+        ):
+            summary = _gist_summary((0.5, 0.0), (0.1, 0.0))
+            summary.update(judge_gap_closed_mapped=judged[0], judge_gap_closed_drop=judged[1])
+            store.add_metrics(version, metric_rows(task, summary, seed=0))
+        ref = store.reference(version)
+    budget, _ = _stored_curves(db, ref)
+    judge = budget["gist-1024 (judge), exact_prefix=4, select=source"]
+    assert [(p["share"], p["handoff"], p["drop"]) for p in judge] == [(0.0, 0.2, 0.4), (0.1, 0.3, 0.1)]
+    assert {p["metric"] for p in judge} == {"gap closed by the judge"}
+    assert "gist-1024 (generation), exact_prefix=4, select=source" in budget
+    assert metric_label("judge_gap_closed_mapped") == "gap closed by the judge, mapped"
