@@ -189,7 +189,7 @@ def score_gist_item(
     a judge of whether that answer says what its own does (:func:`kvhub.eval.judge.judge`), and ``written[c]``:
     the answer itself."""
     from kvhub.eval.generation import Row, greedy_rows, rouge_l
-    from kvhub.eval.judge import judge
+    from kvhub.eval.judge import judge, judge_key
     from kvhub.serving.drop import drop_cache
     from kvhub.serving.handoff import prepare_cache_counted
 
@@ -238,7 +238,7 @@ def score_gist_item(
             if judgment is not None:
                 judgments[c] = judgment
         keyed = {c: v for c, v in keyed.items() if v is not None}
-        meta = {**item.meta, "variant": spec.name()}
+        meta = {**item.meta, "variant": spec.name(), **({"judge": judge_key()} if judgments else {})}
         scores.append(GistScore(item.id, nll, answer, meta, keyed, rouge, written, judgments))
     return scores
 
@@ -293,31 +293,32 @@ def summarize_gist(scores: list[GistScore], *, seed: int = 0, resamples: int = 1
         return {"n": 0}
     conditions = [c for c in GIST_CONDITIONS + GIST_CONTROLS if all(c in s.nll for s in scores)]  # served: no drop
     controls = [c for c in ("control", *GIST_CONTROLS) if c in conditions]
-    generated = [c for c in conditions if all(c in s.rouge for s in scores)]
-    if not {"own", "floor", "mapped"} <= set(generated):
-        generated = []
-    judged = [c for c in conditions if all(c in s.judged for s in scores)]
-    if not {"own", "floor", "mapped"} <= set(judged):
-        judged = []
+    generated, judged = (_scored_on_every_item(scores, conditions, name) for name in ("rouge", "judged"))
 
     def stats(index) -> dict:
         mean = {c: sum(scores[i].nll[c] for i in index) / len(index) for c in conditions}
         out = {f"nll_{c}": mean[c] for c in conditions}
         out.update(_closing(mean, gap_closed, "gap_closed", controls))
-        if generated:
-            rouge = {c: sum(scores[i].rouge[c] for i in index) / len(index) for c in generated}
-            out.update({f"rouge_{c}": rouge[c] for c in generated})
-            out.update(_closing(rouge, gen_gap_closed, "gen_gap_closed", [c for c in controls if c in generated]))
-        if judged:
-            judge = {c: sum(scores[i].judged[c] for i in index) / len(index) for c in judged}
-            out.update({f"judged_{c}": judge[c] for c in judged})
-            out.update(_closing(judge, gen_gap_closed, "judge_gap_closed", [c for c in controls if c in judged]))
+        for field_name, prefix, scored in (
+            ("rouge", "gen_gap_closed", generated),
+            ("judged", "judge_gap_closed", judged),
+        ):
+            mean = {c: sum(getattr(scores[i], field_name)[c] for i in index) / len(index) for c in scored}
+            out.update({f"{field_name}_{c}": mean[c] for c in scored})
+            if scored:
+                out.update(_closing(mean, gen_gap_closed, prefix, [c for c in controls if c in scored]))
         return out
 
     out = {"n": len(scores), **with_intervals(stats, len(scores), seed=seed, resamples=resamples)}
     out["context_tokens"] = sum(s.meta.get("context_tokens", 0) for s in scores) / len(scores)
     out.update(summarize_keyed(scores, seed=seed, resamples=resamples))
     return out
+
+
+def _scored_on_every_item(scores: list[GistScore], conditions: list, field_name: str) -> list:
+    """The conditions every score has in ``field_name`` (rouge, judged); none unless own, floor and mapped are."""
+    scored = [c for c in conditions if all(c in getattr(s, field_name) for s in scores)]
+    return scored if {"own", "floor", "mapped"} <= set(scored) else []
 
 
 def summarize_keyed(scores: list[GistScore], *, seed: int = 0, resamples: int = 1000) -> dict:
@@ -349,13 +350,18 @@ def read_gist_score(
     """A cached GistScore; one without a ``required`` condition scored now (written before ``drop``, or before the
     ``zero`` control where the backend asks for it), or, with ``generated``, without every one of them scored by
     generation too (written before generation was), or with ``judged``, without every one judged and its answer
-    kept (written before the judge was), is refused (ValueError), so the per-item cache scores that item again."""
+    kept by this judge's wording (:func:`kvhub.eval.judge.judge_key`), is refused (ValueError), so the per-item cache scores that item again."""
     if any(c not in record.get("nll", {}) for c in required):
         raise ValueError("record without a condition scored now")
     if generated and any(c not in record.get("rouge", {}) for c in required):
         raise ValueError("record without the generation scores")
     if judged and any(c not in record.get("judged", {}) or c not in record.get("written", {}) for c in required):
         raise ValueError("record without the judge's scores")
+    if judged:
+        from kvhub.eval.judge import judge_key
+
+        if record.get("meta", {}).get("judge") != judge_key():
+            raise ValueError("record of another judge's wording")
     return GistScore(**record)
 
 

@@ -14,6 +14,7 @@ only where it is above them (:func:`kvhub.eval.gist.summarize_gist` reports it a
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 
@@ -27,6 +28,12 @@ PROMPT = (  # of the wordings tried on the real target, the one that ordered kno
 )
 YES = ("Yes", "yes", "YES")  # the reply's first token: no space before it
 NO = ("No", "no", "NO")
+
+
+def judge_key() -> str:
+    """What a cached judged score is keyed on: the sha256 of the wording and the Yes / No spellings, so a
+    changed judge never lets an old score pass for its own (:func:`kvhub.eval.gist.read_gist_score`)."""
+    return hashlib.sha256(repr((PROMPT, YES, NO)).encode()).hexdigest()[:12]
 
 
 def _choices(tokenizer) -> tuple[list[int], list[int]]:

@@ -8,7 +8,7 @@ import torch
 
 from kvhub.errors import ConfigError
 from kvhub.eval.gist import GIST_CONDITIONS, GistScore, gist_items, read_gist_score, summarize_gist
-from kvhub.eval.judge import NO, YES, _choices, judge, judge_prompt
+from kvhub.eval.judge import NO, YES, _choices, judge, judge_key, judge_prompt
 from kvhub.serving.spec import Recompute
 from tests.eval.test_gist import _score
 from tests.eval.test_longctx import FILLER, family, tokenizer  # noqa: F401 - the long-context tests' fixtures
@@ -97,8 +97,19 @@ def test_the_summary_closes_the_gap_by_the_judge_and_old_records_are_scored_agai
     old = GistScore("a", dict.fromkeys(GIST_CONDITIONS, 1.0), [1], rouge=every).as_dict()
     with pytest.raises(ValueError, match="judge"):
         read_gist_score(old, generated=True, judged=True)
-    new = {**old, "judged": every, "written": dict.fromkeys(GIST_CONDITIONS, [1, 2])}
+    new = {**old, "judged": every, "written": dict.fromkeys(GIST_CONDITIONS, [1, 2]), "meta": {"judge": judge_key()}}
     assert read_gist_score(new, generated=True, judged=True).judged["own"] == 0.5
+    # a score by another wording of the judge is scored again, never read as this judge's
+    with pytest.raises(ValueError, match="another judge"):
+        read_gist_score({**new, "meta": {"judge": "0" * 12}}, generated=True, judged=True)
+
+
+def test_the_judges_key_follows_its_wording(monkeypatch):
+    import kvhub.eval.judge as judging
+
+    key = judge_key()
+    monkeypatch.setattr(judging, "PROMPT", judging.PROMPT + " ")
+    assert judge_key() != key
 
 
 def test_the_library_backend_judges_where_the_target_is_a_chat_model(tokenizer, family):
@@ -117,7 +128,7 @@ def test_the_library_backend_judges_where_the_target_is_a_chat_model(tokenizer, 
     record = chat.gist_record("gist", "mapped", item, score)
     assert record["judged"] == score.judged and set(record["written"]) == set(score.written)
     assert isinstance(record["written"]["mapped"], str) and "mapped" in record["judge_gap_closed"]
-    assert chat.read_gist(score.as_dict()).judged == score.judged
+    assert score.meta["judge"] == judge_key() and chat.read_gist(score.as_dict()).judged == score.judged
     with pytest.raises(ValueError, match="judge"):
         chat.read_gist({**score.as_dict(), "judged": {}})
 
